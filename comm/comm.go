@@ -1,0 +1,237 @@
+// Package comm defines what a communicator is: a group of ranks that run
+// collectives together. Backends live in their own packages below this one
+// (comm/local for in-process goroutine ranks, comm/mpi for Open MPI) and each
+// returns a Comm. Algorithms built on collectives, such as the 1-bit
+// compressed allreduce, take a Comm and never know which backend is under it.
+//
+// Every collective takes a context.Context. A cancelled context or a passed
+// deadline returns an error on every rank of the group; no rank is left
+// blocked forever. After such an error the communicator is broken: every later
+// call returns ErrAborted, and the caller makes a new one.
+//
+// Buffers whose lengths differ across ranks are detected and reported, with
+// both lengths, on every rank (see MismatchError).
+package comm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+)
+
+// Op is a reduction operator for AllReduce and ReduceScatter.
+type Op int
+
+// The reduction operators.
+const (
+	Sum  Op = iota // element-wise sum
+	Mean           // element-wise sum divided by the number of ranks
+	Max            // element-wise maximum
+)
+
+// String returns the operator's name.
+func (o Op) String() string {
+	switch o {
+	case Sum:
+		return "sum"
+	case Mean:
+		return "mean"
+	case Max:
+		return "max"
+	}
+	return fmt.Sprintf("Op(%d)", int(o))
+}
+
+// Valid reports whether o is one of the defined operators.
+func (o Op) Valid() bool { return o >= Sum && o <= Max }
+
+// Comm is a communicator: one rank's handle on a group of ranks. All ranks of
+// the group must call the same collectives in the same order. A Comm is used
+// by one goroutine at a time.
+//
+// Buffers are never retained after a call returns. Byte and float32 variants
+// of a collective share one sequence: a rank calling AllGather while another
+// calls AllGatherBytes is an error.
+type Comm interface {
+	// Rank is this rank's index in [0, Size()).
+	Rank() int
+	// Size is the number of ranks in the group.
+	Size() int
+
+	// AllReduce reduces buf element-wise over all ranks with op and leaves
+	// the result, identical on every rank, in buf.
+	AllReduce(ctx context.Context, buf []float32, op Op) error
+	// ReduceScatter reduces send (Size() equal chunks) element-wise over all
+	// ranks and leaves chunk Rank() of the result in recv:
+	// len(send) == Size()*len(recv).
+	ReduceScatter(ctx context.Context, send, recv []float32, op Op) error
+
+	// AllGather concatenates every rank's send, in rank order, into recv:
+	// len(recv) == Size()*len(send).
+	AllGather(ctx context.Context, send, recv []float32) error
+	// AllGatherBytes is AllGather on bytes.
+	AllGatherBytes(ctx context.Context, send, recv []byte) error
+
+	// AllToAll sends chunk j of send (Size() equal chunks) to rank j and
+	// stores the chunk received from rank j as chunk j of recv:
+	// len(send) == len(recv), a multiple of Size().
+	AllToAll(ctx context.Context, send, recv []float32) error
+	// AllToAllBytes is AllToAll on bytes.
+	AllToAllBytes(ctx context.Context, send, recv []byte) error
+
+	// Broadcast copies root's buf into buf on every other rank.
+	Broadcast(ctx context.Context, buf []float32, root int) error
+	// BroadcastBytes is Broadcast on bytes.
+	BroadcastBytes(ctx context.Context, buf []byte, root int) error
+
+	// Barrier returns once every rank has entered it.
+	Barrier(ctx context.Context) error
+
+	// Split partitions the group: ranks that pass the same color form a new
+	// communicator, ordered by key and then by their rank in this one. A
+	// negative color takes part in the call but joins no group and gets a
+	// nil Comm (MPI_UNDEFINED).
+	Split(ctx context.Context, color, key int) (Comm, error)
+
+	// Stats returns the traffic this rank has put on the wire so far.
+	Stats() Stats
+
+	// Close releases the communicator. Collectives after Close fail.
+	Close() error
+}
+
+// Collective names a kind of collective call in Stats.
+type Collective int
+
+// The collectives counted in Stats.
+const (
+	CAllReduce Collective = iota
+	CReduceScatter
+	CAllGather
+	CAllToAll
+	CBroadcast
+	CBarrier
+	CSplit
+	NumCollectives // number of kinds; not a collective
+)
+
+var collectiveNames = [NumCollectives]string{
+	"allreduce", "reducescatter", "allgather", "alltoall", "broadcast", "barrier", "split",
+}
+
+// String returns the collective's name.
+func (c Collective) String() string {
+	if c >= 0 && c < NumCollectives {
+		return collectiveNames[c]
+	}
+	return fmt.Sprintf("Collective(%d)", int(c))
+}
+
+// Traffic is the volume one rank moved for one kind of collective.
+type Traffic struct {
+	Calls     int64 // completed calls
+	BytesSent int64 // bytes this rank put on the wire
+	BytesRecv int64 // bytes this rank took off the wire
+}
+
+// Stats is one rank's traffic, per kind of collective.
+//
+// Byte counts follow the bandwidth-optimal algorithm of each collective, so
+// that backends are comparable and the numbers match what a ring or direct
+// exchange moves between ranks (bytes a rank keeps for itself are not
+// counted): for a buffer of B bytes on W ranks, AllReduce sends and receives
+// 2(W-1)/W*B (ring), ReduceScatter (W-1)/W*B of its input, AllGather (W-1)
+// times its send buffer, AllToAll (W-1)/W*B, and Broadcast B*(W-1) from the
+// root and B on every other rank.
+type Stats struct {
+	PerCollective [NumCollectives]Traffic
+}
+
+// Total sums the traffic over all kinds of collective.
+func (s Stats) Total() Traffic {
+	var t Traffic
+	for _, c := range s.PerCollective {
+		t.Calls += c.Calls
+		t.BytesSent += c.BytesSent
+		t.BytesRecv += c.BytesRecv
+	}
+	return t
+}
+
+// Sub returns the traffic in s since an earlier snapshot prev.
+func (s Stats) Sub(prev Stats) Stats {
+	for i := range s.PerCollective {
+		s.PerCollective[i].Calls -= prev.PerCollective[i].Calls
+		s.PerCollective[i].BytesSent -= prev.PerCollective[i].BytesSent
+		s.PerCollective[i].BytesRecv -= prev.PerCollective[i].BytesRecv
+	}
+	return s
+}
+
+// Counter accumulates Stats for a backend. Its methods are safe for
+// concurrent use, so Stats may be read while a collective runs.
+type Counter struct {
+	c [NumCollectives][3]atomic.Int64
+}
+
+// Add records one completed call of kind c.
+func (k *Counter) Add(c Collective, sent, recv int64) {
+	k.c[c][0].Add(1)
+	k.c[c][1].Add(sent)
+	k.c[c][2].Add(recv)
+}
+
+// Stats returns a snapshot of the counts.
+func (k *Counter) Stats() Stats {
+	var s Stats
+	for i := range k.c {
+		s.PerCollective[i] = Traffic{
+			Calls:     k.c[i][0].Load(),
+			BytesSent: k.c[i][1].Load(),
+			BytesRecv: k.c[i][2].Load(),
+		}
+	}
+	return s
+}
+
+// RingAllReduceBytes is the number of bytes each of w ranks sends in a ring
+// allreduce of a buffer of b bytes: 2(w-1)/w*b.
+func RingAllReduceBytes(b int64, w int) int64 {
+	if w <= 1 {
+		return 0
+	}
+	return 2 * int64(w-1) * b / int64(w)
+}
+
+// ErrAborted is returned by every call on a communicator that an earlier
+// cancellation, deadline or failure has broken. Errors that wrap it also
+// wrap the cause where there is one.
+var ErrAborted = errors.New("comm: communicator aborted")
+
+// ErrClosed is returned by calls on a closed communicator.
+var ErrClosed = errors.New("comm: communicator closed")
+
+// MismatchError reports that ranks called a collective with buffers (or
+// other arguments) that disagree. Every rank of the call gets it.
+type MismatchError struct {
+	Collective Collective
+	What       string // "length", "op", "root", "kind"
+	Rank       int    // the rank whose value differs from rank 0's
+	Got        int    // that rank's value
+	Want       int    // rank 0's value
+}
+
+func (e *MismatchError) Error() string {
+	return fmt.Sprintf("comm: %s: %s mismatch across ranks: rank %d has %d, rank 0 has %d",
+		e.Collective, e.What, e.Rank, e.Got, e.Want)
+}
+
+// CheckLen returns an error when n is not a multiple of size (for chunked
+// collectives), naming the collective.
+func CheckLen(c Collective, what string, n, size int) error {
+	if size <= 0 || n%size != 0 {
+		return fmt.Errorf("comm: %s: %s length %d is not a multiple of the group size %d", c, what, n, size)
+	}
+	return nil
+}

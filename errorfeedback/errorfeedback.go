@@ -1,0 +1,95 @@
+// Package errorfeedback holds the error-compensation step of 1-bit
+// compression: add the residual kept from earlier steps to the new input,
+// compress the sum to its signs and one scale, and keep what the compression
+// lost as the next residual.
+//
+// Over many steps the residuals telescope: the sum of everything emitted
+// plus the final residual equals the sum of everything put in, so no
+// information is lost for good, only delayed.
+package errorfeedback
+
+import (
+	"fmt"
+	"math"
+
+	"github.com/lowbit-ml/lowbit/signpack"
+)
+
+// Residual is the error-feedback state of one tensor on one rank: the part
+// of earlier inputs that compression has not yet delivered. Its length is
+// the padded length of the tensor. The zero-length Residual is valid and
+// compresses nothing.
+type Residual []float32
+
+// NewResidual returns a zeroed residual of n elements.
+func NewResidual(n int) Residual { return make(Residual, n) }
+
+// Reset zeroes the residual.
+func (r Residual) Reset() { clear(r) }
+
+// Compress runs one compensate-compress-update step:
+//
+//	x     = pad(input) + r       (input is zero beyond its length)
+//	scale = ||x||_2 / sqrt(len(r))
+//	r     = x - scale*sgn(x)
+//
+// It writes sgn(x) into packed in the signpack wire format and returns
+// scale. The norm is accumulated in float64 and rounded once to float32.
+// input may be shorter than r (the pad lanes are zero); packed must hold
+// signpack.PackedLen(len(r)) bytes. Compress does not allocate.
+func (r Residual) Compress(packed []byte, input []float32) (scale float32, err error) {
+	if len(input) > len(r) {
+		return 0, fmt.Errorf("errorfeedback: input of %d elements is longer than the residual (%d)", len(input), len(r))
+	}
+	if len(packed) < signpack.PackedLen(len(r)) {
+		return 0, fmt.Errorf("errorfeedback: packed buffer of %d bytes cannot hold %d signs", len(packed), len(r))
+	}
+	if len(r) == 0 {
+		return 0, nil
+	}
+	ss := addSumSquares(r[:len(input)], input) + sumSquares(r[len(input):])
+	scale = float32(math.Sqrt(ss) / math.Sqrt(float64(len(r))))
+	signpack.PackResidual(packed, r, scale)
+	return scale, nil
+}
+
+// addSumSquares sets x[i] += in[i] and returns the float64 sum of the new
+// x[i] squared. Four independent accumulators keep the loop pipelined.
+func addSumSquares(x, in []float32) float64 {
+	in = in[:len(x)]
+	var s0, s1, s2, s3 float64
+	i := 0
+	for ; i+4 <= len(x); i += 4 {
+		a := x[i] + in[i]
+		b := x[i+1] + in[i+1]
+		c := x[i+2] + in[i+2]
+		d := x[i+3] + in[i+3]
+		x[i], x[i+1], x[i+2], x[i+3] = a, b, c, d
+		s0 += float64(a) * float64(a)
+		s1 += float64(b) * float64(b)
+		s2 += float64(c) * float64(c)
+		s3 += float64(d) * float64(d)
+	}
+	for ; i < len(x); i++ {
+		a := x[i] + in[i]
+		x[i] = a
+		s0 += float64(a) * float64(a)
+	}
+	return (s0 + s1) + (s2 + s3)
+}
+
+// sumSquares returns the float64 sum of x[i] squared.
+func sumSquares(x []float32) float64 {
+	var s0, s1, s2, s3 float64
+	i := 0
+	for ; i+4 <= len(x); i += 4 {
+		s0 += float64(x[i]) * float64(x[i])
+		s1 += float64(x[i+1]) * float64(x[i+1])
+		s2 += float64(x[i+2]) * float64(x[i+2])
+		s3 += float64(x[i+3]) * float64(x[i+3])
+	}
+	for ; i < len(x); i++ {
+		s0 += float64(x[i]) * float64(x[i])
+	}
+	return (s0 + s1) + (s2 + s3)
+}

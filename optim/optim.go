@@ -1,0 +1,103 @@
+// Package optim holds what every lowbit optimizer shares: the trainable
+// parameter type, the Optimizer interface a training loop calls once per
+// step, the exact baselines (Adam/AdamW and LAMB, whose gradients are
+// averaged with an exact allreduce), and the checkpoint format.
+//
+// The 1-bit optimizers live in package onebit and implement the same
+// interface.
+package optim
+
+import (
+	"context"
+	"fmt"
+
+	"gorgonia.org/tensor"
+)
+
+// Param is one trainable tensor: its value and the gradient the training
+// loop writes before each Step. Both are float32 dense tensors of the same
+// shape; Data and GradData give direct access to their backing slices.
+type Param struct {
+	Name  string
+	Value *tensor.Dense
+	Grad  *tensor.Dense
+}
+
+// NewParam returns a parameter of the given shape with value and gradient
+// zeroed.
+func NewParam(name string, shape ...int) *Param {
+	return &Param{
+		Name:  name,
+		Value: tensor.New(tensor.WithShape(shape...), tensor.Of(tensor.Float32)),
+		Grad:  tensor.New(tensor.WithShape(shape...), tensor.Of(tensor.Float32)),
+	}
+}
+
+// NewParamFrom returns a parameter whose value is a copy of value, shaped
+// by shape (the product of shape must be len(value)).
+func NewParamFrom(name string, value []float32, shape ...int) (*Param, error) {
+	n := 1
+	for _, d := range shape {
+		n *= d
+	}
+	if n != len(value) {
+		return nil, fmt.Errorf("optim: parameter %q: shape %v holds %d elements, value has %d", name, shape, n, len(value))
+	}
+	p := NewParam(name, shape...)
+	copy(p.Data(), value)
+	return p, nil
+}
+
+// Data is the backing slice of the value.
+func (p *Param) Data() []float32 { return p.Value.Data().([]float32) }
+
+// GradData is the backing slice of the gradient.
+func (p *Param) GradData() []float32 { return p.Grad.Data().([]float32) }
+
+// Numel is the number of elements.
+func (p *Param) Numel() int { return p.Value.Shape().TotalSize() }
+
+// Shape is the value's shape.
+func (p *Param) Shape() []int { return []int(p.Value.Shape().Clone()) }
+
+// Stage names where an optimizer is in its schedule.
+type Stage string
+
+// The stages.
+const (
+	StageExact       Stage = "exact"       // an exact optimizer: every step averages gradients exactly
+	StageWarmup      Stage = "warmup"      // 1-bit Adam/LAMB before freeze_step
+	StageCompression Stage = "compression" // 1-bit Adam/LAMB after freeze_step
+	StagePhaseA      Stage = "phase-a"     // 0/1 Adam up to var_freeze_step
+	StagePhaseB      Stage = "phase-b"     // 0/1 Adam after var_freeze_step
+)
+
+// Stats is what an optimizer reports about its run so far.
+type Stats struct {
+	Steps         int64 // steps taken, skipped ones included
+	Skipped       int64 // steps skipped because some rank's gradient was not finite
+	Stage         Stage // the stage the next step runs in
+	BytesSent     int64 // bytes this rank put on the wire in Step, all steps
+	LastStepBytes int64 // bytes this rank put on the wire in the last Step
+}
+
+// Optimizer updates a fixed list of parameters from their gradients. Every
+// rank of the communicator calls Step once per training step, after writing
+// its local gradients; on return the parameters are identical on every rank.
+type Optimizer interface {
+	// Step applies one update. A step in which any rank's gradient holds a
+	// NaN or Inf is skipped on every rank (counted in Stats.Skipped) and
+	// changes nothing.
+	Step(ctx context.Context) error
+	// Params returns the parameters, in the order given at construction.
+	Params() []*Param
+	// Stats reports progress and traffic.
+	Stats() Stats
+	// State returns a checkpoint of everything that decides the next step
+	// on this rank. It shares no memory with the optimizer.
+	State() (*Checkpoint, error)
+	// Load restores a checkpoint made by State of an optimizer of the same
+	// algorithm, world size and parameter shapes; it refuses anything else
+	// with an error and leaves the optimizer unchanged.
+	Load(*Checkpoint) error
+}
