@@ -1,0 +1,167 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/internal/conformance"
+)
+
+func init() {
+	register(command{
+		name:  "conformance",
+		usage: "run every conformance JSON file in DIR against lowbit",
+		run:   conformanceMain,
+	})
+}
+
+// conformanceMain runs every case in DIR and prints one line per case, then
+// "N passed, M failed, K skipped". Kinds lowbit does not implement yet are
+// skipped, never passed. With --backend mpi (under mpirun -np W) only the
+// cases of world size W run, and rank 0 prints.
+func conformanceMain(args []string, stdout io.Writer) error {
+	fs := flag.NewFlagSet("conformance", flag.ContinueOnError)
+	backend := fs.String("backend", "local", "communication backend: "+backends)
+	timeout := fs.Duration("timeout", 2*time.Minute, "deadline for each case")
+	fs.Usage = func() {
+		fmt.Fprintln(fs.Output(), "usage: lowbit conformance [--backend local|mpi] [--timeout D] DIR")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() != 1 {
+		fs.Usage()
+		return errors.New("want exactly one directory")
+	}
+	cases, err := conformance.Load(fs.Arg(0))
+	if err != nil {
+		return err
+	}
+	var tally conformanceTally
+	switch *backend {
+	case "local":
+		for _, c := range cases {
+			tally.report(stdout, c, runCaseLocal(c, *timeout))
+		}
+	default:
+		// One process is one rank of the whole world: every case of the
+		// world's size runs on it, and rank 0 reports.
+		err := runRanks(context.Background(), *backend, 0, func(ctx context.Context, cm comm.Comm) error {
+			out := stdout
+			if cm.Rank() != 0 {
+				out = io.Discard
+			}
+			for _, c := range cases {
+				res, err := runCaseOn(ctx, cm, c, *timeout)
+				if err != nil {
+					return err
+				}
+				tally.report(out, c, res)
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+	}
+	fmt.Fprintf(stdout, "%d passed, %d failed, %d skipped\n", tally.passed, tally.failed, tally.skipped)
+	if tally.failed > 0 {
+		return fmt.Errorf("%d of %d cases failed", tally.failed, len(cases))
+	}
+	return nil
+}
+
+// caseResult is the outcome of one case: skip reason or error.
+type caseResult struct {
+	skip string
+	err  error
+}
+
+type conformanceTally struct{ passed, failed, skipped int }
+
+func (t *conformanceTally) report(w io.Writer, c *conformance.Case, r caseResult) {
+	switch {
+	case r.skip != "":
+		t.skipped++
+		fmt.Fprintf(w, "SKIP  %-10s %-24s %s\n", c.Kind, c.Name, r.skip)
+	case r.err != nil:
+		t.failed++
+		fmt.Fprintf(w, "FAIL  %-10s %-24s %v\n", c.Kind, c.Name, r.err)
+	default:
+		t.passed++
+		fmt.Fprintf(w, "PASS  %-10s %-24s %s\n", c.Kind, c.Name, describe(c))
+	}
+}
+
+func describe(c *conformance.Case) string {
+	switch c.Kind {
+	case "onebit":
+		return fmt.Sprintf("%d ranks, %d elements, %d steps", c.World, c.Numel, len(c.Steps))
+	case "signpack":
+		return fmt.Sprintf("%d elements", len(c.Input))
+	}
+	return ""
+}
+
+func notImplemented(c *conformance.Case) caseResult {
+	return caseResult{skip: fmt.Sprintf("kind %q not implemented yet", c.Kind)}
+}
+
+// runCaseLocal runs one case on in-process ranks of the case's world size.
+func runCaseLocal(c *conformance.Case, timeout time.Duration) caseResult {
+	switch c.Kind {
+	case "signpack":
+		return caseResult{err: conformance.RunSignpack(c)}
+	case "onebit":
+		if c.World < 1 {
+			return caseResult{err: fmt.Errorf("invalid world size %d", c.World)}
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		err := runRanks(ctx, "local", c.World, func(ctx context.Context, cm comm.Comm) error {
+			return conformance.RunOnebitRank(ctx, cm, c)
+		})
+		return caseResult{err: err}
+	}
+	return notImplemented(c)
+}
+
+// runCaseOn runs one case as this rank of cm. Every rank reaches the same
+// verdict: a failure on any rank fails the case everywhere. The returned
+// error is for failures of the communicator itself.
+func runCaseOn(ctx context.Context, cm comm.Comm, c *conformance.Case, timeout time.Duration) (caseResult, error) {
+	var err error
+	switch c.Kind {
+	case "signpack":
+		err = conformance.RunSignpack(c)
+	case "onebit":
+		if c.World != cm.Size() {
+			return caseResult{skip: fmt.Sprintf("needs %d ranks, the world has %d", c.World, cm.Size())}, nil
+		}
+		cctx, cancel := context.WithTimeout(ctx, timeout)
+		err = conformance.RunOnebitRank(cctx, cm, c)
+		cancel()
+		if errors.Is(err, comm.ErrAborted) || errors.Is(err, comm.ErrClosed) {
+			return caseResult{}, err
+		}
+	default:
+		return notImplemented(c), nil
+	}
+	flag := []float32{0}
+	if err != nil {
+		flag[0] = float32(cm.Rank() + 1)
+	}
+	if aerr := cm.AllReduce(ctx, flag, comm.Max); aerr != nil {
+		return caseResult{}, aerr
+	}
+	if err == nil && flag[0] != 0 {
+		err = fmt.Errorf("failed on rank %d", int(flag[0])-1)
+	}
+	return caseResult{err: err}, nil
+}
