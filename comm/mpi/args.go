@@ -1,0 +1,157 @@
+package mpi
+
+import (
+	"fmt"
+
+	"github.com/lowbit-ml/lowbit/comm"
+)
+
+// args is one rank's side of a collective call, as the ranks agree on it
+// before any data moves.
+type args struct {
+	kind       comm.Collective
+	bytes      bool // byte variant
+	send, recv int  // buffer lengths (0 where the collective has no such buffer)
+	op         comm.Op
+	root       int
+	invalid    error // this rank's own argument error, found before communicating
+}
+
+// The fields of the agreement vector.
+const (
+	fKind    = iota // 2*kind + bytes
+	fSend           // send length
+	fRecv           // receive length
+	fOp             // operator
+	fRoot           // root
+	fInvalid        // rank if this rank's arguments are invalid, else the group size
+	nFields
+)
+
+// agreeLen is the length of the agreement vector: the fields, then the
+// fields negated, so that one MPI_MAX reduction yields the maximum and the
+// minimum of each.
+const agreeLen = 2 * nFields
+
+// fields returns a's agreement fields as rank of a group of size ranks.
+func (a *args) fields(rank, size int) [nFields]int64 {
+	var f [nFields]int64
+	f[fKind] = 2 * int64(a.kind)
+	if a.bytes {
+		f[fKind]++
+	}
+	f[fSend] = int64(a.send)
+	f[fRecv] = int64(a.recv)
+	f[fOp] = int64(a.op)
+	f[fRoot] = int64(a.root)
+	f[fInvalid] = int64(size)
+	if a.invalid != nil {
+		f[fInvalid] = int64(rank)
+	}
+	return f
+}
+
+// encode writes a's agreement vector, ready for an MPI_MAX allreduce, to v
+// (len agreeLen).
+func (a *args) encode(v []int64, rank, size int) {
+	f := a.fields(rank, size)
+	for i, x := range f {
+		v[i] = x
+		v[nFields+i] = -x
+	}
+}
+
+// decode reads a reduced agreement vector: whether every rank passed the
+// same kind, lengths, op and root, and the lowest rank whose arguments were
+// invalid (the group size when none was).
+func decode(v []int64) (agree bool, invalid int) {
+	agree = true
+	for i := range fInvalid {
+		if v[i] != -v[nFields+i] {
+			agree = false
+		}
+	}
+	return agree, int(-v[nFields+fInvalid])
+}
+
+// invalidError is the error of a rank whose own arguments were valid when
+// the lowest rank with invalid ones is r.
+func invalidError(kind comm.Collective, r int) error {
+	return fmt.Errorf("mpi: %s: rank %d called it with invalid arguments (its error says which)", kind, r)
+}
+
+// mismatch returns the error every rank reports when the ranks disagree,
+// given every rank's agreement fields in rank order (all[j] is rank j's).
+// It checks in the order comm/local does, so both backends name the same
+// field and rank.
+func mismatch(all [][nFields]int64) error {
+	f0 := all[0]
+	kind0 := comm.Collective(f0[fKind] / 2)
+	for j := 1; j < len(all); j++ {
+		f := all[j]
+		mm := func(what string, got, want int64) error {
+			return &comm.MismatchError{Collective: kind0, What: what, Rank: j, Got: int(got), Want: int(want)}
+		}
+		switch {
+		case f[fKind] != f0[fKind]:
+			kind := comm.Collective(f[fKind] / 2)
+			return fmt.Errorf("mpi: rank %d called %s (bytes=%v) while rank 0 called %s (bytes=%v): %w",
+				j, kind, f[fKind]%2 == 1, kind0, f0[fKind]%2 == 1, mm("kind", int64(kind), int64(kind0)))
+		case f[fSend] != f0[fSend]:
+			return mm("send length", f[fSend], f0[fSend])
+		case f[fRecv] != f0[fRecv]:
+			return mm("receive length", f[fRecv], f0[fRecv])
+		case f[fOp] != f0[fOp]:
+			return mm("op", f[fOp], f0[fOp])
+		case f[fRoot] != f0[fRoot]:
+			return mm("root", f[fRoot], f0[fRoot])
+		}
+	}
+	// The reduction said the ranks disagree but the gathered fields do
+	// not: the two collectives saw different arguments, which cannot
+	// happen unless memory was corrupted.
+	return fmt.Errorf("mpi: %s: argument agreement is inconsistent across ranks", kind0)
+}
+
+// chunk returns the bounds of rank r's part when n elements are cut into
+// size parts of ceil(n/size), as comm/local cuts an AllReduce.
+func chunk(n, size, r int) (lo, hi int) {
+	per := (n + size - 1) / size
+	lo = min(r*per, n)
+	hi = min(lo+per, n)
+	return lo, hi
+}
+
+// reduceOrdered writes into dst the reduction, with op and in ascending
+// rank order, of the size consecutive pieces of len(dst) in src, exactly as
+// comm/local reduces: dst = src_0, dst op= src_j for j = 1..size-1, then
+// for Mean dst /= size.
+func reduceOrdered(dst, src []float32, size int, op comm.Op) {
+	k := len(dst)
+	copy(dst, src[:k])
+	for j := 1; j < size; j++ {
+		s := src[j*k : (j+1)*k]
+		if op == comm.Max {
+			for i, v := range s {
+				if v > dst[i] {
+					dst[i] = v
+				}
+			}
+			continue
+		}
+		for i, v := range s {
+			dst[i] += v
+		}
+	}
+	if op == comm.Mean {
+		divide(dst, size)
+	}
+}
+
+// divide divides every element of x by n, as comm/local does for Mean.
+func divide(x []float32, n int) {
+	d := float32(n)
+	for i := range x {
+		x[i] /= d
+	}
+}

@@ -1,0 +1,143 @@
+package mpi
+
+import (
+	"context"
+	"errors"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+)
+
+// reduceMax is what MPI_Allreduce with MPI_MAX does to agreement vectors.
+func reduceMax(vs [][]int64) []int64 {
+	out := append([]int64(nil), vs[0]...)
+	for _, v := range vs[1:] {
+		for i, x := range v {
+			out[i] = max(out[i], x)
+		}
+	}
+	return out
+}
+
+func agreeOn(calls []args) (bool, int, [][nFields]int64) {
+	vs := make([][]int64, len(calls))
+	all := make([][nFields]int64, len(calls))
+	for r := range calls {
+		vs[r] = make([]int64, agreeLen)
+		calls[r].encode(vs[r], r, len(calls))
+		all[r] = calls[r].fields(r, len(calls))
+	}
+	ok, inv := decode(reduceMax(vs))
+	return ok, inv, all
+}
+
+func TestAgreement(t *testing.T) {
+	same := args{kind: comm.CAllReduce, send: 10, op: comm.Mean}
+	ok, inv, _ := agreeOn([]args{same, same, same})
+	assert.True(t, ok)
+	assert.Equal(t, 3, inv)
+
+	long := same
+	long.send = 12
+	ok, inv, all := agreeOn([]args{same, same, long, same})
+	assert.False(t, ok)
+	assert.Equal(t, 4, inv)
+	var me *comm.MismatchError
+	require.ErrorAs(t, mismatch(all), &me)
+	assert.Equal(t, comm.MismatchError{Collective: comm.CAllReduce, What: "send length", Rank: 2, Got: 12, Want: 10}, *me)
+
+	bad := same
+	bad.invalid = errors.New("bad")
+	ok, inv, _ = agreeOn([]args{same, bad, bad})
+	assert.True(t, ok)
+	assert.Equal(t, 1, inv)
+	assert.ErrorContains(t, invalidError(comm.CAllReduce, inv), "rank 1 called it with invalid arguments")
+}
+
+func TestMismatchOrder(t *testing.T) {
+	f := func(a args) [nFields]int64 { return a.fields(0, 2) }
+	base := args{kind: comm.CBroadcast, send: 4, root: 1}
+	cases := []struct {
+		other args
+		what  string
+		got   int
+		want  int
+	}{
+		{args{kind: comm.CBroadcast, bytes: true, send: 4, root: 1}, "kind", int(comm.CBroadcast), int(comm.CBroadcast)},
+		{args{kind: comm.CBarrier}, "kind", int(comm.CBarrier), int(comm.CBroadcast)},
+		{args{kind: comm.CBroadcast, send: 5, root: 0}, "send length", 5, 4},
+		{args{kind: comm.CBroadcast, send: 4, root: 0}, "root", 0, 1},
+		{args{kind: comm.CBroadcast, send: 4, recv: 1, root: 1}, "receive length", 1, 0},
+		{args{kind: comm.CBroadcast, send: 4, op: comm.Max, root: 1}, "op", int(comm.Max), int(comm.Sum)},
+	}
+	for _, c := range cases {
+		err := mismatch([][nFields]int64{f(base), f(c.other)})
+		var me *comm.MismatchError
+		require.ErrorAs(t, err, &me, c.what)
+		assert.Equal(t, c.what, me.What)
+		assert.Equal(t, 1, me.Rank)
+		assert.Equal(t, c.got, me.Got, c.what)
+		assert.Equal(t, c.want, me.Want, c.what)
+	}
+}
+
+func TestReduceOrdered(t *testing.T) {
+	src := []float32{1, 2, 3, 4, 5, 6}
+	dst := make([]float32, 2)
+	reduceOrdered(dst, src, 3, comm.Sum)
+	assert.Equal(t, []float32{9, 12}, dst)
+	reduceOrdered(dst, src, 3, comm.Mean)
+	assert.Equal(t, []float32{3, 4}, dst)
+	reduceOrdered(dst, []float32{1, 7, 3, 2, 0, 9}, 3, comm.Max)
+	assert.Equal(t, []float32{3, 9}, dst)
+}
+
+func TestChunk(t *testing.T) {
+	var total int
+	for r := range 4 {
+		lo, hi := chunk(10, 4, r)
+		assert.Equal(t, total, lo)
+		total = hi
+	}
+	assert.Equal(t, 10, total)
+	lo, hi := chunk(2, 4, 3)
+	assert.Equal(t, 2, lo)
+	assert.Equal(t, 2, hi)
+}
+
+func TestWatchdog(t *testing.T) {
+	fired := make(chan string, 1)
+	w := newWatchdog(5, func(msg string) { fired <- msg })
+	defer w.stop()
+
+	// A context that can never end is not watched.
+	assert.False(t, w.arm(context.Background(), comm.CAllReduce))
+
+	// A call that returns before its context ends is not aborted.
+	ctx, cancel := context.WithCancel(context.Background())
+	armed := w.arm(ctx, comm.CAllReduce)
+	require.True(t, armed)
+	w.disarm(armed)
+	cancel()
+
+	// A context that ends while the call is in flight aborts.
+	ctx, cancel = context.WithCancel(context.Background())
+	armed = w.arm(ctx, comm.CAllToAll)
+	cancel()
+	msg := <-fired
+	w.disarm(armed)
+	assert.Equal(t, "lowbit/mpi: rank 5: context canceled during alltoall; aborting the MPI job because MPI cannot cancel a collective", msg)
+	select {
+	case msg := <-fired:
+		t.Fatalf("second abort: %s", msg)
+	default:
+	}
+}
+
+func TestError(t *testing.T) {
+	e := &Error{Func: "MPI_Allreduce", Code: 15, Msg: "MPI_ERR_TRUNCATE: message truncated"}
+	assert.Equal(t, "MPI_Allreduce failed: MPI_ERR_TRUNCATE: message truncated (MPI error code 15)", e.Error())
+}

@@ -1,0 +1,261 @@
+//go:build mpi
+
+package mpi
+
+/*
+#cgo pkg-config: ompi-c
+#include <stdlib.h>
+#include <mpi.h>
+
+// Open MPI's handles (MPI_COMM_WORLD, MPI_FLOAT, ...) are macros over the
+// addresses of library globals, which cgo cannot always use: these small
+// wrappers take plain ints instead.
+
+enum { lbFloat = 0, lbByte = 1, lbInt64 = 2 };
+enum { lbSum = 0, lbMax = 1 };
+
+static MPI_Datatype lb_type(int t) {
+	switch (t) {
+	case lbFloat: return MPI_FLOAT;
+	case lbByte:  return MPI_BYTE;
+	}
+	return MPI_INT64_T;
+}
+
+static MPI_Op lb_op(int op) { return op == lbMax ? MPI_MAX : MPI_SUM; }
+
+static int lb_initialized(void) { int f = 0; MPI_Initialized(&f); return f; }
+static int lb_finalized(void)   { int f = 0; MPI_Finalized(&f); return f; }
+
+static int lb_init(int *provided) {
+	return MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, provided);
+}
+static int lb_query_thread(int *provided) { return MPI_Query_thread(provided); }
+static int lb_finalize(void) { return MPI_Finalize(); }
+
+static int lb_dup_world(MPI_Comm *out) {
+	// Errors of the duplication itself must come back too.
+	MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+	return MPI_Comm_dup(MPI_COMM_WORLD, out);
+}
+static int lb_world_rank(void) { int r = 0; MPI_Comm_rank(MPI_COMM_WORLD, &r); return r; }
+static int lb_set_errhandler(MPI_Comm c) { return MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN); }
+static int lb_rank_size(MPI_Comm c, int *rank, int *size) {
+	int rc = MPI_Comm_rank(c, rank);
+	if (rc != MPI_SUCCESS) return rc;
+	return MPI_Comm_size(c, size);
+}
+static int lb_free(MPI_Comm *c) { return MPI_Comm_free(c); }
+static int lb_is_null(MPI_Comm c) { return c == MPI_COMM_NULL; }
+static int lb_undefined(void) { return MPI_UNDEFINED; }
+
+static int lb_allreduce(MPI_Comm c, void *buf, int count, int type, int op) {
+	return MPI_Allreduce(MPI_IN_PLACE, buf, count, lb_type(type), lb_op(op), c);
+}
+static int lb_reduce_scatter_block(MPI_Comm c, void *send, void *recv, int count, int op) {
+	return MPI_Reduce_scatter_block(send, recv, count, MPI_FLOAT, lb_op(op), c);
+}
+static int lb_allgather(MPI_Comm c, void *send, void *recv, int count, int type) {
+	return MPI_Allgather(send, count, lb_type(type), recv, count, lb_type(type), c);
+}
+static int lb_allgatherv_inplace(MPI_Comm c, void *buf, int *counts, int *displs, int type) {
+	return MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, counts, displs, lb_type(type), c);
+}
+static int lb_alltoall(MPI_Comm c, void *send, void *recv, int count, int type) {
+	return MPI_Alltoall(send, count, lb_type(type), recv, count, lb_type(type), c);
+}
+static int lb_alltoallv(MPI_Comm c, void *send, int *scounts, int *sdispls,
+		void *recv, int *rcounts, int *rdispls, int type) {
+	return MPI_Alltoallv(send, scounts, sdispls, lb_type(type), recv, rcounts, rdispls, lb_type(type), c);
+}
+static int lb_bcast(MPI_Comm c, void *buf, int count, int type, int root) {
+	return MPI_Bcast(buf, count, lb_type(type), root, c);
+}
+static int lb_barrier(MPI_Comm c) { return MPI_Barrier(c); }
+static int lb_split(MPI_Comm c, int color, int key, MPI_Comm *out) {
+	return MPI_Comm_split(c, color < 0 ? MPI_UNDEFINED : color, key, out);
+}
+
+static void lb_error_string(int code, char *out, int cap) {
+	char s[MPI_MAX_ERROR_STRING];
+	int n = 0;
+	if (MPI_Error_string(code, s, &n) != MPI_SUCCESS) n = 0;
+	if (n > cap - 1) n = cap - 1;
+	for (int i = 0; i < n; i++) out[i] = s[i];
+	out[n] = 0;
+}
+
+static void lb_abort(int code) { MPI_Abort(MPI_COMM_WORLD, code); }
+*/
+import "C"
+
+import (
+	"unsafe"
+)
+
+// handle is an MPI communicator handle.
+type handle = C.MPI_Comm
+
+// Data types and operators of the C layer.
+const (
+	tFloat = C.lbFloat
+	tByte  = C.lbByte
+	tInt64 = C.lbInt64
+
+	opSum = C.lbSum
+	opMax = C.lbMax
+)
+
+// maxCount is the largest element count one MPI call takes (a C int).
+const maxCount = 1<<31 - 1
+
+// ptr returns the address of s's first element for C (nil for an empty
+// slice). The memory holds no Go pointers, so cgo allows passing it.
+func ptr[T byte | float32 | int64 | int32](s []T) unsafe.Pointer {
+	if len(s) == 0 {
+		return nil
+	}
+	return unsafe.Pointer(unsafe.SliceData(s))
+}
+
+func cints(s []int32) *C.int { return (*C.int)(ptr(s)) }
+
+// errorString returns MPI's message for an error code.
+func errorString(code C.int) string {
+	var b [C.MPI_MAX_ERROR_STRING + 1]C.char
+	C.lb_error_string(code, &b[0], C.int(len(b)))
+	return C.GoString(&b[0])
+}
+
+// mpiError wraps a failed MPI call's code, nil for MPI_SUCCESS.
+func mpiError(fn string, rc C.int) error {
+	if rc == C.MPI_SUCCESS {
+		return nil
+	}
+	return &Error{Func: fn, Code: int(rc), Msg: errorString(rc)}
+}
+
+// The Go side of the C layer. Calls on communicators take the package's
+// serialization lock (a no-op under MPI_THREAD_MULTIPLE); setup calls run
+// with env.mu held.
+
+func mpiInitialized() bool { return C.lb_initialized() != 0 }
+func mpiFinalized() bool   { return C.lb_finalized() != 0 }
+
+// mpiInit calls MPI_Init_thread asking for MPI_THREAD_MULTIPLE and returns
+// the level provided.
+func mpiInit() (int, error) {
+	var p C.int
+	err := mpiError("MPI_Init_thread", C.lb_init(&p))
+	return int(p), err
+}
+
+func mpiQueryThread() (int, error) {
+	var p C.int
+	err := mpiError("MPI_Query_thread", C.lb_query_thread(&p))
+	return int(p), err
+}
+
+// The thread levels Open accepts.
+const (
+	threadSerialized = C.MPI_THREAD_SERIALIZED
+	threadMultiple   = C.MPI_THREAD_MULTIPLE
+)
+
+func mpiFinalize() error { return mpiError("MPI_Finalize", C.lb_finalize()) }
+
+func cDupWorld() (handle, error) {
+	var h handle
+	lock()
+	rc := C.lb_dup_world(&h)
+	unlock()
+	return h, mpiError("MPI_Comm_dup", rc)
+}
+
+// cSetup sets MPI_ERRORS_RETURN on h and returns its rank and size and the
+// rank of this process in MPI_COMM_WORLD.
+func cSetup(h handle) (rank, size, world int, err error) {
+	var r, s C.int
+	lock()
+	defer unlock()
+	if err := mpiError("MPI_Comm_set_errhandler", C.lb_set_errhandler(h)); err != nil {
+		return 0, 0, 0, err
+	}
+	if err := mpiError("MPI_Comm_rank", C.lb_rank_size(h, &r, &s)); err != nil {
+		return 0, 0, 0, err
+	}
+	return int(r), int(s), int(C.lb_world_rank()), nil
+}
+
+func cFree(h *handle) error {
+	lock()
+	defer unlock()
+	return mpiError("MPI_Comm_free", C.lb_free(h))
+}
+
+func cAllReduce(h handle, p unsafe.Pointer, n int, t, op int) error {
+	lock()
+	rc := C.lb_allreduce(h, p, C.int(n), C.int(t), C.int(op))
+	unlock()
+	return mpiError("MPI_Allreduce", rc)
+}
+
+func cReduceScatterBlock(h handle, send, recv []float32, op int) error {
+	lock()
+	rc := C.lb_reduce_scatter_block(h, ptr(send), ptr(recv), C.int(len(recv)), C.int(op))
+	unlock()
+	return mpiError("MPI_Reduce_scatter_block", rc)
+}
+
+func cAllGather(h handle, send, recv unsafe.Pointer, n int, t int) error {
+	lock()
+	rc := C.lb_allgather(h, send, recv, C.int(n), C.int(t))
+	unlock()
+	return mpiError("MPI_Allgather", rc)
+}
+
+func cAllGathervInPlace(h handle, buf []float32, counts, displs []int32) error {
+	lock()
+	rc := C.lb_allgatherv_inplace(h, ptr(buf), cints(counts), cints(displs), tFloat)
+	unlock()
+	return mpiError("MPI_Allgatherv", rc)
+}
+
+func cAllToAll(h handle, send, recv unsafe.Pointer, n int, t int) error {
+	lock()
+	rc := C.lb_alltoall(h, send, recv, C.int(n), C.int(t))
+	unlock()
+	return mpiError("MPI_Alltoall", rc)
+}
+
+func cAllToAllv(h handle, send []float32, scounts, sdispls []int32, recv []float32, rcounts, rdispls []int32) error {
+	lock()
+	rc := C.lb_alltoallv(h, ptr(send), cints(scounts), cints(sdispls), ptr(recv), cints(rcounts), cints(rdispls), tFloat)
+	unlock()
+	return mpiError("MPI_Alltoallv", rc)
+}
+
+func cBcast(h handle, p unsafe.Pointer, n int, t int, root int) error {
+	lock()
+	rc := C.lb_bcast(h, p, C.int(n), C.int(t), C.int(root))
+	unlock()
+	return mpiError("MPI_Bcast", rc)
+}
+
+// cSplit calls MPI_Comm_split; ok is false for MPI_COMM_NULL (a negative
+// color).
+func cSplit(h handle, color, key int) (nh handle, ok bool, err error) {
+	lock()
+	rc := C.lb_split(h, C.int(color), C.int(key), &nh)
+	unlock()
+	if err := mpiError("MPI_Comm_split", rc); err != nil {
+		return nh, false, err
+	}
+	return nh, C.lb_is_null(nh) == 0, nil
+}
+
+// abortJob aborts the MPI job with code; it does not return. It takes no
+// lock: another goroutine may be blocked in a collective.
+func abortJob(code int) {
+	C.lb_abort(C.int(code))
+}

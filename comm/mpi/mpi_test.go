@@ -1,0 +1,668 @@
+//go:build mpi
+
+// These tests run under mpirun (scripts/test-mpi.sh): every rank runs the
+// same tests in the same order. They pass at any number of ranks and skip
+// what needs more than one.
+
+package mpi_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/comm/mpi"
+	"github.com/lowbit-ml/lowbit/internal/conformance"
+	"github.com/lowbit-ml/lowbit/onebit"
+)
+
+// world and ordered are opened once by TestMain: the default communicator
+// and one WithOrderedReduce.
+var world, ordered comm.Comm
+
+func TestMain(m *testing.M) {
+	if s := os.Getenv(scenarioEnv); s != "" {
+		os.Exit(runScenario(s))
+	}
+	var err error
+	if world, err = mpi.Open(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	if ordered, err = mpi.Open(mpi.WithOrderedReduce()); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	code := m.Run()
+	if err := errors.Join(ordered.Close(), world.Close()); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		code = 1
+	}
+	os.Exit(code)
+}
+
+// testCtx bounds a test: a hang becomes a watchdog abort, not a stuck job.
+func testCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func needRanks(t *testing.T, n int) {
+	if world.Size() < n {
+		t.Skipf("needs at least %d ranks, the MPI job has %d", n, world.Size())
+	}
+}
+
+// modes are the two reduction modes under test.
+func modes() []struct {
+	name string
+	c    comm.Comm
+} {
+	return []struct {
+		name string
+		c    comm.Comm
+	}{{"native", world}, {"ordered", ordered}}
+}
+
+// small is rank r's integer-valued input i: sums of them are exact in
+// float32 in any order, so expected values are exact too.
+func small(r, i int) float32 { return float32((r*7+i*3)%11 - 5) }
+
+// expected reduces small over w ranks for element i.
+func expected(w, i int, op comm.Op) float32 {
+	acc := small(0, i)
+	for r := 1; r < w; r++ {
+		if op == comm.Max {
+			acc = max(acc, small(r, i))
+		} else {
+			acc += small(r, i)
+		}
+	}
+	if op == comm.Mean {
+		acc /= float32(w)
+	}
+	return acc
+}
+
+func TestRankSize(t *testing.T) {
+	require.GreaterOrEqual(t, world.Size(), 1)
+	require.GreaterOrEqual(t, world.Rank(), 0)
+	require.Less(t, world.Rank(), world.Size())
+	assert.Equal(t, world.Size(), ordered.Size())
+	assert.Equal(t, world.Rank(), ordered.Rank())
+	assert.True(t, mpi.Built)
+}
+
+func TestAllReduce(t *testing.T) {
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	for _, m := range modes() {
+		for _, op := range []comm.Op{comm.Sum, comm.Mean, comm.Max} {
+			for _, n := range []int{0, 1, 5, 64, 1001, 4099} {
+				buf := make([]float32, n)
+				for i := range buf {
+					buf[i] = small(r, i)
+				}
+				require.NoError(t, m.c.AllReduce(ctx, buf, op), "%s %v n=%d", m.name, op, n)
+				for i, v := range buf {
+					require.Equal(t, expected(w, i, op), v, "%s %v n=%d element %d", m.name, op, n, i)
+				}
+			}
+		}
+	}
+}
+
+func TestReduceScatter(t *testing.T) {
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	for _, m := range modes() {
+		for _, op := range []comm.Op{comm.Sum, comm.Mean, comm.Max} {
+			for _, k := range []int{0, 1, 7, 300} {
+				send := make([]float32, w*k)
+				for i := range send {
+					send[i] = small(r, i)
+				}
+				recv := make([]float32, k)
+				require.NoError(t, m.c.ReduceScatter(ctx, send, recv, op), "%s %v k=%d", m.name, op, k)
+				for i, v := range recv {
+					require.Equal(t, expected(w, r*k+i, op), v, "%s %v k=%d element %d", m.name, op, k, i)
+				}
+			}
+		}
+	}
+}
+
+func TestAllGather(t *testing.T) {
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	for _, n := range []int{0, 1, 13} {
+		send := make([]float32, n)
+		bsend := make([]byte, n)
+		for i := range send {
+			send[i] = small(r, i)
+			bsend[i] = byte(r*31 + i)
+		}
+		recv := make([]float32, w*n)
+		brecv := make([]byte, w*n)
+		require.NoError(t, world.AllGather(ctx, send, recv))
+		require.NoError(t, world.AllGatherBytes(ctx, bsend, brecv))
+		for j := range w {
+			for i := range n {
+				require.Equal(t, small(j, i), recv[j*n+i])
+				require.Equal(t, byte(j*31+i), brecv[j*n+i])
+			}
+		}
+	}
+}
+
+func TestAllToAll(t *testing.T) {
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	// Element i of rank j's chunk for rank r encodes (j, r, i).
+	val := func(from, to, i int) int { return from*1000 + to*100 + i }
+	for _, k := range []int{0, 1, 9} {
+		send := make([]float32, w*k)
+		bsend := make([]byte, w*k)
+		for to := range w {
+			for i := range k {
+				send[to*k+i] = float32(val(r, to, i))
+				bsend[to*k+i] = byte(val(r, to, i))
+			}
+		}
+		recv := make([]float32, w*k)
+		brecv := make([]byte, w*k)
+		require.NoError(t, world.AllToAll(ctx, send, recv))
+		require.NoError(t, world.AllToAllBytes(ctx, bsend, brecv))
+		for from := range w {
+			for i := range k {
+				require.Equal(t, float32(val(from, r, i)), recv[from*k+i])
+				require.Equal(t, byte(val(from, r, i)), brecv[from*k+i])
+			}
+		}
+	}
+}
+
+func TestBroadcast(t *testing.T) {
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	for root := range w {
+		for _, n := range []int{0, 1, 100} {
+			buf := make([]float32, n)
+			bbuf := make([]byte, n)
+			for i := range buf {
+				buf[i] = small(r, i)
+				bbuf[i] = byte(r + i)
+			}
+			require.NoError(t, world.Broadcast(ctx, buf, root))
+			require.NoError(t, world.BroadcastBytes(ctx, bbuf, root))
+			for i := range n {
+				require.Equal(t, small(root, i), buf[i])
+				require.Equal(t, byte(root+i), bbuf[i])
+			}
+		}
+	}
+}
+
+func TestBarrier(t *testing.T) {
+	ctx := testCtx(t)
+	before := world.Stats()
+	for range 5 {
+		require.NoError(t, world.Barrier(ctx))
+	}
+	assert.Equal(t, int64(5), world.Stats().Sub(before).PerCollective[comm.CBarrier].Calls)
+}
+
+func TestSplit(t *testing.T) {
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+
+	// Color by parity, key reversing the order: the new group of a parity
+	// is its old ranks in descending order.
+	sub, err := world.Split(ctx, r%2, -r)
+	require.NoError(t, err)
+	require.NotNil(t, sub)
+	var members []int
+	for j := w - 1; j >= 0; j-- {
+		if j%2 == r%2 {
+			members = append(members, j)
+		}
+	}
+	require.Equal(t, len(members), sub.Size())
+	require.Equal(t, members[sub.Rank()], r)
+
+	got := make([]float32, sub.Size())
+	require.NoError(t, sub.AllGather(ctx, []float32{float32(r)}, got))
+	for i, m := range members {
+		assert.Equal(t, float32(m), got[i], "member %d", i)
+	}
+	sum := []float32{float32(r)}
+	require.NoError(t, sub.AllReduce(ctx, sum, comm.Sum))
+	want := 0
+	for _, m := range members {
+		want += m
+	}
+	assert.Equal(t, float32(want), sum[0])
+	require.NoError(t, sub.Close())
+	assert.ErrorIs(t, sub.AllReduce(ctx, sum, comm.Sum), comm.ErrClosed)
+
+	// A negative color joins no group.
+	color := 0
+	if r == 0 {
+		color = -1
+	}
+	rest, err := world.Split(ctx, color, 0)
+	require.NoError(t, err)
+	if r == 0 {
+		require.Nil(t, rest)
+		return
+	}
+	require.NotNil(t, rest)
+	assert.Equal(t, w-1, rest.Size())
+	assert.Equal(t, r-1, rest.Rank())
+	require.NoError(t, rest.Barrier(ctx))
+	require.NoError(t, rest.Close())
+}
+
+// traffic runs a fixed sequence of calls on c.
+func traffic(ctx context.Context, c comm.Comm) error {
+	w, r := c.Size(), c.Rank()
+	sub, err := c.Split(ctx, 0, r)
+	if err != nil {
+		return err
+	}
+	if err := sub.Close(); err != nil {
+		return err
+	}
+	return errors.Join(
+		c.AllReduce(ctx, make([]float32, 10), comm.Sum),
+		c.AllReduce(ctx, make([]float32, 7), comm.Mean),
+		c.ReduceScatter(ctx, make([]float32, 5*w), make([]float32, 5), comm.Max),
+		c.AllGather(ctx, make([]float32, 3), make([]float32, 3*w)),
+		c.AllGatherBytes(ctx, make([]byte, 5), make([]byte, 5*w)),
+		c.AllToAll(ctx, make([]float32, 2*w), make([]float32, 2*w)),
+		c.AllToAllBytes(ctx, make([]byte, 3*w), make([]byte, 3*w)),
+		c.Broadcast(ctx, make([]float32, 4), w-1),
+		c.BroadcastBytes(ctx, make([]byte, 6), 0),
+		c.Barrier(ctx),
+	)
+}
+
+func TestStatsMatchLocal(t *testing.T) {
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	want := make([]comm.Stats, w)
+	require.NoError(t, local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
+		err := traffic(ctx, c)
+		want[c.Rank()] = c.Stats()
+		return err
+	}))
+	for _, m := range modes() {
+		before := m.c.Stats()
+		require.NoError(t, traffic(ctx, m.c))
+		assert.Equal(t, want[r], m.c.Stats().Sub(before), m.name)
+	}
+}
+
+func TestOnebitConformance(t *testing.T) {
+	ctx := testCtx(t)
+	cases, err := conformance.Load(conformance.Dir())
+	require.NoError(t, err)
+	ran := 0
+	for _, c := range cases {
+		if c.Kind != "onebit" || c.World != world.Size() {
+			continue
+		}
+		t.Run(c.Name, func(t *testing.T) {
+			require.NoError(t, conformance.RunOnebitRank(ctx, world, c))
+		})
+		ran++
+	}
+	if ran == 0 {
+		t.Skipf("no onebit vector for %d ranks", world.Size())
+	}
+}
+
+// randomInputs returns w random vectors of n values, the same on every rank
+// for the same seed.
+func randomInputs(seed uint64, w, n int) [][]float32 {
+	rng := rand.New(rand.NewPCG(seed, 42))
+	in := make([][]float32, w)
+	for j := range in {
+		in[j] = make([]float32, n)
+		for i := range in[j] {
+			in[j][i] = float32(rng.NormFloat64() * math.Exp(rng.NormFloat64()))
+		}
+	}
+	return in
+}
+
+// onLocal runs fn on every rank of an in-process group of w ranks and
+// returns rank r's result.
+func onLocal(t *testing.T, ctx context.Context, w, r int, fn func(ctx context.Context, c comm.Comm) ([]float32, error)) []float32 {
+	var mu sync.Mutex
+	var out []float32
+	require.NoError(t, local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
+		got, err := fn(ctx, c)
+		if c.Rank() == r {
+			mu.Lock()
+			out = got
+			mu.Unlock()
+		}
+		return err
+	}))
+	return out
+}
+
+// requireBits checks got against want bit for bit.
+func requireBits(t *testing.T, want, got []float32, msg string) {
+	t.Helper()
+	require.Len(t, got, len(want), msg)
+	for i := range want {
+		if math.Float32bits(want[i]) != math.Float32bits(got[i]) {
+			require.Failf(t, "not bit-identical", "%s: element %d: mpi %g (%#08x), local %g (%#08x)",
+				msg, i, got[i], math.Float32bits(got[i]), want[i], math.Float32bits(want[i]))
+		}
+	}
+}
+
+// requireClose checks got against want to float32 rounding of a sum over
+// w terms.
+func requireClose(t *testing.T, want, got []float32, w int, msg string) {
+	t.Helper()
+	require.Len(t, got, len(want), msg)
+	for i := range want {
+		tol := 1e-6 * float64(w) * (math.Abs(float64(want[i])) + 1)
+		require.InDelta(t, want[i], got[i], tol, "%s: element %d", msg, i)
+	}
+}
+
+func TestAllReduceMatchesLocal(t *testing.T) {
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	for step, n := range []int{1, 33, 1000, 4097} {
+		in := randomInputs(uint64(step), w, n)
+		for _, op := range []comm.Op{comm.Sum, comm.Mean, comm.Max} {
+			want := onLocal(t, ctx, w, r, func(ctx context.Context, c comm.Comm) ([]float32, error) {
+				buf := append([]float32(nil), in[c.Rank()]...)
+				return buf, c.AllReduce(ctx, buf, op)
+			})
+			for _, m := range modes() {
+				got := append([]float32(nil), in[r]...)
+				require.NoError(t, m.c.AllReduce(ctx, got, op))
+				msg := fmt.Sprintf("%s allreduce %v n=%d", m.name, op, n)
+				// MPI's own summation order equals rank order only on
+				// two ranks; its Max is exact on any number.
+				if m.c == ordered || w <= 2 || op == comm.Max {
+					requireBits(t, want, got, msg)
+				} else {
+					requireClose(t, want, got, w, msg)
+				}
+			}
+		}
+	}
+}
+
+func TestReduceScatterMatchesLocal(t *testing.T) {
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	for step, k := range []int{1, 17, 1000} {
+		in := randomInputs(uint64(100+step), w, w*k)
+		for _, op := range []comm.Op{comm.Sum, comm.Mean, comm.Max} {
+			want := onLocal(t, ctx, w, r, func(ctx context.Context, c comm.Comm) ([]float32, error) {
+				recv := make([]float32, k)
+				return recv, c.ReduceScatter(ctx, in[c.Rank()], recv, op)
+			})
+			for _, m := range modes() {
+				got := make([]float32, k)
+				require.NoError(t, m.c.ReduceScatter(ctx, in[r], got, op))
+				msg := fmt.Sprintf("%s reducescatter %v k=%d", m.name, op, k)
+				if m.c == ordered || w <= 2 || op == comm.Max {
+					requireBits(t, want, got, msg)
+				} else {
+					requireClose(t, want, got, w, msg)
+				}
+			}
+		}
+	}
+}
+
+func TestOnebitMatchesLocal(t *testing.T) {
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	const steps = 4
+	for _, n := range []int{100, 1000, 4097} {
+		// The in-process group keeps one state per rank across steps, as
+		// the MPI rank keeps its own.
+		states := make([]*onebit.State, w)
+		for j := range states {
+			var err error
+			states[j], err = onebit.NewState(n, w)
+			require.NoError(t, err)
+		}
+		st, err := onebit.NewState(n, w)
+		require.NoError(t, err)
+		for step := range steps {
+			in := randomInputs(uint64(1000*n+step), w, n)
+			want := onLocal(t, ctx, w, r, func(ctx context.Context, c comm.Comm) ([]float32, error) {
+				buf := append([]float32(nil), in[c.Rank()]...)
+				return buf, onebit.AllReduce(ctx, c, buf, states[c.Rank()])
+			})
+			got := append([]float32(nil), in[r]...)
+			require.NoError(t, onebit.AllReduce(ctx, world, got, st))
+			msg := fmt.Sprintf("onebit n=%d step %d", n, step)
+			requireBits(t, want, got, msg+" output")
+			requireBits(t, states[r].WorkerError, st.WorkerError, msg+" worker error")
+			requireBits(t, states[r].ServerError, st.ServerError, msg+" server error")
+		}
+	}
+}
+
+func TestMismatch(t *testing.T) {
+	needRanks(t, 2)
+	ctx := testCtx(t)
+	r := world.Rank()
+	pick := func(first, others int) int {
+		if r == 0 {
+			return first
+		}
+		return others
+	}
+	requireMismatch := func(err error, what string, got, want int) {
+		t.Helper()
+		var me *comm.MismatchError
+		require.ErrorAs(t, err, &me)
+		assert.Equal(t, what, me.What)
+		assert.Equal(t, 1, me.Rank)
+		assert.Equal(t, got, me.Got)
+		assert.Equal(t, want, me.Want)
+	}
+
+	for _, m := range modes() {
+		err := m.c.AllReduce(ctx, make([]float32, pick(8, 9)), comm.Sum)
+		requireMismatch(err, "send length", 9, 8)
+		assert.Contains(t, err.Error(), "rank 1 has 9, rank 0 has 8")
+
+		err = m.c.ReduceScatter(ctx, make([]float32, world.Size()*pick(2, 3)), make([]float32, pick(2, 3)), comm.Sum)
+		requireMismatch(err, "send length", world.Size()*3, world.Size()*2)
+	}
+
+	err := world.AllReduce(ctx, make([]float32, 4), comm.Op(pick(int(comm.Sum), int(comm.Max))))
+	requireMismatch(err, "op", int(comm.Max), int(comm.Sum))
+
+	err = world.Broadcast(ctx, make([]float32, 4), pick(0, 1))
+	requireMismatch(err, "root", 1, 0)
+
+	err = world.AllGather(ctx, make([]float32, pick(3, 4)), make([]float32, world.Size()*pick(3, 4)))
+	requireMismatch(err, "send length", 4, 3)
+
+	err = world.AllToAllBytes(ctx, make([]byte, world.Size()*pick(1, 2)), make([]byte, world.Size()*pick(1, 2)))
+	requireMismatch(err, "send length", 2*world.Size(), world.Size())
+
+	// Float and byte variants of one collective are different kinds.
+	if r == 0 {
+		err = world.AllGather(ctx, make([]float32, 2), make([]float32, 2*world.Size()))
+	} else {
+		err = world.AllGatherBytes(ctx, make([]byte, 2), make([]byte, 2*world.Size()))
+	}
+	requireMismatch(err, "kind", int(comm.CAllGather), int(comm.CAllGather))
+
+	// So are different collectives.
+	if r == 0 {
+		err = world.Barrier(ctx)
+	} else {
+		err = world.AllReduce(ctx, make([]float32, 2), comm.Sum)
+	}
+	requireMismatch(err, "kind", int(comm.CAllReduce), int(comm.CBarrier))
+
+	// Invalid arguments on one rank fail the call on every rank.
+	k := 2
+	if r == 1 {
+		k = 1 // send is not Size() x recv on rank 1 only
+	}
+	err = world.ReduceScatter(ctx, make([]float32, world.Size()*2), make([]float32, k), comm.Sum)
+	require.Error(t, err)
+	if r == 1 {
+		assert.Contains(t, err.Error(), "is not")
+	} else {
+		assert.Contains(t, err.Error(), "rank 1 called it with invalid arguments")
+	}
+
+	// Mismatches leave the communicators usable.
+	for _, m := range modes() {
+		buf := []float32{1}
+		require.NoError(t, m.c.AllReduce(ctx, buf, comm.Sum))
+		assert.Equal(t, float32(world.Size()), buf[0])
+	}
+}
+
+func TestInvalidArgs(t *testing.T) {
+	ctx := testCtx(t)
+	w := world.Size()
+	assert.ErrorContains(t, world.AllReduce(ctx, make([]float32, 2), comm.Op(9)), "invalid op")
+	assert.ErrorContains(t, world.AllGather(ctx, make([]float32, 2), make([]float32, 2*w+1)), "receive length")
+	assert.ErrorContains(t, world.AllToAll(ctx, make([]float32, w), make([]float32, w+1)), "differs")
+	if w > 1 {
+		assert.ErrorContains(t, world.AllToAllBytes(ctx, make([]byte, w+1), make([]byte, w+1)), "not a multiple")
+	}
+	assert.ErrorContains(t, world.Broadcast(ctx, nil, w), "out of range")
+	assert.ErrorContains(t, world.Broadcast(ctx, nil, -1), "out of range")
+	require.NoError(t, world.Barrier(ctx))
+}
+
+func TestContextDone(t *testing.T) {
+	c, err := mpi.Open()
+	require.NoError(t, err)
+	defer c.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	err = c.AllReduce(ctx, make([]float32, 4), comm.Sum)
+	assert.ErrorIs(t, err, context.Canceled)
+	assert.ErrorIs(t, err, comm.ErrAborted)
+	// The communicator is broken from then on.
+	err = c.Barrier(context.Background())
+	assert.ErrorIs(t, err, comm.ErrAborted)
+	assert.ErrorIs(t, err, context.Canceled)
+}
+
+func TestClose(t *testing.T) {
+	c, err := mpi.Open()
+	require.NoError(t, err)
+	require.NoError(t, c.Close())
+	require.NoError(t, c.Close())
+	assert.ErrorIs(t, c.AllReduce(context.Background(), make([]float32, 4), comm.Sum), comm.ErrClosed)
+	_, err = c.Split(context.Background(), 0, 0)
+	assert.ErrorIs(t, err, comm.ErrClosed)
+}
+
+func TestNoAllocs(t *testing.T) {
+	ctx := testCtx(t) // a context with a deadline arms the watchdog
+	w := world.Size()
+	buf := make([]float32, 1000*w)
+	out := make([]float32, 1000)
+	bsend := make([]byte, 64*w)
+	brecv := make([]byte, 64*w)
+	for _, m := range modes() {
+		calls := []struct {
+			name string
+			f    func() error
+		}{
+			{"allreduce", func() error { return m.c.AllReduce(ctx, buf, comm.Mean) }},
+			{"allreduce background", func() error { return m.c.AllReduce(context.Background(), buf, comm.Sum) }},
+			{"reducescatter", func() error { return m.c.ReduceScatter(ctx, buf, out, comm.Sum) }},
+			{"allgather", func() error { return m.c.AllGatherBytes(ctx, bsend[:64], brecv) }},
+			{"alltoall", func() error { return m.c.AllToAllBytes(ctx, bsend, brecv) }},
+			{"broadcast", func() error { return m.c.Broadcast(ctx, buf, 0) }},
+			{"barrier", func() error { return m.c.Barrier(ctx) }},
+		}
+		for _, call := range calls {
+			require.NoError(t, call.f(), "%s %s", m.name, call.name) // grows buffers
+			allocs := testing.AllocsPerRun(20, func() { _ = call.f() })
+			assert.Zero(t, allocs, "%s %s", m.name, call.name)
+		}
+	}
+}
+
+// Benchmarks run under mpirun with a fixed iteration count, so that every
+// rank makes the same calls, for example:
+//
+//	mpirun -np 4 ./mpi.test -test.run '^$' -test.bench . -test.benchtime 5x
+//
+// They compare, in one run, the exact allreduce in both reduction modes with
+// the 1-bit compressed allreduce built on AllToAllBytes and AllGatherBytes.
+func BenchmarkAllReduce(b *testing.B) {
+	ctx := context.Background()
+	w := world.Size()
+	for _, mib := range []int{1, 64} {
+		n := mib << 20 / 4
+		buf := make([]float32, n)
+		for i := range buf {
+			buf[i] = float32(i%7) - 3
+		}
+		for _, m := range modes() {
+			b.Run(fmt.Sprintf("%s/%dMiB", m.name, mib), func(b *testing.B) {
+				b.SetBytes(int64(n) * 4)
+				for b.Loop() {
+					if err := m.c.AllReduce(ctx, buf, comm.Mean); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
+		b.Run(fmt.Sprintf("onebit/%dMiB", mib), func(b *testing.B) {
+			st, err := onebit.NewState(n, w)
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.SetBytes(int64(n) * 4)
+			for b.Loop() {
+				if err := onebit.AllReduce(ctx, world, buf, st); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// Open MPI installs its signal handlers only where none is set, so the Go
+// runtime's stay: a nil dereference is still a recoverable Go panic.
+func TestGoPanicsAfterOpen(t *testing.T) {
+	var p *int
+	panicked := func() (ok bool) {
+		defer func() { ok = recover() != nil }()
+		_ = *p
+		return false
+	}()
+	assert.True(t, panicked)
+}

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# test-mpi.sh: the multi-process tests of comm/mpi (make test-mpi).
+#
+# Builds the comm/mpi test binary once with the mpi build tag, runs it under
+# mpirun on 1, 2, 3 and 4 ranks, then checks that jobs whose rank exits,
+# finalizes early or stalls die with a clear message instead of hanging.
+# Every run has a timeout, so nothing can hang CI. Exits 0 with one line
+# when Open MPI is not installed.
+set -u
+
+GO=${GO:-go}
+cd "$(dirname "$0")/.." || exit 1
+
+if ! command -v mpicc >/dev/null 2>&1 || ! command -v mpirun >/dev/null 2>&1 ||
+	! pkg-config --exists ompi-c 2>/dev/null; then
+	echo "MPI tests skipped: Open MPI not installed (apt-get install libopenmpi-dev openmpi-bin)"
+	exit 0
+fi
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+bin=$tmp/mpi.test
+
+# Containers often forbid the cross-process memory attach vader uses by
+# default; copying through shared memory works everywhere.
+export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}
+mpirun=(mpirun --allow-run-as-root --oversubscribe --bind-to none)
+
+start=$(date +%s%N)
+if ! "$GO" test -c -tags mpi -o "$bin" ./comm/mpi; then
+	echo "MPI tests: building the comm/mpi test binary failed"
+	exit 1
+fi
+echo "MPI tests: built comm/mpi test binary ($(( ($(date +%s%N) - start) / 1000000 )) ms)"
+
+fail=0
+
+# run LOG CMD... runs CMD with its output in LOG and sets rc and ms.
+run() {
+	local log=$1
+	shift
+	local t0
+	t0=$(date +%s%N)
+	"$@" >"$log" 2>&1
+	rc=$?
+	ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+}
+
+for n in 1 2 3 4; do
+	log=$tmp/np$n.log
+	run "$log" timeout 120 "${mpirun[@]}" -np "$n" "$bin" -test.timeout=100s
+	if [ "$rc" -eq 0 ]; then
+		echo "MPI tests: np=$n ok (${ms} ms)"
+	else
+		echo "MPI tests: np=$n FAILED (exit $rc after ${ms} ms):"
+		tail -n 60 "$log"
+		fail=1
+	fi
+done
+
+# Failure scenarios (see comm/mpi/scenario_test.go). Each must end with a
+# non-zero status, not by the timeout, well within it, and say why.
+watchdog='lowbit/mpi: rank 0: context deadline exceeded during allreduce; aborting the MPI job because MPI cannot cancel a collective'
+for s in exit close stall; do
+	case $s in
+	exit) want="exiting improperly|$watchdog" ;;
+	*) want=$watchdog ;;
+	esac
+	log=$tmp/scenario-$s.log
+	run "$log" timeout 60 env LOWBIT_MPI_SCENARIO=$s "${mpirun[@]}" -np 3 "$bin"
+	if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$ms" -lt 30000 ] && grep -Eq "$want" "$log"; then
+		echo "MPI tests: early-$s check ok (job ended with exit $rc after ${ms} ms)"
+	else
+		echo "MPI tests: early-$s check FAILED (exit $rc after ${ms} ms; want a non-zero exit within 30 s and /$want/):"
+		tail -n 40 "$log"
+		fail=1
+	fi
+done
+
+if [ "$fail" -ne 0 ]; then
+	echo "MPI tests FAILED"
+	exit 1
+fi
+echo "MPI tests passed ($(( ($(date +%s%N) - start) / 1000 / 1000000 )) s)"
