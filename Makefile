@@ -17,7 +17,7 @@ test-unit:
 	$(GO) test -count=1 -timeout 10m ./...
 
 test-race:
-	$(GO) test -race -count=1 -timeout 10m ./comm/... ./onebit/... ./errorfeedback/... ./signpack/...
+	$(GO) test -race -count=1 -timeout 10m ./comm/... ./onebit/... ./optim/... ./errorfeedback/... ./signpack/...
 
 conformance:
 	$(GO) run ./cmd/lowbit conformance internal/conformance/testdata
@@ -26,7 +26,7 @@ test-mpi:
 	./scripts/test-mpi.sh
 
 bench:
-	$(GO) test -run '^$$' -bench . -benchmem -timeout 30m ./signpack ./onebit
+	$(GO) test -run '^$$' -bench . -benchmem -timeout 30m ./signpack ./errorfeedback ./onebit ./optim
 
 bench-net:
 	./scripts/bench-net.sh

@@ -4,7 +4,14 @@
 // averaged with an exact allreduce), and the checkpoint format.
 //
 // The 1-bit optimizers live in package onebit and implement the same
-// interface.
+// interface. They reuse what this package exports for them: the update
+// kernels (AdamStep, AdamMoments, Momentum, AdamUpdate, AdamDirection,
+// LambCoeff, Descend, Mul, SumSquares, BiasCorrection), which round every
+// product to float32 so that results are bit-identical across ranks and
+// architectures; the step helpers (FiniteGuard and AllFinite for the
+// skip-on-non-finite agreement, AverageGrads, CheckParams, CheckSizes,
+// CommBytes); and the checkpoint format (Checkpoint, SaveFile, LoadFile,
+// CheckCompatible, LoadCounters and the shared tensor names).
 package optim
 
 import (
@@ -48,11 +55,53 @@ func NewParamFrom(name string, value []float32, shape ...int) (*Param, error) {
 	return p, nil
 }
 
-// Data is the backing slice of the value.
-func (p *Param) Data() []float32 { return p.Value.Data().([]float32) }
+// Data is the backing slice of the value; nil when the value is missing or
+// not float32. It does not allocate.
+func (p *Param) Data() []float32 { return float32s(p.Value) }
 
-// GradData is the backing slice of the gradient.
-func (p *Param) GradData() []float32 { return p.Grad.Data().([]float32) }
+// GradData is the backing slice of the gradient; nil when the gradient is
+// missing or not float32. It does not allocate.
+func (p *Param) GradData() []float32 { return float32s(p.Grad) }
+
+func float32s(t *tensor.Dense) []float32 {
+	if t == nil || t.Dtype() != tensor.Float32 {
+		return nil
+	}
+	return t.Float32s()
+}
+
+// CheckParams reports the first problem that makes params unusable by an
+// optimizer: a nil parameter, a missing or non-float32 value or gradient,
+// a gradient shaped unlike its value, a backing slice that does not hold
+// exactly the tensor's elements (a view), or a name used twice
+// (checkpoints find buffers by parameter name).
+func CheckParams(params []*Param) error {
+	seen := make(map[string]bool, len(params))
+	for i, p := range params {
+		if p == nil {
+			return fmt.Errorf("optim: parameter %d is nil", i)
+		}
+		if p.Value == nil || p.Grad == nil {
+			return fmt.Errorf("optim: parameter %q: value or gradient is nil", p.Name)
+		}
+		if p.Value.Dtype() != tensor.Float32 || p.Grad.Dtype() != tensor.Float32 {
+			return fmt.Errorf("optim: parameter %q: value is %v and gradient %v, want float32", p.Name, p.Value.Dtype(), p.Grad.Dtype())
+		}
+		if !p.Value.Shape().Eq(p.Grad.Shape()) {
+			return fmt.Errorf("optim: parameter %q: value shape %v, gradient shape %v", p.Name, p.Value.Shape(), p.Grad.Shape())
+		}
+		n := p.Numel()
+		if len(p.Data()) != n || len(p.GradData()) != n {
+			return fmt.Errorf("optim: parameter %q: %d elements but backing slices of %d and %d (views are not supported)",
+				p.Name, n, len(p.Data()), len(p.GradData()))
+		}
+		if seen[p.Name] {
+			return fmt.Errorf("optim: parameter name %q is used twice", p.Name)
+		}
+		seen[p.Name] = true
+	}
+	return nil
+}
 
 // Numel is the number of elements.
 func (p *Param) Numel() int { return p.Value.Shape().TotalSize() }

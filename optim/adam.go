@@ -1,0 +1,61 @@
+package optim
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/lowbit-ml/lowbit/comm"
+)
+
+// Adam is exact data-parallel Adam, AdamW when the weight decay is not
+// zero: every step averages the gradients over the ranks with an exact
+// allreduce, then on every rank
+//
+//	m = beta1*m + (1-beta1)*g
+//	v = beta2*v + (1-beta2)*g^2
+//	p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd*p)
+//
+// with m_hat = m/(1-beta1^t), v_hat = v/(1-beta2^t) when bias correction is
+// on (see AdamUpdate for the exact float32 evaluation). It is the baseline
+// the 1-bit optimizers are measured against.
+//
+// Step overwrites the gradients with their average. A step in which some
+// rank's gradient is not finite is skipped on every rank. After an error
+// from the communicator the state is undefined: load a checkpoint.
+type Adam struct {
+	e *exact
+}
+
+var _ Optimizer = (*Adam)(nil)
+
+// NewAdam returns Adam over params, averaging gradients over c (nil for a
+// single process). It allocates the moments, two float32 buffers per
+// parameter; Step allocates nothing.
+func NewAdam(c comm.Comm, params []*Param, cfg AdamConfig, opts ...Option) (*Adam, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("optim: Adam: %w", err)
+	}
+	e, err := newExact(AlgorithmAdam, c, params, cfg, opts)
+	if err != nil {
+		return nil, fmt.Errorf("optim: Adam: %w", err)
+	}
+	return &Adam{e: e}, nil
+}
+
+// Step applies one update; see Optimizer.
+func (a *Adam) Step(ctx context.Context) error { return a.e.Step(ctx) }
+
+// Params returns the parameters in construction order.
+func (a *Adam) Params() []*Param { return a.e.params }
+
+// Stats reports progress and traffic; Stage is always StageExact.
+func (a *Adam) Stats() Stats { return a.e.stats }
+
+// State returns a checkpoint holding the parameters, both moments and the
+// step counters. Every rank's checkpoint of an exact optimizer is the same
+// apart from its Rank field.
+func (a *Adam) State() (*Checkpoint, error) { return a.e.State() }
+
+// Load restores a checkpoint made by Adam.State on the same world size and
+// parameters (any rank's); anything else is refused and changes nothing.
+func (a *Adam) Load(ck *Checkpoint) error { return a.e.Load(ck) }

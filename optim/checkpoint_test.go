@@ -1,0 +1,390 @@
+package optim
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+)
+
+func sampleCheckpoint() *Checkpoint {
+	return &Checkpoint{
+		Algorithm: "onebit-adam",
+		World:     4,
+		Rank:      3,
+		Stage:     StageCompression,
+		Ints:      map[string]int64{"step": 12, "steps": 13, "skipped": 1, "negative": -5},
+		Floats:    map[string]float64{"coeff": 0.25, "lrs": float64(float32(1e-3)), "inf": math.Inf(1)},
+		Tensors: []Tensor{
+			{Name: "param/w", Shape: []int{2, 3}, Data: []float32{1, -2, 3.5, float32(math.NaN()), 0, float32(math.Copysign(0, -1))}},
+			{Name: "param/s", Shape: []int{}, Data: []float32{7}},
+			{Name: "param/e", Shape: []int{0, 4}, Data: []float32{}},
+			{Name: "worker_error/w", Shape: []int{32}, Data: make([]float32, 32)},
+		},
+	}
+}
+
+func encode(t testing.TB, ck *Checkpoint) []byte {
+	t.Helper()
+	b, err := ck.MarshalBinary()
+	require.NoError(t, err)
+	return b
+}
+
+func TestCheckpointRoundTrip(t *testing.T) {
+	ck := sampleCheckpoint()
+	b := encode(t, ck)
+	var back Checkpoint
+	require.NoError(t, back.UnmarshalBinary(b))
+	assert.Equal(t, ck.Algorithm, back.Algorithm)
+	assert.Equal(t, ck.World, back.World)
+	assert.Equal(t, ck.Rank, back.Rank)
+	assert.Equal(t, ck.Stage, back.Stage)
+	assert.Equal(t, ck.Ints, back.Ints)
+	assert.Equal(t, math.Float64bits(ck.Floats["coeff"]), math.Float64bits(back.Floats["coeff"]))
+	assert.Equal(t, len(ck.Floats), len(back.Floats))
+	require.Len(t, back.Tensors, len(ck.Tensors))
+	for i, want := range ck.Tensors {
+		got := back.Tensors[i]
+		assert.Equal(t, want.Name, got.Name)
+		assert.Equal(t, len(want.Shape), len(got.Shape))
+		for j := range want.Shape {
+			assert.Equal(t, want.Shape[j], got.Shape[j])
+		}
+		assert.Equal(t, bits(want.Data), bits(got.Data), want.Name)
+	}
+	// Encoding is deterministic (maps are written in key order).
+	assert.Equal(t, b, encode(t, &back))
+}
+
+func TestCheckpointMarshalRefusesInconsistentTensor(t *testing.T) {
+	ck := sampleCheckpoint()
+	ck.Tensors[0].Shape = []int{4, 4}
+	_, err := ck.MarshalBinary()
+	assert.ErrorContains(t, err, `"param/w"`)
+	ck.Tensors[0].Shape = []int{-2, -3}
+	_, err = ck.MarshalBinary()
+	assert.ErrorContains(t, err, "negative")
+}
+
+func TestCheckpointDecodeRefusesDamage(t *testing.T) {
+	b := encode(t, sampleCheckpoint())
+	for n := 0; n < len(b); n++ {
+		var ck Checkpoint
+		err := ck.UnmarshalBinary(b[:n])
+		require.ErrorIs(t, err, ErrCorruptCheckpoint, "truncated to %d bytes", n)
+	}
+	for i := 0; i < len(b); i++ {
+		for bit := 0; bit < 8; bit++ {
+			c := append([]byte(nil), b...)
+			c[i] ^= 1 << bit
+			var ck Checkpoint
+			require.ErrorIs(t, ck.UnmarshalBinary(c), ErrCorruptCheckpoint, "bit %d of byte %d flipped", bit, i)
+		}
+	}
+	var ck Checkpoint
+	assert.ErrorContains(t, ck.UnmarshalBinary(append(append([]byte(nil), b...), 0)), "after the")
+	assert.ErrorContains(t, ck.UnmarshalBinary([]byte("PK\x03\x04 this is a zip file, not a checkpoint")), "magic")
+	// A refused decode leaves the destination alone.
+	ck = *sampleCheckpoint()
+	require.Error(t, ck.UnmarshalBinary(b[:len(b)-1]))
+	assert.Equal(t, "onebit-adam", ck.Algorithm)
+}
+
+// A payload with a valid checksum but impossible contents is refused too.
+func TestCheckpointDecodeRefusesBadPayload(t *testing.T) {
+	ck := &Checkpoint{Algorithm: "adam", World: 1, Tensors: []Tensor{{Name: "param/x", Shape: []int{2}, Data: []float32{1, 2}}}}
+	b := encode(t, ck)
+	// The tensor's dimension and length fields precede its 8 data bytes.
+	numelOff := len(b) - 8 - 8
+	dimOff := numelOff - 8
+	for _, patch := range []func([]byte){
+		func(p []byte) { p[numelOff] = 3 },                      // numel 3 with shape [2]
+		func(p []byte) { p[numelOff+7] = 0x80 },                 // huge numel
+		func(p []byte) { p[dimOff] = 0xff; p[dimOff+7] = 0x7f }, // huge dimension
+		func(p []byte) { p[dimOff+7] = 0xff },                   // negative dimension
+		func(p []byte) { p[ckHeaderLen+4+4+8+8] = 0xff },        // stage string length beyond the payload
+		func(p []byte) { p[ckHeaderLen+4+4+7] = 0xff },          // negative world size
+	} {
+		c := append([]byte(nil), b...)
+		patch(c)
+		fixCRC(c)
+		var got Checkpoint
+		assert.ErrorIs(t, got.UnmarshalBinary(c), ErrCorruptCheckpoint)
+	}
+}
+
+func fixCRC(b []byte) {
+	payload := b[ckHeaderLen:]
+	crc := crc32Castagnoli(payload)
+	b[20], b[21], b[22], b[23] = byte(crc), byte(crc>>8), byte(crc>>16), byte(crc>>24)
+}
+
+func FuzzCheckpointDecode(f *testing.F) {
+	f.Add(encode(f, sampleCheckpoint()))
+	f.Add(encode(f, &Checkpoint{}))
+	f.Add([]byte(ckMagic))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var ck Checkpoint
+		if ck.UnmarshalBinary(b) != nil {
+			// Also try with the checksum repaired, to reach the payload
+			// parser with arbitrary contents.
+			if len(b) >= ckHeaderLen {
+				c := append([]byte(nil), b...)
+				fixCRC(c)
+				c[12], c[13], c[14], c[15], c[16], c[17], c[18], c[19] = lenBytes(len(c) - ckHeaderLen)
+				_ = ck.UnmarshalBinary(c)
+			}
+			return
+		}
+		// What decodes re-encodes to the same bytes.
+		again, err := ck.MarshalBinary()
+		if err != nil {
+			t.Fatalf("decoded checkpoint does not re-encode: %v", err)
+		}
+		var ck2 Checkpoint
+		if err := ck2.UnmarshalBinary(again); err != nil {
+			t.Fatalf("re-encoded checkpoint does not decode: %v", err)
+		}
+	})
+}
+
+func lenBytes(n int) (a, b, c, d, e, f, g, h byte) {
+	u := uint64(n)
+	return byte(u), byte(u >> 8), byte(u >> 16), byte(u >> 24), byte(u >> 32), byte(u >> 40), byte(u >> 48), byte(u >> 56)
+}
+
+func TestSaveLoadFile(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "rank0.ckpt")
+	ck := sampleCheckpoint()
+	require.NoError(t, SaveFile(path, ck))
+	back, err := LoadFile(path)
+	require.NoError(t, err)
+	assert.Equal(t, encode(t, ck), encode(t, back))
+	entries, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	assert.Len(t, entries, 1, "no temporary file left behind")
+
+	_, err = LoadFile(filepath.Join(dir, "missing"))
+	assert.ErrorIs(t, err, os.ErrNotExist)
+}
+
+func TestLoadFileRefusesDamagedFiles(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "ck")
+	require.NoError(t, SaveFile(path, sampleCheckpoint()))
+	good, err := os.ReadFile(path)
+	require.NoError(t, err)
+
+	require.NoError(t, os.WriteFile(path, good[:len(good)/2], 0o644))
+	_, err = LoadFile(path)
+	assert.ErrorIs(t, err, ErrCorruptCheckpoint)
+	assert.ErrorContains(t, err, "truncated")
+	assert.ErrorContains(t, err, path)
+
+	flipped := append([]byte(nil), good...)
+	flipped[len(flipped)-3] ^= 0x10
+	require.NoError(t, os.WriteFile(path, flipped, 0o644))
+	_, err = LoadFile(path)
+	assert.ErrorIs(t, err, ErrCorruptCheckpoint)
+	assert.ErrorContains(t, err, "checksum")
+
+	require.NoError(t, os.WriteFile(path, []byte("{\"json\": true}\n"), 0o644))
+	_, err = LoadFile(path)
+	assert.ErrorContains(t, err, "not a lowbit checkpoint")
+}
+
+func TestSaveFileFailureKeepsPreviousCheckpoint(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "ck")
+	require.NoError(t, SaveFile(path, sampleCheckpoint()))
+	old, err := os.ReadFile(path)
+	require.NoError(t, err)
+
+	next := sampleCheckpoint()
+	next.Ints["step"] = 99
+	// The write dies halfway, as in a full disk or a crash.
+	boom := errors.New("disk full")
+	err = saveFile(path, next, func(w io.Writer, b []byte) error {
+		if _, err := w.Write(b[:len(b)/2]); err != nil {
+			return err
+		}
+		return boom
+	})
+	assert.ErrorIs(t, err, boom)
+	now, err := os.ReadFile(path)
+	require.NoError(t, err)
+	assert.Equal(t, old, now)
+
+	// An encoding failure touches nothing either.
+	bad := sampleCheckpoint()
+	bad.Tensors[0].Data = bad.Tensors[0].Data[:1]
+	assert.Error(t, SaveFile(path, bad))
+	now, err = os.ReadFile(path)
+	require.NoError(t, err)
+	assert.Equal(t, old, now)
+
+	entries, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	assert.Len(t, entries, 1, "no temporary file left behind")
+
+	// And a good save still replaces it.
+	require.NoError(t, SaveFile(path, next))
+	back, err := LoadFile(path)
+	require.NoError(t, err)
+	assert.Equal(t, int64(99), back.Ints["step"])
+}
+
+func TestCheckCompatible(t *testing.T) {
+	ps := testParams(t, 1, []int{2, 3}, []int{4})
+	opt, err := NewAdam(nil, ps, DefaultAdamConfig())
+	require.NoError(t, err)
+	ck, err := opt.State()
+	require.NoError(t, err)
+	require.NoError(t, ck.CheckCompatible(AlgorithmAdam, 1, ps))
+
+	assert.ErrorContains(t, ck.CheckCompatible(AlgorithmLamb, 1, ps), `algorithm "adam"`)
+	assert.ErrorContains(t, ck.CheckCompatible(AlgorithmAdam, 2, ps), "made on 1 ranks, this group has 2")
+	other := testParams(t, 1, []int{3, 2}, []int{4})
+	assert.ErrorContains(t, ck.CheckCompatible(AlgorithmAdam, 1, other), "shape [2 3] in the checkpoint, [3 2] here")
+	assert.ErrorContains(t, ck.CheckCompatible(AlgorithmAdam, 1, ps[:1]), "holds 2 parameters, this optimizer 1")
+	renamed := testParams(t, 1, []int{2, 3}, []int{4})
+	renamed[1].Name = "other"
+	assert.ErrorContains(t, ck.CheckCompatible(AlgorithmAdam, 1, renamed), `"other" is not in the checkpoint`)
+	for _, err := range []error{
+		ck.CheckCompatible(AlgorithmLamb, 1, ps),
+		ck.CheckCompatible(AlgorithmAdam, 1, other),
+	} {
+		assert.ErrorIs(t, err, ErrIncompatibleCheckpoint)
+	}
+}
+
+func TestLoadRefusesAndLeavesOptimizerUnchanged(t *testing.T) {
+	newOpt := func(alg string, shapes ...[]int) (Optimizer, []*Param) {
+		ps := testParams(t, 7, shapes...)
+		var opt Optimizer
+		var err error
+		if alg == AlgorithmAdam {
+			opt, err = NewAdam(nil, ps, DefaultAdamConfig())
+		} else {
+			opt, err = NewLamb(nil, ps, DefaultLambConfig())
+		}
+		require.NoError(t, err)
+		fillGrads(ps, 0, 1)
+		require.NoError(t, opt.Step(context.Background()))
+		return opt, ps
+	}
+	opt, _ := newOpt(AlgorithmAdam, []int{4}, []int{2, 2})
+	before, err := opt.State()
+	require.NoError(t, err)
+
+	lamb, _ := newOpt(AlgorithmLamb, []int{4}, []int{2, 2})
+	fromLamb, err := lamb.State()
+	require.NoError(t, err)
+	shaped, _ := newOpt(AlgorithmAdam, []int{4}, []int{4})
+	fromShape, err := shaped.State()
+	require.NoError(t, err)
+	wrongWorld := *before
+	wrongWorld.World = 2
+	missing, err := opt.State()
+	require.NoError(t, err)
+	missing.Tensors = missing.Tensors[:len(missing.Tensors)-1] // drops exp_avg_sq of the last parameter
+	badCounters, err := opt.State()
+	require.NoError(t, err)
+	badCounters.Ints[IntSkipped] = 5
+
+	for name, ck := range map[string]*Checkpoint{
+		"algorithm": fromLamb, "shape": fromShape, "world": &wrongWorld,
+		"missing tensor": missing, "counters": badCounters, "nil": nil,
+	} {
+		// Change the state so that a partial load would show.
+		err := opt.Load(ck)
+		assert.ErrorIs(t, err, ErrIncompatibleCheckpoint, name)
+		after, err := opt.State()
+		require.NoError(t, err)
+		assert.Equal(t, before, after, "%s: a refused load changed the optimizer", name)
+	}
+}
+
+// Stopping an exact optimizer at step k and resuming from per-rank files
+// gives bit-identical parameters.
+func TestExactResumeIsBitIdentical(t *testing.T) {
+	const w, total = 2, 8
+	for _, alg := range []string{AlgorithmAdam, AlgorithmLamb} {
+		for _, k := range []int{1, 4} {
+			t.Run(fmt.Sprintf("%s/k=%d", alg, k), func(t *testing.T) {
+				dir := t.TempDir()
+				mk := func(c comm.Comm, ps []*Param) (Optimizer, error) {
+					cfg := DefaultLambConfig()
+					cfg.WeightDecay = 0.01
+					if alg == AlgorithmAdam {
+						return NewAdam(c, ps, cfg.AdamConfig)
+					}
+					return NewLamb(c, ps, cfg)
+				}
+				run := func(from, to int, load, save bool) [][][]float32 {
+					var mu sync.Mutex
+					out := make([][][]float32, w)
+					err := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
+						ps := testParams(t, 9, []int{5, 3}, []int{11})
+						opt, err := mk(c, ps)
+						if err != nil {
+							return err
+						}
+						path := filepath.Join(dir, fmt.Sprintf("rank%d.ckpt", c.Rank()))
+						if load {
+							ck, err := LoadFile(path)
+							if err != nil {
+								return err
+							}
+							if err := opt.Load(ck); err != nil {
+								return err
+							}
+						}
+						for s := from; s <= to; s++ {
+							fillGrads(ps, c.Rank(), s)
+							if err := opt.Step(ctx); err != nil {
+								return err
+							}
+						}
+						if save {
+							ck, err := opt.State()
+							if err != nil {
+								return err
+							}
+							if err := SaveFile(path, ck); err != nil {
+								return err
+							}
+						}
+						mu.Lock()
+						out[c.Rank()] = snapshot(ps)
+						mu.Unlock()
+						return nil
+					})
+					require.NoError(t, err)
+					return out
+				}
+				want := run(1, total, false, false)
+				run(1, k, false, true)
+				got := run(k+1, total, true, false)
+				for r := range want {
+					for i := range want[r] {
+						assert.Equal(t, bits(want[r][i]), bits(got[r][i]), "rank %d param %d", r, i)
+					}
+				}
+			})
+		}
+	}
+}

@@ -1,0 +1,88 @@
+package optim
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/lowbit-ml/lowbit/comm"
+)
+
+// AllFinite reports whether every gradient of params is finite (no NaN, no
+// Inf) on every rank of c: each rank checks its own gradients, then one
+// allreduce (comm.Max) of a one-element flag makes every rank reach the same
+// answer. c may be nil or of size 1; then only the local gradients are
+// checked and nothing is communicated. Every rank must call it together.
+//
+// AllFinite allocates the flag on every call; an optimizer that must not
+// allocate in Step keeps a FiniteGuard instead.
+func AllFinite(ctx context.Context, c comm.Comm, params []*Param) (bool, error) {
+	var g FiniteGuard
+	return g.Check(ctx, c, params)
+}
+
+// FiniteGuard is AllFinite with its one-float communication buffer kept
+// between calls, so that Check allocates nothing. The zero value is ready
+// to use. A FiniteGuard is used by one goroutine at a time.
+type FiniteGuard struct {
+	flag [1]float32
+}
+
+// Check is AllFinite (see there) using g's buffer.
+func (g *FiniteGuard) Check(ctx context.Context, c comm.Comm, params []*Param) (bool, error) {
+	bad := false
+	for _, p := range params {
+		if p != nil && !Finite(p.GradData()) {
+			bad = true
+			break
+		}
+	}
+	if c == nil || c.Size() <= 1 {
+		return !bad, nil
+	}
+	g.flag[0] = 0
+	if bad {
+		g.flag[0] = 1
+	}
+	if err := c.AllReduce(ctx, g.flag[:], comm.Max); err != nil {
+		return false, fmt.Errorf("optim: agreeing on finite gradients: %w", err)
+	}
+	return g.flag[0] == 0, nil
+}
+
+// Finite reports whether every element of x is finite. It does not branch
+// per element: x*0 is 0 for a finite x and NaN for NaN or ±Inf, and a NaN
+// survives the sum.
+func Finite(x []float32) bool {
+	var s0, s1, s2, s3 float32
+	i := 0
+	for ; i+4 <= len(x); i += 4 {
+		s0 += x[i] * 0
+		s1 += x[i+1] * 0
+		s2 += x[i+2] * 0
+		s3 += x[i+3] * 0
+	}
+	for ; i < len(x); i++ {
+		s0 += x[i] * 0
+	}
+	s := s0 + s1 + s2 + s3
+	return s == s
+}
+
+// AverageGrads replaces every gradient of params by its mean over the ranks
+// of c, with one exact allreduce (comm.Mean) per parameter; every rank ends
+// with the same gradients. It does nothing when c is nil or c.Size() == 1.
+// Every rank must call it with the same parameter shapes, in the same order.
+func AverageGrads(ctx context.Context, c comm.Comm, params []*Param) error {
+	if c == nil || c.Size() <= 1 {
+		return nil
+	}
+	for _, p := range params {
+		if p == nil {
+			continue
+		}
+		if err := c.AllReduce(ctx, p.GradData(), comm.Mean); err != nil {
+			return fmt.Errorf("optim: averaging gradient of %q: %w", p.Name, err)
+		}
+	}
+	return nil
+}

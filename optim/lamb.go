@@ -1,0 +1,60 @@
+package optim
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/lowbit-ml/lowbit/comm"
+)
+
+// Lamb is exact data-parallel LAMB: every step averages the gradients over
+// the ranks with an exact allreduce, updates the moments as Adam does, and
+// scales each parameter's Adam/AdamW update by its trust ratio:
+//
+//	update = m_hat / (sqrt(v_hat) + eps) + wd*p
+//	coeff  = ||p|| / ||update||, clipped to [MinCoeff, MaxCoeff], 1 when either norm is 0
+//	p     -= lr * coeff * update
+//
+// Bias correction follows the config. Norms are accumulated in float64 (see
+// AdamDirection and LambCoeff).
+//
+// Step overwrites the gradients with their average. A step in which some
+// rank's gradient is not finite is skipped on every rank. After an error
+// from the communicator the state is undefined: load a checkpoint.
+type Lamb struct {
+	e *exact
+}
+
+var _ Optimizer = (*Lamb)(nil)
+
+// NewLamb returns LAMB over params, averaging gradients over c (nil for a
+// single process). It allocates both moments and one scratch buffer as
+// long as the largest parameter; Step allocates nothing.
+func NewLamb(c comm.Comm, params []*Param, cfg LambConfig, opts ...Option) (*Lamb, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("optim: LAMB: %w", err)
+	}
+	e, err := newExact(AlgorithmLamb, c, params, cfg.AdamConfig, opts)
+	if err != nil {
+		return nil, fmt.Errorf("optim: LAMB: %w", err)
+	}
+	e.lamb = cfg
+	return &Lamb{e: e}, nil
+}
+
+// Step applies one update; see Optimizer.
+func (l *Lamb) Step(ctx context.Context) error { return l.e.Step(ctx) }
+
+// Params returns the parameters in construction order.
+func (l *Lamb) Params() []*Param { return l.e.params }
+
+// Stats reports progress and traffic; Stage is always StageExact.
+func (l *Lamb) Stats() Stats { return l.e.stats }
+
+// State returns a checkpoint holding the parameters, both moments and the
+// step counters.
+func (l *Lamb) State() (*Checkpoint, error) { return l.e.State() }
+
+// Load restores a checkpoint made by Lamb.State on the same world size and
+// parameters; anything else is refused and changes nothing.
+func (l *Lamb) Load(ck *Checkpoint) error { return l.e.Load(ck) }
