@@ -72,3 +72,20 @@ func unpackScaleAddGeneric(acc []float32, src []byte, scale float32) {
 		}
 	}
 }
+
+// readGeneric ORs together the bits of every element of p: the portable
+// streaming read that the benchmarks compare the kernels against.
+func readGeneric(p []float32) uint32 {
+	var r0, r1, r2, r3 uint32
+	for len(p) >= 4 {
+		r0 |= math.Float32bits(p[0])
+		r1 |= math.Float32bits(p[1])
+		r2 |= math.Float32bits(p[2])
+		r3 |= math.Float32bits(p[3])
+		p = p[4:]
+	}
+	for _, v := range p {
+		r0 |= math.Float32bits(v)
+	}
+	return r0 | r1 | r2 | r3
+}
