@@ -132,7 +132,9 @@ type Stats struct {
 
 // Optimizer updates a fixed list of parameters from their gradients. Every
 // rank of the communicator calls Step once per training step, after writing
-// its local gradients; on return the parameters are identical on every rank.
+// its local gradients; on return the parameters are identical on every rank,
+// except between the synchronizations of 0/1 Adam's local steps (phase B),
+// where each rank runs ahead on its own gradients by design.
 type Optimizer interface {
 	// Step applies one update. A step in which any rank's gradient holds a
 	// NaN or Inf is skipped on every rank (counted in Stats.Skipped) and

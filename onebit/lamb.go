@@ -1,0 +1,667 @@
+package onebit
+
+// 1-bit LAMB, following the spec page onebit.md, section "1-bit LAMB".
+
+import (
+	"context"
+	"fmt"
+	"math"
+
+	"go.uber.org/zap"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/optim"
+)
+
+// LambConfig holds the hyper-parameters of 1-bit LAMB. Start from
+// DefaultLambConfig and change what you need: the zero value is not the
+// defaults.
+type LambConfig struct {
+	// LambConfig holds the learning rate, betas, eps, decoupled weight
+	// decay, bias correction and the trust-ratio bounds MaxCoeff and
+	// MinCoeff; see optim.DefaultLambConfig for their defaults.
+	//
+	// With BiasCorrection off the update is exactly the spec's
+	// m/(sqrt(v)+eps) (as in the reference, which has no bias
+	// correction). With it on, the warm-up stage matches optim.Lamb; in
+	// the compression stage m is corrected for the current step, the
+	// frozen v for the step it was frozen at, and v_fresh for the current
+	// step.
+	optim.LambConfig
+	// FreezeStep is the number of warm-up steps (plain LAMB with exactly
+	// averaged gradients) before the compression stage; at least 1, since
+	// the compression stage scales every update by the trust ratios
+	// averaged over the warm-up. Default 100000.
+	FreezeStep int
+	// CoeffBeta is the decay of the running average of the warm-up trust
+	// ratios (coeff_freeze) that scales every compression-stage update;
+	// in [0, 1). Default 0.9.
+	CoeffBeta float32
+	// FactorMax and FactorMin bound the compression-stage factor that
+	// stands in for the trust ratio's change, 0 < FactorMin <= FactorMax.
+	// Defaults 4 and 0.5.
+	FactorMax, FactorMin float32
+	// FactorThreshold bounds the relative change of the factor from one
+	// step to the next, in [0, 1). Default 0.1.
+	FactorThreshold float32
+	// ExpAvgMask optionally maps a parameter name to a mask of that
+	// parameter's size, multiplied into its momentum after every
+	// compressed allreduce (for momenta that must stay exactly zero,
+	// which 1-bit compression cannot represent). Default none.
+	ExpAvgMask map[string][]float32
+}
+
+// DefaultLambConfig returns optim.DefaultLambConfig (lr 1e-3, betas (0.9,
+// 0.999), eps 1e-8, no weight decay, bias correction on, coefficients
+// clipped to [0.01, 10]) with FreezeStep 100000, CoeffBeta 0.9, FactorMax
+// 4, FactorMin 0.5 and FactorThreshold 0.1.
+func DefaultLambConfig() LambConfig {
+	return LambConfig{
+		LambConfig:      optim.DefaultLambConfig(),
+		FreezeStep:      100000,
+		CoeffBeta:       0.9,
+		FactorMax:       4,
+		FactorMin:       0.5,
+		FactorThreshold: 0.1,
+	}
+}
+
+// Validate reports the first invalid field.
+func (c LambConfig) Validate() error {
+	if err := c.LambConfig.Validate(); err != nil {
+		return err
+	}
+	if c.FreezeStep < 1 {
+		return fmt.Errorf("onebit: freeze step %d must be at least 1", c.FreezeStep)
+	}
+	if !(c.CoeffBeta >= 0 && c.CoeffBeta < 1) {
+		return fmt.Errorf("onebit: coeff beta %v must be in [0, 1)", c.CoeffBeta)
+	}
+	if !(c.FactorMin > 0 && c.FactorMin <= c.FactorMax) || math.IsInf(float64(c.FactorMax), 1) {
+		return fmt.Errorf("onebit: factor bounds [%v, %v] must satisfy 0 < min <= max < +Inf", c.FactorMin, c.FactorMax)
+	}
+	if !(c.FactorThreshold >= 0 && c.FactorThreshold < 1) {
+		return fmt.Errorf("onebit: factor threshold %v must be in [0, 1)", c.FactorThreshold)
+	}
+	return nil
+}
+
+// Lamb is 1-bit LAMB: plain LAMB with exactly averaged gradients for
+// FreezeStep warm-up steps, then a compression stage in which every rank
+// updates its momentum from its local gradient and the momenta of the
+// whole model, concatenated in one flat buffer, go through one
+// error-compensated 1-bit allreduce per step. The second moment is frozen
+// then; a fresh copy of it, fed by gradients reconstructed from the
+// momentum, and the trust ratios averaged over the warm-up (coeff_freeze)
+// steer a per-parameter factor that replaces the trust ratio.
+//
+// Parameters with zero elements take no part and never produce NaN. With
+// one rank (or a nil communicator) the compressed allreduce is skipped.
+// Stats.BytesSent counts what this rank sent in Step, the finite-gradient
+// flag included.
+type Lamb struct {
+	c      comm.Comm // nil when world == 1 and none was given
+	world  int
+	rank   int
+	cfg    LambConfig
+	params []*optim.Param
+	masks  [][]float32 // per parameter; nil where none
+	log    *zap.Logger
+	guard  optim.FiniteGuard
+
+	// offs[i] is parameter i's offset in the flat buffers; offs[len(params)]
+	// is their length.
+	offs []int
+	// m, v and vFresh are the moments of every parameter, one after the
+	// other. m is the fused buffer that the compressed allreduce reduces.
+	m, v, vFresh []float32
+	// scratch holds m_last during a compression step, and the update of
+	// each parameter once its m_last is used up.
+	scratch []float32
+	ef      *State // error feedback of the fused buffer; nil when world == 1
+
+	stage       optim.Stage
+	step        int64     // updates applied (skipped steps excluded)
+	frozenAt    int64     // the step at which v was frozen
+	coeffFreeze []float64 // per parameter
+	lastFactor  []float64 // per parameter, starts at 1
+	scaling     []float32 // per parameter, set on the first compression step
+	scaled      bool      // whether scaling has been set
+	norms       []float64 // scratch for the scaling
+
+	mViews [][]float32 // m per parameter, for optim.CheckSizes
+
+	calls, skipped, bytes, lastBytes int64
+}
+
+var _ optim.Optimizer = (*Lamb)(nil)
+
+// Checkpoint names of 1-bit LAMB's state beyond optim's common ones. The
+// per-parameter entries are followed by the parameter name.
+const (
+	// ExpAvgSqFreshPrefix names v_fresh.
+	ExpAvgSqFreshPrefix = "exp_avg_sq_fresh/"
+	// FloatCoeffFreezePrefix, FloatLastFactorPrefix and FloatScalingPrefix
+	// name coeff_freeze, last_factor and scaling.
+	FloatCoeffFreezePrefix = "coeff_freeze/"
+	FloatLastFactorPrefix  = "last_factor/"
+	FloatScalingPrefix     = "scaling/"
+	// FusedWorkerError and FusedServerError name this rank's error buffers
+	// of the fused momentum buffer: PaddedLen(total, W) and
+	// PaddedLen(total, W)/W floats.
+	FusedWorkerError = "worker_error"
+	FusedServerError = "server_error"
+	// IntFrozenAt is the step at which v was frozen (0 in warm-up);
+	// IntScaled is 1 once the scaling has been computed.
+	IntFrozenAt = "frozen_at"
+	IntScaled   = "scaled"
+)
+
+// NewLamb returns 1-bit LAMB over params on the ranks of c (nil means one
+// rank). Every rank must construct it with the same parameter shapes, in
+// the same order, and the same config. The moments, the fused momentum
+// buffer and the error buffers are allocated here, once.
+func NewLamb(c comm.Comm, params []*optim.Param, cfg LambConfig, opts ...optim.Option) (*Lamb, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("onebit: 1-bit LAMB: %w", err)
+	}
+	if err := optim.CheckParams(params); err != nil {
+		return nil, fmt.Errorf("onebit: 1-bit LAMB: %w", err)
+	}
+	masks, err := compileMasks(params, cfg.ExpAvgMask)
+	if err != nil {
+		return nil, fmt.Errorf("onebit: 1-bit LAMB: %w", err)
+	}
+	world, rank := 1, 0
+	if c != nil {
+		world, rank = c.Size(), c.Rank()
+	}
+	o := &Lamb{
+		c: c, world: world, rank: rank, cfg: cfg,
+		params:      append([]*optim.Param(nil), params...),
+		masks:       masks,
+		log:         optim.ApplyOptions(opts).Logger,
+		offs:        make([]int, len(params)+1),
+		stage:       optim.StageWarmup,
+		coeffFreeze: make([]float64, len(params)),
+		lastFactor:  make([]float64, len(params)),
+		scaling:     make([]float32, len(params)),
+		norms:       make([]float64, len(params)),
+	}
+	for i, p := range params {
+		o.offs[i+1] = o.offs[i] + p.Numel()
+		o.lastFactor[i] = 1
+		o.scaling[i] = 1
+	}
+	total := o.offs[len(params)]
+	o.m = make([]float32, total)
+	o.mViews = make([][]float32, len(params))
+	for i := range params {
+		o.mViews[i] = o.m[o.offs[i]:o.offs[i+1]]
+	}
+	o.v = make([]float32, total)
+	o.vFresh = make([]float32, total)
+	o.scratch = make([]float32, total)
+	if world > 1 {
+		if o.ef, err = NewState(total, world); err != nil {
+			return nil, fmt.Errorf("onebit: 1-bit LAMB: %w", err)
+		}
+	}
+	return o, nil
+}
+
+// Params returns the parameters, in the order given to NewLamb.
+func (o *Lamb) Params() []*optim.Param { return o.params }
+
+// Stats reports the steps taken, the skipped ones, the stage of the next
+// step and the bytes this rank sent.
+func (o *Lamb) Stats() optim.Stats {
+	return optim.Stats{Steps: o.calls, Skipped: o.skipped, Stage: o.stage, BytesSent: o.bytes, LastStepBytes: o.lastBytes}
+}
+
+// Step applies one update from the gradients in the parameters. Every rank
+// calls it together. A step in which some rank's gradient is not finite
+// is skipped on every rank and changes nothing but the counters. In the
+// warm-up stage Step overwrites the gradients with their average over the
+// ranks. An error from the communicator leaves the optimizer in an
+// undefined state.
+func (o *Lamb) Step(ctx context.Context) error {
+	before := optim.CommBytes(o.c)
+	if err := optim.CheckSizes(o.params, o.mViews); err != nil {
+		return fmt.Errorf("onebit: 1-bit LAMB: %w", err)
+	}
+	ok, err := o.guard.Check(ctx, o.c, o.params)
+	if err != nil {
+		return fmt.Errorf("onebit: 1-bit LAMB step %d: %w", o.step+1, err)
+	}
+	o.calls++
+	if !ok {
+		o.skipped++
+		o.account(before)
+		o.log.Warn("1-bit LAMB: skipping a step with a non-finite gradient",
+			zap.Int64("step", o.step+1), zap.Int64("skipped", o.skipped))
+		return nil
+	}
+	if o.stage == optim.StageWarmup {
+		err = o.warmup(ctx)
+	} else {
+		err = o.compressed(ctx)
+	}
+	o.account(before)
+	return err
+}
+
+func (o *Lamb) account(before int64) {
+	o.lastBytes = optim.CommBytes(o.c) - before
+	o.bytes += o.lastBytes
+}
+
+// Stage is the stage the next step runs in: optim.StageWarmup or
+// optim.StageCompression.
+func (o *Lamb) Stage() optim.Stage { return o.stage }
+
+// biasCorrections returns the multipliers of m and of v for step t (1
+// and 1 without bias correction).
+func (o *Lamb) biasCorrections(t int64) (c1, c2 float32) {
+	if !o.cfg.BiasCorrection {
+		return 1, 1
+	}
+	return optim.BiasCorrection(o.cfg.Beta1, t), optim.BiasCorrection(o.cfg.Beta2, t)
+}
+
+// warmup is one step of plain LAMB on exactly averaged gradients.
+func (o *Lamb) warmup(ctx context.Context) error {
+	t := o.step + 1
+	if err := optim.AverageGrads(ctx, o.c, o.params); err != nil {
+		return fmt.Errorf("onebit: 1-bit LAMB step %d: %w", t, err)
+	}
+	cfg := &o.cfg
+	c1, c2 := o.biasCorrections(t)
+	cb := float64(cfg.CoeffBeta)
+	for i, p := range o.params {
+		lo, hi := o.offs[i], o.offs[i+1]
+		if lo == hi {
+			continue
+		}
+		m, v, upd := o.m[lo:hi], o.v[lo:hi], o.scratch[lo:hi]
+		optim.AdamMoments(m, v, p.GradData(), cfg.Beta1, cfg.Beta2)
+		pSq, uSq := optim.AdamDirection(upd, p.Data(), m, v, cfg.WeightDecay, c1, c2, cfg.Eps)
+		coeff := optim.LambCoeff(pSq, uSq, cfg.MinCoeff, cfg.MaxCoeff)
+		if coeff != 1 {
+			o.coeffFreeze[i] = cb*o.coeffFreeze[i] + (1-cb)*float64(coeff)
+		}
+		optim.Descend(p.Data(), upd, cfg.LR*coeff)
+	}
+	o.step = t
+	if t >= int64(cfg.FreezeStep) {
+		// v_fresh starts as a copy of the v that is frozen now.
+		copy(o.vFresh, o.v)
+		o.frozenAt = t
+		o.stage = optim.StageCompression
+		o.log.Info("1-bit LAMB: warm-up done, switching to compressed communication", zap.Int64("step", t))
+	}
+	return nil
+}
+
+// compressed is one step of the compression stage, numbered as in the
+// spec.
+func (o *Lamb) compressed(ctx context.Context) error {
+	t := o.step + 1
+	cfg := &o.cfg
+	// 2. The scaling, on the first compression step only (from m before
+	// this step's update).
+	if !o.scaled {
+		o.setScaling()
+	}
+	// 1. and 3. m_last = m; m = b1*m + (1-b1)*g_local; m *= scaling_p.
+	for i, p := range o.params {
+		lo, hi := o.offs[i], o.offs[i+1]
+		if lo == hi {
+			continue
+		}
+		lambMomentum(o.scratch[lo:hi], o.m[lo:hi], p.GradData(), cfg.Beta1, o.scaling[i])
+	}
+	// 4. One compressed allreduce of the fused buffer.
+	if o.ef != nil {
+		if err := AllReduce(ctx, o.c, o.m, o.ef); err != nil {
+			return fmt.Errorf("onebit: 1-bit LAMB step %d: %w", t, err)
+		}
+	}
+	// 5. Per parameter: unscale, mask, v_fresh, factor, update.
+	var c1, c2, c2Fresh float32 = 1, 1, 1
+	if cfg.BiasCorrection {
+		c1 = optim.BiasCorrection(cfg.Beta1, t)
+		c2 = optim.BiasCorrection(cfg.Beta2, o.frozenAt)
+		c2Fresh = optim.BiasCorrection(cfg.Beta2, t)
+	}
+	for i, p := range o.params {
+		lo, hi := o.offs[i], o.offs[i+1]
+		if lo == hi {
+			continue
+		}
+		m, s := o.m[lo:hi], o.scaling[i]
+		if o.masks[i] != nil {
+			// m /= scaling_p before the mask; the kernel then has nothing
+			// left to divide.
+			if s != 1 {
+				divScalar(m, s)
+			}
+			optim.Mul(m, o.masks[i])
+			s = 1
+		}
+		upd := o.scratch[lo:hi] // m_last on entry, the update on return
+		ratio, preSq, updSq := lambFreshDirection(upd, p.Data(), m, o.v[lo:hi], o.vFresh[lo:hi],
+			s, cfg.Beta1, cfg.Beta2, cfg.WeightDecay, c1, c2, c2Fresh, cfg.Eps)
+		f := o.factor(i, ratio, preSq, updSq)
+		optim.Descend(p.Data(), upd, float32(float64(cfg.LR)*o.coeffFreeze[i]*f))
+	}
+	o.step = t
+	return nil
+}
+
+// setScaling computes, from the momenta at the end of the warm-up,
+// s_p = ||m_p||/sqrt(numel_p), u = mean_p(s_p) and scaling_p = u/s_p (1
+// where s_p is 0, or where the ratio is not a finite float32).
+func (o *Lamb) setScaling() {
+	var sum float64
+	n := 0
+	for i := range o.params {
+		lo, hi := o.offs[i], o.offs[i+1]
+		if lo == hi {
+			continue
+		}
+		o.norms[i] = math.Sqrt(optim.SumSquares(o.m[lo:hi])) / math.Sqrt(float64(hi-lo))
+		sum += o.norms[i]
+		n++
+	}
+	for i := range o.params {
+		o.scaling[i] = 1
+		if o.offs[i] == o.offs[i+1] || o.norms[i] == 0 {
+			continue
+		}
+		if s := float32(sum / float64(n) / o.norms[i]); s > 0 && !math.IsInf(float64(s), 0) {
+			o.scaling[i] = s
+		}
+	}
+	o.scaled = true
+}
+
+// factor turns the largest ratio of frozen to fresh denominators of
+// parameter i into the factor of its update: blended towards 1 by the
+// share of the update that is not weight decay, clipped to [FactorMin,
+// FactorMax] and to within FactorThreshold of the last factor, which it
+// then replaces.
+func (o *Lamb) factor(i int, ratio float32, preSq, updSq float64) float64 {
+	cfg := &o.cfg
+	f := float64(ratio)
+	if cfg.WeightDecay > 0 {
+		r := 1.0
+		if updSq > 0 {
+			r = min(1, math.Sqrt(preSq)/math.Sqrt(updSq))
+		}
+		f = f*r + (1 - r)
+	}
+	f = min(max(f, float64(cfg.FactorMin)), float64(cfg.FactorMax))
+	last, th := o.lastFactor[i], float64(cfg.FactorThreshold)
+	f = min(max(f, last*(1-th)), last*(1+th))
+	o.lastFactor[i] = f
+	return f
+}
+
+// lambMomentum is steps 1 and 3 for one parameter: mLast = m, then
+// m = (b1*m + (1-b1)*g) * s, rounded as optim.Momentum and then the
+// product (no product when s is 1).
+func lambMomentum(mLast, m, g []float32, b1, s float32) {
+	a1 := optim.OneMinus(b1)
+	mLast, g = mLast[:len(m)], g[:len(m)]
+	if s == 1 {
+		for i, mi := range m {
+			mLast[i] = mi
+			m[i] = float32(b1*mi) + float32(a1*g[i])
+		}
+		return
+	}
+	for i, mi := range m {
+		mLast[i] = mi
+		m[i] = (float32(b1*mi) + float32(a1*g[i])) * s
+	}
+}
+
+// lambFreshDirection is the per-element part of step 5 for one parameter:
+// with u holding m_last on entry, m /= s (skipped when s is 1: a masked
+// parameter is unscaled and masked before), then
+//
+//	g_rec   = (m - b1*m_last)/(1-b1)
+//	v_fresh = b2*v_fresh + (1-b2)*g_rec^2
+//	denom   = sqrt(v*c2) + eps
+//	upd_pre = m*c1/denom
+//	u       = upd_pre + wd*p
+//
+// It returns the largest denom/(sqrt(v_fresh*c2Fresh)+eps) (0 if none is
+// larger) and the float64 sums of squares of upd_pre and of u.
+func lambFreshDirection(u, p, m, v, vFresh []float32, s, b1, b2, wd, c1, c2, c2Fresh, eps float32) (ratio float32, preSq, updSq float64) {
+	a1, a2 := optim.OneMinus(b1), optim.OneMinus(b2)
+	p, m, v, vFresh = p[:len(u)], m[:len(u)], v[:len(u)], vFresh[:len(u)]
+	for i := range u {
+		mi := m[i]
+		if s != 1 {
+			mi /= s
+			m[i] = mi
+		}
+		g := float32(mi-float32(b1*u[i])) / a1
+		vf := float32(b2*vFresh[i]) + float32(float32(a2*g)*g)
+		vFresh[i] = vf
+		d := float32(math.Sqrt(float64(float32(v[i]*c2)))) + eps
+		dr := float32(math.Sqrt(float64(float32(vf*c2Fresh)))) + eps
+		if r := d / dr; r > ratio {
+			ratio = r
+		}
+		pre := float32(mi*c1) / d
+		up := pre + float32(wd*p[i])
+		u[i] = up
+		preSq += float64(pre) * float64(pre)
+		updSq += float64(up) * float64(up)
+	}
+	return ratio, preSq, updSq
+}
+
+// divScalar divides x by s in place.
+func divScalar(x []float32, s float32) {
+	for i := range x {
+		x[i] /= s
+	}
+}
+
+// State returns a checkpoint of this rank's optimizer: the parameters, m,
+// v, v_fresh, the counters, the stage, coeff_freeze, last_factor, the
+// scaling, and this rank's worker and server errors of the fused buffer.
+func (o *Lamb) State() (*optim.Checkpoint, error) {
+	ck := &optim.Checkpoint{
+		Algorithm: optim.AlgorithmOnebitLamb,
+		World:     o.world,
+		Rank:      o.rank,
+		Stage:     o.stage,
+		Ints: map[string]int64{
+			optim.IntStep: o.step, optim.IntSteps: o.calls, optim.IntSkipped: o.skipped,
+			IntFrozenAt: o.frozenAt, IntScaled: boolInt(o.scaled),
+		},
+		Floats: make(map[string]float64, 3*len(o.params)),
+	}
+	for i, p := range o.params {
+		lo, hi := o.offs[i], o.offs[i+1]
+		shape := p.Shape()
+		ck.AddTensor(optim.ParamTensorName(p.Name), shape, p.Data())
+		ck.AddTensor(optim.ExpAvgPrefix+p.Name, shape, o.m[lo:hi])
+		ck.AddTensor(optim.ExpAvgSqPrefix+p.Name, shape, o.v[lo:hi])
+		ck.AddTensor(ExpAvgSqFreshPrefix+p.Name, shape, o.vFresh[lo:hi])
+		ck.Floats[FloatCoeffFreezePrefix+p.Name] = o.coeffFreeze[i]
+		ck.Floats[FloatLastFactorPrefix+p.Name] = o.lastFactor[i]
+		ck.Floats[FloatScalingPrefix+p.Name] = float64(o.scaling[i])
+	}
+	if o.ef != nil {
+		ck.AddTensor(FusedWorkerError, []int{len(o.ef.WorkerError)}, o.ef.WorkerError)
+		ck.AddTensor(FusedServerError, []int{len(o.ef.ServerError)}, o.ef.ServerError)
+	}
+	return ck, nil
+}
+
+// Load restores a checkpoint made by State on the same rank of a group of
+// the same size, over parameters of the same names and shapes. It refuses
+// anything else with an error wrapping optim.ErrIncompatibleCheckpoint and
+// then leaves the optimizer unchanged.
+func (o *Lamb) Load(ck *optim.Checkpoint) error {
+	if err := o.load(ck); err != nil {
+		return fmt.Errorf("onebit: 1-bit LAMB: %w", err)
+	}
+	o.log.Info("1-bit LAMB: checkpoint loaded", zap.Int64("step", o.step), zap.String("stage", string(o.stage)))
+	return nil
+}
+
+func (o *Lamb) load(ck *optim.Checkpoint) error {
+	if err := ck.CheckCompatible(optim.AlgorithmOnebitLamb, o.world, o.params); err != nil {
+		return err
+	}
+	if err := checkRank(ck, o.rank); err != nil {
+		return err
+	}
+	if ck.Stage != optim.StageWarmup && ck.Stage != optim.StageCompression {
+		return fmt.Errorf("%w: stage %q is not a 1-bit LAMB stage", optim.ErrIncompatibleCheckpoint, ck.Stage)
+	}
+	step, steps, skipped, err := optim.LoadCounters(ck)
+	if err != nil {
+		return err
+	}
+	ints, err := checkpointInts(ck, IntFrozenAt, IntScaled)
+	if err != nil {
+		return err
+	}
+	if ints[0] < 0 || ints[0] > step || ints[1] < 0 || ints[1] > 1 {
+		return fmt.Errorf("%w: inconsistent counters: %s %d, %s %d at step %d",
+			optim.ErrIncompatibleCheckpoint, IntFrozenAt, ints[0], IntScaled, ints[1], step)
+	}
+	// Gather and check everything before changing anything.
+	type copyOp struct{ dst, src []float32 }
+	var ops []copyOp
+	get := func(name string, dst []float32) error {
+		src, err := ck.TensorData(name, len(dst))
+		if err == nil {
+			ops = append(ops, copyOp{dst, src})
+		}
+		return err
+	}
+	floats := make([]float64, 0, 3*len(o.params))
+	for i, p := range o.params {
+		lo, hi := o.offs[i], o.offs[i+1]
+		for _, e := range []struct {
+			name string
+			dst  []float32
+		}{
+			{optim.ParamTensorName(p.Name), p.Data()},
+			{optim.ExpAvgPrefix + p.Name, o.m[lo:hi]},
+			{optim.ExpAvgSqPrefix + p.Name, o.v[lo:hi]},
+			{ExpAvgSqFreshPrefix + p.Name, o.vFresh[lo:hi]},
+		} {
+			if err := get(e.name, e.dst); err != nil {
+				return err
+			}
+		}
+		for _, k := range []string{FloatCoeffFreezePrefix, FloatLastFactorPrefix, FloatScalingPrefix} {
+			f, err := ck.Float(k + p.Name)
+			if err != nil {
+				return err
+			}
+			if math.IsNaN(f) || math.IsInf(f, 0) || k == FloatScalingPrefix && !(float32(f) > 0) {
+				return fmt.Errorf("%w: %s%s is %v", optim.ErrIncompatibleCheckpoint, k, p.Name, f)
+			}
+			floats = append(floats, f)
+		}
+	}
+	if o.ef != nil {
+		if err := get(FusedWorkerError, o.ef.WorkerError); err != nil {
+			return err
+		}
+		if err := get(FusedServerError, o.ef.ServerError); err != nil {
+			return err
+		}
+	}
+	for _, op := range ops {
+		copy(op.dst, op.src)
+	}
+	for i := range o.params {
+		o.coeffFreeze[i] = floats[3*i]
+		o.lastFactor[i] = floats[3*i+1]
+		o.scaling[i] = float32(floats[3*i+2])
+	}
+	o.stage = ck.Stage
+	o.step, o.frozenAt, o.scaled = step, ints[0], ints[1] != 0
+	o.calls, o.skipped, o.lastBytes = steps, skipped, 0
+	return nil
+}
+
+// compileMasks checks the exp_avg masks against params and returns them
+// per parameter (nil where a parameter has none), copied.
+func compileMasks(params []*optim.Param, masks map[string][]float32) ([][]float32, error) {
+	out := make([][]float32, len(params))
+	found := 0
+	for i, p := range params {
+		mask, ok := masks[p.Name]
+		if !ok {
+			continue
+		}
+		if len(mask) != p.Numel() {
+			return nil, fmt.Errorf("exp_avg mask of %q has %d elements, the parameter %d", p.Name, len(mask), p.Numel())
+		}
+		if !optim.Finite(mask) {
+			return nil, fmt.Errorf("exp_avg mask of %q is not finite", p.Name)
+		}
+		out[i] = append([]float32(nil), mask...)
+		found++
+	}
+	if found != len(masks) {
+		for name := range masks {
+			if !hasParam(params, name) {
+				return nil, fmt.Errorf("exp_avg mask for %q, which is not a parameter", name)
+			}
+		}
+	}
+	return out, nil
+}
+
+func hasParam(params []*optim.Param, name string) bool {
+	for _, p := range params {
+		if p.Name == name {
+			return true
+		}
+	}
+	return false
+}
+
+// checkRank refuses a checkpoint made by another rank: it holds that
+// rank's error buffers.
+func checkRank(ck *optim.Checkpoint, rank int) error {
+	if ck.Rank != rank {
+		return fmt.Errorf("%w: made by rank %d, this is rank %d (error buffers are per rank)", optim.ErrIncompatibleCheckpoint, ck.Rank, rank)
+	}
+	return nil
+}
+
+// checkpointInts returns the named counters of ck, in order, or the error
+// for the first missing one.
+func checkpointInts(ck *optim.Checkpoint, names ...string) ([]int64, error) {
+	out := make([]int64, len(names))
+	for i, n := range names {
+		v, err := ck.Int(n)
+		if err != nil {
+			return nil, err
+		}
+		out[i] = v
+	}
+	return out, nil
+}
+
+func boolInt(b bool) int64 {
+	if b {
+		return 1
+	}
+	return 0
+}

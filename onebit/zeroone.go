@@ -1,0 +1,542 @@
+package onebit
+
+// 0/1 Adam, following the spec page onebit.md, section "0/1 Adam".
+
+import (
+	"context"
+	"fmt"
+	"math"
+
+	"go.uber.org/zap"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/optim"
+)
+
+// ZeroOneAdamConfig holds the hyper-parameters of 0/1 Adam. Start from
+// DefaultZeroOneAdamConfig and change what you need: the zero value is not
+// the defaults.
+type ZeroOneAdamConfig struct {
+	// AdamConfig holds the learning rate, betas, eps, decoupled weight
+	// decay and bias correction; see optim.DefaultAdamConfig for their
+	// defaults.
+	//
+	// With BiasCorrection off the update is exactly the spec's (and the
+	// reference's) m/(sqrt(v)+eps). With it on, m is corrected for the
+	// current step and v for the number of variance updates it has had
+	// (frozen with v in phase B); the accumulated learning rate lrs then
+	// sums the corrected step sizes lr/(1-beta1^t), so that m = -u/lrs
+	// stays an average of uncorrected momenta.
+	optim.AdamConfig
+	// VarFreezeStep is the last step of phase A, after which the variance
+	// is frozen and local steps begin; at least 1. Default 100000.
+	VarFreezeStep int
+	// VarUpdateScaler (kappa) is the number of variance updates after
+	// which the interval between them doubles; at least 1. Default 16.
+	VarUpdateScaler int
+	// LocalStepScaler is the number of phase-B steps after which the
+	// interval between synchronizations doubles (up to LocalStepClipper);
+	// at least 1. Default 32678 (sic, as in the reference).
+	LocalStepScaler int
+	// LocalStepClipper (H) caps the interval between synchronizations in
+	// phase B; at least 1. Default 16.
+	LocalStepClipper int
+	// ExpAvgMask optionally maps a parameter name to a mask of that
+	// parameter's size, multiplied into what comes out of every
+	// compressed allreduce (the gradient in phase A, the momentum
+	// accumulator in phase B), also with one rank, where the allreduce is
+	// skipped. Default none.
+	ExpAvgMask map[string][]float32
+}
+
+// DefaultZeroOneAdamConfig returns optim.DefaultAdamConfig (lr 1e-3, betas
+// (0.9, 0.999), eps 1e-8, no weight decay, bias correction on) with
+// VarFreezeStep 100000, VarUpdateScaler 16, LocalStepScaler 32678 and
+// LocalStepClipper 16.
+func DefaultZeroOneAdamConfig() ZeroOneAdamConfig {
+	return ZeroOneAdamConfig{
+		AdamConfig:       optim.DefaultAdamConfig(),
+		VarFreezeStep:    100000,
+		VarUpdateScaler:  16,
+		LocalStepScaler:  32678,
+		LocalStepClipper: 16,
+	}
+}
+
+// Validate reports the first invalid field.
+func (c ZeroOneAdamConfig) Validate() error {
+	if err := c.AdamConfig.Validate(); err != nil {
+		return err
+	}
+	for _, f := range []struct {
+		name string
+		v    int
+	}{
+		{"var freeze step", c.VarFreezeStep},
+		{"var update scaler", c.VarUpdateScaler},
+		{"local step scaler", c.LocalStepScaler},
+		{"local step clipper", c.LocalStepClipper},
+	} {
+		if f.v < 1 {
+			return fmt.Errorf("onebit: %s %d must be at least 1", f.name, f.v)
+		}
+	}
+	return nil
+}
+
+// ZeroOneAdam is 0/1 Adam. In phase A (steps 1..VarFreezeStep) the
+// variance is updated, from an exactly averaged gradient, only on steps
+// that are multiples of an interval that doubles after every
+// VarUpdateScaler such updates; on the other steps the gradient goes
+// through the 1-bit compressed allreduce and only the momentum is updated.
+// In phase B the variance is frozen and every rank takes local steps,
+// accumulating them in u; only on steps that are multiples of a second
+// interval (doubling every LocalStepScaler steps, up to LocalStepClipper)
+// does u go through the compressed allreduce, which resynchronizes the
+// parameters and the momentum. Between those steps the ranks' parameters
+// differ (that is the point of local steps); after each of them they are
+// identical again, bit for bit.
+//
+// The accumulator u is kept as the parameters at the last
+// synchronization (the anchor): at a synchronization u = p - anchor, which
+// is the spec's u in exact arithmetic and, unlike a separately
+// accumulated u (the reference's), leaves no rounding difference between
+// the ranks' parameters afterwards: p = anchor + u_avg/(sqrt(v)+eps) is
+// computed from the same values on every rank. It costs the same memory.
+//
+// Each parameter has its own error-feedback state; both error buffers are
+// zeroed once when phase B begins. With one rank (or a nil communicator)
+// the compressed allreduce is skipped. Stats.BytesSent counts what this
+// rank sent in Step, the finite-gradient flag included.
+type ZeroOneAdam struct {
+	c      comm.Comm
+	world  int
+	rank   int
+	cfg    ZeroOneAdamConfig
+	params []*optim.Param
+	masks  [][]float32
+	log    *zap.Logger
+	guard  optim.FiniteGuard
+
+	m, v   [][]float32 // per parameter: momentum, variance
+	anchor [][]float32 // per parameter: its value at the last synchronization
+	ef     []*State    // per parameter; nil when world == 1
+
+	stage         optim.Stage
+	step          int64   // updates applied (skipped steps excluded)
+	varUpdates    int64   // variance updates so far (for its bias correction)
+	varInterval   int64   // phase A: variance update when step % varInterval == 0
+	varCounter    int64   // variance updates since varInterval last doubled
+	localInterval int64   // phase B: synchronize when step % localInterval == 0
+	localCounter  int64   // phase-B steps since localInterval last doubled
+	lrs           float64 // learning rates summed since the last synchronization
+
+	calls, skipped, bytes, lastBytes int64
+}
+
+var _ optim.Optimizer = (*ZeroOneAdam)(nil)
+
+// Checkpoint names of 0/1 Adam's state beyond optim's common ones and
+// WorkerErrorPrefix and ServerErrorPrefix (this rank's error buffers of
+// every parameter, as in 1-bit Adam).
+const (
+	// AnchorPrefix, followed by the parameter name, names the value of
+	// the parameter at the last synchronization (the accumulator u is the
+	// parameter minus it).
+	AnchorPrefix = "sync_anchor/"
+	// FloatLRS is lrs, the step sizes summed since the last
+	// synchronization.
+	FloatLRS = "lrs"
+	// The counters of the schedule; IntVarUpdates is the number of
+	// variance updates so far.
+	IntVarUpdates    = "var_updates"
+	IntVarInterval   = "var_interval"
+	IntVarCounter    = "var_counter"
+	IntLocalInterval = "local_interval"
+	IntLocalCounter  = "local_counter"
+)
+
+// NewZeroOneAdam returns 0/1 Adam over params on the ranks of c (nil means
+// one rank). Every rank must construct it with the same parameter shapes,
+// in the same order, and the same config. All buffers are allocated here,
+// once.
+func NewZeroOneAdam(c comm.Comm, params []*optim.Param, cfg ZeroOneAdamConfig, opts ...optim.Option) (*ZeroOneAdam, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("onebit: 0/1 Adam: %w", err)
+	}
+	if err := optim.CheckParams(params); err != nil {
+		return nil, fmt.Errorf("onebit: 0/1 Adam: %w", err)
+	}
+	masks, err := compileMasks(params, cfg.ExpAvgMask)
+	if err != nil {
+		return nil, fmt.Errorf("onebit: 0/1 Adam: %w", err)
+	}
+	world, rank := 1, 0
+	if c != nil {
+		world, rank = c.Size(), c.Rank()
+	}
+	o := &ZeroOneAdam{
+		c: c, world: world, rank: rank, cfg: cfg,
+		params:        append([]*optim.Param(nil), params...),
+		masks:         masks,
+		log:           optim.ApplyOptions(opts).Logger,
+		m:             make([][]float32, len(params)),
+		v:             make([][]float32, len(params)),
+		anchor:        make([][]float32, len(params)),
+		stage:         optim.StagePhaseA,
+		varInterval:   1,
+		localInterval: 1,
+	}
+	if world > 1 {
+		o.ef = make([]*State, len(params))
+	}
+	for i, p := range params {
+		n := p.Numel()
+		o.m[i] = make([]float32, n)
+		o.v[i] = make([]float32, n)
+		o.anchor[i] = make([]float32, n)
+		if o.ef != nil {
+			if o.ef[i], err = NewState(n, world); err != nil {
+				return nil, fmt.Errorf("onebit: 0/1 Adam: parameter %q: %w", p.Name, err)
+			}
+		}
+	}
+	return o, nil
+}
+
+// Params returns the parameters, in the order given to NewZeroOneAdam.
+func (o *ZeroOneAdam) Params() []*optim.Param { return o.params }
+
+// Stats reports the steps taken, the skipped ones, the phase of the next
+// step and the bytes this rank sent.
+func (o *ZeroOneAdam) Stats() optim.Stats {
+	return optim.Stats{Steps: o.calls, Skipped: o.skipped, Stage: o.stage, BytesSent: o.bytes, LastStepBytes: o.lastBytes}
+}
+
+// Intervals reports the current intervals and counters of the schedule:
+// the variance-update interval and the number of variance updates since it
+// last doubled (phase A), and the synchronization interval and the number
+// of phase-B steps since it last doubled.
+func (o *ZeroOneAdam) Intervals() (varInterval, varCounter, localInterval, localCounter int64) {
+	return o.varInterval, o.varCounter, o.localInterval, o.localCounter
+}
+
+// Step applies one update from the gradients in the parameters. Every rank
+// calls it together. A step in which some rank's gradient is not finite is
+// skipped on every rank and changes nothing but the counters. Step may
+// overwrite the gradients (with their exact or compressed average). An
+// error from the communicator leaves the optimizer in an undefined state.
+func (o *ZeroOneAdam) Step(ctx context.Context) error {
+	before := optim.CommBytes(o.c)
+	if err := optim.CheckSizes(o.params, o.m); err != nil {
+		return fmt.Errorf("onebit: 0/1 Adam: %w", err)
+	}
+	ok, err := o.guard.Check(ctx, o.c, o.params)
+	if err != nil {
+		return fmt.Errorf("onebit: 0/1 Adam step %d: %w", o.step+1, err)
+	}
+	o.calls++
+	if !ok {
+		o.skipped++
+		o.account(before)
+		o.log.Warn("0/1 Adam: skipping a step with a non-finite gradient",
+			zap.Int64("step", o.step+1), zap.Int64("skipped", o.skipped))
+		return nil
+	}
+	if o.stage == optim.StagePhaseA {
+		err = o.phaseA(ctx)
+	} else {
+		err = o.phaseB(ctx)
+	}
+	o.account(before)
+	return err
+}
+
+func (o *ZeroOneAdam) account(before int64) {
+	o.lastBytes = optim.CommBytes(o.c) - before
+	o.bytes += o.lastBytes
+}
+
+// Stage is the phase the next step runs in: optim.StagePhaseA or
+// optim.StagePhaseB.
+func (o *ZeroOneAdam) Stage() optim.Stage { return o.stage }
+
+// corrections returns the bias-correction multipliers of m at step t and
+// of v after its variance updates (1 and 1 without bias correction).
+func (o *ZeroOneAdam) corrections(t int64) (c1, c2 float32) {
+	if !o.cfg.BiasCorrection {
+		return 1, 1
+	}
+	return optim.BiasCorrection(o.cfg.Beta1, t), optim.BiasCorrection(o.cfg.Beta2, o.varUpdates)
+}
+
+func (o *ZeroOneAdam) phaseA(ctx context.Context) error {
+	t := o.step + 1
+	cfg := &o.cfg
+	varStep := t%o.varInterval == 0
+	if varStep {
+		if err := optim.AverageGrads(ctx, o.c, o.params); err != nil {
+			return fmt.Errorf("onebit: 0/1 Adam step %d: %w", t, err)
+		}
+		o.varUpdates++
+	}
+	c1, c2 := o.corrections(t)
+	for i, p := range o.params {
+		g := p.GradData()
+		if len(g) == 0 {
+			continue
+		}
+		if varStep {
+			optim.AdamMoments(o.m[i], o.v[i], g, cfg.Beta1, cfg.Beta2)
+		} else {
+			if o.ef != nil {
+				if err := AllReduce(ctx, o.c, g, o.ef[i]); err != nil {
+					return fmt.Errorf("onebit: 0/1 Adam step %d: parameter %q: %w", t, p.Name, err)
+				}
+			}
+			if o.masks[i] != nil {
+				optim.Mul(g, o.masks[i])
+			}
+			optim.Momentum(o.m[i], g, cfg.Beta1)
+		}
+		optim.AdamUpdate(p.Data(), o.m[i], o.v[i], cfg.LR, cfg.WeightDecay, c1, c2, cfg.Eps)
+	}
+	o.step = t
+	if varStep {
+		o.varCounter++
+		if o.varCounter == int64(cfg.VarUpdateScaler) {
+			o.varCounter = 0
+			o.varInterval *= 2
+		}
+	}
+	if t >= int64(cfg.VarFreezeStep) {
+		// The error buffers held gradient errors; phase B compresses the
+		// accumulated momentum, so they start again from zero.
+		for _, st := range o.ef {
+			st.Reset()
+		}
+		for i, p := range o.params {
+			copy(o.anchor[i], p.Data())
+		}
+		o.stage = optim.StagePhaseB
+		o.log.Info("0/1 Adam: variance frozen, switching to local steps", zap.Int64("step", t))
+	}
+	return nil
+}
+
+func (o *ZeroOneAdam) phaseB(ctx context.Context) error {
+	t := o.step + 1
+	cfg := &o.cfg
+	c1, c2 := o.corrections(t)
+	// The step size applied to m/(sqrt(v)+eps) this step: lr, or
+	// lr/(1-beta1^t) with bias correction (the same float32 product as in
+	// zeroOneLocalStep).
+	o.lrs += float64(float32(cfg.LR * c1))
+	sync := t%o.localInterval == 0
+	lrs := float32(o.lrs)
+	for i, p := range o.params {
+		g := p.GradData()
+		if len(g) == 0 {
+			continue
+		}
+		m, v := o.m[i], o.v[i]
+		if !sync {
+			zeroOneLocalStep(p.Data(), m, v, g, nil, cfg.Beta1, cfg.LR, cfg.WeightDecay, c1, c2, cfg.Eps)
+			continue
+		}
+		// The local step, then u = p - anchor (in the gradient's buffer,
+		// used up); p -= u, which is p = anchor; u *= sqrt(v)+eps.
+		zeroOneLocalStep(p.Data(), m, v, g, o.anchor[i], cfg.Beta1, cfg.LR, cfg.WeightDecay, c1, c2, cfg.Eps)
+		u := g
+		if o.ef != nil {
+			if err := AllReduce(ctx, o.c, u, o.ef[i]); err != nil {
+				return fmt.Errorf("onebit: 0/1 Adam step %d: parameter %q: %w", t, p.Name, err)
+			}
+		}
+		if o.masks[i] != nil {
+			optim.Mul(u, o.masks[i])
+		}
+		// m = -u/lrs; p = anchor + u/(sqrt(v)+eps), the new anchor.
+		zeroOneArrive(p.Data(), m, o.anchor[i], u, lrs)
+	}
+	if sync {
+		o.lrs = 0
+	}
+	o.step = t
+	o.localCounter++
+	if o.localCounter == int64(cfg.LocalStepScaler) {
+		o.localCounter = 0
+		o.localInterval = min(int64(cfg.LocalStepClipper), 2*o.localInterval)
+	}
+	return nil
+}
+
+// zeroOneLocalStep is the local step of phase B for one parameter (u,
+// the accumulated -lr*upd, is implicit in p - anchor):
+//
+//	m    = b1*m + (1-b1)*g
+//	upd  = m*c1/(sqrt(v*c2)+eps) + wd*p
+//	p   -= lr*upd
+//
+// With an anchor (a synchronization step) it then overwrites g with
+// u*(sqrt(v*c2)+eps), u = p - anchor: the momentum accumulated since the
+// last synchronization, weighted by the step sizes; and m, which
+// zeroOneArrive replaces, with the denominator sqrt(v*c2)+eps, for
+// zeroOneArrive to use.
+func zeroOneLocalStep(p, m, v, g, anchor []float32, b1, lr, wd, c1, c2, eps float32) {
+	a1 := optim.OneMinus(b1)
+	m, v, g = m[:len(p)], v[:len(p)], g[:len(p)]
+	if anchor == nil {
+		for i := range p {
+			mi := float32(b1*m[i]) + float32(a1*g[i])
+			m[i] = mi
+			d := float32(math.Sqrt(float64(float32(v[i]*c2)))) + eps
+			upd := float32(mi*c1)/d + float32(wd*p[i])
+			p[i] -= float32(lr * upd)
+		}
+		return
+	}
+	anchor = anchor[:len(p)]
+	for i := range p {
+		mi := float32(b1*m[i]) + float32(a1*g[i])
+		m[i] = mi
+		d := float32(math.Sqrt(float64(float32(v[i]*c2)))) + eps
+		upd := float32(mi*c1)/d + float32(wd*p[i])
+		pi := p[i] - float32(lr*upd)
+		p[i] = pi
+		g[i] = (pi - anchor[i]) * d
+		m[i] = d
+	}
+}
+
+// zeroOneArrive sets, with m holding the denominators sqrt(v*c2)+eps on
+// entry (see zeroOneLocalStep), p = anchor + u/(sqrt(v*c2)+eps) and
+// m = -u/lrs, and makes p the new anchor.
+func zeroOneArrive(p, m, anchor, u []float32, lrs float32) {
+	m, anchor, u = m[:len(p)], anchor[:len(p)], u[:len(p)]
+	for i := range p {
+		ui := u[i]
+		pi := anchor[i] + ui/m[i]
+		m[i] = -ui / lrs
+		p[i] = pi
+		anchor[i] = pi
+	}
+}
+
+// State returns a checkpoint of this rank's optimizer: the parameters, m,
+// v, the anchor (and with it u), the counters, the phase, the intervals,
+// lrs, and this rank's
+// worker and server errors of every parameter.
+func (o *ZeroOneAdam) State() (*optim.Checkpoint, error) {
+	ck := &optim.Checkpoint{
+		Algorithm: optim.AlgorithmZeroOneAdam,
+		World:     o.world,
+		Rank:      o.rank,
+		Stage:     o.stage,
+		Ints: map[string]int64{
+			optim.IntStep: o.step, optim.IntSteps: o.calls, optim.IntSkipped: o.skipped,
+			IntVarUpdates: o.varUpdates, IntVarInterval: o.varInterval, IntVarCounter: o.varCounter,
+			IntLocalInterval: o.localInterval, IntLocalCounter: o.localCounter,
+		},
+		Floats: map[string]float64{FloatLRS: o.lrs},
+	}
+	for i, p := range o.params {
+		shape := p.Shape()
+		ck.AddTensor(optim.ParamTensorName(p.Name), shape, p.Data())
+		ck.AddTensor(optim.ExpAvgPrefix+p.Name, shape, o.m[i])
+		ck.AddTensor(optim.ExpAvgSqPrefix+p.Name, shape, o.v[i])
+		ck.AddTensor(AnchorPrefix+p.Name, shape, o.anchor[i])
+		if o.ef != nil {
+			ck.AddTensor(WorkerErrorPrefix+p.Name, []int{len(o.ef[i].WorkerError)}, o.ef[i].WorkerError)
+			ck.AddTensor(ServerErrorPrefix+p.Name, []int{len(o.ef[i].ServerError)}, o.ef[i].ServerError)
+		}
+	}
+	return ck, nil
+}
+
+// Load restores a checkpoint made by State on the same rank of a group of
+// the same size, over parameters of the same names and shapes. It refuses
+// anything else with an error wrapping optim.ErrIncompatibleCheckpoint and
+// then leaves the optimizer unchanged.
+func (o *ZeroOneAdam) Load(ck *optim.Checkpoint) error {
+	if err := o.load(ck); err != nil {
+		return fmt.Errorf("onebit: 0/1 Adam: %w", err)
+	}
+	o.log.Info("0/1 Adam: checkpoint loaded", zap.Int64("step", o.step), zap.String("stage", string(o.stage)))
+	return nil
+}
+
+func (o *ZeroOneAdam) load(ck *optim.Checkpoint) error {
+	if err := ck.CheckCompatible(optim.AlgorithmZeroOneAdam, o.world, o.params); err != nil {
+		return err
+	}
+	if err := checkRank(ck, o.rank); err != nil {
+		return err
+	}
+	if ck.Stage != optim.StagePhaseA && ck.Stage != optim.StagePhaseB {
+		return fmt.Errorf("%w: stage %q is not a 0/1 Adam phase", optim.ErrIncompatibleCheckpoint, ck.Stage)
+	}
+	step, steps, skipped, err := optim.LoadCounters(ck)
+	if err != nil {
+		return err
+	}
+	ints, err := checkpointInts(ck, IntVarUpdates, IntVarInterval, IntVarCounter, IntLocalInterval, IntLocalCounter)
+	if err != nil {
+		return err
+	}
+	for _, v := range ints {
+		if v < 0 {
+			return fmt.Errorf("%w: negative schedule counter %d", optim.ErrIncompatibleCheckpoint, v)
+		}
+	}
+	if ints[1] < 1 || ints[3] < 1 {
+		return fmt.Errorf("%w: intervals %d and %d must be at least 1", optim.ErrIncompatibleCheckpoint, ints[1], ints[3])
+	}
+	lrs, err := ck.Float(FloatLRS)
+	if err != nil {
+		return err
+	}
+	if math.IsNaN(lrs) || math.IsInf(lrs, 0) {
+		return fmt.Errorf("%w: lrs is %v", optim.ErrIncompatibleCheckpoint, lrs)
+	}
+	type copyOp struct{ dst, src []float32 }
+	var ops []copyOp
+	get := func(name string, dst []float32) error {
+		src, err := ck.TensorData(name, len(dst))
+		if err == nil {
+			ops = append(ops, copyOp{dst, src})
+		}
+		return err
+	}
+	for i, p := range o.params {
+		if err := get(optim.ParamTensorName(p.Name), p.Data()); err != nil {
+			return err
+		}
+		if err := get(optim.ExpAvgPrefix+p.Name, o.m[i]); err != nil {
+			return err
+		}
+		if err := get(optim.ExpAvgSqPrefix+p.Name, o.v[i]); err != nil {
+			return err
+		}
+		if err := get(AnchorPrefix+p.Name, o.anchor[i]); err != nil {
+			return err
+		}
+		if o.ef != nil {
+			if err := get(WorkerErrorPrefix+p.Name, o.ef[i].WorkerError); err != nil {
+				return err
+			}
+			if err := get(ServerErrorPrefix+p.Name, o.ef[i].ServerError); err != nil {
+				return err
+			}
+		}
+	}
+	for _, op := range ops {
+		copy(op.dst, op.src)
+	}
+	o.stage = ck.Stage
+	o.step, o.varUpdates, o.varInterval, o.varCounter = step, ints[0], ints[1], ints[2]
+	o.localInterval, o.localCounter = ints[3], ints[4]
+	o.calls, o.skipped, o.lastBytes = steps, skipped, 0
+	o.lrs = lrs
+	return nil
+}
