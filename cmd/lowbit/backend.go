@@ -24,8 +24,11 @@ const backends = "local|mpi"
 // With backend "mpi" this process is one rank of the MPI world started by
 // mpirun: runRanks opens the world, calls fn once and closes it (which
 // finalizes MPI). ranks <= 0 accepts any world size; a positive ranks must
-// equal it. A binary built without the mpi build tag returns mpi.Open's
-// error, which says how to build one with it.
+// equal it. When fn fails, runRanks returns without closing: the caller
+// should exit with a non-zero status, which makes mpirun end the other
+// ranks, possibly blocked in a collective with this one. A binary built
+// without the mpi build tag returns mpi.Open's error, which says how to
+// build one with it.
 func runRanks(ctx context.Context, backend string, ranks int, fn func(ctx context.Context, c comm.Comm) error) error {
 	switch backend {
 	case "local":
@@ -49,14 +52,17 @@ func runRanks(ctx context.Context, backend string, ranks int, fn func(ctx contex
 				ranks, c.Size())
 			return errors.Join(err, c.Close())
 		}
-		err = fn(ctx, c)
-		if err != nil {
-			err = fmt.Errorf("rank %d: %w", c.Rank(), err)
+		if err := fn(ctx, c); err != nil {
+			// Peers may be blocked in a collective with this rank, and
+			// freeing the communicator is itself collective: leave MPI
+			// as it is, so that this process's non-zero exit makes
+			// mpirun end the job instead of every rank hanging.
+			return fmt.Errorf("rank %d: %w", c.Rank(), err)
 		}
-		if cerr := c.Close(); cerr != nil {
-			err = errors.Join(err, fmt.Errorf("mpi backend: close: %w", cerr))
+		if err := c.Close(); err != nil {
+			return fmt.Errorf("mpi backend: close: %w", err)
 		}
-		return err
+		return nil
 	}
 	return fmt.Errorf("unknown backend %q (want %s)", backend, backends)
 }

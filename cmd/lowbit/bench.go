@@ -1,0 +1,751 @@
+package main
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/csv"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"runtime/pprof"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/onebit"
+)
+
+func init() {
+	register(command{
+		name:  "bench",
+		usage: "PARAM-style collective benchmark: exact collectives and the 1-bit allreduce",
+		run: func(args []string, stdout io.Writer) error {
+			cfg, err := parseBenchFlags(args, os.Stderr)
+			if errors.Is(err, flag.ErrHelp) {
+				return nil
+			}
+			if err != nil {
+				return err
+			}
+			_, err = runBench(context.Background(), cfg, stdout)
+			return err
+		},
+	})
+}
+
+// The collectives lowbit bench knows, in the order -h lists them.
+var benchCollectives = []string{"allreduce", "onebit", "alltoall", "allgather", "reducescatter"}
+
+// csvHeader is the first line of --csv output (a rel_error column is
+// appended with --check).
+const csvHeader = "collective,bytes,elements_per_rank,time_p50_us,time_p95_us,time_min_us,time_max_us," +
+	"algbw_gbps,busbw_gbps,wire_bytes_per_rank,compression_ratio"
+
+// Relative errors above which --check fails: exact collectives must agree
+// with a float64 reference to float32 rounding; the 1-bit allreduce must
+// at least beat the all-zero output, whose relative error is exactly 1.
+const (
+	exactTolerance  = 1e-5
+	onebitTolerance = 1.0
+)
+
+// benchConfig is a parsed lowbit bench command line.
+type benchConfig struct {
+	sizes       []int64 // bytes of float32 data per rank, ascending
+	warmup      int
+	iters       int
+	collectives []string
+	backend     string
+	ranks       int  // local: rank count; mpi: required world size, <= 0 for any
+	check       bool // compare results with a reference and report the relative error
+	format      string
+	cpuProfile  string // write a CPU profile here (mpi: one per rank, suffixed .rankN)
+}
+
+// sizeFlag is a byte count flag that accepts binary suffixes.
+type sizeFlag struct{ v *int64 }
+
+func (s sizeFlag) String() string {
+	if s.v == nil {
+		return ""
+	}
+	return formatSize(*s.v)
+}
+
+func (s sizeFlag) Set(v string) error {
+	n, err := parseSize(v)
+	if err != nil {
+		return err
+	}
+	*s.v = n
+	return nil
+}
+
+// parseSize parses a positive byte count: digits with an optional binary
+// suffix K, M, G or T (1K = 1024), case-insensitive, optionally followed by
+// B or iB (64M, 64MB, 64MiB).
+func parseSize(s string) (int64, error) {
+	t := strings.ToUpper(strings.TrimSpace(s))
+	t = strings.TrimSuffix(t, "IB")
+	if len(t) > 1 {
+		t = strings.TrimSuffix(t, "B")
+	}
+	shift := 0
+	if t != "" {
+		switch t[len(t)-1] {
+		case 'K':
+			shift = 10
+		case 'M':
+			shift = 20
+		case 'G':
+			shift = 30
+		case 'T':
+			shift = 40
+		}
+		if shift > 0 {
+			t = t[:len(t)-1]
+		}
+	}
+	n, err := strconv.ParseInt(t, 10, 64)
+	if err != nil || n <= 0 {
+		return 0, fmt.Errorf("invalid size %q: want a positive byte count such as 4096, 1K, 64M or 1G", s)
+	}
+	if n > math.MaxInt64>>shift {
+		return 0, fmt.Errorf("invalid size %q: too large", s)
+	}
+	return n << shift, nil
+}
+
+// formatSize writes b with the largest binary suffix that divides it.
+func formatSize(b int64) string {
+	for _, u := range []struct {
+		shift  uint
+		suffix string
+	}{{40, "T"}, {30, "G"}, {20, "M"}, {10, "K"}} {
+		if b >= 1<<u.shift && b%(1<<u.shift) == 0 {
+			return strconv.FormatInt(b>>u.shift, 10) + u.suffix
+		}
+	}
+	return strconv.FormatInt(b, 10)
+}
+
+// sizeSweep returns begin, begin*factor, ... up to end.
+func sizeSweep(begin, end, factor int64) ([]int64, error) {
+	switch {
+	case begin <= 0 || end <= 0:
+		return nil, fmt.Errorf("sizes must be positive (--b %d, --e %d)", begin, end)
+	case begin%4 != 0 || end%4 != 0:
+		return nil, fmt.Errorf("sizes are bytes of float32 data and must be multiples of 4 (--b %d, --e %d)", begin, end)
+	case end < begin:
+		return nil, fmt.Errorf("end size %s is below begin size %s", formatSize(end), formatSize(begin))
+	case factor < 2 && end != begin:
+		return nil, fmt.Errorf("size factor --f must be at least 2, got %d", factor)
+	}
+	var sizes []int64
+	for s := begin; s <= end; s *= factor {
+		sizes = append(sizes, s)
+		if factor < 2 || s > end/factor {
+			break
+		}
+	}
+	return sizes, nil
+}
+
+// parseBenchFlags parses lowbit bench's arguments; usage goes to out.
+func parseBenchFlags(args []string, out io.Writer) (*benchConfig, error) {
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	fs.SetOutput(out)
+	begin, end := int64(1<<10), int64(64<<20)
+	fs.Var(sizeFlag{&begin}, "b", "begin `size`: bytes of float32 data per rank (1K, 64M, 1G: binary units)")
+	fs.Var(sizeFlag{&end}, "e", "end `size` (inclusive)")
+	factor := fs.Int64("f", 4, "size factor between steps")
+	warmup := fs.Int("w", 2, "warm-up iterations per collective and size")
+	iters := fs.Int("n", 10, "timed iterations per collective and size")
+	list := fs.String("collective", "allreduce,onebit", "comma-separated collectives: "+strings.Join(benchCollectives, ","))
+	backend := fs.String("backend", "local", "communication backend: "+backends)
+	ranks := fs.Int("ranks", 4, "ranks of the local backend (with mpi: the world size mpirun must have started)")
+	check := fs.Bool("check", false, "check each result against the exact computation and report the relative error")
+	asJSON := fs.Bool("json", false, "write JSON")
+	asCSV := fs.Bool("csv", false, "write CSV")
+	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the run to `file` (mpi backend: file.rankN per rank)")
+	fs.Usage = func() {
+		fmt.Fprint(out, `usage: lowbit bench [flags]
+
+Times collectives over a sweep of sizes, PARAM/nccl-tests style. A size is
+the bytes of float32 data each rank holds: the buffer of allreduce and
+onebit, the send (= receive) buffer of alltoall, the receive buffer of
+allgather and the send buffer of reducescatter (the last three are cut to
+a multiple of the rank count). allreduce and reducescatter average
+(comm.Mean), like onebit. Each rank times each iteration after a barrier;
+p50/p95/min/max are over all ranks and timed iterations. algBW = size/p50
+(GB/s, decimal); busBW = algBW*2(W-1)/W for allreduce and onebit and
+algBW*(W-1)/W for the others. Wire bytes are what each rank sent per
+iteration according to comm.Stats; the compression ratio is the float32
+exact collective's wire bytes over them. With both allreduce and onebit,
+each size ends with the speedup of onebit over allreduce (ratio of p50s).
+
+--check compares each result with a float64 reference computed from every
+rank's (deterministic) input and fails when an exact collective is off by
+more than 1e-5 relative, or onebit by 1 or more (the error of an all-zero
+output). onebit is checked on one extra call from zeroed error buffers: with
+error feedback, only the running sum of its outputs tracks the inputs'.
+
+With --backend mpi start it under mpirun (a binary built with -tags mpi).
+
+`)
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	sizes, err := sizeSweep(begin, end, *factor)
+	if err != nil {
+		return nil, err
+	}
+	if *warmup < 0 || *iters < 1 {
+		return nil, fmt.Errorf("need --w >= 0 and --n >= 1, got --w %d --n %d", *warmup, *iters)
+	}
+	cfg := &benchConfig{sizes: sizes, warmup: *warmup, iters: *iters, backend: *backend,
+		ranks: *ranks, check: *check, format: "table", cpuProfile: *cpuProfile}
+	for name := range strings.SplitSeq(*list, ",") {
+		name = strings.TrimSpace(name)
+		if !slices.Contains(benchCollectives, name) {
+			return nil, fmt.Errorf("unknown collective %q (want %s)", name, strings.Join(benchCollectives, ", "))
+		}
+		cfg.collectives = append(cfg.collectives, name)
+	}
+	switch {
+	case *asJSON && *asCSV:
+		return nil, errors.New("--json and --csv exclude each other")
+	case *asJSON:
+		cfg.format = "json"
+	case *asCSV:
+		cfg.format = "csv"
+	}
+	if cfg.backend == "mpi" {
+		ranksSet := false
+		fs.Visit(func(f *flag.Flag) { ranksSet = ranksSet || f.Name == "ranks" })
+		if !ranksSet {
+			cfg.ranks = 0
+		}
+	}
+	return cfg, nil
+}
+
+// benchRow is one collective at one size.
+type benchRow struct {
+	Collective       string   `json:"collective"`
+	Bytes            int64    `json:"bytes"`
+	ElementsPerRank  int      `json:"elements_per_rank"`
+	TimeP50us        float64  `json:"time_p50_us"`
+	TimeP95us        float64  `json:"time_p95_us"`
+	TimeMinus        float64  `json:"time_min_us"`
+	TimeMaxus        float64  `json:"time_max_us"`
+	AlgBWGBps        float64  `json:"algbw_gbps"`
+	BusBWGBps        float64  `json:"busbw_gbps"`
+	WireBytesPerRank int64    `json:"wire_bytes_per_rank"`
+	CompressionRatio float64  `json:"compression_ratio"`
+	RelError         *float64 `json:"rel_error,omitempty"` // with --check
+}
+
+// benchSpeedup compares onebit with allreduce at one size.
+type benchSpeedup struct {
+	Bytes   int64   `json:"bytes"`
+	Speedup float64 `json:"onebit_vs_allreduce"` // allreduce p50 / onebit p50
+}
+
+// benchResult is what one run measured, as --json writes it.
+type benchResult struct {
+	Backend    string         `json:"backend"`
+	Ranks      int            `json:"ranks"`
+	Warmup     int            `json:"warmup"`
+	Iterations int            `json:"iterations"`
+	Results    []benchRow     `json:"results"`
+	Speedups   []benchSpeedup `json:"speedups,omitempty"`
+}
+
+// runBench runs the benchmark described by cfg; rank 0 writes the report to
+// stdout and its rows are returned. With --check a result off by more than
+// the tolerance makes it fail after the whole sweep has run.
+func runBench(ctx context.Context, cfg *benchConfig, stdout io.Writer) (*benchResult, error) {
+	res := &benchResult{Backend: cfg.backend, Warmup: cfg.warmup, Iterations: cfg.iters}
+	var failed []string
+	err := runRanks(ctx, cfg.backend, cfg.ranks, func(ctx context.Context, c comm.Comm) (err error) {
+		if cfg.cpuProfile != "" && (c.Rank() == 0 || cfg.backend != "local") {
+			stop, err := startCPUProfile(cfg.cpuProfile, cfg.backend, c.Rank())
+			if err != nil {
+				return err
+			}
+			defer func() { err = errors.Join(err, stop()) }()
+		}
+		var rep *benchReporter
+		if c.Rank() == 0 {
+			res.Ranks = c.Size()
+			rep = &benchReporter{w: stdout, cfg: cfg, res: res}
+			if err := rep.begin(); err != nil {
+				return err
+			}
+		}
+		if err := benchRank(ctx, c, cfg, rep); err != nil {
+			return err
+		}
+		if rep == nil {
+			return nil
+		}
+		failed = rep.failed
+		return rep.end()
+	})
+	if err != nil {
+		return nil, err
+	}
+	if len(failed) > 0 {
+		return res, fmt.Errorf("check failed: %s", strings.Join(failed, "; "))
+	}
+	return res, nil
+}
+
+// startCPUProfile profiles this process into name (with the mpi backend,
+// where each rank is a process, name.rankN) until stop is called.
+func startCPUProfile(name, backend string, rank int) (stop func() error, err error) {
+	if backend != "local" {
+		name = fmt.Sprintf("%s.rank%d", name, rank)
+	}
+	f, err := os.Create(name)
+	if err != nil {
+		return nil, fmt.Errorf("cpu profile: %w", err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("cpu profile: %w", err)
+	}
+	return func() error {
+		pprof.StopCPUProfile()
+		return f.Close()
+	}, nil
+}
+
+// benchRank is one rank's share of the sweep; rep is non-nil on rank 0.
+func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchReporter) error {
+	w := c.Size()
+	times := make([]int64, cfg.iters)
+	payload := make([]byte, 8*(cfg.iters+3))
+	gathered := make([]byte, w*len(payload))
+	samples := make([]int64, w*cfg.iters)
+	for _, size := range cfg.sizes {
+		for _, name := range cfg.collectives {
+			bc, err := newBenchCase(name, c, int(size/4))
+			if err != nil {
+				return fmt.Errorf("%s at %s: %w", name, formatSize(size), err)
+			}
+			wire, err := timeCase(ctx, c, bc, cfg.warmup, times)
+			if err != nil {
+				return fmt.Errorf("%s at %s: %w", name, formatSize(size), err)
+			}
+			var errSq, refSq float64
+			if cfg.check {
+				if bc.checkRun != nil {
+					if err := bc.checkRun(ctx); err != nil {
+						return fmt.Errorf("%s at %s: check run: %w", name, formatSize(size), err)
+					}
+				}
+				errSq, refSq = bc.check()
+			}
+			// Every rank's times, wire bytes and check sums go to every
+			// rank (the Comm has no gather to one root); rank 0 reports.
+			for i, t := range times {
+				binary.LittleEndian.PutUint64(payload[8*i:], uint64(t))
+			}
+			binary.LittleEndian.PutUint64(payload[8*cfg.iters:], uint64(wire))
+			binary.LittleEndian.PutUint64(payload[8*cfg.iters+8:], math.Float64bits(errSq))
+			binary.LittleEndian.PutUint64(payload[8*cfg.iters+16:], math.Float64bits(refSq))
+			if err := c.AllGatherBytes(ctx, payload, gathered); err != nil {
+				return fmt.Errorf("%s at %s: gathering times: %w", name, formatSize(size), err)
+			}
+			if rep == nil {
+				continue
+			}
+			row := summarize(name, bc.elems, w, cfg.iters, gathered, samples)
+			if cfg.check {
+				var e, r float64
+				for j := 0; j < w; j++ {
+					p := gathered[j*len(payload)+8*cfg.iters:]
+					e += math.Float64frombits(binary.LittleEndian.Uint64(p[8:]))
+					r += math.Float64frombits(binary.LittleEndian.Uint64(p[16:]))
+				}
+				rel := math.Sqrt(e / r)
+				row.RelError = &rel
+			}
+			if err := rep.row(row); err != nil {
+				return err
+			}
+		}
+		if rep != nil {
+			if err := rep.endSize(size); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// benchCase is one collective at one size on one rank, with its buffers.
+type benchCase struct {
+	elems   int                             // elements per rank, as reported
+	prepare func()                          // restores the input before an iteration; untimed; may be nil
+	run     func(ctx context.Context) error // the timed call
+	check   func() (errSq, refSq float64)   // squared distance to the exact result, and its squared norm
+	// checkRun, when set, makes the result that check inspects (else it
+	// inspects the last timed call's).
+	checkRun func(ctx context.Context) error
+}
+
+// newBenchCase allocates and fills the buffers of collective name for
+// elems float32 per rank on c.
+func newBenchCase(name string, c comm.Comm, elems int) (*benchCase, error) {
+	w, rank := c.Size(), c.Rank()
+	switch name {
+	case "allreduce", "onebit":
+		input := make([]float32, elems)
+		fillInput(input, rank, 0)
+		buf := make([]float32, elems)
+		bc := &benchCase{
+			elems:   elems,
+			prepare: func() { copy(buf, input) },
+			check: func() (float64, float64) {
+				return sqDist(buf, func(i int) float64 { return meanInput(w, i) })
+			},
+		}
+		if name == "allreduce" {
+			bc.run = func(ctx context.Context) error { return c.AllReduce(ctx, buf, comm.Mean) }
+			return bc, nil
+		}
+		st, err := onebit.NewState(elems, w)
+		if err != nil {
+			return nil, err
+		}
+		bc.run = func(ctx context.Context) error { return onebit.AllReduce(ctx, c, buf, st) }
+		// With error feedback one call's output is not an estimate of the
+		// mean, only the running sum of outputs is (the residual carries
+		// the rest): check a call made from zeroed error buffers.
+		bc.checkRun = func(ctx context.Context) error {
+			st.Reset()
+			copy(buf, input)
+			return onebit.AllReduce(ctx, c, buf, st)
+		}
+		return bc, nil
+	}
+
+	elems -= elems % w
+	if elems == 0 {
+		return nil, fmt.Errorf("size too small for %d ranks", w)
+	}
+	k := elems / w
+	switch name {
+	case "alltoall":
+		send, recv := make([]float32, elems), make([]float32, elems)
+		fillInput(send, rank, 0)
+		return &benchCase{
+			elems: elems,
+			run:   func(ctx context.Context) error { return c.AllToAll(ctx, send, recv) },
+			check: func() (float64, float64) {
+				return sqDist(recv, func(i int) float64 { return float64(inputValue(i/k, rank*k+i%k)) })
+			},
+		}, nil
+	case "allgather":
+		send, recv := make([]float32, k), make([]float32, elems)
+		fillInput(send, rank, 0)
+		return &benchCase{
+			elems: elems,
+			run:   func(ctx context.Context) error { return c.AllGather(ctx, send, recv) },
+			check: func() (float64, float64) {
+				return sqDist(recv, func(i int) float64 { return float64(inputValue(i/k, i%k)) })
+			},
+		}, nil
+	case "reducescatter":
+		send, recv := make([]float32, elems), make([]float32, k)
+		fillInput(send, rank, 0)
+		return &benchCase{
+			elems: elems,
+			run:   func(ctx context.Context) error { return c.ReduceScatter(ctx, send, recv, comm.Mean) },
+			check: func() (float64, float64) {
+				return sqDist(recv, func(i int) float64 { return meanInput(w, rank*k+i) })
+			},
+		}, nil
+	}
+	return nil, fmt.Errorf("unknown collective %q", name)
+}
+
+// timeCase runs warmup untimed and len(times) timed iterations of bc, each
+// after a barrier, and stores each timed call's duration in nanoseconds.
+// It returns the bytes this rank sent per timed iteration, from comm.Stats.
+// The loop allocates nothing.
+func timeCase(ctx context.Context, c comm.Comm, bc *benchCase, warmup int, times []int64) (int64, error) {
+	for i := 0; i < warmup; i++ {
+		if bc.prepare != nil {
+			bc.prepare()
+		}
+		if err := c.Barrier(ctx); err != nil {
+			return 0, err
+		}
+		if err := bc.run(ctx); err != nil {
+			return 0, err
+		}
+	}
+	before := c.Stats()
+	for i := range times {
+		if bc.prepare != nil {
+			bc.prepare()
+		}
+		if err := c.Barrier(ctx); err != nil {
+			return 0, err
+		}
+		t0 := time.Now()
+		if err := bc.run(ctx); err != nil {
+			return 0, err
+		}
+		times[i] = int64(time.Since(t0))
+	}
+	return sentBytes(c.Stats().Sub(before)) / int64(len(times)), nil
+}
+
+// sentBytes is the bytes sent over every kind of collective but barriers.
+func sentBytes(s comm.Stats) int64 {
+	var n int64
+	for k, t := range s.PerCollective {
+		if comm.Collective(k) != comm.CBarrier {
+			n += t.BytesSent
+		}
+	}
+	return n
+}
+
+// summarize turns the gathered payloads (per rank: iters times in ns, wire
+// bytes, two check sums) into a row; samples is scratch of w*iters.
+func summarize(name string, elems, w, iters int, gathered []byte, samples []int64) benchRow {
+	stride := 8 * (iters + 3)
+	var wire int64
+	for j := 0; j < w; j++ {
+		p := gathered[j*stride:]
+		for i := 0; i < iters; i++ {
+			samples[j*iters+i] = int64(binary.LittleEndian.Uint64(p[8*i:]))
+		}
+		wire = max(wire, int64(binary.LittleEndian.Uint64(p[8*iters:])))
+	}
+	slices.Sort(samples)
+	us := func(ns int64) float64 { return float64(ns) / 1e3 }
+	bytes := int64(elems) * 4
+	row := benchRow{
+		Collective:       name,
+		Bytes:            bytes,
+		ElementsPerRank:  elems,
+		TimeP50us:        us(percentile(samples, 0.50)),
+		TimeP95us:        us(percentile(samples, 0.95)),
+		TimeMinus:        us(samples[0]),
+		TimeMaxus:        us(samples[len(samples)-1]),
+		WireBytesPerRank: wire,
+	}
+	if row.TimeP50us > 0 {
+		row.AlgBWGBps = float64(bytes) / (row.TimeP50us * 1e3) // bytes/ns = GB/s
+	}
+	row.BusBWGBps = row.AlgBWGBps * busFactor(name, w)
+	exact := wire
+	if name == "onebit" {
+		exact = comm.RingAllReduceBytes(bytes, w)
+	}
+	if wire > 0 {
+		row.CompressionRatio = float64(exact) / float64(wire)
+	}
+	return row
+}
+
+// percentile is the nearest-rank percentile of sorted samples.
+func percentile(sorted []int64, p float64) int64 {
+	i := int(math.Ceil(p*float64(len(sorted)))) - 1
+	return sorted[max(0, min(i, len(sorted)-1))]
+}
+
+// busFactor converts algorithm bandwidth to bus bandwidth (nccl-tests).
+func busFactor(name string, w int) float64 {
+	if name == "allreduce" || name == "onebit" {
+		return 2 * float64(w-1) / float64(w)
+	}
+	return float64(w-1) / float64(w)
+}
+
+// inputValue is element i of rank's benchmark input: a deterministic
+// pseudo-random value in [-1, 1), so that any rank can recompute any
+// other rank's input for --check without communicating.
+func inputValue(rank, i int) float32 {
+	z := uint64(rank)*0x9e3779b97f4a7c15 ^ uint64(i)
+	z += 0x632be59bd9b4e019
+	// splitmix64 finalizer
+	z = (z ^ z>>30) * 0xbf58476d1ce4e5b9
+	z = (z ^ z>>27) * 0x94d049bb133111eb
+	z ^= z >> 31
+	return float32(int32(z>>40)-1<<23) * (1.0 / (1 << 23))
+}
+
+// fillInput sets dst[i] = inputValue(rank, off+i).
+func fillInput(dst []float32, rank, off int) {
+	for i := range dst {
+		dst[i] = inputValue(rank, off+i)
+	}
+}
+
+// meanInput is the exact (float64) mean over w ranks of element i.
+func meanInput(w, i int) float64 {
+	var s float64
+	for r := 0; r < w; r++ {
+		s += float64(inputValue(r, i))
+	}
+	return s / float64(w)
+}
+
+// sqDist returns sum (got[i]-want(i))^2 and sum want(i)^2.
+func sqDist(got []float32, want func(i int) float64) (errSq, refSq float64) {
+	for i, g := range got {
+		x := want(i)
+		d := float64(g) - x
+		errSq += d * d
+		refSq += x * x
+	}
+	return errSq, refSq
+}
+
+// benchReporter writes rank 0's report as rows arrive.
+type benchReporter struct {
+	w      io.Writer
+	cfg    *benchConfig
+	res    *benchResult
+	csv    *csv.Writer
+	size   []benchRow // rows of the current size
+	failed []string   // --check failures
+}
+
+func (r *benchReporter) begin() error {
+	switch r.cfg.format {
+	case "csv":
+		r.csv = csv.NewWriter(r.w)
+		h := strings.Split(csvHeader, ",")
+		if r.cfg.check {
+			h = append(h, "rel_error")
+		}
+		r.csv.Write(h)
+		r.csv.Flush()
+		return r.csv.Error()
+	case "table":
+		_, err := fmt.Fprintf(r.w, "# lowbit bench: backend %s, %d ranks, %d warm-up and %d timed iterations; "+
+			"times over all ranks and timed iterations\n%s\n",
+			r.cfg.backend, r.res.Ranks, r.cfg.warmup, r.cfg.iters, tableHeader(r.cfg.check))
+		return err
+	}
+	return nil
+}
+
+func tableHeader(check bool) string {
+	h := fmt.Sprintf("%-13s %6s %11s %11s %11s %11s %11s %9s %9s %12s %7s",
+		"collective", "size", "elems/rank", "p50(us)", "p95(us)", "min(us)", "max(us)",
+		"algBW", "busBW", "wire B/rank", "ratio")
+	if check {
+		h += fmt.Sprintf(" %9s", "rel.err")
+	}
+	return h
+}
+
+// formatRow renders one row of the human table.
+func formatRow(row benchRow) string {
+	ratio := "-"
+	if row.CompressionRatio > 0 {
+		ratio = fmt.Sprintf("%.2fx", row.CompressionRatio)
+	}
+	s := fmt.Sprintf("%-13s %6s %11d %11.1f %11.1f %11.1f %11.1f %9.3f %9.3f %12d %7s",
+		row.Collective, formatSize(row.Bytes), row.ElementsPerRank,
+		row.TimeP50us, row.TimeP95us, row.TimeMinus, row.TimeMaxus,
+		row.AlgBWGBps, row.BusBWGBps, row.WireBytesPerRank, ratio)
+	if row.RelError != nil {
+		s += fmt.Sprintf(" %9.2e", *row.RelError)
+	}
+	return s
+}
+
+// csvRecord renders one row as CSV fields, in csvHeader's order.
+func csvRecord(row benchRow) []string {
+	f := func(v float64) string { return strconv.FormatFloat(v, 'f', -1, 64) }
+	rec := []string{
+		row.Collective, strconv.FormatInt(row.Bytes, 10), strconv.Itoa(row.ElementsPerRank),
+		f(row.TimeP50us), f(row.TimeP95us), f(row.TimeMinus), f(row.TimeMaxus),
+		f(row.AlgBWGBps), f(row.BusBWGBps), strconv.FormatInt(row.WireBytesPerRank, 10), f(row.CompressionRatio),
+	}
+	if row.RelError != nil {
+		rec = append(rec, strconv.FormatFloat(*row.RelError, 'g', 6, 64))
+	}
+	return rec
+}
+
+func (r *benchReporter) row(row benchRow) error {
+	r.res.Results = append(r.res.Results, row)
+	r.size = append(r.size, row)
+	if row.RelError != nil {
+		tol := exactTolerance
+		if row.Collective == "onebit" {
+			tol = onebitTolerance
+		}
+		if !(*row.RelError <= tol) { // NaN fails too
+			r.failed = append(r.failed, fmt.Sprintf("%s at %s: relative error %.3g above %g",
+				row.Collective, formatSize(row.Bytes), *row.RelError, tol))
+		}
+	}
+	switch r.cfg.format {
+	case "csv":
+		r.csv.Write(csvRecord(row))
+		r.csv.Flush()
+		return r.csv.Error()
+	case "table":
+		_, err := fmt.Fprintln(r.w, formatRow(row))
+		return err
+	}
+	return nil
+}
+
+// endSize closes a size: the speedup of onebit over allreduce, when both ran.
+func (r *benchReporter) endSize(size int64) error {
+	rows := r.size
+	r.size = r.size[:0]
+	var exact, compressed float64
+	for _, row := range rows {
+		switch row.Collective {
+		case "allreduce":
+			exact = row.TimeP50us
+		case "onebit":
+			compressed = row.TimeP50us
+		}
+	}
+	if exact == 0 || compressed == 0 {
+		return nil
+	}
+	sp := benchSpeedup{Bytes: size, Speedup: exact / compressed}
+	r.res.Speedups = append(r.res.Speedups, sp)
+	if r.cfg.format != "table" {
+		return nil
+	}
+	_, err := fmt.Fprintf(r.w, "%-13s %6s speedup onebit vs allreduce: %.2fx\n", "", formatSize(size), sp.Speedup)
+	return err
+}
+
+func (r *benchReporter) end() error {
+	if r.cfg.format != "json" {
+		return nil
+	}
+	enc := json.NewEncoder(r.w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(r.res)
+}

@@ -1,0 +1,267 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"io"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/comm/mpi"
+)
+
+func TestParseSize(t *testing.T) {
+	for in, want := range map[string]int64{
+		"4096": 4096, "1K": 1 << 10, "1k": 1 << 10, "64M": 64 << 20, "64MiB": 64 << 20,
+		"64MB": 64 << 20, "1G": 1 << 30, "2T": 2 << 40, " 8K ": 8 << 10, "12B": 12,
+	} {
+		got, err := parseSize(in)
+		require.NoError(t, err, in)
+		assert.Equal(t, want, got, in)
+	}
+	for _, in := range []string{"", "K", "abc", "0", "-1K", "1.5K", "1X", "99999999T"} {
+		_, err := parseSize(in)
+		assert.Error(t, err, in)
+	}
+	for _, b := range []int64{1 << 10, 64 << 20, 1 << 30, 4096 + 4, 12} {
+		got, err := parseSize(formatSize(b))
+		require.NoError(t, err)
+		assert.Equal(t, b, got)
+	}
+	assert.Equal(t, "64M", formatSize(64<<20))
+	assert.Equal(t, "1028", formatSize(1028))
+}
+
+func TestSizeSweep(t *testing.T) {
+	got, err := sizeSweep(1<<10, 64<<10, 4)
+	require.NoError(t, err)
+	assert.Equal(t, []int64{1 << 10, 4 << 10, 16 << 10, 64 << 10}, got)
+	got, err = sizeSweep(1<<20, 5<<20, 2) // the end need not be on the series
+	require.NoError(t, err)
+	assert.Equal(t, []int64{1 << 20, 2 << 20, 4 << 20}, got)
+	got, err = sizeSweep(4096, 4096, 1)
+	require.NoError(t, err)
+	assert.Equal(t, []int64{4096}, got)
+
+	for _, c := range [][3]int64{{0, 8, 2}, {8, 4, 2}, {6, 64, 2}, {8, 64, 1}} {
+		_, err := sizeSweep(c[0], c[1], c[2])
+		assert.Error(t, err, c)
+	}
+}
+
+func TestParseBenchFlags(t *testing.T) {
+	cfg, err := parseBenchFlags(strings.Fields("-b 1K --e 16K --f 4 --w 0 -n 3 --collective onebit,allgather --ranks 3 --check --csv"), io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, []int64{1 << 10, 4 << 10, 16 << 10}, cfg.sizes)
+	assert.Equal(t, []string{"onebit", "allgather"}, cfg.collectives)
+	assert.Equal(t, 0, cfg.warmup)
+	assert.Equal(t, 3, cfg.iters)
+	assert.Equal(t, 3, cfg.ranks)
+	assert.True(t, cfg.check)
+	assert.Equal(t, "csv", cfg.format)
+	assert.Equal(t, "local", cfg.backend)
+
+	cfg, err = parseBenchFlags([]string{"--backend", "mpi"}, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, 0, cfg.ranks, "mpi takes the world size unless --ranks is given")
+	cfg, err = parseBenchFlags([]string{"--backend", "mpi", "--ranks", "4"}, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, 4, cfg.ranks)
+
+	for _, args := range []string{
+		"--collective allreduce,broadcast", "--b 1X", "--b 64K --e 1K", "--n 0", "--json --csv", "--f 1", "extra",
+	} {
+		_, err := parseBenchFlags(strings.Fields(args), io.Discard)
+		assert.Error(t, err, args)
+	}
+	_, err = parseBenchFlags([]string{"-h"}, io.Discard)
+	assert.ErrorIs(t, err, flag.ErrHelp)
+}
+
+func TestFormatting(t *testing.T) {
+	rel := 0.5
+	row := benchRow{Collective: "onebit", Bytes: 64 << 20, ElementsPerRank: 16 << 20,
+		TimeP50us: 1500, TimeP95us: 2000, TimeMinus: 1000, TimeMaxus: 2500,
+		AlgBWGBps: 44.7392426666, BusBWGBps: 67.1, WireBytesPerRank: 3145800, CompressionRatio: 31.99}
+	assert.Equal(t, []string{"onebit", "67108864", "16777216", "1500", "2000", "1000", "2500",
+		"44.7392426666", "67.1", "3145800", "31.99"}, csvRecord(row))
+	line := formatRow(row)
+	for _, s := range []string{"onebit", "64M", "16777216", "1500.0", "44.739", "3145800", "31.99x"} {
+		assert.Contains(t, line, s)
+	}
+	row.RelError = &rel
+	assert.Equal(t, "0.5", csvRecord(row)[11])
+	assert.Contains(t, formatRow(row), "5.00e-01")
+	row.CompressionRatio = 0 // one rank: nothing on the wire
+	assert.Contains(t, formatRow(row), " - ")
+
+	// The header is part of the interface: scripts parse it.
+	var buf bytes.Buffer
+	rep := &benchReporter{w: &buf, cfg: &benchConfig{format: "csv"}, res: &benchResult{}}
+	require.NoError(t, rep.begin())
+	assert.Equal(t, "collective,bytes,elements_per_rank,time_p50_us,time_p95_us,time_min_us,time_max_us,"+
+		"algbw_gbps,busbw_gbps,wire_bytes_per_rank,compression_ratio\n", buf.String())
+}
+
+func TestSummarize(t *testing.T) {
+	// Two ranks, two iterations: times 1..4 µs, rank 1 sent more.
+	const w, iters = 2, 2
+	gathered := make([]byte, w*8*(iters+3))
+	put := func(j, i int, v uint64) {
+		for b := 0; b < 8; b++ {
+			gathered[j*8*(iters+3)+8*i+b] = byte(v >> (8 * b))
+		}
+	}
+	put(0, 0, 4000)
+	put(0, 1, 1000)
+	put(1, 0, 3000)
+	put(1, 1, 2000)
+	put(0, 2, 1000)
+	put(1, 2, 1200)
+	row := summarize("allgather", 1000, w, iters, gathered, make([]int64, w*iters))
+	assert.Equal(t, int64(4000), row.Bytes)
+	assert.Equal(t, 2.0, row.TimeP50us)
+	assert.Equal(t, 4.0, row.TimeP95us)
+	assert.Equal(t, 1.0, row.TimeMinus)
+	assert.Equal(t, 4.0, row.TimeMaxus)
+	assert.InDelta(t, 2.0, row.AlgBWGBps, 1e-12) // 4000 B / 2 µs
+	assert.InDelta(t, 1.0, row.BusBWGBps, 1e-12) // (W-1)/W
+	assert.Equal(t, int64(1200), row.WireBytesPerRank)
+	assert.Equal(t, 1.0, row.CompressionRatio)
+
+	row = summarize("onebit", 1000, w, iters, gathered, make([]int64, w*iters))
+	assert.InDelta(t, 2.0, row.BusBWGBps, 1e-12) // 2(W-1)/W
+	assert.InDelta(t, 4000.0/1200, row.CompressionRatio, 1e-12)
+}
+
+func TestBenchEndToEnd(t *testing.T) {
+	cfg, err := parseBenchFlags(strings.Fields(
+		"--b 4K --e 64K --f 16 --w 0 --n 1 --ranks 4 --check --collective allreduce,onebit,alltoall,allgather,reducescatter"),
+		io.Discard)
+	require.NoError(t, err)
+	var out bytes.Buffer
+	res, err := runBench(context.Background(), cfg, &out)
+	require.NoError(t, err)
+	require.Len(t, res.Results, 10)
+	assert.Equal(t, 4, res.Ranks)
+
+	wire := map[string]int64{}
+	for _, row := range res.Results {
+		require.NotNil(t, row.RelError, row.Collective)
+		if row.Collective == "onebit" {
+			assert.Less(t, *row.RelError, 1.0, "onebit at %d", row.Bytes)
+			assert.Greater(t, *row.RelError, 0.0)
+		} else {
+			assert.Less(t, *row.RelError, 1e-6, "%s at %d", row.Collective, row.Bytes)
+			assert.Equal(t, 1.0, row.CompressionRatio)
+		}
+		assert.Positive(t, row.TimeP50us)
+		assert.LessOrEqual(t, row.TimeMinus, row.TimeP50us)
+		assert.LessOrEqual(t, row.TimeP95us, row.TimeMaxus)
+		if row.Bytes == 64<<10 {
+			wire[row.Collective] = row.WireBytesPerRank
+		}
+	}
+	// Measured, not computed: a ring allreduce of 64 KiB on 4 ranks sends
+	// 2*3/4*64 KiB; the 1-bit one about 32 times less.
+	assert.Equal(t, int64(98304), wire["allreduce"])
+	assert.Equal(t, int64(49152), wire["alltoall"])
+	assert.GreaterOrEqual(t, float64(wire["allreduce"])/float64(wire["onebit"]), 20.0)
+
+	text := out.String()
+	assert.Contains(t, text, "speedup onebit vs allreduce: ")
+	assert.Equal(t, 2, strings.Count(text, "speedup onebit vs allreduce: "))
+	assert.Len(t, res.Speedups, 2)
+}
+
+func TestBenchOddRanksAndJSON(t *testing.T) {
+	// Three ranks: chunked collectives cut the size to a multiple of 3.
+	cfg, err := parseBenchFlags(strings.Fields(
+		"--b 1K --e 1K --w 1 --n 2 --ranks 3 --check --json --collective alltoall,reducescatter,allgather,onebit"), io.Discard)
+	require.NoError(t, err)
+	var out bytes.Buffer
+	_, err = runBench(context.Background(), cfg, &out)
+	require.NoError(t, err)
+	var res benchResult
+	require.NoError(t, json.Unmarshal(out.Bytes(), &res))
+	require.Len(t, res.Results, 4)
+	for _, row := range res.Results[:3] {
+		assert.Equal(t, 255, row.ElementsPerRank, row.Collective)
+		require.NotNil(t, row.RelError)
+		assert.Less(t, *row.RelError, 1e-6, row.Collective)
+	}
+	assert.Equal(t, 256, res.Results[3].ElementsPerRank)
+	assert.Empty(t, res.Speedups)
+}
+
+func TestTimedLoopAllocatesNothing(t *testing.T) {
+	cs, err := local.New(2)
+	require.NoError(t, err)
+	ctx := context.Background()
+	const runs = 20
+	for _, name := range []string{"allreduce", "onebit", "alltoall"} {
+		cases := make([]*benchCase, 2)
+		for r := range cases {
+			cases[r], err = newBenchCase(name, cs[r], 1024)
+			require.NoError(t, err)
+		}
+		times := [2][]int64{make([]int64, 3), make([]int64, 3)}
+		done := make(chan error, 1)
+		go func() {
+			for i := 0; i < runs+1; i++ { // AllocsPerRun calls once more to warm up
+				if _, err := timeCase(ctx, cs[1], cases[1], 1, times[1]); err != nil {
+					done <- err
+					return
+				}
+			}
+			done <- nil
+		}()
+		allocs := testing.AllocsPerRun(runs, func() {
+			if _, err := timeCase(ctx, cs[0], cases[0], 1, times[0]); err != nil {
+				t.Error(err)
+			}
+		})
+		require.NoError(t, <-done)
+		assert.Zero(t, allocs, name)
+	}
+}
+
+func TestRunRanks(t *testing.T) {
+	ctx := context.Background()
+	err := runRanks(ctx, "tcp", 2, func(context.Context, comm.Comm) error { return nil })
+	assert.ErrorContains(t, err, `unknown backend "tcp"`)
+	assert.Error(t, runRanks(ctx, "local", 0, func(context.Context, comm.Comm) error { return nil }))
+
+	// A failing rank must not leave its peers blocked in a collective.
+	boom := errors.New("boom")
+	err = runRanks(ctx, "local", 3, func(ctx context.Context, c comm.Comm) error {
+		if c.Rank() == 1 {
+			return boom
+		}
+		return c.Barrier(ctx)
+	})
+	assert.ErrorIs(t, err, boom)
+
+	sizes := make(chan int, 4)
+	require.NoError(t, runRanks(ctx, "local", 4, func(ctx context.Context, c comm.Comm) error {
+		sizes <- c.Size()
+		return c.Barrier(ctx)
+	}))
+	close(sizes)
+	for s := range sizes {
+		assert.Equal(t, 4, s)
+	}
+
+	if !mpi.Built {
+		err := runRanks(ctx, "mpi", 0, func(context.Context, comm.Comm) error { return nil })
+		assert.Error(t, err, "a binary without the mpi tag must explain itself")
+	}
+}

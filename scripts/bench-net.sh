@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# bench-net.sh: the exact MPI allreduce against the 1-bit compressed one on a
+# slow network, side by side in the same run (make bench-net).
+#
+# The slow network is a network namespace whose loopback is shaped by a
+# token bucket (see the spec page bench.md, "Bandwidth-limited runs"): all
+# ranks run inside it and talk over TCP on lo, so the shaping caps their
+# total traffic. After the shaped sweep the script always runs the same
+# comparison at the largest size without shaping (Open MPI's default
+# shared-memory transport), for the unshaped ratio.
+#
+# Needs root (for the namespace and the qdisc), Open MPI's mpirun, and ip
+# and tc from iproute2. The namespace is deleted on every exit, also on
+# failure or interruption.
+#
+# Settings (environment): RATE (1gbit), NP (4), BEGIN (1M), END (64M),
+# FACTOR (2), WARMUP (1), ITERS (5) for the shaped sweep (the exact 64 MiB
+# allreduce takes about 3.2 s per call at 1 Gbit: the whole script runs in
+# about 1.5 minutes), ITERS_UNSHAPED (10), GO (go).
+#
+# Waiting ranks yield the CPU (mpi_yield_when_idle): with more ranks than
+# cores, spinning ranks would otherwise steal it from computing ones.
+set -euo pipefail
+
+RATE=${RATE:-1gbit}
+NP=${NP:-4}
+BEGIN=${BEGIN:-1M}
+END=${END:-64M}
+FACTOR=${FACTOR:-2}
+WARMUP=${WARMUP:-1}
+ITERS=${ITERS:-5}
+ITERS_UNSHAPED=${ITERS_UNSHAPED:-10}
+GO=${GO:-go}
+
+die() { echo "bench-net: $*" >&2; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || die "needs root: it creates a network namespace and a tc qdisc (run: sudo make bench-net)"
+command -v mpirun >/dev/null || die "mpirun not found: install Open MPI (Debian: apt-get install -y openmpi-bin libopenmpi-dev)"
+for tool in ip tc; do
+	command -v "$tool" >/dev/null || die "$tool not found: install iproute2 (Debian: apt-get install -y iproute2)"
+done
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/lowbit-bench-net.XXXXXX")
+ns="lowbit-net-$$-$RANDOM"
+ns_made=
+cleanup() {
+	if [ -n "$ns_made" ]; then
+		ip netns del "$ns" 2>/dev/null || echo "bench-net: could not delete network namespace $ns" >&2
+	fi
+	rm -rf "$tmp"
+}
+# Long runs go to the background so that a signal is handled at once: the
+# handler stops the run, and the EXIT trap removes the namespace.
+child=
+on_signal() {
+	if [ -n "$child" ]; then
+		kill -TERM "$child" 2>/dev/null || true
+		wait "$child" 2>/dev/null || true
+	fi
+	exit "$1"
+}
+run() {
+	local rc=0
+	"$@" &
+	child=$!
+	wait "$child" || rc=$?
+	child=
+	return "$rc"
+}
+trap cleanup EXIT
+trap 'on_signal 130' INT
+trap 'on_signal 143' TERM
+
+echo "bench-net: building lowbit with -tags mpi"
+(cd "$root" && "$GO" build -tags mpi -o "$tmp/lowbit" ./cmd/lowbit)
+
+mpi=(mpirun --allow-run-as-root --oversubscribe -np "$NP" --mca mpi_yield_when_idle 1)
+bench=("$tmp/lowbit" bench --backend mpi --ranks "$NP" --collective allreduce,onebit --csv)
+
+echo "bench-net: network namespace $ns, loopback shaped to $RATE (tbf burst 256kb latency 50ms)"
+ip netns add "$ns"
+ns_made=1
+ip netns exec "$ns" ip link set lo up
+ip netns exec "$ns" tc qdisc add dev lo root tbf rate "$RATE" burst 256kb latency 50ms
+
+echo "bench-net: $NP ranks over TCP on the shaped loopback, sizes $BEGIN..$END x$FACTOR, $WARMUP warm-up + $ITERS timed iterations"
+run ip netns exec "$ns" "${mpi[@]}" --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo \
+	--mca oob_tcp_if_include lo \
+	"${bench[@]}" --b "$BEGIN" --e "$END" --f "$FACTOR" --w "$WARMUP" --n "$ITERS" >"$tmp/shaped.csv"
+ip netns del "$ns"
+ns_made=
+
+echo "bench-net: $NP ranks unshaped (default transport), $END, $WARMUP warm-up + $ITERS_UNSHAPED timed iterations"
+run "${mpi[@]}" "${bench[@]}" --b "$END" --e "$END" --w "$WARMUP" --n "$ITERS_UNSHAPED" >"$tmp/unshaped.csv"
+
+# summary TITLE FILE prints one line per size of lowbit bench's CSV in FILE: exact and
+# compressed p50 time, speedup, bytes each rank sent.
+summary() {
+	awk -F, -v title="$1" '
+		NR == 1 {
+			for (i = 1; i <= NF; i++) col[$i] = i
+			if (!("time_p50_us" in col) || !("wire_bytes_per_rank" in col)) { print "bench-net: unexpected CSV header: " $0 > "/dev/stderr"; exit 1 }
+			next
+		}
+		{
+			b = $col["bytes"]
+			if (!(b in seen)) { seen[b] = 1; order[++n] = b }
+			t[$col["collective"], b] = $col["time_p50_us"]
+			w[$col["collective"], b] = $col["wire_bytes_per_rank"]
+		}
+		function human(x) {
+			if (x % 1073741824 == 0) return x / 1073741824 "G"
+			if (x % 1048576 == 0) return x / 1048576 "M"
+			if (x % 1024 == 0) return x / 1024 "K"
+			return x
+		}
+		END {
+			print title
+			printf "%6s %14s %14s %9s %14s %14s %8s\n", "size", "exact p50 ms", "1-bit p50 ms", "speedup", "exact B/rank", "1-bit B/rank", "B ratio"
+			for (i = 1; i <= n; i++) {
+				b = order[i]; te = t["allreduce", b]; to = t["onebit", b]
+				printf "%6s %14.2f %14.2f %8.2fx %14d %14d %7.1fx\n", human(b), te / 1000, to / 1000, te / to,
+					w["allreduce", b], w["onebit", b], w["allreduce", b] / w["onebit", b]
+				last = te / to
+			}
+			printf "speedup at %s: %.2fx\n", human(order[n]), last
+		}' "$2"
+}
+
+echo
+summary "shaped ($RATE loopback, TCP), $NP ranks:" "$tmp/shaped.csv"
+echo
+summary "unshaped (shared memory), $NP ranks:" "$tmp/unshaped.csv"
