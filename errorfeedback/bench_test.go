@@ -1,0 +1,154 @@
+package errorfeedback
+
+import (
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/lowbit-ml/lowbit/signpack"
+)
+
+// benchElems float32s are 64 MiB, the per-rank tensor of the onebit
+// allreduce benchmark and far larger than any last-level cache.
+const benchElems = 16 << 20
+
+// The benchmark buffers, allocated and filled on first use only, so that a
+// plain go test stays light.
+var bench struct {
+	once   sync.Once
+	input  []float32 // real values of both signs
+	r      Residual  // starts as a copy of input
+	packed []byte
+}
+
+func benchBuffers(b *testing.B) (Residual, []float32, []byte) {
+	b.Helper()
+	bench.once.Do(func() {
+		rng := rand.New(rand.NewPCG(5, 6))
+		bench.input = make([]float32, benchElems)
+		for i := range bench.input {
+			bench.input[i] = float32(rng.NormFloat64())
+		}
+		// Every page of r is written, so none reads as the shared zero page.
+		bench.r = append(NewResidual(0), bench.input...)
+		bench.packed = make([]byte, signpack.PackedLen(benchElems))
+	})
+	return bench.r, bench.input, bench.packed
+}
+
+// compressGeneric is Compress with the portable norm kernels (sign packing
+// still uses its own fast path).
+func compressGeneric(r Residual, packed []byte, input []float32) float32 {
+	return r.compress(packed, input, addSumSquaresGeneric, sumSquaresGeneric)
+}
+
+var sinkF32 float32
+
+var sinkF64 float64
+
+// BenchmarkCompress times Compress on 64 MiB; SetBytes counts the input
+// once (the residual is read and written twice more). Repeated calls keep
+// the residual real: it stays within about one scale of the input.
+func BenchmarkCompress(b *testing.B) {
+	r, input, packed := benchBuffers(b)
+	b.SetBytes(4 * benchElems)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for b.Loop() {
+		s, err := r.Compress(packed, input)
+		if err != nil {
+			b.Fatal(err)
+		}
+		sinkF32 = s
+	}
+}
+
+// BenchmarkCompressGeneric is BenchmarkCompress with the portable norm
+// kernels, the baseline of the fast path.
+func BenchmarkCompressGeneric(b *testing.B) {
+	r, input, packed := benchBuffers(b)
+	b.SetBytes(4 * benchElems)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for b.Loop() {
+		sinkF32 = compressGeneric(r, packed, input)
+	}
+}
+
+// medianTimes times passes in alternation (rotating which goes first) and
+// returns the median time of each, so that passes disturbed by other work
+// on a shared machine count little.
+func medianTimes(b *testing.B, passes []func()) []float64 {
+	const maxRounds = 1024 // rounds beyond these are timed but not kept
+	times := make([][]time.Duration, len(passes))
+	for k := range times {
+		times[k] = make([]time.Duration, 0, maxRounds)
+	}
+	rounds := 0
+	b.ReportAllocs()
+	b.ResetTimer()
+	for b.Loop() {
+		for j := range passes {
+			k := (rounds + j) % len(passes)
+			t0 := time.Now()
+			passes[k]()
+			if rounds < maxRounds {
+				times[k] = append(times[k], time.Since(t0))
+			}
+		}
+		rounds++
+	}
+	b.StopTimer()
+	med := make([]float64, len(passes))
+	for k, ts := range times {
+		slices.Sort(ts)
+		med[k] = ts[len(ts)/2].Seconds()
+	}
+	return med
+}
+
+func mbPerSec(sec float64) float64 { return 4 * benchElems / 1e6 / sec }
+
+// BenchmarkCompressSpeedup times Compress with the fast norm kernels and
+// with the generic ones in alternation over the same buffers and reports
+// "speedup", the generic/fast ratio of their median times measured in the
+// same run, and the speed of each on the input's 64 MiB. The fast path is
+// what Compress uses on this machine (FastPath in the log); run it with
+// -benchtime 10x or more.
+func BenchmarkCompressSpeedup(b *testing.B) {
+	r, input, packed := benchBuffers(b)
+	b.Logf("fast path: %s", fastPath())
+	med := medianTimes(b, []func(){
+		func() { sinkF32, _ = r.Compress(packed, input) },
+		func() { sinkF32 = compressGeneric(r, packed, input) },
+	})
+	b.ReportMetric(med[1]/med[0], "speedup")
+	b.ReportMetric(mbPerSec(med[0]), "fast-MB/s")
+	b.ReportMetric(mbPerSec(med[1]), "generic-MB/s")
+}
+
+// BenchmarkNormSpeedup is BenchmarkCompressSpeedup for the norm kernels
+// alone: addSumSquares (x += in, then the sum of squares, as Compress does
+// on the unpadded part) and sumSquares (a read-only pass, as on the pad),
+// each fast against generic. It adds the input into a residual again and
+// again, so the values grow, but only linearly in the number of passes.
+func BenchmarkNormSpeedup(b *testing.B) {
+	r, input, _ := benchBuffers(b)
+	med := medianTimes(b, []func(){
+		func() { sinkF64 = addSumSquares(r, input) },
+		func() { sinkF64 = addSumSquaresGeneric(r, input) },
+		func() { sinkF64 = sumSquares(r) },
+		func() { sinkF64 = sumSquaresGeneric(r) },
+	})
+	// The residual is shared with the Compress benchmarks; start them again
+	// from the input.
+	copy(r, input)
+	b.ReportMetric(med[1]/med[0], "add-speedup")
+	b.ReportMetric(med[3]/med[2], "sum-speedup")
+	b.ReportMetric(mbPerSec(med[0]), "add-fast-MB/s")
+	b.ReportMetric(mbPerSec(med[1]), "add-generic-MB/s")
+	b.ReportMetric(mbPerSec(med[2]), "sum-fast-MB/s")
+	b.ReportMetric(mbPerSec(med[3]), "sum-generic-MB/s")
+}

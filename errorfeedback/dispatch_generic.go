@@ -1,0 +1,13 @@
+//go:build !amd64 || purego
+
+package errorfeedback
+
+// addSumSquares sets x[i] += in[i] and returns the float64 sum of the new
+// x[i] squared.
+func addSumSquares(x, in []float32) float64 { return addSumSquaresGeneric(x, in) }
+
+// sumSquares returns the float64 sum of x[i] squared.
+func sumSquares(x []float32) float64 { return sumSquaresGeneric(x) }
+
+// fastPath names the norm kernels Compress uses on this build.
+func fastPath() string { return "generic" }

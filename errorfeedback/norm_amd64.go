@@ -1,0 +1,100 @@
+//go:build amd64 && !purego
+
+package errorfeedback
+
+// The amd64 fast path. The assembly kernels in norm_amd64.s process whole
+// blocks of 32 elements with AVX2 and FMA; the portable kernels finish the
+// tail and stand in for them on CPUs without AVX2 or FMA.
+
+// block is the number of elements one iteration of an assembly kernel
+// handles.
+const block = 32
+
+// useAVX2 reports whether the CPU and the operating system support AVX2 and
+// FMA. It is detected once and never changes.
+var useAVX2 = detectAVX2FMA()
+
+func detectAVX2FMA() bool {
+	maxLeaf, _, _, _ := cpuid(0, 0)
+	if maxLeaf < 7 {
+		return false
+	}
+	_, _, ecx1, _ := cpuid(1, 0)
+	const fma, osxsave, avx = 1 << 12, 1 << 27, 1 << 28
+	if ecx1&fma == 0 || ecx1&osxsave == 0 || ecx1&avx == 0 {
+		return false
+	}
+	// The OS must save the XMM and YMM registers on context switches.
+	if xcr0, _ := xgetbv(); xcr0&6 != 6 {
+		return false
+	}
+	_, ebx7, _, _ := cpuid(7, 0)
+	return ebx7&(1<<5) != 0
+}
+
+// addSumSquares sets x[i] += in[i] and returns the float64 sum of the new
+// x[i] squared.
+func addSumSquares(x, in []float32) float64 {
+	if useAVX2 {
+		return addSumSquaresFast(x, in)
+	}
+	return addSumSquaresGeneric(x, in)
+}
+
+// sumSquares returns the float64 sum of x[i] squared.
+func sumSquares(x []float32) float64 {
+	if useAVX2 {
+		return sumSquaresFast(x)
+	}
+	return sumSquaresGeneric(x)
+}
+
+// The *Fast functions require AVX2 and FMA: the assembly handles the whole
+// blocks and the generic kernels the rest. The float32 additions are the
+// same as the generic kernels'; the float64 sums differ from theirs only in
+// the order of summation (the squares of float32 values are exact in
+// float64, fused or not).
+
+func addSumSquaresFast(x, in []float32) float64 {
+	in = in[:len(x)]
+	var s float64
+	if nb := len(x) / block; nb > 0 {
+		s = addSumSquaresAVX2(&x[0], &in[0], nb)
+		x, in = x[nb*block:], in[nb*block:]
+	}
+	return s + addSumSquaresGeneric(x, in)
+}
+
+func sumSquaresFast(x []float32) float64 {
+	var s float64
+	if nb := len(x) / block; nb > 0 {
+		s = sumSquaresAVX2(&x[0], nb)
+		x = x[nb*block:]
+	}
+	return s + sumSquaresGeneric(x)
+}
+
+// fastPath names the norm kernels Compress uses on this CPU.
+func fastPath() string {
+	if useAVX2 {
+		return "avx2"
+	}
+	return "generic"
+}
+
+// Implemented in norm_amd64.s.
+
+func cpuid(eaxArg, ecxArg uint32) (eax, ebx, ecx, edx uint32)
+func xgetbv() (eax, edx uint32)
+
+// addSumSquaresAVX2 sets x[i] += in[i] for blocks*32 elements and returns
+// the float64 sum of the new x[i] squared.
+//
+//go:noescape
+func addSumSquaresAVX2(x, in *float32, blocks int) float64
+
+// sumSquaresAVX2 returns the float64 sum of the squares of blocks*32
+// elements of x.
+//
+//go:noescape
+func sumSquaresAVX2(x *float32, blocks int) float64
