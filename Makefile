@@ -39,5 +39,10 @@ lint:
 fuzz:
 	./scripts/fuzz.sh $(FUZZTIME)
 
-demo:
-	$(GO) run ./cmd/lowbit demo
+## demo: data-parallel MNIST on 4 in-process workers, Adam vs 1-bit Adam,
+## plot in out/mnist.png. Fetches the data first if it is missing.
+demo: mnist-data
+	$(GO) run ./examples/mnist -compare -optimizer onebit-adam -workers 4 -plot out/mnist.png
+
+mnist-data:
+	./scripts/mnist-data.sh

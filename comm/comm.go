@@ -50,7 +50,10 @@ func (o Op) Valid() bool { return o >= Sum && o <= Max }
 // the group must call the same collectives in the same order. A Comm is used
 // by one goroutine at a time.
 //
-// Buffers are never retained after a call returns. Byte and float32 variants
+// Buffers are never retained after a call returns. Backends that hand
+// buffers to C (comm/mpi) inherit cgo's rule: a buffer must not share its
+// allocation with Go pointers, so pass slices made on their own (make or
+// append), not arrays embedded in structs that hold pointers. Byte and float32 variants
 // of a collective share one sequence: a rank calling AllGather while another
 // calls AllGatherBytes is an error.
 type Comm interface {

@@ -24,7 +24,10 @@ func AllFinite(ctx context.Context, c comm.Comm, params []*Param) (bool, error) 
 // between calls, so that Check allocates nothing. The zero value is ready
 // to use. A FiniteGuard is used by one goroutine at a time.
 type FiniteGuard struct {
-	flag [1]float32
+	// flag is allocated on its own, on first use: a buffer that shares an
+	// allocation with Go pointers cannot be passed to a cgo backend such as
+	// comm/mpi (see comm.Comm).
+	flag []float32
 }
 
 // Check is AllFinite (see there) using g's buffer.
@@ -39,11 +42,14 @@ func (g *FiniteGuard) Check(ctx context.Context, c comm.Comm, params []*Param) (
 	if c == nil || c.Size() <= 1 {
 		return !bad, nil
 	}
+	if g.flag == nil {
+		g.flag = make([]float32, 1)
+	}
 	g.flag[0] = 0
 	if bad {
 		g.flag[0] = 1
 	}
-	if err := c.AllReduce(ctx, g.flag[:], comm.Max); err != nil {
+	if err := c.AllReduce(ctx, g.flag, comm.Max); err != nil {
 		return false, fmt.Errorf("optim: agreeing on finite gradients: %w", err)
 	}
 	return g.flag[0] == 0, nil

@@ -1,0 +1,240 @@
+// Command mnist trains a 784-256-10 perceptron on MNIST with data-parallel
+// workers and compares an exact optimizer with a communication-compressed
+// one: this is what "make demo" runs.
+//
+//	go run ./examples/mnist -compare -optimizer onebit-adam -workers 4 -plot out/mnist.png
+//
+// Every global batch (-batch examples) is split over -workers ranks; each
+// rank computes the gradient of its shard and calls the optimizer's Step,
+// which averages over the ranks (exactly, or 1-bit compressed). With
+// -backend local the ranks are goroutines of this process; with -backend mpi
+// this process is one rank of an "mpirun -np W" job (build with -tags mpi)
+// and only rank 0 prints.
+//
+// At the end a table gives, per optimizer, the test accuracy, the final
+// training loss, the time to reach -target test accuracy, the training wall
+// time split into compute (forward and backward), communication (time inside
+// collectives during Step) and compression (the rest of Step: compression
+// and the update), and the bytes each worker sent. -plot writes the training
+// loss and test accuracy curves to a PNG file.
+//
+// The data are the four MNIST files in -data (default data/mnist, filled by
+// "make mnist-data"): train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz,
+// t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz (gzipped or plain
+// IDX files).
+package main
+
+//go:generate go run testdata/gen.go -src ../../data/mnist -dst testdata
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"runtime/pprof"
+	"strings"
+	"sync"
+	"syscall"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+)
+
+// Defaults of the flags, chosen so that "make demo" reaches 97% test
+// accuracy with both optimizers in well under 3 minutes on 2 cores.
+const (
+	defaultWorkers    = 4
+	defaultEpochs     = 4
+	defaultBatch      = 128
+	defaultLR         = 1e-3
+	defaultFreezeStep = 200
+	defaultSeed       = 1
+	defaultEvals      = 3
+	defaultTarget     = 0.97
+)
+
+// options are the parsed flags.
+type options struct {
+	workers    int
+	backend    string
+	optimizer  string
+	compare    bool
+	freezeStep int
+	epochs     int
+	batch      int
+	lr         float64
+	seed       uint64
+	plot       string
+	data       string
+	evals      int
+	target     float64
+	quiet      bool
+	cpuprofile string
+
+	workersSet bool // -workers was given explicitly
+}
+
+func parseFlags(args []string, stderr io.Writer) (*options, error) {
+	o := &options{}
+	fs := flag.NewFlagSet("mnist", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.IntVar(&o.workers, "workers", defaultWorkers, "data-parallel workers (ranks); with -backend mpi the mpirun -np decides")
+	fs.StringVar(&o.backend, "backend", "local", "communicator: local (goroutine ranks in this process) or mpi (run under mpirun; build with -tags mpi)")
+	fs.StringVar(&o.optimizer, "optimizer", "onebit-adam", "optimizer: "+strings.Join(optimizerNames, ", "))
+	fs.BoolVar(&o.compare, "compare", false, "train the exact and the compressed optimizer one after the other from the same seed (adam vs onebit-adam, lamb vs onebit-lamb, adam vs zeroone-adam)")
+	fs.IntVar(&o.freezeStep, "freeze-step", defaultFreezeStep, "warm-up steps of onebit-adam, onebit-lamb and zeroone-adam (exact steps before compression starts)")
+	fs.IntVar(&o.epochs, "epochs", defaultEpochs, "passes over the training set")
+	fs.IntVar(&o.batch, "batch", defaultBatch, "global batch size, split over the workers")
+	fs.Float64Var(&o.lr, "lr", defaultLR, "learning rate")
+	fs.Uint64Var(&o.seed, "seed", defaultSeed, "seed of the initial weights and of the shuffling")
+	fs.StringVar(&o.plot, "plot", "", "write training loss and test accuracy curves to this PNG file")
+	fs.StringVar(&o.data, "data", "data/mnist", "directory holding the four MNIST IDX files")
+	fs.IntVar(&o.evals, "evals", defaultEvals, "test-set evaluations per epoch (for the curves and the time to -target)")
+	fs.Float64Var(&o.target, "target", defaultTarget, "test accuracy for the time-to-accuracy column")
+	fs.BoolVar(&o.quiet, "quiet", false, "no progress bar")
+	fs.StringVar(&o.cpuprofile, "cpuprofile", "", "write a CPU profile of the training to this file")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	fs.Visit(func(f *flag.Flag) {
+		if f.Name == "workers" {
+			o.workersSet = true
+		}
+	})
+	switch {
+	case o.backend != "local" && o.backend != "mpi":
+		return nil, fmt.Errorf("unknown -backend %q (want local or mpi)", o.backend)
+	case o.workers < 1:
+		return nil, fmt.Errorf("-workers must be at least 1, got %d", o.workers)
+	case o.epochs < 1:
+		return nil, fmt.Errorf("-epochs must be at least 1, got %d", o.epochs)
+	case o.batch < 1:
+		return nil, fmt.Errorf("-batch must be at least 1, got %d", o.batch)
+	case !(o.lr > 0) || o.lr > 10:
+		return nil, fmt.Errorf("-lr must be in (0, 10], got %v", o.lr)
+	case o.freezeStep < 0:
+		return nil, fmt.Errorf("-freeze-step must be at least 0, got %d", o.freezeStep)
+	case o.evals < 1:
+		return nil, fmt.Errorf("-evals must be at least 1, got %d", o.evals)
+	}
+	if _, err := runOrder(o.optimizer, o.compare); err != nil {
+		return nil, err
+	}
+	return o, nil
+}
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "mnist:", err)
+		os.Exit(1)
+	}
+}
+
+// run is the whole command: flags in, table (and plot) out.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	o, err := parseFlags(args, stderr)
+	if err != nil {
+		return err
+	}
+	names, _ := runOrder(o.optimizer, o.compare)
+	if o.cpuprofile != "" {
+		f, err := os.Create(o.cpuprofile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
+	train, test, err := loadMNIST(o.data)
+	if err != nil {
+		return err
+	}
+	cfg := trainConfig{
+		hyper:         hyper{lr: float32(o.lr), freezeStep: o.freezeStep},
+		epochs:        o.epochs,
+		batch:         o.batch,
+		seed:          o.seed,
+		evalsPerEpoch: o.evals,
+	}
+
+	var results []*result
+	var workers int
+	if o.backend == "mpi" {
+		c, err := openMPI()
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		if o.workersSet && o.workers != c.Size() {
+			return fmt.Errorf("-workers %d disagrees with the %d ranks of the MPI job", o.workers, c.Size())
+		}
+		workers = c.Size()
+		if c.Rank() != 0 {
+			// Only rank 0 reports.
+			stdout, stderr = io.Discard, io.Discard
+		}
+		printHeader(stdout, o, names, workers, train.len())
+		for _, name := range names {
+			cfg.optimizer = name
+			bar := newProgress(stderr, name, o.epochs, o.quiet)
+			res, err := trainRank(ctx, c, train, test, cfg, bar.update)
+			if err != nil {
+				return fmt.Errorf("%s: rank %d: %w", name, c.Rank(), err)
+			}
+			results = append(results, res)
+		}
+		if c.Rank() != 0 {
+			return nil
+		}
+	} else {
+		workers = o.workers
+		printHeader(stdout, o, names, workers, train.len())
+		for _, name := range names {
+			cfg.optimizer = name
+			bar := newProgress(stderr, name, o.epochs, o.quiet)
+			var mu sync.Mutex
+			var res0 *result
+			err := local.Run(ctx, workers, func(ctx context.Context, c comm.Comm) error {
+				var progress progressFunc
+				if c.Rank() == 0 {
+					progress = bar.update
+				}
+				res, err := trainRank(ctx, c, train, test, cfg, progress)
+				if err == nil && c.Rank() == 0 {
+					mu.Lock()
+					res0 = res
+					mu.Unlock()
+				}
+				return err
+			})
+			if err != nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
+			results = append(results, res0)
+		}
+	}
+
+	printTable(stdout, results, o.target)
+	if o.plot != "" {
+		if err := writePlot(o.plot, results, o); err != nil {
+			return fmt.Errorf("plot: %w", err)
+		}
+		fmt.Fprintf(stdout, "\nplot: %s\n", o.plot)
+	}
+	return nil
+}

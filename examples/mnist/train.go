@@ -1,0 +1,237 @@
+package main
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"math"
+	"math/rand/v2"
+	"time"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/optim"
+)
+
+// trainConfig is what one training run needs besides the data.
+type trainConfig struct {
+	optimizer     string
+	hyper         hyper
+	epochs        int
+	batch         int // global batch size, split over the ranks
+	seed          uint64
+	evalsPerEpoch int // test-set evaluations per epoch, for the curves
+}
+
+// evalPoint is one evaluation on the test set.
+type evalPoint struct {
+	step int           // optimizer steps taken before it
+	wall time.Duration // training time until then (evaluations excluded)
+	acc  float64       // test accuracy in [0, 1]
+	loss float64       // mean test loss
+}
+
+// result is what one training run reports; every rank gets the same.
+type result struct {
+	optimizer string
+	workers   int
+	steps     int
+	testSize  int // examples in the test set
+	stage     optim.Stage
+	skipped   int64
+	trainLoss float64 // mean training loss over the last epoch
+	test      evalPoint
+	// Per-rank means: training wall time, and inside it the time in
+	// forward/backward, in collectives during Step, and in the rest of
+	// Step (compression and the update).
+	wall, compute, comm, compress time.Duration
+	bytesSent                     float64   // per-rank mean of optimizer Stats.BytesSent
+	lastStepBytes                 float64   // per-rank mean of Stats.LastStepBytes
+	loss                          []float64 // mean training loss of every step's global batch
+	evals                         []evalPoint
+	// Hashes of this rank's parameters before the first and after the last
+	// step; training checks that they agree across ranks.
+	initHash, finalHash uint64
+}
+
+// progressFunc is told about every step of a run (on rank 0 only): the
+// epoch, the step in it, the mean loss of this rank's shards in the epoch so
+// far and the latest evaluation.
+type progressFunc func(epoch, step, stepsPerEpoch int, loss float64, last *evalPoint)
+
+// shard returns the bounds of rank r's share of n items over w ranks.
+func shard(n, w, r int) (lo, hi int) { return r * n / w, (r + 1) * n / w }
+
+// trainRank is one rank's part of a data-parallel training run: every rank
+// of c calls it with the same arguments. Each global batch of cfg.batch
+// examples is cut into one shard per rank; a rank computes the gradient of
+// its shard's summed loss scaled by W/batch, so that the average over the
+// ranks that the optimizer takes is the gradient of the global batch's mean
+// loss.
+func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg trainConfig, progress progressFunc) (*result, error) {
+	w, rank := c.Size(), c.Rank()
+	if cfg.batch < w {
+		return nil, fmt.Errorf("batch %d is smaller than the %d workers", cfg.batch, w)
+	}
+	stepsPerEpoch := train.len() / cfg.batch
+	if stepsPerEpoch == 0 {
+		return nil, fmt.Errorf("batch %d is larger than the %d training examples", cfg.batch, train.len())
+	}
+	if cfg.epochs < 1 {
+		return nil, fmt.Errorf("epochs must be at least 1, got %d", cfg.epochs)
+	}
+	lo, hi := shard(cfg.batch, w, rank)
+	model := newMLP(cfg.seed, hi-lo)
+	initHash, same, err := paramsHash(ctx, c, model.params())
+	if err != nil {
+		return nil, err
+	}
+	if !same {
+		return nil, errors.New("ranks start from different parameters")
+	}
+	tc := newTimedComm(c)
+	opt, err := newOptimizer(cfg.optimizer, tc, model.params(), cfg.hyper)
+	if err != nil {
+		return nil, err
+	}
+
+	total := cfg.epochs * stepsPerEpoch
+	evalEvery := max(1, stepsPerEpoch/max(1, cfg.evalsPerEpoch))
+	res := &result{optimizer: cfg.optimizer, workers: w, steps: total, testSize: test.len(), initHash: initHash}
+	lossHist := make([]float32, total)
+	scale := float32(w) / float32(cfg.batch)
+	labels := make([]byte, hi-lo)
+	evalIdx := make([]int, 250)
+	tlo, thi := shard(test.len(), w, rank)
+
+	var evalTime, computeTime, stepTime time.Duration
+	start := time.Now()
+	evaluate := func(step int) error {
+		t0 := time.Now()
+		correct, loss := model.evaluate(test, tlo, thi, evalIdx)
+		buf := []float32{float32(correct), float32(loss)}
+		if err := c.AllReduce(ctx, buf, comm.Sum); err != nil {
+			return err
+		}
+		n := float64(test.len())
+		res.evals = append(res.evals, evalPoint{
+			step: step,
+			wall: time.Since(start) - evalTime,
+			acc:  float64(buf[0]) / n,
+			loss: float64(buf[1]) / n,
+		})
+		evalTime += time.Since(t0)
+		return nil
+	}
+	if err := evaluate(0); err != nil {
+		return nil, err
+	}
+
+	perm := make([]int, train.len())
+	for i := range perm {
+		perm[i] = i
+	}
+	step := 0
+	for epoch := range cfg.epochs {
+		// The same permutation on every rank: the seed and the epoch decide it.
+		rng := rand.New(rand.NewPCG(cfg.seed, uint64(epoch)+1))
+		rng.Shuffle(len(perm), func(i, j int) { perm[i], perm[j] = perm[j], perm[i] })
+		var epochLoss float64
+		for s := range stepsPerEpoch {
+			idx := perm[s*cfg.batch+lo : s*cfg.batch+hi]
+			for i, j := range idx {
+				labels[i] = train.labels[j]
+			}
+			t0 := time.Now()
+			n := model.load(train, idx)
+			loss := model.lossGrad(n, labels, scale)
+			t1 := time.Now()
+			if err := opt.Step(ctx); err != nil {
+				return nil, fmt.Errorf("step %d: %w", step+1, err)
+			}
+			computeTime += t1.Sub(t0)
+			stepTime += time.Since(t1)
+			lossHist[step] = float32(loss) * scale
+			epochLoss += float64(lossHist[step])
+			step++
+			if step%evalEvery == 0 || step == total {
+				if err := evaluate(step); err != nil {
+					return nil, err
+				}
+			}
+			if progress != nil {
+				progress(epoch, s+1, stepsPerEpoch, epochLoss/float64(s+1), &res.evals[len(res.evals)-1])
+			}
+		}
+	}
+	wall := time.Since(start) - evalTime
+	if err := model.checkParams(); err != nil {
+		return nil, err
+	}
+	finalHash, same, err := paramsHash(ctx, c, model.params())
+	if err != nil {
+		return nil, err
+	}
+	// 0/1 Adam's local steps leave the ranks apart between synchronizations;
+	// every other optimizer keeps them identical after every step.
+	if !same && opt.Stats().Stage != optim.StagePhaseB {
+		return nil, errors.New("ranks' parameters diverged")
+	}
+
+	// Average the per-step losses and the timings over the ranks.
+	if err := c.AllReduce(ctx, lossHist, comm.Mean); err != nil {
+		return nil, err
+	}
+	st := opt.Stats()
+	commTime := tc.elapsed()
+	sums := []float32{
+		float32(wall.Seconds()), float32(computeTime.Seconds()),
+		float32(commTime.Seconds()), float32((stepTime - commTime).Seconds()),
+		float32(st.BytesSent), float32(st.LastStepBytes),
+	}
+	if err := c.AllReduce(ctx, sums, comm.Mean); err != nil {
+		return nil, err
+	}
+	sec := func(x float32) time.Duration { return time.Duration(float64(x) * float64(time.Second)) }
+	res.wall, res.compute, res.comm, res.compress = sec(sums[0]), sec(sums[1]), sec(sums[2]), sec(sums[3])
+	res.bytesSent, res.lastStepBytes = float64(sums[4]), float64(sums[5])
+	res.stage, res.skipped = st.Stage, st.Skipped
+	res.loss = make([]float64, total)
+	for i, v := range lossHist {
+		res.loss[i] = float64(v)
+	}
+	var last float64
+	for _, v := range res.loss[total-stepsPerEpoch:] {
+		last += v
+	}
+	res.trainLoss = last / float64(stepsPerEpoch)
+	res.test = res.evals[len(res.evals)-1]
+	res.finalHash = finalHash
+	return res, nil
+}
+
+// paramsHash returns a hash of this rank's parameters and whether every rank
+// holds bit-identical ones.
+func paramsHash(ctx context.Context, c comm.Comm, params []*optim.Param) (hash uint64, same bool, err error) {
+	h := fnv.New64a()
+	var b [4]byte
+	for _, p := range params {
+		for _, v := range p.Data() {
+			binary.LittleEndian.PutUint32(b[:], math.Float32bits(v))
+			h.Write(b[:])
+		}
+	}
+	mine := make([]byte, 8)
+	binary.LittleEndian.PutUint64(mine, h.Sum64())
+	all := make([]byte, 8*c.Size())
+	if err := c.AllGatherBytes(ctx, mine, all); err != nil {
+		return 0, false, err
+	}
+	for r := range c.Size() {
+		if string(all[8*r:8*r+8]) != string(mine) {
+			return h.Sum64(), false, nil
+		}
+	}
+	return h.Sum64(), true, nil
+}

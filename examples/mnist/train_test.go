@@ -1,0 +1,208 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"image/png"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/examples/mnist/idx"
+)
+
+// trainLocal runs cfg on w in-process ranks and returns every rank's result.
+func trainLocal(t *testing.T, w int, train, test *dataset, cfg trainConfig) []*result {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	res := make([]*result, w)
+	var mu sync.Mutex
+	err := local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
+		r, err := trainRank(ctx, c, train, test, cfg, nil)
+		mu.Lock()
+		res[c.Rank()] = r
+		mu.Unlock()
+		return err
+	})
+	require.NoError(t, err)
+	return res
+}
+
+func smallConfig(optimizer string) trainConfig {
+	return trainConfig{
+		optimizer:     optimizer,
+		hyper:         hyper{lr: 2e-3, freezeStep: 10},
+		epochs:        3,
+		batch:         32,
+		seed:          3,
+		evalsPerEpoch: 2,
+	}
+}
+
+func mean(x []float64) float64 {
+	var s float64
+	for _, v := range x {
+		s += v
+	}
+	return s / float64(len(x))
+}
+
+// TestTrainingLearns trains on the real 500-example subset and checks that
+// the loss falls and the test accuracy rises well above chance, for the
+// exact and the 1-bit optimizer, and that both start from the same
+// parameters on every rank.
+func TestTrainingLearns(t *testing.T) {
+	train, test := loadTestdata(t)
+	var first []*result
+	for _, name := range []string{"adam", "onebit-adam"} {
+		t.Run(name, func(t *testing.T) {
+			res := trainLocal(t, 4, train, test, smallConfig(name))
+			r := res[0]
+			for _, o := range res[1:] {
+				assert.Equal(t, r.initHash, o.initHash, "ranks start alike")
+				assert.Equal(t, r.finalHash, o.finalHash, "ranks end alike")
+				assert.Equal(t, r.loss, o.loss)
+			}
+			steps := 3 * (500 / 32)
+			require.Len(t, r.loss, steps)
+			early, late := mean(r.loss[:5]), mean(r.loss[steps-5:])
+			assert.Less(t, late, early/3, "loss falls: first steps %.3f, last steps %.3f", early, late)
+			assert.Less(t, r.evals[0].acc, 0.3, "untrained model is near chance")
+			assert.Greater(t, r.test.acc, 0.75, "trained model classifies most test digits")
+			assert.Positive(t, r.bytesSent)
+			first = append(first, r)
+		})
+	}
+	require.Len(t, first, 2)
+	assert.Equal(t, first[0].initHash, first[1].initHash, "exact and compressed runs start from identical parameters")
+	assert.NotEqual(t, first[0].finalHash, first[1].finalHash)
+	assert.Less(t, first[1].bytesSent, first[0].bytesSent/2, "1-bit Adam sends less")
+}
+
+// TestWorkersAgree checks the sharding and gradient scaling: with exact Adam
+// the global batch's gradient does not depend on how many workers share it,
+// so runs on 1 and 4 workers follow the same loss curve (up to rounding).
+func TestWorkersAgree(t *testing.T) {
+	train, test := loadTestdata(t)
+	cfg := smallConfig("adam")
+	cfg.epochs = 1
+	one := trainLocal(t, 1, train, test, cfg)[0]
+	four := trainLocal(t, 4, train, test, cfg)[0]
+	assert.Equal(t, one.initHash, four.initHash)
+	require.Len(t, four.loss, len(one.loss))
+	for i := range one.loss {
+		assert.InDelta(t, one.loss[i], four.loss[i], 2e-3*max(1, one.loss[i]), "step %d", i)
+	}
+	assert.InDelta(t, one.test.acc, four.test.acc, 0.011)
+}
+
+func TestRunCompare(t *testing.T) {
+	dir := t.TempDir()
+	plotPath := filepath.Join(dir, "sub", "curves.png")
+	var out, errOut bytes.Buffer
+	err := run(context.Background(), []string{
+		"-data", "testdata", "-compare", "-optimizer", "onebit-adam", "-workers", "2",
+		"-epochs", "1", "-batch", "50", "-freeze-step", "4", "-lr", "2e-3", "-plot", plotPath,
+	}, &out, &errOut)
+	require.NoError(t, err, errOut.String())
+	text := out.String()
+	for _, want := range []string{"optimizer", "test acc", "train loss", "compute", "comm", "compress", "sent/worker", "per step and worker", "onebit-adam vs adam"} {
+		assert.Contains(t, text, want)
+	}
+	var rows []string
+	for _, line := range strings.Split(text, "\n") {
+		f := strings.Fields(line)
+		// The main table's rows: the name, then the accuracy as a percentage.
+		if len(f) > 2 && (f[0] == "adam" || f[0] == "onebit-adam") && strings.HasSuffix(f[1], "%") {
+			rows = append(rows, f[0])
+		}
+	}
+	assert.Equal(t, []string{"adam", "onebit-adam"}, rows)
+	// One finished progress line per epoch and run.
+	assert.Equal(t, 2, strings.Count(errOut.String(), "epoch 1/1"))
+
+	f, err := os.Open(plotPath)
+	require.NoError(t, err)
+	defer f.Close()
+	img, err := png.Decode(f)
+	require.NoError(t, err)
+	assert.Greater(t, img.Bounds().Dx(), 500)
+}
+
+func TestRunErrors(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"-optimizer", "sgd"}, `unknown -optimizer "sgd"`},
+		{[]string{"-backend", "tcp"}, `unknown -backend "tcp"`},
+		{[]string{"-workers", "0"}, "-workers must be at least 1"},
+		{[]string{"-lr", "-1"}, "-lr must be"},
+		{[]string{"-data", "no/such/dir"}, "run make mnist-data"},
+		{[]string{"-data", "testdata", "-batch", "1000"}, "larger than the 500 training examples"},
+		{[]string{"-data", "testdata", "-batch", "2", "-workers", "4"}, "smaller than the 4 workers"},
+		{[]string{"extra"}, "unexpected arguments"},
+	} {
+		err := run(context.Background(), c.args, &bytes.Buffer{}, &bytes.Buffer{})
+		require.Error(t, err, "%v", c.args)
+		assert.Contains(t, err.Error(), c.want, "%v", c.args)
+	}
+}
+
+func TestRunOrder(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		compare bool
+		want    []string
+	}{
+		{"adam", false, []string{"adam"}},
+		{"onebit-adam", true, []string{"adam", "onebit-adam"}},
+		{"onebit-lamb", true, []string{"lamb", "onebit-lamb"}},
+		{"zeroone-adam", true, []string{"adam", "zeroone-adam"}},
+		{"adam", true, []string{"adam", "onebit-adam"}},
+		{"lamb", true, []string{"lamb", "onebit-lamb"}},
+	} {
+		got, err := runOrder(c.name, c.compare)
+		require.NoError(t, err)
+		assert.Equal(t, c.want, got)
+	}
+}
+
+func TestLoadRejectsNonMNIST(t *testing.T) {
+	write := func(t *testing.T, dir, name string, f func(*bytes.Buffer) error) {
+		var b bytes.Buffer
+		require.NoError(t, f(&b))
+		require.NoError(t, os.WriteFile(filepath.Join(dir, name), b.Bytes(), 0o644))
+	}
+	for _, c := range []struct {
+		name   string
+		images *idx.Images
+		labels []byte
+		want   string
+	}{
+		{"small images", &idx.Images{N: 2, Rows: 2, Cols: 2, Pixels: make([]byte, 8)}, []byte{1, 2}, "images are 2 x 2 pixels"},
+		{"label 10", &idx.Images{N: 2, Rows: 28, Cols: 28, Pixels: make([]byte, 2*784)}, []byte{1, 10}, "label 10 of example 1 is not a digit"},
+		{"no examples", &idx.Images{N: 0, Rows: 28, Cols: 28}, []byte{}, "no examples"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dir := t.TempDir()
+			for _, prefix := range []string{"train", "t10k"} {
+				write(t, dir, prefix+"-images-idx3-ubyte.gz", func(b *bytes.Buffer) error { return idx.WriteImages(b, c.images, true) })
+				write(t, dir, prefix+"-labels-idx1-ubyte.gz", func(b *bytes.Buffer) error { return idx.WriteLabels(b, c.labels, false) })
+			}
+			_, _, err := loadMNIST(dir)
+			require.Error(t, err)
+			assert.Contains(t, err.Error(), c.want)
+			assert.Contains(t, err.Error(), "training set")
+		})
+	}
+}
