@@ -34,6 +34,7 @@ fi
 echo "MPI tests: built comm/mpi test binary ($(( ($(date +%s%N) - start) / 1000000 )) ms)"
 
 fail=0
+passed=0
 
 # run LOG CMD... runs CMD with its output in LOG and sets rc and ms.
 run() {
@@ -48,13 +49,14 @@ run() {
 
 for n in 1 2 3 4; do
 	log=$tmp/np$n.log
-	run "$log" timeout 120 "${mpirun[@]}" -np "$n" "$bin" -test.timeout=100s
+	run "$log" timeout -k 10 120 "${mpirun[@]}" -np "$n" "$bin" -test.timeout=100s
 	if [ "$rc" -eq 0 ]; then
 		echo "MPI tests: np=$n ok (${ms} ms)"
+		passed=$((passed + 1))
 	else
 		echo "MPI tests: np=$n FAILED (exit $rc after ${ms} ms):"
 		tail -n 60 "$log"
-		fail=1
+		fail=$((fail + 1))
 	fi
 done
 
@@ -67,18 +69,18 @@ for s in exit close stall; do
 	*) want=$watchdog ;;
 	esac
 	log=$tmp/scenario-$s.log
-	run "$log" timeout 60 env LOWBIT_MPI_SCENARIO=$s "${mpirun[@]}" -np 3 "$bin"
-	if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$ms" -lt 30000 ] && grep -Eq "$want" "$log"; then
+	run "$log" timeout -k 10 60 env LOWBIT_MPI_SCENARIO=$s "${mpirun[@]}" -np 3 "$bin"
+	if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ] && [ "$ms" -lt 30000 ] && grep -Eq "$want" "$log"; then
 		echo "MPI tests: early-$s check ok (job ended with exit $rc after ${ms} ms)"
+		passed=$((passed + 1))
 	else
 		echo "MPI tests: early-$s check FAILED (exit $rc after ${ms} ms; want a non-zero exit within 30 s and /$want/):"
 		tail -n 40 "$log"
-		fail=1
+		fail=$((fail + 1))
 	fi
 done
 
-if [ "$fail" -ne 0 ]; then
-	echo "MPI tests FAILED"
-	exit 1
-fi
-echo "MPI tests passed ($(( ($(date +%s%N) - start) / 1000 / 1000000 )) s)"
+echo "MPI tests took $(( ($(date +%s%N) - start) / 1000 / 1000000 )) s"
+# The closing line, in the form CI counts.
+echo "mpi: $passed passed, $fail failed"
+[ "$fail" -eq 0 ]

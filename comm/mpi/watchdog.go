@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync/atomic"
+	"time"
 
 	"github.com/lowbit-ml/lowbit/comm"
 )
@@ -72,18 +73,41 @@ func (w *watchdog) run() {
 		case a := <-w.armc:
 			select {
 			case <-a.ctx.Done():
-				// A context ending just after the call returned is
-				// no reason to abort.
-				if w.inflight.Load() {
-					w.abort(abortMessage(w.rank, a))
-				}
-				<-w.disarmc
+				w.expired(a)
 			case <-w.disarmc:
 			}
 		case <-w.quit:
 			return
 		}
 	}
+}
+
+// abortStagger is how long rank r waits, times r, after its context ended
+// before it aborts the job; maxStagger caps the wait. Ranks whose deadlines
+// pass together would otherwise call MPI_Abort at the same moment, and Open
+// MPI 4.1's mpirun can hang when several ranks abort at once after a peer
+// has finalized. Staggered, the first abort normally ends the whole job.
+const (
+	abortStagger = 100 * time.Millisecond
+	maxStagger   = 2 * time.Second
+)
+
+// expired handles a context that ended while call a was armed: after the
+// rank's stagger, it aborts the job unless the call has returned by then.
+// It returns once the call is disarmed.
+func (w *watchdog) expired(a watch) {
+	t := time.NewTimer(min(time.Duration(w.rank)*abortStagger, maxStagger))
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-w.disarmc:
+		return // the call returned during the stagger: no reason to abort
+	}
+	// A context ending just after the call returned is no reason to abort.
+	if w.inflight.Load() {
+		w.abort(abortMessage(w.rank, a))
+	}
+	<-w.disarmc
 }
 
 func abortMessage(rank int, a watch) string {
