@@ -106,7 +106,6 @@ func NewAdam(c comm.Comm, params []*optim.Param, cfg AdamConfig, opts ...optim.O
 		params: append([]*optim.Param(nil), params...),
 		cfg:    cfg.AdamConfig,
 		freeze: int64(cfg.FreezeStep),
-		mask:   make([][]float32, len(params)),
 		log:    o.Logger,
 		m:      make([][]float32, len(params)),
 		v:      make([][]float32, len(params)),
@@ -116,25 +115,15 @@ func NewAdam(c comm.Comm, params []*optim.Param, cfg AdamConfig, opts ...optim.O
 	if c != nil {
 		a.world, a.rank = c.Size(), c.Rank()
 	}
-	index := make(map[string]int, len(params))
 	for i, p := range params {
-		index[p.Name] = i
 		a.m[i] = make([]float32, p.Numel())
 		a.v[i] = make([]float32, p.Numel())
 	}
-	for name, mk := range cfg.ExpAvgMask {
-		i, ok := index[name]
-		if !ok {
-			return nil, fmt.Errorf("onebit: Adam: exp_avg_mask names %q, which is not a parameter", name)
-		}
-		if len(mk) != len(a.m[i]) {
-			return nil, fmt.Errorf("onebit: Adam: exp_avg_mask of %q has %d elements, the parameter %d", name, len(mk), len(a.m[i]))
-		}
-		if !optim.Finite(mk) {
-			return nil, fmt.Errorf("onebit: Adam: exp_avg_mask of %q is not finite", name)
-		}
-		a.mask[i] = append([]float32(nil), mk...)
+	masks, err := compileMasks(params, cfg.ExpAvgMask)
+	if err != nil {
+		return nil, fmt.Errorf("onebit: Adam: %w", err)
 	}
+	a.mask = masks
 	if a.world > 1 {
 		a.errs = make([]*State, len(params))
 		for i := range params {
