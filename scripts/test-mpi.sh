@@ -60,6 +60,25 @@ for n in 1 2 3 4; do
 	fi
 done
 
+# The command-line conformance check on the MPI backend: the vectors of
+# world size 4 run on 4 processes, the others are listed as skipped.
+lowbit=$tmp/lowbit
+if "$GO" build -tags mpi -o "$lowbit" ./cmd/lowbit; then
+	log=$tmp/conformance.log
+	run "$log" timeout -k 10 120 "${mpirun[@]}" -np 4 "$lowbit" conformance --backend mpi internal/conformance/testdata
+	if [ "$rc" -eq 0 ] && grep -q "PASS  onebit     w4" "$log"; then
+		echo "MPI tests: lowbit conformance --backend mpi, np=4 ok (${ms} ms): $(tail -n 1 "$log")"
+		passed=$((passed + 1))
+	else
+		echo "MPI tests: lowbit conformance --backend mpi, np=4 FAILED (exit $rc after ${ms} ms):"
+		tail -n 40 "$log"
+		fail=$((fail + 1))
+	fi
+else
+	echo "MPI tests: building lowbit with -tags mpi failed"
+	fail=$((fail + 1))
+fi
+
 # Failure scenarios (see comm/mpi/scenario_test.go). Each must end with a
 # non-zero status, not by the timeout, well within it, and say why.
 watchdog='lowbit/mpi: rank 0: context deadline exceeded during allreduce; aborting the MPI job because MPI cannot cancel a collective'
