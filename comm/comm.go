@@ -225,6 +225,7 @@ type MismatchError struct {
 	Want       int    // rank 0's value
 }
 
+// Error describes the mismatch, naming both values.
 func (e *MismatchError) Error() string {
 	return fmt.Sprintf("comm: %s: %s mismatch across ranks: rank %d has %d, rank 0 has %d",
 		e.Collective, e.What, e.Rank, e.Got, e.Want)

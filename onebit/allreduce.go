@@ -109,7 +109,9 @@ func (s *State) Reset() {
 // less than a float32 ring allreduce. With one rank the call still
 // compresses (the output is the error-compensated sign compression of buf,
 // as in the reference); optimizers skip the call when W = 1. With an empty
-// buf it zeroes both error buffers and communicates nothing.
+// buf it zeroes both error buffers and communicates nothing; so a rank with
+// an empty buf among ranks with non-empty ones is not detected by this call:
+// the others wait for it until their context ends.
 func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error {
 	w := c.Size()
 	if st == nil {

@@ -94,6 +94,7 @@ type Error struct {
 	Msg  string // MPI_Error_string of Code
 }
 
+// Error names the MPI function, its message and its code.
 func (e *Error) Error() string {
 	return fmt.Sprintf("%s failed: %s (MPI error code %d)", e.Func, e.Msg, e.Code)
 }
