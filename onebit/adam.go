@@ -282,35 +282,18 @@ func (a *Adam) Load(ck *optim.Checkpoint) error {
 	if float64(float32(c2)) != c2 || math.IsNaN(c2) || math.IsInf(c2, 0) {
 		return fmt.Errorf("onebit: Adam: %w: frozen bias correction %v is not a finite float32", optim.ErrIncompatibleCheckpoint, c2)
 	}
-	// Find everything before changing anything.
-	type bufs struct{ p, m, v, we, se []float32 }
-	src := make([]bufs, len(a.params))
+	rs := ck.Restore()
 	for i, p := range a.params {
-		n := len(a.m[i])
-		b := &src[i]
-		if b.p, err = ck.TensorData(optim.ParamTensorName(p.Name), n); err == nil {
-			if b.m, err = ck.TensorData(optim.ExpAvgPrefix+p.Name, n); err == nil {
-				b.v, err = ck.TensorData(optim.ExpAvgSqPrefix+p.Name, n)
-			}
-		}
-		if err == nil && a.errs != nil {
-			st := a.errs[i]
-			if b.we, err = ck.TensorData(WorkerErrorPrefix+p.Name, len(st.WorkerError)); err == nil {
-				b.se, err = ck.TensorData(ServerErrorPrefix+p.Name, len(st.ServerError))
-			}
-		}
-		if err != nil {
-			return fmt.Errorf("onebit: Adam: %w", err)
+		rs.Tensor(optim.ParamTensorName(p.Name), p.Data())
+		rs.Tensor(optim.ExpAvgPrefix+p.Name, a.m[i])
+		rs.Tensor(optim.ExpAvgSqPrefix+p.Name, a.v[i])
+		if a.errs != nil {
+			rs.Tensor(WorkerErrorPrefix+p.Name, a.errs[i].WorkerError)
+			rs.Tensor(ServerErrorPrefix+p.Name, a.errs[i].ServerError)
 		}
 	}
-	for i, p := range a.params {
-		copy(p.Data(), src[i].p)
-		copy(a.m[i], src[i].m)
-		copy(a.v[i], src[i].v)
-		if a.errs != nil {
-			copy(a.errs[i].WorkerError, src[i].we)
-			copy(a.errs[i].ServerError, src[i].se)
-		}
+	if err := rs.Apply(); err != nil {
+		return fmt.Errorf("onebit: Adam: %w", err)
 	}
 	a.step = step
 	a.stage = ck.Stage

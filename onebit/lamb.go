@@ -540,31 +540,14 @@ func (o *Lamb) load(ck *optim.Checkpoint) error {
 			optim.ErrIncompatibleCheckpoint, IntFrozenAt, ints[0], IntScaled, ints[1], step)
 	}
 	// Gather and check everything before changing anything.
-	type copyOp struct{ dst, src []float32 }
-	var ops []copyOp
-	get := func(name string, dst []float32) error {
-		src, err := ck.TensorData(name, len(dst))
-		if err == nil {
-			ops = append(ops, copyOp{dst, src})
-		}
-		return err
-	}
+	rs := ck.Restore()
 	floats := make([]float64, 0, 3*len(o.params))
 	for i, p := range o.params {
 		lo, hi := o.offs[i], o.offs[i+1]
-		for _, e := range []struct {
-			name string
-			dst  []float32
-		}{
-			{optim.ParamTensorName(p.Name), p.Data()},
-			{optim.ExpAvgPrefix + p.Name, o.m[lo:hi]},
-			{optim.ExpAvgSqPrefix + p.Name, o.v[lo:hi]},
-			{ExpAvgSqFreshPrefix + p.Name, o.vFresh[lo:hi]},
-		} {
-			if err := get(e.name, e.dst); err != nil {
-				return err
-			}
-		}
+		rs.Tensor(optim.ParamTensorName(p.Name), p.Data())
+		rs.Tensor(optim.ExpAvgPrefix+p.Name, o.m[lo:hi])
+		rs.Tensor(optim.ExpAvgSqPrefix+p.Name, o.v[lo:hi])
+		rs.Tensor(ExpAvgSqFreshPrefix+p.Name, o.vFresh[lo:hi])
 		for _, k := range []string{FloatCoeffFreezePrefix, FloatLastFactorPrefix, FloatScalingPrefix} {
 			f, err := ck.Float(k + p.Name)
 			if err != nil {
@@ -577,15 +560,11 @@ func (o *Lamb) load(ck *optim.Checkpoint) error {
 		}
 	}
 	if o.ef != nil {
-		if err := get(FusedWorkerError, o.ef.WorkerError); err != nil {
-			return err
-		}
-		if err := get(FusedServerError, o.ef.ServerError); err != nil {
-			return err
-		}
+		rs.Tensor(FusedWorkerError, o.ef.WorkerError)
+		rs.Tensor(FusedServerError, o.ef.ServerError)
 	}
-	for _, op := range ops {
-		copy(op.dst, op.src)
+	if err := rs.Apply(); err != nil {
+		return err
 	}
 	for i := range o.params {
 		o.coeffFreeze[i] = floats[3*i]

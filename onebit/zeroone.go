@@ -499,39 +499,20 @@ func (o *ZeroOneAdam) load(ck *optim.Checkpoint) error {
 	if math.IsNaN(lrs) || math.IsInf(lrs, 0) {
 		return fmt.Errorf("%w: lrs is %v", optim.ErrIncompatibleCheckpoint, lrs)
 	}
-	type copyOp struct{ dst, src []float32 }
-	var ops []copyOp
-	get := func(name string, dst []float32) error {
-		src, err := ck.TensorData(name, len(dst))
-		if err == nil {
-			ops = append(ops, copyOp{dst, src})
-		}
-		return err
-	}
+	// Gather and check everything before changing anything.
+	rs := ck.Restore()
 	for i, p := range o.params {
-		if err := get(optim.ParamTensorName(p.Name), p.Data()); err != nil {
-			return err
-		}
-		if err := get(optim.ExpAvgPrefix+p.Name, o.m[i]); err != nil {
-			return err
-		}
-		if err := get(optim.ExpAvgSqPrefix+p.Name, o.v[i]); err != nil {
-			return err
-		}
-		if err := get(AnchorPrefix+p.Name, o.anchor[i]); err != nil {
-			return err
-		}
+		rs.Tensor(optim.ParamTensorName(p.Name), p.Data())
+		rs.Tensor(optim.ExpAvgPrefix+p.Name, o.m[i])
+		rs.Tensor(optim.ExpAvgSqPrefix+p.Name, o.v[i])
+		rs.Tensor(AnchorPrefix+p.Name, o.anchor[i])
 		if o.ef != nil {
-			if err := get(WorkerErrorPrefix+p.Name, o.ef[i].WorkerError); err != nil {
-				return err
-			}
-			if err := get(ServerErrorPrefix+p.Name, o.ef[i].ServerError); err != nil {
-				return err
-			}
+			rs.Tensor(WorkerErrorPrefix+p.Name, o.ef[i].WorkerError)
+			rs.Tensor(ServerErrorPrefix+p.Name, o.ef[i].ServerError)
 		}
 	}
-	for _, op := range ops {
-		copy(op.dst, op.src)
+	if err := rs.Apply(); err != nil {
+		return err
 	}
 	o.stage = ck.Stage
 	o.step, o.varUpdates, o.varInterval, o.varCounter = step, ints[0], ints[1], ints[2]

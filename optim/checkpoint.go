@@ -107,6 +107,47 @@ func (ck *Checkpoint) TensorData(name string, n int) ([]float32, error) {
 	return t.Data, nil
 }
 
+// Restore stages copies of a checkpoint's tensors into an optimizer's
+// buffers, so that Load checks every tensor before it changes anything:
+// Tensor stages one copy, Apply performs all of them or, if any tensor was
+// missing or of the wrong size, none.
+type Restore struct {
+	ck  *Checkpoint
+	ops []restoreCopy
+	err error
+}
+
+type restoreCopy struct{ dst, src []float32 }
+
+// Restore starts staging copies out of ck.
+func (ck *Checkpoint) Restore() *Restore { return &Restore{ck: ck} }
+
+// Tensor stages copying the tensor called name, which must hold len(dst)
+// elements, into dst. After the first error it does nothing.
+func (r *Restore) Tensor(name string, dst []float32) {
+	if r.err != nil {
+		return
+	}
+	src, err := r.ck.TensorData(name, len(dst))
+	if err != nil {
+		r.err = err
+		return
+	}
+	r.ops = append(r.ops, restoreCopy{dst, src})
+}
+
+// Apply performs every staged copy and returns nil, or returns the first
+// error of Tensor and copies nothing.
+func (r *Restore) Apply() error {
+	if r.err != nil {
+		return r.err
+	}
+	for _, op := range r.ops {
+		copy(op.dst, op.src)
+	}
+	return nil
+}
+
 // Int returns the counter called name, or an error when it is missing.
 func (ck *Checkpoint) Int(name string) (int64, error) {
 	v, ok := ck.Ints[name]

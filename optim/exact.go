@@ -177,19 +177,14 @@ func (e *exact) Load(ck *Checkpoint) error {
 	if err != nil {
 		return err
 	}
-	// Find everything before changing anything.
-	src := make([][3][]float32, len(e.params))
+	rs := ck.Restore()
 	for i, p := range e.params {
-		for j, prefix := range [3]string{ParamTensorName(""), ExpAvgPrefix, ExpAvgSqPrefix} {
-			if src[i][j], err = ck.TensorData(prefix+p.Name, len(e.m[i])); err != nil {
-				return err
-			}
-		}
+		rs.Tensor(ParamTensorName(p.Name), p.Data())
+		rs.Tensor(ExpAvgPrefix+p.Name, e.m[i])
+		rs.Tensor(ExpAvgSqPrefix+p.Name, e.v[i])
 	}
-	for i, p := range e.params {
-		copy(p.Data(), src[i][0])
-		copy(e.m[i], src[i][1])
-		copy(e.v[i], src[i][2])
+	if err := rs.Apply(); err != nil {
+		return err
 	}
 	e.step = step
 	e.stats.Steps, e.stats.Skipped = steps, skipped
