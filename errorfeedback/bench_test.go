@@ -2,11 +2,10 @@ package errorfeedback
 
 import (
 	"math/rand/v2"
-	"slices"
 	"sync"
 	"testing"
-	"time"
 
+	"github.com/lowbit-ml/lowbit/internal/samerun"
 	"github.com/lowbit-ml/lowbit/signpack"
 )
 
@@ -77,38 +76,6 @@ func BenchmarkCompressGeneric(b *testing.B) {
 	}
 }
 
-// medianTimes times passes in alternation (rotating which goes first) and
-// returns the median time of each, so that passes disturbed by other work
-// on a shared machine count little.
-func medianTimes(b *testing.B, passes []func()) []float64 {
-	const maxRounds = 1024 // rounds beyond these are timed but not kept
-	times := make([][]time.Duration, len(passes))
-	for k := range times {
-		times[k] = make([]time.Duration, 0, maxRounds)
-	}
-	rounds := 0
-	b.ReportAllocs()
-	b.ResetTimer()
-	for b.Loop() {
-		for j := range passes {
-			k := (rounds + j) % len(passes)
-			t0 := time.Now()
-			passes[k]()
-			if rounds < maxRounds {
-				times[k] = append(times[k], time.Since(t0))
-			}
-		}
-		rounds++
-	}
-	b.StopTimer()
-	med := make([]float64, len(passes))
-	for k, ts := range times {
-		slices.Sort(ts)
-		med[k] = ts[len(ts)/2].Seconds()
-	}
-	return med
-}
-
 func mbPerSec(sec float64) float64 { return 4 * benchElems / 1e6 / sec }
 
 // BenchmarkCompressSpeedup times Compress with the fast norm kernels and
@@ -120,10 +87,10 @@ func mbPerSec(sec float64) float64 { return 4 * benchElems / 1e6 / sec }
 func BenchmarkCompressSpeedup(b *testing.B) {
 	r, input, packed := benchBuffers(b)
 	b.Logf("fast path: %s", fastPath())
-	med := medianTimes(b, []func(){
+	med := samerun.Medians(b,
 		func() { sinkF32, _ = r.Compress(packed, input) },
 		func() { sinkF32 = compressGeneric(r, packed, input) },
-	})
+	)
 	b.ReportMetric(med[1]/med[0], "speedup")
 	b.ReportMetric(mbPerSec(med[0]), "fast-MB/s")
 	b.ReportMetric(mbPerSec(med[1]), "generic-MB/s")
@@ -136,12 +103,12 @@ func BenchmarkCompressSpeedup(b *testing.B) {
 // again, so the values grow, but only linearly in the number of passes.
 func BenchmarkNormSpeedup(b *testing.B) {
 	r, input, _ := benchBuffers(b)
-	med := medianTimes(b, []func(){
+	med := samerun.Medians(b,
 		func() { sinkF64 = addSumSquares(r, input) },
 		func() { sinkF64 = addSumSquaresGeneric(r, input) },
 		func() { sinkF64 = sumSquares(r) },
 		func() { sinkF64 = sumSquaresGeneric(r) },
-	})
+	)
 	// The residual is shared with the Compress benchmarks; start them again
 	// from the input.
 	copy(r, input)

@@ -3,8 +3,8 @@ package onebit_test
 import (
 	"context"
 	"testing"
-	"time"
 
+	"github.com/lowbit-ml/lowbit/internal/samerun"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 )
@@ -32,34 +32,12 @@ func optimBenchParam(n int) *optim.Param {
 // optimBenchCompare times opt.Step as the benchmark's ns/op and exact
 // Adam's step (not counted in ns/op nor allocs/op) in the same loop, and
 // reports Adam's time per step (exact-adam-ns/op) and the ratio
-// (x-exact-adam). Each has taken warm steps before the timing starts.
+// (x-exact-adam). The caller has warmed opt up.
 func optimBenchCompare(b *testing.B, n int, opt, adam optim.Optimizer) {
 	ctx := context.Background()
-	if err := adam.Step(ctx); err != nil {
-		b.Fatal(err)
-	}
-	b.SetBytes(int64(n) * 4)
-	b.ReportAllocs()
-	var adamTime time.Duration
-	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		if err := opt.Step(ctx); err != nil {
-			b.Fatal(err)
-		}
-		b.StopTimer()
-		t0 := time.Now()
-		if err := adam.Step(ctx); err != nil {
-			b.Fatal(err)
-		}
-		adamTime += time.Since(t0)
-		b.StartTimer()
-	}
-	b.StopTimer()
-	optNs := float64(b.Elapsed().Nanoseconds()) / float64(b.N)
-	adamNs := float64(adamTime.Nanoseconds()) / float64(b.N)
-	b.ReportMetric(adamNs, "exact-adam-ns/op")
-	b.ReportMetric(optNs/adamNs, "x-exact-adam")
-	b.ReportMetric(optNs/float64(n), "ns/param")
+	samerun.Steps(b, n, "exact-adam",
+		func() error { return opt.Step(ctx) },
+		func() error { return adam.Step(ctx) })
 }
 
 // BenchmarkAdamCompressionStep is 1-bit Adam's compression-stage step

@@ -3,7 +3,8 @@ package optim
 import (
 	"context"
 	"testing"
-	"time"
+
+	"github.com/lowbit-ml/lowbit/internal/samerun"
 )
 
 // benchSizes are the parameter counts of the step benchmarks: one tensor
@@ -80,31 +81,10 @@ func BenchmarkLambStep(b *testing.B) {
 // Each has taken one step before the timing starts.
 func compareSteps(b *testing.B, n int, opt, adam Optimizer) {
 	ctx := context.Background()
-	for _, o := range []Optimizer{opt, adam} {
-		if err := o.Step(ctx); err != nil {
-			b.Fatal(err)
-		}
+	if err := opt.Step(ctx); err != nil {
+		b.Fatal(err)
 	}
-	b.SetBytes(int64(n) * 4)
-	b.ReportAllocs()
-	var baseTime time.Duration
-	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		if err := opt.Step(ctx); err != nil {
-			b.Fatal(err)
-		}
-		b.StopTimer()
-		t0 := time.Now()
-		if err := adam.Step(ctx); err != nil {
-			b.Fatal(err)
-		}
-		baseTime += time.Since(t0)
-		b.StartTimer()
-	}
-	b.StopTimer()
-	optNs := float64(b.Elapsed().Nanoseconds()) / float64(b.N)
-	baseNs := float64(baseTime.Nanoseconds()) / float64(b.N)
-	b.ReportMetric(baseNs, "exact-adam-ns/op")
-	b.ReportMetric(optNs/baseNs, "x-exact-adam")
-	b.ReportMetric(optNs/float64(n), "ns/param")
+	samerun.Steps(b, n, "exact-adam",
+		func() error { return opt.Step(ctx) },
+		func() error { return adam.Step(ctx) })
 }

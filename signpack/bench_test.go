@@ -2,11 +2,10 @@ package signpack_test
 
 import (
 	"math/rand/v2"
-	"slices"
 	"sync"
 	"testing"
-	"time"
 
+	"github.com/lowbit-ml/lowbit/internal/samerun"
 	"github.com/lowbit-ml/lowbit/signpack"
 )
 
@@ -121,34 +120,11 @@ func BenchmarkUnpackScaleAdd(b *testing.B) {
 // run it with -benchtime 20x or more.
 func BenchmarkPackVsRead(b *testing.B) {
 	src, packed, _ := benchBuffers(b)
-	passes := [3]func(){
+	med := samerun.Medians(b,
 		func() { sink |= signpack.ReadBaseline(src) },
 		func() { signpack.Pack(packed, src) },
 		func() { signpack.Generic.Pack(packed, src) },
-	}
-	const maxRounds = 1024 // rounds beyond these are timed but not kept
-	var times [3][maxRounds]time.Duration
-	rounds := 0
-	b.ReportAllocs()
-	b.ResetTimer()
-	for b.Loop() {
-		for j := range passes {
-			k := (rounds + j) % len(passes)
-			t0 := time.Now()
-			passes[k]()
-			if rounds < maxRounds {
-				times[k][rounds] = time.Since(t0)
-			}
-		}
-		rounds++
-	}
-	b.StopTimer()
-	var med [3]float64
-	for k := range times {
-		ts := times[k][:min(rounds, maxRounds)]
-		slices.Sort(ts)
-		med[k] = ts[len(ts)/2].Seconds()
-	}
+	)
 	mbs := func(sec float64) float64 { return 4 * benchElems / 1e6 / sec }
 	b.ReportMetric(med[0]/med[1], "pack/read")
 	b.ReportMetric(med[0]/med[2], "generic/read")
