@@ -81,7 +81,7 @@ fi
 
 # Failure scenarios (see comm/mpi/scenario_test.go). Each must end with a
 # non-zero status, not by the timeout, well within it, and say why.
-watchdog='lowbit/mpi: rank 0: context deadline exceeded during allreduce; aborting the MPI job because MPI cannot cancel a collective'
+watchdog='lowbit/mpi: rank [0-9]+: context deadline exceeded during allreduce; aborting the MPI job because MPI cannot cancel a collective'
 for s in exit close stall; do
 	case $s in
 	exit) want="exiting improperly|$watchdog" ;;

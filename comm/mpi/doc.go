@@ -52,8 +52,10 @@
 //
 //	lowbit/mpi: rank R: context deadline exceeded during allreduce; aborting the MPI job because MPI cannot cancel a collective
 //
-// on stderr and calls MPI_Abort(MPI_COMM_WORLD, 3); mpirun then ends every
-// rank with a non-zero status. This is also what bounds the wait of ranks
+// on stderr and ends the job with status 3: under Open MPI's mpirun by
+// exiting without finalizing, which makes mpirun kill every rank (MPI_Abort
+// after a peer has finalized can leave Open MPI 4.1's mpirun hanging),
+// elsewhere by MPI_Abort(MPI_COMM_WORLD, 3). This is also what bounds the wait of ranks
 // whose peer exited or hangs: give every collective a context with a
 // deadline. Contexts that can never end (context.Background) skip the
 // watchdog entirely.

@@ -83,10 +83,11 @@ func (w *watchdog) run() {
 }
 
 // abortStagger is how long rank r waits, times r, after its context ended
-// before it aborts the job; maxStagger caps the wait. Ranks whose deadlines
-// pass together would otherwise call MPI_Abort at the same moment, and Open
-// MPI 4.1's mpirun can hang when several ranks abort at once after a peer
-// has finalized. Staggered, the first abort normally ends the whole job.
+// before it ends the job; maxStagger caps the wait. Ranks whose deadlines
+// pass together would otherwise leave at the same moment, and Open MPI
+// 4.1's mpirun can hang in its teardown when several ranks do so after a
+// peer has finalized. Staggered, the first rank to leave normally ends the
+// whole job.
 const (
 	abortStagger = 100 * time.Millisecond
 	maxStagger   = 2 * time.Second
