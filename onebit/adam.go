@@ -40,9 +40,11 @@ func DefaultAdamConfig() AdamConfig {
 const (
 	// WorkerErrorPrefix and ServerErrorPrefix (followed by the parameter
 	// name) name this rank's error buffers, PaddedLen(n, W) and
-	// PaddedLen(n, W)/W floats.
-	WorkerErrorPrefix = "worker_error/"
-	ServerErrorPrefix = "server_error/"
+	// PaddedLen(n, W)/W floats. They follow optim's naming rule for error
+	// buffers (see optim.IsErrorBuffer), which optim.Checkpoint.ResetErrors
+	// drops.
+	WorkerErrorPrefix = optim.WorkerErrorName + "/"
+	ServerErrorPrefix = optim.ServerErrorName + "/"
 	// FloatFrozenBiasCorrection2 is the frozen multiplier 1/(1-beta2^t)
 	// of the variance (1 without bias correction).
 	FloatFrozenBiasCorrection2 = "bias_correction2_frozen"
@@ -259,12 +261,14 @@ func (a *Adam) State() (*optim.Checkpoint, error) {
 // Load restores a checkpoint made by State of a 1-bit Adam on the same
 // world size, rank and parameters. Anything else is refused with an error
 // wrapping optim.ErrIncompatibleCheckpoint, and the optimizer is left
-// unchanged.
+// unchanged. A checkpoint whose error buffers were reset on request
+// (optim.Checkpoint.ResetErrors) loads on any world size and rank: the
+// error buffers start at zero, and Load logs a warning that says so.
 func (a *Adam) Load(ck *optim.Checkpoint) error {
 	if err := ck.CheckCompatible(optim.AlgorithmOnebitAdam, a.world, a.params); err != nil {
 		return fmt.Errorf("onebit: Adam: %w", err)
 	}
-	if a.world > 1 && ck.Rank != a.rank {
+	if a.world > 1 && ck.Rank != a.rank && !ck.ErrorsReset {
 		return fmt.Errorf("onebit: Adam: %w: made by rank %d, this is rank %d (error buffers are per rank)",
 			optim.ErrIncompatibleCheckpoint, ck.Rank, a.rank)
 	}
@@ -287,13 +291,19 @@ func (a *Adam) Load(ck *optim.Checkpoint) error {
 		rs.Tensor(optim.ParamTensorName(p.Name), p.Data())
 		rs.Tensor(optim.ExpAvgPrefix+p.Name, a.m[i])
 		rs.Tensor(optim.ExpAvgSqPrefix+p.Name, a.v[i])
-		if a.errs != nil {
+		if a.errs != nil && !ck.ErrorsReset {
 			rs.Tensor(WorkerErrorPrefix+p.Name, a.errs[i].WorkerError)
 			rs.Tensor(ServerErrorPrefix+p.Name, a.errs[i].ServerError)
 		}
 	}
 	if err := rs.Apply(); err != nil {
 		return fmt.Errorf("onebit: Adam: %w", err)
+	}
+	if ck.ErrorsReset {
+		for _, st := range a.errs {
+			st.Reset()
+		}
+		warnErrorsReset(a.log, ck, a.world, a.rank)
 	}
 	a.step = step
 	a.stage = ck.Stage

@@ -148,9 +148,11 @@ const (
 	FloatScalingPrefix     = "scaling/"
 	// FusedWorkerError and FusedServerError name this rank's error buffers
 	// of the fused momentum buffer: PaddedLen(total, W) and
-	// PaddedLen(total, W)/W floats.
-	FusedWorkerError = "worker_error"
-	FusedServerError = "server_error"
+	// PaddedLen(total, W)/W floats. They follow optim's naming rule for
+	// error buffers (see optim.IsErrorBuffer), which
+	// optim.Checkpoint.ResetErrors drops.
+	FusedWorkerError = optim.WorkerErrorName
+	FusedServerError = optim.ServerErrorName
 	// IntFrozenAt is the step at which v was frozen (0 in warm-up);
 	// IntScaled is 1 once the scaling has been computed.
 	IntFrozenAt = "frozen_at"
@@ -508,7 +510,10 @@ func (o *Lamb) State() (*optim.Checkpoint, error) {
 // Load restores a checkpoint made by State on the same rank of a group of
 // the same size, over parameters of the same names and shapes. It refuses
 // anything else with an error wrapping optim.ErrIncompatibleCheckpoint and
-// then leaves the optimizer unchanged.
+// then leaves the optimizer unchanged. A checkpoint whose error buffers
+// were reset on request (optim.Checkpoint.ResetErrors) loads on any group
+// size and rank: the error buffers of the fused momentum start at zero,
+// and Load logs a warning that says so.
 func (o *Lamb) Load(ck *optim.Checkpoint) error {
 	if err := o.load(ck); err != nil {
 		return fmt.Errorf("onebit: 1-bit LAMB: %w", err)
@@ -559,12 +564,18 @@ func (o *Lamb) load(ck *optim.Checkpoint) error {
 			floats = append(floats, f)
 		}
 	}
-	if o.ef != nil {
+	if o.ef != nil && !ck.ErrorsReset {
 		rs.Tensor(FusedWorkerError, o.ef.WorkerError)
 		rs.Tensor(FusedServerError, o.ef.ServerError)
 	}
 	if err := rs.Apply(); err != nil {
 		return err
+	}
+	if ck.ErrorsReset {
+		if o.ef != nil {
+			o.ef.Reset()
+		}
+		warnErrorsReset(o.log, ck, o.world, o.rank)
 	}
 	for i := range o.params {
 		o.coeffFreeze[i] = floats[3*i]
@@ -616,12 +627,21 @@ func hasParam(params []*optim.Param, name string) bool {
 }
 
 // checkRank refuses a checkpoint made by another rank: it holds that
-// rank's error buffers.
+// rank's error buffers (unless they were reset).
 func checkRank(ck *optim.Checkpoint, rank int) error {
-	if ck.Rank != rank {
+	if ck.Rank != rank && !ck.ErrorsReset {
 		return fmt.Errorf("%w: made by rank %d, this is rank %d (error buffers are per rank)", optim.ErrIncompatibleCheckpoint, ck.Rank, rank)
 	}
 	return nil
+}
+
+// warnErrorsReset logs the warning of every Load of a checkpoint whose
+// error buffers were reset (optim.Checkpoint.ResetErrors), after the load.
+func warnErrorsReset(log *zap.Logger, ck *optim.Checkpoint, world, rank int) {
+	log.Warn("loaded a checkpoint whose error buffers were reset: error feedback starts again from zero",
+		zap.String("algorithm", ck.Algorithm), zap.Int64("step", ck.Ints[optim.IntStep]),
+		zap.Int("made_on_world", ck.World), zap.Int("made_by_rank", ck.Rank),
+		zap.Int("world", world), zap.Int("rank", rank))
 }
 
 // checkpointInts returns the named counters of ck, in order, or the error

@@ -458,6 +458,14 @@ func (o *ZeroOneAdam) State() (*optim.Checkpoint, error) {
 // the same size, over parameters of the same names and shapes. It refuses
 // anything else with an error wrapping optim.ErrIncompatibleCheckpoint and
 // then leaves the optimizer unchanged.
+//
+// A checkpoint whose error buffers were reset on request
+// (optim.Checkpoint.ResetErrors) loads on any group size and rank: the
+// error buffers start at zero, and Load logs a warning that says so. In
+// phase B, between two synchronizations, this rank then continues from the
+// parameters and momentum of the rank that made the checkpoint (the
+// anchor, the last synchronization point, is the same on every rank), and
+// the next synchronization averages the new ranks' progress since it.
 func (o *ZeroOneAdam) Load(ck *optim.Checkpoint) error {
 	if err := o.load(ck); err != nil {
 		return fmt.Errorf("onebit: 0/1 Adam: %w", err)
@@ -506,13 +514,19 @@ func (o *ZeroOneAdam) load(ck *optim.Checkpoint) error {
 		rs.Tensor(optim.ExpAvgPrefix+p.Name, o.m[i])
 		rs.Tensor(optim.ExpAvgSqPrefix+p.Name, o.v[i])
 		rs.Tensor(AnchorPrefix+p.Name, o.anchor[i])
-		if o.ef != nil {
+		if o.ef != nil && !ck.ErrorsReset {
 			rs.Tensor(WorkerErrorPrefix+p.Name, o.ef[i].WorkerError)
 			rs.Tensor(ServerErrorPrefix+p.Name, o.ef[i].ServerError)
 		}
 	}
 	if err := rs.Apply(); err != nil {
 		return err
+	}
+	if ck.ErrorsReset {
+		for _, st := range o.ef {
+			st.Reset()
+		}
+		warnErrorsReset(o.log, ck, o.world, o.rank)
 	}
 	o.stage = ck.Stage
 	o.step, o.varUpdates, o.varInterval, o.varCounter = step, ints[0], ints[1], ints[2]

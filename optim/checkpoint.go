@@ -24,6 +24,12 @@ type Checkpoint struct {
 	World     int    // group size it was made on
 	Rank      int    // rank that made it
 	Stage     Stage
+	// ErrorsReset marks a checkpoint whose error buffers were dropped on
+	// request, by ResetErrors, so that it can be loaded on a group of
+	// another size or on another rank. Load then starts the error buffers
+	// at zero and says so. Default false: a checkpoint is loaded only on
+	// the group size and rank that made it.
+	ErrorsReset bool
 
 	// Ints holds counters and flags (step, var_interval, ...).
 	Ints map[string]int64
@@ -54,21 +60,26 @@ var ErrIncompatibleCheckpoint = errors.New("optim: incompatible checkpoint")
 // The binary form, all integers little-endian:
 //
 //	magic    [8]byte  "LOWBITCK"
-//	version  uint32   1
+//	version  uint32   1 or 2
 //	length   uint64   payload length in bytes
 //	crc      uint32   CRC-32C (Castagnoli) of the payload
 //	payload:
 //	  algorithm string, world int64, rank int64, stage string,
+//	  flags  uint32, in version 2 only: bit 0 is ErrorsReset, the others 0,
 //	  ints   uint32 count, then (name string, value int64) by ascending name,
 //	  floats uint32 count, then (name string, bits uint64) by ascending name,
 //	  tensors uint32 count, then per tensor: name string, rank uint32,
 //	    dims int64 each, numel uint64, numel float32 bit patterns.
 //
-// A string is a uint32 byte length followed by the bytes.
+// A string is a uint32 byte length followed by the bytes. MarshalBinary
+// writes version 1, which builds that predate version 2 read too, unless a
+// flag is set; UnmarshalBinary reads both.
 const (
 	ckMagic     = "LOWBITCK"
-	ckVersion   = 1
+	ckVersion   = 2 // the newest version this build reads and writes
 	ckHeaderLen = 8 + 4 + 8 + 4
+	// flagErrorsReset is bit 0 of the version-2 flags: ErrorsReset.
+	flagErrorsReset = 1
 	// maxDims bounds a tensor's rank, so that a corrupt rank field cannot
 	// ask for a huge allocation.
 	maxDims = 64
@@ -174,8 +185,10 @@ func ParamTensorName(name string) string { return "param/" + name }
 // CheckCompatible reports, with an error wrapping ErrIncompatibleCheckpoint
 // that names what differs, whether ck cannot be loaded into an optimizer of
 // the given algorithm on world ranks over params: another algorithm,
-// another world size, a parameter missing from ck, one with another shape,
-// or a parameter in ck that params lack.
+// another world size (unless ck.ErrorsReset is set), a parameter missing
+// from ck, one with another shape, or a parameter in ck that params lack.
+// A checkpoint with ErrorsReset set must hold no error buffers (see
+// IsErrorBuffer).
 func (ck *Checkpoint) CheckCompatible(algorithm string, world int, params []*Param) error {
 	if ck == nil {
 		return fmt.Errorf("%w: nil checkpoint", ErrIncompatibleCheckpoint)
@@ -183,8 +196,16 @@ func (ck *Checkpoint) CheckCompatible(algorithm string, world int, params []*Par
 	if ck.Algorithm != algorithm {
 		return fmt.Errorf("%w: made by algorithm %q, this optimizer is %q", ErrIncompatibleCheckpoint, ck.Algorithm, algorithm)
 	}
-	if ck.World != world {
-		return fmt.Errorf("%w: made on %d ranks, this group has %d", ErrIncompatibleCheckpoint, ck.World, world)
+	if ck.World != world && !ck.ErrorsReset {
+		return fmt.Errorf("%w: made on %d ranks, this group has %d (Checkpoint.ResetErrors makes a copy that loads on any group size, with the error buffers reset)",
+			ErrIncompatibleCheckpoint, ck.World, world)
+	}
+	if ck.ErrorsReset {
+		for _, t := range ck.Tensors {
+			if IsErrorBuffer(t.Name) {
+				return fmt.Errorf("%w: marked as having its error buffers reset, but holds error buffer %q", ErrIncompatibleCheckpoint, t.Name)
+			}
+		}
 	}
 	for _, p := range params {
 		t := ck.Tensor(ParamTensorName(p.Name))
@@ -213,7 +234,15 @@ func (ck *Checkpoint) CheckCompatible(algorithm string, world int, params []*Par
 // MarshalBinary encodes ck in the binary form described above. It fails
 // for a tensor whose shape does not match its data.
 func (ck *Checkpoint) MarshalBinary() ([]byte, error) {
-	size := 8 + 4 + len(ck.Algorithm) + 4 + len(ck.Stage) + 16*3
+	var flags uint32
+	if ck.ErrorsReset {
+		flags |= flagErrorsReset
+	}
+	version := uint32(1)
+	if flags != 0 {
+		version = 2
+	}
+	size := 8 + 4 + len(ck.Algorithm) + 4 + len(ck.Stage) + 4 + 16*3
 	for k := range ck.Ints {
 		size += 4 + len(k) + 8
 	}
@@ -241,6 +270,9 @@ func (ck *Checkpoint) MarshalBinary() ([]byte, error) {
 	b = binary.LittleEndian.AppendUint64(b, uint64(int64(ck.World)))
 	b = binary.LittleEndian.AppendUint64(b, uint64(int64(ck.Rank)))
 	b = appendString(b, string(ck.Stage))
+	if version >= 2 {
+		b = binary.LittleEndian.AppendUint32(b, flags)
+	}
 	b = binary.LittleEndian.AppendUint32(b, uint32(len(ck.Ints)))
 	for _, k := range sortedKeys(ck.Ints) {
 		b = appendString(b, k)
@@ -265,7 +297,7 @@ func (ck *Checkpoint) MarshalBinary() ([]byte, error) {
 	}
 	payload := b[ckHeaderLen:]
 	copy(b[0:8], ckMagic)
-	binary.LittleEndian.PutUint32(b[8:12], ckVersion)
+	binary.LittleEndian.PutUint32(b[8:12], version)
 	binary.LittleEndian.PutUint64(b[12:20], uint64(len(payload)))
 	binary.LittleEndian.PutUint32(b[20:24], crc32.Checksum(payload, castagnoli))
 	return b, nil
@@ -300,8 +332,9 @@ func (ck *Checkpoint) UnmarshalBinary(b []byte) error {
 	if string(b[:8]) != ckMagic {
 		return fmt.Errorf("%w: not a lowbit checkpoint (bad magic %q)", ErrCorruptCheckpoint, b[:8])
 	}
-	if v := binary.LittleEndian.Uint32(b[8:12]); v != ckVersion {
-		return fmt.Errorf("%w: format version %d, this build reads version %d", ErrCorruptCheckpoint, v, ckVersion)
+	version := binary.LittleEndian.Uint32(b[8:12])
+	if version < 1 || version > ckVersion {
+		return fmt.Errorf("%w: format version %d, this build reads versions 1 to %d", ErrCorruptCheckpoint, version, ckVersion)
 	}
 	n := binary.LittleEndian.Uint64(b[12:20])
 	payload := b[ckHeaderLen:]
@@ -320,6 +353,13 @@ func (ck *Checkpoint) UnmarshalBinary(b []byte) error {
 	out.World = d.int("world size")
 	out.Rank = d.int("rank")
 	out.Stage = Stage(d.str("stage"))
+	if version >= 2 {
+		flags := d.u32("flags")
+		if d.err == nil && flags&^flagErrorsReset != 0 {
+			d.fail("unknown flags %#x", flags&^flagErrorsReset)
+		}
+		out.ErrorsReset = flags&flagErrorsReset != 0
+	}
 	if cnt := d.count("counter", 4+8); cnt > 0 {
 		out.Ints = make(map[string]int64, cnt)
 		for range cnt {

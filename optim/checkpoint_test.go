@@ -133,6 +133,7 @@ func fixCRC(b []byte) {
 
 func FuzzCheckpointDecode(f *testing.F) {
 	f.Add(encode(f, sampleCheckpoint()))
+	f.Add(encode(f, sampleCheckpoint().ResetErrors())) // version 2, with flags
 	f.Add(encode(f, &Checkpoint{}))
 	f.Add([]byte(ckMagic))
 	f.Fuzz(func(t *testing.T, b []byte) {

@@ -1,0 +1,83 @@
+package optim
+
+import (
+	"maps"
+	"slices"
+	"strings"
+)
+
+// Checkpoint names of the error buffers of the compressed optimizers. The
+// error buffers are the only per-rank state of a checkpoint, and the only
+// tensors whose size depends on the group size: everything else is the
+// same on every rank of a group (0/1 Adam's local steps aside) and sized
+// by the parameters alone.
+//
+// The naming rule, shared by every optimizer and applied by IsErrorBuffer
+// and ResetErrors: a tensor is an error buffer when its name is
+// WorkerErrorName or ServerErrorName, alone (one buffer for a fused group
+// of parameters, as in 1-bit LAMB) or followed by "/" and a parameter name
+// (one buffer per parameter, as in 1-bit Adam and 0/1 Adam). Package
+// onebit builds its WorkerErrorPrefix, ServerErrorPrefix, FusedWorkerError
+// and FusedServerError from these two names, so the rule lives here, with
+// the format, and a new optimizer follows it by using them.
+const (
+	WorkerErrorName = "worker_error"
+	ServerErrorName = "server_error"
+)
+
+// IsErrorBuffer reports whether the checkpoint tensor called name is an
+// error buffer: WorkerErrorName or ServerErrorName, alone or followed by
+// "/" and anything.
+func IsErrorBuffer(name string) bool {
+	for _, base := range [...]string{WorkerErrorName, ServerErrorName} {
+		if rest, ok := strings.CutPrefix(name, base); ok && (rest == "" || rest[0] == '/') {
+			return true
+		}
+	}
+	return false
+}
+
+// ResetErrors is the explicit request to load ck on a group of another
+// size, or on another rank, at the price of the error feedback. It returns
+// a deep copy of ck without its error buffers (see IsErrorBuffer) and with
+// ErrorsReset set; ck itself is unchanged, and a nil ck gives nil.
+//
+// An optimizer's Load accepts such a checkpoint on any group size and rank
+// (the algorithm, the parameter names and shapes, and everything else must
+// still match, as for any checkpoint), restores all the rest of the state
+// and starts its error buffers, sized for its own group, at zero. The
+// 1-bit optimizers log a warning saying so through their logger (see
+// WithLogger); ErrorsReset stays set on the checkpoint, in memory and in
+// its file, for the caller to see. The exact optimizers, which have no
+// error buffers, load it like any other checkpoint.
+//
+// World and Rank keep saying which group and rank made the checkpoint.
+// Every rank of the new group may load any rank's reset checkpoint: in the
+// 1-bit optimizers' compression stages (and in 0/1 Adam's phase A) every
+// rank holds the same state anyway; in 0/1 Adam's phase B, between two
+// synchronizations, a rank continues from the parameters and momentum of
+// the rank that made its checkpoint, and the next synchronization averages
+// the progress of the new ranks since the last one. What the old ranks'
+// error buffers held (a few steps' worth of compression error) is lost,
+// which perturbs the following steps slightly; training carries on.
+func (ck *Checkpoint) ResetErrors() *Checkpoint {
+	if ck == nil {
+		return nil
+	}
+	out := &Checkpoint{
+		Algorithm:   ck.Algorithm,
+		World:       ck.World,
+		Rank:        ck.Rank,
+		Stage:       ck.Stage,
+		ErrorsReset: true,
+		Ints:        maps.Clone(ck.Ints),
+		Floats:      maps.Clone(ck.Floats),
+	}
+	for _, t := range ck.Tensors {
+		if IsErrorBuffer(t.Name) {
+			continue
+		}
+		out.Tensors = append(out.Tensors, Tensor{Name: t.Name, Shape: slices.Clone(t.Shape), Data: slices.Clone(t.Data)})
+	}
+	return out
+}
