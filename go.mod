@@ -5,6 +5,7 @@ go 1.26
 require (
 	github.com/stretchr/testify v1.11.1
 	go.uber.org/zap v1.27.1
+	golang.org/x/sys v0.11.0
 	gonum.org/v1/gonum v0.14.0
 	gonum.org/v1/plot v0.14.0
 	gorgonia.org/tensor v0.9.24

@@ -2,6 +2,8 @@
 
 package errorfeedback
 
+import "golang.org/x/sys/cpu"
+
 // The amd64 fast path. The assembly kernels in norm_amd64.s process whole
 // blocks of 32 elements with AVX2 and FMA; the portable kernels finish the
 // tail and stand in for them on CPUs without AVX2 or FMA.
@@ -12,25 +14,7 @@ const block = 32
 
 // useAVX2 reports whether the CPU and the operating system support AVX2 and
 // FMA. It is detected once and never changes.
-var useAVX2 = detectAVX2FMA()
-
-func detectAVX2FMA() bool {
-	maxLeaf, _, _, _ := cpuid(0, 0)
-	if maxLeaf < 7 {
-		return false
-	}
-	_, _, ecx1, _ := cpuid(1, 0)
-	const fma, osxsave, avx = 1 << 12, 1 << 27, 1 << 28
-	if ecx1&fma == 0 || ecx1&osxsave == 0 || ecx1&avx == 0 {
-		return false
-	}
-	// The OS must save the XMM and YMM registers on context switches.
-	if xcr0, _ := xgetbv(); xcr0&6 != 6 {
-		return false
-	}
-	_, ebx7, _, _ := cpuid(7, 0)
-	return ebx7&(1<<5) != 0
-}
+var useAVX2 = cpu.X86.HasAVX2 && cpu.X86.HasFMA
 
 // addSumSquares sets x[i] += in[i] and returns the float64 sum of the new
 // x[i] squared.
@@ -83,9 +67,6 @@ func fastPath() string {
 }
 
 // Implemented in norm_amd64.s.
-
-func cpuid(eaxArg, ecxArg uint32) (eax, ebx, ecx, edx uint32)
-func xgetbv() (eax, edx uint32)
 
 // addSumSquaresAVX2 sets x[i] += in[i] for blocks*32 elements and returns
 // the float64 sum of the new x[i] squared.

@@ -2,6 +2,8 @@
 
 package signpack
 
+import "golang.org/x/sys/cpu"
+
 // The amd64 fast path. The assembly kernels in pack_amd64.s process whole
 // blocks of 32 elements (4 packed bytes) with AVX2; the portable kernels
 // finish the tail and stand in for them on CPUs without AVX2.
@@ -11,25 +13,7 @@ const block = 32
 
 // useAVX2 reports whether the CPU and the operating system support AVX2.
 // It is detected once and never changes.
-var useAVX2 = detectAVX2()
-
-func detectAVX2() bool {
-	maxLeaf, _, _, _ := cpuid(0, 0)
-	if maxLeaf < 7 {
-		return false
-	}
-	_, _, ecx1, _ := cpuid(1, 0)
-	const osxsave, avx = 1 << 27, 1 << 28
-	if ecx1&osxsave == 0 || ecx1&avx == 0 {
-		return false
-	}
-	// The OS must save the XMM and YMM registers on context switches.
-	if xcr0, _ := xgetbv(); xcr0&6 != 6 {
-		return false
-	}
-	_, ebx7, _, _ := cpuid(7, 0)
-	return ebx7&(1<<5) != 0
-}
+var useAVX2 = cpu.X86.HasAVX2
 
 func pack(dst []byte, src []float32) {
 	if useAVX2 {
@@ -116,9 +100,6 @@ func readBaseline(p []float32) uint32 {
 }
 
 // Implemented in pack_amd64.s.
-
-func cpuid(eaxArg, ecxArg uint32) (eax, ebx, ecx, edx uint32)
-func xgetbv() (eax, edx uint32)
 
 // packAVX2 packs blocks*32 elements of src into blocks*4 bytes of dst.
 //

@@ -72,25 +72,6 @@ DATA unpackShift<>+120(SB)/4, $6
 DATA unpackShift<>+124(SB)/4, $7
 GLOBL unpackShift<>(SB), RODATA|NOPTR, $128
 
-// func cpuid(eaxArg, ecxArg uint32) (eax, ebx, ecx, edx uint32)
-TEXT ·cpuid(SB), NOSPLIT, $0-24
-	MOVL eaxArg+0(FP), AX
-	MOVL ecxArg+4(FP), CX
-	CPUID
-	MOVL AX, eax+8(FP)
-	MOVL BX, ebx+12(FP)
-	MOVL CX, ecx+16(FP)
-	MOVL DX, edx+20(FP)
-	RET
-
-// func xgetbv() (eax, edx uint32)
-TEXT ·xgetbv(SB), NOSPLIT, $0-8
-	MOVL $0, CX
-	XGETBV
-	MOVL AX, eax+0(FP)
-	MOVL DX, edx+4(FP)
-	RET
-
 // PACK4 narrows the masks in Y0..Y3 (elements 0..31) to the packed dword
 // in AX. Clobbers Y0 and Y2.
 #define PACK4 \
