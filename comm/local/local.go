@@ -27,16 +27,38 @@ import (
 	"github.com/lowbit-ml/lowbit/comm"
 )
 
+// Option configures New and Run.
+type Option func(*options)
+
+type options struct {
+	ranksPerNode int
+}
+
+// WithRanksPerNode pretends that the ranks run on size/k machines of k
+// ranks each, node-major (ranks [0, k) on node 0, and so on), so that
+// hierarchical collectives can be laid out and tested on one machine:
+// SplitNode, and so comm.NewLayout with ranks per node 0, see this layout.
+// k must divide the group size. The default is one node holding every rank,
+// which is what an in-process group is.
+func WithRanksPerNode(k int) Option { return func(o *options) { o.ranksPerNode = k } }
+
 // New returns size communicators of one in-process group; comms[r] is rank
 // r and must be used by one goroutine at a time.
-func New(size int) ([]comm.Comm, error) {
+func New(size int, opts ...Option) ([]comm.Comm, error) {
 	if size < 1 {
 		return nil, fmt.Errorf("local: group size must be at least 1, got %d", size)
+	}
+	o := options{ranksPerNode: size}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if o.ranksPerNode < 1 || size%o.ranksPerNode != 0 {
+		return nil, fmt.Errorf("local: %d ranks per node does not divide the group size %d", o.ranksPerNode, size)
 	}
 	w := newWorld(size)
 	cs := make([]comm.Comm, size)
 	for r := range cs {
-		cs[r] = &Comm{w: w, rank: r}
+		cs[r] = &Comm{w: w, rank: r, node: r / o.ranksPerNode}
 	}
 	return cs, nil
 }
@@ -44,8 +66,8 @@ func New(size int) ([]comm.Comm, error) {
 // Run starts size ranks, calls fn on each from its own goroutine, waits for
 // all of them, closes the communicators and returns the errors joined (nil
 // when every rank succeeded).
-func Run(ctx context.Context, size int, fn func(ctx context.Context, c comm.Comm) error) error {
-	cs, err := New(size)
+func Run(ctx context.Context, size int, fn func(ctx context.Context, c comm.Comm) error, opts ...Option) error {
+	cs, err := New(size, opts...)
 	if err != nil {
 		return err
 	}
@@ -75,6 +97,7 @@ type slot struct {
 	op         comm.Op
 	root       int
 	color, key int
+	node       int   // Split: the rank's node, inherited by its new communicator
 	split      *Comm // Split's result for this rank, written by rank 0
 }
 
@@ -214,11 +237,15 @@ func (w *world) grow() {
 type Comm struct {
 	w      *world
 	rank   int
+	node   int // the pretended machine this rank runs on (WithRanksPerNode)
 	closed bool
 	stats  comm.Counter
 }
 
-var _ comm.Comm = (*Comm)(nil)
+var (
+	_ comm.Comm         = (*Comm)(nil)
+	_ comm.NodeSplitter = (*Comm)(nil)
+)
 
 // Rank returns this rank's index.
 func (c *Comm) Rank() int { return c.rank }
@@ -519,7 +546,7 @@ func (c *Comm) Barrier(ctx context.Context) error {
 // Split makes new groups of the ranks that pass the same color, ordered by
 // key and then by rank. A negative color returns a nil Comm.
 func (c *Comm) Split(ctx context.Context, color, key int) (comm.Comm, error) {
-	if err := c.begin(ctx, slot{kind: comm.CSplit, color: color, key: key}); err != nil {
+	if err := c.begin(ctx, slot{kind: comm.CSplit, color: color, key: key, node: c.node}); err != nil {
 		return nil, err
 	}
 	err := c.check()
@@ -534,6 +561,12 @@ func (c *Comm) Split(ctx context.Context, color, key int) (comm.Comm, error) {
 		return s, nil
 	}
 	return nil, nil
+}
+
+// SplitNode returns the ranks of this rank's node (see WithRanksPerNode),
+// ordered by rank. Communicators made by Split keep their ranks' nodes.
+func (c *Comm) SplitNode(ctx context.Context) (comm.Comm, error) {
+	return c.Split(ctx, c.node, c.rank)
 }
 
 // split builds the groups of a Split from the published colors and keys.
@@ -553,7 +586,7 @@ func (w *world) split() {
 		})
 		nw := newWorld(len(members))
 		for i, r := range members {
-			w.slots[r].split = &Comm{w: nw, rank: i}
+			w.slots[r].split = &Comm{w: nw, rank: i, node: w.slots[r].node}
 		}
 	}
 }

@@ -76,6 +76,9 @@ static int lb_split(MPI_Comm c, int color, int key, MPI_Comm *out) {
 	return MPI_Comm_split(c, color < 0 ? MPI_UNDEFINED : color, key, out);
 }
 
+static int lb_split_shared(MPI_Comm c, int key, MPI_Comm *out) {
+	return MPI_Comm_split_type(c, MPI_COMM_TYPE_SHARED, key, MPI_INFO_NULL, out);
+}
 static void lb_error_string(int code, char *out, int cap) {
 	char s[MPI_MAX_ERROR_STRING];
 	int n = 0;
@@ -252,6 +255,15 @@ func cSplit(h handle, color, key int) (nh handle, ok bool, err error) {
 		return nh, false, err
 	}
 	return nh, C.lb_is_null(nh) == 0, nil
+}
+
+// cSplitShared calls MPI_Comm_split_type with MPI_COMM_TYPE_SHARED: the
+// ranks that can share memory, that is, the ranks of one machine.
+func cSplitShared(h handle, key int) (nh handle, err error) {
+	lock()
+	rc := C.lb_split_shared(h, C.int(key), &nh)
+	unlock()
+	return nh, mpiError("MPI_Comm_split_type", rc)
 }
 
 // abortJob aborts the MPI job with code; it does not return. It takes no

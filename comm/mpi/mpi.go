@@ -126,7 +126,10 @@ type mpiComm struct {
 	cnt, dsp, rcnt, rdsp []int32
 }
 
-var _ comm.Comm = (*mpiComm)(nil)
+var (
+	_ comm.Comm         = (*mpiComm)(nil)
+	_ comm.NodeSplitter = (*mpiComm)(nil)
+)
 
 func newComm(h handle, o options, fromOpen bool) (*mpiComm, error) {
 	r, s, world, err := cSetup(h)
@@ -544,6 +547,30 @@ func (c *mpiComm) Barrier(ctx context.Context) error {
 	c.wd.disarm(armed)
 	c.stats.Add(comm.CBarrier, 0, 0)
 	return nil
+}
+
+// SplitNode returns the ranks that share this rank's machine, ordered by
+// rank (MPI_Comm_split_type with MPI_COMM_TYPE_SHARED). comm.NewLayout
+// calls it when it is given no explicit ranks per node.
+func (c *mpiComm) SplitNode(ctx context.Context) (comm.Comm, error) {
+	// root 1 tells this call from a plain Split (root 0) in the agreement,
+	// so that a rank in Split and another in SplitNode is a mismatch, not a
+	// hang.
+	armed, err := c.begin(ctx, &args{kind: comm.CSplit, root: 1})
+	if err != nil {
+		return nil, err
+	}
+	h, err := cSplitShared(c.h, c.rank)
+	if err := c.end(comm.CSplit, armed, err); err != nil {
+		return nil, err
+	}
+	c.stats.Add(comm.CSplit, 0, 0)
+	nc, err := newComm(h, c.opts, false)
+	if err != nil {
+		return nil, c.fail(comm.CSplit, err)
+	}
+	c.opts.log.Debug("mpi: split by node", zap.Int("rank", nc.rank), zap.Int("size", nc.size))
+	return nc, nil
 }
 
 // Split makes new communicators of the ranks that pass the same color,

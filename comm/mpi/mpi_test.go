@@ -275,6 +275,53 @@ func TestSplit(t *testing.T) {
 	require.NoError(t, rest.Close())
 }
 
+// TestLayout lays the job out by node: explicitly (2 ranks per node where
+// the size allows) and as MPI_COMM_TYPE_SHARED sees it (every rank of this
+// job shares one machine), and checks who is in each sub-communicator.
+func TestLayout(t *testing.T) {
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	check := func(l *comm.Layout, nodes, rpn int) {
+		t.Helper()
+		require.Equal(t, nodes, l.Nodes)
+		require.Equal(t, rpn, l.RanksPerNode)
+		require.Equal(t, r/rpn, l.Node)
+		require.Equal(t, r%rpn, l.Local)
+		in := make([]float32, rpn)
+		require.NoError(t, l.Intra.AllGather(ctx, []float32{float32(r)}, in))
+		for i, v := range in {
+			assert.Equal(t, float32(l.Node*rpn+i), v, "intra member %d", i)
+		}
+		out := make([]float32, nodes)
+		require.NoError(t, l.Inter.AllGather(ctx, []float32{float32(r)}, out))
+		for i, v := range out {
+			assert.Equal(t, float32(i*rpn+l.Local), v, "inter member %d", i)
+		}
+		require.NoError(t, l.Close())
+	}
+
+	shared, err := comm.NewLayout(ctx, world, 0)
+	require.NoError(t, err)
+	check(shared, 1, w)
+
+	rpn := 1
+	if w%2 == 0 {
+		rpn = 2
+	}
+	explicit, err := comm.NewLayout(ctx, world, rpn)
+	require.NoError(t, err)
+	check(explicit, w/rpn, rpn)
+
+	if w > 1 {
+		// A size that does not divide: the same clear error on every rank.
+		_, err := comm.NewLayout(ctx, world, w+1)
+		require.ErrorContains(t, err, "does not divide the group size")
+		// Ranks that disagree.
+		_, err = comm.NewLayout(ctx, world, 1+r%2)
+		require.ErrorContains(t, err, "ranks disagree on ranks per node")
+	}
+}
+
 // traffic runs a fixed sequence of calls on c.
 func traffic(ctx context.Context, c comm.Comm) error {
 	w, r := c.Size(), c.Rank()
