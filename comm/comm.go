@@ -104,6 +104,32 @@ type Comm interface {
 	Close() error
 }
 
+// CheckSkipper is implemented by communicators that make the ranks agree on
+// every collective's arguments (kind, lengths, op, root) with an extra small
+// round trip before any data moves, as comm/mpi does. An algorithm that has
+// just made every rank agree on the lengths of its next calls by other
+// means (the 1-bit allreduce all-gathers every rank's tensor length in the
+// header it sends anyway) may skip that round trip for them.
+//
+// Skipping is a promise: the next n collectives on this communicator are
+// called by every rank in the same order with agreeing arguments. A broken
+// promise is undefined behaviour of the backend (a hang or garbage), not a
+// clear error, so only algorithms that derive every length from values all
+// ranks have just exchanged should use it.
+type CheckSkipper interface {
+	// SkipChecks makes the next n collectives skip the agreement round;
+	// SkipChecks(0) cancels what is left of an earlier promise.
+	SkipChecks(n int)
+}
+
+// SkipChecks calls c.SkipChecks(n) when c implements CheckSkipper and does
+// nothing otherwise.
+func SkipChecks(c Comm, n int) {
+	if s, ok := c.(CheckSkipper); ok {
+		s.SkipChecks(n)
+	}
+}
+
 // Collective names a kind of collective call in Stats.
 type Collective int
 

@@ -51,8 +51,8 @@ type State struct {
 
 	sendSigns   []byte    // packed worker signs, N/8 bytes: W chunks of C/8
 	recvSigns   []byte    // chunks received in phase 1, N/8 bytes
-	serverSigns []byte    // packed server signs of this rank's chunk, C/8 bytes
-	allSigns    []byte    // server signs of every chunk, gathered in phase 2, N/8 bytes
+	serverMsg   []byte    // phase 2 message: packed server signs of this rank's chunk (C/8 bytes), then its scale
+	allServer   []byte    // every rank's phase 2 message, gathered: W records of C/8+4 bytes
 	server      []float32 // server accumulator c, C floats
 	header      []byte    // this rank's scale and numel on the wire
 	headers     []byte    // every rank's header
@@ -79,8 +79,8 @@ func NewState(numel, world int) (*State, error) {
 		world:       world,
 		sendSigns:   make([]byte, n/8),
 		recvSigns:   make([]byte, n/8),
-		serverSigns: make([]byte, c/8),
-		allSigns:    make([]byte, n/8),
+		serverMsg:   make([]byte, c/8+4),
+		allServer:   make([]byte, (c/8+4)*world),
 		server:      make([]float32, c),
 		header:      make([]byte, headerLen),
 		headers:     make([]byte, headerLen*world),
@@ -105,8 +105,14 @@ func (s *State) Reset() {
 // have been made for len(buf) and c.Size(). Every rank ends with the same
 // output.
 //
-// Each rank sends about 2(W-1)/W * N/8 bytes plus 2(W-1) scales: 32 times
-// less than a float32 ring allreduce. With one rank the call still
+// Each rank sends about 2(W-1)/W * N/8 bytes plus 2(W-1) scales and W-1
+// lengths: 32 times less than a float32 ring allreduce. It makes three
+// collectives: the header all-gather, the phase 1 all-to-all and one phase
+// 2 all-gather of signs and scale together. On a backend that checks every
+// collective's arguments with an extra round trip (comm.CheckSkipper:
+// comm/mpi), only the header pays it: the header proves that every rank has
+// the same length, and every other length derives from it and the group
+// size. So a call costs four round trips on MPI, not eight. With one rank the call still
 // compresses (the output is the error-compensated sign compression of buf,
 // as in the reference); optimizers skip the call when W = 1. With an empty
 // buf it zeroes both error buffers and communicates nothing; so a rank with
@@ -139,11 +145,15 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 
 	// Phase 1: all-gather of the W worker scales (with every rank's numel,
 	// checked before any tensor data moves), then all-to-all of the packed
-	// chunks, chunk j to rank j.
+	// chunks, chunk j to rank j. Once the header is through, every length
+	// of this call is agreed: the two collectives that follow skip the
+	// backend's argument check (comm.CheckSkipper).
 	if err := st.exchangeScales(ctx, c, workerScale); err != nil {
 		return fmt.Errorf("onebit: phase 1 scales: %w", err)
 	}
+	comm.SkipChecks(c, 2)
 	if err := c.AllToAllBytes(ctx, st.sendSigns, st.recvSigns); err != nil {
+		comm.SkipChecks(c, 0)
 		return fmt.Errorf("onebit: phase 1 all-to-all: %w", err)
 	}
 
@@ -154,29 +164,32 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 	for j := 1; j < w; j++ {
 		signpack.UnpackScaleAdd(st.server, st.recvSigns[j*chunkBytes:(j+1)*chunkBytes], st.scale(j)/float32(w))
 	}
-	serverScale, err := st.ServerError.Compress(st.serverSigns, st.server)
+	serverScale, err := st.ServerError.Compress(st.serverMsg[:chunkBytes], st.server)
 	if err != nil {
+		comm.SkipChecks(c, 0)
 		return fmt.Errorf("onebit: server compression: %w", err)
 	}
 
 	// Phase 2: all-gather of the packed server chunks and of the W server
-	// scales.
-	if err := c.AllGatherBytes(ctx, st.serverSigns, st.allSigns); err != nil {
+	// scales, in one collective: each rank's message is its packed chunk
+	// followed by its scale.
+	binary.LittleEndian.PutUint32(st.serverMsg[chunkBytes:], math.Float32bits(serverScale))
+	if err := c.AllGatherBytes(ctx, st.serverMsg, st.allServer); err != nil {
 		return fmt.Errorf("onebit: phase 2 all-gather: %w", err)
-	}
-	if err := st.exchangeScales(ctx, c, serverScale); err != nil {
-		return fmt.Errorf("onebit: phase 2 scales: %w", err)
 	}
 
 	// Output: element i of chunk j is server_scale_j * unpack(...); the
 	// first n elements replace buf.
+	rec := chunkBytes + 4
 	for j := 0; j < w; j++ {
 		lo := j * chunkLen
 		if lo >= len(buf) {
 			break
 		}
 		hi := min(lo+chunkLen, len(buf))
-		signpack.UnpackScale(buf[lo:hi], st.allSigns[j*chunkBytes:(j+1)*chunkBytes], st.scale(j))
+		msg := st.allServer[j*rec : (j+1)*rec]
+		scale := math.Float32frombits(binary.LittleEndian.Uint32(msg[chunkBytes:]))
+		signpack.UnpackScale(buf[lo:hi], msg[:chunkBytes], scale)
 	}
 	return nil
 }

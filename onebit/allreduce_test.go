@@ -254,7 +254,7 @@ func TestTraffic(t *testing.T) {
 		require.NoError(t, onebit.AllReduce(ctx, c, buf, st))
 		sent := c.Stats().Total().BytesSent
 		N := int64(onebit.PaddedLen(n, w))
-		assert.Equal(t, 2*int64(w-1)*N/8/w+2*int64(w-1)*12, sent)
+		assert.Equal(t, 2*int64(w-1)*N/8/w+int64(w-1)*(12+4), sent)
 		ring := comm.RingAllReduceBytes(4*n, w)
 		assert.GreaterOrEqual(t, float64(ring)/float64(sent), 30.0)
 		return nil

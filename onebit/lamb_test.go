@@ -530,7 +530,7 @@ func TestLambTraffic(t *testing.T) {
 	}
 	n := int64(onebit.PaddedLen(net.NumParams(), w))
 	assert.Equal(t, exact, warm)
-	assert.Equal(t, flag+2*(w-1)*n/8/w+2*(w-1)*12, compressed)
+	assert.Equal(t, flag+2*(w-1)*n/8/w+(w-1)*(12+4), compressed)
 }
 
 // Two in-process ranks fit a vector of 64 weights to their own targets

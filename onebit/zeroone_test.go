@@ -134,7 +134,7 @@ func TestZeroOneTraffic(t *testing.T) {
 	var exact, compressed int64
 	for _, p := range testnet.New(1, s.In, s.Hidden, s.Classes).Params() {
 		exact += comm.RingAllReduceBytes(4*int64(p.Numel()), w)
-		compressed += 2*(w-1)*int64(onebit.PaddedLen(p.Numel(), w))/8/w + 2*(w-1)*12
+		compressed += 2*(w-1)*int64(onebit.PaddedLen(p.Numel(), w))/8/w + (w-1)*(12+4)
 	}
 	for step := int64(1); step <= 16; step++ {
 		want := flag

@@ -120,6 +120,7 @@ type mpiComm struct {
 	err        error // set once the communicator is broken
 	wd         *watchdog
 	agree      []int64 // the agreement vector
+	skip       int     // collectives left that skip the agreement (SkipChecks)
 
 	// WithOrderedReduce's buffers.
 	scratch              []float32
@@ -129,6 +130,7 @@ type mpiComm struct {
 var (
 	_ comm.Comm         = (*mpiComm)(nil)
 	_ comm.NodeSplitter = (*mpiComm)(nil)
+	_ comm.CheckSkipper = (*mpiComm)(nil)
 )
 
 func newComm(h handle, o options, fromOpen bool) (*mpiComm, error) {
@@ -250,6 +252,17 @@ func (c *mpiComm) begin(ctx context.Context, a *args) (armed bool, err error) {
 		return false, c.giveUp(a.kind, err)
 	}
 	armed = c.wd.arm(ctx, a.kind)
+	if c.skip > 0 {
+		// The caller promised agreeing arguments (SkipChecks): every rank
+		// computes the same validity, so a local error is every rank's.
+		c.skip--
+		if a.invalid != nil {
+			c.skip = 0
+			c.wd.disarm(armed)
+			return false, a.invalid
+		}
+		return armed, nil
+	}
 	a.encode(c.agree, c.rank, c.size)
 	if err := cAllReduce(c.h, ptr(c.agree), agreeLen, tInt64, opMax); err != nil {
 		c.wd.disarm(armed)
@@ -548,6 +561,12 @@ func (c *mpiComm) Barrier(ctx context.Context) error {
 	c.stats.Add(comm.CBarrier, 0, 0)
 	return nil
 }
+
+// SkipChecks makes the next n collectives on c skip the agreement round
+// that checks every rank's arguments before data moves (see
+// comm.CheckSkipper); n = 0 cancels. A collective that fails cancels what
+// is left.
+func (c *mpiComm) SkipChecks(n int) { c.skip = max(n, 0) }
 
 // SplitNode returns the ranks that share this rank's machine, ordered by
 // rank (MPI_Comm_split_type with MPI_COMM_TYPE_SHARED). comm.NewLayout
