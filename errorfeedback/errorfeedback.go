@@ -50,12 +50,36 @@ func (r Residual) Compress(packed []byte, input []float32) (scale float32, err e
 	return r.compress(packed, input, addSumSquares, sumSquares), nil
 }
 
+// Compensate runs the first half of Compress: r = pad(input) + r, and
+// returns scale = ||r||_2 / sqrt(len(r)), accumulated in float64 and
+// rounded once. r then holds x. The caller finishes the step with
+// signpack.PackResidual(packed, r, scale), which packs sgn(x) and leaves
+// x - scale*sgn(x) in r; it may do so in pieces (any split into runs of
+// whole bytes, that is multiples of 8 elements, gives the same bytes and
+// residual), which lets a pipelined collective send the first pieces while
+// it packs the rest. Compress is Compensate followed by one PackResidual.
+// Compensate does not allocate.
+func (r Residual) Compensate(input []float32) (scale float32, err error) {
+	if len(input) > len(r) {
+		return 0, fmt.Errorf("errorfeedback: input of %d elements is longer than the residual (%d)", len(input), len(r))
+	}
+	if len(r) == 0 {
+		return 0, nil
+	}
+	return r.compensate(input, addSumSquares, sumSquares), nil
+}
+
+func (r Residual) compensate(input []float32,
+	addSumSquares func(x, in []float32) float64, sumSquares func(x []float32) float64) float32 {
+	ss := addSumSquares(r[:len(input)], input) + sumSquares(r[len(input):])
+	return float32(math.Sqrt(ss) / math.Sqrt(float64(len(r))))
+}
+
 // compress is Compress after its argument checks, with the norm kernels
 // passed in so that the benchmarks can time either set.
 func (r Residual) compress(packed []byte, input []float32,
 	addSumSquares func(x, in []float32) float64, sumSquares func(x []float32) float64) float32 {
-	ss := addSumSquares(r[:len(input)], input) + sumSquares(r[len(input):])
-	scale := float32(math.Sqrt(ss) / math.Sqrt(float64(len(r))))
+	scale := r.compensate(input, addSumSquares, sumSquares)
 	signpack.PackResidual(packed, r, scale)
 	return scale
 }

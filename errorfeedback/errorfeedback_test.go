@@ -72,6 +72,40 @@ func TestErrors(t *testing.T) {
 	assert.Zero(t, scale)
 }
 
+// TestCompensateInPieces: Compensate followed by PackResidual over any
+// split into whole bytes gives Compress's scale, bytes and residual.
+func TestCompensateInPieces(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 7))
+	for _, c := range []struct{ n, in, piece int }{{64, 64, 8}, {1024, 1000, 24}, {4096, 4093, 1024}, {8, 3, 8}} {
+		prev := make([]float32, c.n)
+		for i := range prev {
+			prev[i] = float32(rng.NormFloat64())
+		}
+		in := make([]float32, c.in)
+		for i := range in {
+			in[i] = float32(rng.NormFloat64())
+		}
+		whole := errorfeedback.Residual(append([]float32(nil), prev...))
+		wantPacked := make([]byte, c.n/8)
+		wantScale, err := whole.Compress(wantPacked, in)
+		require.NoError(t, err)
+
+		split := errorfeedback.Residual(append([]float32(nil), prev...))
+		scale, err := split.Compensate(in)
+		require.NoError(t, err)
+		require.Equal(t, wantScale, scale, "n=%d", c.n)
+		packed := make([]byte, c.n/8)
+		for lo := 0; lo < c.n; lo += c.piece {
+			hi := min(lo+c.piece, c.n)
+			signpack.PackResidual(packed[lo/8:hi/8], split[lo:hi], scale)
+		}
+		assert.Equal(t, wantPacked, packed, "n=%d", c.n)
+		assert.Equal(t, whole, split, "n=%d", c.n)
+	}
+	_, err := errorfeedback.NewResidual(4).Compensate(make([]float32, 5))
+	assert.ErrorContains(t, err, "longer")
+}
+
 func TestResetAndAllocs(t *testing.T) {
 	r := errorfeedback.NewResidual(4096)
 	packed := make([]byte, 512)

@@ -1,0 +1,8 @@
+package onebit
+
+// SetPieces makes st travel in at most k pieces per chunk (1: no
+// pipelining), so that tests can pipeline small tensors.
+func SetPieces(st *State, k int) { st.setPieces(k, st.world) }
+
+// Pieces is the number of pieces st travels in.
+func Pieces(st *State) int { return st.pieces }
