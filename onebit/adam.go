@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"math"
 
-	"go.uber.org/zap"
-
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/optim"
 )
@@ -28,12 +26,21 @@ type AdamConfig struct {
 	// allreduce (to keep, say, padded embedding rows at zero). Parameters
 	// without an entry are not masked. Default nil.
 	ExpAvgMask map[string][]float32
+	// BucketBytes is the size of the fused buckets the momentum is
+	// compressed in: the momenta of all parameters form one flat buffer,
+	// cut into buckets of BucketBytes (the last may be shorter), and each
+	// bucket is one compressed allreduce with its own error feedback.
+	// 0 means DefaultBucketBytes (25 MiB, like DDP); PerParameter
+	// compresses each parameter on its own (one collective and one scale
+	// per parameter, as lowbit did before buckets). Every rank must use
+	// the same value.
+	BucketBytes int
 }
 
-// DefaultAdamConfig returns optim.DefaultAdamConfig with FreezeStep 100 and
-// no mask.
+// DefaultAdamConfig returns optim.DefaultAdamConfig with FreezeStep 100,
+// no mask and buckets of DefaultBucketBytes.
 func DefaultAdamConfig() AdamConfig {
-	return AdamConfig{AdamConfig: optim.DefaultAdamConfig(), FreezeStep: 100}
+	return AdamConfig{AdamConfig: optim.DefaultAdamConfig(), FreezeStep: 100, BucketBytes: DefaultBucketBytes}
 }
 
 // Checkpoint names of 1-bit Adam's state beyond optim's common ones.
@@ -57,7 +64,9 @@ const (
 // allreduce). Compression, every later step: v and its bias correction are
 // frozen; the local gradient updates m = beta1*m + (1-beta1)*g; m goes
 // through the error-compensated 1-bit allreduce (AllReduce, skipped when W
-// = 1), then the mask; then the same update as in warm-up,
+// = 1) in fused buckets (all momenta form one flat buffer, cut into buckets
+// of BucketBytes, one allreduce and one error feedback state each), then
+// the mask; then the same update as in warm-up,
 // p -= lr * (m_hat/(sqrt(v_hat)+eps) + wd*p), with the frozen v_hat. There is
 // no discarded first compression step.
 //
@@ -68,29 +77,30 @@ const (
 // After an error from the communicator the state is undefined: load a
 // checkpoint.
 type Adam struct {
-	c      comm.Comm
-	world  int
-	rank   int
+	f      *optim.Frame
 	params []*optim.Param
 	cfg    optim.AdamConfig
 	freeze int64
 	mask   [][]float32 // per parameter, nil when unmasked
-	log    *zap.Logger
 
-	m, v  [][]float32
-	errs  []*State // per parameter when world > 1
-	step  int64    // steps applied
-	stage optim.Stage
-	c2    float32 // frozen variance bias correction, valid in compression
-	stats optim.Stats
-	guard optim.FiniteGuard
+	m, v  [][]float32 // per parameter: views into mflat and vflat
+	mflat []float32   // every parameter's momentum, in order
+	vflat []float32
+	bkt   *buckets // the fused buckets of mflat (none when world == 1)
+	c2    float32  // frozen variance bias correction, valid in compression
+	avg   *optim.GradAverager
 }
 
-var _ optim.Optimizer = (*Adam)(nil)
+var (
+	_ optim.Optimizer = (*Adam)(nil)
+	_ optim.LRSetter  = (*Adam)(nil)
+)
 
 // NewAdam returns 1-bit Adam over params on the ranks of c (nil for a
 // single process). It allocates both moments and, on more than one rank,
-// one State of error buffers per parameter; Step allocates nothing.
+// one State of error buffers per bucket; the first warm-up Step may
+// allocate the averaging buffers of cfg.Reduce (see optim.NewAdam); later
+// steps allocate nothing.
 func NewAdam(c comm.Comm, params []*optim.Param, cfg AdamConfig, opts ...optim.Option) (*Adam, error) {
 	if err := cfg.AdamConfig.Validate(); err != nil {
 		return nil, fmt.Errorf("onebit: Adam: %w", err)
@@ -101,160 +111,134 @@ func NewAdam(c comm.Comm, params []*optim.Param, cfg AdamConfig, opts ...optim.O
 	if err := optim.CheckParams(params); err != nil {
 		return nil, fmt.Errorf("onebit: Adam: %w", err)
 	}
-	o := optim.ApplyOptions(opts)
+	if err := checkBucketBytes(cfg.BucketBytes); err != nil {
+		return nil, fmt.Errorf("onebit: Adam: %w", err)
+	}
 	a := &Adam{
-		c:      c,
-		world:  1,
 		params: append([]*optim.Param(nil), params...),
 		cfg:    cfg.AdamConfig,
 		freeze: int64(cfg.FreezeStep),
-		log:    o.Logger,
-		m:      make([][]float32, len(params)),
-		v:      make([][]float32, len(params)),
-		stage:  optim.StageWarmup,
 		c2:     1,
 	}
-	if c != nil {
-		a.world, a.rank = c.Size(), c.Rank()
-	}
+	sizes := make([]int, len(params))
 	for i, p := range params {
-		a.m[i] = make([]float32, p.Numel())
-		a.v[i] = make([]float32, p.Numel())
+		sizes[i] = p.Numel()
 	}
+	a.mflat, a.m = flatten(sizes)
+	a.vflat, a.v = flatten(sizes)
 	masks, err := compileMasks(params, cfg.ExpAvgMask)
 	if err != nil {
 		return nil, fmt.Errorf("onebit: Adam: %w", err)
 	}
 	a.mask = masks
-	if a.world > 1 {
-		a.errs = make([]*State, len(params))
-		for i := range params {
-			st, err := NewState(len(a.m[i]), a.world)
-			if err != nil {
-				return nil, fmt.Errorf("onebit: Adam: %w", err)
-			}
-			a.errs[i] = st
-		}
-	}
+	start := optim.StageWarmup
 	if a.freeze == 0 {
-		a.enterCompression()
+		// Compression from the first step, with v = 0 and c2 = 1.
+		start = optim.StageCompression
 	}
-	a.stats.Stage = a.stage
+	if a.avg, err = optim.NewGradAverager(c, a.params, cfg.Reduce, cfg.RanksPerNode); err != nil {
+		return nil, fmt.Errorf("onebit: Adam: %w", err)
+	}
+	a.f = optim.NewFrame(optim.FrameConfig{
+		Name: "onebit: Adam", Algorithm: optim.AlgorithmOnebitAdam, Comm: c,
+		Params: a.params, Sizes: a.m, LR: cfg.LR, Stage: start,
+		Logger: optim.ApplyOptions(opts).Logger, Averager: a.avg,
+	})
+	if a.bkt, err = newBuckets(a.params, a.f.World(), cfg.BucketBytes); err != nil {
+		return nil, fmt.Errorf("onebit: Adam: %w", err)
+	}
+	a.f.Handle(optim.StageWarmup, a.warmup)
+	a.f.Handle(optim.StageCompression, a.compressed)
 	return a, nil
-}
-
-// enterCompression freezes v's bias correction at the current step.
-func (a *Adam) enterCompression() {
-	a.stage = optim.StageCompression
-	a.c2 = 1
-	if a.cfg.BiasCorrection {
-		a.c2 = optim.BiasCorrection(a.cfg.Beta2, a.step)
-	}
 }
 
 // Step applies one update; see optim.Optimizer. In warm-up it overwrites
 // the gradients with their average; in compression it leaves them alone.
-func (a *Adam) Step(ctx context.Context) error {
-	before := optim.CommBytes(a.c)
-	if err := optim.CheckSizes(a.params, a.m); err != nil {
+func (a *Adam) Step(ctx context.Context) error { return a.f.Step(ctx) }
+
+// warmup is exact Adam; after step FreezeStep it freezes v's bias
+// correction and enters the compression stage.
+func (a *Adam) warmup(ctx context.Context, t int64, lr float32) error {
+	if err := a.avg.Average(ctx); err != nil {
 		return err
 	}
-	ok, err := a.guard.Check(ctx, a.c, a.params)
-	if err != nil {
-		return fmt.Errorf("onebit: Adam: %w", err)
+	cfg := a.cfg
+	c1, c2 := float32(1), float32(1)
+	if cfg.BiasCorrection {
+		c1, c2 = optim.BiasCorrection(cfg.Beta1, t), optim.BiasCorrection(cfg.Beta2, t)
 	}
-	if !ok {
-		a.stats.Steps++
-		a.stats.Skipped++
-		a.log.Warn("skipping step: non-finite gradient on some rank",
-			zap.String("algorithm", optim.AlgorithmOnebitAdam), zap.Int64("step", a.step+1), zap.Int64("skipped", a.stats.Skipped))
-		a.account(before)
-		return nil
+	for i, p := range a.params {
+		optim.AdamMoments(a.m[i], a.v[i], p.GradData(), cfg.Beta1, cfg.Beta2)
+		optim.AdamUpdate(p.Data(), a.m[i], a.v[i], lr, cfg.WeightDecay, c1, c2, cfg.Eps)
 	}
-	t := a.step + 1
+	if t >= a.freeze {
+		a.c2 = 1
+		if cfg.BiasCorrection {
+			a.c2 = optim.BiasCorrection(cfg.Beta2, t)
+		}
+		a.f.Enter(optim.StageCompression)
+	}
+	return nil
+}
+
+// compressed is a compression-stage step: local momentum, compressed
+// allreduce, mask, update with the frozen v.
+func (a *Adam) compressed(ctx context.Context, t int64, lr float32) error {
 	cfg := a.cfg
 	c1 := float32(1)
 	if cfg.BiasCorrection {
 		c1 = optim.BiasCorrection(cfg.Beta1, t)
 	}
-	if a.stage == optim.StageWarmup {
-		if err := optim.AverageGrads(ctx, a.c, a.params); err != nil {
-			return fmt.Errorf("onebit: Adam: %w", err)
-		}
-		c2 := float32(1)
-		if cfg.BiasCorrection {
-			c2 = optim.BiasCorrection(cfg.Beta2, t)
-		}
-		for i, p := range a.params {
-			optim.AdamMoments(a.m[i], a.v[i], p.GradData(), cfg.Beta1, cfg.Beta2)
-			optim.AdamUpdate(p.Data(), a.m[i], a.v[i], cfg.LR, cfg.WeightDecay, c1, c2, cfg.Eps)
-		}
-		a.step = t
-		if t >= a.freeze {
-			a.enterCompression()
-			a.log.Info("1-bit Adam enters the compression stage", zap.Int64("after_step", t))
-		}
-	} else {
-		for i, p := range a.params {
-			optim.Momentum(a.m[i], p.GradData(), cfg.Beta1)
-			if a.errs != nil {
-				if err := AllReduce(ctx, a.c, a.m[i], a.errs[i]); err != nil {
-					return fmt.Errorf("onebit: Adam: momentum of %q: %w", p.Name, err)
-				}
-			}
-			if a.mask[i] != nil {
-				optim.Mul(a.m[i], a.mask[i])
-			}
-			optim.AdamUpdate(p.Data(), a.m[i], a.v[i], cfg.LR, cfg.WeightDecay, c1, a.c2, cfg.Eps)
-		}
-		a.step = t
+	for i, p := range a.params {
+		optim.Momentum(a.m[i], p.GradData(), cfg.Beta1)
 	}
-	a.stats.Steps++
-	a.account(before)
+	if err := a.bkt.allReduce(ctx, a.f.Comm(), a.mflat); err != nil {
+		return fmt.Errorf("momentum: %w", err)
+	}
+	for i, p := range a.params {
+		if a.mask[i] != nil {
+			optim.Mul(a.m[i], a.mask[i])
+		}
+		optim.AdamUpdate(p.Data(), a.m[i], a.v[i], lr, cfg.WeightDecay, c1, a.c2, cfg.Eps)
+	}
 	return nil
 }
 
-func (a *Adam) account(before int64) {
-	a.stats.Stage = a.stage
-	a.stats.LastStepBytes = optim.CommBytes(a.c) - before
-	a.stats.BytesSent += a.stats.LastStepBytes
-}
+// SetLR fixes the learning rate of the following steps, replacing any
+// schedule; see optim.LRSetter. The variance stays frozen as it was.
+func (a *Adam) SetLR(lr float32) error { return a.f.SetLR(lr) }
+
+// SetSchedule makes s choose the learning rate of every following step
+// (nil: back to the fixed one); see optim.LRSetter.
+func (a *Adam) SetSchedule(s optim.Schedule) error { return a.f.SetSchedule(s) }
+
+// LR returns the learning rate of the next step.
+func (a *Adam) LR() float32 { return a.f.LR() }
 
 // Params returns the parameters in construction order.
 func (a *Adam) Params() []*optim.Param { return a.params }
 
 // Stats reports progress and traffic; Stage is the stage the next step runs
 // in (StageWarmup or StageCompression).
-func (a *Adam) Stats() optim.Stats { return a.stats }
+func (a *Adam) Stats() optim.Stats { return a.f.Stats() }
 
 // Stage is the stage the next step runs in.
-func (a *Adam) Stage() optim.Stage { return a.stage }
+func (a *Adam) Stage() optim.Stage { return a.f.Stage() }
 
 // State returns this rank's checkpoint: parameters, m, v, the step
 // counters, the stage, the frozen bias correction of v and, on more than
-// one rank, this rank's worker and server errors.
+// one rank, the bucket layout and this rank's worker and server errors of
+// every bucket.
 func (a *Adam) State() (*optim.Checkpoint, error) {
-	ck := &optim.Checkpoint{
-		Algorithm: optim.AlgorithmOnebitAdam,
-		World:     a.world,
-		Rank:      a.rank,
-		Stage:     a.stage,
-		Ints: map[string]int64{
-			optim.IntStep: a.step, optim.IntSteps: a.stats.Steps, optim.IntSkipped: a.stats.Skipped,
-		},
-		Floats: map[string]float64{FloatFrozenBiasCorrection2: float64(a.c2)},
-	}
+	ck := a.f.Checkpoint()
+	ck.Floats[FloatFrozenBiasCorrection2] = float64(a.c2)
 	for i, p := range a.params {
 		shape := p.Shape()
 		ck.AddTensor(optim.ParamTensorName(p.Name), shape, p.Data())
 		ck.AddTensor(optim.ExpAvgPrefix+p.Name, shape, a.m[i])
 		ck.AddTensor(optim.ExpAvgSqPrefix+p.Name, shape, a.v[i])
-		if a.errs != nil {
-			st := a.errs[i]
-			ck.AddTensor(WorkerErrorPrefix+p.Name, []int{len(st.WorkerError)}, st.WorkerError)
-			ck.AddTensor(ServerErrorPrefix+p.Name, []int{len(st.ServerError)}, st.ServerError)
-		}
 	}
+	a.bkt.save(ck)
 	return ck, nil
 }
 
@@ -263,20 +247,20 @@ func (a *Adam) State() (*optim.Checkpoint, error) {
 // wrapping optim.ErrIncompatibleCheckpoint, and the optimizer is left
 // unchanged. A checkpoint whose error buffers were reset on request
 // (optim.Checkpoint.ResetErrors) loads on any world size and rank: the
-// error buffers start at zero, and Load logs a warning that says so.
+// error buffers start at zero, and Load logs a warning that says so. A
+// checkpoint made with another BucketBytes, or before buckets existed (with
+// per-parameter error buffers), is refused unless its errors were reset
+// that way.
 func (a *Adam) Load(ck *optim.Checkpoint) error {
-	if err := ck.CheckCompatible(optim.AlgorithmOnebitAdam, a.world, a.params); err != nil {
+	fs, err := a.f.CheckLoad(ck, optim.StageWarmup, optim.StageCompression)
+	if err != nil {
 		return fmt.Errorf("onebit: Adam: %w", err)
 	}
-	if a.world > 1 && ck.Rank != a.rank && !ck.ErrorsReset {
+	if a.f.World() > 1 && ck.Rank != a.f.Rank() && !ck.ErrorsReset {
 		return fmt.Errorf("onebit: Adam: %w: made by rank %d, this is rank %d (error buffers are per rank)",
-			optim.ErrIncompatibleCheckpoint, ck.Rank, a.rank)
+			optim.ErrIncompatibleCheckpoint, ck.Rank, a.f.Rank())
 	}
-	if ck.Stage != optim.StageWarmup && ck.Stage != optim.StageCompression {
-		return fmt.Errorf("onebit: Adam: %w: unknown stage %q", optim.ErrIncompatibleCheckpoint, ck.Stage)
-	}
-	step, steps, skipped, err := optim.LoadCounters(ck)
-	if err != nil {
+	if err := a.bkt.check(ck); err != nil {
 		return fmt.Errorf("onebit: Adam: %w", err)
 	}
 	c2, err := ck.Float(FloatFrozenBiasCorrection2)
@@ -291,26 +275,21 @@ func (a *Adam) Load(ck *optim.Checkpoint) error {
 		rs.Tensor(optim.ParamTensorName(p.Name), p.Data())
 		rs.Tensor(optim.ExpAvgPrefix+p.Name, a.m[i])
 		rs.Tensor(optim.ExpAvgSqPrefix+p.Name, a.v[i])
-		if a.errs != nil && !ck.ErrorsReset {
-			rs.Tensor(WorkerErrorPrefix+p.Name, a.errs[i].WorkerError)
-			rs.Tensor(ServerErrorPrefix+p.Name, a.errs[i].ServerError)
-		}
 	}
+	a.bkt.restore(ck, rs)
 	if err := rs.Apply(); err != nil {
 		return fmt.Errorf("onebit: Adam: %w", err)
 	}
 	if ck.ErrorsReset {
-		for _, st := range a.errs {
-			st.Reset()
-		}
-		warnErrorsReset(a.log, ck, a.world, a.rank)
+		a.bkt.reset()
+		warnErrorsReset(a.f.Logger(), ck, a.f.World(), a.f.Rank())
 	}
-	a.step = step
-	a.stage = ck.Stage
 	a.c2 = float32(c2)
-	a.stats.Steps, a.stats.Skipped = steps, skipped
-	a.stats.Stage = a.stage
-	a.log.Info("loaded checkpoint", zap.String("algorithm", optim.AlgorithmOnebitAdam),
-		zap.Int64("step", step), zap.String("stage", string(a.stage)))
+	a.f.Restore(fs)
 	return nil
 }
+
+// Close releases the communicators that ReduceTwoLevel averaging split off
+// the group (none in the other modes). The optimizer must not step after
+// Close. It is not a collective, but every rank should call it.
+func (a *Adam) Close() error { return a.avg.Close() }

@@ -2,10 +2,13 @@ package onebit_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log"
 	"math"
 	"path/filepath"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -262,27 +265,101 @@ func TestAdamResumeIsBitIdentical(t *testing.T) {
 // the result: the checkpoint really carries them.
 func TestAdamCheckpointCarriesErrorBuffers(t *testing.T) {
 	const w, freeze, k, total = 2, 2, 5, 8
-	cfg := adamConfigForResume(freeze)
-	dir := t.TempDir()
-	want := adamRun(t, w, cfg, dir, 1, total, false, false)
-	adamRun(t, w, cfg, dir, 1, k, false, true)
-	for r := 0; r < w; r++ {
-		path := filepath.Join(dir, fmt.Sprintf("rank%d.ckpt", r))
-		ck, err := optim.LoadFile(path)
-		require.NoError(t, err)
-		found := 0
-		for i := range ck.Tensors {
-			tn := &ck.Tensors[i]
-			if len(tn.Name) > 6 && (tn.Name[:6] == "worker" || tn.Name[:6] == "server") {
-				found++
-				clear(tn.Data)
+	for _, tc := range []struct {
+		name        string
+		bucketBytes int
+		buffers     int
+	}{
+		{"one fused bucket", 0, 2},
+		{"buckets of 32 bytes", 32, 2 * 5}, // 35 elements in buckets of 8, 8, 8, 8, 3
+		{"per parameter", onebit.PerParameter, 2 * 3},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := adamConfigForResume(freeze)
+			cfg.BucketBytes = tc.bucketBytes
+			dir := t.TempDir()
+			want := adamRun(t, w, cfg, dir, 1, total, false, false)
+			adamRun(t, w, cfg, dir, 1, k, false, true)
+			for r := 0; r < w; r++ {
+				path := filepath.Join(dir, fmt.Sprintf("rank%d.ckpt", r))
+				ck, err := optim.LoadFile(path)
+				require.NoError(t, err)
+				found := 0
+				for i := range ck.Tensors {
+					tn := &ck.Tensors[i]
+					if optim.IsErrorBuffer(tn.Name) {
+						found++
+						clear(tn.Data)
+					}
+				}
+				require.Equal(t, tc.buffers, found, "a worker and a server error per bucket")
+				require.NoError(t, optim.SaveFile(path, ck))
 			}
-		}
-		require.Equal(t, 2*3, found, "a worker and a server error per parameter")
-		require.NoError(t, optim.SaveFile(path, ck))
+			// The same run resumed from its own checkpoint is bit-exact; with
+			// the error buffers cleared it is not.
+			got := adamRun(t, w, cfg, dir, k+1, total, true, false)
+			assert.NotEqual(t, want, got)
+		})
 	}
-	got := adamRun(t, w, cfg, dir, k+1, total, true, false)
-	assert.NotEqual(t, want, got)
+}
+
+// TestAdamBucketsResumeBitExact: with several buckets on three ranks, a run
+// resumed from its checkpoint ends bit-identical to an uninterrupted one.
+func TestAdamBucketsResumeBitExact(t *testing.T) {
+	const w, freeze, k, total = 3, 2, 5, 9
+	for _, bb := range []int{0, 24, onebit.PerParameter} {
+		cfg := adamConfigForResume(freeze)
+		cfg.BucketBytes = bb
+		dir := t.TempDir()
+		want := adamRun(t, w, cfg, dir, 1, total, false, false)
+		adamRun(t, w, cfg, dir, 1, k, false, true)
+		got := adamRun(t, w, cfg, dir, k+1, total, true, false)
+		assert.Equal(t, want, got, "bucket bytes %d", bb)
+	}
+}
+
+// TestAdamBucketCheckpointRefusal: a checkpoint made with other buckets, or
+// with per-parameter error buffers, is refused with a message that says
+// how to load it; ResetErrors loads it with the error feedback restarted.
+func TestAdamBucketCheckpointRefusal(t *testing.T) {
+	const w, freeze = 2, 2
+	for _, tc := range []struct {
+		saved, loaded int
+		msg           string
+	}{
+		{onebit.PerParameter, 0, "per parameter"},
+		{0, 32, "buckets of"},
+		{32, 0, "buckets of"},
+		{0, onebit.PerParameter, "buckets of"},
+	} {
+		cfg := adamConfigForResume(freeze)
+		cfg.BucketBytes = tc.saved
+		dir := t.TempDir()
+		adamRun(t, w, cfg, dir, 1, 4, false, true)
+		err := local.Run(adamCtx(t), w, func(ctx context.Context, c comm.Comm) error {
+			ps := adamParams(t, []int{3, 7}, []int{13}, []int{1})
+			lc := adamConfigForResume(freeze)
+			lc.BucketBytes = tc.loaded
+			opt, err := onebit.NewAdam(c, ps, lc)
+			if err != nil {
+				return err
+			}
+			ck, err := optim.LoadFile(filepath.Join(dir, fmt.Sprintf("rank%d.ckpt", c.Rank())))
+			if err != nil {
+				return err
+			}
+			before := append([]float32(nil), ps[0].Data()...)
+			err = opt.Load(ck)
+			if !errors.Is(err, optim.ErrIncompatibleCheckpoint) || !strings.Contains(err.Error(), tc.msg) {
+				return fmt.Errorf("saved %d, loaded %d: got %v, want an incompatible checkpoint error about %q", tc.saved, tc.loaded, err, tc.msg)
+			}
+			if !slices.Equal(before, ps[0].Data()) {
+				return fmt.Errorf("a refused load changed the parameters")
+			}
+			return opt.Load(ck.ResetErrors())
+		})
+		require.NoError(t, err)
+	}
 }
 
 func TestAdamLoadRefusesIncompatibleCheckpoints(t *testing.T) {

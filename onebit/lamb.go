@@ -100,14 +100,10 @@ func (c LambConfig) Validate() error {
 // Stats.BytesSent counts what this rank sent in Step, the finite-gradient
 // flag included.
 type Lamb struct {
-	c      comm.Comm // nil when world == 1 and none was given
-	world  int
-	rank   int
+	f      *optim.Frame
 	cfg    LambConfig
 	params []*optim.Param
 	masks  [][]float32 // per parameter; nil where none
-	log    *zap.Logger
-	guard  optim.FiniteGuard
 
 	// offs[i] is parameter i's offset in the flat buffers; offs[len(params)]
 	// is their length.
@@ -120,8 +116,6 @@ type Lamb struct {
 	scratch []float32
 	ef      *State // error feedback of the fused buffer; nil when world == 1
 
-	stage       optim.Stage
-	step        int64     // updates applied (skipped steps excluded)
 	frozenAt    int64     // the step at which v was frozen
 	coeffFreeze []float64 // per parameter
 	lastFactor  []float64 // per parameter, starts at 1
@@ -129,12 +123,14 @@ type Lamb struct {
 	scaled      bool      // whether scaling has been set
 	norms       []float64 // scratch for the scaling
 
-	mViews [][]float32 // m per parameter, for optim.CheckSizes
-
-	calls, skipped, bytes, lastBytes int64
+	mViews [][]float32 // m per parameter, for the frame's size check
+	avg    *optim.GradAverager
 }
 
-var _ optim.Optimizer = (*Lamb)(nil)
+var (
+	_ optim.Optimizer = (*Lamb)(nil)
+	_ optim.LRSetter  = (*Lamb)(nil)
+)
 
 // Checkpoint names of 1-bit LAMB's state beyond optim's common ones. The
 // per-parameter entries are followed by the parameter name.
@@ -174,17 +170,11 @@ func NewLamb(c comm.Comm, params []*optim.Param, cfg LambConfig, opts ...optim.O
 	if err != nil {
 		return nil, fmt.Errorf("onebit: 1-bit LAMB: %w", err)
 	}
-	world, rank := 1, 0
-	if c != nil {
-		world, rank = c.Size(), c.Rank()
-	}
 	o := &Lamb{
-		c: c, world: world, rank: rank, cfg: cfg,
+		cfg:         cfg,
 		params:      append([]*optim.Param(nil), params...),
 		masks:       masks,
-		log:         optim.ApplyOptions(opts).Logger,
 		offs:        make([]int, len(params)+1),
-		stage:       optim.StageWarmup,
 		coeffFreeze: make([]float64, len(params)),
 		lastFactor:  make([]float64, len(params)),
 		scaling:     make([]float32, len(params)),
@@ -204,11 +194,21 @@ func NewLamb(c comm.Comm, params []*optim.Param, cfg LambConfig, opts ...optim.O
 	o.v = make([]float32, total)
 	o.vFresh = make([]float32, total)
 	o.scratch = make([]float32, total)
-	if world > 1 {
-		if o.ef, err = NewState(total, world); err != nil {
+	if o.avg, err = optim.NewGradAverager(c, o.params, cfg.Reduce, cfg.RanksPerNode); err != nil {
+		return nil, fmt.Errorf("onebit: 1-bit LAMB: %w", err)
+	}
+	o.f = optim.NewFrame(optim.FrameConfig{
+		Name: "onebit: 1-bit LAMB", Algorithm: optim.AlgorithmOnebitLamb, Comm: c,
+		Params: o.params, Sizes: o.mViews, LR: cfg.LR, Stage: optim.StageWarmup,
+		Logger: optim.ApplyOptions(opts).Logger, Averager: o.avg,
+	})
+	if w := o.f.World(); w > 1 {
+		if o.ef, err = NewState(total, w); err != nil {
 			return nil, fmt.Errorf("onebit: 1-bit LAMB: %w", err)
 		}
 	}
+	o.f.Handle(optim.StageWarmup, o.warmup)
+	o.f.Handle(optim.StageCompression, o.compressed)
 	return o, nil
 }
 
@@ -217,9 +217,7 @@ func (o *Lamb) Params() []*optim.Param { return o.params }
 
 // Stats reports the steps taken, the skipped ones, the stage of the next
 // step and the bytes this rank sent.
-func (o *Lamb) Stats() optim.Stats {
-	return optim.Stats{Steps: o.calls, Skipped: o.skipped, Stage: o.stage, BytesSent: o.bytes, LastStepBytes: o.lastBytes}
-}
+func (o *Lamb) Stats() optim.Stats { return o.f.Stats() }
 
 // Step applies one update from the gradients in the parameters. Every rank
 // calls it together. A step in which some rank's gradient is not finite
@@ -227,40 +225,23 @@ func (o *Lamb) Stats() optim.Stats {
 // warm-up stage Step overwrites the gradients with their average over the
 // ranks. An error from the communicator leaves the optimizer in an
 // undefined state.
-func (o *Lamb) Step(ctx context.Context) error {
-	before := optim.CommBytes(o.c)
-	if err := optim.CheckSizes(o.params, o.mViews); err != nil {
-		return fmt.Errorf("onebit: 1-bit LAMB: %w", err)
-	}
-	ok, err := o.guard.Check(ctx, o.c, o.params)
-	if err != nil {
-		return fmt.Errorf("onebit: 1-bit LAMB step %d: %w", o.step+1, err)
-	}
-	o.calls++
-	if !ok {
-		o.skipped++
-		o.account(before)
-		o.log.Warn("1-bit LAMB: skipping a step with a non-finite gradient",
-			zap.Int64("step", o.step+1), zap.Int64("skipped", o.skipped))
-		return nil
-	}
-	if o.stage == optim.StageWarmup {
-		err = o.warmup(ctx)
-	} else {
-		err = o.compressed(ctx)
-	}
-	o.account(before)
-	return err
-}
+func (o *Lamb) Step(ctx context.Context) error { return o.f.Step(ctx) }
 
-func (o *Lamb) account(before int64) {
-	o.lastBytes = optim.CommBytes(o.c) - before
-	o.bytes += o.lastBytes
-}
+// SetLR fixes the learning rate of the following steps, replacing any
+// schedule; see optim.LRSetter. The frozen variance, coeff_freeze and the
+// factors are not touched.
+func (o *Lamb) SetLR(lr float32) error { return o.f.SetLR(lr) }
+
+// SetSchedule makes s choose the learning rate of every following step
+// (nil: back to the fixed one); see optim.LRSetter.
+func (o *Lamb) SetSchedule(s optim.Schedule) error { return o.f.SetSchedule(s) }
+
+// LR returns the learning rate of the next step.
+func (o *Lamb) LR() float32 { return o.f.LR() }
 
 // Stage is the stage the next step runs in: optim.StageWarmup or
 // optim.StageCompression.
-func (o *Lamb) Stage() optim.Stage { return o.stage }
+func (o *Lamb) Stage() optim.Stage { return o.f.Stage() }
 
 // biasCorrections returns the multipliers of m and of v for step t (1
 // and 1 without bias correction).
@@ -272,10 +253,9 @@ func (o *Lamb) biasCorrections(t int64) (c1, c2 float32) {
 }
 
 // warmup is one step of plain LAMB on exactly averaged gradients.
-func (o *Lamb) warmup(ctx context.Context) error {
-	t := o.step + 1
-	if err := optim.AverageGrads(ctx, o.c, o.params); err != nil {
-		return fmt.Errorf("onebit: 1-bit LAMB step %d: %w", t, err)
+func (o *Lamb) warmup(ctx context.Context, t int64, lr float32) error {
+	if err := o.avg.Average(ctx); err != nil {
+		return err
 	}
 	cfg := &o.cfg
 	c1, c2 := o.biasCorrections(t)
@@ -292,23 +272,20 @@ func (o *Lamb) warmup(ctx context.Context) error {
 		if coeff != 1 {
 			o.coeffFreeze[i] = cb*o.coeffFreeze[i] + (1-cb)*float64(coeff)
 		}
-		optim.Descend(p.Data(), upd, cfg.LR*coeff)
+		optim.Descend(p.Data(), upd, lr*coeff)
 	}
-	o.step = t
 	if t >= int64(cfg.FreezeStep) {
 		// v_fresh starts as a copy of the v that is frozen now.
 		copy(o.vFresh, o.v)
 		o.frozenAt = t
-		o.stage = optim.StageCompression
-		o.log.Info("1-bit LAMB: warm-up done, switching to compressed communication", zap.Int64("step", t))
+		o.f.Enter(optim.StageCompression)
 	}
 	return nil
 }
 
 // compressed is one step of the compression stage, numbered as in the
 // spec.
-func (o *Lamb) compressed(ctx context.Context) error {
-	t := o.step + 1
+func (o *Lamb) compressed(ctx context.Context, t int64, lr float32) error {
 	cfg := &o.cfg
 	// 2. The scaling, on the first compression step only (from m before
 	// this step's update).
@@ -325,8 +302,8 @@ func (o *Lamb) compressed(ctx context.Context) error {
 	}
 	// 4. One compressed allreduce of the fused buffer.
 	if o.ef != nil {
-		if err := AllReduce(ctx, o.c, o.m, o.ef); err != nil {
-			return fmt.Errorf("onebit: 1-bit LAMB step %d: %w", t, err)
+		if err := AllReduce(ctx, o.f.Comm(), o.m, o.ef); err != nil {
+			return err
 		}
 	}
 	// 5. Per parameter: unscale, mask, v_fresh, factor, update.
@@ -355,9 +332,8 @@ func (o *Lamb) compressed(ctx context.Context) error {
 		ratio, preSq, updSq := lambFreshDirection(upd, p.Data(), m, o.v[lo:hi], o.vFresh[lo:hi],
 			s, cfg.Beta1, cfg.Beta2, cfg.WeightDecay, c1, c2, c2Fresh, cfg.Eps)
 		f := o.factor(i, ratio, preSq, updSq)
-		optim.Descend(p.Data(), upd, float32(float64(cfg.LR)*o.coeffFreeze[i]*f))
+		optim.Descend(p.Data(), upd, float32(float64(lr)*o.coeffFreeze[i]*f))
 	}
-	o.step = t
 	return nil
 }
 
@@ -478,17 +454,9 @@ func divScalar(x []float32, s float32) {
 // v, v_fresh, the counters, the stage, coeff_freeze, last_factor, the
 // scaling, and this rank's worker and server errors of the fused buffer.
 func (o *Lamb) State() (*optim.Checkpoint, error) {
-	ck := &optim.Checkpoint{
-		Algorithm: optim.AlgorithmOnebitLamb,
-		World:     o.world,
-		Rank:      o.rank,
-		Stage:     o.stage,
-		Ints: map[string]int64{
-			optim.IntStep: o.step, optim.IntSteps: o.calls, optim.IntSkipped: o.skipped,
-			IntFrozenAt: o.frozenAt, IntScaled: boolInt(o.scaled),
-		},
-		Floats: make(map[string]float64, 3*len(o.params)),
-	}
+	ck := o.f.Checkpoint()
+	ck.Ints[IntFrozenAt] = o.frozenAt
+	ck.Ints[IntScaled] = boolInt(o.scaled)
 	for i, p := range o.params {
 		lo, hi := o.offs[i], o.offs[i+1]
 		shape := p.Shape()
@@ -518,24 +486,18 @@ func (o *Lamb) Load(ck *optim.Checkpoint) error {
 	if err := o.load(ck); err != nil {
 		return fmt.Errorf("onebit: 1-bit LAMB: %w", err)
 	}
-	o.log.Info("1-bit LAMB: checkpoint loaded", zap.Int64("step", o.step), zap.String("stage", string(o.stage)))
 	return nil
 }
 
 func (o *Lamb) load(ck *optim.Checkpoint) error {
-	if err := ck.CheckCompatible(optim.AlgorithmOnebitLamb, o.world, o.params); err != nil {
-		return err
-	}
-	if err := checkRank(ck, o.rank); err != nil {
-		return err
-	}
-	if ck.Stage != optim.StageWarmup && ck.Stage != optim.StageCompression {
-		return fmt.Errorf("%w: stage %q is not a 1-bit LAMB stage", optim.ErrIncompatibleCheckpoint, ck.Stage)
-	}
-	step, steps, skipped, err := optim.LoadCounters(ck)
+	fs, err := o.f.CheckLoad(ck, optim.StageWarmup, optim.StageCompression)
 	if err != nil {
 		return err
 	}
+	if err := checkRank(ck, o.f.Rank()); err != nil {
+		return err
+	}
+	step := fs.Step
 	ints, err := checkpointInts(ck, IntFrozenAt, IntScaled)
 	if err != nil {
 		return err
@@ -575,16 +537,15 @@ func (o *Lamb) load(ck *optim.Checkpoint) error {
 		if o.ef != nil {
 			o.ef.Reset()
 		}
-		warnErrorsReset(o.log, ck, o.world, o.rank)
+		warnErrorsReset(o.f.Logger(), ck, o.f.World(), o.f.Rank())
 	}
 	for i := range o.params {
 		o.coeffFreeze[i] = floats[3*i]
 		o.lastFactor[i] = floats[3*i+1]
 		o.scaling[i] = float32(floats[3*i+2])
 	}
-	o.stage = ck.Stage
-	o.step, o.frozenAt, o.scaled = step, ints[0], ints[1] != 0
-	o.calls, o.skipped, o.lastBytes = steps, skipped, 0
+	o.frozenAt, o.scaled = ints[0], ints[1] != 0
+	o.f.Restore(fs)
 	return nil
 }
 
@@ -664,3 +625,8 @@ func boolInt(b bool) int64 {
 	}
 	return 0
 }
+
+// Close releases the communicators that ReduceTwoLevel averaging split off
+// the group (none in the other modes). The optimizer must not step after
+// Close. It is not a collective, but every rank should call it.
+func (o *Lamb) Close() error { return o.avg.Close() }

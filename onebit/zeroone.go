@@ -7,8 +7,6 @@ import (
 	"fmt"
 	"math"
 
-	"go.uber.org/zap"
-
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/optim"
 )
@@ -47,12 +45,25 @@ type ZeroOneAdamConfig struct {
 	// accumulator in phase B), also with one rank, where the allreduce is
 	// skipped. Default none.
 	ExpAvgMask map[string][]float32
+	// BucketBytes is the size of the fused buckets of the compressed
+	// allreduce: what it compresses (the gradients in phase A, the
+	// accumulators in phase B) is copied into one flat buffer, cut into
+	// buckets of BucketBytes, each one compressed allreduce with its own
+	// error feedback. 0 means DefaultBucketBytes (25 MiB); PerParameter
+	// compresses each parameter on its own. Every rank must use the same
+	// value. DefaultZeroOneAdamConfig chooses PerParameter: one scale for
+	// the accumulators of all parameters cost 0/1 Adam 1.3 points of
+	// accuracy in the convergence test (onebit/convergence_test.go), where
+	// per-parameter scales (or buckets of a few parameters) match exact
+	// Adam; fuse when the collectives' latency dominates.
+	BucketBytes int
 }
 
 // DefaultZeroOneAdamConfig returns optim.DefaultAdamConfig (lr 1e-3, betas
 // (0.9, 0.999), eps 1e-8, no weight decay, bias correction on) with
 // VarFreezeStep 100000, VarUpdateScaler 16, LocalStepScaler 32678 and
-// LocalStepClipper 16.
+// LocalStepClipper 16, each parameter compressed on its own
+// (BucketBytes PerParameter).
 func DefaultZeroOneAdamConfig() ZeroOneAdamConfig {
 	return ZeroOneAdamConfig{
 		AdamConfig:       optim.DefaultAdamConfig(),
@@ -60,6 +71,7 @@ func DefaultZeroOneAdamConfig() ZeroOneAdamConfig {
 		VarUpdateScaler:  16,
 		LocalStepScaler:  32678,
 		LocalStepClipper: 16,
+		BucketBytes:      PerParameter,
 	}
 }
 
@@ -80,6 +92,9 @@ func (c ZeroOneAdamConfig) Validate() error {
 		if f.v < 1 {
 			return fmt.Errorf("onebit: %s %d must be at least 1", f.name, f.v)
 		}
+	}
+	if err := checkBucketBytes(c.BucketBytes); err != nil {
+		return fmt.Errorf("onebit: %w", err)
 	}
 	return nil
 }
@@ -104,37 +119,37 @@ func (c ZeroOneAdamConfig) Validate() error {
 // the ranks' parameters afterwards: p = anchor + u_avg/(sqrt(v)+eps) is
 // computed from the same values on every rank. It costs the same memory.
 //
-// Each parameter has its own error-feedback state; both error buffers are
-// zeroed once when phase B begins. With one rank (or a nil communicator)
-// the compressed allreduce is skipped. Stats.BytesSent counts what this
+// What the compressed allreduce carries is fused into buckets of
+// BucketBytes (by default one per parameter), each with its own
+// error-feedback state; both error buffers of every bucket are zeroed once
+// when phase B begins. With one rank (or a nil communicator) the
+// compressed allreduce is skipped. Stats.BytesSent counts what this
 // rank sent in Step, the finite-gradient flag included.
 type ZeroOneAdam struct {
-	c      comm.Comm
-	world  int
-	rank   int
+	f      *optim.Frame
 	cfg    ZeroOneAdamConfig
 	params []*optim.Param
 	masks  [][]float32
-	log    *zap.Logger
-	guard  optim.FiniteGuard
 
 	m, v   [][]float32 // per parameter: momentum, variance
 	anchor [][]float32 // per parameter: its value at the last synchronization
-	ef     []*State    // per parameter; nil when world == 1
+	flat   []float32   // what the compressed allreduce carries, fused
+	fused  [][]float32 // per parameter: its part of flat
+	bkt    *buckets    // the buckets of flat (none when world == 1)
 
-	stage         optim.Stage
-	step          int64   // updates applied (skipped steps excluded)
 	varUpdates    int64   // variance updates so far (for its bias correction)
 	varInterval   int64   // phase A: variance update when step % varInterval == 0
 	varCounter    int64   // variance updates since varInterval last doubled
 	localInterval int64   // phase B: synchronize when step % localInterval == 0
 	localCounter  int64   // phase-B steps since localInterval last doubled
 	lrs           float64 // learning rates summed since the last synchronization
-
-	calls, skipped, bytes, lastBytes int64
+	avg           *optim.GradAverager
 }
 
-var _ optim.Optimizer = (*ZeroOneAdam)(nil)
+var (
+	_ optim.Optimizer = (*ZeroOneAdam)(nil)
+	_ optim.LRSetter  = (*ZeroOneAdam)(nil)
+)
 
 // Checkpoint names of 0/1 Adam's state beyond optim's common ones and
 // WorkerErrorPrefix and ServerErrorPrefix (this rank's error buffers of
@@ -171,36 +186,42 @@ func NewZeroOneAdam(c comm.Comm, params []*optim.Param, cfg ZeroOneAdamConfig, o
 	if err != nil {
 		return nil, fmt.Errorf("onebit: 0/1 Adam: %w", err)
 	}
-	world, rank := 1, 0
-	if c != nil {
-		world, rank = c.Size(), c.Rank()
-	}
 	o := &ZeroOneAdam{
-		c: c, world: world, rank: rank, cfg: cfg,
+		cfg:           cfg,
 		params:        append([]*optim.Param(nil), params...),
 		masks:         masks,
-		log:           optim.ApplyOptions(opts).Logger,
 		m:             make([][]float32, len(params)),
 		v:             make([][]float32, len(params)),
 		anchor:        make([][]float32, len(params)),
-		stage:         optim.StagePhaseA,
 		varInterval:   1,
 		localInterval: 1,
 	}
-	if world > 1 {
-		o.ef = make([]*State, len(params))
+	if o.avg, err = optim.NewGradAverager(c, o.params, cfg.Reduce, cfg.RanksPerNode); err != nil {
+		return nil, fmt.Errorf("onebit: 0/1 Adam: %w", err)
 	}
+	o.f = optim.NewFrame(optim.FrameConfig{
+		Name: "onebit: 0/1 Adam", Algorithm: optim.AlgorithmZeroOneAdam, Comm: c,
+		Params: o.params, Sizes: o.m, LR: cfg.LR, Stage: optim.StagePhaseA,
+		Logger: optim.ApplyOptions(opts).Logger, Averager: o.avg,
+	})
+	sizes := make([]int, len(params))
 	for i, p := range params {
 		n := p.Numel()
+		sizes[i] = n
 		o.m[i] = make([]float32, n)
 		o.v[i] = make([]float32, n)
 		o.anchor[i] = make([]float32, n)
-		if o.ef != nil {
-			if o.ef[i], err = NewState(n, world); err != nil {
-				return nil, fmt.Errorf("onebit: 0/1 Adam: parameter %q: %w", p.Name, err)
-			}
-		}
 	}
+	if world := o.f.World(); world > 1 {
+		o.flat, o.fused = flatten(sizes)
+		if o.bkt, err = newBuckets(o.params, world, cfg.BucketBytes); err != nil {
+			return nil, fmt.Errorf("onebit: 0/1 Adam: %w", err)
+		}
+	} else {
+		o.bkt = &buckets{}
+	}
+	o.f.Handle(optim.StagePhaseA, o.phaseA)
+	o.f.Handle(optim.StagePhaseB, o.phaseB)
 	return o, nil
 }
 
@@ -209,9 +230,19 @@ func (o *ZeroOneAdam) Params() []*optim.Param { return o.params }
 
 // Stats reports the steps taken, the skipped ones, the phase of the next
 // step and the bytes this rank sent.
-func (o *ZeroOneAdam) Stats() optim.Stats {
-	return optim.Stats{Steps: o.calls, Skipped: o.skipped, Stage: o.stage, BytesSent: o.bytes, LastStepBytes: o.lastBytes}
-}
+func (o *ZeroOneAdam) Stats() optim.Stats { return o.f.Stats() }
+
+// SetLR fixes the learning rate of the following steps, replacing any
+// schedule; see optim.LRSetter. lrs sums the step sizes actually applied,
+// so the momentum recovered at the next synchronization stays an average.
+func (o *ZeroOneAdam) SetLR(lr float32) error { return o.f.SetLR(lr) }
+
+// SetSchedule makes s choose the learning rate of every following step
+// (nil: back to the fixed one); see optim.LRSetter.
+func (o *ZeroOneAdam) SetSchedule(s optim.Schedule) error { return o.f.SetSchedule(s) }
+
+// LR returns the learning rate of the next step.
+func (o *ZeroOneAdam) LR() float32 { return o.f.LR() }
 
 // Intervals reports the current intervals and counters of the schedule:
 // the variance-update interval and the number of variance updates since it
@@ -226,40 +257,11 @@ func (o *ZeroOneAdam) Intervals() (varInterval, varCounter, localInterval, local
 // skipped on every rank and changes nothing but the counters. Step may
 // overwrite the gradients (with their exact or compressed average). An
 // error from the communicator leaves the optimizer in an undefined state.
-func (o *ZeroOneAdam) Step(ctx context.Context) error {
-	before := optim.CommBytes(o.c)
-	if err := optim.CheckSizes(o.params, o.m); err != nil {
-		return fmt.Errorf("onebit: 0/1 Adam: %w", err)
-	}
-	ok, err := o.guard.Check(ctx, o.c, o.params)
-	if err != nil {
-		return fmt.Errorf("onebit: 0/1 Adam step %d: %w", o.step+1, err)
-	}
-	o.calls++
-	if !ok {
-		o.skipped++
-		o.account(before)
-		o.log.Warn("0/1 Adam: skipping a step with a non-finite gradient",
-			zap.Int64("step", o.step+1), zap.Int64("skipped", o.skipped))
-		return nil
-	}
-	if o.stage == optim.StagePhaseA {
-		err = o.phaseA(ctx)
-	} else {
-		err = o.phaseB(ctx)
-	}
-	o.account(before)
-	return err
-}
-
-func (o *ZeroOneAdam) account(before int64) {
-	o.lastBytes = optim.CommBytes(o.c) - before
-	o.bytes += o.lastBytes
-}
+func (o *ZeroOneAdam) Step(ctx context.Context) error { return o.f.Step(ctx) }
 
 // Stage is the phase the next step runs in: optim.StagePhaseA or
 // optim.StagePhaseB.
-func (o *ZeroOneAdam) Stage() optim.Stage { return o.stage }
+func (o *ZeroOneAdam) Stage() optim.Stage { return o.f.Stage() }
 
 // corrections returns the bias-correction multipliers of m at step t and
 // of v after its variance updates (1 and 1 without bias correction).
@@ -270,17 +272,21 @@ func (o *ZeroOneAdam) corrections(t int64) (c1, c2 float32) {
 	return optim.BiasCorrection(o.cfg.Beta1, t), optim.BiasCorrection(o.cfg.Beta2, o.varUpdates)
 }
 
-func (o *ZeroOneAdam) phaseA(ctx context.Context) error {
-	t := o.step + 1
+func (o *ZeroOneAdam) phaseA(ctx context.Context, t int64, lr float32) error {
 	cfg := &o.cfg
 	varStep := t%o.varInterval == 0
 	if varStep {
-		if err := optim.AverageGrads(ctx, o.c, o.params); err != nil {
-			return fmt.Errorf("onebit: 0/1 Adam step %d: %w", t, err)
+		if err := o.avg.Average(ctx); err != nil {
+			return err
 		}
 		o.varUpdates++
 	}
 	c1, c2 := o.corrections(t)
+	if !varStep {
+		if err := o.allReduceGrads(ctx); err != nil {
+			return err
+		}
+	}
 	for i, p := range o.params {
 		g := p.GradData()
 		if len(g) == 0 {
@@ -289,19 +295,13 @@ func (o *ZeroOneAdam) phaseA(ctx context.Context) error {
 		if varStep {
 			optim.AdamMoments(o.m[i], o.v[i], g, cfg.Beta1, cfg.Beta2)
 		} else {
-			if o.ef != nil {
-				if err := AllReduce(ctx, o.c, g, o.ef[i]); err != nil {
-					return fmt.Errorf("onebit: 0/1 Adam step %d: parameter %q: %w", t, p.Name, err)
-				}
-			}
 			if o.masks[i] != nil {
 				optim.Mul(g, o.masks[i])
 			}
 			optim.Momentum(o.m[i], g, cfg.Beta1)
 		}
-		optim.AdamUpdate(p.Data(), o.m[i], o.v[i], cfg.LR, cfg.WeightDecay, c1, c2, cfg.Eps)
+		optim.AdamUpdate(p.Data(), o.m[i], o.v[i], lr, cfg.WeightDecay, c1, c2, cfg.Eps)
 	}
-	o.step = t
 	if varStep {
 		o.varCounter++
 		if o.varCounter == int64(cfg.VarUpdateScaler) {
@@ -312,26 +312,22 @@ func (o *ZeroOneAdam) phaseA(ctx context.Context) error {
 	if t >= int64(cfg.VarFreezeStep) {
 		// The error buffers held gradient errors; phase B compresses the
 		// accumulated momentum, so they start again from zero.
-		for _, st := range o.ef {
-			st.Reset()
-		}
+		o.bkt.reset()
 		for i, p := range o.params {
 			copy(o.anchor[i], p.Data())
 		}
-		o.stage = optim.StagePhaseB
-		o.log.Info("0/1 Adam: variance frozen, switching to local steps", zap.Int64("step", t))
+		o.f.Enter(optim.StagePhaseB)
 	}
 	return nil
 }
 
-func (o *ZeroOneAdam) phaseB(ctx context.Context) error {
-	t := o.step + 1
+func (o *ZeroOneAdam) phaseB(ctx context.Context, t int64, lr float32) error {
 	cfg := &o.cfg
 	c1, c2 := o.corrections(t)
 	// The step size applied to m/(sqrt(v)+eps) this step: lr, or
 	// lr/(1-beta1^t) with bias correction (the same float32 product as in
 	// zeroOneLocalStep).
-	o.lrs += float64(float32(cfg.LR * c1))
+	o.lrs += float64(float32(lr * c1))
 	sync := t%o.localInterval == 0
 	lrs := float32(o.lrs)
 	for i, p := range o.params {
@@ -341,32 +337,58 @@ func (o *ZeroOneAdam) phaseB(ctx context.Context) error {
 		}
 		m, v := o.m[i], o.v[i]
 		if !sync {
-			zeroOneLocalStep(p.Data(), m, v, g, nil, cfg.Beta1, cfg.LR, cfg.WeightDecay, c1, c2, cfg.Eps)
+			zeroOneLocalStep(p.Data(), m, v, g, nil, cfg.Beta1, lr, cfg.WeightDecay, c1, c2, cfg.Eps)
 			continue
 		}
 		// The local step, then u = p - anchor (in the gradient's buffer,
 		// used up); p -= u, which is p = anchor; u *= sqrt(v)+eps.
-		zeroOneLocalStep(p.Data(), m, v, g, o.anchor[i], cfg.Beta1, cfg.LR, cfg.WeightDecay, c1, c2, cfg.Eps)
-		u := g
-		if o.ef != nil {
-			if err := AllReduce(ctx, o.c, u, o.ef[i]); err != nil {
-				return fmt.Errorf("onebit: 0/1 Adam step %d: parameter %q: %w", t, p.Name, err)
+		zeroOneLocalStep(p.Data(), m, v, g, o.anchor[i], cfg.Beta1, lr, cfg.WeightDecay, c1, c2, cfg.Eps)
+	}
+	if sync {
+		// The accumulators u, in the gradients' buffers, go through the
+		// compressed allreduce together.
+		if err := o.allReduceGrads(ctx); err != nil {
+			return err
+		}
+		for i, p := range o.params {
+			u := p.GradData()
+			if len(u) == 0 {
+				continue
 			}
+			if o.masks[i] != nil {
+				optim.Mul(u, o.masks[i])
+			}
+			// m = -u/lrs; p = anchor + u/(sqrt(v)+eps), the new anchor.
+			zeroOneArrive(p.Data(), o.m[i], o.anchor[i], u, lrs)
 		}
-		if o.masks[i] != nil {
-			optim.Mul(u, o.masks[i])
-		}
-		// m = -u/lrs; p = anchor + u/(sqrt(v)+eps), the new anchor.
-		zeroOneArrive(p.Data(), m, o.anchor[i], u, lrs)
 	}
 	if sync {
 		o.lrs = 0
 	}
-	o.step = t
 	o.localCounter++
 	if o.localCounter == int64(cfg.LocalStepScaler) {
 		o.localCounter = 0
 		o.localInterval = min(int64(cfg.LocalStepClipper), 2*o.localInterval)
+	}
+	return nil
+}
+
+// allReduceGrads replaces every parameter's gradient buffer with its
+// compressed average over the ranks: the buffers are copied into the flat
+// buffer, each bucket goes through AllReduce, and the results are copied
+// back. With one rank it does nothing.
+func (o *ZeroOneAdam) allReduceGrads(ctx context.Context) error {
+	if len(o.bkt.states) == 0 {
+		return nil
+	}
+	for i, p := range o.params {
+		copy(o.fused[i], p.GradData())
+	}
+	if err := o.bkt.allReduce(ctx, o.f.Comm(), o.flat); err != nil {
+		return err
+	}
+	for i, p := range o.params {
+		copy(p.GradData(), o.fused[i])
 	}
 	return nil
 }
@@ -425,32 +447,24 @@ func zeroOneArrive(p, m, anchor, u []float32, lrs float32) {
 
 // State returns a checkpoint of this rank's optimizer: the parameters, m,
 // v, the anchor (and with it u), the counters, the phase, the intervals,
-// lrs, and this rank's
-// worker and server errors of every parameter.
+// lrs, and, on more than one rank, the bucket layout and this rank's
+// worker and server errors of every bucket.
 func (o *ZeroOneAdam) State() (*optim.Checkpoint, error) {
-	ck := &optim.Checkpoint{
-		Algorithm: optim.AlgorithmZeroOneAdam,
-		World:     o.world,
-		Rank:      o.rank,
-		Stage:     o.stage,
-		Ints: map[string]int64{
-			optim.IntStep: o.step, optim.IntSteps: o.calls, optim.IntSkipped: o.skipped,
-			IntVarUpdates: o.varUpdates, IntVarInterval: o.varInterval, IntVarCounter: o.varCounter,
-			IntLocalInterval: o.localInterval, IntLocalCounter: o.localCounter,
-		},
-		Floats: map[string]float64{FloatLRS: o.lrs},
-	}
+	ck := o.f.Checkpoint()
+	ck.Ints[IntVarUpdates] = o.varUpdates
+	ck.Ints[IntVarInterval] = o.varInterval
+	ck.Ints[IntVarCounter] = o.varCounter
+	ck.Ints[IntLocalInterval] = o.localInterval
+	ck.Ints[IntLocalCounter] = o.localCounter
+	ck.Floats[FloatLRS] = o.lrs
 	for i, p := range o.params {
 		shape := p.Shape()
 		ck.AddTensor(optim.ParamTensorName(p.Name), shape, p.Data())
 		ck.AddTensor(optim.ExpAvgPrefix+p.Name, shape, o.m[i])
 		ck.AddTensor(optim.ExpAvgSqPrefix+p.Name, shape, o.v[i])
 		ck.AddTensor(AnchorPrefix+p.Name, shape, o.anchor[i])
-		if o.ef != nil {
-			ck.AddTensor(WorkerErrorPrefix+p.Name, []int{len(o.ef[i].WorkerError)}, o.ef[i].WorkerError)
-			ck.AddTensor(ServerErrorPrefix+p.Name, []int{len(o.ef[i].ServerError)}, o.ef[i].ServerError)
-		}
 	}
+	o.bkt.save(ck)
 	return ck, nil
 }
 
@@ -470,22 +484,15 @@ func (o *ZeroOneAdam) Load(ck *optim.Checkpoint) error {
 	if err := o.load(ck); err != nil {
 		return fmt.Errorf("onebit: 0/1 Adam: %w", err)
 	}
-	o.log.Info("0/1 Adam: checkpoint loaded", zap.Int64("step", o.step), zap.String("stage", string(o.stage)))
 	return nil
 }
 
 func (o *ZeroOneAdam) load(ck *optim.Checkpoint) error {
-	if err := ck.CheckCompatible(optim.AlgorithmZeroOneAdam, o.world, o.params); err != nil {
-		return err
-	}
-	if err := checkRank(ck, o.rank); err != nil {
-		return err
-	}
-	if ck.Stage != optim.StagePhaseA && ck.Stage != optim.StagePhaseB {
-		return fmt.Errorf("%w: stage %q is not a 0/1 Adam phase", optim.ErrIncompatibleCheckpoint, ck.Stage)
-	}
-	step, steps, skipped, err := optim.LoadCounters(ck)
+	fs, err := o.f.CheckLoad(ck, optim.StagePhaseA, optim.StagePhaseB)
 	if err != nil {
+		return err
+	}
+	if err := checkRank(ck, o.f.Rank()); err != nil {
 		return err
 	}
 	ints, err := checkpointInts(ck, IntVarUpdates, IntVarInterval, IntVarCounter, IntLocalInterval, IntLocalCounter)
@@ -499,6 +506,9 @@ func (o *ZeroOneAdam) load(ck *optim.Checkpoint) error {
 	}
 	if ints[1] < 1 || ints[3] < 1 {
 		return fmt.Errorf("%w: intervals %d and %d must be at least 1", optim.ErrIncompatibleCheckpoint, ints[1], ints[3])
+	}
+	if err := o.bkt.check(ck); err != nil {
+		return err
 	}
 	lrs, err := ck.Float(FloatLRS)
 	if err != nil {
@@ -514,24 +524,23 @@ func (o *ZeroOneAdam) load(ck *optim.Checkpoint) error {
 		rs.Tensor(optim.ExpAvgPrefix+p.Name, o.m[i])
 		rs.Tensor(optim.ExpAvgSqPrefix+p.Name, o.v[i])
 		rs.Tensor(AnchorPrefix+p.Name, o.anchor[i])
-		if o.ef != nil && !ck.ErrorsReset {
-			rs.Tensor(WorkerErrorPrefix+p.Name, o.ef[i].WorkerError)
-			rs.Tensor(ServerErrorPrefix+p.Name, o.ef[i].ServerError)
-		}
 	}
+	o.bkt.restore(ck, rs)
 	if err := rs.Apply(); err != nil {
 		return err
 	}
 	if ck.ErrorsReset {
-		for _, st := range o.ef {
-			st.Reset()
-		}
-		warnErrorsReset(o.log, ck, o.world, o.rank)
+		o.bkt.reset()
+		warnErrorsReset(o.f.Logger(), ck, o.f.World(), o.f.Rank())
 	}
-	o.stage = ck.Stage
-	o.step, o.varUpdates, o.varInterval, o.varCounter = step, ints[0], ints[1], ints[2]
+	o.varUpdates, o.varInterval, o.varCounter = ints[0], ints[1], ints[2]
 	o.localInterval, o.localCounter = ints[3], ints[4]
-	o.calls, o.skipped, o.lastBytes = steps, skipped, 0
 	o.lrs = lrs
+	o.f.Restore(fs)
 	return nil
 }
+
+// Close releases the communicators that ReduceTwoLevel averaging split off
+// the group (none in the other modes). The optimizer must not step after
+// Close. It is not a collective, but every rank should call it.
+func (o *ZeroOneAdam) Close() error { return o.avg.Close() }

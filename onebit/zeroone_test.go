@@ -107,8 +107,14 @@ func lzEqualFloats(a, b []float32) bool {
 // compressed allreduce of u, and other phase-B steps only the
 // finite-gradient flag.
 func TestZeroOneTraffic(t *testing.T) {
+	t.Run("per parameter", func(t *testing.T) { zeroOneTraffic(t, onebit.PerParameter) })
+	t.Run("one fused bucket", func(t *testing.T) { zeroOneTraffic(t, 0) })
+}
+
+func zeroOneTraffic(t *testing.T, bucketBytes int) {
 	const w = 4
 	cfg := zeroOneTestConfig()
+	cfg.BucketBytes = bucketBytes
 	s := lzSetup(w, newZeroOne(cfg))
 	d := s.Data()
 	bytes := make([]int64, 17)
@@ -131,10 +137,15 @@ func TestZeroOneTraffic(t *testing.T) {
 	})
 	require.NoError(t, err)
 	flag := comm.RingAllReduceBytes(4, w)
-	var exact, compressed int64
+	var exact, compressed, total int64
+	onebitBytes := func(n int) int64 { return 2*(w-1)*int64(onebit.PaddedLen(n, w))/8/w + (w-1)*(12+4) }
 	for _, p := range testnet.New(1, s.In, s.Hidden, s.Classes).Params() {
 		exact += comm.RingAllReduceBytes(4*int64(p.Numel()), w)
-		compressed += 2*(w-1)*int64(onebit.PaddedLen(p.Numel(), w))/8/w + (w-1)*(12+4)
+		compressed += onebitBytes(p.Numel())
+		total += int64(p.Numel())
+	}
+	if bucketBytes != onebit.PerParameter {
+		compressed = onebitBytes(int(total)) // one collective for the whole model
 	}
 	for step := int64(1); step <= 16; step++ {
 		want := flag
@@ -183,6 +194,11 @@ func TestZeroOneResumeBitIdentical(t *testing.T) {
 			lzResume(t, lzSetup(w, newZeroOne(zeroOneTestConfig())), 16, 2, 3, 5, 6, 7, 9, 11)
 		})
 	}
+	t.Run("W=3 fused buckets", func(t *testing.T) {
+		cfg := zeroOneTestConfig()
+		cfg.BucketBytes = 512
+		lzResume(t, lzSetup(3, newZeroOne(cfg)), 16, 3, 6, 9)
+	})
 }
 
 func TestZeroOneSkipsNonFiniteSteps(t *testing.T) {

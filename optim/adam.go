@@ -26,16 +26,21 @@ type Adam struct {
 	e *exact
 }
 
-var _ Optimizer = (*Adam)(nil)
+var (
+	_ Optimizer = (*Adam)(nil)
+	_ LRSetter  = (*Adam)(nil)
+)
 
 // NewAdam returns Adam over params, averaging gradients over c (nil for a
 // single process). It allocates the moments, two float32 buffers per
-// parameter; Step allocates nothing.
+// parameter; in the fp16, bf16 and two-level reduction modes the first
+// Step allocates the flat averaging buffers (and builds the layout, a
+// collective); later steps allocate nothing.
 func NewAdam(c comm.Comm, params []*Param, cfg AdamConfig, opts ...Option) (*Adam, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("optim: Adam: %w", err)
 	}
-	e, err := newExact(AlgorithmAdam, c, params, cfg, opts)
+	e, err := newExact("optim: Adam", AlgorithmAdam, c, params, cfg, opts)
 	if err != nil {
 		return nil, fmt.Errorf("optim: Adam: %w", err)
 	}
@@ -49,7 +54,7 @@ func (a *Adam) Step(ctx context.Context) error { return a.e.Step(ctx) }
 func (a *Adam) Params() []*Param { return a.e.params }
 
 // Stats reports progress and traffic; Stage is always StageExact.
-func (a *Adam) Stats() Stats { return a.e.stats }
+func (a *Adam) Stats() Stats { return a.e.Stats() }
 
 // State returns a checkpoint holding the parameters, both moments and the
 // step counters. Every rank's checkpoint of an exact optimizer is the same
@@ -59,3 +64,19 @@ func (a *Adam) State() (*Checkpoint, error) { return a.e.State() }
 // Load restores a checkpoint made by Adam.State on the same world size and
 // parameters (any rank's); anything else is refused and changes nothing.
 func (a *Adam) Load(ck *Checkpoint) error { return a.e.Load(ck) }
+
+// SetLR fixes the learning rate of the following steps, replacing any
+// schedule; see LRSetter.
+func (a *Adam) SetLR(lr float32) error { return a.e.SetLR(lr) }
+
+// SetSchedule makes s choose the learning rate of every following step
+// (nil: back to the fixed one); see LRSetter.
+func (a *Adam) SetSchedule(s Schedule) error { return a.e.SetSchedule(s) }
+
+// LR returns the learning rate of the next step.
+func (a *Adam) LR() float32 { return a.e.LR() }
+
+// Close releases the communicators that ReduceTwoLevel averaging split off
+// the group (none in the other modes). The optimizer must not step after
+// Close. It is not a collective, but every rank should call it.
+func (a *Adam) Close() error { return a.e.avg.Close() }

@@ -22,6 +22,15 @@ type AdamConfig struct {
 	// BiasCorrection divides m by 1-beta1^t and v by 1-beta2^t. Default
 	// true.
 	BiasCorrection bool
+	// Reduce is how gradients are averaged over the ranks in the exact
+	// stages (every step of Adam and LAMB, the warm-up of the 1-bit
+	// optimizers, the variance steps of 0/1 Adam); see ReduceMode.
+	// Default ReduceFP32, the zero value.
+	Reduce ReduceMode
+	// RanksPerNode is the node size of ReduceTwoLevel; 0 asks the
+	// communicator (see comm.NewLayout). Default 0. Other modes ignore
+	// it.
+	RanksPerNode int
 }
 
 // DefaultAdamConfig returns lr 1e-3, betas (0.9, 0.999), eps 1e-8, no
@@ -31,7 +40,8 @@ func DefaultAdamConfig() AdamConfig {
 }
 
 // Validate reports the first invalid field: a learning rate, eps or weight
-// decay that is negative or not finite, or a beta outside [0, 1).
+// decay that is negative or not finite, a beta outside [0, 1), an unknown
+// reduction mode or a negative RanksPerNode.
 func (c AdamConfig) Validate() error {
 	if !nonNegFinite(c.LR) {
 		return fmt.Errorf("optim: learning rate %v must be finite and >= 0", c.LR)
@@ -44,6 +54,12 @@ func (c AdamConfig) Validate() error {
 	}
 	if !nonNegFinite(c.WeightDecay) {
 		return fmt.Errorf("optim: weight decay %v must be finite and >= 0", c.WeightDecay)
+	}
+	if !c.Reduce.Valid() {
+		return fmt.Errorf("optim: unknown gradient reduction mode %v", c.Reduce)
+	}
+	if c.RanksPerNode < 0 {
+		return fmt.Errorf("optim: ranks per node %d must be >= 0", c.RanksPerNode)
 	}
 	return nil
 }

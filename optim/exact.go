@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 
-	"go.uber.org/zap"
-
 	"github.com/lowbit-ml/lowbit/comm"
 )
 
@@ -31,41 +29,29 @@ const (
 // exact is the engine of Adam and Lamb: exact gradient averaging, then one
 // update kernel per parameter.
 type exact struct {
+	*Frame
 	algorithm string
-	c         comm.Comm
-	world     int
-	rank      int
 	params    []*Param
 	adam      AdamConfig
 	lamb      LambConfig // bounds used when algorithm is AlgorithmLamb
-	log       *zap.Logger
 
 	m, v    [][]float32
 	scratch []float32 // LAMB's update, as long as the largest parameter
-	step    int64     // steps applied
-	stats   Stats
-	guard   FiniteGuard
+	avg     *GradAverager
 }
 
-func newExact(algorithm string, c comm.Comm, params []*Param, adam AdamConfig, opts []Option) (*exact, error) {
+func newExact(name, algorithm string, c comm.Comm, params []*Param, adam AdamConfig, opts []Option) (*exact, error) {
 	if err := CheckParams(params); err != nil {
 		return nil, err
 	}
 	o := ApplyOptions(opts)
 	e := &exact{
 		algorithm: algorithm,
-		c:         c,
-		world:     1,
 		params:    append([]*Param(nil), params...),
 		adam:      adam,
-		log:       o.Logger,
 		m:         make([][]float32, len(params)),
 		v:         make([][]float32, len(params)),
 	}
-	if c != nil {
-		e.world, e.rank = c.Size(), c.Rank()
-	}
-	e.stats.Stage = StageExact
 	largest := 0
 	for i, p := range params {
 		e.m[i] = make([]float32, p.Numel())
@@ -75,6 +61,16 @@ func newExact(algorithm string, c comm.Comm, params []*Param, adam AdamConfig, o
 	if algorithm == AlgorithmLamb {
 		e.scratch = make([]float32, largest)
 	}
+	avg, err := NewGradAverager(c, e.params, adam.Reduce, adam.RanksPerNode)
+	if err != nil {
+		return nil, err
+	}
+	e.avg = avg
+	e.Frame = NewFrame(FrameConfig{
+		Name: name, Algorithm: algorithm, Comm: c, Params: e.params, Sizes: e.m,
+		LR: adam.LR, Stage: StageExact, Logger: o.Logger, Averager: avg,
+	})
+	e.Handle(StageExact, e.update)
 	return e, nil
 }
 
@@ -99,27 +95,11 @@ func CheckSizes(params []*Param, bufs [][]float32) error {
 	return nil
 }
 
-func (e *exact) Step(ctx context.Context) error {
-	before := CommBytes(e.c)
-	if err := CheckSizes(e.params, e.m); err != nil {
+// update is the exact stage's StepFunc.
+func (e *exact) update(ctx context.Context, t int64, lr float32) error {
+	if err := e.avg.Average(ctx); err != nil {
 		return err
 	}
-	ok, err := e.guard.Check(ctx, e.c, e.params)
-	if err != nil {
-		return err
-	}
-	if !ok {
-		e.stats.Steps++
-		e.stats.Skipped++
-		e.log.Warn("skipping step: non-finite gradient on some rank",
-			zap.String("algorithm", e.algorithm), zap.Int64("step", e.step+1), zap.Int64("skipped", e.stats.Skipped))
-		e.account(before)
-		return nil
-	}
-	if err := AverageGrads(ctx, e.c, e.params); err != nil {
-		return err
-	}
-	t := e.step + 1
 	cfg := e.adam
 	c1, c2 := float32(1), float32(1)
 	if cfg.BiasCorrection {
@@ -127,36 +107,20 @@ func (e *exact) Step(ctx context.Context) error {
 	}
 	for i, p := range e.params {
 		if e.algorithm != AlgorithmLamb {
-			AdamStep(p.Data(), e.m[i], e.v[i], p.GradData(), cfg.Beta1, cfg.Beta2, cfg.LR, cfg.WeightDecay, c1, c2, cfg.Eps)
+			AdamStep(p.Data(), e.m[i], e.v[i], p.GradData(), cfg.Beta1, cfg.Beta2, lr, cfg.WeightDecay, c1, c2, cfg.Eps)
 			continue
 		}
 		AdamMoments(e.m[i], e.v[i], p.GradData(), cfg.Beta1, cfg.Beta2)
-		{
-			u := e.scratch[:len(e.m[i])]
-			pSq, uSq := AdamDirection(u, p.Data(), e.m[i], e.v[i], cfg.WeightDecay, c1, c2, cfg.Eps)
-			coeff := LambCoeff(pSq, uSq, e.lamb.MinCoeff, e.lamb.MaxCoeff)
-			Descend(p.Data(), u, cfg.LR*coeff)
-		}
+		u := e.scratch[:len(e.m[i])]
+		pSq, uSq := AdamDirection(u, p.Data(), e.m[i], e.v[i], cfg.WeightDecay, c1, c2, cfg.Eps)
+		coeff := LambCoeff(pSq, uSq, e.lamb.MinCoeff, e.lamb.MaxCoeff)
+		Descend(p.Data(), u, lr*coeff)
 	}
-	e.step = t
-	e.stats.Steps++
-	e.account(before)
 	return nil
 }
 
-func (e *exact) account(before int64) {
-	e.stats.LastStepBytes = CommBytes(e.c) - before
-	e.stats.BytesSent += e.stats.LastStepBytes
-}
-
 func (e *exact) State() (*Checkpoint, error) {
-	ck := &Checkpoint{
-		Algorithm: e.algorithm,
-		World:     e.world,
-		Rank:      e.rank,
-		Stage:     StageExact,
-		Ints:      map[string]int64{IntStep: e.step, IntSteps: e.stats.Steps, IntSkipped: e.stats.Skipped},
-	}
+	ck := e.Checkpoint()
 	for i, p := range e.params {
 		shape := p.Shape()
 		ck.AddTensor(ParamTensorName(p.Name), shape, p.Data())
@@ -167,13 +131,7 @@ func (e *exact) State() (*Checkpoint, error) {
 }
 
 func (e *exact) Load(ck *Checkpoint) error {
-	if err := ck.CheckCompatible(e.algorithm, e.world, e.params); err != nil {
-		return err
-	}
-	if ck.Stage != StageExact {
-		return fmt.Errorf("%w: stage %q, an exact optimizer is always in stage %q", ErrIncompatibleCheckpoint, ck.Stage, StageExact)
-	}
-	step, steps, skipped, err := LoadCounters(ck)
+	st, err := e.CheckLoad(ck, StageExact)
 	if err != nil {
 		return err
 	}
@@ -186,9 +144,7 @@ func (e *exact) Load(ck *Checkpoint) error {
 	if err := rs.Apply(); err != nil {
 		return err
 	}
-	e.step = step
-	e.stats.Steps, e.stats.Skipped = steps, skipped
-	e.log.Info("loaded checkpoint", zap.String("algorithm", e.algorithm), zap.Int64("step", step))
+	e.Restore(st)
 	return nil
 }
 

@@ -25,16 +25,21 @@ type Lamb struct {
 	e *exact
 }
 
-var _ Optimizer = (*Lamb)(nil)
+var (
+	_ Optimizer = (*Lamb)(nil)
+	_ LRSetter  = (*Lamb)(nil)
+)
 
 // NewLamb returns LAMB over params, averaging gradients over c (nil for a
 // single process). It allocates both moments and one scratch buffer as
-// long as the largest parameter; Step allocates nothing.
+// long as the largest parameter; the first Step may allocate the
+// averaging buffers of cfg.Reduce (see NewAdam); later steps allocate
+// nothing.
 func NewLamb(c comm.Comm, params []*Param, cfg LambConfig, opts ...Option) (*Lamb, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("optim: LAMB: %w", err)
 	}
-	e, err := newExact(AlgorithmLamb, c, params, cfg.AdamConfig, opts)
+	e, err := newExact("optim: LAMB", AlgorithmLamb, c, params, cfg.AdamConfig, opts)
 	if err != nil {
 		return nil, fmt.Errorf("optim: LAMB: %w", err)
 	}
@@ -49,7 +54,7 @@ func (l *Lamb) Step(ctx context.Context) error { return l.e.Step(ctx) }
 func (l *Lamb) Params() []*Param { return l.e.params }
 
 // Stats reports progress and traffic; Stage is always StageExact.
-func (l *Lamb) Stats() Stats { return l.e.stats }
+func (l *Lamb) Stats() Stats { return l.e.Stats() }
 
 // State returns a checkpoint holding the parameters, both moments and the
 // step counters.
@@ -58,3 +63,19 @@ func (l *Lamb) State() (*Checkpoint, error) { return l.e.State() }
 // Load restores a checkpoint made by Lamb.State on the same world size and
 // parameters; anything else is refused and changes nothing.
 func (l *Lamb) Load(ck *Checkpoint) error { return l.e.Load(ck) }
+
+// SetLR fixes the learning rate of the following steps, replacing any
+// schedule; see LRSetter.
+func (l *Lamb) SetLR(lr float32) error { return l.e.SetLR(lr) }
+
+// SetSchedule makes s choose the learning rate of every following step
+// (nil: back to the fixed one); see LRSetter.
+func (l *Lamb) SetSchedule(s Schedule) error { return l.e.SetSchedule(s) }
+
+// LR returns the learning rate of the next step.
+func (l *Lamb) LR() float32 { return l.e.LR() }
+
+// Close releases the communicators that ReduceTwoLevel averaging split off
+// the group (none in the other modes). The optimizer must not step after
+// Close. It is not a collective, but every rank should call it.
+func (l *Lamb) Close() error { return l.e.avg.Close() }

@@ -10,15 +10,26 @@
 // group and restarts the error feedback from zero (IsErrorBuffer names the
 // buffers it drops).
 //
+// The learning rate of every optimizer can be changed between steps
+// (LRSetter: SetLR, or SetSchedule with a Schedule such as LinearWarmup,
+// CosineDecay or StepDecay); checkpoints keep it. The exact stages average
+// gradients in a ReduceMode chosen in the config: exact float32 (the
+// default), fp16 or bf16 on the wire, or a two-level (node-aware)
+// allreduce; see GradAverager.
+//
 // The 1-bit optimizers live in package onebit and implement the same
-// interface. They reuse what this package exports for them: the update
+// interface. They reuse what this package exports for them: the step
+// frame (Frame: size check, learning rate, skip on non-finite gradients,
+// stage dispatch, traffic and counters, the shared part of checkpoints),
+// which every optimizer, present and future, runs its steps in; the update
 // kernels (AdamStep, AdamMoments, Momentum, AdamUpdate, AdamDirection,
 // LambCoeff, Descend, Mul, SumSquares, BiasCorrection), which round every
 // product to float32 so that results are bit-identical across ranks and
 // architectures; the step helpers (FiniteGuard and AllFinite for the
-// skip-on-non-finite agreement, AverageGrads, CheckParams, CheckSizes,
-// CommBytes); and the checkpoint format (Checkpoint, SaveFile, LoadFile,
-// CheckCompatible, LoadCounters and the shared tensor names).
+// skip-on-non-finite agreement, GradAverager and AverageGrads,
+// CheckParams, CheckSizes, CommBytes); and the checkpoint format
+// (Checkpoint, SaveFile, LoadFile, CheckCompatible, LoadCounters and the
+// shared tensor names).
 package optim
 
 import (
@@ -156,6 +167,10 @@ type Optimizer interface {
 	State() (*Checkpoint, error)
 	// Load restores a checkpoint made by State of an optimizer of the same
 	// algorithm, world size and parameter shapes; it refuses anything else
-	// with an error and leaves the optimizer unchanged.
+	// with an error and leaves the optimizer unchanged. The learning rate
+	// is part of the state (see Frame.CheckLoad): a checkpoint made with a
+	// schedule loads only with the same schedule set, and a checkpoint
+	// that predates the learning-rate entries leaves the optimizer's own
+	// learning rate and schedule as they are.
 	Load(*Checkpoint) error
 }

@@ -74,8 +74,47 @@ if "$GO" build -tags mpi -o "$lowbit" ./cmd/lowbit; then
 		tail -n 40 "$log"
 		fail=$((fail + 1))
 	fi
+	# The qgz vector of 2 nodes x 2 ranks, as 4 processes laid out 2 per node.
+	log=$tmp/conformance-qgz.log
+	run "$log" timeout -k 10 120 "${mpirun[@]}" -np 4 "$lowbit" conformance --backend mpi --ranks-per-node 2 internal/conformance/testdata
+	if [ "$rc" -eq 0 ] && grep -q "PASS  qgz        n2x2_int4" "$log"; then
+		echo "MPI tests: lowbit conformance --backend mpi --ranks-per-node 2, np=4 ok (${ms} ms): $(tail -n 1 "$log")"
+		passed=$((passed + 1))
+	else
+		echo "MPI tests: lowbit conformance --backend mpi --ranks-per-node 2, np=4 FAILED (exit $rc after ${ms} ms):"
+		tail -n 40 "$log"
+		fail=$((fail + 1))
+	fi
 else
 	echo "MPI tests: building lowbit with -tags mpi failed"
+	fail=$((fail + 1))
+fi
+
+# Checkpointed MNIST training under mpirun (examples/mnist): a run killed
+# right after its step-12 checkpoint and then resumed must end with the
+# same parameters, bit for bit, as an uninterrupted run.
+mnist=$tmp/mnist
+if "$GO" build -tags mpi -o "$mnist" ./examples/mnist; then
+	margs=(-backend mpi -data examples/mnist/testdata -optimizer onebit-adam -epochs 2 -batch 50
+		-freeze-step 4 -lr 2e-3 -evals 2 -checkpoint-every 4 -quiet)
+	hashes() { grep -E '^[a-z-]+ final parameters: fnv64 [0-9a-f]{16}$' "$1"; }
+	run "$tmp/mnist-whole.log" timeout -k 10 120 "${mpirun[@]}" -np 2 "$mnist" "${margs[@]}" -checkpoint "$tmp/ck-whole"
+	rc_whole=$rc
+	run "$tmp/mnist-kill.log" timeout -k 10 120 "${mpirun[@]}" -np 2 "$mnist" "${margs[@]}" -checkpoint "$tmp/ck" -kill-at 12
+	rc_kill=$rc
+	run "$tmp/mnist-resume.log" timeout -k 10 120 "${mpirun[@]}" -np 2 "$mnist" "${margs[@]}" -checkpoint "$tmp/ck" -resume
+	if [ "$rc_whole" -eq 0 ] && [ "$rc_kill" -ne 0 ] && [ "$rc_kill" -ne 124 ] && [ "$rc" -eq 0 ] &&
+		! hashes "$tmp/mnist-kill.log" >/dev/null && [ -n "$(hashes "$tmp/mnist-whole.log")" ] &&
+		[ "$(hashes "$tmp/mnist-whole.log")" = "$(hashes "$tmp/mnist-resume.log")" ]; then
+		echo "MPI tests: mnist kill and -resume, np=2 ok: $(hashes "$tmp/mnist-resume.log")"
+		passed=$((passed + 1))
+	else
+		echo "MPI tests: mnist kill and -resume, np=2 FAILED (exits: whole $rc_whole, killed $rc_kill, resumed $rc):"
+		tail -n 20 "$tmp/mnist-whole.log" "$tmp/mnist-kill.log" "$tmp/mnist-resume.log"
+		fail=$((fail + 1))
+	fi
+else
+	echo "MPI tests: building examples/mnist with -tags mpi failed"
 	fail=$((fail + 1))
 fi
 

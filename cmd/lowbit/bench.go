@@ -40,7 +40,7 @@ func init() {
 }
 
 // The collectives lowbit bench knows, in the order -h lists them.
-var benchCollectives = []string{"allreduce", "onebit", "alltoall", "allgather", "reducescatter"}
+var benchCollectives = []string{"allreduce", "onebit", "alltoall", "allgather", "reducescatter", "qgz4", "qgz8", "rsc"}
 
 // csvHeader is the first line of --csv output (a rel_error column is
 // appended with --check).
@@ -66,6 +66,8 @@ type benchConfig struct {
 	check       bool // compare results with a reference and report the relative error
 	format      string
 	cpuProfile  string // write a CPU profile here (mpi: one per rank, suffixed .rankN)
+	rpn         int    // qgz4, qgz8: ranks per node of the layout (0: the backend's nodes)
+	device      string // onebit on device-resident buffers (bench_device.go); "" for host buffers
 }
 
 // sizeFlag is a byte count flag that accepts binary suffixes.
@@ -174,6 +176,8 @@ func parseBenchFlags(args []string, out io.Writer) (*benchConfig, error) {
 	asJSON := fs.Bool("json", false, "write JSON")
 	asCSV := fs.Bool("csv", false, "write CSV")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the run to `file` (mpi backend: file.rankN per rank)")
+	device := fs.String("device", "", deviceFlagHelp)
+	rpn := fs.Int("ranks-per-node", 0, "qgz4, qgz8, twolevel: ranks per node of the node-major layout (0: the ranks that share a machine; local backend: all)")
 	fs.Usage = func() {
 		fmt.Fprint(out, `usage: lowbit bench [flags]
 
@@ -196,6 +200,13 @@ more than 1e-5 relative, or onebit by 1 or more (the error of an all-zero
 output). onebit is checked on one extra call from zeroed error buffers: with
 error feedback, only the running sum of its outputs tracks the inputs'.
 
+qgz4 and qgz8 are the hierarchical quantized reduce-scatter (int4, int8) on
+a node-major layout of --ranks-per-node ranks per node; their rows add the
+bytes each rank sent inside its node and across nodes, and an fp16 ring's
+for comparison; --check fails them above 0.5 and 0.05 relative error. rsc is
+the coalesced reduce-scatter of a list of odd-sized tensors that fill the
+size. All three average and compare with a float32 reduce-scatter.
+
 With --backend mpi start it under mpirun (a binary built with -tags mpi).
 
 `)
@@ -215,7 +226,7 @@ With --backend mpi start it under mpirun (a binary built with -tags mpi).
 		return nil, fmt.Errorf("need --w >= 0 and --n >= 1, got --w %d --n %d", *warmup, *iters)
 	}
 	cfg := &benchConfig{sizes: sizes, warmup: *warmup, iters: *iters, backend: *backend,
-		ranks: *ranks, check: *check, format: "table", cpuProfile: *cpuProfile}
+		ranks: *ranks, check: *check, format: "table", cpuProfile: *cpuProfile, rpn: *rpn, device: *device}
 	for name := range strings.SplitSeq(*list, ",") {
 		name = strings.TrimSpace(name)
 		if !slices.Contains(benchCollectives, name) {
@@ -238,6 +249,9 @@ With --backend mpi start it under mpirun (a binary built with -tags mpi).
 			cfg.ranks = 0
 		}
 	}
+	if err := checkDeviceFlag(cfg); err != nil {
+		return nil, err
+	}
 	return cfg, nil
 }
 
@@ -253,8 +267,18 @@ type benchRow struct {
 	AlgBWGBps        float64  `json:"algbw_gbps"`
 	BusBWGBps        float64  `json:"busbw_gbps"`
 	WireBytesPerRank int64    `json:"wire_bytes_per_rank"`
+	WireIntraPerRank *int64   `json:"wire_intra_node_bytes_per_rank,omitempty"` // qgz: rank 0's bytes inside its node
+	WireInterPerRank *int64   `json:"wire_cross_node_bytes_per_rank,omitempty"` // qgz: rank 0's bytes across nodes
+	Layout           string   `json:"layout,omitempty"`                         // qgz: nodes x ranks per node
+	WireFP16Ring     *int64   `json:"wire_fp16_ring_bytes_per_rank,omitempty"`  // qgz: an fp16 ring's bytes, 2(W-1)/W*2n
 	CompressionRatio float64  `json:"compression_ratio"`
 	RelError         *float64 `json:"rel_error,omitempty"` // with --check
+	tolerance        float64  // --check bound when not the default
+
+	// fp16, bf16 (bench_half.go): rank 0's conversion and communication
+	// time per call.
+	ConvertUs *float64 `json:"convert_us,omitempty"`
+	CommUs    *float64 `json:"comm_us,omitempty"`
 }
 
 // benchSpeedup compares onebit with allreduce at one size.
@@ -342,7 +366,17 @@ func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchRep
 	samples := make([]int64, w*cfg.iters)
 	for _, size := range cfg.sizes {
 		for _, name := range cfg.collectives {
-			bc, err := newBenchCase(name, c, int(size/4))
+			var bc *benchCase
+			var err error
+			if isQuantBench(name) {
+				bc, err = newQuantBenchCase(ctx, name, c, cfg.rpn, int(size/4))
+			} else if isHalfBench(name) {
+				bc, err = newHalfBenchCase(ctx, name, c, cfg.rpn, int(size/4), cfg.warmup)
+			} else if name == "onebit" && cfg.device != "" {
+				bc, err = newDeviceBenchCase(cfg.device, c, int(size/4))
+			} else {
+				bc, err = newBenchCase(name, c, int(size/4))
+			}
 			if err != nil {
 				return fmt.Errorf("%s at %s: %w", name, formatSize(size), err)
 			}
@@ -370,10 +404,16 @@ func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchRep
 			if err := c.AllGatherBytes(ctx, payload, gathered); err != nil {
 				return fmt.Errorf("%s at %s: gathering times: %w", name, formatSize(size), err)
 			}
+			if bc.close != nil {
+				if err := bc.close(); err != nil {
+					return fmt.Errorf("%s at %s: %w", name, formatSize(size), err)
+				}
+			}
 			if rep == nil {
 				continue
 			}
 			row := summarize(name, bc.elems, w, cfg.iters, gathered, samples)
+			bc.annotate(&row)
 			if cfg.check {
 				var e, r float64
 				for j := 0; j < w; j++ {
@@ -406,6 +446,39 @@ type benchCase struct {
 	// checkRun, when set, makes the result that check inspects (else it
 	// inspects the last timed call's).
 	checkRun func(ctx context.Context) error
+
+	// Set by collectives that run on communicators of their own
+	// (bench_qgz.go): traffic returns the bytes sent so far inside the
+	// node and across nodes, counted instead of c's; exactWire is the wire
+	// bytes of the exact float32 collective (for the compression ratio);
+	// tolerance the --check bound; close releases what the case holds.
+	traffic              func() (intra, inter int64)
+	exactWire            int64
+	tolerance            float64
+	layout               string
+	close                func() error
+	fp16Ring             int64 // an fp16 ring reduce's bytes per rank, to compare
+	wireIntra, wireInter int64 // per timed iteration, from traffic
+
+	// extraCols, set by bench_half.go, adds ConvertUs and CommUs to rank
+	// 0's row.
+	extraCols func(row *benchRow)
+}
+
+// annotate adds what the case knows beyond summarize to rank 0's row.
+func (bc *benchCase) annotate(row *benchRow) {
+	if bc.traffic != nil {
+		row.WireIntraPerRank, row.WireInterPerRank = &bc.wireIntra, &bc.wireInter
+		row.Layout = bc.layout
+		row.WireFP16Ring = &bc.fp16Ring
+	}
+	if bc.exactWire > 0 && row.WireBytesPerRank > 0 {
+		row.CompressionRatio = float64(bc.exactWire) / float64(row.WireBytesPerRank)
+	}
+	row.tolerance = bc.tolerance
+	if bc.extraCols != nil {
+		bc.extraCols(row)
+	}
 }
 
 // newBenchCase allocates and fills the buffers of collective name for
@@ -501,6 +574,10 @@ func timeCase(ctx context.Context, c comm.Comm, bc *benchCase, warmup int, times
 		}
 	}
 	before := c.Stats()
+	var intra0, inter0 int64
+	if bc.traffic != nil {
+		intra0, inter0 = bc.traffic()
+	}
 	for i := range times {
 		if bc.prepare != nil {
 			bc.prepare()
@@ -513,6 +590,12 @@ func timeCase(ctx context.Context, c comm.Comm, bc *benchCase, warmup int, times
 			return 0, err
 		}
 		times[i] = int64(time.Since(t0))
+	}
+	if bc.traffic != nil {
+		intra, inter := bc.traffic()
+		bc.wireIntra = (intra - intra0) / int64(len(times))
+		bc.wireInter = (inter - inter0) / int64(len(times))
+		return bc.wireIntra + bc.wireInter, nil
 	}
 	return sentBytes(c.Stats().Sub(before)) / int64(len(times)), nil
 }
@@ -575,7 +658,7 @@ func percentile(sorted []int64, p float64) int64 {
 
 // busFactor converts algorithm bandwidth to bus bandwidth (nccl-tests).
 func busFactor(name string, w int) float64 {
-	if name == "allreduce" || name == "onebit" {
+	if name == "allreduce" || name == "onebit" || isHalfBench(name) {
 		return 2 * float64(w-1) / float64(w)
 	}
 	return float64(w-1) / float64(w)
@@ -639,6 +722,9 @@ func (r *benchReporter) begin() error {
 		if r.cfg.check {
 			h = append(h, "rel_error")
 		}
+		if halfInConfig(r.cfg) {
+			h = append(h, halfCSVHeader...)
+		}
 		r.csv.Write(h)
 		r.csv.Flush()
 		return r.csv.Error()
@@ -674,7 +760,11 @@ func formatRow(row benchRow) string {
 	if row.RelError != nil {
 		s += fmt.Sprintf(" %9.2e", *row.RelError)
 	}
-	return s
+	if row.WireIntraPerRank != nil && row.WireInterPerRank != nil {
+		s += fmt.Sprintf("  [%s: intra-node %d B, cross-node %d B; fp16 ring %d B]",
+			row.Layout, *row.WireIntraPerRank, *row.WireInterPerRank, *row.WireFP16Ring)
+	}
+	return s + halfTableColumns(row)
 }
 
 // csvRecord renders one row as CSV fields, in csvHeader's order.
@@ -699,6 +789,9 @@ func (r *benchReporter) row(row benchRow) error {
 		if row.Collective == "onebit" {
 			tol = onebitTolerance
 		}
+		if row.tolerance > 0 {
+			tol = row.tolerance
+		}
 		if !(*row.RelError <= tol) { // NaN fails too
 			r.failed = append(r.failed, fmt.Sprintf("%s at %s: relative error %.3g above %g",
 				row.Collective, formatSize(row.Bytes), *row.RelError, tol))
@@ -706,7 +799,11 @@ func (r *benchReporter) row(row benchRow) error {
 	}
 	switch r.cfg.format {
 	case "csv":
-		r.csv.Write(csvRecord(row))
+		rec := csvRecord(row)
+		if halfInConfig(r.cfg) {
+			rec = append(rec, halfCSVFields(row)...)
+		}
+		r.csv.Write(rec)
 		r.csv.Flush()
 		return r.csv.Error()
 	case "table":

@@ -28,8 +28,10 @@ func conformanceMain(args []string, stdout io.Writer) error {
 	fs := flag.NewFlagSet("conformance", flag.ContinueOnError)
 	backend := fs.String("backend", "local", "communication backend: "+backends)
 	timeout := fs.Duration("timeout", 2*time.Minute, "deadline for each case")
+	rpn := fs.Int("ranks-per-node", 0, "mpi backend: ranks per node of the qgz layout (0: the ranks that share memory); "+
+		"the local backend lays out each qgz case as the case says")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: lowbit conformance [--backend local|mpi] [--timeout D] DIR")
+		fmt.Fprintln(fs.Output(), "usage: lowbit conformance [--backend local|mpi] [--ranks-per-node K] [--timeout D] DIR")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -56,9 +58,10 @@ func conformanceMain(args []string, stdout io.Writer) error {
 			out := stdout
 			if cm.Rank() != 0 {
 				out = io.Discard
+				stdout = io.Discard // the summary too
 			}
 			for _, c := range cases {
-				res, err := runCaseOn(ctx, cm, c, *timeout)
+				res, err := runCaseOn(ctx, cm, c, *timeout, *rpn)
 				if err != nil {
 					return err
 				}
@@ -105,6 +108,18 @@ func describe(c *conformance.Case) string {
 		return fmt.Sprintf("%d ranks, %d elements, %d steps", c.World, c.Numel, len(c.Steps))
 	case "signpack":
 		return fmt.Sprintf("%d elements", len(c.Input))
+	case "quant":
+		if q, err := c.Quant(); err == nil {
+			return fmt.Sprintf("int%d, groups of %d, %d elements", q.Bits, q.GroupSize, len(q.Input))
+		}
+	case "qgz":
+		if q, err := c.QGZ(); err == nil {
+			return fmt.Sprintf("%d nodes x %d ranks, int%d, groups of %d, %d elements", q.Nodes, q.RanksPerNode, q.Bits, q.GroupSize, q.Numel)
+		}
+	case "rsc":
+		if q, err := c.RSC(); err == nil {
+			return fmt.Sprintf("%d ranks, %d tensors", q.World, len(q.Shapes))
+		}
 	}
 	return ""
 }
@@ -118,14 +133,35 @@ func runCaseLocal(c *conformance.Case, timeout time.Duration) caseResult {
 	switch c.Kind {
 	case "signpack":
 		return caseResult{err: conformance.RunSignpack(c)}
-	case "onebit":
-		if c.World < 1 {
-			return caseResult{err: fmt.Errorf("invalid world size %d", c.World)}
+	case "quant":
+		return caseResult{err: conformance.RunQuant(c)}
+	case "onebit", "rsc":
+		w := c.WorldSize()
+		if w < 1 {
+			return caseResult{err: fmt.Errorf("invalid world size %d", w)}
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), timeout)
 		defer cancel()
-		err := runRanks(ctx, "local", c.World, func(ctx context.Context, cm comm.Comm) error {
+		err := runRanks(ctx, "local", w, func(ctx context.Context, cm comm.Comm) error {
+			if c.Kind == "rsc" {
+				return conformance.RunRSCRank(ctx, cm, c)
+			}
 			return conformance.RunOnebitRank(ctx, cm, c)
+		})
+		return caseResult{err: err}
+	case "qgz":
+		q, err := c.QGZ()
+		if err != nil {
+			return caseResult{err: err}
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		err = runRanks(ctx, "local", q.Nodes*q.RanksPerNode, func(ctx context.Context, cm comm.Comm) error {
+			l, err := comm.NewLayout(ctx, cm, q.RanksPerNode)
+			if err != nil {
+				return err
+			}
+			return errors.Join(conformance.RunQGZRank(ctx, l, c), l.Close())
 		})
 		return caseResult{err: err}
 	}
@@ -134,18 +170,41 @@ func runCaseLocal(c *conformance.Case, timeout time.Duration) caseResult {
 
 // runCaseOn runs one case as this rank of cm. Every rank reaches the same
 // verdict: a failure on any rank fails the case everywhere. The returned
-// error is for failures of the communicator itself.
-func runCaseOn(ctx context.Context, cm comm.Comm, c *conformance.Case, timeout time.Duration) (caseResult, error) {
+// error is for failures of the communicator itself. qgz cases run on the
+// layout of rpn ranks per node (0: the ranks that share memory) and are
+// skipped when it is not theirs.
+func runCaseOn(ctx context.Context, cm comm.Comm, c *conformance.Case, timeout time.Duration, rpn int) (caseResult, error) {
 	var err error
 	switch c.Kind {
 	case "signpack":
 		err = conformance.RunSignpack(c)
-	case "onebit":
-		if c.World != cm.Size() {
-			return caseResult{skip: fmt.Sprintf("needs %d ranks, the world has %d", c.World, cm.Size())}, nil
+	case "quant":
+		err = conformance.RunQuant(c)
+	case "onebit", "rsc", "qgz":
+		if w := c.WorldSize(); w != cm.Size() {
+			return caseResult{skip: fmt.Sprintf("needs %d ranks, the world has %d", w, cm.Size())}, nil
 		}
 		cctx, cancel := context.WithTimeout(ctx, timeout)
-		err = conformance.RunOnebitRank(cctx, cm, c)
+		switch c.Kind {
+		case "onebit":
+			err = conformance.RunOnebitRank(cctx, cm, c)
+		case "rsc":
+			err = conformance.RunRSCRank(cctx, cm, c)
+		case "qgz":
+			// A bad layout is the same error on every rank: the case fails.
+			l, lerr := comm.NewLayout(cctx, cm, rpn)
+			if lerr != nil {
+				err = fmt.Errorf("layout: %w", lerr)
+				break
+			}
+			q, _ := c.QGZ() // WorldSize decoded it
+			if l.RanksPerNode != q.RanksPerNode {
+				cancel()
+				return caseResult{skip: fmt.Sprintf("needs %d ranks per node, the layout has %d (--ranks-per-node)",
+					q.RanksPerNode, l.RanksPerNode)}, l.Close()
+			}
+			err = errors.Join(conformance.RunQGZRank(cctx, l, c), l.Close())
+		}
 		cancel()
 		if errors.Is(err, comm.ErrAborted) || errors.Is(err, comm.ErrClosed) {
 			return caseResult{}, err

@@ -3,6 +3,7 @@
 //	lowbit conformance [--backend local|mpi] DIR   check conformance vectors
 //	lowbit bench [flags]                           PARAM-style collective benchmark
 //	lowbit demo                                    exact vs compressed allreduce
+//	lowbit plan [flags]                            predicted collective and step times (alpha-beta model)
 //
 // Run "lowbit COMMAND -h" for a command's flags. With --backend mpi, start
 // the tool under mpirun; a binary built without the mpi tag says how to

@@ -54,6 +54,8 @@ const (
 	defaultSeed       = 1
 	defaultEvals      = 3
 	defaultTarget     = 0.97
+
+	defaultCheckpointEvery = 100
 )
 
 // options are the parsed flags.
@@ -73,6 +75,8 @@ type options struct {
 	target     float64
 	quiet      bool
 	cpuprofile string
+	checkpoint checkpointConfig
+	reduce     string
 
 	workersSet bool // -workers was given explicitly
 }
@@ -84,7 +88,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.workers, "workers", defaultWorkers, "data-parallel workers (ranks); with -backend mpi the mpirun -np decides")
 	fs.StringVar(&o.backend, "backend", "local", "communicator: local (goroutine ranks in this process) or mpi (run under mpirun; build with -tags mpi)")
 	fs.StringVar(&o.optimizer, "optimizer", "onebit-adam", "optimizer: "+strings.Join(optimizerNames, ", "))
-	fs.BoolVar(&o.compare, "compare", false, "train the exact and the compressed optimizer one after the other from the same seed (adam vs onebit-adam, lamb vs onebit-lamb, adam vs zeroone-adam)")
+	fs.BoolVar(&o.compare, "compare", false, "train the exact and the compressed optimizer one after the other from the same seed (adam vs onebit-adam, lamb vs onebit-lamb, adam vs zeroone-adam, adam vs zero-adam)")
 	fs.IntVar(&o.freezeStep, "freeze-step", defaultFreezeStep, "warm-up steps of onebit-adam, onebit-lamb and zeroone-adam (exact steps before compression starts)")
 	fs.IntVar(&o.epochs, "epochs", defaultEpochs, "passes over the training set")
 	fs.IntVar(&o.batch, "batch", defaultBatch, "global batch size, split over the workers")
@@ -96,6 +100,12 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.Float64Var(&o.target, "target", defaultTarget, "test accuracy for the time-to-accuracy column")
 	fs.BoolVar(&o.quiet, "quiet", false, "no progress bar")
 	fs.StringVar(&o.cpuprofile, "cpuprofile", "", "write a CPU profile of the training to this file")
+	fs.StringVar(&o.checkpoint.dir, "checkpoint", "", "save each rank's training state in this directory every -checkpoint-every steps (atomic, per rank)")
+	fs.IntVar(&o.checkpoint.every, "checkpoint-every", defaultCheckpointEvery, "steps between checkpoints")
+	fs.BoolVar(&o.checkpoint.resume, "resume", false, "continue from the newest checkpoint in -checkpoint that every rank holds")
+	fs.IntVar(&o.checkpoint.killAt, "kill-at", 0, "testing: kill the process (every rank, SIGKILL) right after the checkpoint of this step is saved")
+	fs.StringVar(&o.reduce, "reduce", "fp32", "gradient averaging of the exact optimizers and of the 1-bit optimizers' exact stage: "+strings.Join(reduceNames, ", ")+
+		"; with -optimizer zero-adam its gradient reduce-scatter: "+strings.Join(zeroReduceNames, ", "))
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -122,6 +132,15 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("-freeze-step must be at least 0, got %d", o.freezeStep)
 	case o.evals < 1:
 		return nil, fmt.Errorf("-evals must be at least 1, got %d", o.evals)
+	case o.checkpoint.every < 1:
+		return nil, fmt.Errorf("-checkpoint-every must be at least 1, got %d", o.checkpoint.every)
+	case o.checkpoint.dir == "" && (o.checkpoint.resume || o.checkpoint.killAt != 0):
+		return nil, errors.New("-resume and -kill-at need -checkpoint DIR")
+	case o.checkpoint.killAt < 0 || o.checkpoint.killAt%o.checkpoint.every != 0:
+		return nil, fmt.Errorf("-kill-at must be a multiple of -checkpoint-every (%d), got %d", o.checkpoint.every, o.checkpoint.killAt)
+	}
+	if _, _, err := parseReduces(o.optimizer, o.reduce); err != nil {
+		return nil, err
 	}
 	if _, err := runOrder(o.optimizer, o.compare); err != nil {
 		return nil, err
@@ -164,12 +183,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	reduce, scatter, _ := parseReduces(o.optimizer, o.reduce) // checked by parseFlags
 	cfg := trainConfig{
-		hyper:         hyper{lr: float32(o.lr), freezeStep: o.freezeStep},
+		hyper:         hyper{lr: float32(o.lr), freezeStep: o.freezeStep, reduce: reduce, scatter: scatter},
 		epochs:        o.epochs,
 		batch:         o.batch,
 		seed:          o.seed,
 		evalsPerEpoch: o.evals,
+		checkpoint:    o.checkpoint,
 	}
 
 	var results []*result
@@ -230,6 +251,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 
 	printTable(stdout, results, o.target)
+	if o.checkpoint.dir != "" {
+		// The resume test compares these between runs.
+		for _, r := range results {
+			fmt.Fprintf(stdout, "%s final parameters: fnv64 %016x\n", r.optimizer, r.finalHash)
+		}
+	}
 	if o.plot != "" {
 		if err := writePlot(o.plot, results, o); err != nil {
 			return fmt.Errorf("plot: %w", err)

@@ -1,23 +1,26 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"slices"
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/optim/zero"
 )
 
 // optimizerNames are the values of -optimizer, in the order -help lists
 // them.
-var optimizerNames = []string{"adam", "lamb", "onebit-adam", "onebit-lamb", "zeroone-adam"}
+var optimizerNames = []string{"adam", "lamb", "onebit-adam", "onebit-lamb", "zeroone-adam", "zero-adam"}
 
 // baseline is the exact optimizer a compressed one is compared with.
 var baseline = map[string]string{
 	"onebit-adam":  "adam",
 	"onebit-lamb":  "lamb",
 	"zeroone-adam": "adam",
+	"zero-adam":    "adam",
 }
 
 // compressedOf is the compressed optimizer an exact one is compared with.
@@ -47,14 +50,55 @@ type hyper struct {
 	// freezeStep is the warm-up of the 1-bit optimizers: FreezeStep of
 	// onebit-adam and onebit-lamb, VarFreezeStep of zeroone-adam.
 	freezeStep int
+	// reduce is the gradient averaging of the exact optimizers and of the
+	// 1-bit optimizers' exact stage (-reduce).
+	reduce optim.ReduceMode
+	// scatter is zero-adam's gradient reduce-scatter (-reduce).
+	scatter zero.Reduce
+}
+
+// reduceNames are the values of -reduce.
+var reduceNames = []string{"fp32", "fp16", "bf16", "twolevel"}
+
+// parseReduce returns the mode -reduce names.
+func parseReduce(s string) (optim.ReduceMode, error) {
+	m, err := optim.ParseReduceMode(s)
+	if err != nil {
+		return 0, fmt.Errorf("unknown -reduce %q (want one of %v)", s, reduceNames)
+	}
+	return m, nil
+}
+
+// zeroReduceNames are the values of -reduce for zero-adam.
+var zeroReduceNames = []string{"fp32", "coalesced", "int8", "int4"}
+
+// parseReduces returns what -reduce s means when -optimizer is name: the
+// gradient averaging of the exact optimizers and zero-adam's
+// reduce-scatter. For zero-adam s is one of zeroReduceNames, and the exact
+// baseline of -compare averages in fp32 unless s is also one of its modes.
+func parseReduces(name, s string) (optim.ReduceMode, zero.Reduce, error) {
+	if name != "zero-adam" {
+		m, err := parseReduce(s)
+		return m, 0, err
+	}
+	z, err := zero.ParseReduce(s)
+	if err != nil {
+		return 0, 0, fmt.Errorf("unknown -reduce %q for zero-adam (want one of %v)", s, zeroReduceNames)
+	}
+	m, err := optim.ParseReduceMode(s)
+	if err != nil {
+		m = optim.ReduceFP32
+	}
+	return m, z, nil
 }
 
 // newOptimizer builds the named optimizer over params, communicating on c.
-func newOptimizer(name string, c comm.Comm, params []*optim.Param, h hyper) (optim.Optimizer, error) {
+func newOptimizer(ctx context.Context, name string, c comm.Comm, params []*optim.Param, h hyper) (optim.Optimizer, error) {
 	adam := optim.DefaultAdamConfig()
 	adam.LR = h.lr
+	adam.Reduce = h.reduce
 	lamb := optim.DefaultLambConfig()
-	lamb.LR = h.lr
+	lamb.AdamConfig = adam
 	switch name {
 	case "adam":
 		return optim.NewAdam(c, params, adam)
@@ -75,6 +119,12 @@ func newOptimizer(name string, c comm.Comm, params []*optim.Param, h hyper) (opt
 		cfg.AdamConfig = adam
 		cfg.VarFreezeStep = max(1, h.freezeStep)
 		return onebit.NewZeroOneAdam(c, params, cfg)
+	case "zero-adam":
+		cfg := zero.DefaultConfig()
+		cfg.AdamConfig = adam
+		cfg.AdamConfig.Reduce = optim.ReduceFP32 // zero-adam reduce-scatters instead
+		cfg.ReduceScatter = h.scatter
+		return zero.NewAdam(ctx, c, params, cfg)
 	}
 	return nil, fmt.Errorf("unknown optimizer %q", name)
 }

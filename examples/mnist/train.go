@@ -22,6 +22,7 @@ type trainConfig struct {
 	batch         int // global batch size, split over the ranks
 	seed          uint64
 	evalsPerEpoch int // test-set evaluations per epoch, for the curves
+	checkpoint    checkpointConfig
 }
 
 // evalPoint is one evaluation on the test set.
@@ -91,7 +92,7 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 		return nil, errors.New("ranks start from different parameters")
 	}
 	tc := newTimedComm(c)
-	opt, err := newOptimizer(cfg.optimizer, tc, model.params(), cfg.hyper)
+	opt, err := newOptimizer(ctx, cfg.optimizer, tc, model.params(), cfg.hyper)
 	if err != nil {
 		return nil, err
 	}
@@ -124,21 +125,36 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 		evalTime += time.Since(t0)
 		return nil
 	}
-	if err := evaluate(0); err != nil {
+	ckpt := newCheckpointer(cfg.checkpoint, cfg.optimizer, rank)
+	step := 0
+	if back, err := ckpt.restore(ctx, c, opt, total); err != nil {
 		return nil, err
+	} else if back != nil {
+		step = back.step
+		copy(lossHist, back.lossHist)
+		res.evals = back.evals
+	}
+	if step == 0 {
+		if err := evaluate(0); err != nil {
+			return nil, err
+		}
 	}
 
 	perm := make([]int, train.len())
 	for i := range perm {
 		perm[i] = i
 	}
-	step := 0
 	for epoch := range cfg.epochs {
 		// The same permutation on every rank: the seed and the epoch decide it.
 		rng := rand.New(rand.NewPCG(cfg.seed, uint64(epoch)+1))
 		rng.Shuffle(len(perm), func(i, j int) { perm[i], perm[j] = perm[j], perm[i] })
 		var epochLoss float64
 		for s := range stepsPerEpoch {
+			if epoch*stepsPerEpoch+s < step {
+				// Done before the checkpoint this run resumed from.
+				epochLoss += float64(lossHist[epoch*stepsPerEpoch+s])
+				continue
+			}
 			idx := perm[s*cfg.batch+lo : s*cfg.batch+hi]
 			for i, j := range idx {
 				labels[i] = train.labels[j]
@@ -157,6 +173,11 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 			step++
 			if step%evalEvery == 0 || step == total {
 				if err := evaluate(step); err != nil {
+					return nil, err
+				}
+			}
+			if ckpt.due(step, total) {
+				if err := ckpt.save(ctx, c, opt, step, total, lossHist, res.evals); err != nil {
 					return nil, err
 				}
 			}

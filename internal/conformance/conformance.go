@@ -73,7 +73,9 @@ type Case struct {
 	Padded int          `json:"padded"`
 	Steps  []OnebitStep `json:"steps"`
 
-	// quant, qgz and rsc cases are kept raw until lowbit implements them.
+	// Raw is the whole file. The quant, qgz and rsc kinds decode their
+	// fields from it (Case.Quant, Case.QGZ, Case.RSC), since their
+	// "inputs" and "outputs" have other shapes than onebit's.
 	Raw json.RawMessage `json:"-"`
 }
 
@@ -158,5 +160,5 @@ func CompareFloats(what string, got []float32, want []Float) error {
 	return nil
 }
 
-// ErrNotImplemented is returned for kinds lowbit does not implement yet.
+// ErrNotImplemented is returned for kinds lowbit does not implement.
 var ErrNotImplemented = errors.New("kind not implemented")

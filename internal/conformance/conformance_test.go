@@ -27,6 +27,27 @@ func TestVectors(t *testing.T) {
 				require.NoError(t, local.Run(ctx, c.World, func(ctx context.Context, cm comm.Comm) error {
 					return conformance.RunOnebitRank(ctx, cm, c)
 				}))
+			case "quant":
+				require.NoError(t, conformance.RunQuant(c))
+			case "qgz":
+				q, err := c.QGZ()
+				require.NoError(t, err)
+				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+				defer cancel()
+				require.NoError(t, local.Run(ctx, q.Nodes*q.RanksPerNode, func(ctx context.Context, cm comm.Comm) error {
+					l, err := comm.NewLayout(ctx, cm, 0)
+					if err != nil {
+						return err
+					}
+					defer l.Close()
+					return conformance.RunQGZRank(ctx, l, c)
+				}, local.WithRanksPerNode(q.RanksPerNode)))
+			case "rsc":
+				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+				defer cancel()
+				require.NoError(t, local.Run(ctx, c.WorldSize(), func(ctx context.Context, cm comm.Comm) error {
+					return conformance.RunRSCRank(ctx, cm, c)
+				}))
 			default:
 				t.Skipf("kind %q is not implemented yet", c.Kind)
 			}
@@ -35,4 +56,7 @@ func TestVectors(t *testing.T) {
 	}
 	require.GreaterOrEqual(t, seen["onebit"], 5, "every onebit vector must run")
 	require.GreaterOrEqual(t, seen["signpack"], 2)
+	require.GreaterOrEqual(t, seen["quant"], 2)
+	require.GreaterOrEqual(t, seen["qgz"], 2)
+	require.GreaterOrEqual(t, seen["rsc"], 1)
 }

@@ -1,0 +1,157 @@
+// Package accel is the small interface between the 1-bit compressed
+// allreduce and the memory and kernels of a device (a GPU, an NPU, or the
+// host itself): allocation, host<->device copies, one ordered stream, and
+// the four kernels the collective runs on device buffers.
+//
+// The kernels are the ones of packages errorfeedback and signpack, with the
+// same semantics and the same wire format for packed signs (one bit per
+// element, first element in the most significant bit, bit 1 for +1):
+//
+//   - Compress: compensate and norm, then pack the signs with the new
+//     error (errorfeedback.Residual.Compress);
+//   - UnpackScale and UnpackScaleAdd (signpack.UnpackScale and
+//     signpack.UnpackScaleAdd).
+//
+// Every operation of a Device is ordered on its one stream, as if it ran in
+// the order it was called. Operations that hand results to the host
+// (CopyOut, Compress, which returns a scale) wait for the stream; the others
+// may return before the device has finished, and Synchronize waits for
+// them. A Device is not safe for concurrent use unless its documentation
+// says so.
+//
+// CPU, in this package, is the implementation on host memory: the existing
+// errorfeedback and signpack code behind the interface. Packages accel/cuda
+// and accel/npu bind native libraries loaded at run time.
+package accel
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Device is memory and kernels on one device, with one ordered stream.
+//
+// Spans passed to a Device must lie in Buffers that it allocated. Float32
+// spans (those of Compress, UnpackScale and UnpackScaleAdd that hold
+// floats) must start and end on 4-byte boundaries. A span of the wrong
+// size, a span of another device's buffer or a freed buffer gives an error
+// that names the argument; no method panics on bad input.
+type Device interface {
+	// Name describes the device, for example "cpu" or "cuda:0 NVIDIA H100".
+	Name() string
+
+	// Alloc returns a zeroed buffer of n bytes.
+	Alloc(n int) (Buffer, error)
+	// CopyIn copies src to dst, which must be len(src) bytes long. src may
+	// be reused as soon as CopyIn returns.
+	CopyIn(dst Span, src []byte) error
+	// CopyOut copies src to dst, which must be src.Len bytes long, and
+	// returns when dst holds the data (it waits for the stream).
+	CopyOut(dst []byte, src Span) error
+	// Copy copies src to dst on the device; both must have the same length
+	// and must not overlap.
+	Copy(dst, src Span) error
+	// Zero sets every byte of dst to 0.
+	Zero(dst Span) error
+
+	// Compress is errorfeedback.Residual.Compress on device buffers:
+	//
+	//	x        = pad(input) + residual   (input is zero beyond its length)
+	//	scale    = ||x||_2 / sqrt(len(residual))
+	//	residual = x - scale*sgn(x)
+	//	packed   = the signs of x in the wire format
+	//
+	// residual and input hold float32 values; input may be shorter than
+	// residual; packed must be PackedLen(len(residual)) bytes. It returns
+	// scale, which it waits for. The sum of squares is accumulated in
+	// float64 and rounded once to float32; implementations may sum in any
+	// order (the spec allows 1e-5 relative on norms).
+	Compress(packed, residual, input Span) (scale float32, err error)
+	// UnpackScale writes scale*(+1 or -1) into every float32 of dst from
+	// the packed signs, which must be PackedLen(elements of dst) bytes.
+	UnpackScale(dst, packed Span, scale float32) error
+	// UnpackScaleAdd adds scale*(+1 or -1) into every float32 of acc.
+	UnpackScaleAdd(acc, packed Span, scale float32) error
+
+	// Synchronize waits until every operation called so far has finished
+	// and returns the first error the device reported for them.
+	Synchronize() error
+	// Close frees the device's resources. Buffers it allocated must not
+	// be used afterwards.
+	Close() error
+}
+
+// Buffer is memory allocated by a Device.
+type Buffer interface {
+	// Len is the buffer's length in bytes.
+	Len() int
+	// Free releases the buffer; using it afterwards is an error. Free of
+	// a freed buffer is a no-op.
+	Free() error
+}
+
+// Span is a byte range of a Buffer: Len bytes from byte Off. It is the
+// argument type of copies and kernels.
+type Span struct {
+	Buf      Buffer
+	Off, Len int
+}
+
+// Whole is the span of all of b.
+func Whole(b Buffer) Span {
+	if b == nil {
+		return Span{}
+	}
+	return Span{Buf: b, Len: b.Len()}
+}
+
+// Floats is the span of n float32 values of b from element off.
+func Floats(b Buffer, off, n int) Span { return Span{Buf: b, Off: 4 * off, Len: 4 * n} }
+
+// Sub is the part of s from byte lo to byte hi of s. It does not check the
+// bounds; the Device that receives the span does.
+func (s Span) Sub(lo, hi int) Span { return Span{Buf: s.Buf, Off: s.Off + lo, Len: hi - lo} }
+
+// Elems is the number of float32 values in s.
+func (s Span) Elems() int { return s.Len / 4 }
+
+// PackedLen is the number of bytes n packed signs occupy.
+func PackedLen(n int) int { return (n + 7) / 8 }
+
+// ErrFreed is returned (wrapped) for a buffer used after Free or after its
+// Device was closed.
+var ErrFreed = errors.New("accel: buffer freed")
+
+// CheckSpan reports whether s is a valid range of its buffer, whose length
+// is bufLen; what names the argument in the error. Device implementations
+// use it.
+func CheckSpan(what string, s Span, bufLen int) error {
+	if s.Off < 0 || s.Len < 0 || s.Off > bufLen || s.Len > bufLen-s.Off {
+		return fmt.Errorf("accel: %s: bytes [%d, %d+%d) out of a %d-byte buffer", what, s.Off, s.Off, s.Len, bufLen)
+	}
+	return nil
+}
+
+// CheckFloats is CheckSpan for a span of float32 values: it also checks
+// that the span starts and ends on 4-byte boundaries.
+func CheckFloats(what string, s Span, bufLen int) error {
+	if err := CheckSpan(what, s, bufLen); err != nil {
+		return err
+	}
+	if s.Off%4 != 0 || s.Len%4 != 0 {
+		return fmt.Errorf("accel: %s: bytes [%d, %d+%d) are not whole float32 values", what, s.Off, s.Off, s.Len)
+	}
+	return nil
+}
+
+// CheckKernel checks the sizes of a kernel's arguments against each other:
+// packed must hold the signs of n elements, and for Compress input must
+// not be longer than residual. Device implementations call it after
+// checking each span.
+func CheckKernel(op string, packedLen, n int) error {
+	if packedLen != PackedLen(n) {
+		return fmt.Errorf("accel: %s: packed span of %d bytes for %d elements, want %d bytes",
+			op, packedLen, n, PackedLen(n))
+	}
+	return nil
+}

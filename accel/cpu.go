@@ -1,0 +1,221 @@
+package accel
+
+import (
+	"fmt"
+	"unsafe"
+
+	"github.com/lowbit-ml/lowbit/errorfeedback"
+	"github.com/lowbit-ml/lowbit/signpack"
+)
+
+// CPU is the Device on host memory: its kernels are errorfeedback's and
+// signpack's (with their AVX2 fast paths where the CPU has them), so the
+// device version of an algorithm run on a CPU gives bit for bit the results
+// of the host version. Operations run synchronously. The zero CPU is ready
+// to use; it is not safe for concurrent use.
+type CPU struct {
+	closed bool
+}
+
+// NewCPU returns a CPU device.
+func NewCPU() *CPU { return &CPU{} }
+
+var _ Device = (*CPU)(nil)
+
+// cpuBuffer is host memory, backed by float32s so that float spans are
+// aligned.
+type cpuBuffer struct {
+	dev   *CPU
+	words []float32 // backing, ceil(n/4) words
+	bytes []byte    // the n bytes of words
+}
+
+func (b *cpuBuffer) Len() int { return len(b.bytes) }
+
+func (b *cpuBuffer) Free() error {
+	b.words, b.bytes = nil, nil
+	b.dev = nil
+	return nil
+}
+
+// Name returns "cpu".
+func (d *CPU) Name() string { return "cpu" }
+
+// Alloc returns a zeroed host buffer of n bytes.
+func (d *CPU) Alloc(n int) (Buffer, error) {
+	if d.closed {
+		return nil, fmt.Errorf("accel: cpu: alloc on a closed device")
+	}
+	if n < 0 {
+		return nil, fmt.Errorf("accel: cpu: alloc of %d bytes", n)
+	}
+	b := &cpuBuffer{dev: d, words: make([]float32, (n+3)/4)}
+	if n > 0 {
+		b.bytes = unsafe.Slice((*byte)(unsafe.Pointer(&b.words[0])), n)
+	} else {
+		b.bytes = []byte{}
+	}
+	return b, nil
+}
+
+// bytesOf checks s and returns its bytes.
+func (d *CPU) bytesOf(what string, s Span) ([]byte, error) {
+	if d.closed {
+		return nil, fmt.Errorf("accel: cpu: %s: %w (device closed)", what, ErrFreed)
+	}
+	b, ok := s.Buf.(*cpuBuffer)
+	if !ok || b == nil {
+		return nil, fmt.Errorf("accel: cpu: %s: span of a %T, not of a cpu buffer", what, s.Buf)
+	}
+	if b.bytes == nil {
+		return nil, fmt.Errorf("accel: cpu: %s: %w", what, ErrFreed)
+	}
+	if b.dev != d {
+		return nil, fmt.Errorf("accel: cpu: %s: buffer of another device", what)
+	}
+	if err := CheckSpan(what, s, len(b.bytes)); err != nil {
+		return nil, err
+	}
+	return b.bytes[s.Off : s.Off+s.Len : s.Off+s.Len], nil
+}
+
+// floatsOf checks s and returns its float32 values.
+func (d *CPU) floatsOf(what string, s Span) ([]float32, error) {
+	p, err := d.bytesOf(what, s)
+	if err != nil {
+		return nil, err
+	}
+	if err := CheckFloats(what, s, s.Buf.Len()); err != nil {
+		return nil, err
+	}
+	if len(p) == 0 {
+		return []float32{}, nil
+	}
+	return unsafe.Slice((*float32)(unsafe.Pointer(&p[0])), len(p)/4), nil
+}
+
+// CopyIn copies src into dst.
+func (d *CPU) CopyIn(dst Span, src []byte) error {
+	p, err := d.bytesOf("copy-in destination", dst)
+	if err != nil {
+		return err
+	}
+	if len(p) != len(src) {
+		return fmt.Errorf("accel: cpu: copy-in of %d bytes into a %d-byte span", len(src), len(p))
+	}
+	copy(p, src)
+	return nil
+}
+
+// CopyOut copies src into dst.
+func (d *CPU) CopyOut(dst []byte, src Span) error {
+	p, err := d.bytesOf("copy-out source", src)
+	if err != nil {
+		return err
+	}
+	if len(p) != len(dst) {
+		return fmt.Errorf("accel: cpu: copy-out of a %d-byte span into %d bytes", len(p), len(dst))
+	}
+	copy(dst, p)
+	return nil
+}
+
+// Copy copies src into dst.
+func (d *CPU) Copy(dst, src Span) error {
+	q, err := d.bytesOf("copy destination", dst)
+	if err != nil {
+		return err
+	}
+	p, err := d.bytesOf("copy source", src)
+	if err != nil {
+		return err
+	}
+	if len(p) != len(q) {
+		return fmt.Errorf("accel: cpu: copy of a %d-byte span into a %d-byte span", len(p), len(q))
+	}
+	copy(q, p)
+	return nil
+}
+
+// Zero clears dst.
+func (d *CPU) Zero(dst Span) error {
+	p, err := d.bytesOf("zero", dst)
+	if err != nil {
+		return err
+	}
+	clear(p)
+	return nil
+}
+
+// Compress runs errorfeedback.Residual.Compress.
+func (d *CPU) Compress(packed, residual, input Span) (float32, error) {
+	r, err := d.floatsOf("compress residual", residual)
+	if err != nil {
+		return 0, err
+	}
+	in, err := d.floatsOf("compress input", input)
+	if err != nil {
+		return 0, err
+	}
+	p, err := d.bytesOf("compress packed", packed)
+	if err != nil {
+		return 0, err
+	}
+	if len(in) > len(r) {
+		return 0, fmt.Errorf("accel: cpu: compress: input of %d elements is longer than the residual (%d)", len(in), len(r))
+	}
+	if err := CheckKernel("compress", len(p), len(r)); err != nil {
+		return 0, err
+	}
+	scale, err := errorfeedback.Residual(r).Compress(p, in)
+	if err != nil {
+		return 0, fmt.Errorf("accel: cpu: %w", err)
+	}
+	return scale, nil
+}
+
+// UnpackScale runs signpack.UnpackScale.
+func (d *CPU) UnpackScale(dst, packed Span, scale float32) error {
+	x, p, err := d.unpackArgs("unpack-scale", "unpack-scale destination", "unpack-scale packed", dst, packed)
+	if err != nil {
+		return err
+	}
+	signpack.UnpackScale(x, p, scale)
+	return nil
+}
+
+// UnpackScaleAdd runs signpack.UnpackScaleAdd.
+func (d *CPU) UnpackScaleAdd(acc, packed Span, scale float32) error {
+	x, p, err := d.unpackArgs("unpack-scale-add", "unpack-scale-add accumulator", "unpack-scale-add packed", acc, packed)
+	if err != nil {
+		return err
+	}
+	signpack.UnpackScaleAdd(x, p, scale)
+	return nil
+}
+
+// unpackArgs checks the arguments of an unpack kernel; the names are
+// constants so that the check allocates nothing.
+func (d *CPU) unpackArgs(op, dstName, packedName string, dst, packed Span) ([]float32, []byte, error) {
+	x, err := d.floatsOf(dstName, dst)
+	if err != nil {
+		return nil, nil, err
+	}
+	p, err := d.bytesOf(packedName, packed)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := CheckKernel(op, len(p), len(x)); err != nil {
+		return nil, nil, err
+	}
+	return x, p, nil
+}
+
+// Synchronize returns nil: CPU operations are synchronous.
+func (d *CPU) Synchronize() error { return nil }
+
+// Close marks the device closed; its buffers can no longer be used with it.
+func (d *CPU) Close() error {
+	d.closed = true
+	return nil
+}

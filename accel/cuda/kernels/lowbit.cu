@@ -1,0 +1,168 @@
+// Device kernels of the 1-bit compressed allreduce (package accel/cuda).
+//
+// Built to PTX by `make ptx` with Debian's clang, without the CUDA toolkit:
+//
+//   clang-14 --cuda-device-only -nocudainc --cuda-gpu-arch=sm_80 -S -O3 \
+//       -o accel/cuda/lowbit.ptx accel/cuda/kernels/lowbit.cu
+//
+// The PTX is committed and embedded in the Go package; the driver compiles
+// it for the GPU at load time. The kernels follow the host code of
+// packages errorfeedback and signpack operation for operation, so that
+// signs and residuals agree bit for bit with the CPU path given the same
+// scale; only the order in which the float64 norm is summed differs.
+//
+// Wire format of packed signs: one bit per element, 8 elements per byte,
+// the first element in the most significant bit; bit 1 means +1 (x >= 0
+// or NaN), bit 0 means -1. __ballot_sync puts lane i in bit i of a 32-bit
+// word; on a little-endian device byte k of that word holds lanes 8k..8k+7
+// with lane 8k in its least significant bit. __brev (here clang's __builtin_bitreverse32, the same brev.b32 instruction) reverses all 32 bits
+// (lane 8k+j goes to byte 3-k, bit 7-j) and a byte swap puts byte 3-k
+// back at k: the wire format.
+
+#define __global__ __attribute__((global))
+#define __device__ __attribute__((device))
+#define __shared__ __attribute__((shared))
+#define __forceinline__ __attribute__((always_inline))
+
+typedef long long i64;
+typedef unsigned long long u64;
+typedef unsigned int u32;
+
+static __device__ __forceinline__ u32 tid() { return __nvvm_read_ptx_sreg_tid_x(); }
+static __device__ __forceinline__ u32 ntid() { return __nvvm_read_ptx_sreg_ntid_x(); }
+static __device__ __forceinline__ u32 ctaid() { return __nvvm_read_ptx_sreg_ctaid_x(); }
+static __device__ __forceinline__ u32 nctaid() { return __nvvm_read_ptx_sreg_nctaid_x(); }
+
+static __device__ __forceinline__ double shfl_down(double v, int delta) {
+  u64 b = __builtin_bit_cast(u64, v);
+  int lo = __nvvm_shfl_sync_down_i32(0xffffffffu, (int)(u32)b, delta, 0x1f);
+  int hi = __nvvm_shfl_sync_down_i32(0xffffffffu, (int)(u32)(b >> 32), delta, 0x1f);
+  return __builtin_bit_cast(double, ((u64)(u32)hi << 32) | (u64)(u32)lo);
+}
+
+// block_sum returns, in thread 0, the sum of v over the block (blockDim.x a
+// multiple of 32, at most 1024), in a fixed order: the result depends only
+// on the inputs, never on timing.
+static __device__ double block_sum(double v) {
+  __shared__ double warp_sums[32];
+  for (int d = 16; d > 0; d >>= 1) v += shfl_down(v, d);
+  u32 lane = tid() & 31, warp = tid() >> 5;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  double s = 0;
+  if (warp == 0) {
+    s = lane < (ntid() >> 5) ? warp_sums[lane] : 0.0;
+    for (int d = 16; d > 0; d >>= 1) s += shfl_down(s, d);
+  }
+  __syncthreads();
+  return s;
+}
+
+// lowbit_compensate_norm: x = residual + pad(input), stored in residual,
+// and partials[blockIdx.x] = the float64 sum of x*x over the elements the
+// block visited (a grid-stride loop, so the partial sums depend only on
+// the grid size and n).
+extern "C" __global__ void lowbit_compensate_norm(float *__restrict__ residual, const float *__restrict__ input,
+                                                  i64 n_input, i64 n, double *__restrict__ partials) {
+  i64 stride = (i64)ntid() * nctaid();
+  i64 i = (i64)ctaid() * ntid() + tid();
+  double s0 = 0, s1 = 0;
+  for (; i + stride < n; i += 2 * stride) {
+    i64 j = i + stride;
+    float a = residual[i], b = residual[j];
+    if (i < n_input) a = a + input[i];
+    if (j < n_input) b = b + input[j];
+    residual[i] = a;
+    residual[j] = b;
+    s0 += (double)a * (double)a;
+    s1 += (double)b * (double)b;
+  }
+  if (i < n) {
+    float a = residual[i];
+    if (i < n_input) a = a + input[i];
+    residual[i] = a;
+    s0 += (double)a * (double)a;
+  }
+  double s = block_sum(s0 + s1);
+  if (tid() == 0) partials[ctaid()] = s;
+}
+
+// norm_scale sums the partials in a fixed order (every block gets the same
+// value) and returns float32(sqrt(ss) / sqrt(n)), the scale of
+// errorfeedback.Residual.Compress.
+static __device__ float norm_scale(const double *__restrict__ partials, int nparts, i64 n) {
+  __shared__ float scale;
+  double s = 0;
+  for (int k = tid(); k < nparts; k += ntid()) s += partials[k];
+  s = block_sum(s);
+  if (tid() == 0) scale = (float)(__nvvm_sqrt_rn_d(s) / __nvvm_sqrt_rn_d((double)n));
+  __syncthreads();
+  return scale;
+}
+
+// lowbit_pack_residual packs the signs of x (n elements) into packed
+// (ceil(n/8) bytes) and replaces x[i] with x[i] - scale (sign +1) or
+// x[i] + scale (sign -1), where scale comes from the partial sums of
+// lowbit_compensate_norm; block 0 stores it in *scale_out. Each warp
+// handles groups of 1024 elements: 32 coalesced loads of 32 floats, 32
+// ballots, 32 coalesced stores, and one coalesced 128-byte store of the
+// packed words.
+extern "C" __global__ void lowbit_pack_residual(unsigned char *__restrict__ packed, float *__restrict__ x, i64 n,
+                                                const double *__restrict__ partials, int nparts,
+                                                float *__restrict__ scale_out) {
+  float scale = norm_scale(partials, nparts, n);
+  if (ctaid() == 0 && tid() == 0) *scale_out = scale;
+  u32 lane = tid() & 31;
+  i64 warps = (i64)nctaid() * (ntid() >> 5);
+  i64 groups = (n + 1023) >> 10;
+  i64 nbytes = (n + 7) >> 3;
+  bool aligned = (((u64)packed) & 3) == 0;
+  for (i64 g = (i64)ctaid() * (ntid() >> 5) + (tid() >> 5); g < groups; g += warps) {
+    i64 base = g << 10;
+    float v[32];
+#pragma unroll
+    for (int k = 0; k < 32; k++) {
+      i64 idx = base + k * 32 + lane;
+      v[k] = idx < n ? x[idx] : 0.0f;
+    }
+    u32 mine = 0;
+#pragma unroll
+    for (int k = 0; k < 32; k++) {
+      i64 idx = base + k * 32 + lane;
+      bool in = idx < n;
+      bool neg = v[k] < 0.0f; // false for NaN: NaN packs as +1
+      u32 word = __nvvm_vote_ballot_sync(0xffffffffu, in && !neg);
+      if (lane == (u32)k) mine = word;
+      if (in) x[idx] = neg ? v[k] + scale : v[k] - scale;
+    }
+    u32 wire = __nvvm_prmt(__builtin_bitreverse32(mine), 0, 0x0123);
+    i64 at = (g << 7) + 4 * (i64)lane; // byte offset of this lane's word
+    if (aligned && at + 4 <= nbytes) {
+      *(u32 *)(packed + at) = wire;
+    } else {
+      for (int b = 0; b < 4; b++)
+        if (at + b < nbytes) packed[at + b] = (unsigned char)(wire >> (8 * b));
+    }
+  }
+}
+
+// lowbit_unpack_scale writes scale or -scale into dst[i] from bit i of
+// packed; lowbit_unpack_scale_add adds it. The sign flip is exact, so the
+// values are those of signpack.UnpackScale and signpack.UnpackScaleAdd.
+extern "C" __global__ void lowbit_unpack_scale(float *__restrict__ dst, const unsigned char *__restrict__ packed,
+                                               i64 n, float scale) {
+  i64 stride = (i64)ntid() * nctaid();
+  for (i64 i = (i64)ctaid() * ntid() + tid(); i < n; i += stride) {
+    u32 bit = (packed[i >> 3] >> (7 - (i & 7))) & 1;
+    dst[i] = bit ? scale : -scale;
+  }
+}
+
+extern "C" __global__ void lowbit_unpack_scale_add(float *__restrict__ acc, const unsigned char *__restrict__ packed,
+                                                   i64 n, float scale) {
+  i64 stride = (i64)ntid() * nctaid();
+  for (i64 i = (i64)ctaid() * ntid() + tid(); i < n; i += stride) {
+    u32 bit = (packed[i >> 3] >> (7 - (i & 7))) & 1;
+    acc[i] = acc[i] + (bit ? scale : -scale);
+  }
+}

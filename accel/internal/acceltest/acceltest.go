@@ -1,0 +1,263 @@
+// Package acceltest is the shared test suite of accel.Device
+// implementations: every kernel against the host code of errorfeedback and
+// signpack on the same inputs (odd lengths, unaligned packed offsets,
+// NaN and signed zeros), copies, and the bad inputs every device must
+// refuse with an error.
+package acceltest
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"testing"
+	"unsafe"
+
+	"github.com/lowbit-ml/lowbit/accel"
+	"github.com/lowbit-ml/lowbit/errorfeedback"
+	"github.com/lowbit-ml/lowbit/signpack"
+)
+
+// Tolerance is the relative tolerance of the spec on norms and on the
+// floats derived from them.
+const Tolerance = 1e-5
+
+// Run runs the suite on dev. With exact, every float must be the host
+// code's bit for bit (the CPU device); otherwise the packed signs must be
+// identical and the floats within Tolerance (a device that sums the norm
+// in another order).
+func Run(t *testing.T, dev accel.Device, exact bool) {
+	t.Run("kernels", func(t *testing.T) { kernels(t, dev, exact) })
+	t.Run("copies", func(t *testing.T) { copies(t, dev) })
+	t.Run("bad-input", func(t *testing.T) { badInput(t, dev) })
+}
+
+// Bytes is the memory of p as bytes.
+func Bytes(p []float32) []byte {
+	if len(p) == 0 {
+		return []byte{}
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&p[0])), 4*len(p))
+}
+
+func randn(rng *rand.Rand, n int) []float32 {
+	x := make([]float32, n)
+	for i := range x {
+		x[i] = float32(rng.NormFloat64())
+	}
+	return x
+}
+
+func must(t *testing.T, err error, what string) {
+	t.Helper()
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+}
+
+// Compare returns an error naming the first element of got that differs
+// from want: bit for bit when exact (or for NaN), else beyond Tolerance.
+func Compare(what string, want, got []float32, exact bool) error {
+	if len(got) != len(want) {
+		return fmt.Errorf("%s: length %d, want %d", what, len(got), len(want))
+	}
+	for i := range want {
+		w, g := want[i], got[i]
+		if exact || math.IsNaN(float64(w)) {
+			if math.Float32bits(w) != math.Float32bits(g) {
+				return fmt.Errorf("%s[%d] = %g, want %g bit for bit", what, i, g, w)
+			}
+			continue
+		}
+		if d := math.Abs(float64(g) - float64(w)); d > Tolerance*math.Max(1, math.Abs(float64(w))) {
+			return fmt.Errorf("%s[%d] = %g, want %g within %g", what, i, g, w, Tolerance)
+		}
+	}
+	return nil
+}
+
+func kernels(t *testing.T, dev accel.Device, exact bool) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	for _, n := range []int{8, 24, 1000, 1024, 4104, 100_000} {
+		for _, nIn := range []int{n, n - 5} {
+			in := randn(rng, nIn)
+			res := randn(rng, n)
+			if nIn > 2 {
+				in[0], in[1] = float32(math.NaN()), float32(math.Copysign(0, -1))
+				res[0], res[1] = 0, 0
+			}
+			if nIn > 3 {
+				in[2], res[2] = float32(math.Copysign(0, -1)), 0 // -0 + 0 = +0
+			}
+			// The host reference.
+			wantRes := append(errorfeedback.Residual(nil), res...)
+			wantPacked := make([]byte, signpack.PackedLen(n))
+			wantScale, err := wantRes.Compress(wantPacked, in)
+			must(t, err, "host compress")
+
+			got := compress(t, dev, res, in)
+			if string(got.packed) != string(wantPacked) {
+				for i := range wantPacked {
+					if got.packed[i] != wantPacked[i] {
+						t.Fatalf("n=%d input %d: packed[%d] = %#02x, want %#02x", n, nIn, i, got.packed[i], wantPacked[i])
+					}
+				}
+			}
+			must(t, Compare(fmt.Sprintf("n=%d residual", n), wantRes, got.res, exact), "compress")
+			must(t, Compare(fmt.Sprintf("n=%d scale", n), []float32{wantScale}, []float32{got.scale}, exact), "compress")
+
+			// Unpack from an odd byte offset (a chunk of a W=3 tensor).
+			sub := wantPacked[min(3, len(wantPacked)-1):]
+			m := len(sub)*8 - 3 // and a length that is not whole bytes
+			acc := randn(rng, m)
+			for _, add := range []bool{false, true} {
+				want := append([]float32(nil), acc...)
+				if add {
+					signpack.UnpackScaleAdd(want, sub, 0.375)
+				} else {
+					signpack.UnpackScale(want, sub, 0.375)
+				}
+				g := unpack(t, dev, acc, sub, 0.375, add)
+				must(t, Compare(fmt.Sprintf("n=%d unpack add=%v", n, add), want, g, true), "unpack")
+			}
+		}
+	}
+}
+
+type compressed struct {
+	packed []byte
+	res    []float32
+	scale  float32
+}
+
+func alloc(t *testing.T, dev accel.Device, n int) accel.Buffer {
+	t.Helper()
+	b, err := dev.Alloc(n)
+	must(t, err, "alloc")
+	t.Cleanup(func() { b.Free() })
+	return b
+}
+
+func compress(t *testing.T, dev accel.Device, res, in []float32) compressed {
+	t.Helper()
+	rb := alloc(t, dev, 4*len(res))
+	ib := alloc(t, dev, 4*len(in)+4) // a span that is not the whole buffer
+	pb := alloc(t, dev, signpack.PackedLen(len(res))+3)
+	inSpan := accel.Floats(ib, 1, len(in))
+	packed := accel.Span{Buf: pb, Off: 3, Len: signpack.PackedLen(len(res))} // unaligned
+	must(t, dev.CopyIn(accel.Whole(rb), Bytes(res)), "copy-in")
+	must(t, dev.CopyIn(inSpan, Bytes(in)), "copy-in")
+	scale, err := dev.Compress(packed, accel.Whole(rb), inSpan)
+	must(t, err, "compress")
+	out := compressed{packed: make([]byte, packed.Len), res: make([]float32, len(res)), scale: scale}
+	must(t, dev.CopyOut(out.packed, packed), "copy-out")
+	must(t, dev.CopyOut(Bytes(out.res), accel.Whole(rb)), "copy-out")
+	return out
+}
+
+func unpack(t *testing.T, dev accel.Device, acc []float32, packed []byte, scale float32, add bool) []float32 {
+	t.Helper()
+	ab := alloc(t, dev, 4*len(acc))
+	pb := alloc(t, dev, len(packed)+1)
+	ps := accel.Span{Buf: pb, Off: 1, Len: signpack.PackedLen(len(acc))}
+	must(t, dev.CopyIn(accel.Whole(ab), Bytes(acc)), "copy-in")
+	must(t, dev.CopyIn(ps, packed[:ps.Len]), "copy-in")
+	if add {
+		must(t, dev.UnpackScaleAdd(accel.Whole(ab), ps, scale), "unpack-scale-add")
+	} else {
+		must(t, dev.UnpackScale(accel.Whole(ab), ps, scale), "unpack-scale")
+	}
+	out := make([]float32, len(acc))
+	must(t, dev.CopyOut(Bytes(out), accel.Whole(ab)), "copy-out")
+	return out
+}
+
+func copies(t *testing.T, dev accel.Device) {
+	a, b := alloc(t, dev, 64), alloc(t, dev, 64)
+	got := make([]byte, 64)
+	must(t, dev.CopyOut(got, accel.Whole(a)), "copy-out")
+	if string(got) != string(make([]byte, 64)) {
+		t.Fatalf("Alloc did not return zeroed memory: % x", got)
+	}
+	src := make([]byte, 64)
+	for i := range src {
+		src[i] = byte(i + 1)
+	}
+	must(t, dev.CopyIn(accel.Whole(a), src), "copy-in")
+	must(t, dev.Copy(accel.Span{Buf: b, Off: 5, Len: 10}, accel.Span{Buf: a, Off: 20, Len: 10}), "copy")
+	must(t, dev.Zero(accel.Span{Buf: a, Off: 0, Len: 32}), "zero")
+	must(t, dev.Synchronize(), "synchronize")
+	must(t, dev.CopyOut(got, accel.Whole(b)), "copy-out")
+	for i, v := range got {
+		want := byte(0)
+		if i >= 5 && i < 15 {
+			want = byte(i - 5 + 21)
+		}
+		if v != want {
+			t.Fatalf("after copy: byte %d = %d, want %d", i, v, want)
+		}
+	}
+	must(t, dev.CopyOut(got, accel.Whole(a)), "copy-out")
+	for i, v := range got {
+		want := byte(i + 1)
+		if i < 32 {
+			want = 0
+		}
+		if v != want {
+			t.Fatalf("after zero: byte %d = %d, want %d", i, v, want)
+		}
+	}
+	empty := alloc(t, dev, 0)
+	must(t, dev.CopyIn(accel.Whole(empty), nil), "empty copy-in")
+	must(t, dev.Zero(accel.Whole(empty)), "empty zero")
+}
+
+// badInput: each call must return an error (not panic) and leave the
+// device usable.
+func badInput(t *testing.T, dev accel.Device) {
+	b := alloc(t, dev, 64)
+	p3 := alloc(t, dev, 3)
+	other, err := accel.NewCPU().Alloc(64)
+	must(t, err, "alloc")
+	if _, ok := dev.(*accel.CPU); ok {
+		other = &foreign{}
+	}
+	for _, c := range []struct {
+		what string
+		err  error
+	}{
+		{"copy-in too long", dev.CopyIn(accel.Whole(b), make([]byte, 65))},
+		{"copy-out past the end", dev.CopyOut(make([]byte, 4), accel.Span{Buf: b, Off: 62, Len: 4})},
+		{"negative offset", dev.Zero(accel.Span{Buf: b, Off: -1, Len: 4})},
+		{"negative length", dev.Zero(accel.Span{Buf: b, Off: 0, Len: -4})},
+		{"copy of different lengths", dev.Copy(accel.Span{Buf: b, Len: 8}, accel.Span{Buf: b, Off: 8, Len: 4})},
+		{"packed too long", dev.UnpackScale(accel.Whole(b), accel.Whole(p3), 1)},
+		{"packed too short", dev.UnpackScaleAdd(accel.Whole(b), accel.Span{Buf: p3, Len: 1}, 1)},
+		{"floats not aligned", dev.UnpackScale(accel.Span{Buf: b, Off: 2, Len: 8}, accel.Span{Buf: p3, Len: 1}, 1)},
+		{"nil buffer", dev.Zero(accel.Span{Len: 4})},
+		{"another device's buffer", dev.Zero(accel.Whole(other))},
+		{"input longer than residual", second(dev.Compress(accel.Span{Buf: p3, Len: 1}, accel.Floats(b, 0, 8), accel.Whole(b)))},
+		{"compress packed wrong", second(dev.Compress(accel.Whole(p3), accel.Whole(b), accel.Floats(b, 0, 0)))},
+		{"negative alloc", second(dev.Alloc(-1))},
+	} {
+		if c.err == nil {
+			t.Errorf("%s: no error", c.what)
+		}
+	}
+	freed, err := dev.Alloc(16)
+	must(t, err, "alloc")
+	must(t, freed.Free(), "free")
+	must(t, freed.Free(), "second free")
+	if err := dev.Zero(accel.Whole(freed)); !errors.Is(err, accel.ErrFreed) {
+		t.Errorf("use after free: %v, want accel.ErrFreed", err)
+	}
+	must(t, dev.Zero(accel.Whole(b)), "the device still works")
+}
+
+func second[T any](_ T, err error) error { return err }
+
+// foreign is a Buffer of no device.
+type foreign struct{}
+
+func (*foreign) Len() int    { return 64 }
+func (*foreign) Free() error { return nil }

@@ -1,0 +1,148 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+)
+
+// The resume test runs this test binary as the mnist command, so that a run
+// can be killed for real (SIGKILL, no deferred cleanup) and resumed.
+const asCommandEnv = "LOWBIT_MNIST_AS_COMMAND"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(asCommandEnv) == "1" {
+		main()
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+var finalHashRE = regexp.MustCompile(`(?m)^(\S+) final parameters: fnv64 ([0-9a-f]{16})$`)
+
+// finalHashes returns "optimizer=hash" for every run in a command's output.
+func finalHashes(t *testing.T, out string) []string {
+	t.Helper()
+	var h []string
+	for _, m := range finalHashRE.FindAllStringSubmatch(out, -1) {
+		h = append(h, m[1]+"="+m[2])
+	}
+	require.NotEmpty(t, h, "no final parameter hash in:\n%s", out)
+	return h
+}
+
+// TestResumeAfterKill kills a training run right after a mid-training
+// checkpoint, resumes it, and checks that it ends with parameters
+// bit-identical to those of an uninterrupted run. 1-bit Adam is in its
+// compression stage when killed (freeze step 4, kill at step 12 of 20), so
+// the per-rank error buffers must come back exactly too.
+func TestResumeAfterKill(t *testing.T) {
+	common := []string{
+		"-data", "testdata", "-workers", "2", "-epochs", "2", "-batch", "50",
+		"-freeze-step", "4", "-lr", "2e-3", "-evals", "2", "-checkpoint-every", "4", "-quiet",
+	}
+	for _, name := range []string{"adam", "onebit-adam"} {
+		t.Run(name, func(t *testing.T) {
+			args := append([]string{"-optimizer", name}, common...)
+			var whole bytes.Buffer
+			require.NoError(t, run(context.Background(), append(args, "-checkpoint", t.TempDir()), &whole, &bytes.Buffer{}))
+			want := finalHashes(t, whole.String())
+
+			dir := t.TempDir()
+			cmd := exec.Command(os.Args[0], append(args, "-checkpoint", dir, "-kill-at", "12")...)
+			cmd.Env = append(os.Environ(), asCommandEnv+"=1")
+			out, err := cmd.CombinedOutput()
+			var exit *exec.ExitError
+			require.True(t, errors.As(err, &exit), "the run must be killed, got %v:\n%s", err, out)
+			ws, ok := exit.Sys().(syscall.WaitStatus)
+			require.True(t, ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL, "killed by SIGKILL: %v\n%s", err, out)
+			assert.NotContains(t, string(out), "final parameters", "the killed run did not finish")
+			for r := range 2 {
+				assert.FileExists(t, filepath.Join(dir, name+".rank"+strconv.Itoa(r)+".1.ckpt"), "step 12's checkpoint (slot 12/4%2)")
+			}
+
+			var resumed bytes.Buffer
+			require.NoError(t, run(context.Background(), append(args, "-checkpoint", dir, "-resume"), &resumed, &bytes.Buffer{}))
+			assert.Equal(t, want, finalHashes(t, resumed.String()), "resumed run ends bit-identical to the uninterrupted one")
+
+			// Resuming a finished run trains nothing and reports the same end.
+			var again bytes.Buffer
+			require.NoError(t, run(context.Background(), append(args, "-checkpoint", dir, "-resume"), &again, &bytes.Buffer{}))
+			assert.Equal(t, want, finalHashes(t, again.String()))
+		})
+	}
+}
+
+// TestResumeDisagreement: ranks whose checkpoints do not match get the same
+// clear error on every rank, and so does a directory without checkpoints.
+func TestResumeDisagreement(t *testing.T) {
+	train, test := loadTestdata(t)
+	dir := t.TempDir()
+	cfg := smallConfig("onebit-adam")
+	cfg.epochs = 1
+	cfg.checkpoint = checkpointConfig{dir: dir, every: 5}
+	trainLocal(t, 2, train, test, cfg)
+
+	cfg.checkpoint.resume = true
+	for _, slot := range []string{"0", "1"} {
+		require.NoError(t, os.Remove(filepath.Join(dir, "onebit-adam.rank1."+slot+".ckpt")))
+	}
+	errs := resumeErrors(t, 2, train, test, cfg)
+	for r, err := range errs {
+		require.Error(t, err, "rank %d", r)
+		assert.Contains(t, err.Error(), "no checkpoint of onebit-adam in "+dir+" that every rank holds", "rank %d", r)
+	}
+
+	cfg.checkpoint.dir = t.TempDir()
+	for r, err := range resumeErrors(t, 2, train, test, cfg) {
+		require.Error(t, err, "rank %d", r)
+		assert.Contains(t, err.Error(), "no checkpoint", "rank %d", r)
+	}
+}
+
+func TestCheckpointFlags(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"-resume"}, "-resume and -kill-at need -checkpoint DIR"},
+		{[]string{"-checkpoint", "d", "-checkpoint-every", "0"}, "-checkpoint-every must be at least 1"},
+		{[]string{"-checkpoint", "d", "-checkpoint-every", "4", "-kill-at", "6"}, "-kill-at must be a multiple of -checkpoint-every (4)"},
+	} {
+		_, err := parseFlags(c.args, &bytes.Buffer{})
+		require.Error(t, err, "%v", c.args)
+		assert.Contains(t, err.Error(), c.want, "%v", c.args)
+	}
+}
+
+// resumeErrors runs cfg on w in-process ranks and returns each rank's error.
+func resumeErrors(t *testing.T, w int, train, test *dataset, cfg trainConfig) []error {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	errs := make([]error, w)
+	var mu sync.Mutex
+	_ = local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
+		_, err := trainRank(ctx, c, train, test, cfg, nil)
+		mu.Lock()
+		errs[c.Rank()] = err
+		mu.Unlock()
+		return err
+	})
+	return errs
+}

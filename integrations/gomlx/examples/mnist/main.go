@@ -1,0 +1,357 @@
+// Command mnist trains a GoMLX model on MNIST data-parallel with lowbit:
+// a 784-128-10 perceptron built with GoMLX layers, run by GoMLX's pure-Go
+// backend, its gradients averaged over the ranks by a lowbit optimizer
+// through package github.com/lowbit-ml/lowbit/integrations/gomlx. It trains
+// once per optimizer in -optimizers (default adam, then onebit-adam) from
+// the same seed and prints a comparison.
+//
+// From integrations/gomlx, after "make mnist-data" at the repository root:
+//
+//	go run ./examples/mnist -workers 4
+//
+// With -backend mpi this process is one rank of an mpirun job:
+//
+//	go build -tags mpi -o mnist-gomlx ./examples/mnist
+//	mpirun -np 4 ./mnist-gomlx -backend mpi
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/gomlx/compute/gobackend"
+	"github.com/gomlx/gomlx/core/graph"
+	"github.com/gomlx/gomlx/core/tensors"
+	"github.com/gomlx/gomlx/ml/layers"
+	"github.com/gomlx/gomlx/ml/layers/activation"
+	"github.com/gomlx/gomlx/ml/model"
+	"github.com/gomlx/gomlx/ml/train/loss"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/comm/mpi"
+	"github.com/lowbit-ml/lowbit/examples/mnist/idx"
+	lbgomlx "github.com/lowbit-ml/lowbit/integrations/gomlx"
+	"github.com/lowbit-ml/lowbit/onebit"
+	"github.com/lowbit-ml/lowbit/optim"
+)
+
+const (
+	pixels  = 28 * 28
+	classes = 10
+	// The pixel mean and standard deviation of the MNIST training set.
+	pixelMean, pixelStd = 0.1307, 0.3081
+)
+
+type options struct {
+	backend    string
+	workers    int
+	optimizers []string
+	data       string
+	steps      int
+	batch      int
+	lr         float64
+	freezeStep int
+	seed       uint64
+}
+
+func parseFlags(args []string, stderr io.Writer) (*options, error) {
+	o := &options{}
+	var opts string
+	fs := flag.NewFlagSet("mnist", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&o.backend, "backend", "local", "local (goroutine ranks) or mpi (one rank of an mpirun job; build with -tags mpi)")
+	fs.IntVar(&o.workers, "workers", 4, "in-process ranks (-backend local)")
+	fs.StringVar(&opts, "optimizers", "adam,onebit-adam", "comma-separated lowbit optimizers to train with, one after the other: adam, onebit-adam")
+	fs.StringVar(&o.data, "data", "../../data/mnist", "directory of the four MNIST IDX files")
+	fs.IntVar(&o.steps, "steps", 600, "training steps")
+	fs.IntVar(&o.batch, "batch", 128, "global batch size, split over the ranks")
+	fs.Float64Var(&o.lr, "lr", 1e-3, "learning rate")
+	fs.IntVar(&o.freezeStep, "freeze-step", 200, "exact warm-up steps of onebit-adam")
+	fs.Uint64Var(&o.seed, "seed", 1, "seed of the shuffling and of rank 0's initial weights")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	o.optimizers = strings.Split(opts, ",")
+	for _, n := range o.optimizers {
+		if n != "adam" && n != "onebit-adam" {
+			return nil, fmt.Errorf("unknown optimizer %q in -optimizers (want adam, onebit-adam)", n)
+		}
+	}
+	switch {
+	case fs.NArg() > 0:
+		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
+	case o.backend != "local" && o.backend != "mpi":
+		return nil, fmt.Errorf("unknown -backend %q (want local or mpi)", o.backend)
+	case o.workers < 1 || o.steps < 1 || o.batch < 1 || o.freezeStep < 0:
+		return nil, errors.New("-workers, -steps and -batch must be at least 1, -freeze-step at least 0")
+	case !(o.lr > 0):
+		return nil, fmt.Errorf("-lr must be positive, got %v", o.lr)
+	}
+	return o, nil
+}
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil && !errors.Is(err, flag.ErrHelp) {
+		fmt.Fprintln(os.Stderr, "mnist:", err)
+		os.Exit(1)
+	}
+}
+
+// dataset is one MNIST split as model inputs: standardized pixels and
+// int32 labels.
+type dataset struct {
+	x      []float32 // n*pixels
+	labels []int32
+}
+
+func load(dir, images, labels string) (*dataset, error) {
+	set, err := idx.Load(filepath.Join(dir, images), filepath.Join(dir, labels))
+	if err != nil {
+		return nil, fmt.Errorf("%w (run make mnist-data at the repository root, or pass -data DIR)", err)
+	}
+	if set.Images.Rows*set.Images.Cols != pixels || set.Len() == 0 {
+		return nil, fmt.Errorf("%s: not 28 x 28 MNIST images", images)
+	}
+	d := &dataset{x: make([]float32, len(set.Images.Pixels)), labels: make([]int32, set.Len())}
+	for i, p := range set.Images.Pixels {
+		d.x[i] = (float32(p)/255 - pixelMean) / pixelStd
+	}
+	for i, l := range set.Labels {
+		if l >= classes {
+			return nil, fmt.Errorf("%s: label %d is not a digit", labels, l)
+		}
+		d.labels[i] = int32(l)
+	}
+	return d, nil
+}
+
+// rows returns the inputs and labels of the examples idx as tensors.
+func (d *dataset) rows(idx []int) (x, y *tensors.Tensor) {
+	xs := make([]float32, len(idx)*pixels)
+	ys := make([]int32, len(idx))
+	for i, j := range idx {
+		copy(xs[i*pixels:], d.x[j*pixels:(j+1)*pixels])
+		ys[i] = d.labels[j]
+	}
+	return tensors.FromFlatDataAndDimensions(xs, len(idx), pixels), tensors.FromFlatDataAndDimensions(ys, len(idx), 1)
+}
+
+// logits is the model: 784-128-10, ReLU.
+func logits(scope *model.Scope, x *graph.Node) *graph.Node {
+	h := activation.Relu(layers.DenseWithBias(scope.In("hidden"), x, 128))
+	return layers.DenseWithBias(scope.In("out"), h, classes)
+}
+
+// meanLoss is the training loss: mean softmax cross-entropy of the batch.
+func meanLoss(scope *model.Scope, in []*graph.Node) *graph.Node {
+	return graph.ReduceAllMean(loss.SparseCategoricalCrossEntropyLogits(in[1:2], []*graph.Node{logits(scope, in[0])}))
+}
+
+// newOptimizer is the lowbit optimizer called name.
+func newOptimizer(name string, o *options) lbgomlx.NewOptimizer {
+	return func(c comm.Comm, params []*optim.Param) (optim.Optimizer, error) {
+		adam := optim.DefaultAdamConfig()
+		adam.LR = float32(o.lr)
+		if name == "adam" {
+			return optim.NewAdam(c, params, adam)
+		}
+		cfg := onebit.DefaultAdamConfig()
+		cfg.AdamConfig = adam
+		cfg.FreezeStep = o.freezeStep
+		return onebit.NewAdam(c, params, cfg)
+	}
+}
+
+// result is one rank's report of one training run, averaged over the ranks.
+type result struct {
+	optimizer  string
+	acc, loss  float64 // test accuracy, mean training loss of the last 50 steps
+	wall       time.Duration
+	bytes      float64 // mean bytes a rank sent in Step
+	lastBytes  float64 // in the last step
+	stage      optim.Stage
+	skipped    int64
+	workers    int
+	trainCount int
+}
+
+// trainRank is one rank's training run; every rank calls it together.
+func trainRank(ctx context.Context, c comm.Comm, name string, o *options, train, test *dataset) (*result, error) {
+	w, rank := c.Size(), c.Rank()
+	if o.batch < w || o.batch > len(train.labels) {
+		return nil, fmt.Errorf("-batch %d must be between the %d ranks and the %d training examples", o.batch, w, len(train.labels))
+	}
+	backend, err := gobackend.New("")
+	if err != nil {
+		return nil, err
+	}
+	defer backend.Finalize()
+	store := model.NewStore()
+	// Rank 0's seed decides the initial weights; the other ranks' differ on
+	// purpose, and the Trainer broadcasts rank 0's.
+	store.RootScope().SetParam(model.ParamInitialSeed, int64(o.seed)+int64(rank))
+	tr, err := lbgomlx.New(c, backend, store, meanLoss, newOptimizer(name, o))
+	if err != nil {
+		return nil, err
+	}
+
+	lo, hi := rank*o.batch/w, (rank+1)*o.batch/w
+	perm := make([]int, len(train.labels))
+	for i := range perm {
+		perm[i] = i
+	}
+	rng := rand.New(rand.NewPCG(o.seed, 0)) // the same on every rank
+	start := time.Now()
+	var last []float64
+	pos := len(perm)
+	for step := range o.steps {
+		if pos+o.batch > len(perm) {
+			rng.Shuffle(len(perm), func(i, j int) { perm[i], perm[j] = perm[j], perm[i] })
+			pos = 0
+		}
+		x, y := train.rows(perm[pos+lo : pos+hi])
+		pos += o.batch
+		l, err := tr.Step(ctx, x, y)
+		if err != nil {
+			return nil, fmt.Errorf("step %d: %w", step+1, err)
+		}
+		if o.steps-step <= 50 {
+			last = append(last, float64(l))
+		}
+	}
+	wall := time.Since(start)
+
+	// Test accuracy: each rank scores its share of the test set with the
+	// trained variables, through a GoMLX graph of its own.
+	eval, err := model.NewExec(backend, store, func(scope *model.Scope, x, y *graph.Node) *graph.Node {
+		pred := graph.ArgMax(logits(scope, x), -1, y.DType())
+		right := graph.Equal(pred, graph.Reshape(y, y.Shape().Dimensions[0]))
+		return graph.ReduceAllSum(graph.ConvertDType(right, pred.DType()))
+	})
+	if err != nil {
+		return nil, err
+	}
+	tlo, thi := rank*len(test.labels)/w, (rank+1)*len(test.labels)/w
+	var correct int32
+	if thi > tlo {
+		ix := make([]int, thi-tlo)
+		for i := range ix {
+			ix[i] = tlo + i
+		}
+		out, err := eval.Exec(test.rows(ix))
+		if err != nil {
+			return nil, err
+		}
+		correct = tensors.ToScalar[int32](out[0])
+	}
+	var lastLoss float64
+	for _, l := range last {
+		lastLoss += l / float64(len(last))
+	}
+	st := tr.Optimizer().Stats()
+	sums := []float32{float32(correct), float32(lastLoss), float32(wall.Seconds()), float32(st.BytesSent), float32(st.LastStepBytes)}
+	if err := c.AllReduce(ctx, sums, comm.Sum); err != nil {
+		return nil, err
+	}
+	fw := float64(w)
+	return &result{
+		optimizer: name, workers: w, trainCount: len(train.labels),
+		acc: float64(sums[0]) / float64(len(test.labels)), loss: float64(sums[1]) / fw,
+		wall: time.Duration(float64(sums[2]) / fw * float64(time.Second)), bytes: float64(sums[3]) / fw,
+		lastBytes: float64(sums[4]) / fw, stage: st.Stage, skipped: st.Skipped,
+	}, nil
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	o, err := parseFlags(args, stderr)
+	if err != nil {
+		return err
+	}
+	train, err := load(o.data, "train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz")
+	if err != nil {
+		return fmt.Errorf("training set: %w", err)
+	}
+	test, err := load(o.data, "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+	if err != nil {
+		return fmt.Errorf("test set: %w", err)
+	}
+	var results []*result
+	if o.backend == "mpi" {
+		c, err := mpi.Open()
+		if err != nil {
+			return fmt.Errorf("-backend mpi: %w; then start this binary under mpirun -np W", err)
+		}
+		defer c.Close()
+		if c.Rank() != 0 {
+			stdout = io.Discard
+		}
+		for _, name := range o.optimizers {
+			r, err := trainRank(ctx, c, name, o, train, test)
+			if err != nil {
+				return fmt.Errorf("%s: rank %d: %w", name, c.Rank(), err)
+			}
+			results = append(results, r)
+		}
+	} else {
+		for _, name := range o.optimizers {
+			var mu sync.Mutex
+			var r0 *result
+			err := local.Run(ctx, o.workers, func(ctx context.Context, c comm.Comm) error {
+				r, err := trainRank(ctx, c, name, o, train, test)
+				if err == nil && c.Rank() == 0 {
+					mu.Lock()
+					r0 = r
+					mu.Unlock()
+				}
+				return err
+			})
+			if err != nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
+			results = append(results, r0)
+		}
+	}
+	report(stdout, o, results)
+	return nil
+}
+
+func report(w io.Writer, o *options, results []*result) {
+	r0 := results[0]
+	fmt.Fprintf(w, "GoMLX MNIST 784-128-10 on %d %s ranks (GoMLX pure-Go backend), %d training examples, global batch %d, %d steps, lr %g, freeze step %d\n",
+		r0.workers, o.backend, r0.trainCount, o.batch, o.steps, o.lr, o.freezeStep)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "optimizer\ttest acc\ttrain loss\twall\tsent/rank\tlast step\tstage\tskipped\t")
+	for _, r := range results {
+		fmt.Fprintf(tw, "%s\t%.1f%%\t%.4f\t%.1fs\t%s\t%s\t%s\t%d\t\n", r.optimizer, 100*r.acc, r.loss,
+			r.wall.Seconds(), kb(r.bytes), kb(r.lastBytes), r.stage, r.skipped)
+	}
+	tw.Flush()
+	if len(results) == 2 && results[1].bytes > 0 {
+		fmt.Fprintf(w, "%s vs %s: %.1fx fewer bytes sent, %.1fx fewer in the last step, test accuracy %+.1f points\n",
+			results[1].optimizer, results[0].optimizer, results[0].bytes/results[1].bytes,
+			results[0].lastBytes/results[1].lastBytes, 100*(results[1].acc-results[0].acc))
+	}
+}
+
+// kb formats a byte count in kB or MB.
+func kb(b float64) string {
+	if b >= 1e6 {
+		return fmt.Sprintf("%.1f MB", b/1e6)
+	}
+	return fmt.Sprintf("%.1f kB", b/1e3)
+}

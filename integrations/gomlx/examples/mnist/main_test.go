@@ -1,0 +1,52 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"regexp"
+	"strconv"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// testdata is the real 500-example MNIST subset of lowbit's own example.
+const testdata = "../../../../examples/mnist/testdata"
+
+var rowRE = regexp.MustCompile(`(?m)^\s*(adam|onebit-adam)\s+([0-9.]+)%\s+([0-9.]+)\s`)
+
+// TestRun trains the GoMLX model on 4 in-process ranks with Adam and 1-bit
+// Adam and checks that both learn and that 1-bit Adam sends less.
+func TestRun(t *testing.T) {
+	var out, errOut bytes.Buffer
+	err := run(context.Background(), []string{
+		"-data", testdata, "-workers", "4", "-steps", "30", "-batch", "48", "-freeze-step", "10", "-lr", "2e-3",
+	}, &out, &errOut)
+	require.NoError(t, err, errOut.String())
+	rows := rowRE.FindAllStringSubmatch(out.String(), -1)
+	require.Len(t, rows, 2, out.String())
+	for _, r := range rows {
+		acc, err := strconv.ParseFloat(r[2], 64)
+		require.NoError(t, err)
+		assert.Greater(t, acc, 60.0, "%s learns: %s", r[1], out.String())
+	}
+	assert.Regexp(t, `onebit-adam vs adam: [0-9.]+x fewer bytes sent`, out.String())
+}
+
+func TestRunErrors(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"-optimizers", "sgd"}, `unknown optimizer "sgd"`},
+		{[]string{"-backend", "tcp"}, `unknown -backend "tcp"`},
+		{[]string{"-data", "no/such/dir"}, "make mnist-data"},
+		{[]string{"-data", testdata, "-batch", "2", "-workers", "4"}, "must be between the 4 ranks"},
+		{[]string{"-data", testdata, "-backend", "mpi"}, "-backend mpi"},
+	} {
+		err := run(context.Background(), c.args, &bytes.Buffer{}, &bytes.Buffer{})
+		require.Error(t, err, "%v", c.args)
+		assert.Contains(t, err.Error(), c.want, "%v", c.args)
+	}
+}

@@ -1,0 +1,201 @@
+package onebit
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/optim"
+)
+
+// DefaultBucketBytes is the default size of a fused bucket of the 1-bit
+// optimizers (AdamConfig.BucketBytes, ZeroOneAdamConfig.BucketBytes): 25
+// MiB, like PyTorch DDP's bucket_cap_mb.
+const DefaultBucketBytes = 25 << 20
+
+// PerParameter, as a bucket size (AdamConfig.BucketBytes,
+// ZeroOneAdamConfig.BucketBytes), compresses every parameter on its own,
+// with its own scale and error feedback: one collective per parameter, and
+// the checkpoint names of the error buffers are those of lowbit before
+// buckets (WorkerErrorPrefix and ServerErrorPrefix followed by the
+// parameter's name), so such checkpoints load.
+const PerParameter = -1
+
+// Checkpoint entries of the fused buckets of 1-bit Adam and 0/1 Adam.
+const (
+	// IntBucketBytes is the bucket size the error buffers were made for;
+	// IntBuckets the number of buckets. A checkpoint without them holds
+	// one error buffer pair per parameter (made before buckets).
+	IntBucketBytes = "bucket_bytes"
+	IntBuckets     = "buckets"
+)
+
+// BucketWorkerErrorName and BucketServerErrorName name bucket k's error
+// buffers in a checkpoint. They follow optim's naming rule for error
+// buffers (optim.IsErrorBuffer), which optim.Checkpoint.ResetErrors drops.
+func BucketWorkerErrorName(k int) string { return WorkerErrorPrefix + "bucket:" + strconv.Itoa(k) }
+
+// BucketServerErrorName: see BucketWorkerErrorName.
+func BucketServerErrorName(k int) string { return ServerErrorPrefix + "bucket:" + strconv.Itoa(k) }
+
+// buckets cuts the parameters' flat buffer (every parameter's elements, in
+// order) into contiguous buckets of at most bytes/4 elements, each
+// compressed by its own AllReduce with its own error feedback. One
+// collective per bucket replaces one per parameter, which is what makes
+// models of many small tensors cheap to communicate.
+type buckets struct {
+	bytes  int
+	bounds []int    // bucket k is flat[bounds[k]:bounds[k+1]]
+	states []*State // per bucket
+	names  []string // PerParameter: the parameter of each bucket
+}
+
+// checkBucketBytes validates a configured bucket size; 0 is the default.
+func checkBucketBytes(b int) error {
+	if b != PerParameter && (b < 0 || (b > 0 && b < 4)) {
+		return fmt.Errorf("bucket size %d bytes must be 0 (the default, %d), PerParameter (-1) or at least 4", b, DefaultBucketBytes)
+	}
+	return nil
+}
+
+// newBuckets makes the buckets of the flat buffer of params, whose
+// elements are the parameters' in order, on world ranks (bytes 0:
+// DefaultBucketBytes; PerParameter: one bucket per parameter). With one
+// rank nothing is communicated and there are no buckets.
+func newBuckets(params []*optim.Param, world, bytes int) (*buckets, error) {
+	if bytes == 0 {
+		bytes = DefaultBucketBytes
+	}
+	b := &buckets{bytes: bytes}
+	n := 0
+	for _, p := range params {
+		n += p.Numel()
+	}
+	if world < 2 || n == 0 {
+		return b, nil
+	}
+	add := func(lo, hi int) error {
+		st, err := NewState(hi-lo, world)
+		if err != nil {
+			return err
+		}
+		b.bounds = append(b.bounds, lo)
+		b.states = append(b.states, st)
+		return nil
+	}
+	if bytes == PerParameter {
+		lo := 0
+		for _, p := range params {
+			if err := add(lo, lo+p.Numel()); err != nil {
+				return nil, err
+			}
+			b.names = append(b.names, p.Name)
+			lo += p.Numel()
+		}
+	} else {
+		per := max(bytes/4, 1)
+		for lo := 0; lo < n; lo += per {
+			if err := add(lo, min(lo+per, n)); err != nil {
+				return nil, err
+			}
+		}
+	}
+	b.bounds = append(b.bounds, n)
+	return b, nil
+}
+
+// errorNames returns the checkpoint names of bucket k's error buffers.
+func (b *buckets) errorNames(k int) (worker, server string) {
+	if b.names != nil {
+		return WorkerErrorPrefix + b.names[k], ServerErrorPrefix + b.names[k]
+	}
+	return BucketWorkerErrorName(k), BucketServerErrorName(k)
+}
+
+// allReduce runs the compressed allreduce of every bucket of flat.
+func (b *buckets) allReduce(ctx context.Context, c comm.Comm, flat []float32) error {
+	for k, st := range b.states {
+		if err := AllReduce(ctx, c, flat[b.bounds[k]:b.bounds[k+1]], st); err != nil {
+			return fmt.Errorf("bucket %d of %d: %w", k, len(b.states), err)
+		}
+	}
+	return nil
+}
+
+// reset zeroes every bucket's error buffers.
+func (b *buckets) reset() {
+	for _, st := range b.states {
+		st.Reset()
+	}
+}
+
+// save adds the buckets and their error buffers to ck.
+func (b *buckets) save(ck *optim.Checkpoint) {
+	ck.Ints[IntBucketBytes] = int64(b.bytes)
+	ck.Ints[IntBuckets] = int64(len(b.states))
+	for k, st := range b.states {
+		wn, sn := b.errorNames(k)
+		ck.AddTensor(wn, []int{len(st.WorkerError)}, st.WorkerError)
+		ck.AddTensor(sn, []int{len(st.ServerError)}, st.ServerError)
+	}
+}
+
+// check refuses a checkpoint whose error buffers do not fit these buckets:
+// one made before buckets (per-parameter buffers) or with another bucket
+// size. A checkpoint whose errors were reset on request fits any buckets.
+func (b *buckets) check(ck *optim.Checkpoint) error {
+	if len(b.states) == 0 || ck.ErrorsReset {
+		return nil
+	}
+	size, okSize := ck.Ints[IntBucketBytes]
+	count, okCount := ck.Ints[IntBuckets]
+	switch {
+	case b.bytes == PerParameter && (!okSize || size == PerParameter):
+		// Per-parameter buffers, named by parameter, as before buckets;
+		// restore checks their names and lengths.
+		return nil
+	case !okSize || !okCount:
+		return fmt.Errorf("%w: its error buffers are per parameter (made before fused buckets); "+
+			"set BucketBytes to PerParameter to load it as it is, or load ck.ResetErrors() to continue with the error feedback restarted from zero",
+			optim.ErrIncompatibleCheckpoint)
+	case size == PerParameter:
+		return fmt.Errorf("%w: its error buffers are per parameter (BucketBytes PerParameter), this optimizer has %d buckets of %d bytes; "+
+			"use the same BucketBytes, or load ck.ResetErrors() to restart the error feedback",
+			optim.ErrIncompatibleCheckpoint, len(b.states), b.bytes)
+	case size != int64(b.bytes) || count != int64(len(b.states)):
+		return fmt.Errorf("%w: made with %d buckets of %d bytes, this optimizer has %d of %d; "+
+			"use the same BucketBytes, or load ck.ResetErrors() to restart the error feedback",
+			optim.ErrIncompatibleCheckpoint, count, size, len(b.states), b.bytes)
+	}
+	return nil
+}
+
+// restore stages the error buffers of ck for rs (after check).
+func (b *buckets) restore(ck *optim.Checkpoint, rs *optim.Restore) {
+	if ck.ErrorsReset {
+		return
+	}
+	for k, st := range b.states {
+		wn, sn := b.errorNames(k)
+		rs.Tensor(wn, st.WorkerError)
+		rs.Tensor(sn, st.ServerError)
+	}
+}
+
+// flatten returns one buffer of the lengths of parts, in order, and parts
+// re-pointed as views into it.
+func flatten(sizes []int) (flat []float32, parts [][]float32) {
+	n := 0
+	for _, s := range sizes {
+		n += s
+	}
+	flat = make([]float32, n)
+	parts = make([][]float32, len(sizes))
+	off := 0
+	for i, s := range sizes {
+		parts[i] = flat[off : off+s : off+s]
+		off += s
+	}
+	return flat, parts
+}

@@ -1,0 +1,273 @@
+package onebit_test
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"testing"
+	"unsafe"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/accel"
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/internal/conformance"
+	"github.com/lowbit-ml/lowbit/onebit"
+)
+
+func f32bytes(p []float32) []byte {
+	if len(p) == 0 {
+		return []byte{}
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&p[0])), 4*len(p))
+}
+
+// deviceRank is one rank's tensor and state on a device.
+type deviceRank struct {
+	dev accel.Device
+	buf accel.Span
+	st  *onebit.DeviceState
+}
+
+func newDeviceRank(t testing.TB, dev accel.Device, n, w int) *deviceRank {
+	b, err := dev.Alloc(4 * n)
+	require.NoError(t, err)
+	st, err := onebit.NewDeviceState(dev, n, w)
+	require.NoError(t, err)
+	return &deviceRank{dev: dev, buf: accel.Whole(b), st: st}
+}
+
+// step runs one device allreduce of in and returns the output and both
+// error buffers, copied to the host.
+func (d *deviceRank) step(ctx context.Context, c comm.Comm, in []float32) (out, worker, server []float32, err error) {
+	if err := d.dev.CopyIn(d.buf, f32bytes(in)); err != nil {
+		return nil, nil, nil, err
+	}
+	if err := onebit.AllReduceDevice(ctx, c, d.buf, d.st); err != nil {
+		return nil, nil, nil, err
+	}
+	out = make([]float32, len(in))
+	if err := d.dev.CopyOut(f32bytes(out), d.buf); err != nil {
+		return nil, nil, nil, err
+	}
+	worker = make([]float32, d.st.WorkerError().Elems())
+	server = make([]float32, d.st.ServerError().Elems())
+	return out, worker, server, d.st.Errors(worker, server)
+}
+
+// sameBits returns an error naming the first element of got that is not
+// bit for bit want's. (The ranks run on goroutines: they return errors
+// rather than stop the test.)
+func sameBits(what string, want, got []float32) error {
+	if len(got) != len(want) {
+		return fmt.Errorf("%s: length %d, host path %d", what, len(got), len(want))
+	}
+	for i := range want {
+		if math.Float32bits(want[i]) != math.Float32bits(got[i]) {
+			return fmt.Errorf("%s[%d] = %g (%#08x), host path %g (%#08x): not bit-identical",
+				what, i, got[i], math.Float32bits(got[i]), want[i], math.Float32bits(want[i]))
+		}
+	}
+	return nil
+}
+
+// TestAllReduceDeviceMatchesHost runs AllReduce and AllReduceDevice (on the
+// CPU device) side by side on the same inputs for several steps: outputs
+// and both error buffers must be bit-identical.
+func TestAllReduceDeviceMatchesHost(t *testing.T) {
+	for _, w := range []int{1, 2, 3, 4, 8} {
+		for _, n := range []int{1, 7, 8, 100, 1000, 4099} {
+			t.Run(fmt.Sprintf("w%d/n%d", w, n), func(t *testing.T) {
+				err := local.Run(ctxT(t), w, func(ctx context.Context, c comm.Comm) error {
+					r := c.Rank()
+					rng := rand.New(rand.NewPCG(uint64(n), uint64(r)))
+					host, err := onebit.NewState(n, w)
+					if err != nil {
+						return err
+					}
+					dev := newDeviceRank(t, accel.NewCPU(), n, w)
+					defer dev.st.Close()
+					for k := 0; k < 4; k++ {
+						in := randn(rng, n)
+						if k == 2 && n > 4 { // zeros and signed zeros take the +1 branch
+							in[0], in[1] = 0, float32(math.Copysign(0, -1))
+						}
+						buf := append([]float32(nil), in...)
+						if err := onebit.AllReduce(ctx, c, buf, host); err != nil {
+							return err
+						}
+						out, worker, server, err := dev.step(ctx, c, in)
+						if err != nil {
+							return err
+						}
+						if err := sameBits(fmt.Sprintf("rank %d step %d output", r, k), buf, out); err != nil {
+							return err
+						}
+						if err := sameBits(fmt.Sprintf("rank %d step %d worker error", r, k), host.WorkerError, worker); err != nil {
+							return err
+						}
+						if err := sameBits(fmt.Sprintf("rank %d step %d server error", r, k), host.ServerError, server); err != nil {
+							return err
+						}
+					}
+					return nil
+				})
+				require.NoError(t, err)
+			})
+		}
+	}
+}
+
+// TestAllReduceDeviceConformance replays the conformance traces through
+// AllReduceDevice on the CPU device: within the spec's tolerance of the
+// reference, and bit-identical to AllReduce.
+func TestAllReduceDeviceConformance(t *testing.T) {
+	cases, err := conformance.Load(conformance.Dir())
+	require.NoError(t, err)
+	ran := 0
+	for _, cs := range cases {
+		if cs.Kind != "onebit" {
+			continue
+		}
+		ran++
+		t.Run(cs.Name, func(t *testing.T) {
+			err := local.Run(ctxT(t), cs.World, func(ctx context.Context, c comm.Comm) error {
+				r := c.Rank()
+				host, err := onebit.NewState(cs.Numel, cs.World)
+				if err != nil {
+					return err
+				}
+				dev := newDeviceRank(t, accel.NewCPU(), cs.Numel, cs.World)
+				defer dev.st.Close()
+				for k, step := range cs.Steps {
+					in := conformance.Floats(step.Inputs[r])
+					out, worker, server, err := dev.step(ctx, c, in)
+					if err != nil {
+						return fmt.Errorf("step %d: %w", k, err)
+					}
+					if err := conformance.CompareFloats(fmt.Sprintf("step %d output", k), out, step.Output); err != nil {
+						return err
+					}
+					if err := conformance.CompareFloats(fmt.Sprintf("step %d worker error", k), worker, step.WorkerError[r]); err != nil {
+						return err
+					}
+					if err := conformance.CompareFloats(fmt.Sprintf("step %d server error", k), server, step.ServerError[r]); err != nil {
+						return err
+					}
+					buf := append([]float32(nil), in...)
+					if err := onebit.AllReduce(ctx, c, buf, host); err != nil {
+						return err
+					}
+					if err := sameBits(fmt.Sprintf("step %d output", k), buf, out); err != nil {
+						return err
+					}
+					if err := sameBits(fmt.Sprintf("step %d worker error", k), host.WorkerError, worker); err != nil {
+						return err
+					}
+					if err := sameBits(fmt.Sprintf("step %d server error", k), host.ServerError, server); err != nil {
+						return err
+					}
+				}
+				return nil
+			})
+			require.NoError(t, err)
+		})
+	}
+	require.GreaterOrEqual(t, ran, 5, "every onebit vector must run")
+}
+
+func TestAllReduceDeviceBadInput(t *testing.T) {
+	ctx := ctxT(t)
+	cs, err := local.New(2)
+	require.NoError(t, err)
+	dev := accel.NewCPU()
+	st, err := onebit.NewDeviceState(dev, 10, 2)
+	require.NoError(t, err)
+	b11, err := dev.Alloc(4 * 11)
+	require.NoError(t, err)
+	b10, err := dev.Alloc(4 * 10)
+	require.NoError(t, err)
+
+	assert.ErrorContains(t, onebit.AllReduceDevice(ctx, cs[0], accel.Whole(b11), st), "state made for 10 elements")
+	assert.ErrorContains(t, onebit.AllReduceDevice(ctx, cs[0], accel.Whole(b10), nil), "nil state")
+	st4, err := onebit.NewDeviceState(dev, 10, 4)
+	require.NoError(t, err)
+	assert.ErrorContains(t, onebit.AllReduceDevice(ctx, cs[0], accel.Whole(b10), st4), "on 4 ranks")
+
+	// A tensor on another device, or a span past the end of its buffer:
+	// an error before anything is communicated.
+	other, err := accel.NewCPU().Alloc(4 * 10)
+	require.NoError(t, err)
+	assert.ErrorContains(t, onebit.AllReduceDevice(ctx, cs[0], accel.Whole(other), st), "another device")
+	assert.ErrorContains(t, onebit.AllReduceDevice(ctx, cs[0], accel.Span{Buf: b10, Off: 4, Len: 40}, st), "out of a 40-byte buffer")
+
+	// Host copies of the errors with the wrong length.
+	assert.Error(t, st.Errors(make([]float32, 3), make([]float32, 8)))
+	assert.Error(t, st.SetErrors(make([]float32, 16), make([]float32, 3)))
+
+	_, err = onebit.NewDeviceState(nil, 10, 2)
+	assert.Error(t, err)
+	_, err = onebit.NewDeviceState(dev, -1, 2)
+	assert.Error(t, err)
+
+	// A freed state and a closed device give errors, not crashes.
+	require.NoError(t, st.Close())
+	assert.ErrorIs(t, onebit.AllReduceDevice(ctx, cs[0], accel.Whole(b10), st), accel.ErrFreed)
+	require.NoError(t, dev.Close())
+	_, err = onebit.NewDeviceState(dev, 10, 2)
+	assert.Error(t, err)
+}
+
+// TestAllReduceDeviceMismatchedSizes: ranks whose tensors differ get an
+// error on every rank, as with AllReduce.
+func TestAllReduceDeviceMismatchedSizes(t *testing.T) {
+	sizes := [2]int{5, 6}
+	err := local.Run(ctxT(t), 2, func(ctx context.Context, c comm.Comm) error {
+		d := newDeviceRank(t, accel.NewCPU(), sizes[c.Rank()], 2)
+		err := onebit.AllReduceDevice(ctx, c, d.buf, d.st)
+		var me *comm.MismatchError
+		require.ErrorAs(t, err, &me, "rank %d", c.Rank())
+		return nil
+	})
+	require.NoError(t, err)
+}
+
+func TestAllReduceDeviceEmptyAndReset(t *testing.T) {
+	cs, err := local.New(1)
+	require.NoError(t, err)
+	d := newDeviceRank(t, accel.NewCPU(), 0, 1)
+	require.NoError(t, onebit.AllReduceDevice(ctxT(t), cs[0], d.buf, d.st))
+
+	d = newDeviceRank(t, accel.NewCPU(), 5, 1)
+	require.NoError(t, d.st.SetErrors([]float32{1, 2, 3, 4, 5, 6, 7, 8}, []float32{1, 2, 3, 4, 5, 6, 7, 8}))
+	require.NoError(t, d.st.Reset())
+	worker, server := make([]float32, 8), make([]float32, 8)
+	require.NoError(t, d.st.Errors(worker, server))
+	assert.Equal(t, make([]float32, 8), worker)
+	assert.Equal(t, make([]float32, 8), server)
+}
+
+func TestAllReduceDeviceAllocs(t *testing.T) {
+	const w, n = 2, 4096
+	cs, err := local.New(w)
+	require.NoError(t, err)
+	ctx := context.Background()
+	ranks := make([]*deviceRank, w)
+	for r := range ranks {
+		ranks[r] = newDeviceRank(t, accel.NewCPU(), n, w)
+		require.NoError(t, ranks[r].dev.CopyIn(ranks[r].buf, f32bytes(randn(rand.New(rand.NewPCG(3, uint64(r))), n))))
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := 0; i < 101; i++ {
+			_ = onebit.AllReduceDevice(ctx, cs[1], ranks[1].buf, ranks[1].st)
+		}
+	}()
+	allocs := testing.AllocsPerRun(100, func() { _ = onebit.AllReduceDevice(ctx, cs[0], ranks[0].buf, ranks[0].st) })
+	<-done
+	assert.Zero(t, allocs)
+}

@@ -1,0 +1,393 @@
+package optim
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"slices"
+
+	"go.uber.org/zap"
+
+	"github.com/lowbit-ml/lowbit/comm"
+)
+
+// Checkpoint names of the learning-rate state every optimizer stores
+// through its Frame.
+const (
+	// FloatLR is the fixed learning rate: the config's, or the last
+	// SetLR's (also while a schedule is set, which overrides it).
+	FloatLR = "lr"
+	// IntLRSchedule is the fingerprint of the schedule (see
+	// ScheduleFingerprint), 0 for a fixed learning rate.
+	IntLRSchedule = "lr_schedule"
+)
+
+// StepFunc applies update t (counted from 1 over the applied steps;
+// skipped steps do not count) with learning rate lr. A Frame calls it
+// once every rank's gradients are known to be finite. An error leaves the
+// optimizer in an undefined state (after a communicator error, say): the
+// frame does not count the step.
+type StepFunc func(ctx context.Context, t int64, lr float32) error
+
+// FrameConfig describes the optimizer a Frame runs.
+type FrameConfig struct {
+	// Name prefixes every error of Step, e.g. "optim: Adam" or
+	// "onebit: 1-bit LAMB".
+	Name string
+	// Algorithm is the checkpoint algorithm name (AlgorithmAdam, ...),
+	// written into checkpoints and log lines.
+	Algorithm string
+	// Comm is the group the optimizer runs on; nil means one process.
+	Comm comm.Comm
+	// Params are the optimizer's parameters.
+	Params []*Param
+	// Sizes holds, per parameter, a buffer the optimizer sized from it at
+	// construction: Step refuses to run when a parameter's value or
+	// gradient no longer holds that many elements (see CheckSizes).
+	Sizes [][]float32
+	// LR is the initial fixed learning rate (the config's).
+	LR float32
+	// Stage is the stage of the first step.
+	Stage Stage
+	// Logger receives a warning for every skipped step and an info line
+	// for every stage switch and checkpoint load. Nil: zap.NewNop().
+	Logger *zap.Logger
+	// Averager, when not nil, is the optimizer's gradient averager:
+	// checkpoints record its mode (IntGradReduce), and loading one made
+	// in another mode logs a warning (the mode is a setting, not state:
+	// the load goes ahead, but the following steps round differently
+	// from the run that made the checkpoint).
+	Averager *GradAverager
+}
+
+// Frame is the part of an optimizer step that every lowbit optimizer
+// shares, present and future: it checks that the parameters still have the
+// sizes the optimizer was built for, takes the step's learning rate (fixed
+// or from a Schedule), agrees with every rank on whether all gradients are
+// finite (one tiny allreduce; see FiniteGuard), skips and counts the step
+// when they are not, otherwise dispatches to the update of the current
+// stage (see Handle), and accounts the traffic and the counters of Stats.
+// It also writes and checks the shared part of checkpoints: header, step
+// counters, stage and learning-rate state (see Checkpoint, CheckLoad and
+// Restore).
+//
+// An optimizer embeds or holds one Frame, registers a StepFunc per stage
+// with Handle, and implements Step, Stats, SetLR, SetSchedule and LR by
+// calling the frame's. A Frame is used by one goroutine at a time; Step
+// allocates nothing.
+type Frame struct {
+	name, algorithm string
+	c               comm.Comm
+	world, rank     int
+	params          []*Param
+	sizes           [][]float32
+	log             *zap.Logger
+	guard           FiniteGuard
+	avg             *GradAverager
+
+	lr    float32  // the fixed learning rate
+	sched Schedule // overrides lr when not nil
+
+	stages []Stage
+	fns    []StepFunc
+
+	step  int64 // steps applied
+	stage Stage
+	stats Stats
+}
+
+// NewFrame returns a frame for cfg, in stage cfg.Stage with no step taken.
+// It keeps cfg.Params and cfg.Sizes (not copies).
+func NewFrame(cfg FrameConfig) *Frame {
+	f := &Frame{
+		name:      cfg.Name,
+		algorithm: cfg.Algorithm,
+		c:         cfg.Comm,
+		world:     1,
+		params:    cfg.Params,
+		sizes:     cfg.Sizes,
+		log:       cfg.Logger,
+		lr:        cfg.LR,
+		stage:     cfg.Stage,
+		avg:       cfg.Averager,
+	}
+	if f.log == nil {
+		f.log = zap.NewNop()
+	}
+	if f.c != nil {
+		f.world, f.rank = f.c.Size(), f.c.Rank()
+	}
+	return f
+}
+
+// Handle registers fn as the update of the steps taken in stage s,
+// replacing any earlier one.
+func (f *Frame) Handle(s Stage, fn StepFunc) {
+	if i := slices.Index(f.stages, s); i >= 0 {
+		f.fns[i] = fn
+		return
+	}
+	f.stages = append(f.stages, s)
+	f.fns = append(f.fns, fn)
+}
+
+// Step runs one step; every rank calls it together. In order: the size
+// check; the learning rate of step t = Applied()+1 (an invalid scheduled
+// one is an error before anything is communicated or changed); the
+// finite-gradient agreement; then either a skip (Stats.Steps and
+// Stats.Skipped counted, a warning logged, nothing else changed) or the
+// stage's StepFunc, after which t counts as applied, unless it returned
+// ErrSkipStep (then the step is skipped as above). The traffic of the
+// call is accounted in Stats either way. Errors are prefixed with the
+// frame's name and the step.
+func (f *Frame) Step(ctx context.Context) error {
+	before := f.bytesSent()
+	if err := CheckSizes(f.params, f.sizes); err != nil {
+		return fmt.Errorf("%s: %w", f.name, err)
+	}
+	t := f.step + 1
+	lr := f.lr
+	if f.sched != nil {
+		lr = f.sched.LR(t)
+		if err := CheckLR(lr); err != nil {
+			return fmt.Errorf("%s step %d: schedule %s: %w", f.name, t, f.sched, err)
+		}
+	}
+	i := slices.Index(f.stages, f.stage)
+	if i < 0 {
+		return fmt.Errorf("%s step %d: no update registered for stage %q", f.name, t, f.stage)
+	}
+	ok, err := f.guard.Check(ctx, f.c, f.params)
+	if err != nil {
+		return fmt.Errorf("%s step %d: %w", f.name, t, err)
+	}
+	if !ok {
+		f.skip(before, t, nil)
+		return nil
+	}
+	if err := f.fns[i](ctx, t, lr); err != nil {
+		if errors.Is(err, ErrSkipStep) {
+			f.skip(before, t, err)
+			return nil
+		}
+		f.account(before)
+		return fmt.Errorf("%s step %d: %w", f.name, t, err)
+	}
+	f.step = t
+	f.stats.Steps++
+	f.account(before)
+	return nil
+}
+
+// skip counts step t as skipped; why is nil for a non-finite gradient.
+func (f *Frame) skip(before, t int64, why error) {
+	f.stats.Steps++
+	f.stats.Skipped++
+	f.account(before)
+	if why == nil {
+		f.log.Warn("skipping step: non-finite gradient on some rank",
+			zap.String("algorithm", f.algorithm), zap.Int64("step", t), zap.Int64("skipped", f.stats.Skipped))
+		return
+	}
+	f.log.Warn("skipping step", zap.String("algorithm", f.algorithm), zap.Int64("step", t),
+		zap.Int64("skipped", f.stats.Skipped), zap.String("reason", why.Error()))
+}
+
+// bytesSent is what this rank has sent so far on the group and on the
+// averager's own communicators.
+func (f *Frame) bytesSent() int64 { return CommBytes(f.c) + f.avg.bytesSent() }
+
+func (f *Frame) account(before int64) {
+	f.stats.LastStepBytes = f.bytesSent() - before
+	f.stats.BytesSent += f.stats.LastStepBytes
+}
+
+// Enter switches to stage s from the next step on. Called from a StepFunc,
+// it logs the switch as happening after the step being applied.
+func (f *Frame) Enter(s Stage) {
+	if s == f.stage {
+		return
+	}
+	f.log.Info("stage switch", zap.String("algorithm", f.algorithm),
+		zap.String("from", string(f.stage)), zap.String("to", string(s)), zap.Int64("after_step", f.step+1))
+	f.stage = s
+}
+
+// Stage is the stage the next step runs in.
+func (f *Frame) Stage() Stage { return f.stage }
+
+// Applied is the number of steps applied (skipped steps excluded): the t
+// of the last update, and of bias correction.
+func (f *Frame) Applied() int64 { return f.step }
+
+// Stats reports progress and traffic, with Stage the stage of the next
+// step.
+func (f *Frame) Stats() Stats {
+	s := f.stats
+	s.Stage = f.stage
+	return s
+}
+
+// Comm is the frame's communicator (nil for one process).
+func (f *Frame) Comm() comm.Comm { return f.c }
+
+// World and Rank are the group size and this rank (1 and 0 without a
+// communicator).
+func (f *Frame) World() int { return f.world }
+
+// Rank is this rank's index in the group.
+func (f *Frame) Rank() int { return f.rank }
+
+// Params returns the parameters.
+func (f *Frame) Params() []*Param { return f.params }
+
+// Logger returns the frame's logger (never nil).
+func (f *Frame) Logger() *zap.Logger { return f.log }
+
+// SetLR implements LRSetter.SetLR.
+func (f *Frame) SetLR(lr float32) error {
+	if err := CheckLR(lr); err != nil {
+		return fmt.Errorf("%s: %w", f.name, err)
+	}
+	f.lr, f.sched = lr, nil
+	return nil
+}
+
+// SetSchedule implements LRSetter.SetSchedule: s is tried on the next
+// step before it is accepted.
+func (f *Frame) SetSchedule(s Schedule) error {
+	if s != nil {
+		if err := CheckLR(s.LR(f.step + 1)); err != nil {
+			return fmt.Errorf("%s: schedule %s at step %d: %w", f.name, s, f.step+1, err)
+		}
+	}
+	f.sched = s
+	return nil
+}
+
+// LR implements LRSetter.LR: the schedule's learning rate for the next
+// step, or the fixed one.
+func (f *Frame) LR() float32 {
+	if f.sched != nil {
+		return f.sched.LR(f.step + 1)
+	}
+	return f.lr
+}
+
+// Schedule returns the schedule, nil for a fixed learning rate.
+func (f *Frame) Schedule() Schedule { return f.sched }
+
+// Checkpoint returns a checkpoint holding the frame's part of the state:
+// algorithm, world size, rank, stage, the counters IntStep, IntSteps and
+// IntSkipped, the learning-rate entries FloatLR and IntLRSchedule, and
+// with an Averager its mode (IntGradReduce). The optimizer adds its
+// tensors and its own entries.
+func (f *Frame) Checkpoint() *Checkpoint {
+	ck := &Checkpoint{
+		Algorithm: f.algorithm,
+		World:     f.world,
+		Rank:      f.rank,
+		Stage:     f.stage,
+		Ints: map[string]int64{
+			IntStep: f.step, IntSteps: f.stats.Steps, IntSkipped: f.stats.Skipped,
+			IntLRSchedule: ScheduleFingerprint(f.sched),
+		},
+		Floats: map[string]float64{FloatLR: float64(f.lr)},
+	}
+	if f.avg != nil {
+		ck.Ints[IntGradReduce] = int64(f.avg.Mode())
+	}
+	return ck
+}
+
+// FrameState is the frame's part of a checkpoint, read and checked by
+// CheckLoad and applied by Restore.
+type FrameState struct {
+	Step    int64 // steps applied
+	Steps   int64 // Stats.Steps
+	Skipped int64 // Stats.Skipped
+	Stage   Stage
+
+	lr    float32
+	hasLR bool
+	mode  ReduceMode
+}
+
+// CheckLoad checks, without changing anything, that ck can be loaded into
+// the frame's optimizer: ck.CheckCompatible for the frame's algorithm,
+// world size and parameters; a stage among stages; consistent counters
+// (see LoadCounters); and the learning-rate state. It returns what Restore
+// applies once the optimizer has restored (Checkpoint.Restore) the rest.
+// Errors wrap ErrIncompatibleCheckpoint and are not prefixed with the
+// frame's name.
+//
+// Learning rate: a checkpoint made with a schedule (IntLRSchedule not 0)
+// loads only into an optimizer with a schedule of the same fingerprint,
+// and one made with a fixed learning rate (IntLRSchedule 0) only into an
+// optimizer without a schedule, which then takes its FloatLR. A checkpoint
+// without these entries (made before they existed) loads into any
+// optimizer, which keeps its own learning rate or schedule (the config's
+// LR unless SetLR or SetSchedule changed it). To change the schedule on
+// purpose when resuming, delete the two entries from the checkpoint.
+//
+// Reduction mode: an unknown IntGradReduce is refused; a known one that
+// differs from the Averager's is accepted, and Restore logs a warning.
+func (f *Frame) CheckLoad(ck *Checkpoint, stages ...Stage) (FrameState, error) {
+	var st FrameState
+	if err := ck.CheckCompatible(f.algorithm, f.world, f.params); err != nil {
+		return st, err
+	}
+	if !slices.Contains(stages, ck.Stage) {
+		return st, fmt.Errorf("%w: unknown stage %q for %s (want one of %q)", ErrIncompatibleCheckpoint, ck.Stage, f.algorithm, stages)
+	}
+	var err error
+	if st.Step, st.Steps, st.Skipped, err = LoadCounters(ck); err != nil {
+		return st, err
+	}
+	st.Stage = ck.Stage
+	if fp, ok := ck.Ints[IntLRSchedule]; ok {
+		own := ScheduleFingerprint(f.sched)
+		switch {
+		case fp == own:
+		case fp == 0:
+			return st, fmt.Errorf("%w: made with a fixed learning rate, this optimizer has schedule %s (to switch on purpose, delete the checkpoint's %q and %q entries)",
+				ErrIncompatibleCheckpoint, f.sched, IntLRSchedule, FloatLR)
+		case own == 0:
+			return st, fmt.Errorf("%w: made with a learning-rate schedule (fingerprint %016x), this optimizer has a fixed learning rate: SetSchedule the same schedule before Load (or delete the checkpoint's %q and %q entries)",
+				ErrIncompatibleCheckpoint, uint64(fp), IntLRSchedule, FloatLR)
+		default:
+			return st, fmt.Errorf("%w: made with another learning-rate schedule (fingerprint %016x), this optimizer has %s (fingerprint %016x)",
+				ErrIncompatibleCheckpoint, uint64(fp), f.sched, uint64(own))
+		}
+	}
+	if lr, ok := ck.Floats[FloatLR]; ok {
+		if math.IsNaN(lr) || math.IsInf(lr, 0) || lr < 0 || float64(float32(lr)) != lr {
+			return st, fmt.Errorf("%w: learning rate %v is not a finite, non-negative float32", ErrIncompatibleCheckpoint, lr)
+		}
+		st.lr, st.hasLR = float32(lr), true
+	}
+	if st.mode, err = modeOf(ck); err != nil {
+		return st, err
+	}
+	return st, nil
+}
+
+// Restore applies what CheckLoad read: counters, stage and, when the
+// checkpoint holds it, the fixed learning rate. It logs the load.
+func (f *Frame) Restore(st FrameState) {
+	f.step = st.Step
+	f.stats.Steps, f.stats.Skipped = st.Steps, st.Skipped
+	f.stats.LastStepBytes = 0
+	f.stage = st.Stage
+	if st.hasLR {
+		f.lr = st.lr
+	}
+	f.log.Info("loaded checkpoint", zap.String("algorithm", f.algorithm),
+		zap.Int64("step", st.Step), zap.String("stage", string(st.Stage)))
+	if f.avg != nil && st.mode != f.avg.Mode() {
+		f.log.Warn("loaded a checkpoint made with another gradient reduction mode: resuming is not bit-identical",
+			zap.String("algorithm", f.algorithm), zap.String("checkpoint_mode", st.mode.String()),
+			zap.String("mode", f.avg.Mode().String()))
+	}
+}

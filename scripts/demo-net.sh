@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# demo-net.sh: the MNIST comparison, Adam against 1-bit Adam, on NP MPI
+# ranks that talk over a slow network (make demo-net). It prints each
+# optimizer's time to TARGET test accuracy and training wall time, and the
+# speedups of 1-bit Adam: on a slow link, time to accuracy is what
+# compression buys.
+#
+# The slow network is a network namespace whose loopback is shaped by a
+# token bucket (the spec page bench.md, "Bandwidth-limited runs"): every rank
+# runs inside it and talks over TCP on lo, so the qdisc caps the total
+# traffic of all ranks at RATE. The namespace is named lowbit-demo-PID, so
+# it never collides with bench-net's or another demo's, and it is deleted on
+# every exit, also on failure or interruption.
+#
+# Needs root (for the namespace and the qdisc), Open MPI (mpirun, and the
+# headers of libopenmpi-dev: the example is built with -tags mpi), ip and tc
+# from iproute2, and the MNIST files in DATA (make mnist-data fetches them;
+# make demo-net does that first).
+#
+# Settings (environment): RATE (1gbit), NP (4), DATA (data/mnist), TARGET
+# (0.97), MNIST_FLAGS (extra flags for examples/mnist, e.g. "-epochs 3"),
+# GO (go). The whole run takes about 4 minutes on a loaded 2-core machine:
+# Adam's exact allreduces dominate.
+set -euo pipefail
+
+RATE=${RATE:-1gbit}
+NP=${NP:-4}
+DATA=${DATA:-data/mnist}
+TARGET=${TARGET:-0.97}
+MNIST_FLAGS=${MNIST_FLAGS:-}
+GO=${GO:-go}
+
+die() { echo "demo-net: $*" >&2; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || die "cannot run: needs root, it creates a network namespace and a tc qdisc (run: sudo make demo-net)"
+command -v mpirun >/dev/null || die "cannot run: mpirun not found; install Open MPI (Debian: apt-get install -y openmpi-bin libopenmpi-dev)"
+pkg-config --exists ompi-c 2>/dev/null ||
+	die "cannot run: Open MPI headers not found (pkg-config ompi-c), needed to build with -tags mpi; install libopenmpi-dev"
+for tool in ip tc; do
+	command -v "$tool" >/dev/null || die "cannot run: $tool not found; install iproute2 (Debian: apt-get install -y iproute2)"
+done
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+case $DATA in /*) ;; *) DATA=$root/$DATA ;; esac
+for f in train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz t10k-images-idx3-ubyte.gz t10k-labels-idx1-ubyte.gz; do
+	[ -f "$DATA/$f" ] || die "cannot run: $DATA/$f missing; fetch MNIST first (make mnist-data)"
+done
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/lowbit-demo-net.XXXXXX")
+ns="lowbit-demo-$$"
+ns_made=
+cleanup() {
+	if [ -n "$ns_made" ]; then
+		ip netns del "$ns" 2>/dev/null || echo "demo-net: could not delete network namespace $ns" >&2
+	fi
+	rm -rf "$tmp"
+}
+# The run goes to the background so that a signal is handled at once: the
+# handler stops it, and the EXIT trap removes the namespace.
+child=
+on_signal() {
+	if [ -n "$child" ]; then
+		kill -TERM "$child" 2>/dev/null || true
+		wait "$child" 2>/dev/null || true
+	fi
+	exit "$1"
+}
+trap cleanup EXIT
+trap 'on_signal 130' INT
+trap 'on_signal 143' TERM
+
+echo "demo-net: building examples/mnist with -tags mpi"
+(cd "$root" && "$GO" build -tags mpi -o "$tmp/mnist" ./examples/mnist)
+
+echo "demo-net: network namespace $ns, loopback shaped to $RATE (tbf burst 256kb latency 50ms)"
+ip netns add "$ns"
+ns_made=1
+ip netns exec "$ns" ip link set lo up
+ip netns exec "$ns" tc qdisc add dev lo root tbf rate "$RATE" burst 256kb latency 50ms
+
+echo "demo-net: $NP MPI ranks over TCP on the shaped loopback: Adam, then 1-bit Adam from the same seed"
+# Waiting ranks yield the CPU (mpi_yield_when_idle): with more ranks than
+# cores, spinning ranks would otherwise steal it from computing ones.
+# shellcheck disable=SC2086 # MNIST_FLAGS is a list of flags
+ip netns exec "$ns" mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$NP" \
+	--mca mpi_yield_when_idle 1 --mca pml ob1 --mca btl tcp,self \
+	--mca btl_tcp_if_include lo --mca oob_tcp_if_include lo \
+	"$tmp/mnist" -backend mpi -compare -optimizer onebit-adam -data "$DATA" -target "$TARGET" -quiet $MNIST_FLAGS \
+	>"$tmp/mnist.out" 2>&1 &
+child=$!
+rc=0
+wait "$child" || rc=$?
+child=
+ip netns del "$ns"
+ns_made=
+cat "$tmp/mnist.out"
+[ "$rc" -eq 0 ] || die "the MNIST run failed (exit $rc)"
+
+# The example's table: "optimizer test-acc loss TT (step S) wall compute comm
+# compress sent", where TT is "-" when the target was not reached.
+awk -v rate="$RATE" -v np="$NP" -v target="$TARGET" '
+	function sec(s) { sub(/s$/, "", s); return s + 0 }
+	/^ *optimizer +test acc/ { table = 1; next }
+	table && NF == 0 { table = 0 }
+	table && ($1 == "adam" || $1 == "onebit-adam") {
+		name = $1
+		if ($4 == "-") { tt[name] = -1; i = 5 } else { tt[name] = sec($4); step[name] = $6; sub(/\)$/, "", step[name]); i = 7 }
+		wall[name] = sec($i); comm[name] = sec($(i + 2)); sent[name] = $(i + 4) " " $(i + 5)
+		acc[name] = $2
+	}
+	END {
+		if (!("adam" in wall) || !("onebit-adam" in wall)) { print "demo-net: could not read the results table" > "/dev/stderr"; exit 1 }
+		printf "\ndemo-net: MNIST, %d MPI ranks, loopback shaped to %s (all ranks share it)\n", np, rate
+		printf "%-12s %10s %8s %13s %9s %9s %12s\n", "optimizer", "test acc", "step", "to " 100 * target "%", "wall", "comm", "sent/worker"
+		for (k = 1; k <= 2; k++) {
+			n = k == 1 ? "adam" : "onebit-adam"
+			t = tt[n] < 0 ? "not reached" : sprintf("%.1fs", tt[n])
+			st = tt[n] < 0 ? "-" : step[n]
+			printf "%-12s %10s %8s %13s %8.1fs %8.1fs %12s\n", n, acc[n], st, t, wall[n], comm[n], sent[n]
+		}
+		printf "1-bit Adam vs Adam: wall time %.2fx faster", wall["adam"] / wall["onebit-adam"]
+		if (tt["adam"] > 0 && tt["onebit-adam"] > 0) {
+			s = tt["adam"] / tt["onebit-adam"]
+			verdict = s >= 2.5 ? "met" : "MISSED"
+			printf ", time to %g%% %.2fx faster (goal: 2.5x, %s)\n", 100 * target, s, verdict
+		} else {
+			printf "; time to %g%%: not reached by both, no ratio\n", 100 * target
+		}
+	}' "$tmp/mnist.out"

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# plan-calibrate.sh [OUT]: record the measurements that "lowbit plan" is
+# calibrated from and that its unit test checks it against (default OUT:
+# cmd/lowbit/testdata/plan/measured.json).
+#
+# For each shaped link rate (RATES, default "1gbit 250mbit") and each rank
+# count (RANKS, default "2 3 4") it runs "lowbit bench --backend mpi --json"
+# (exact allreduce and the 1-bit allreduce, sizes BEGIN..END x FACTOR) with
+# every rank inside a network namespace whose loopback is shaped by a token
+# bucket (see the spec page bench.md, "Bandwidth-limited runs"), REPEATS
+# times, the repeat loop outermost so that load drifting on a shared machine
+# hits every setting alike. Then it times the 1-bit allreduce without a
+# network (the local backend: compression, and the ranks' contention for
+# the CPUs) on 1 rank and on each rank count, COMPUTE_REPEATS times.
+#
+# The output is one JSON object: {"machine": ..., "link_sharing": "shared",
+# "burst_bytes": ..., "runs": [{"rate", "ranks", "repeat", "bench": <lowbit
+# bench --json>}...],
+# "compute": [<lowbit bench --json>...]}. "lowbit plan fit OUT" fits the
+# model to it and prints each point's prediction error.
+#
+# Needs root, Open MPI (mpirun, and libopenmpi-dev to build with -tags mpi),
+# ip and tc. The namespace is deleted on every exit, also on failure or
+# interruption. About 5 minutes with the defaults on a 2-core machine.
+#
+# Settings (environment): RATES, RANKS, REPEATS (3), BURST_KB (256: the tbf
+# burst in KiB, recorded because the model subtracts it), BEGIN (4K), END
+# (16M), FACTOR (4), WARMUP (1), ITERS (5), COMPUTE_REPEATS (3), GO (go).
+set -euo pipefail
+
+RATES=${RATES:-1gbit 250mbit}
+RANKS=${RANKS:-2 3 4}
+REPEATS=${REPEATS:-3}
+BURST_KB=${BURST_KB:-256}
+BEGIN=${BEGIN:-4K}
+END=${END:-16M}
+FACTOR=${FACTOR:-4}
+WARMUP=${WARMUP:-1}
+ITERS=${ITERS:-5}
+COMPUTE_REPEATS=${COMPUTE_REPEATS:-3}
+GO=${GO:-go}
+
+die() { echo "plan-calibrate: $*" >&2; exit 1; }
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${1:-$root/cmd/lowbit/testdata/plan/measured.json}
+
+[ "$(id -u)" -eq 0 ] || die "needs root: it creates a network namespace and a tc qdisc (run: sudo $0)"
+command -v mpirun >/dev/null || die "mpirun not found: install Open MPI (Debian: apt-get install -y openmpi-bin libopenmpi-dev)"
+pkg-config --exists ompi-c 2>/dev/null || die "Open MPI headers not found (pkg-config ompi-c): install libopenmpi-dev"
+for tool in ip tc; do
+	command -v "$tool" >/dev/null || die "$tool not found: install iproute2 (Debian: apt-get install -y iproute2)"
+done
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/lowbit-plan-calibrate.XXXXXX")
+ns="lowbit-plan-$$"
+ns_made=
+cleanup() {
+	if [ -n "$ns_made" ]; then
+		ip netns del "$ns" 2>/dev/null || echo "plan-calibrate: could not delete network namespace $ns" >&2
+	fi
+	rm -rf "$tmp"
+}
+child=
+on_signal() {
+	if [ -n "$child" ]; then
+		kill -TERM "$child" 2>/dev/null || true
+		wait "$child" 2>/dev/null || true
+	fi
+	exit "$1"
+}
+# run CMD... runs CMD in the background so that a signal is handled at once.
+run() {
+	local rc=0
+	"$@" &
+	child=$!
+	wait "$child" || rc=$?
+	child=
+	return "$rc"
+}
+trap cleanup EXIT
+trap 'on_signal 130' INT
+trap 'on_signal 143' TERM
+
+echo "plan-calibrate: building lowbit with -tags mpi"
+(cd "$root" && "$GO" build -tags mpi -o "$tmp/lowbit" ./cmd/lowbit)
+
+ip netns add "$ns"
+ns_made=1
+ip netns exec "$ns" ip link set lo up
+
+mpi=(mpirun --allow-run-as-root --oversubscribe --bind-to none --mca mpi_yield_when_idle 1
+	--mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo)
+bench=("$tmp/lowbit" bench --backend mpi --collective allreduce,onebit --json
+	--b "$BEGIN" --e "$END" --f "$FACTOR" --w "$WARMUP" --n "$ITERS")
+
+runs="$tmp/runs.jsonl"
+: >"$runs"
+start=$(date +%s)
+for rep in $(seq 1 "$REPEATS"); do
+	for rate in $RATES; do
+		ip netns exec "$ns" tc qdisc replace dev lo root tbf rate "$rate" burst "${BURST_KB}kb" latency 50ms
+		for np in $RANKS; do
+			echo "plan-calibrate: repeat $rep/$REPEATS, $rate, $np ranks ($(($(date +%s) - start)) s so far)"
+			run ip netns exec "$ns" "${mpi[@]}" -np "$np" "${bench[@]}" --ranks "$np" >"$tmp/bench.json"
+			{
+				printf '{"rate": "%s", "ranks": %d, "repeat": %d, "bench": ' "$rate" "$np" "$rep"
+				cat "$tmp/bench.json"
+				printf '}\n'
+			} >>"$runs"
+		done
+	done
+done
+ip netns del "$ns"
+ns_made=
+
+comp="$tmp/compute.jsonl"
+: >"$comp"
+echo "plan-calibrate: 1-bit allreduce without network (local backend, 1 $RANKS ranks), $COMPUTE_REPEATS repeats"
+for rep in $(seq 1 "$COMPUTE_REPEATS"); do
+	for np in 1 $RANKS; do
+		run "$tmp/lowbit" bench --backend local --ranks "$np" --collective onebit --json \
+			--b "$BEGIN" --e "$END" --f "$FACTOR" --w "$WARMUP" --n "$ITERS" >>"$comp"
+	done
+done
+
+# join FILE: the JSON values in FILE as the elements of an array.
+join() { awk 'BEGIN { printf "[" } /^[{]/ && NR > 1 { printf "," } { print } END { print "]" }' "$1"; }
+
+mkdir -p "$(dirname "$out")"
+{
+	printf '{"machine": {"cpus": %d, "model": "%s", "recorded": "%s"},\n' "$(nproc)" \
+		"$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1 | tr -d '"\\')" "$(date -u +%Y-%m-%dT%H:%MZ)"
+	printf '"link_sharing": "shared",\n"burst_bytes": %d,\n"runs": ' "$((BURST_KB * 1024))"
+	join "$runs"
+	printf ',\n"compute": '
+	join "$comp"
+	printf '}\n'
+} >"$out.tmp"
+mv "$out.tmp" "$out"
+echo "plan-calibrate: wrote $out ($(($(date +%s) - start)) s)"
