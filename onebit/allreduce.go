@@ -48,6 +48,7 @@ type State struct {
 	ServerError errorfeedback.Residual
 
 	numel, world int
+	chunkBytes   int // C/8: the packed bytes of one chunk
 	pieces       int // K: the pieces each chunk's bytes travel in (1: no pipelining)
 	pieceBytes   int // packed bytes of every piece of a chunk but the last
 
@@ -109,6 +110,7 @@ func NewState(numel, world int) (*State, error) {
 		header:      make([]byte, headerLen),
 		headers:     make([]byte, headerLen*world),
 		scales:      make([]float32, world),
+		chunkBytes:  c / 8,
 	}
 	st.setPieces(c/8/pieceTarget, world)
 	st.communicator = st.communicate
@@ -119,7 +121,7 @@ func NewState(numel, world int) (*State, error) {
 // one; one is no pipelining). Pieces are whole bytes, all pieceBytes long
 // but the last.
 func (st *State) setPieces(k, world int) {
-	chunkBytes := len(st.ServerError) / 8
+	chunkBytes := st.chunkBytes
 	k = max(1, min(k, maxPieces, chunkBytes))
 	st.pieceBytes = (chunkBytes + k - 1) / max(k, 1)
 	st.pieces = 1
@@ -281,7 +283,7 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 
 // pieceLen is the packed bytes per destination of piece p.
 func (st *State) pieceLen(p int) int {
-	return min(st.pieceBytes, len(st.ServerError)/8-p*st.pieceBytes)
+	return min(st.pieceBytes, st.chunkBytes-p*st.pieceBytes)
 }
 
 // sendPiece is where the packed bytes of piece p of chunk j go. The send

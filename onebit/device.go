@@ -29,16 +29,17 @@ type DeviceState struct {
 	worker      accel.Span // worker residual, N floats
 	serverErr   accel.Span // server residual, C floats
 	acc         accel.Span // server accumulator c, C floats
-	sendSigns   accel.Span // packed worker signs, N/8 bytes
-	recvSigns   accel.Span // chunks received in phase 1, N/8 bytes
+	sendSigns   accel.Span // packed worker signs, N/8 bytes, chunk after chunk
+	recvSigns   accel.Span // chunks received in phase 1, N/8 bytes, rank after rank
 	serverSigns accel.Span // packed server signs, C/8 bytes
-	allSigns    accel.Span // phase 2 records: W of C/8 packed bytes and a scale
+	allSigns    accel.Span // every rank's packed server chunk, N/8 bytes, rank after rank
 
-	// The same bytes on the host; hostServer is this rank's phase 2
-	// record (packed chunk, then scale) and hostAll every rank's.
-	hostSend, hostRecv, hostServer, hostAll []byte
-
-	wire State // the scale and length headers of exchangeScales only
+	// stage holds N/8 bytes on the host in the device's order (chunk
+	// after chunk) on their way between the device and the wire buffers
+	// of wire, which are laid out (pieces, headers) exactly as AllReduce's
+	// so that device and host ranks work together.
+	stage []byte
+	wire  State
 }
 
 // NewDeviceState allocates zeroed error buffers and scratch on dev for a
@@ -54,16 +55,22 @@ func NewDeviceState(dev accel.Device, numel, world int) (*DeviceState, error) {
 	c := n / world
 	st := &DeviceState{
 		dev: dev, numel: numel, world: world,
-		hostSend: make([]byte, n/8), hostRecv: make([]byte, n/8),
-		hostServer: make([]byte, c/8+4), hostAll: make([]byte, (c/8+4)*world),
-		wire: State{numel: numel, world: world, header: make([]byte, headerLen), headers: make([]byte, headerLen*world)},
+		stage: make([]byte, n/8),
+		wire: State{
+			numel: numel, world: world, chunkBytes: c / 8,
+			sendSigns: make([]byte, n/8), recvSigns: make([]byte, n/8),
+			serverMsg: make([]byte, 4+c/8), gathered: make([]byte, world*(4+c/8)),
+			header: make([]byte, headerLen), headers: make([]byte, headerLen*world),
+			scales: make([]float32, world),
+		},
 	}
+	st.wire.setPieces(c/8/pieceTarget, world)
 	for _, a := range []struct {
 		span  *accel.Span
 		bytes int
 	}{
 		{&st.worker, 4 * n}, {&st.serverErr, 4 * c}, {&st.acc, 4 * c},
-		{&st.sendSigns, n / 8}, {&st.recvSigns, n / 8}, {&st.serverSigns, c / 8}, {&st.allSigns, (c/8 + 4) * world},
+		{&st.sendSigns, n / 8}, {&st.recvSigns, n / 8}, {&st.serverSigns, c / 8}, {&st.allSigns, n / 8},
 	} {
 		b, err := dev.Alloc(a.bytes)
 		if err != nil {
@@ -143,11 +150,12 @@ func (s *DeviceState) Close() error {
 }
 
 // server runs the server side, steps 5-9, on the device: the received
-// chunks go to the device, are accumulated in ascending rank order,
-// compressed against the server error, and the packed signs come back to
-// the start of hostServer. It returns the server scale.
+// chunks (in stage, rank after rank) go to the device, are accumulated in
+// ascending rank order, compressed against the server error, and the
+// packed signs come back to the wire's phase 2 message after its scale.
+// It returns the server scale.
 func (s *DeviceState) server(dev accel.Device, w, chunkBytes int) (float32, error) {
-	if err := dev.CopyIn(s.recvSigns, s.hostRecv); err != nil {
+	if err := dev.CopyIn(s.recvSigns, s.stage); err != nil {
 		return 0, fmt.Errorf("onebit: received signs to device: %w", err)
 	}
 	if err := dev.UnpackScale(s.acc, s.recvSigns.Sub(0, chunkBytes), s.wire.scale(0)/float32(w)); err != nil {
@@ -163,10 +171,44 @@ func (s *DeviceState) server(dev accel.Device, w, chunkBytes int) (float32, erro
 	if err != nil {
 		return 0, fmt.Errorf("onebit: server compression: %w", err)
 	}
-	if err := dev.CopyOut(s.hostServer[:chunkBytes], s.serverSigns); err != nil {
+	if err := dev.CopyOut(s.wire.serverMsg[4:], s.serverSigns); err != nil {
 		return 0, fmt.Errorf("onebit: server signs to host: %w", err)
 	}
 	return scale, nil
+}
+
+// toWire copies the packed worker chunks from stage (chunk after chunk)
+// into the wire's phase 1 send buffer (piece-major).
+func (s *DeviceState) toWire() {
+	st := &s.wire
+	for p := range st.pieces {
+		for j := range s.world {
+			off := j*st.chunkBytes + p*st.pieceBytes
+			copy(st.sendPiece(p, j), s.stage[off:off+st.pieceLen(p)])
+		}
+	}
+}
+
+// fromWire gathers the wire's piece-major phase 1 receive buffer (phase
+// 1) or phase 2 messages (phase 2) into stage, rank after rank; phase 2
+// also leaves every rank's server scale in wire.scales.
+func (s *DeviceState) fromWire(phase2 bool) {
+	st := &s.wire
+	for p := range st.pieces {
+		for j := range s.world {
+			var b []byte
+			if phase2 {
+				b = st.msgPiece(p, j)
+				if p == 0 {
+					st.scales[j] = math.Float32frombits(binary.LittleEndian.Uint32(b))
+					b = b[4:]
+				}
+			} else {
+				b = st.recvPiece(p, j)
+			}
+			copy(s.stage[j*st.chunkBytes+p*st.pieceBytes:], b)
+		}
+	}
 }
 
 // floatBytes is the memory of p as bytes.
@@ -181,9 +223,11 @@ func floatBytes(p []float32) []byte {
 // replaces the numel float32 values of buf, a span on st's device, with the
 // error-compensated 1-bit compressed average over the ranks of c, and
 // updates the error buffers in st, which live on the same device. The
-// algorithm, the wire format and the traffic are AllReduce's; only the
-// packed chunks and the scales are copied to and from the host, and only
-// they cross the communicator.
+// algorithm, the wire format (pieces included) and the traffic are
+// AllReduce's, so ranks on devices and ranks on the host can be mixed in
+// one group; only the packed chunks and the scales are copied to and from
+// the host, and only they cross the communicator. The collectives are
+// issued one after the other (no overlap with the device's work).
 //
 // With the accel.CPU device the results are bit for bit AllReduce's. On
 // another device the signs are the same and the errors and the output agree
@@ -203,6 +247,7 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 		return st.Reset()
 	}
 	dev := st.dev
+	wire := &st.wire
 	n := st.worker.Elems()
 	chunkLen := n / w
 	chunkBytes := chunkLen / 8
@@ -212,50 +257,60 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 	if err != nil {
 		return fmt.Errorf("onebit: worker compression: %w", err)
 	}
-	if err := dev.CopyOut(st.hostSend, st.sendSigns); err != nil {
+	if err := dev.CopyOut(st.stage, st.sendSigns); err != nil {
 		return fmt.Errorf("onebit: worker signs to host: %w", err)
 	}
+	st.toWire()
 
-	// Phase 1: scales (with the length check), then the packed chunks.
-	// Once the header is through, every length of this call is agreed: the
-	// two collectives that follow skip the backend's argument check, as in
-	// AllReduce; a failure in between cancels that promise.
-	if err := st.wire.exchangeScales(ctx, c, workerScale); err != nil {
+	// Phase 1: scales (with the length check), then the packed chunks in
+	// AllReduce's pieces. Once the header is through, every length of this
+	// call is agreed: the 2K collectives that follow skip the backend's
+	// argument check, as in AllReduce; a failure in between cancels that
+	// promise.
+	if err := wire.exchangeScales(ctx, c, workerScale); err != nil {
 		return fmt.Errorf("onebit: phase 1 scales: %w", err)
 	}
-	comm.SkipChecks(c, 2)
-	if err := c.AllToAllBytes(ctx, st.hostSend, st.hostRecv); err != nil {
-		comm.SkipChecks(c, 0)
-		return fmt.Errorf("onebit: phase 1 all-to-all: %w", err)
+	k := wire.pieces
+	comm.SkipChecks(c, 2*k)
+	for p := range k {
+		send, recv := wire.phase1(p)
+		if err := c.AllToAllBytes(ctx, send, recv); err != nil {
+			comm.SkipChecks(c, 0)
+			return fmt.Errorf("onebit: phase 1 all-to-all: %w", err)
+		}
 	}
+	st.fromWire(false)
 	serverScale, err := st.server(dev, w, chunkBytes)
 	if err != nil {
 		comm.SkipChecks(c, 0)
 		return err
 	}
 
-	// Phase 2: one all-gather of every rank's packed server chunk followed
-	// by its scale, as in AllReduce.
-	binary.LittleEndian.PutUint32(st.hostServer[chunkBytes:], math.Float32bits(serverScale))
-	if err := c.AllGatherBytes(ctx, st.hostServer, st.hostAll); err != nil {
-		return fmt.Errorf("onebit: phase 2 all-gather: %w", err)
+	// Phase 2: every rank's scale and packed server chunk, in pieces, as in
+	// AllReduce.
+	binary.LittleEndian.PutUint32(wire.serverMsg[:4], math.Float32bits(serverScale))
+	for p := range k {
+		send, recv := wire.phase2(p)
+		if err := c.AllGatherBytes(ctx, send, recv); err != nil {
+			comm.SkipChecks(c, 0)
+			return fmt.Errorf("onebit: phase 2 all-gather: %w", err)
+		}
 	}
-	if err := dev.CopyIn(st.allSigns, st.hostAll); err != nil {
+	st.fromWire(true)
+	if err := dev.CopyIn(st.allSigns, st.stage); err != nil {
 		return fmt.Errorf("onebit: gathered signs to device: %w", err)
 	}
 
 	// Output: chunk j is server_scale_j * unpack(chunk j); the first numel
 	// elements replace buf.
-	rec := chunkBytes + 4
 	for j := 0; j < w; j++ {
 		lo := j * chunkLen
 		if lo >= st.numel {
 			break
 		}
 		hi := min(lo+chunkLen, st.numel)
-		scale := math.Float32frombits(binary.LittleEndian.Uint32(st.hostAll[j*rec+chunkBytes:]))
-		packed := st.allSigns.Sub(j*rec, j*rec+accel.PackedLen(hi-lo))
-		if err := dev.UnpackScale(buf.Sub(4*lo, 4*hi), packed, scale); err != nil {
+		packed := st.allSigns.Sub(j*chunkBytes, j*chunkBytes+accel.PackedLen(hi-lo))
+		if err := dev.UnpackScale(buf.Sub(4*lo, 4*hi), packed, wire.scales[j]); err != nil {
 			return fmt.Errorf("onebit: output: %w", err)
 		}
 	}

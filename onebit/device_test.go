@@ -121,6 +121,59 @@ func TestAllReduceDeviceMatchesHost(t *testing.T) {
 	}
 }
 
+// TestAllReduceDeviceMixedRanks: device ranks and host ranks in one group
+// speak the same wire format, pieces included. Ranks 0 and 2 of three run
+// AllReduceDevice (CPU device), rank 1 AllReduce; every rank's output and
+// errors are bit-identical to an all-host run.
+func TestAllReduceDeviceMixedRanks(t *testing.T) {
+	const w, n, steps = 3, 20_011, 3
+	for _, pieces := range []int{1, 4} {
+		t.Run(fmt.Sprintf("pieces=%d", pieces), func(t *testing.T) {
+			run := func(mixed bool) [][]float32 {
+				outs := make([][]float32, w)
+				err := local.Run(ctxT(t), w, func(ctx context.Context, c comm.Comm) error {
+					r := c.Rank()
+					rng := rand.New(rand.NewPCG(5, uint64(r)))
+					var out []float32
+					if mixed && r != 1 {
+						dev := newDeviceRank(t, accel.NewCPU(), n, w)
+						defer dev.st.Close()
+						onebit.SetDevicePieces(dev.st, pieces)
+						for range steps {
+							o, worker, server, err := dev.step(ctx, c, randn(rng, n))
+							if err != nil {
+								return err
+							}
+							out = append(append(o, worker...), server...)
+						}
+					} else {
+						host, err := onebit.NewState(n, w)
+						if err != nil {
+							return err
+						}
+						onebit.SetPieces(host, pieces)
+						for range steps {
+							buf := randn(rng, n)
+							if err := onebit.AllReduce(ctx, c, buf, host); err != nil {
+								return err
+							}
+							out = append(append(buf, host.WorkerError...), host.ServerError...)
+						}
+					}
+					outs[r] = out
+					return nil
+				})
+				require.NoError(t, err)
+				return outs
+			}
+			want, got := run(false), run(true)
+			for r := range w {
+				require.NoError(t, sameBits(fmt.Sprintf("rank %d output and errors", r), want[r], got[r]))
+			}
+		})
+	}
+}
+
 // TestAllReduceDeviceConformance replays the conformance traces through
 // AllReduceDevice on the CPU device: within the spec's tolerance of the
 // reference, and bit-identical to AllReduce.

@@ -6,3 +6,6 @@ func SetPieces(st *State, k int) { st.setPieces(k, st.world) }
 
 // Pieces is the number of pieces st travels in.
 func Pieces(st *State) int { return st.pieces }
+
+// SetDevicePieces is SetPieces for a DeviceState's wire layout.
+func SetDevicePieces(st *DeviceState, k int) { st.wire.setPieces(k, st.world) }

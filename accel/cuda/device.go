@@ -570,7 +570,7 @@ func (d *Device) Compress(packed, residual, input accel.Span) (float32, error) {
 	if n == 0 {
 		return 0, nil
 	}
-	parts := min(d.gridFor(n, 4), maxParts)
+	parts := min(d.gridFor(n, 8), maxParts)
 	a := &d.args.vals
 	a[0], a[1], a[2], a[3], a[4] = r, in, uint64(nIn), uint64(n), d.scratch
 	if err := d.launch("lowbit_compensate_norm", d.fnNorm, parts); err != nil {

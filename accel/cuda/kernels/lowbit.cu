@@ -27,11 +27,20 @@
 typedef long long i64;
 typedef unsigned long long u64;
 typedef unsigned int u32;
+typedef struct __attribute__((aligned(16))) {
+  float x, y, z, w;
+} float4v;
 
 static __device__ __forceinline__ u32 tid() { return __nvvm_read_ptx_sreg_tid_x(); }
 static __device__ __forceinline__ u32 ntid() { return __nvvm_read_ptx_sreg_ntid_x(); }
 static __device__ __forceinline__ u32 ctaid() { return __nvvm_read_ptx_sreg_ctaid_x(); }
 static __device__ __forceinline__ u32 nctaid() { return __nvvm_read_ptx_sreg_nctaid_x(); }
+
+// sync_threads is __syncthreads with a memory clobber. clang's builtin
+// alone does not stop LLVM from moving a load of a __shared__ variable
+// that no call can see (GlobalsAA) above the barrier: the other threads
+// then read the block's scale before thread 0 has stored it.
+static __device__ __forceinline__ void sync_threads() { asm volatile("bar.sync 0;" ::: "memory"); }
 
 static __device__ __forceinline__ double shfl_down(double v, int delta) {
   u64 b = __builtin_bit_cast(u64, v);
@@ -48,13 +57,13 @@ static __device__ double block_sum(double v) {
   for (int d = 16; d > 0; d >>= 1) v += shfl_down(v, d);
   u32 lane = tid() & 31, warp = tid() >> 5;
   if (lane == 0) warp_sums[warp] = v;
-  __syncthreads();
+  sync_threads();
   double s = 0;
   if (warp == 0) {
     s = lane < (ntid() >> 5) ? warp_sums[lane] : 0.0;
     for (int d = 16; d > 0; d >>= 1) s += shfl_down(s, d);
   }
-  __syncthreads();
+  sync_threads();
   return s;
 }
 
@@ -65,19 +74,27 @@ static __device__ double block_sum(double v) {
 extern "C" __global__ void lowbit_compensate_norm(float *__restrict__ residual, const float *__restrict__ input,
                                                   i64 n_input, i64 n, double *__restrict__ partials) {
   i64 stride = (i64)ntid() * nctaid();
-  i64 i = (i64)ctaid() * ntid() + tid();
+  i64 first = (i64)ctaid() * ntid() + tid();
   double s0 = 0, s1 = 0;
-  for (; i + stride < n; i += 2 * stride) {
-    i64 j = i + stride;
-    float a = residual[i], b = residual[j];
-    if (i < n_input) a = a + input[i];
-    if (j < n_input) b = b + input[j];
-    residual[i] = a;
-    residual[j] = b;
-    s0 += (double)a * (double)a;
-    s1 += (double)b * (double)b;
+  i64 done = 0; // elements [0, done) are handled four at a time
+  if (((((u64)residual) | ((u64)input)) & 15) == 0) {
+    // 16-byte loads and stores: four elements per thread and iteration.
+    i64 quads = n_input >> 2;
+    float4v *r4 = (float4v *)residual;
+    const float4v *in4 = (const float4v *)input;
+    for (i64 q = first; q < quads; q += stride) {
+      float4v a = r4[q], b = in4[q];
+      a.x = a.x + b.x;
+      a.y = a.y + b.y;
+      a.z = a.z + b.z;
+      a.w = a.w + b.w;
+      r4[q] = a;
+      s0 += (double)a.x * (double)a.x + (double)a.y * (double)a.y;
+      s1 += (double)a.z * (double)a.z + (double)a.w * (double)a.w;
+    }
+    done = quads << 2;
   }
-  if (i < n) {
+  for (i64 i = done + first; i < n; i += stride) {
     float a = residual[i];
     if (i < n_input) a = a + input[i];
     residual[i] = a;
@@ -96,7 +113,7 @@ static __device__ float norm_scale(const double *__restrict__ partials, int npar
   for (int k = tid(); k < nparts; k += ntid()) s += partials[k];
   s = block_sum(s);
   if (tid() == 0) scale = (float)(__nvvm_sqrt_rn_d(s) / __nvvm_sqrt_rn_d((double)n));
-  __syncthreads();
+  sync_threads();
   return scale;
 }
 
@@ -149,20 +166,54 @@ extern "C" __global__ void lowbit_pack_residual(unsigned char *__restrict__ pack
 // lowbit_unpack_scale writes scale or -scale into dst[i] from bit i of
 // packed; lowbit_unpack_scale_add adds it. The sign flip is exact, so the
 // values are those of signpack.UnpackScale and signpack.UnpackScaleAdd.
+//
+// With dst 16-byte aligned, a thread handles one packed byte and stores its
+// eight values with two 16-byte stores; otherwise one element per thread.
+static __device__ __forceinline__ float pm(u32 byte, int bit, float scale) {
+  return ((byte >> (7 - bit)) & 1) ? scale : -scale;
+}
+
+template <bool add>
+static __device__ __forceinline__ void unpack(float *__restrict__ dst, const unsigned char *__restrict__ packed, i64 n,
+                                              float scale) {
+  i64 stride = (i64)ntid() * nctaid();
+  i64 first = (i64)ctaid() * ntid() + tid();
+  i64 done = 0;
+  if ((((u64)dst) & 15) == 0) {
+    i64 bytes = n >> 3;
+    float4v *d4 = (float4v *)dst;
+    for (i64 k = first; k < bytes; k += stride) {
+      u32 b = packed[k];
+      float4v lo = {pm(b, 0, scale), pm(b, 1, scale), pm(b, 2, scale), pm(b, 3, scale)};
+      float4v hi = {pm(b, 4, scale), pm(b, 5, scale), pm(b, 6, scale), pm(b, 7, scale)};
+      if (add) {
+        float4v a = d4[2 * k], c = d4[2 * k + 1];
+        lo.x = a.x + lo.x;
+        lo.y = a.y + lo.y;
+        lo.z = a.z + lo.z;
+        lo.w = a.w + lo.w;
+        hi.x = c.x + hi.x;
+        hi.y = c.y + hi.y;
+        hi.z = c.z + hi.z;
+        hi.w = c.w + hi.w;
+      }
+      d4[2 * k] = lo;
+      d4[2 * k + 1] = hi;
+    }
+    done = bytes << 3;
+  }
+  for (i64 i = done + first; i < n; i += stride) {
+    float v = pm(packed[i >> 3], (int)(i & 7), scale);
+    dst[i] = add ? dst[i] + v : v;
+  }
+}
+
 extern "C" __global__ void lowbit_unpack_scale(float *__restrict__ dst, const unsigned char *__restrict__ packed,
                                                i64 n, float scale) {
-  i64 stride = (i64)ntid() * nctaid();
-  for (i64 i = (i64)ctaid() * ntid() + tid(); i < n; i += stride) {
-    u32 bit = (packed[i >> 3] >> (7 - (i & 7))) & 1;
-    dst[i] = bit ? scale : -scale;
-  }
+  unpack<false>(dst, packed, n, scale);
 }
 
 extern "C" __global__ void lowbit_unpack_scale_add(float *__restrict__ acc, const unsigned char *__restrict__ packed,
                                                    i64 n, float scale) {
-  i64 stride = (i64)ntid() * nctaid();
-  for (i64 i = (i64)ctaid() * ntid() + tid(); i < n; i += stride) {
-    u32 bit = (packed[i >> 3] >> (7 - (i & 7))) & 1;
-    acc[i] = acc[i] + (bit ? scale : -scale);
-  }
+  unpack<true>(acc, packed, n, scale);
 }
