@@ -18,6 +18,7 @@ import (
 	"github.com/lowbit-ml/lowbit/accel/internal/acceltest"
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/internal/conformance"
 	"github.com/lowbit-ml/lowbit/onebit"
 )
 
@@ -307,4 +308,70 @@ func TestDevices(t *testing.T) {
 	for _, g := range gpus {
 		assert.NotEmpty(t, g.PCIBusID)
 	}
+}
+
+// TestGPUConformance replays the onebit conformance vectors through
+// onebit.AllReduceDevice on the GPU (every rank on the same device):
+// outputs and both error buffers within the spec's tolerance of the
+// independent reference.
+func TestGPUConformance(t *testing.T) {
+	openGPU(t)
+	// The test runs in the package folder (also a copied test binary, run
+	// from accel/cuda of a checkout).
+	cases, err := conformance.Load(filepath.Join("..", "..", "internal", "conformance", "testdata"))
+	require.NoError(t, err)
+	ran := 0
+	for _, cs := range cases {
+		if cs.Kind != "onebit" {
+			continue
+		}
+		ran++
+		t.Run(cs.Name, func(t *testing.T) {
+			err := local.Run(context.Background(), cs.World, func(ctx context.Context, c comm.Comm) error {
+				r := c.Rank()
+				dev, err := cuda.Open()
+				if err != nil {
+					return err
+				}
+				defer dev.Close()
+				st, err := onebit.NewDeviceState(dev, cs.Numel, cs.World)
+				if err != nil {
+					return err
+				}
+				b, err := dev.Alloc(4 * cs.Numel)
+				if err != nil {
+					return err
+				}
+				worker := make([]float32, st.WorkerError().Elems())
+				server := make([]float32, st.ServerError().Elems())
+				for k, step := range cs.Steps {
+					if err := dev.CopyIn(accel.Whole(b), f32bytes(conformance.Floats(step.Inputs[r]))); err != nil {
+						return err
+					}
+					if err := onebit.AllReduceDevice(ctx, c, accel.Whole(b), st); err != nil {
+						return fmt.Errorf("step %d: %w", k, err)
+					}
+					out := make([]float32, cs.Numel)
+					if err := dev.CopyOut(f32bytes(out), accel.Whole(b)); err != nil {
+						return err
+					}
+					if err := st.Errors(worker, server); err != nil {
+						return err
+					}
+					for _, cmp := range []struct {
+						what string
+						got  []float32
+						want []conformance.Float
+					}{{"output", out, step.Output}, {"worker error", worker, step.WorkerError[r]}, {"server error", server, step.ServerError[r]}} {
+						if err := conformance.CompareFloats(fmt.Sprintf("rank %d step %d %s", r, k, cmp.what), cmp.got, cmp.want); err != nil {
+							return err
+						}
+					}
+				}
+				return st.Close()
+			})
+			require.NoError(t, err)
+		})
+	}
+	require.GreaterOrEqual(t, ran, 5, "every onebit vector must run")
 }
