@@ -141,3 +141,49 @@ func benchStep(b *testing.B, hostCopies bool) {
 	b.ReportMetric(med[1]*1e3, "step-ms")
 	b.ReportMetric(med[1]/med[0], "x-copy")
 }
+
+// BenchmarkKernelsVsCopy times each kernel of the step on its own against
+// the device-to-device copy of the whole tensor (64 Mi elements): where
+// the step's time goes.
+func BenchmarkKernelsVsCopy(b *testing.B) {
+	const n, w = benchElems, 4
+	c := n / w
+	for _, k := range []struct {
+		name  string
+		bytes float64 // read plus written
+		run   func(bb *benchBufs) error
+	}{
+		{"compress-N", 20*n + n/8, func(bb *benchBufs) error {
+			_, err := bb.dev.Compress(bb.packed, bb.residual, bb.input)
+			return err
+		}},
+		{"compress-N/4", float64(20*c + c/8), func(bb *benchBufs) error {
+			_, err := bb.dev.Compress(bb.srvPacked, bb.srvErr, bb.acc)
+			return err
+		}},
+		{"unpack-N", 4*n + n/8, func(bb *benchBufs) error {
+			if err := bb.dev.UnpackScale(bb.input, bb.all, 1); err != nil {
+				return err
+			}
+			return bb.dev.Synchronize()
+		}},
+		{"unpack-add-N/4", float64(8*c + c/8), func(bb *benchBufs) error {
+			if err := bb.dev.UnpackScaleAdd(bb.acc, bb.recv.Sub(0, c/8), 0.25); err != nil {
+				return err
+			}
+			return bb.dev.Synchronize()
+		}},
+	} {
+		b.Run(k.name, func(b *testing.B) {
+			bb := newBenchBufs(b, n, w)
+			med := samerun.Medians(b, bb.copyPass(b), func() {
+				if err := k.run(bb); err != nil {
+					b.Fatal(err)
+				}
+			})
+			b.ReportMetric(med[1]*1e6, "kernel-us")
+			b.ReportMetric(med[1]/med[0], "x-copy")
+			b.ReportMetric(k.bytes/med[1]/(float64(8*n)/med[0]), "bw-ratio")
+		})
+	}
+}
