@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -33,6 +34,7 @@ const (
 	ckptLoss      = ckptPrefix + "loss"  // per-step training loss so far
 	ckptEvals     = ckptPrefix + "evals" // (step, acc, loss) of each evaluation
 	ckptTotal     = ckptPrefix + "total" // steps of the whole run
+	ckptSetting   = ckptPrefix + "flag"  // + a flag's name: its value (see settings)
 	ckptEvalWidth = 3
 )
 
@@ -44,16 +46,59 @@ const (
 // intact on every rank, and resuming picks the newest step that every rank
 // holds.
 type checkpointer struct {
-	cfg  checkpointConfig
-	name string // optimizer name
-	rank int
+	cfg      checkpointConfig
+	name     string // optimizer name
+	rank     int
+	settings []setting
 }
 
-func newCheckpointer(cfg checkpointConfig, optimizer string, rank int) *checkpointer {
-	if cfg.dir == "" {
+// setting is one flag that decides the training trajectory, as a checkpoint
+// records it: a run resumes only from checkpoints made with the same flags.
+type setting struct {
+	flag  string
+	value int64  // as stored
+	show  string // as the user wrote it
+}
+
+// settings lists the flags besides -optimizer (in the file name) and
+// -epochs (the run's step count, checked apart) that a resumed run must
+// share with the run that saved the checkpoint.
+func settings(cfg trainConfig, world int) []setting {
+	h := cfg.hyper
+	return []setting{
+		{"-workers", int64(world), fmt.Sprint(world)},
+		{"-batch", int64(cfg.batch), fmt.Sprint(cfg.batch)},
+		{"-seed", int64(cfg.seed), fmt.Sprint(cfg.seed)},
+		{"-lr", int64(math.Float32bits(h.lr)), fmt.Sprint(h.lr)},
+		{"-freeze-step", int64(h.freezeStep), fmt.Sprint(h.freezeStep)},
+		{"-reduce", int64(h.reduce), h.reduce.String()},
+		{"-reduce (zero-adam)", int64(h.scatter), h.scatter.String()},
+		{"-evals", int64(cfg.evalsPerEpoch), fmt.Sprint(cfg.evalsPerEpoch)},
+	}
+}
+
+// newCheckpointer returns rank's checkpointer of the run cfg on world
+// ranks, nil when cfg asks for no checkpoints.
+func newCheckpointer(cfg trainConfig, rank, world int) *checkpointer {
+	if cfg.checkpoint.dir == "" {
 		return nil
 	}
-	return &checkpointer{cfg: cfg, name: optimizer, rank: rank}
+	return &checkpointer{cfg: cfg.checkpoint, name: cfg.optimizer, rank: rank, settings: settings(cfg, world)}
+}
+
+// mismatch describes the first setting of ck that differs from this run's,
+// "" when all agree.
+func (k *checkpointer) mismatch(ck *optim.Checkpoint) string {
+	for _, s := range k.settings {
+		v, err := ck.Int(ckptSetting + s.flag)
+		if err != nil {
+			return fmt.Sprintf("records no %s", s.flag)
+		}
+		if v != s.value {
+			return fmt.Sprintf("made by a run with other flags: %s differs (this run has %s %s)", s.flag, s.flag, s.show)
+		}
+	}
+	return ""
 }
 
 func (k *checkpointer) path(slot int) string {
@@ -75,6 +120,9 @@ func (k *checkpointer) save(ctx context.Context, c comm.Comm, opt optim.Optimize
 	}
 	ck.Ints[ckptStep] = int64(step)
 	ck.Ints[ckptTotal] = int64(total)
+	for _, s := range k.settings {
+		ck.Ints[ckptSetting+s.flag] = s.value
+	}
 	ck.AddTensor(ckptLoss, []int{step}, lossHist[:step])
 	ev := make([]float32, 0, ckptEvalWidth*len(evals))
 	for _, e := range evals {
@@ -142,6 +190,10 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 		}
 		if tt, err := ck.Int(ckptTotal); err != nil || tt != int64(total) {
 			problems = append(problems, fmt.Sprintf("%s: made for a run of %d steps, this run has %d", k.path(slot), tt, total))
+			continue
+		}
+		if m := k.mismatch(ck); m != "" {
+			problems = append(problems, fmt.Sprintf("%s: %s", k.path(slot), m))
 			continue
 		}
 		cks[slot], steps[slot] = ck, s

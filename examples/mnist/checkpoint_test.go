@@ -78,11 +78,14 @@ func TestResumeAfterKill(t *testing.T) {
 
 			var resumed bytes.Buffer
 			require.NoError(t, run(context.Background(), append(args, "-checkpoint", dir, "-resume"), &resumed, &bytes.Buffer{}))
+			assert.Contains(t, resumed.String(), name+" resumed from step 12 of 20", "it continued from the kill, not from the start")
+			assert.NotContains(t, whole.String(), "resumed from")
 			assert.Equal(t, want, finalHashes(t, resumed.String()), "resumed run ends bit-identical to the uninterrupted one")
 
 			// Resuming a finished run trains nothing and reports the same end.
 			var again bytes.Buffer
 			require.NoError(t, run(context.Background(), append(args, "-checkpoint", dir, "-resume"), &again, &bytes.Buffer{}))
+			assert.Contains(t, again.String(), name+" resumed from step 20 of 20")
 			assert.Equal(t, want, finalHashes(t, again.String()))
 		})
 	}
@@ -112,6 +115,43 @@ func TestResumeDisagreement(t *testing.T) {
 	for r, err := range resumeErrors(t, 2, train, test, cfg) {
 		require.Error(t, err, "rank %d", r)
 		assert.Contains(t, err.Error(), "no checkpoint", "rank %d", r)
+	}
+}
+
+// TestResumeOtherFlags: checkpoints made with other training flags (here
+// -lr, -seed, -workers) are refused on every rank, with the flag named, and
+// change nothing.
+func TestResumeOtherFlags(t *testing.T) {
+	train, test := loadTestdata(t)
+	dir := t.TempDir()
+	cfg := smallConfig("onebit-adam")
+	cfg.epochs = 1
+	cfg.checkpoint = checkpointConfig{dir: dir, every: 5}
+	trainLocal(t, 2, train, test, cfg)
+	cfg.checkpoint.resume = true
+
+	other := cfg
+	other.hyper.lr = 1e-3
+	for r, err := range resumeErrors(t, 2, train, test, other) {
+		require.Error(t, err, "rank %d", r)
+		assert.Contains(t, err.Error(), "made by a run with other flags: -lr differs (this run has -lr 0.001)", "rank %d", r)
+	}
+	other = cfg
+	other.seed++
+	for r, err := range resumeErrors(t, 2, train, test, other) {
+		require.Error(t, err, "rank %d", r)
+		assert.Contains(t, err.Error(), "-seed differs", "rank %d", r)
+	}
+	errs := resumeErrors(t, 4, train, test, cfg)
+	for r, err := range errs {
+		require.Error(t, err, "rank %d", r)
+		assert.Contains(t, err.Error(), "no checkpoint of onebit-adam in "+dir+" that every rank holds", "rank %d", r)
+	}
+	assert.Contains(t, errs[0].Error(), "-workers differs (this run has -workers 4)")
+
+	// The same flags still resume.
+	for r, err := range resumeErrors(t, 2, train, test, cfg) {
+		require.NoError(t, err, "rank %d", r)
 	}
 }
 

@@ -254,6 +254,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if o.checkpoint.dir != "" {
 		// The resume test compares these between runs.
 		for _, r := range results {
+			if r.resumedFrom > 0 {
+				fmt.Fprintf(stdout, "%s resumed from step %d of %d\n", r.optimizer, r.resumedFrom, r.steps)
+			}
 			fmt.Fprintf(stdout, "%s final parameters: fnv64 %016x\n", r.optimizer, r.finalHash)
 		}
 	}

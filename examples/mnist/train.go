@@ -54,6 +54,7 @@ type result struct {
 	// Hashes of this rank's parameters before the first and after the last
 	// step; training checks that they agree across ranks.
 	initHash, finalHash uint64
+	resumedFrom         int // the checkpoint step -resume continued from, 0 for none
 }
 
 // progressFunc is told about every step of a run (on rank 0 only): the
@@ -125,12 +126,13 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 		evalTime += time.Since(t0)
 		return nil
 	}
-	ckpt := newCheckpointer(cfg.checkpoint, cfg.optimizer, rank)
+	ckpt := newCheckpointer(cfg, rank, w)
 	step := 0
 	if back, err := ckpt.restore(ctx, c, opt, total); err != nil {
 		return nil, err
 	} else if back != nil {
 		step = back.step
+		res.resumedFrom = back.step
 		copy(lossHist, back.lossHist)
 		res.evals = back.evals
 	}

@@ -24,7 +24,7 @@ func mlp(scope *model.Scope, in []*graph.Node) *graph.Node {
 	return graph.ReduceAllMean(loss.SparseCategoricalCrossEntropyLogits(in[1:2], []*graph.Node{logits}))
 }
 
-// BenchmarkStepVsGoMLXAdam times, in alternation in the same loop, three
+// BenchmarkStepVsGoMLXAdam times, in alternation in the same loop, four
 // ways of running a training step of the same model on one rank:
 //
 //   - lowbit: the integration's Step with lowbit's exact Adam (the graph
@@ -37,7 +37,8 @@ func mlp(scope *model.Scope, in []*graph.Node) *graph.Node {
 //     copying them out, lowbit's Adam, copying the values back.
 //
 // It reports the median milliseconds of each, lowbit/gomlx-adam
-// (x-gomlx-adam) and host/gomlx-adam. Batch 32 of random 784-pixel inputs.
+// (x-gomlx-adam) and host/gomlx-adam. Batch 32 of random 784-pixel inputs;
+// one rank, so nothing is communicated. Use -benchtime 30x or more.
 func BenchmarkStepVsGoMLXAdam(b *testing.B) {
 	rng := rand.New(rand.NewPCG(3, 4))
 	const n = 32

@@ -371,3 +371,125 @@ func TestNewErrors(t *testing.T) {
 	_, err = tr.Step(context.Background(), x)
 	assert.ErrorContains(t, err, "building the graph")
 }
+
+// linear is a loss whose gradients are its inputs, bit for bit: the sum of
+// w*gw plus the sum of b*gb, so that d/dw = gw and d/db = gb.
+func linear(scope *model.Scope, in []*graph.Node) *graph.Node {
+	w := scope.VariableWithShape("w", shapes.Make(dtypes.Float32, 3, 4)).NodeValue(in[0].Graph())
+	b := scope.VariableWithShape("b", shapes.Make(dtypes.Float32, 5)).NodeValue(in[0].Graph())
+	return graph.Add(graph.ReduceAllSum(graph.Mul(w, in[0])), graph.ReduceAllSum(graph.Mul(b, in[1])))
+}
+
+// linearGrads returns the gradients rank r feeds at step s.
+func linearGrads(r, s int) (gw, gb []float32) {
+	rng := rand.New(rand.NewPCG(uint64(r), uint64(s)))
+	gw, gb = make([]float32, 12), make([]float32, 5)
+	for i := range gw {
+		gw[i] = float32(rng.NormFloat64())
+	}
+	for i := range gb {
+		gb[i] = float32(rng.NormFloat64())
+	}
+	return gw, gb
+}
+
+// TestEqualsHostStep: a Trainer step is exactly the lowbit optimizer's Step
+// on host parameters holding rank 0's initial values and each rank's graph
+// gradients: the gradients reach the right parameters, the lowbit
+// optimizer averages them over the ranks, and the results come back into
+// the variables, bit for bit, for exact and for 1-bit Adam (its warm-up and
+// its compression stage).
+func TestEqualsHostStep(t *testing.T) {
+	const w, steps = 4, 8
+	onebitEarly := func(c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+		cfg := onebit.DefaultAdamConfig()
+		cfg.LR, cfg.FreezeStep = 1e-2, 3
+		return onebit.NewAdam(c, p, cfg)
+	}
+	for _, c := range []struct {
+		name string
+		opt  NewOptimizer
+	}{{"adam", adam}, {"onebit-adam", onebitEarly}} {
+		t.Run(c.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			names := make([]string, 2)
+			var init [][]float32
+			got := make([][][][]float32, w) // [rank][step] variables
+			var mu sync.Mutex
+			require.NoError(t, local.Run(ctx, w, func(ctx context.Context, cm comm.Comm) error {
+				r := cm.Rank()
+				tr, err := New(cm, newBackend(t), newStore(int64(10+r)), linear, c.opt)
+				require.NoError(t, err)
+				for s := range steps {
+					gw, gb := linearGrads(r, s)
+					xw := tensors.FromFlatDataAndDimensions(gw, 3, 4)
+					xb := tensors.FromFlatDataAndDimensions(gb, 5)
+					if s == 0 {
+						require.NoError(t, tr.Init(ctx, xw, xb))
+						if r == 0 {
+							mu.Lock()
+							init = values(t, tr)
+							for i, p := range tr.Params() {
+								names[i] = p.Name
+							}
+							mu.Unlock()
+						}
+					}
+					_, err := tr.Step(ctx, xw, xb)
+					require.NoError(t, err)
+					v := values(t, tr)
+					mu.Lock()
+					got[r] = append(got[r], v)
+					mu.Unlock()
+				}
+				return nil
+			}))
+			require.Len(t, init, 2)
+
+			// The reference: the lowbit optimizer alone, on the host.
+			want := make([][][][]float32, w)
+			require.NoError(t, local.Run(ctx, w, func(ctx context.Context, cm comm.Comm) error {
+				r := cm.Rank()
+				params := make([]*optim.Param, 2)
+				for i := range params {
+					dims := []int{3, 4}
+					if len(init[i]) == 5 {
+						dims = []int{5}
+					}
+					p, err := optim.NewParamFrom(names[i], append([]float32(nil), init[i]...), dims...)
+					require.NoError(t, err)
+					params[i] = p
+				}
+				opt, err := c.opt(cm, params)
+				require.NoError(t, err)
+				for s := range steps {
+					gw, gb := linearGrads(r, s)
+					for _, p := range params {
+						if p.Numel() == 12 {
+							copy(p.GradData(), gw)
+						} else {
+							copy(p.GradData(), gb)
+						}
+					}
+					require.NoError(t, opt.Step(ctx))
+					var v [][]float32
+					for _, p := range params {
+						v = append(v, append([]float32(nil), p.Data()...))
+					}
+					mu.Lock()
+					want[r] = append(want[r], v)
+					mu.Unlock()
+				}
+				if c.name == "onebit-adam" {
+					assert.Equal(t, optim.StageCompression, opt.Stats().Stage)
+				}
+				return nil
+			}))
+			for r := range w {
+				assert.Equal(t, want[r], got[r], "rank %d", r)
+			}
+			assert.NotEqual(t, init, got[0][steps-1], "the variables moved")
+		})
+	}
+}
