@@ -39,12 +39,13 @@ func DefaultAdamConfig() AdamConfig {
 	return AdamConfig{LR: 1e-3, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, BiasCorrection: true}
 }
 
-// Validate reports the first invalid field: a learning rate, eps or weight
-// decay that is negative or not finite, a beta outside [0, 1), an unknown
-// reduction mode or a negative RanksPerNode.
+// Validate reports the first invalid field: a learning rate that is not
+// finite and > 0, an eps or weight decay that is negative or not finite, a
+// beta outside [0, 1), an unknown reduction mode or a negative
+// RanksPerNode.
 func (c AdamConfig) Validate() error {
-	if !nonNegFinite(c.LR) {
-		return fmt.Errorf("optim: learning rate %v must be finite and >= 0", c.LR)
+	if err := CheckLR(c.LR); err != nil {
+		return err
 	}
 	if !(c.Beta1 >= 0 && c.Beta1 < 1) || !(c.Beta2 >= 0 && c.Beta2 < 1) {
 		return fmt.Errorf("optim: betas (%v, %v) must be in [0, 1)", c.Beta1, c.Beta2)
