@@ -17,7 +17,7 @@ test-unit:
 	$(GO) test -count=1 -timeout 10m ./...
 
 test-race:
-	$(GO) test -race -count=1 -timeout 10m ./comm/... ./onebit/... ./optim/... ./errorfeedback/... ./signpack/...
+	$(GO) test -race -count=1 -timeout 10m ./comm/... ./onebit/... ./optim/... ./errorfeedback/... ./signpack/... ./quant/...
 
 conformance:
 	$(GO) run ./cmd/lowbit conformance internal/conformance/testdata
@@ -31,7 +31,7 @@ test-integrations:
 	./scripts/test-integrations.sh
 
 bench:
-	$(GO) test -run '^$$' -bench . -benchmem -timeout 30m ./signpack ./errorfeedback ./onebit ./optim
+	$(GO) test -run '^$$' -bench . -benchmem -timeout 30m ./signpack ./errorfeedback ./onebit ./optim ./optim/zero ./quant
 
 bench-net:
 	./scripts/bench-net.sh

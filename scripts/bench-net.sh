@@ -13,10 +13,24 @@
 # and tc from iproute2. The namespace is deleted on every exit, also on
 # failure or interruption.
 #
+# A second shaped run, at QSIZE only, compares the quantized and down-cast
+# collectives of package quant with their float32 baselines in the same
+# run: the qgZ reduce-scatter with int4 and int8 codes (qgz4, qgz8) on a
+# node-major layout of QRPN ranks per node (2 nodes x 2 ranks with the
+# defaults) against the float32 reduce-scatter, and the fp16 and bf16
+# down-cast allreduces against the float32 allreduce, each with its
+# relative error against the exact mean (--check).
+#
+# Last, unless TWOLEVEL=0, it runs scripts/bench-twolevel.sh at QSIZE: the
+# two-level allreduce (and fp16, bf16) against the flat allreduce on 2
+# machines of QRPN ranks, each its own namespace, with only the link
+# between them shaped to RATE (about a minute more at 64 MiB).
+#
 # Settings (environment): RATE (1gbit), NP (4), BEGIN (1M), END (64M),
 # FACTOR (2), WARMUP (1), ITERS (5) for the shaped sweep (the exact 64 MiB
-# allreduce takes about 3.2 s per call at 1 Gbit: the whole script runs in
-# about 1.5 minutes), ITERS_UNSHAPED (10), GO (go).
+# allreduce takes about 3.2 s per call at 1 Gbit), QSIZE (END), QRPN (2)
+# for the quantized and down-cast run (about a minute at 64 MiB: the whole
+# script runs in about 2.5 minutes), ITERS_UNSHAPED (10), GO (go).
 #
 # Waiting ranks yield the CPU (mpi_yield_when_idle): with more ranks than
 # cores, spinning ranks would otherwise steal it from computing ones.
@@ -30,6 +44,9 @@ FACTOR=${FACTOR:-2}
 WARMUP=${WARMUP:-1}
 ITERS=${ITERS:-5}
 ITERS_UNSHAPED=${ITERS_UNSHAPED:-10}
+QSIZE=${QSIZE:-$END}
+QRPN=${QRPN:-2}
+TWOLEVEL=${TWOLEVEL:-1}
 GO=${GO:-go}
 
 die() { echo "bench-net: $*" >&2; exit 1; }
@@ -88,6 +105,13 @@ echo "bench-net: $NP ranks over TCP on the shaped loopback, sizes $BEGIN..$END x
 run ip netns exec "$ns" "${mpi[@]}" --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo \
 	--mca oob_tcp_if_include lo \
 	"${bench[@]}" --b "$BEGIN" --e "$END" --f "$FACTOR" --w "$WARMUP" --n "$ITERS" >"$tmp/shaped.csv"
+
+echo "bench-net: $NP ranks ($QRPN per node) on the shaped loopback, $QSIZE: reducescatter vs qgz4, qgz8; allreduce vs fp16, bf16"
+run ip netns exec "$ns" "${mpi[@]}" --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo \
+	--mca oob_tcp_if_include lo \
+	"$tmp/lowbit" bench --backend mpi --ranks "$NP" --ranks-per-node "$QRPN" \
+	--collective reducescatter,qgz4,qgz8,allreduce,fp16,bf16 --check --csv \
+	--b "$QSIZE" --e "$QSIZE" --w "$WARMUP" --n "$ITERS" >"$tmp/quant.csv"
 ip netns del "$ns"
 ns_made=
 
@@ -132,3 +156,45 @@ echo
 summary "shaped ($RATE loopback, TCP), $NP ranks:" "$tmp/shaped.csv"
 echo
 summary "unshaped (shared memory), $NP ranks:" "$tmp/unshaped.csv"
+
+# The quantized and down-cast rows: each against its float32 baseline of
+# the same run.
+echo
+awk -F, -v title="shaped ($RATE loopback, TCP), $NP ranks, $QRPN per node:" '
+	NR == 1 {
+		for (i = 1; i <= NF; i++) col[$i] = i
+		if (!("time_p50_us" in col) || !("rel_error" in col) || !("convert_us" in col) || !("cross_node_bytes_per_rank" in col)) {
+			print "bench-net: unexpected CSV header: " $0 > "/dev/stderr"; exit 1
+		}
+		next
+	}
+	{
+		c = $col["collective"]; b = $col["bytes"]
+		t[c] = $col["time_p50_us"]; w[c] = $col["wire_bytes_per_rank"]; e[c] = $col["rel_error"]
+		x[c] = $col["cross_node_bytes_per_rank"]; cv[c] = $col["convert_us"]; cm[c] = $col["comm_us"]
+	}
+	function human(v) {
+		if (v % 1073741824 == 0) return v / 1073741824 "G"
+		if (v % 1048576 == 0) return v / 1048576 "M"
+		if (v % 1024 == 0) return v / 1024 "K"
+		return v
+	}
+	function line(c, base, extra) {
+		if (t[c] == "" || t[base] == "") return
+		printf "%-6s %-13s %6s %12.2f %12.2f %8.2fx %12d %9.2e  %s\n", c, base, human(b), t[c] / 1000, t[base] / 1000,
+			t[base] / t[c], w[c], e[c], extra
+	}
+	END {
+		print title
+		printf "%-6s %-13s %6s %12s %12s %9s %12s %9s\n", "what", "baseline", "size", "p50 ms", "base p50 ms", "speedup", "B/rank", "rel.err"
+		line("qgz4", "reducescatter", "cross-node " x["qgz4"] " B/rank")
+		line("qgz8", "reducescatter", "cross-node " x["qgz8"] " B/rank")
+		line("fp16", "allreduce", sprintf("convert %.1f ms + comm %.1f ms per call (rank 0)", cv["fp16"] / 1000, cm["fp16"] / 1000))
+		line("bf16", "allreduce", sprintf("convert %.1f ms + comm %.1f ms per call (rank 0)", cv["bf16"] / 1000, cm["bf16"] / 1000))
+	}' "$tmp/quant.csv"
+
+if [ "$TWOLEVEL" != 0 ]; then
+	echo
+	run env RATE="$RATE" RPN="$QRPN" BEGIN="$QSIZE" END="$QSIZE" WARMUP="$WARMUP" ITERS="$ITERS" GO="$GO" \
+		COLLECTIVES=allreduce,twolevel,fp16,bf16 "$root/scripts/bench-twolevel.sh"
+fi

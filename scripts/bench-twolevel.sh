@@ -3,30 +3,25 @@
 # flat MPI allreduce on 2 "machines" of 2 ranks where only the link
 # between the machines is slow, side by side in the same run.
 #
-# Everything runs in a network namespace of its own. Each machine is an
-# interface there (lbtla, addresses 10.231.1.0/24, and lbtlb,
-# 10.231.2.0/24), and each rank's TCP transport is restricted to its
-# machine's interface (OMPI_MCA_btl_tcp_if_include per app context: ranks
-# 0..RPN-1 on A, RPN..2*RPN-1 on B, node-major), so that Open MPI binds its
-# sockets to that machine's address. All of it travels over the
-# namespace's loopback, whose root qdisc sends packets from one machine's
-# subnet to the other's through a token bucket (RATE, one per direction,
-# as on the two ends of a shaped veth pair) and everything else, traffic
-# inside a machine, unshaped. Open MPI's shared-memory transport is off
-# (btl tcp,self), or it would bypass the shaping.
-#
-# Why not two namespaces joined by a veth pair: the ranks must reach
-# mpirun's PMIx server, which listens on the loopback of mpirun's own
-# namespace, so every rank has to run in that one namespace (ranks started
-# in another one fail in MPI_Init with "OPAL ERROR: Unreachable").
+# Each machine is a network namespace of its own (A and B), joined by a
+# veth pair (lbtla in A, 10.231.1.1; lbtlb in B, 10.231.2.1) whose two ends
+# each send through a token bucket of RATE: the link between the machines
+# is shaped both ways, traffic inside a machine (over its own loopback) is
+# not. mpirun runs in A and starts the ranks of A itself; it starts the
+# Open MPI daemon of B, which starts B's ranks, through an rsh agent that
+# runs the daemon's command in namespace B instead of over ssh (the
+# hostfile names the machines by their addresses). Ranks 0..RPN-1 are on A
+# and RPN..2*RPN-1 on B (node-major). Open MPI's shared-memory transport is
+# off (btl tcp,self; it fails to set up between the namespaces), so ranks
+# of one machine talk over TCP on that machine's addresses, unshaped.
 #
 # The flat baseline is Open MPI's ring allreduce (coll_tuned algorithm 4,
 # FLAT_ALG; 0 leaves the choice to Open MPI). Per size it prints both p50
 # times, the speedup, and the bytes each rank sent across machines.
 #
-# Needs root (namespace, dummy devices, qdiscs), Open MPI's mpirun, and ip
-# and tc from iproute2. The namespace (and with it everything in it) is
-# deleted on every exit, also on failure or interruption.
+# Needs root (namespaces, a veth pair, qdiscs), Open MPI's mpirun, and ip
+# and tc from iproute2. The namespaces (and what still runs in them) are
+# removed on every exit, also on failure or interruption.
 #
 # Settings (environment): RATE (1gbit), RPN (2, ranks per machine),
 # BEGIN (4M), END (64M), FACTOR (4), WARMUP (1), ITERS (5),
@@ -56,11 +51,18 @@ done
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/lowbit-bench-twolevel.XXXXXX")
-ns="lowbit-tl-$$-$RANDOM"
+nsa="lowbit-tla-$$-$RANDOM"
+nsb="lowbit-tlb-$$-$RANDOM"
 ns_made=
 cleanup() {
 	if [ -n "$ns_made" ]; then
-		ip netns del "$ns" 2>/dev/null || echo "bench-twolevel: could not delete network namespace $ns" >&2
+		for ns in "$nsa" "$nsb"; do
+			# What still runs in a namespace is this script's (a daemon
+			# or rank that outlived an interrupted run).
+			pids=$(ip netns pids "$ns" 2>/dev/null || true)
+			[ -z "$pids" ] || kill $pids 2>/dev/null || true
+			ip netns del "$ns" 2>/dev/null || echo "bench-twolevel: could not delete network namespace $ns" >&2
+		done
 	fi
 	rm -rf "$tmp"
 }
@@ -89,36 +91,39 @@ trap 'on_signal 143' TERM
 echo "bench-twolevel: building lowbit with -tags mpi"
 (cd "$root" && "$GO" build -tags mpi -o "$tmp/lowbit" ./cmd/lowbit)
 
-echo "bench-twolevel: network namespace $ns, machines lbtla (10.231.1.1) and lbtlb (10.231.2.1), the link between them shaped to $RATE each way (tbf burst 256kb latency 50ms)"
-ip netns add "$ns"
+echo "bench-twolevel: machines A (namespace $nsa, 10.231.1.1) and B ($nsb, 10.231.2.1) joined by a veth pair shaped to $RATE each way (tbf burst 256kb latency 50ms)"
 ns_made=1
-nsx=(ip netns exec "$ns")
-"${nsx[@]}" ip link set lo up
-# The two ends of a veth pair serve as the machines' interfaces (dummy
-# devices would do, but not every kernel has them); addresses on them are
-# local, so the traffic between them never crosses the pair: it is
-# delivered over lo.
-"${nsx[@]}" ip link add lbtla type veth peer name lbtlb
-"${nsx[@]}" ip addr add 10.231.1.1/16 dev lbtla
-"${nsx[@]}" ip addr add 10.231.2.1/16 dev lbtlb
-"${nsx[@]}" ip link set lbtla up
-"${nsx[@]}" ip link set lbtlb up
-# An htb root whose unclassified traffic (default 0) goes straight out,
-# unshaped; the u32 filters send A->B to class 1:10 and B->A to 1:20, each
-# with a token bucket as leaf (the htb classes themselves do not limit).
-"${nsx[@]}" tc qdisc add dev lo root handle 1: htb default 0
-for c in 10 20; do
-	"${nsx[@]}" tc class add dev lo parent 1: classid "1:$c" htb rate 100gbit quantum 200000
-	"${nsx[@]}" tc qdisc add dev lo parent "1:$c" handle "$c:" tbf rate "$RATE" burst 256kb latency 50ms
-done
-"${nsx[@]}" tc filter add dev lo parent 1: protocol ip prio 1 u32 \
-	match ip src 10.231.1.0/24 match ip dst 10.231.2.0/24 flowid 1:10
-"${nsx[@]}" tc filter add dev lo parent 1: protocol ip prio 1 u32 \
-	match ip src 10.231.2.0/24 match ip dst 10.231.1.0/24 flowid 1:20
+ip netns add "$nsa"
+ip netns add "$nsb"
+ip -n "$nsa" link set lo up
+ip -n "$nsb" link set lo up
+ip -n "$nsa" link add lbtla type veth peer name lbtlb netns "$nsb"
+ip -n "$nsa" addr add 10.231.1.1/16 dev lbtla
+ip -n "$nsb" addr add 10.231.2.1/16 dev lbtlb
+ip -n "$nsa" link set lbtla up
+ip -n "$nsb" link set lbtlb up
+tc -n "$nsa" qdisc add dev lbtla root tbf rate "$RATE" burst 256kb latency 50ms
+tc -n "$nsb" qdisc add dev lbtlb root tbf rate "$RATE" burst 256kb latency 50ms
+
+# The rsh agent: "agent HOST COMMAND..." runs COMMAND in HOST's namespace.
+cat >"$tmp/agent" <<AGENT
+#!/bin/sh
+host=\$1
+shift
+case "\$host" in
+10.231.2.1) ns=$nsb ;;
+*) ns=$nsa ;;
+esac
+exec ip netns exec "\$ns" sh -c "\$*"
+AGENT
+chmod +x "$tmp/agent"
+printf '10.231.1.1 slots=%d\n10.231.2.1 slots=%d\n' "$RPN" "$RPN" >"$tmp/hosts"
 
 np=$((2 * RPN))
-mpi=(mpirun --allow-run-as-root --oversubscribe --mca mpi_yield_when_idle 1
-	--mca pml ob1 --mca btl tcp,self --mca oob_tcp_if_include lo)
+mpi=(mpirun --allow-run-as-root --oversubscribe --bind-to none --hostfile "$tmp/hosts" --map-by slot -np "$np"
+	--mca plm_rsh_agent "$tmp/agent" --mca oob_tcp_if_include 10.231.0.0/16
+	--mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include 10.231.0.0/16 --mca btl_tcp_disable_family 6
+	--mca mpi_yield_when_idle 1)
 if [ "$FLAT_ALG" != 0 ]; then
 	mpi+=(--mca coll_tuned_use_dynamic_rules 1 --mca coll_tuned_allreduce_algorithm "$FLAT_ALG")
 fi
@@ -126,11 +131,12 @@ bench=("$tmp/lowbit" bench --backend mpi --ranks "$np" --ranks-per-node "$RPN" -
 	--b "$BEGIN" --e "$END" --f "$FACTOR" --w "$WARMUP" --n "$ITERS" --check --csv)
 
 echo "bench-twolevel: 2 machines x $RPN ranks, sizes $BEGIN..$END x$FACTOR, $WARMUP warm-up + $ITERS timed iterations, collectives $COLLECTIVES"
-run "${nsx[@]}" "${mpi[@]}" \
-	-np "$RPN" env OMPI_MCA_btl_tcp_if_include=lbtla "${bench[@]}" : \
-	-np "$RPN" env OMPI_MCA_btl_tcp_if_include=lbtlb "${bench[@]}" >"$tmp/shaped.csv"
+run ip netns exec "$nsa" "${mpi[@]}" "${bench[@]}" >"$tmp/shaped.csv"
 # The shaping really held: bytes through each token bucket.
-"${nsx[@]}" tc -s qdisc show dev lo | awk '/^qdisc tbf/ { q = $3 } /Sent/ && q { print "bench-twolevel: tbf " q " (" (q == "10:" ? "A->B" : "B->A") ") passed " $2 " bytes"; q = "" }'
+for end in "$nsa lbtla A->B" "$nsb lbtlb B->A"; do
+	read -r ns dev dir <<<"$end"
+	tc -n "$ns" -s qdisc show dev "$dev" | awk -v dir="$dir" '/^qdisc tbf/ { q = 1 } /Sent/ && q { print "bench-twolevel: tbf " dir " passed " $2 " bytes"; q = 0 }'
+done
 
 echo
 awk -F, -v title="shaped cross-machine link ($RATE), 2 machines x $RPN ranks:" '

@@ -19,8 +19,9 @@
 #
 # Settings (environment): RATE (1gbit), NP (4), DATA (data/mnist), TARGET
 # (0.97), MNIST_FLAGS (extra flags for examples/mnist, e.g. "-epochs 3"),
-# GO (go). The whole run takes about 4 minutes on a loaded 2-core machine:
-# Adam's exact allreduces dominate.
+# TIMEOUT (1200: seconds before a stuck run is stopped), GO (go). The whole
+# run takes about 4 minutes on a loaded 2-core machine: Adam's exact
+# allreduces dominate.
 set -euo pipefail
 
 RATE=${RATE:-1gbit}
@@ -28,6 +29,7 @@ NP=${NP:-4}
 DATA=${DATA:-data/mnist}
 TARGET=${TARGET:-0.97}
 MNIST_FLAGS=${MNIST_FLAGS:-}
+TIMEOUT=${TIMEOUT:-1200}
 GO=${GO:-go}
 
 die() { echo "demo-net: $*" >&2; exit 1; }
@@ -36,7 +38,7 @@ die() { echo "demo-net: $*" >&2; exit 1; }
 command -v mpirun >/dev/null || die "cannot run: mpirun not found; install Open MPI (Debian: apt-get install -y openmpi-bin libopenmpi-dev)"
 pkg-config --exists ompi-c 2>/dev/null ||
 	die "cannot run: Open MPI headers not found (pkg-config ompi-c), needed to build with -tags mpi; install libopenmpi-dev"
-for tool in ip tc; do
+for tool in ip tc timeout; do
 	command -v "$tool" >/dev/null || die "cannot run: $tool not found; install iproute2 (Debian: apt-get install -y iproute2)"
 done
 
@@ -50,8 +52,8 @@ tmp=$(mktemp -d "${TMPDIR:-/tmp}/lowbit-demo-net.XXXXXX")
 ns="lowbit-demo-$$"
 ns_made=
 cleanup() {
-	if [ -n "$ns_made" ]; then
-		ip netns del "$ns" 2>/dev/null || echo "demo-net: could not delete network namespace $ns" >&2
+	if [ -n "$ns_made" ] && [ -e "/run/netns/$ns" ]; then
+		ip netns del "$ns" 2>/dev/null || echo "demo-net: could not delete network namespace $ns (ip netns del $ns)" >&2
 	fi
 	rm -rf "$tmp"
 }
@@ -59,6 +61,7 @@ cleanup() {
 # handler stops it, and the EXIT trap removes the namespace.
 child=
 on_signal() {
+	echo "demo-net: interrupted; stopping the run and removing the namespace" >&2
 	if [ -n "$child" ]; then
 		kill -TERM "$child" 2>/dev/null || true
 		wait "$child" 2>/dev/null || true
@@ -73,16 +76,19 @@ echo "demo-net: building examples/mnist with -tags mpi"
 (cd "$root" && "$GO" build -tags mpi -o "$tmp/mnist" ./examples/mnist)
 
 echo "demo-net: network namespace $ns, loopback shaped to $RATE (tbf burst 256kb latency 50ms)"
-ip netns add "$ns"
+# ns_made is set first so that a signal between the two lines still
+# removes the namespace.
 ns_made=1
+ip netns add "$ns" || die "cannot run: could not create network namespace $ns (ip netns add needs CAP_SYS_ADMIN)"
 ip netns exec "$ns" ip link set lo up
-ip netns exec "$ns" tc qdisc add dev lo root tbf rate "$RATE" burst 256kb latency 50ms
+ip netns exec "$ns" tc qdisc add dev lo root tbf rate "$RATE" burst 256kb latency 50ms ||
+	die "cannot run: tc could not shape the loopback to RATE=$RATE (tc's message above; a kernel without sch_tbf fails here too)"
 
 echo "demo-net: $NP MPI ranks over TCP on the shaped loopback: Adam, then 1-bit Adam from the same seed"
 # Waiting ranks yield the CPU (mpi_yield_when_idle): with more ranks than
 # cores, spinning ranks would otherwise steal it from computing ones.
 # shellcheck disable=SC2086 # MNIST_FLAGS is a list of flags
-ip netns exec "$ns" mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$NP" \
+ip netns exec "$ns" timeout --kill-after=30 "$TIMEOUT" mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$NP" \
 	--mca mpi_yield_when_idle 1 --mca pml ob1 --mca btl tcp,self \
 	--mca btl_tcp_if_include lo --mca oob_tcp_if_include lo \
 	"$tmp/mnist" -backend mpi -compare -optimizer onebit-adam -data "$DATA" -target "$TARGET" -quiet $MNIST_FLAGS \
@@ -94,6 +100,7 @@ child=
 ip netns del "$ns"
 ns_made=
 cat "$tmp/mnist.out"
+[ "$rc" -ne 124 ] || die "the MNIST run took more than TIMEOUT=$TIMEOUT s and was stopped"
 [ "$rc" -eq 0 ] || die "the MNIST run failed (exit $rc)"
 
 # The example's table: "optimizer test-acc loss TT (step S) wall compute comm

@@ -11,7 +11,10 @@
 # times, the repeat loop outermost so that load drifting on a shared machine
 # hits every setting alike. Then it times the 1-bit allreduce without a
 # network (the local backend: compression, and the ranks' contention for
-# the CPUs) on 1 rank and on each rank count, COMPUTE_REPEATS times.
+# the CPUs), COMPUTE_REPEATS times: on 1 rank up to COMPUTE_END (the size
+# of lowbit plan's fused buckets, 25 MiB by default, must lie inside this
+# curve: compression slows down once the buffers leave the caches), and on
+# each rank count up to END.
 #
 # The output is one JSON object: {"machine": ..., "link_sharing": "shared",
 # "burst_bytes": ..., "runs": [{"rate", "ranks", "repeat", "bench": <lowbit
@@ -21,23 +24,27 @@
 #
 # Needs root, Open MPI (mpirun, and libopenmpi-dev to build with -tags mpi),
 # ip and tc. The namespace is deleted on every exit, also on failure or
-# interruption. About 5 minutes with the defaults on a 2-core machine.
+# interruption. About 6 minutes with the defaults on a 2-core machine; the
+# largest messages take 0.75 s each (4 MiB allreduce on 4 ranks at 250mbit).
 #
-# Settings (environment): RATES, RANKS, REPEATS (3), BURST_KB (256: the tbf
-# burst in KiB, recorded because the model subtracts it), BEGIN (4K), END
-# (16M), FACTOR (4), WARMUP (1), ITERS (5), COMPUTE_REPEATS (3), GO (go).
+# Settings (environment): RATES, RANKS, REPEATS (7), BURST_KB (256: the tbf
+# burst in KiB, recorded because the model runs the token bucket), BEGIN
+# (4K), END (4M), FACTOR (4), WARMUP (2), ITERS (10), COMPUTE_REPEATS (5),
+# COMPUTE_END (64M), COLLECTIVES (allreduce,onebit), GO (go).
 set -euo pipefail
 
 RATES=${RATES:-1gbit 250mbit}
 RANKS=${RANKS:-2 3 4}
-REPEATS=${REPEATS:-3}
+REPEATS=${REPEATS:-7}
 BURST_KB=${BURST_KB:-256}
 BEGIN=${BEGIN:-4K}
-END=${END:-16M}
+END=${END:-4M}
 FACTOR=${FACTOR:-4}
-WARMUP=${WARMUP:-1}
-ITERS=${ITERS:-5}
-COMPUTE_REPEATS=${COMPUTE_REPEATS:-3}
+WARMUP=${WARMUP:-2}
+ITERS=${ITERS:-10}
+COMPUTE_REPEATS=${COMPUTE_REPEATS:-5}
+COMPUTE_END=${COMPUTE_END:-64M}
+COLLECTIVES=${COLLECTIVES:-allreduce,onebit}
 GO=${GO:-go}
 
 die() { echo "plan-calibrate: $*" >&2; exit 1; }
@@ -56,13 +63,14 @@ tmp=$(mktemp -d "${TMPDIR:-/tmp}/lowbit-plan-calibrate.XXXXXX")
 ns="lowbit-plan-$$"
 ns_made=
 cleanup() {
-	if [ -n "$ns_made" ]; then
-		ip netns del "$ns" 2>/dev/null || echo "plan-calibrate: could not delete network namespace $ns" >&2
+	if [ -n "$ns_made" ] && [ -e "/run/netns/$ns" ]; then
+		ip netns del "$ns" 2>/dev/null || echo "plan-calibrate: could not delete network namespace $ns (ip netns del $ns)" >&2
 	fi
 	rm -rf "$tmp"
 }
 child=
 on_signal() {
+	echo "plan-calibrate: interrupted; stopping the run and removing the namespace" >&2
 	if [ -n "$child" ]; then
 		kill -TERM "$child" 2>/dev/null || true
 		wait "$child" 2>/dev/null || true
@@ -85,13 +93,15 @@ trap 'on_signal 143' TERM
 echo "plan-calibrate: building lowbit with -tags mpi"
 (cd "$root" && "$GO" build -tags mpi -o "$tmp/lowbit" ./cmd/lowbit)
 
-ip netns add "$ns"
+# ns_made is set first so that a signal between the two lines still
+# removes the namespace.
 ns_made=1
+ip netns add "$ns" || die "could not create network namespace $ns (ip netns add needs CAP_SYS_ADMIN)"
 ip netns exec "$ns" ip link set lo up
 
 mpi=(mpirun --allow-run-as-root --oversubscribe --bind-to none --mca mpi_yield_when_idle 1
 	--mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo)
-bench=("$tmp/lowbit" bench --backend mpi --collective allreduce,onebit --json
+bench=("$tmp/lowbit" bench --backend mpi --collective "$COLLECTIVES" --json
 	--b "$BEGIN" --e "$END" --f "$FACTOR" --w "$WARMUP" --n "$ITERS")
 
 runs="$tmp/runs.jsonl"
@@ -119,8 +129,10 @@ comp="$tmp/compute.jsonl"
 echo "plan-calibrate: 1-bit allreduce without network (local backend, 1 $RANKS ranks), $COMPUTE_REPEATS repeats"
 for rep in $(seq 1 "$COMPUTE_REPEATS"); do
 	for np in 1 $RANKS; do
+		end=$END
+		[ "$np" -eq 1 ] && end=$COMPUTE_END
 		run "$tmp/lowbit" bench --backend local --ranks "$np" --collective onebit --json \
-			--b "$BEGIN" --e "$END" --f "$FACTOR" --w "$WARMUP" --n "$ITERS" >>"$comp"
+			--b "$BEGIN" --e "$end" --f "$FACTOR" --w "$WARMUP" --n "$ITERS" >>"$comp"
 	done
 done
 

@@ -105,6 +105,7 @@ if "$GO" build -tags mpi -o "$mnist" ./examples/mnist; then
 	run "$tmp/mnist-resume.log" timeout -k 10 120 "${mpirun[@]}" -np 2 "$mnist" "${margs[@]}" -checkpoint "$tmp/ck" -resume
 	if [ "$rc_whole" -eq 0 ] && [ "$rc_kill" -ne 0 ] && [ "$rc_kill" -ne 124 ] && [ "$rc" -eq 0 ] &&
 		! hashes "$tmp/mnist-kill.log" >/dev/null && [ -n "$(hashes "$tmp/mnist-whole.log")" ] &&
+		grep -q '^onebit-adam resumed from step 12 of 20$' "$tmp/mnist-resume.log" &&
 		[ "$(hashes "$tmp/mnist-whole.log")" = "$(hashes "$tmp/mnist-resume.log")" ]; then
 		echo "MPI tests: mnist kill and -resume, np=2 ok: $(hashes "$tmp/mnist-resume.log")"
 		passed=$((passed + 1))
@@ -137,6 +138,47 @@ for s in exit close stall; do
 		fail=$((fail + 1))
 	fi
 done
+
+# Package quant under mpirun (quant/*_mpi_test.go): qgZ, the down-cast and
+# two-level allreduces bit-identical to the in-process backend, bad calls
+# failing on every rank, and the qgz and rsc conformance vectors, on 2x2,
+# 3x2 and (vectors only) 2x4 layouts given explicitly; then lowbit bench
+# --check of the same collectives on 3x2.
+qbin=$tmp/quant.test
+t0=$(date +%s%N)
+if "$GO" test -c -tags mpi -o "$qbin" ./quant; then
+	echo "MPI tests: built quant test binary ($(( ($(date +%s%N) - t0) / 1000000 )) ms)"
+	for lay in "4 2 MPI" "6 2 MPI" "8 4 MPIConformance"; do
+		read -r np rpn tests <<<"$lay"
+		log=$tmp/quant-np$np.log
+		run "$log" timeout -k 10 120 "${mpirun[@]}" -np "$np" "$qbin" \
+			-test.run "$tests" -test.timeout=100s -ranks-per-node "$rpn"
+		if [ "$rc" -eq 0 ]; then
+			echo "MPI tests: quant $tests, $((np / rpn)) nodes x $rpn ranks ok (${ms} ms)"
+			passed=$((passed + 1))
+		else
+			echo "MPI tests: quant $tests, $((np / rpn)) nodes x $rpn ranks FAILED (exit $rc after ${ms} ms):"
+			tail -n 60 "$log"
+			fail=$((fail + 1))
+		fi
+	done
+else
+	echo "MPI tests: building the quant test binary with -tags mpi failed"
+	fail=$((fail + 1))
+fi
+if [ -x "$lowbit" ]; then
+	log=$tmp/bench-quant.log
+	run "$log" timeout -k 10 120 "${mpirun[@]}" -np 6 "$lowbit" bench --backend mpi --ranks 6 --ranks-per-node 2 \
+		--collective qgz4,qgz8,rsc,fp16,bf16,twolevel -b 64K -e 64K -w 1 -n 2 --check
+	if [ "$rc" -eq 0 ] && [ "$(grep -cE '^(qgz4|qgz8|rsc|fp16|bf16|twolevel) ' "$log")" -eq 6 ]; then
+		echo "MPI tests: lowbit bench --check qgz4,qgz8,rsc,fp16,bf16,twolevel, 3 nodes x 2 ranks ok (${ms} ms)"
+		passed=$((passed + 1))
+	else
+		echo "MPI tests: lowbit bench --check qgz4,qgz8,rsc,fp16,bf16,twolevel, 3 nodes x 2 ranks FAILED (exit $rc after ${ms} ms):"
+		tail -n 40 "$log"
+		fail=$((fail + 1))
+	fi
+fi
 
 echo "MPI tests took $(( ($(date +%s%N) - start) / 1000 / 1000000 )) s"
 # The closing line, in the form CI counts.

@@ -207,6 +207,15 @@ for comparison; --check fails them above 0.5 and 0.05 relative error. rsc is
 the coalesced reduce-scatter of a list of odd-sized tensors that fill the
 size. All three average and compare with a float32 reduce-scatter.
 
+fp16 and bf16 are the down-cast allreduce (16-bit values on the wire, float32
+sums); their rows add rank 0's time per call spent converting and spent
+communicating, in columns of their own; --check fails them above 1e-3 and
+8e-3. twolevel is the two-level (Fairring-style) allreduce on the layout of
+--ranks-per-node, with the bytes sent inside the node and across nodes. All
+three compare with the float32 allreduce. In CSV the conversion time and
+the node split are the columns convert_us, comm_us,
+intra_node_bytes_per_rank and cross_node_bytes_per_rank.
+
 With --backend mpi start it under mpirun (a binary built with -tags mpi).
 
 `)

@@ -36,10 +36,14 @@ const (
 // isHalfBench reports whether name is a collective of this file.
 func isHalfBench(name string) bool { return slices.Contains(halfCollectives, name) }
 
-// halfInConfig reports whether cfg runs a collective of this file, which
-// adds the convert_us, comm_us and cross_node_bytes_per_rank columns to
-// the CSV.
-func halfInConfig(cfg *benchConfig) bool { return slices.ContainsFunc(cfg.collectives, isHalfBench) }
+// halfInConfig reports whether cfg runs a collective of this file or a
+// qgz one, which adds the convert_us, comm_us, intra_node_bytes_per_rank
+// and cross_node_bytes_per_rank columns to the CSV.
+func halfInConfig(cfg *benchConfig) bool {
+	return slices.ContainsFunc(cfg.collectives, func(name string) bool {
+		return isHalfBench(name) || name == "qgz4" || name == "qgz8"
+	})
+}
 
 // newHalfBenchCase makes the case of fp16, bf16 or twolevel for elems
 // float32 per rank on c. twolevel builds its layout of rpn ranks per node
@@ -118,18 +122,21 @@ func halfTableColumns(row benchRow) string {
 }
 
 // halfCSVHeader names the CSV columns halfCSVFields fills.
-var halfCSVHeader = []string{"convert_us", "comm_us", "cross_node_bytes_per_rank"}
+var halfCSVHeader = []string{"convert_us", "comm_us", "intra_node_bytes_per_rank", "cross_node_bytes_per_rank"}
 
 // halfCSVFields renders row's conversion and communication times and
-// cross-node bytes for the CSV (empty where not measured).
+// intra- and cross-node bytes for the CSV (empty where not measured).
 func halfCSVFields(row benchRow) []string {
 	rec := make([]string, len(halfCSVHeader))
 	if row.ConvertUs != nil && row.CommUs != nil {
 		rec[0] = strconv.FormatFloat(*row.ConvertUs, 'f', -1, 64)
 		rec[1] = strconv.FormatFloat(*row.CommUs, 'f', -1, 64)
 	}
+	if row.WireIntraPerRank != nil {
+		rec[2] = strconv.FormatInt(*row.WireIntraPerRank, 10)
+	}
 	if row.WireInterPerRank != nil {
-		rec[2] = strconv.FormatInt(*row.WireInterPerRank, 10)
+		rec[3] = strconv.FormatInt(*row.WireInterPerRank, 10)
 	}
 	return rec
 }

@@ -81,3 +81,66 @@ func TestBenchQuantBadLayout(t *testing.T) {
 	require.ErrorContains(t, err, "does not divide")
 	require.Less(t, time.Since(start), 30*time.Second)
 }
+
+func TestBenchHalfCollectives(t *testing.T) {
+	cfg, err := parseBenchFlags(strings.Fields(
+		"--b 4K --e 16K --f 4 --w 1 --n 2 --collective allreduce,fp16,bf16,twolevel --ranks 4 --ranks-per-node 2 --check --json"), io.Discard)
+	require.NoError(t, err)
+	var out bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	_, err = runBench(ctx, cfg, &out)
+	require.NoError(t, err)
+	var res benchResult
+	require.NoError(t, json.Unmarshal(out.Bytes(), &res))
+	require.Len(t, res.Results, 8)
+	for _, row := range res.Results {
+		require.NotNil(t, row.RelError, row.Collective)
+		switch row.Collective {
+		case "fp16", "bf16":
+			require.NotNil(t, row.ConvertUs, row.Collective)
+			require.NotNil(t, row.CommUs, row.Collective)
+			assert.Greater(t, *row.ConvertUs+*row.CommUs, 0.0, row.Collective)
+			assert.InDelta(t, 2, row.CompressionRatio, 0.05, row.Collective) // and a length header per chunk
+			assert.Less(t, *row.RelError, map[string]float64{"fp16": fp16Tolerance, "bf16": bf16Tolerance}[row.Collective])
+		case "twolevel":
+			require.NotNil(t, row.WireIntraPerRank)
+			require.NotNil(t, row.WireInterPerRank)
+			assert.Equal(t, "2 nodes x 2 ranks", row.Layout)
+			// Each half sends (M-1)*K floats across and (D-1)*M*K inside.
+			k := int64(row.ElementsPerRank / 4)
+			assert.Equal(t, 2*1*k*4, *row.WireInterPerRank)
+			assert.Equal(t, 2*1*2*k*4, *row.WireIntraPerRank)
+			assert.Less(t, *row.RelError, exactTolerance)
+		}
+	}
+
+	// The CSV has the conversion time and the node split in columns of
+	// their own, for qgz too.
+	for _, coll := range []string{"fp16", "qgz4"} {
+		cfg.format = "csv"
+		cfg.collectives = []string{coll}
+		cfg.sizes = cfg.sizes[:1]
+		out.Reset()
+		_, err = runBench(ctx, cfg, &out)
+		require.NoError(t, err)
+		lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+		require.Len(t, lines, 2, coll)
+		head, rec := strings.Split(lines[0], ","), strings.Split(lines[1], ",")
+		require.Len(t, rec, len(head), coll)
+		col := map[string]string{}
+		for i, h := range head {
+			col[h] = rec[i]
+		}
+		for _, h := range []string{"convert_us", "comm_us", "intra_node_bytes_per_rank", "cross_node_bytes_per_rank", "rel_error"} {
+			require.Contains(t, col, h, coll)
+		}
+		if coll == "fp16" {
+			assert.NotEmpty(t, col["convert_us"])
+			assert.NotEmpty(t, col["comm_us"])
+		} else {
+			assert.NotEmpty(t, col["intra_node_bytes_per_rank"])
+			assert.NotEmpty(t, col["cross_node_bytes_per_rank"])
+		}
+	}
+}

@@ -21,20 +21,24 @@ import (
 )
 
 // The plan command predicts collective and step times with an alpha-beta
-// cost model:
+// cost model (docs/plan.md). A collective call is the sequence of steps its
+// algorithm runs (collectiveModel.steps): local work, then a message
+// exchange of some latency-bound rounds and some bytes per rank. A step
+// takes
 //
-//	t = rounds(W)*alpha + bottleneck bytes * ineff / rate + compression bytes / compress rate * cpu share
+//	pre + rounds*alpha + overlap(work, bytes*beta)
 //
-// where rounds and the bytes come from each collective's algorithm (the
-// collectives table), the link rate is given, and alpha (seconds per
-// latency-bound round), ineff (measured time per byte over the nominal
-// line rate's: 1 is line rate) and the compression rate are fitted to
-// "lowbit bench --json" sweeps recorded with scripts/plan-calibrate.sh.
+// with beta = ineff/rate seconds per byte through the bottleneck link. alpha
+// (seconds per round) and ineff (time per byte over the nominal line rate's)
+// are fitted per link to "lowbit bench --json" sweeps recorded with
+// scripts/plan-calibrate.sh; the local work is not fitted but measured: the
+// 1-bit allreduce timed without a network.
 //
-// The bottleneck bytes depend on how the ranks share the network
-// (linkSharing): on a shaped loopback every rank's traffic goes through one
-// token bucket, so the bottleneck carries W times each rank's wire bytes;
-// on a cluster with a link per rank, each link carries that rank's bytes.
+// On the shaped loopback of the calibration (linkSharing shared) one token
+// bucket carries every rank's bytes, and it lets through at once the tokens
+// it gathered while the link was idle (during local work, latency rounds
+// and the benchmark's barrier), up to its burst: the model runs that bucket
+// through the steps of back-to-back calls, as lowbit bench makes them.
 
 func init() {
 	register(command{
@@ -66,7 +70,8 @@ const (
 	// sharedLink: one link carries the traffic of all ranks (the shaped
 	// loopback of scripts/plan-calibrate.sh and bench-net.sh: a tbf qdisc
 	// on lo caps the total); time per byte applies to W times the bytes
-	// each rank sends. The ranks also share the machine's CPUs.
+	// each rank sends, less the bucket's tokens. The ranks also share the
+	// machine's CPUs.
 	sharedLink linkSharing = "shared"
 	// perRankLink: every rank has a link of the given rate to itself (a
 	// cluster with one NIC per rank, full duplex, non-blocking switch);
@@ -83,26 +88,33 @@ func parseSharing(s string) (linkSharing, error) {
 	return "", fmt.Errorf("unknown link sharing %q (want %s or %s)", s, sharedLink, perRankLink)
 }
 
+// step is one stage of a collective call: pre seconds of local work, then a
+// message exchange of rounds latency-bound rounds in which each rank sends
+// bytes; work seconds of local work run alongside the exchange, overlapped
+// in pieces when pieces > 1 (pipelining), after it otherwise.
+type step struct {
+	pre, work float64
+	rounds    float64
+	bytes     int64
+	pieces    int
+}
+
 // collectiveModel is the machine-independent cost structure of one
-// collective on float32 data: what it sends, in how many latency-bound
-// rounds, and how many bytes go through compression. A new collective
-// (qgZ, ...) slots in as one more entry of planCollectives; until it is
-// calibrated it uses the pooled network fit and, if it compresses, the
-// 1-bit compression rate.
+// collective on float32 data.
 type collectiveModel struct {
 	name, desc string
 	// wireBytes is what each of w ranks sends for n float32 elements,
-	// counted as comm.Stats counts it.
+	// counted as comm.Stats counts it (the sum of the steps' bytes).
 	wireBytes func(n int64, w int) int64
-	// rounds is the number of latency-bound message rounds.
-	rounds func(w int) float64
-	// computeBytes is the float32 bytes one rank alone would run through
-	// compression for n elements on w ranks (0: none); computeShare is
-	// the fraction of that work each of w ranks does.
-	computeBytes func(n int64, w int) int64
-	computeShare func(w int) float64
-	// fitAs names the collective whose network fit this one borrows
-	// until it has its own measurements ("": its own, or the pooled fit).
+	// steps is a call on n elements per rank on w ranks, with compute
+	// seconds of local work in all (0 for the exact collectives), as its
+	// algorithm runs it.
+	steps func(n int64, w int, compute float64) []step
+	// compresses says whether the call has local compression work: the
+	// 1-bit allreduce's time without a network.
+	compresses bool
+	// fitAs names the collective whose measurements this one borrows ("":
+	// its own).
 	fitAs string
 	// uncalibrated, when set, says what the model does not measure.
 	uncalibrated string
@@ -111,39 +123,60 @@ type collectiveModel struct {
 // planCollectives are the collectives the model knows, in table order.
 var planCollectives = []collectiveModel{
 	{
-		name:         "allreduce",
-		desc:         "exact float32 ring allreduce",
-		wireBytes:    func(n int64, w int) int64 { return comm.RingAllReduceBytes(4*n, w) },
-		rounds:       func(w int) float64 { return float64(2 * (w - 1)) },
-		computeBytes: func(int64, int) int64 { return 0 },
-		computeShare: func(int) float64 { return 0 },
-	},
-	{
-		name:         "onebit",
-		desc:         "1-bit error-compensated allreduce (onebit.AllReduce)",
-		wireBytes:    onebitWireBytes,
-		rounds:       func(w int) float64 { return float64(3 * (w - 1)) },
-		computeBytes: func(n int64, w int) int64 { return 4 * int64(onebit.PaddedLen(int(n), w)) },
-		computeShare: onebitComputeShare,
-	},
-	{
-		name: "fp16",
-		desc: "allreduce with float16 on the wire",
-		wireBytes: func(n int64, w int) int64 {
-			return comm.RingAllReduceBytes(2*n, w)
+		name:      "allreduce",
+		desc:      "exact float32 ring allreduce (MPI_Allreduce)",
+		wireBytes: func(n int64, w int) int64 { return comm.RingAllReduceBytes(4*n, w) },
+		steps: func(n int64, w int, _ float64) []step {
+			return []step{{rounds: float64(2 * (w - 1)), bytes: comm.RingAllReduceBytes(4*n, w)}}
 		},
-		rounds:       func(w int) float64 { return float64(2 * (w - 1)) },
-		computeBytes: func(int64, int) int64 { return 0 },
-		computeShare: func(int) float64 { return 0 },
+	},
+	{
+		name:       "onebit",
+		desc:       "1-bit error-compensated allreduce (onebit.AllReduce)",
+		wireBytes:  onebitWireBytes,
+		steps:      onebitSteps,
+		compresses: true,
+	},
+	{
+		name:      "fp16",
+		desc:      "allreduce with float16 on the wire",
+		wireBytes: func(n int64, w int) int64 { return comm.RingAllReduceBytes(2*n, w) },
+		steps: func(n int64, w int, _ float64) []step {
+			return []step{{rounds: float64(2 * (w - 1)), bytes: comm.RingAllReduceBytes(2*n, w)}}
+		},
 		fitAs:        "allreduce",
-		uncalibrated: "not measured: allreduce's network fit at half the bytes, conversion time left out",
+		uncalibrated: "not measured: the exact allreduce's model at half the bytes, float16 conversion left out",
 	},
 }
 
+// The pipelining of onebit.AllReduce (onebit/allreduce.go: pieceTarget,
+// maxPieces, State.setPieces): each chunk's packed bytes travel in pieces
+// of about 64 KiB per destination, at most 16. TestOnebitPieces checks the
+// copy against the collective's behaviour on the local backend.
+const (
+	onebitPieceTarget = 64 << 10
+	onebitMaxPieces   = 16
+)
+
+// onebitPieces is K, the pieces each chunk of a call on n elements and w
+// ranks travels in (1: not pipelined), as onebit.NewState picks it.
+func onebitPieces(n int64, w int) int {
+	if w < 2 {
+		return 1
+	}
+	chunkBytes := int64(onebit.PaddedLen(int(n), w)) / int64(w) / 8
+	k := max(1, min(chunkBytes/onebitPieceTarget, onebitMaxPieces, chunkBytes))
+	pieceBytes := (chunkBytes + k - 1) / k
+	if pieceBytes == 0 {
+		return 1
+	}
+	return int((chunkBytes + pieceBytes - 1) / pieceBytes)
+}
+
 // onebitWireBytes is what each rank sends in onebit.AllReduce: with N the
-// padded length and C = N/W its chunk, the header all-gather ((W-1)*12),
-// the phase 1 all-to-all of packed signs ((W-1)*C/8) and the phase 2
-// all-gather of server signs and scale ((W-1)*(C/8+4)).
+// padded length and C = N/W its chunk, the header all-gather of scale and
+// length ((W-1)*12), the phase 1 all-to-all of packed signs ((W-1)*C/8)
+// and the phase 2 all-gather of server scale and signs ((W-1)*(4+C/8)).
 func onebitWireBytes(n int64, w int) int64 {
 	if w <= 1 {
 		return 0
@@ -152,12 +185,42 @@ func onebitWireBytes(n int64, w int) int64 {
 	return int64(w-1) * (2*(c/8) + 16)
 }
 
-// onebitComputeShare is the share of one rank's compression work (what
-// the 1-rank compute runs time) that each of w ranks does: the worker half
-// (error feedback, scale, packing) runs on the whole padded buffer, the
-// server half (unpacking W chunks, their sum, recompressing its chunk)
-// mostly on 1/W of it. So (1+1/W)/2.
-func onebitComputeShare(w int) float64 { return (1 + 1/float64(w)) / 2 }
+// onebitSteps is onebit.AllReduce as it runs now (three collectives, large
+// tensors pipelined in K pieces), with its local work split by the passes
+// it makes over the padded buffer of N elements (C = N/W): worker error
+// feedback (N), packing (N), the server's unpack-and-sum of W chunks (N)
+// and its compression (C), unpacking the output (N): 4 + 1/W passes.
+//
+//   - header: all-gather of scale and length, after the worker error
+//     feedback;
+//   - phase 1: all-to-all of the packed chunks, after packing; pipelined,
+//     packing and the server's sum overlap the pieces on the wire;
+//   - phase 2: all-gather of server scale and signs, after the server's
+//     compression (and its sum, unpipelined); unpacking the output follows
+//     it, or overlaps its pieces when pipelined.
+//
+// Every collective is counted as W-1 latency-bound rounds (ring all-gather,
+// pairwise all-to-all), once per piece.
+func onebitSteps(n int64, w int, compute float64) []step {
+	if w <= 1 || n <= 0 {
+		return nil
+	}
+	c := int64(onebit.PaddedLen(int(n), w)) / int64(w)
+	k := onebitPieces(n, w)
+	pass := compute / (4 + 1/float64(w))
+	r := float64(w - 1)
+	hdr := step{pre: pass, rounds: r, bytes: int64(w-1) * 12}
+	p1 := step{rounds: float64(k) * r, bytes: int64(w-1) * (c / 8), pieces: k}
+	p2 := step{rounds: float64(k) * r, bytes: int64(w-1) * (4 + c/8), pieces: k, work: pass}
+	if k > 1 {
+		p1.work = 2 * pass
+		p2.pre = pass / float64(w)
+	} else {
+		p1.pre = pass
+		p2.pre = pass * (1 + 1/float64(w))
+	}
+	return []step{hdr, p1, p2}
+}
 
 func findCollective(name string) (collectiveModel, bool) {
 	for _, c := range planCollectives {
@@ -176,12 +239,13 @@ type measurements struct {
 		Recorded string `json:"recorded"`
 	} `json:"machine"`
 	LinkSharing string `json:"link_sharing"`
-	// BurstBytes is the token bucket's burst: bytes that pass at once
-	// after the link was idle long enough to refill it (tbf burst).
+	// BurstBytes is the token bucket's burst (tbf burst): bytes that pass
+	// at once after the link was idle long enough to refill it.
 	BurstBytes int64         `json:"burst_bytes"`
 	Runs       []measuredRun `json:"runs"`
-	// Compute are lowbit bench runs of onebit on the local backend with
-	// one rank: compression without a network.
+	// Compute are lowbit bench runs of onebit on the local backend:
+	// compression without a network, on 1 rank and on each rank count of
+	// the runs.
 	Compute []benchResult `json:"compute"`
 }
 
@@ -223,7 +287,12 @@ type planPoint struct {
 	Bytes      int64   // float32 bytes per rank
 	Wire       int64   // bytes each rank sent, as recorded
 	Seconds    float64 // median over repeats of the p50
-	Repeats    int
+	// Spread is (max - min) / median of the repeats' p50s: how well the
+	// measurement reproduces.
+	Spread  float64
+	Repeats int
+	// Warmup and Iters are the benchmark's untimed and timed calls.
+	Warmup, Iters int
 }
 
 // points groups m's rows by setting and takes the median over repeats.
@@ -237,6 +306,7 @@ func (m *measurements) points() ([]planPoint, error) {
 	var order []key
 	times := map[key][]float64{}
 	wire := map[key]int64{}
+	calls := map[key][2]int{}
 	for _, r := range m.Runs {
 		if r.Bench.Ranks != r.Ranks {
 			return nil, fmt.Errorf("measurements: run at %s says %d ranks, its bench %d", r.Rate, r.Ranks, r.Bench.Ranks)
@@ -251,20 +321,23 @@ func (m *measurements) points() ([]planPoint, error) {
 			}
 			times[k] = append(times[k], row.TimeP50us/1e6)
 			wire[k] = row.WireBytesPerRank
+			calls[k] = [2]int{r.Bench.Warmup, r.Bench.Iterations}
 		}
 	}
 	pts := make([]planPoint, 0, len(order))
 	for _, k := range order {
 		rate, _ := parseRate(k.rate)
+		ts := times[k]
+		med := median(ts)
 		pts = append(pts, planPoint{Collective: k.coll, Rate: rate, RateName: k.rate, Ranks: k.ranks,
-			Bytes: k.bytes, Wire: wire[k], Seconds: median(times[k]), Repeats: len(times[k])})
+			Bytes: k.bytes, Wire: wire[k], Seconds: med, Spread: (slices.Max(ts) - slices.Min(ts)) / med,
+			Repeats: len(ts), Warmup: calls[k][0], Iters: calls[k][1]})
 	}
 	return pts, nil
 }
 
-// computePoint is the time one rank alone takes to 1-bit compress Bytes of
-// float32 data (worker and server halves, no network): the median over the
-// compute runs.
+// computePoint is the time of the 1-bit allreduce without a network on
+// Bytes of float32 data per rank.
 type computePoint struct {
 	Bytes   int64   `json:"bytes"`
 	Seconds float64 `json:"seconds"`
@@ -316,285 +389,94 @@ func median(xs []float64) float64 {
 	return (s[n/2-1] + s[n/2]) / 2
 }
 
-// linkFit is the network part of the model for one collective (or all
-// pooled): t = rounds*Alpha + B*Ineff/rate + B*Gamma for B bottleneck bytes.
+// linkFit is the network part of the model for one link: alpha and beta =
+// Ineff/rate.
 type linkFit struct {
-	Alpha float64 `json:"alpha_s"` // seconds per latency-bound round
-	Ineff float64 `json:"ineff"`   // time per byte over the line rate's (1: line rate)
-	// Gamma is host time per bottleneck byte whatever the rate (copies,
-	// TCP on the loopback, reduction arithmetic), on the calibration
-	// machine whose CPUs all ranks share; only shared-link predictions
-	// use it.
-	Gamma float64 `json:"gamma_s_per_byte"`
-	// Burst is the bytes a call gets through a shaped link at once: the
-	// tokens its bucket holds when the call starts. Between 0 (calls back
-	// to back keep the bucket empty) and the tbf burst (an idle link); the
-	// fit picks it. Only for the shaped, shared link.
-	Burst  int64 `json:"burst_bytes"`
-	Points int   `json:"points"`
+	Rate     float64 `json:"rate_bytes_per_s"`
+	RateName string  `json:"rate"`
+	Alpha    float64 `json:"alpha_s"` // seconds per latency-bound round
+	Ineff    float64 `json:"ineff"`   // time per byte over the line rate's (1: line rate)
+	Points   int     `json:"points"`
+	// RMS is the root mean square relative error of the fit on its
+	// points.
+	RMS float64 `json:"rms_rel_error"`
 }
 
-// costModel is a calibrated model: the network fits of one backend and
-// link sharing, and the compression speed of one machine.
+// costModel is a calibrated model: the network fit of each link of one
+// backend and link sharing, and the compression speed of one machine.
 type costModel struct {
-	Backend string             `json:"backend"`
-	Sharing linkSharing        `json:"link_sharing"`
-	Fits    map[string]linkFit `json:"fits"`
-	Pooled  linkFit            `json:"pooled"`
+	Backend string      `json:"backend"`
+	Sharing linkSharing `json:"link_sharing"`
+	// Fits are the link fits by rate name ("1gbit").
+	Fits map[string]linkFit `json:"fits"`
 	// Compute is the time of the 1-bit allreduce without a network (local
 	// backend) by rank count and size, measured on the calibration machine
 	// (it differs per machine): compression, and for W > 1 also the
 	// in-memory exchange, with the W ranks sharing the machine's CPUs.
-	// Interpolated between sizes, at the largest size's rate beyond it.
+	// Interpolated between sizes, at the nearest end's rate outside them.
 	Compute map[int][]computePoint `json:"compute"`
-	// CompressBps, when positive, replaces Compute by a fixed rate in
-	// float32 bytes per second (lowbit plan --compress-rate).
+	// CompressBps, when positive, replaces the measured 1-rank curve by a
+	// fixed rate: float32 bytes per second through a 1-rank call (lowbit
+	// plan --compress-rate).
 	CompressBps float64 `json:"compress_bytes_per_s,omitempty"`
 	CPUs        int     `json:"cpus"`        // of the machine the calibration ran on
 	Burst       int64   `json:"burst_bytes"` // of the calibration's shaped link
 	Machine     string  `json:"machine"`
 }
 
-// prediction is one collective's predicted time, split into its terms.
+// prediction is one collective call's predicted time, split into its terms.
 type prediction struct {
 	Wire       int64 // bytes each rank sends
-	Bottleneck int64 // bytes through the slowest link, less a burst
+	Bottleneck int64 // bytes through the slowest link, less the bucket's tokens
 	Latency    float64
-	Transfer   float64 // bytes at the link rate
-	Host       float64 // per-byte host overhead
-	Compute    float64
+	Transfer   float64 // bottleneck bytes at beta
+	Compute    float64 // local work not hidden behind transfers
+	Calls      int     // collective calls (pipelined pieces count alone)
 }
 
-func (p prediction) total() float64 { return p.Latency + p.Transfer + p.Host + p.Compute }
+func (p prediction) total() float64 { return p.Latency + p.Transfer + p.Compute }
 
 // setup is where a prediction is made.
 type setup struct {
 	Ranks   int
 	Rate    float64 // link rate, bytes per second
 	Sharing linkSharing
-	// CPUShare is how many ranks share one CPU's compression throughput
-	// (at least 1): W/cpus for ranks on one machine, 1 with a CPU (or
-	// accelerator) per rank.
-	CPUShare float64
-	// Burst is the bytes a shaped link lets through at once per call (a
-	// refilled token bucket); 0 for a real link.
+	// Burst is the token bucket's burst on a shaped shared link (0: a real
+	// link).
 	Burst int64
+	// Warmup and Iters are the untimed and timed calls of the lowbit bench
+	// run predicted on a shaped link (Iters 0: the steady state).
+	Warmup, Iters int
 }
 
-// fitModel returns the model fitted to pts, per collective and pooled (see
-// fitPoints). The compute term, from the compute curve, is subtracted
-// before fitting.
-func fitModel(pts []planPoint, sharing linkSharing, compute map[int][]computePoint, cpus int, burst int64) (*costModel, error) {
-	m := &costModel{Backend: "mpi", Sharing: sharing, Fits: map[string]linkFit{}, Compute: compute, CPUs: cpus, Burst: burst}
-	byColl := map[string][]planPoint{}
-	var used []planPoint
-	for _, p := range pts {
-		if _, ok := findCollective(p.Collective); !ok {
-			continue // a collective the model does not know: not fitted
-		}
-		byColl[p.Collective] = append(byColl[p.Collective], p)
-		used = append(used, p)
-	}
-	if len(used) == 0 {
-		return nil, errors.New("plan: no measured points of a known collective")
-	}
-	for name, ps := range byColl {
-		f, err := m.fitBurst(ps)
-		if err != nil {
-			return nil, fmt.Errorf("plan: fitting %s: %w", name, err)
-		}
-		m.Fits[name] = f
-	}
-	f, err := m.fitBurst(used)
-	if err != nil {
-		return nil, fmt.Errorf("plan: pooled fit: %w", err)
-	}
-	m.Pooled = f
-	return m, nil
-}
-
-// fitBurst fits the points (fitPoints) with each effective burst of 0,
-// 1/16, 1/8, 1/4, 1/2 and all of m.Burst, and keeps the best fit.
-func (m *costModel) fitBurst(ps []planPoint) (linkFit, error) {
-	var best linkFit
-	bestRes := math.Inf(1)
-	var firstErr error
-	for _, div := range []int64{0, 16, 8, 4, 2, 1} {
-		b := int64(0)
-		if div > 0 {
-			b = m.Burst / div
-		}
-		if div > 0 && b == 0 {
-			continue
-		}
-		f, res, err := m.fitPoints(ps, b)
-		if err != nil {
-			firstErr = cmp.Or(firstErr, err)
-			continue
-		}
-		if res < bestRes {
-			best, bestRes = f, res
-		}
-	}
-	if math.IsInf(bestRes, 1) {
-		return linkFit{}, firstErr
-	}
-	return best, nil
-}
-
-// fitPoints fits alpha, ineff and gamma by non-negative least squares on
-// relative errors: it minimises sum ((R alpha + X ineff + B gamma - y)/t)^2
-// over the points, with R the rounds, B the bottleneck bytes, X = B/rate, t
-// the measured time and y = t less the compute term. Weighting by 1/t makes
-// latency-bound small sizes and bandwidth-bound large ones count alike.
-// With two link rates X and B are told apart: ineff is what scales with
-// the rate, gamma what does not.
-// It returns the fit and its sum of squared relative errors.
-func (m *costModel) fitPoints(ps []planPoint, burst int64) (linkFit, float64, error) {
-	const k = 3
-	var ata [k][k]float64
-	var atb [k]float64
-	var moved, yy float64
-	for _, p := range ps {
-		c, _ := findCollective(p.Collective)
-		if p.Seconds <= 0 || p.Ranks < 2 {
-			continue
-		}
-		s := m.setupFor(p)
-		s.Burst = burst
-		n := p.Bytes / 4
-		b := float64(bottleneckBytes(c.wireBytes(n, p.Ranks), s))
-		moved += b
-		row := [k]float64{c.rounds(p.Ranks) / p.Seconds, b / s.Rate / p.Seconds, b / p.Seconds}
-		y := (p.Seconds - m.computeSeconds(c, n, s)) / p.Seconds
-		for i := range k {
-			for j := range k {
-				ata[i][j] += row[i] * row[j]
-			}
-			atb[i] += row[i] * y
-		}
-		yy += y * y
-	}
-	if moved == 0 {
-		return linkFit{}, 0, errors.New("no point moves any bytes")
-	}
-	// Non-negative least squares by trying every set of free
-	// coefficients (the others zero) and keeping the best feasible one.
-	best, bestRes := [k]float64{}, math.Inf(1)
-	for mask := 1; mask < 1<<k; mask++ {
-		x, ok := solveSubset(ata, atb, mask)
-		if !ok {
-			continue
-		}
-		feasible := true
-		for i := range k {
-			feasible = feasible && x[i] >= 0
-		}
-		// The residual up to a constant: x'AtA x - 2 x'Atb.
-		var res float64
-		for i := range k {
-			for j := range k {
-				res += x[i] * ata[i][j] * x[j]
-			}
-			res -= 2 * x[i] * atb[i]
-		}
-		if feasible && res < bestRes {
-			best, bestRes = x, res
-		}
-	}
-	f := linkFit{Alpha: best[0], Ineff: best[1], Gamma: best[2], Burst: burst, Points: len(ps)}
-	if !(f.Ineff > 0 || f.Gamma > 0) {
-		return linkFit{}, 0, errors.New("fitted time per byte is zero: the measurements do not depend on the size")
-	}
-	return f, bestRes + yy, nil
-}
-
-// solveSubset solves the normal equations restricted to the coefficients
-// in mask (the others zero) by Gaussian elimination.
-func solveSubset(ata [3][3]float64, atb [3]float64, mask int) ([3]float64, bool) {
-	var idx []int
-	for i := range 3 {
-		if mask&(1<<i) != 0 {
-			idx = append(idx, i)
-		}
-	}
-	n := len(idx)
-	a := make([][]float64, n)
-	for r, i := range idx {
-		a[r] = make([]float64, n+1)
-		for c, j := range idx {
-			a[r][c] = ata[i][j]
-		}
-		a[r][n] = atb[i]
-	}
-	for col := range n {
-		piv := col
-		for r := col + 1; r < n; r++ {
-			if math.Abs(a[r][col]) > math.Abs(a[piv][col]) {
-				piv = r
-			}
-		}
-		if math.Abs(a[piv][col]) < 1e-300 {
-			return [3]float64{}, false
-		}
-		a[col], a[piv] = a[piv], a[col]
-		for r := range n {
-			if r == col {
-				continue
-			}
-			f := a[r][col] / a[col][col]
-			for c := col; c <= n; c++ {
-				a[r][c] -= f * a[col][c]
-			}
-		}
-	}
-	var x [3]float64
-	for r, i := range idx {
-		x[i] = a[r][n] / a[r][r]
-	}
-	return x, true
-}
-
-// setupFor is the setup a measured point was taken in: ranks on one
-// machine of m.CPUs cpus, the calibration's link (the burst is the fit's).
-func (m *costModel) setupFor(p planPoint) setup {
-	s := setup{Ranks: p.Ranks, Rate: p.Rate, Sharing: m.Sharing, CPUShare: 1}
-	if m.Sharing == sharedLink {
-		s.CPUShare = max(1, float64(p.Ranks)/float64(m.CPUs))
-	}
-	return s
-}
-
-// bottleneckBytes is what the slowest link carries, less its burst.
-func bottleneckBytes(wire int64, s setup) int64 {
-	b := wire
-	if s.Sharing == sharedLink {
-		b *= int64(s.Ranks)
-	}
-	return max(0, b-s.Burst)
-}
-
-// computeSeconds is the compression time of collective c on n elements
-// per rank. With the ranks sharing the calibration machine (shared link)
-// and a compute run of that rank count, it is that run's time (the ranks'
-// real contention for the CPUs and memory). Otherwise it is one rank's
-// time on the work c.computeBytes, times the share each rank does, times
-// the ranks that share a CPU (CPUShare).
+// computeSeconds is the local work of a call of collective c on n elements
+// per rank. On the calibration's shared link, with a compute run of that
+// rank count, it is that run's time (the ranks' real contention for the
+// machine's CPUs). Otherwise one rank alone on the padded buffer (the
+// 1-rank curve or --compress-rate), times (4+1/W)/5, the share of its
+// passes each of W ranks makes (onebitSteps), on a CPU of its own; on the
+// shared machine W ranks take turns on its CPUs.
 func (m *costModel) computeSeconds(c collectiveModel, n int64, s setup) float64 {
-	b := c.computeBytes(n, s.Ranks)
-	if b == 0 {
+	if !c.compresses || n <= 0 {
 		return 0
 	}
 	if cv, ok := m.Compute[s.Ranks]; ok && s.Ranks > 1 && s.Sharing == sharedLink && m.CompressBps == 0 {
-		return interpolate(cv, b)
+		return interpolate(cv, 4*n)
 	}
+	b := 4 * int64(onebit.PaddedLen(int(n), s.Ranks))
 	var t float64
 	if m.CompressBps > 0 {
 		t = float64(b) / m.CompressBps
 	} else {
 		t = interpolate(m.Compute[1], b)
 	}
-	return t * c.computeShare(s.Ranks) * s.CPUShare
+	t *= (4 + 1/float64(s.Ranks)) / 5
+	if s.Sharing == sharedLink && m.CPUs > 0 {
+		// Ranks without a compute run of their count on the shared
+		// machine: they take turns on its CPUs.
+		t *= max(1, float64(s.Ranks)/float64(m.CPUs))
+	}
+	return t
 }
 
 // interpolate is the time of b bytes on curve cv: linear between measured
@@ -617,53 +499,258 @@ func interpolate(cv []computePoint, b int64) float64 {
 	return rate(cv[len(cv)-1])
 }
 
-// compressBps is the compression speed used for large tensors.
-func (m *costModel) compressBps() float64 {
-	if m.CompressBps > 0 {
-		return m.CompressBps
+// overlap is the time of local work a and a transfer x that overlap in k
+// pieces: the longer of the two plus one piece of the shorter; without
+// pipelining (k <= 1) they add up.
+func overlap(a, x float64, k int) float64 {
+	if k <= 1 {
+		return a + x
 	}
-	cv := m.Compute[1]
-	if len(cv) == 0 {
-		return 0
-	}
-	last := cv[len(cv)-1]
-	return float64(last.Bytes) / last.Seconds
+	return max(a, x) + min(a, x)/float64(k)
 }
 
-// fitFor is c's own fit (or that of c.fitAs), else the pooled one; ok
-// reports whether c is calibrated: fitted to its own measurements.
-func (m *costModel) fitFor(c collectiveModel) (f linkFit, ok bool) {
-	name := c.name
-	if c.fitAs != "" {
-		name = c.fitAs
+// barrierRounds is the latency-bound rounds of the barrier lowbit bench
+// makes before each timed call (recursive doubling: ceil(log2 W)).
+func barrierRounds(w int) float64 {
+	r := 0
+	for 1<<r < w {
+		r++
 	}
-	f, own := m.Fits[name]
-	if !own {
-		return m.Pooled, false
-	}
-	return f, c.fitAs == "" && c.uncalibrated == ""
+	return float64(r)
 }
 
-// predict is the time of collective c on n float32 elements per rank.
-func (m *costModel) predict(c collectiveModel, n int64, s setup) prediction {
-	if s.Ranks < 2 {
+// predict is the time of one call of collective c on n float32 elements
+// per rank with the link fit f.
+//
+// On a shaped shared link (s.Burst > 0) the calls are those of lowbit
+// bench: s.Warmup untimed and s.Iters timed calls back to back, each after
+// a barrier and after copying the input into the buffer (a fifth of the
+// 1-rank call's time: one of its five passes), and the prediction is the
+// median of the timed calls, like the benchmark's p50. The bucket starts
+// full (the benchmark's setup between sizes leaves the link idle), gains
+// rate*t tokens (up to the burst) in each idle time t (local work, latency
+// rounds, barrier and copy), and each step spends W times its bytes from
+// it; what the tokens do not cover goes at beta. Without a count of calls
+// (s.Iters == 0) the call is repeated until the bucket's state repeats:
+// the steady state. With more ranks than the calibration machine's CPUs
+// on the shared link, alpha is scaled by W/cpus.
+func (m *costModel) predict(c collectiveModel, n int64, s setup, f linkFit) prediction {
+	if s.Ranks < 2 || n <= 0 {
 		return prediction{}
 	}
-	f, _ := m.fitFor(c)
-	if s.Sharing == sharedLink && s.Burst == 0 {
-		s.Burst = f.Burst
-	}
-	p := prediction{Wire: c.wireBytes(n, s.Ranks)}
-	p.Bottleneck = bottleneckBytes(p.Wire, s)
-	p.Latency = c.rounds(s.Ranks) * f.Alpha
-	p.Transfer = float64(p.Bottleneck) * f.Ineff / s.Rate
+	compute := m.computeSeconds(c, n, s)
+	steps := c.steps(n, s.Ranks, compute)
+	beta := f.Ineff / s.Rate
+	share := int64(1)
 	if s.Sharing == sharedLink {
-		// On the loopback the CPUs move every byte; a NIC does not
-		// need the ranks' CPUs for that, so per-rank links leave it out.
-		p.Host = float64(p.Bottleneck) * f.Gamma
+		share = int64(s.Ranks)
 	}
-	p.Compute = m.computeSeconds(c, n, s)
-	return p
+	alpha := f.Alpha
+	if s.Sharing == sharedLink && m.CPUs > 0 {
+		// More ranks than the machine has CPUs: a round waits for its
+		// receiver to be scheduled (oversubscription).
+		alpha *= max(1, float64(s.Ranks)/float64(m.CPUs))
+	}
+	tokens := float64(s.Burst)
+	// call is one call from the bucket's tokens, which it updates.
+	call := func() prediction {
+		p := prediction{Wire: c.wireBytes(n, s.Ranks)}
+		for _, st := range steps {
+			lat := st.rounds * alpha
+			b := float64(st.bytes * share)
+			short := b
+			if s.Burst > 0 {
+				idle := lat
+				if st.pieces <= 1 {
+					idle += st.pre
+				}
+				tokens = min(float64(s.Burst), tokens+idle*s.Rate)
+				short = max(0, b-tokens)
+				tokens = max(0, tokens-b)
+			}
+			x := short * beta
+			busy := st.pre + overlap(st.work, x, st.pieces)
+			p.Bottleneck += int64(short)
+			p.Latency += lat
+			p.Transfer += x
+			p.Compute += busy - x
+			p.Calls += max(1, st.pieces)
+		}
+		return p
+	}
+	if s.Burst == 0 {
+		return call()
+	}
+	gap := barrierRounds(s.Ranks)*alpha + m.copySeconds(n, s)
+	idle := func() { tokens = min(float64(s.Burst), tokens+gap*s.Rate) }
+	if s.Iters == 0 {
+		var p prediction
+		for range 50 {
+			idle()
+			start := tokens
+			p = call()
+			if math.Abs(tokens-start) < 1 {
+				break
+			}
+		}
+		return p
+	}
+	for range s.Warmup {
+		idle()
+		call()
+	}
+	timed := make([]prediction, s.Iters)
+	for i := range timed {
+		idle()
+		timed[i] = call()
+	}
+	slices.SortFunc(timed, func(a, b prediction) int { return cmp.Compare(a.total(), b.total()) })
+	if len(timed)%2 == 1 {
+		return timed[len(timed)/2]
+	}
+	lo, hi := timed[len(timed)/2-1], timed[len(timed)/2]
+	return prediction{Wire: lo.Wire, Bottleneck: (lo.Bottleneck + hi.Bottleneck) / 2, Latency: (lo.Latency + hi.Latency) / 2,
+		Transfer: (lo.Transfer + hi.Transfer) / 2, Compute: (lo.Compute + hi.Compute) / 2, Calls: lo.Calls}
+}
+
+// copySeconds is the time lowbit bench takes to copy the input into the
+// buffer before a call: one pass over it, a fifth of the 1-rank 1-bit
+// call's five passes (measured).
+func (m *costModel) copySeconds(n int64, s setup) float64 {
+	one, _ := findCollective("onebit")
+	return m.computeSeconds(one, n, setup{Ranks: 1, Rate: s.Rate, Sharing: perRankLink}) / (4 + 1)
+}
+
+// fitFor is the fit of the link named rate, or, for a rate without
+// measurements, the calibrated link nearest in rate (ok false).
+func (m *costModel) fitFor(rateName string, rate float64) (f linkFit, ok bool) {
+	if f, ok := m.Fits[rateName]; ok {
+		return f, true
+	}
+	best := math.Inf(1)
+	for _, g := range m.Fits {
+		if d := math.Abs(math.Log(g.Rate / rate)); d < best {
+			f, best = g, d
+		}
+	}
+	return f, false
+}
+
+// setupFor is the setup a measured point was taken in.
+func (m *costModel) setupFor(p planPoint) setup {
+	s := setup{Ranks: p.Ranks, Rate: p.Rate, Sharing: m.Sharing, Warmup: p.Warmup, Iters: p.Iters}
+	if m.Sharing == sharedLink {
+		s.Burst = m.Burst
+	}
+	return s
+}
+
+// predictPoint is the model's time for a measured point, with the fit of
+// its link (or the nearest one).
+func (m *costModel) predictPoint(p planPoint) float64 {
+	c, ok := findCollective(p.Collective)
+	if !ok {
+		return math.NaN()
+	}
+	f, _ := m.fitFor(p.RateName, p.Rate)
+	return m.predict(c, p.Bytes/4, m.setupFor(p), f).total()
+}
+
+// fitModel returns the model fitted to pts: alpha and ineff per link, each
+// from the points of that link (of the collectives the model knows).
+func fitModel(pts []planPoint, sharing linkSharing, compute map[int][]computePoint, cpus int, burst int64) (*costModel, error) {
+	m := &costModel{Backend: "mpi", Sharing: sharing, Fits: map[string]linkFit{}, Compute: compute, CPUs: cpus, Burst: burst}
+	byRate := map[string][]planPoint{}
+	var rates []string
+	for _, p := range pts {
+		c, ok := findCollective(p.Collective)
+		if !ok || c.fitAs != "" || p.Ranks < 2 || !(p.Seconds > 0) {
+			continue
+		}
+		if _, seen := byRate[p.RateName]; !seen {
+			rates = append(rates, p.RateName)
+		}
+		byRate[p.RateName] = append(byRate[p.RateName], p)
+	}
+	if len(rates) == 0 {
+		return nil, errors.New("plan: no measured points of a known collective")
+	}
+	for _, r := range rates {
+		f, err := m.fitLink(byRate[r])
+		if err != nil {
+			return nil, fmt.Errorf("plan: fitting %s: %w", r, err)
+		}
+		m.Fits[r] = f
+	}
+	return m, nil
+}
+
+// fitLink fits alpha and ineff to the points of one link by minimising the
+// sum of squared relative errors, sum ((predicted - t)/t)^2: weighting by
+// 1/t makes latency-bound small sizes and bandwidth-bound large ones count
+// alike. The prediction is linear in alpha and ineff but for the bucket's
+// tokens, which depend on alpha: Gauss-Newton steps with the derivatives
+// taken numerically, non-negative, keeping the best fit seen.
+func (m *costModel) fitLink(ps []planPoint) (linkFit, error) {
+	f := linkFit{Rate: ps[0].Rate, RateName: ps[0].RateName, Points: len(ps), Alpha: 50e-6, Ineff: 1}
+	var moved int64
+	for _, p := range ps {
+		c, _ := findCollective(p.Collective)
+		moved += c.wireBytes(p.Bytes/4, p.Ranks)
+	}
+	if moved == 0 {
+		return linkFit{}, errors.New("no point moves any bytes")
+	}
+	resid := func(g linkFit) float64 {
+		var s float64
+		for _, p := range ps {
+			c, _ := findCollective(p.Collective)
+			e := m.predict(c, p.Bytes/4, m.setupFor(p), g).total()/p.Seconds - 1
+			s += e * e
+		}
+		return s
+	}
+	best, bestRes := f, resid(f)
+	for range 40 {
+		var ata [2][2]float64
+		var atb [2]float64
+		for _, p := range ps {
+			c, _ := findCollective(p.Collective)
+			s := m.setupFor(p)
+			n := p.Bytes / 4
+			t0 := m.predict(c, n, s, f).total()
+			da, di := 1e-6, 1e-3
+			ga, gi := f, f
+			ga.Alpha += da
+			gi.Ineff += di
+			row := [2]float64{(m.predict(c, n, s, ga).total() - t0) / da / p.Seconds,
+				(m.predict(c, n, s, gi).total() - t0) / di / p.Seconds}
+			y := (p.Seconds - t0) / p.Seconds
+			for i := range 2 {
+				for j := range 2 {
+					ata[i][j] += row[i] * row[j]
+				}
+				atb[i] += row[i] * y
+			}
+		}
+		det := ata[0][0]*ata[1][1] - ata[0][1]*ata[1][0]
+		if math.Abs(det) < 1e-300 {
+			break
+		}
+		next := f
+		next.Alpha = max(0, f.Alpha+(atb[0]*ata[1][1]-atb[1]*ata[0][1])/det)
+		next.Ineff = max(1e-3, f.Ineff+(ata[0][0]*atb[1]-ata[1][0]*atb[0])/det)
+		r := resid(next)
+		if r < bestRes {
+			best, bestRes = next, r
+		}
+		if math.Abs(next.Alpha-f.Alpha) < 1e-9 && math.Abs(next.Ineff-f.Ineff) < 1e-6 {
+			break
+		}
+		f = next
+	}
+	best.RMS = math.Sqrt(bestRes / float64(len(ps)))
+	return best, nil
 }
 
 // parseRate parses a link rate with tc's units: bit, kbit, mbit, gbit,
@@ -728,13 +815,18 @@ func formatSeconds(s float64) string {
 // planConfig is a parsed lowbit plan command line.
 type planConfig struct {
 	fit          bool // lowbit plan fit: print the fit and each point's error
+	holdout      bool // lowbit plan fit --holdout: each rank count predicted from the others
 	params       float64
 	ranks        int
 	rate         float64
+	rateName     string
 	sharing      linkSharing
 	collectives  []string
 	measurements string  // file; "" for the built-in ones
 	compressBps  float64 // > 0 overrides the measured rate
+	alpha        float64 // > 0 overrides the fitted alpha
+	ineff        float64 // > 0 overrides the link efficiency
+	bucketBytes  int64
 	stepCompute  time.Duration
 	asJSON       bool
 }
@@ -749,33 +841,39 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	fs.SetOutput(out)
 	fs.Float64Var(&cfg.params, "params", 1.3e9, "model parameters: float32 gradient elements (1.3e9 accepted)")
 	fs.IntVar(&cfg.ranks, "ranks", 64, "data-parallel ranks W (at least 2)")
-	link := fs.String("link", "10gbit", "link rate, tc units: 10gbit, 250mbit, 1.25gbps (bytes/s)")
-	sharing := fs.String("sharing", string(perRankLink), "per-rank: each rank has a link of this rate (a cluster); shared: one link carries all ranks' traffic and the ranks share the calibration machine's CPUs (the shaped loopback)")
+	fs.StringVar(&cfg.rateName, "link", "10gbit", "link rate, tc units: 10gbit, 250mbit, 1.25gbps (bytes/s)")
+	sharing := fs.String("sharing", string(perRankLink), "per-rank: each rank has a link of this rate (a cluster); shared: one shaped link carries all ranks' traffic and the ranks share the calibration machine's CPUs (the calibration's loopback)")
 	list := fs.String("collective", "allreduce,onebit", "comma-separated collectives: allreduce, onebit, fp16 (fp16 is not calibrated)")
 	fs.StringVar(&cfg.measurements, "measurements", "", "calibrate from this file of scripts/plan-calibrate.sh (default: the built-in runs recorded on the development machine)")
-	fs.Float64Var(&cfg.compressBps, "compress-rate", 0, "1-bit compression throughput in float32 bytes/s per rank (default: measured on the calibration machine; time yours with lowbit bench --backend local --ranks 1 --collective onebit)")
-	fs.DurationVar(&cfg.stepCompute, "step-compute", 0, "forward and backward time of one step, added to each step time")
+	fs.Float64Var(&cfg.compressBps, "compress-rate", 0, "float32 bytes/s a 1-rank onebit.AllReduce gets through on your hardware (default: measured on the calibration machine; time yours with lowbit bench --backend local --ranks 1 --collective onebit: bytes/p50)")
+	fs.Float64Var(&cfg.alpha, "alpha", 0, "seconds per latency-bound message round (default: fitted on the calibration link nearest in rate)")
+	fs.Float64Var(&cfg.ineff, "ineff", 0, "time per byte over the line rate's, 1 = line rate (default: fitted on the calibration link nearest in rate, at least 1 for an uncalibrated link)")
+	cfg.bucketBytes = onebit.DefaultBucketBytes
+	fs.Var(sizeFlag{&cfg.bucketBytes}, "bucket", "fused bucket `size`: the gradient goes in calls of this many bytes (onebit.DefaultBucketBytes, like DDP)")
+	fs.DurationVar(&cfg.stepCompute, "step-compute", 0, "forward and backward time of one step, added to each step time (no overlap with communication)")
+	fs.BoolVar(&cfg.holdout, "holdout", false, "with fit: predict each rank count of each link from a fit to the other rank counts of that link")
 	fs.BoolVar(&cfg.asJSON, "json", false, "write JSON")
 	fs.Usage = func() {
 		fmt.Fprint(out, `usage: lowbit plan [flags]
-       lowbit plan fit [--measurements FILE] [--json]
+       lowbit plan fit [--holdout] [--measurements FILE] [--json]
 
 Predicts the gradient communication time of one data-parallel step: a model
-of --params float32 parameters on --ranks ranks linked at --link, for each
-collective, with an alpha-beta model
+of --params float32 parameters on --ranks ranks linked at --link, exchanged
+in buckets of --bucket bytes, for each collective, with an alpha-beta model
+that follows each collective's algorithm step by step:
 
-  t = rounds(W)*alpha + bottleneck bytes * ineff / link rate + compression
+  step = local work + rounds*alpha + bytes*ineff/link rate
 
 alpha (per latency-bound round) and ineff (time per byte over the line
-rate's) are fitted by least squares to lowbit bench --json sweeps at several
-rank counts and shaped link rates (scripts/plan-calibrate.sh records them);
-compression is bytes / the 1-bit compression rate measured on the
-calibration machine, which differs per machine (--compress-rate). Bottleneck
-bytes are each rank's wire bytes with --sharing per-rank, W times them with
---sharing shared (the shaped loopback the calibration runs on).
+rate's) are fitted per link to lowbit bench --json sweeps at 2, 3 and 4
+ranks on a loopback shaped to each calibrated rate (scripts/plan-calibrate.sh);
+the local work of the 1-bit allreduce is its time without a network,
+measured on the calibration machine, which differs per machine
+(--compress-rate). See docs/plan.md.
 
 "lowbit plan fit" prints the fitted model and, for each measured point,
-the prediction and its relative error.
+the prediction and its relative error; with --holdout each rank count is
+predicted by a fit that has not seen it.
 
 `)
 		fs.PrintDefaults()
@@ -786,6 +884,9 @@ the prediction and its relative error.
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
 	}
+	if cfg.holdout && !cfg.fit {
+		return nil, errors.New("--holdout goes with lowbit plan fit")
+	}
 	if cfg.fit {
 		return cfg, nil
 	}
@@ -793,16 +894,24 @@ the prediction and its relative error.
 	if cfg.sharing, err = parseSharing(*sharing); err != nil {
 		return nil, err
 	}
-	if cfg.rate, err = parseRate(*link); err != nil {
+	if cfg.rate, err = parseRate(cfg.rateName); err != nil {
 		return nil, err
 	}
+	cfg.rateName = strings.ToLower(strings.TrimSpace(cfg.rateName))
+	bad := func(v float64) bool { return v < 0 || math.IsInf(v, 0) || math.IsNaN(v) }
 	switch {
 	case !(cfg.params >= 1) || cfg.params > 1e15:
 		return nil, fmt.Errorf("--params must be in [1, 1e15], got %g", cfg.params)
 	case cfg.ranks < 2 || cfg.ranks > 1<<20:
 		return nil, fmt.Errorf("--ranks must be in [2, %d], got %d", 1<<20, cfg.ranks)
-	case cfg.compressBps < 0 || math.IsInf(cfg.compressBps, 0) || math.IsNaN(cfg.compressBps):
+	case bad(cfg.compressBps):
 		return nil, fmt.Errorf("--compress-rate must be positive, got %g", cfg.compressBps)
+	case bad(cfg.alpha):
+		return nil, fmt.Errorf("--alpha must be positive, got %g", cfg.alpha)
+	case bad(cfg.ineff):
+		return nil, fmt.Errorf("--ineff must be positive, got %g", cfg.ineff)
+	case cfg.bucketBytes < 4 || cfg.bucketBytes%4 != 0:
+		return nil, fmt.Errorf("--bucket must be a positive multiple of 4 bytes, got %d", cfg.bucketBytes)
 	case cfg.stepCompute < 0:
 		return nil, fmt.Errorf("--step-compute must not be negative, got %s", cfg.stepCompute)
 	}
@@ -828,25 +937,25 @@ func loadModel(file string) (*costModel, *measurements, []planPoint, string, err
 	if file != "" {
 		var err error
 		if data, err = os.ReadFile(file); err != nil {
-			return nil, nil, nil, "", err
+			return nil, nil, nil, "", fmt.Errorf("plan: %w", err)
 		}
 		name = file
 	}
 	meas, err := parseMeasurements(data)
 	if err != nil {
-		return nil, nil, nil, "", fmt.Errorf("%s: %w", name, err)
+		return nil, nil, nil, "", fmt.Errorf("plan: %s: %w", name, err)
 	}
 	pts, err := meas.points()
 	if err != nil {
-		return nil, nil, nil, "", fmt.Errorf("%s: %w", name, err)
+		return nil, nil, nil, "", fmt.Errorf("plan: %s: %w", name, err)
 	}
 	curve, err := meas.computeCurves()
 	if err != nil {
-		return nil, nil, nil, "", fmt.Errorf("%s: %w", name, err)
+		return nil, nil, nil, "", fmt.Errorf("plan: %s: %w", name, err)
 	}
 	m, err := fitModel(pts, linkSharing(meas.LinkSharing), curve, meas.Machine.CPUs, meas.BurstBytes)
 	if err != nil {
-		return nil, nil, nil, "", fmt.Errorf("%s: %w", name, err)
+		return nil, nil, nil, "", fmt.Errorf("plan: %s: %w", name, err)
 	}
 	m.Machine = fmt.Sprintf("%s, %d cpus, recorded %s", meas.Machine.Model, meas.Machine.CPUs, meas.Machine.Recorded)
 	return m, meas, pts, name, nil
@@ -862,7 +971,13 @@ func planMain(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	if cfg.fit {
-		return writeFit(stdout, m, pts, source, cfg.asJSON)
+		checks := checkPoints(m, pts)
+		if cfg.holdout {
+			if checks, err = holdoutChecks(m, pts); err != nil {
+				return err
+			}
+		}
+		return writeFit(stdout, m, checks, source, cfg.holdout, cfg.asJSON)
 	}
 	if cfg.compressBps > 0 {
 		m.CompressBps = cfg.compressBps
@@ -877,48 +992,79 @@ type pointCheck struct {
 	Ranks      int     `json:"ranks"`
 	Bytes      int64   `json:"bytes"`
 	Measured   float64 `json:"measured_s"`
+	Spread     float64 `json:"repeat_spread"` // (max - min)/median over repeats
 	Predicted  float64 `json:"predicted_s"`
 	RelError   float64 `json:"rel_error"` // predicted/measured - 1
 }
 
+// checkPoints predicts every point of a known collective with m.
 func checkPoints(m *costModel, pts []planPoint) []pointCheck {
 	var out []pointCheck
 	for _, p := range pts {
-		c, ok := findCollective(p.Collective)
-		if !ok {
+		if _, ok := findCollective(p.Collective); !ok {
 			continue
 		}
-		pred := m.predict(c, p.Bytes/4, m.setupFor(p)).total()
+		pred := m.predictPoint(p)
 		out = append(out, pointCheck{Collective: p.Collective, Rate: p.RateName, Ranks: p.Ranks, Bytes: p.Bytes,
-			Measured: p.Seconds, Predicted: pred, RelError: pred/p.Seconds - 1})
+			Measured: p.Seconds, Spread: p.Spread, Predicted: pred, RelError: pred/p.Seconds - 1})
 	}
 	return out
 }
 
-func writeFit(w io.Writer, m *costModel, pts []planPoint, source string, asJSON bool) error {
-	checks := checkPoints(m, pts)
+// holdoutChecks predicts the points of each link and rank count with a
+// model fitted to the other rank counts of that link only.
+func holdoutChecks(full *costModel, pts []planPoint) ([]pointCheck, error) {
+	type key struct {
+		rate  string
+		ranks int
+	}
+	var keys []key
+	for _, p := range pts {
+		if k := (key{p.RateName, p.Ranks}); !slices.Contains(keys, k) {
+			keys = append(keys, k)
+		}
+	}
+	var out []pointCheck
+	for _, k := range keys {
+		var train, test []planPoint
+		for _, p := range pts {
+			switch {
+			case p.RateName == k.rate && p.Ranks == k.ranks:
+				test = append(test, p)
+			case p.RateName == k.rate:
+				train = append(train, p)
+			}
+		}
+		m, err := fitModel(train, full.Sharing, full.Compute, full.CPUs, full.Burst)
+		if err != nil {
+			return nil, fmt.Errorf("plan: %s without %d ranks: %w", k.rate, k.ranks, err)
+		}
+		out = append(out, checkPoints(m, test)...)
+	}
+	return out, nil
+}
+
+func writeFit(w io.Writer, m *costModel, checks []pointCheck, source string, holdout, asJSON bool) error {
 	if asJSON {
 		enc := json.NewEncoder(w)
 		enc.SetIndent("", "  ")
 		return enc.Encode(struct {
-			Model  *costModel   `json:"model"`
-			Points []pointCheck `json:"points"`
-		}{m, checks})
+			Model   *costModel   `json:"model"`
+			Holdout bool         `json:"holdout"`
+			Points  []pointCheck `json:"points"`
+		}{m, holdout, checks})
 	}
-	fmt.Fprintf(w, "# lowbit plan fit: %s\n# machine: %s; link sharing: %s\n", source, m.Machine, m.Sharing)
+	fmt.Fprintf(w, "# lowbit plan fit: %s\n# machine: %s; link sharing: %s, burst %s\n", source, m.Machine, m.Sharing, formatSize(m.Burst))
 	names := make([]string, 0, len(m.Fits))
 	for n := range m.Fits {
 		names = append(names, n)
 	}
-	slices.Sort(names)
+	slices.SortFunc(names, func(a, b string) int { return int(m.Fits[b].Rate - m.Fits[a].Rate) })
 	for _, n := range names {
 		f := m.Fits[n]
-		fmt.Fprintf(w, "%-10s alpha %s per round, ineff %.3f, host %.3g ns per byte, burst %s, %d points\n",
-			n, formatSeconds(f.Alpha), f.Ineff, f.Gamma*1e9, formatSize(f.Burst), f.Points)
+		fmt.Fprintf(w, "%-8s alpha %s per round, ineff %.3f (beta %.3g ns per byte), %d points, rms error %.1f%%\n",
+			n, formatSeconds(f.Alpha), f.Ineff, f.Ineff/f.Rate*1e9, f.Points, 100*f.RMS)
 	}
-	f := m.Pooled
-	fmt.Fprintf(w, "%-10s alpha %s per round, ineff %.3f, host %.3g ns per byte, burst %s, %d points\n",
-		"pooled", formatSeconds(f.Alpha), f.Ineff, f.Gamma*1e9, formatSize(f.Burst), f.Points)
 	ranks := make([]int, 0, len(m.Compute))
 	for r := range m.Compute {
 		ranks = append(ranks, r)
@@ -931,13 +1077,16 @@ func writeFit(w io.Writer, m *costModel, pts []planPoint, source string, asJSON 
 		}
 		fmt.Fprintln(w)
 	}
+	if holdout {
+		fmt.Fprintln(w, "\nheld out: each link and rank count predicted by a fit to the other rank counts of that link")
+	}
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintf(tw, "collective\trate\tranks\tsize\tmeasured\tpredicted\terror\t\n")
+	fmt.Fprintf(tw, "collective\trate\tranks\tsize\tmeasured\trepeat spread\tpredicted\terror\t\n")
 	worst := 0.0
 	for _, c := range checks {
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t%+.1f%%\t\n", c.Collective, c.Rate, c.Ranks, formatSize(c.Bytes),
-			formatSeconds(c.Measured), formatSeconds(c.Predicted), 100*c.RelError)
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%.0f%%\t%s\t%+.1f%%\t\n", c.Collective, c.Rate, c.Ranks, formatSize(c.Bytes),
+			formatSeconds(c.Measured), 100*c.Spread, formatSeconds(c.Predicted), 100*c.RelError)
 		worst = max(worst, math.Abs(c.RelError))
 	}
 	if err := tw.Flush(); err != nil {
@@ -951,33 +1100,93 @@ func writeFit(w io.Writer, m *costModel, pts []planPoint, source string, asJSON 
 type planRow struct {
 	Collective   string  `json:"collective"`
 	Calibrated   bool    `json:"calibrated"`
+	Calls        int     `json:"calls"` // collective calls per step (buckets times calls per bucket)
 	WirePerRank  int64   `json:"wire_bytes_per_rank"`
-	Bottleneck   int64   `json:"bottleneck_bytes"`
 	LatencyS     float64 `json:"latency_s"`
-	TransferS    float64 `json:"transfer_s"` // at the link rate, plus host time per byte on a shared link
+	TransferS    float64 `json:"transfer_s"`
 	CompressS    float64 `json:"compress_s"`
 	CommS        float64 `json:"comm_s"`
 	StepS        float64 `json:"step_s"`
 	SpeedupExact float64 `json:"speedup_vs_exact,omitempty"`
 }
 
+// planAssumptions is what a plan's numbers rest on.
+type planAssumptions struct {
+	Alpha        float64 `json:"alpha_s"`
+	AlphaFrom    string  `json:"alpha_from"`
+	Ineff        float64 `json:"ineff"`
+	IneffFrom    string  `json:"ineff_from"`
+	Buckets      int64   `json:"buckets"`
+	BucketBytes  int64   `json:"bucket_bytes"`
+	CompressBps  float64 `json:"compress_bytes_per_s"` // 1-rank onebit call throughput at the bucket size
+	CompressFrom string  `json:"compress_from"`
+}
+
 func writePlan(w io.Writer, m *costModel, cfg *planConfig, source string) error {
 	n := int64(math.Round(cfg.params))
-	s := setup{Ranks: cfg.ranks, Rate: cfg.rate, Sharing: cfg.sharing, CPUShare: 1}
-	if cfg.sharing == sharedLink {
-		s.CPUShare = max(1, float64(cfg.ranks)/float64(m.CPUs))
+	s := setup{Ranks: cfg.ranks, Rate: cfg.rate, Sharing: cfg.sharing}
+	f, calibratedLink := m.fitFor(cfg.rateName, cfg.rate)
+	a := planAssumptions{Alpha: f.Alpha, Ineff: f.Ineff,
+		AlphaFrom: "fitted on the calibration's " + f.RateName + " shaped loopback",
+		IneffFrom: "fitted on the calibration's " + f.RateName + " shaped loopback"}
+	if !calibratedLink && f.Ineff < 1 {
+		a.Ineff = 1
+		a.IneffFrom = fmt.Sprintf("line rate: the %s loopback fit (%.2f) is below 1, which a real link does not do", f.RateName, f.Ineff)
 	}
-	exact := m.predict(planCollectives[0], n, s).total() + cfg.stepCompute.Seconds()
+	if cfg.alpha > 0 {
+		a.Alpha, a.AlphaFrom = cfg.alpha, "--alpha"
+	}
+	if cfg.ineff > 0 {
+		a.Ineff, a.IneffFrom = cfg.ineff, "--ineff"
+	}
+	f.Alpha, f.Ineff = a.Alpha, a.Ineff
+	if cfg.sharing == sharedLink {
+		s.Burst = m.Burst
+	}
+	// The gradient goes in buckets of cfg.bucketBytes: full ones and the
+	// rest.
+	per := cfg.bucketBytes / 4
+	full, rest := n/per, n%per
+	a.Buckets, a.BucketBytes = full, cfg.bucketBytes
+	if rest > 0 {
+		a.Buckets++
+	}
+	one, _ := findCollective("onebit")
+	if c1 := m.computeSeconds(one, min(n, per), setup{Ranks: 1, Sharing: perRankLink}); c1 > 0 {
+		a.CompressBps = float64(4*onebit.PaddedLen(int(min(n, per)), 1)) / c1
+	}
+	a.CompressFrom = "measured on the calibration machine, 1 rank, at the bucket size; set --compress-rate to your hardware's"
+	if m.CompressBps > 0 {
+		a.CompressFrom = "--compress-rate"
+	}
+	predictStep := func(c collectiveModel) prediction {
+		var p prediction
+		add := func(q prediction, times int64) {
+			p.Wire += q.Wire * times
+			p.Bottleneck += q.Bottleneck * times
+			p.Latency += q.Latency * float64(times)
+			p.Transfer += q.Transfer * float64(times)
+			p.Compute += q.Compute * float64(times)
+			p.Calls += q.Calls * int(times)
+		}
+		if full > 0 {
+			add(m.predict(c, per, s, f), full)
+		}
+		if rest > 0 {
+			add(m.predict(c, rest, s, f), 1)
+		}
+		return p
+	}
+	exactComm := predictStep(planCollectives[0]).total()
 	var rows []planRow
 	for _, name := range cfg.collectives {
 		c, _ := findCollective(name)
-		p := m.predict(c, n, s)
-		_, calibrated := m.fitFor(c)
-		r := planRow{Collective: name, Calibrated: calibrated, WirePerRank: p.Wire, Bottleneck: p.Bottleneck,
-			LatencyS: p.Latency, TransferS: p.Transfer + p.Host, CompressS: p.Compute, CommS: p.total(),
+		p := predictStep(c)
+		r := planRow{Collective: name, Calibrated: c.uncalibrated == "", Calls: p.Calls, WirePerRank: p.Wire,
+			LatencyS: p.Latency, TransferS: p.Transfer, CompressS: p.Compute, CommS: p.total(),
 			StepS: p.total() + cfg.stepCompute.Seconds()}
 		if r.StepS > 0 {
-			r.SpeedupExact = exact / r.StepS
+			r.SpeedupExact = (exactComm + cfg.stepCompute.Seconds()) / r.StepS
 		}
 		rows = append(rows, r)
 	}
@@ -985,54 +1194,59 @@ func writePlan(w io.Writer, m *costModel, cfg *planConfig, source string) error 
 		enc := json.NewEncoder(w)
 		enc.SetIndent("", "  ")
 		return enc.Encode(struct {
-			Params      int64      `json:"params"`
-			Ranks       int        `json:"ranks"`
-			LinkBps     float64    `json:"link_bytes_per_s"`
-			Sharing     string     `json:"link_sharing"`
-			StepCompute float64    `json:"step_compute_s"`
-			Model       *costModel `json:"model"`
-			Rows        []planRow  `json:"collectives"`
-		}{n, cfg.ranks, cfg.rate, string(cfg.sharing), cfg.stepCompute.Seconds(), m, rows})
+			Params      int64           `json:"params"`
+			Ranks       int             `json:"ranks"`
+			LinkBps     float64         `json:"link_bytes_per_s"`
+			Sharing     string          `json:"link_sharing"`
+			StepCompute float64         `json:"step_compute_s"`
+			Assumptions planAssumptions `json:"assumptions"`
+			Model       *costModel      `json:"model"`
+			Rows        []planRow       `json:"collectives"`
+		}{n, cfg.ranks, cfg.rate, string(cfg.sharing), cfg.stepCompute.Seconds(), a, m, rows})
 	}
 	fmt.Fprintf(w, "# lowbit plan: %.4g parameters (%s float32 gradient), %d ranks, %s links (%s)\n",
 		cfg.params, bytesDecimal(float64(4*n)), cfg.ranks, formatRate(cfg.rate), cfg.sharing)
-	fmt.Fprintf(w, "# calibration: %s; %s\n", source, m.Machine)
-	fmt.Fprintf(w, "# 1-bit compression at %.2f GB/s per rank", m.compressBps()/1e9)
-	if cfg.compressBps == 0 {
-		fmt.Fprint(w, " (measured on the calibration machine: yours differs, set --compress-rate)")
-	}
-	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintf(tw, "collective\tbytes/rank\tlatency\ttransfer\tcompress\tstep\tspeedup vs exact\t\n")
+	fmt.Fprintf(tw, "collective\tcalls\tsent/rank\tlatency\ttransfer\tcompress\tstep comm\tspeedup vs exact\t\n")
 	for _, r := range rows {
 		name := r.Collective
 		if !r.Calibrated {
 			name += "*"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%.2fx\t\n", name, bytesDecimal(float64(r.WirePerRank)),
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%.2fx\t\n", name, r.Calls, bytesDecimal(float64(r.WirePerRank)),
 			formatSeconds(r.LatencyS), formatSeconds(r.TransferS), formatSeconds(r.CompressS), formatSeconds(r.StepS), r.SpeedupExact)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	if cfg.sharing == perRankLink {
-		fmt.Fprintln(w, "transfer: at the link rate times the fitted inefficiency; the calibration's per-byte host time (loopback TCP on shared CPUs) is left out.")
-	}
-	note := "step: gradient communication"
+	step := "step comm: gradient exchange of one step"
 	if cfg.stepCompute > 0 {
-		note += fmt.Sprintf(" + %s forward and backward", cfg.stepCompute)
+		step += fmt.Sprintf(" + %s forward and backward (not overlapped)", cfg.stepCompute)
 	}
-	fmt.Fprintln(w, note+"; bytes/rank: what each rank sends.")
+	fmt.Fprintf(w, "%s; calls: collective calls per step (a pipelined piece counts as one).\n", step)
+	for _, r := range rows {
+		c, _ := findCollective(r.Collective)
+		fmt.Fprintf(w, "%s: %s\n", r.Collective, c.desc)
+	}
+	fmt.Fprintln(w, "assumptions:")
+	fmt.Fprintf(w, "  buckets: %d of %s (--bucket), called one after another; exact and 1-bit alike\n", a.Buckets, formatSize(a.BucketBytes))
+	fmt.Fprintf(w, "  alpha:   %s per latency-bound round (%s); ring allreduce 2(W-1) rounds, 1-bit 3 collectives of W-1 rounds (per piece when pipelined)\n", formatSeconds(a.Alpha), a.AlphaFrom)
+	fmt.Fprintf(w, "  beta:    %.3f x line rate per byte (%s)\n", a.Ineff, a.IneffFrom)
+	if cfg.sharing == perRankLink {
+		fmt.Fprintln(w, "  links:   one per rank, full duplex, non-blocking switch; each link carries the bytes its rank sends")
+	} else {
+		fmt.Fprintf(w, "  links:   one shaped link carries all ranks' bytes (token bucket, burst %s), ranks share the calibration machine's CPUs\n", formatSize(m.Burst))
+	}
+	if a.CompressBps > 0 {
+		fmt.Fprintf(w, "  compress: a 1-rank 1-bit call gets through %.2f GB/s of float32 (%s); each of W ranks makes (4+1/W)/5 of its passes, on a CPU of its own\n", a.CompressBps/1e9, a.CompressFrom)
+	}
+	fmt.Fprintf(w, "  calibration: %s; %s\n", source, m.Machine)
 	for _, r := range rows {
 		if r.Calibrated {
 			continue
 		}
 		c, _ := findCollective(r.Collective)
-		why := c.uncalibrated
-		if why == "" {
-			why = "no measurements: the pooled network fit"
-		}
-		fmt.Fprintf(w, "%s*: %s\n", r.Collective, why)
+		fmt.Fprintf(w, "%s*: %s\n", r.Collective, c.uncalibrated)
 	}
 	return nil
 }
