@@ -9,8 +9,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/internal/testnet"
 	"github.com/lowbit-ml/lowbit/onebit"
-	"github.com/lowbit-ml/lowbit/onebit/internal/testnet"
 	"github.com/lowbit-ml/lowbit/optim"
 )
 

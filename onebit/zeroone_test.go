@@ -11,8 +11,8 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/internal/testnet"
 	"github.com/lowbit-ml/lowbit/onebit"
-	"github.com/lowbit-ml/lowbit/onebit/internal/testnet"
 	"github.com/lowbit-ml/lowbit/optim"
 )
 

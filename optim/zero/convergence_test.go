@@ -11,6 +11,7 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/internal/testnet"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/optim/zero"
 )
@@ -26,7 +27,7 @@ type cvSpec struct {
 	Steps                      int64
 	Seed                       uint64
 	Flip                       float64
-	Skew                       float64 // see Skewed
+	Skew                       float64 // see testnet.Skewed
 }
 
 // cvDefault is onebit's cvDefault: 4 ranks, a 20-32-4 network, 800 steps
@@ -48,12 +49,12 @@ type stateFloats interface{ StateFloats() int }
 // and evaluates it on the whole training set.
 func cvTrain(t *testing.T, s cvSpec, newOpt newOpt) cvResult {
 	t.Helper()
-	d := GenerateNoisy(s.Seed, s.World*s.Shard, s.In, s.Classes, s.Flip)
-	shards, err := Skewed(d, s.World, s.Shard, s.Skew, s.Seed)
+	d := testnet.GenerateNoisy(s.Seed, s.World*s.Shard, s.In, s.Classes, s.Flip)
+	shards, err := testnet.Skewed(d, s.World, s.Shard, s.Skew, s.Seed)
 	require.NoError(t, err)
 	var res cvResult
 	err = local.Run(testCtx(t), s.World, func(ctx context.Context, c comm.Comm) error {
-		net := NewNet(s.Seed+1, s.In, s.Hidden, s.Classes)
+		net := testnet.New(s.Seed+1, s.In, s.Hidden, s.Classes)
 		opt, err := newOpt(ctx, c, net.Params())
 		if err != nil {
 			return err
@@ -62,7 +63,7 @@ func cvTrain(t *testing.T, s cvSpec, newOpt newOpt) cvResult {
 			defer cl.Close()
 		}
 		r := c.Rank()
-		if err := Train(ctx, opt, net, shards[r], s.Batch, 1, s.Steps, nil); err != nil {
+		if err := testnet.Train(ctx, opt, net, shards[r], s.Batch, 1, s.Steps, nil); err != nil {
 			return err
 		}
 		if r == 0 {
