@@ -51,6 +51,14 @@ type State struct {
 	chunkBytes   int // C/8: the packed bytes of one chunk
 	pieces       int // K: the pieces each chunk's bytes travel in (1: no pipelining)
 	pieceBytes   int // packed bytes of every piece of a chunk but the last
+	mid          int // pipelined: the worker scales travel after this many pieces
+
+	// norms sums the squares of x = pad(buf) + worker_error, one run per
+	// chunk, so that a pipelined call, which forms x piece by piece, gets
+	// the same worker scale as an unpipelined one.
+	norms []errorfeedback.Norm
+	// serverNorm sums the squares of the server's c, piece by piece.
+	serverNorm errorfeedback.Norm
 
 	sendSigns []byte    // packed worker signs, N/8 bytes, piece-major (see sendPiece)
 	recvSigns []byte    // phase 1 chunks received, N/8 bytes, piece-major
@@ -59,13 +67,18 @@ type State struct {
 	gathered  []byte    // every rank's phase 2 message, W*(4+C/8) bytes, piece-major (see msgPiece)
 	header    []byte    // this rank's scale and numel on the wire
 	headers   []byte    // every rank's header
+	scratch   []byte    // pipelined: pieceBytes of packed signs nobody reads
+	scaleMsg  []byte    // pipelined: this rank's worker scale, after piece mid-1
+	scaleAll  []byte    // pipelined: every rank's worker scale
+	wscales   []float32 // every rank's worker scale, from the header or scaleAll
 	scales    []float32 // every rank's server scale, from piece 0 of phase 2
 
 	// With pieces > 1 a goroutine per call issues the collectives in order
-	// while the caller computes: ready hands it a piece (false: give up),
-	// done returns each collective's error.
-	ready chan bool
-	done  chan error
+	// while the caller computes: ready hands it a piece, scaleReady the
+	// worker scale, and done returns each collective's error.
+	ready      chan struct{}
+	scaleReady chan struct{}
+	done       chan error
 	// The goroutine's function, made once so that starting it allocates
 	// nothing, and the call's context and communicator it works with (set
 	// only during a pipelined call).
@@ -96,30 +109,35 @@ func NewState(numel, world int) (*State, error) {
 		return nil, fmt.Errorf("onebit: invalid state size: %d elements on %d ranks", numel, world)
 	}
 	n := PaddedLen(numel, world)
-	c := n / world
 	st := &State{
 		WorkerError: errorfeedback.NewResidual(n),
-		ServerError: errorfeedback.NewResidual(c),
-		numel:       numel,
-		world:       world,
-		sendSigns:   make([]byte, n/8),
-		recvSigns:   make([]byte, n/8),
-		server:      make([]float32, c),
-		serverMsg:   make([]byte, 4+c/8),
-		gathered:    make([]byte, world*(4+c/8)),
-		header:      make([]byte, headerLen),
-		headers:     make([]byte, headerLen*world),
-		scales:      make([]float32, world),
-		chunkBytes:  c / 8,
+		ServerError: errorfeedback.NewResidual(n / world),
+		server:      make([]float32, n/world),
 	}
+	st.initWire(numel, world)
+	return st, nil
+}
+
+// initWire sets the sizes and makes the host buffers of the collective
+// that do not hold error state: all a DeviceState needs of a State.
+func (st *State) initWire(numel, world int) {
+	n := PaddedLen(numel, world)
+	c := n / world
+	st.numel, st.world, st.chunkBytes = numel, world, c/8
+	st.norms = make([]errorfeedback.Norm, world)
+	st.sendSigns, st.recvSigns = make([]byte, n/8), make([]byte, n/8)
+	st.serverMsg, st.gathered = make([]byte, 4+c/8), make([]byte, world*(4+c/8))
+	st.header, st.headers = make([]byte, headerLen), make([]byte, headerLen*world)
+	st.scaleMsg, st.scaleAll = make([]byte, 4), make([]byte, 4*world)
+	st.wscales, st.scales = make([]float32, world), make([]float32, world)
 	st.setPieces(c/8/pieceTarget, world)
 	st.communicator = st.communicate
-	return st, nil
 }
 
 // setPieces cuts every chunk's packed bytes into at most k pieces (at least
 // one; one is no pipelining). Pieces are whole bytes, all pieceBytes long
-// but the last.
+// but the last. The worker scales travel after the first half of the
+// pieces: by then the caller has long packed them all.
 func (st *State) setPieces(k, world int) {
 	chunkBytes := st.chunkBytes
 	k = max(1, min(k, maxPieces, chunkBytes))
@@ -129,11 +147,15 @@ func (st *State) setPieces(k, world int) {
 		st.pieces = (chunkBytes + st.pieceBytes - 1) / st.pieceBytes
 	}
 	if st.pieces > 1 && world > 1 {
-		st.ready = make(chan bool, st.pieces+1)
-		st.done = make(chan error, 2*st.pieces)
+		st.mid = st.pieces / 2
+		st.scratch = make([]byte, st.pieceBytes)
+		st.ready = make(chan struct{}, 2*st.pieces)
+		st.scaleReady = make(chan struct{}, 1)
+		st.done = make(chan error, 2*st.pieces+2)
 	} else {
-		st.pieces, st.pieceBytes = 1, chunkBytes
-		st.ready, st.done = nil, nil
+		st.pieces, st.pieceBytes, st.mid = 1, chunkBytes, 0
+		st.scratch = nil
+		st.ready, st.scaleReady, st.done = nil, nil, nil
 	}
 }
 
@@ -165,10 +187,15 @@ func (s *State) Reset() {
 // Large tensors are pipelined: each chunk's packed bytes travel in pieces
 // (of about 64 KiB per destination, at most 16), so that packing piece k+1
 // overlaps sending piece k, the server sums pieces as they arrive, and the
-// output is unpacked while the last pieces are still on the wire. The
-// arithmetic is the same, element for element, so the output and the error
-// buffers are bit-identical to an unpipelined call. A pipelined call runs
-// its collectives on a goroutine of its own while the caller's goroutine
+// output is unpacked while the last pieces are still on the wire. The signs
+// of x do not depend on the worker scale, so a pipelined call does not wait
+// for it: the header carries only the length, the first pieces go out as
+// soon as they are packed, and the worker scales follow in an all-gather of
+// their own after the first half of the pieces. The arithmetic is the same,
+// element for element (the worker norm is summed in the same order, chunk
+// by chunk, either way), so the output and the error buffers are
+// bit-identical to an unpipelined call. A pipelined call runs its
+// collectives on a goroutine of its own while the caller's goroutine
 // computes; it returns only after that goroutine is done with c.
 //
 // With one rank the call still compresses (the output is the
@@ -192,77 +219,143 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 	}
 	n := len(st.WorkerError)
 	chunkLen := n / w
-
-	// Worker side, steps 1-2: x = pad(buf) + worker_error (kept in the
-	// worker error buffer until step 3) and worker_scale.
-	workerScale, err := st.WorkerError.Compensate(buf)
-	if err != nil {
-		return fmt.Errorf("onebit: worker compression: %w", err)
-	}
-
-	// Phase 1, first half: all-gather of the W worker scales with every
-	// rank's numel, checked before any tensor data moves. From here on every
-	// length of this call is agreed, and the 2K collectives that follow skip
-	// the backend's argument check.
-	if err := st.exchangeScales(ctx, c, workerScale); err != nil {
-		return fmt.Errorf("onebit: phase 1 scales: %w", err)
-	}
 	k := st.pieces
-	comm.SkipChecks(c, 2*k)
-	if k > 1 {
+	for j := range st.norms {
+		st.norms[j].Reset()
+	}
+	st.serverNorm.Reset()
+
+	var workerScale float32
+	if k == 1 {
+		// Worker side, steps 1-2: worker_scale = ||x|| / sqrt(N) for x =
+		// pad(buf) + worker_error, in a read-only pass (x is formed again
+		// in step 3).
+		for j := range w {
+			lo, hi := j*chunkLen, (j+1)*chunkLen
+			st.norms[j].Add(st.WorkerError[lo:hi], inputPart(buf, lo, hi))
+		}
+		workerScale = st.normScale()
+
+		// Phase 1, first half: all-gather of the W worker scales with
+		// every rank's numel, checked before any tensor data moves. From
+		// here on every length of this call is agreed, and the collectives
+		// that follow skip the backend's argument check.
+		if err := st.exchangeHeader(ctx, c, workerScale); err != nil {
+			return fmt.Errorf("onebit: phase 1 scales: %w", err)
+		}
+		comm.SkipChecks(c, 2)
+
+		// Worker side, steps 3-4: x = pad(buf) + worker_error,
+		// worker_error = x - worker_scale * sgn(x) and pack sgn(x), in one
+		// pass; then phase 1, second half: all-to-all of the packed chunks
+		// (chunk j to rank j).
+		for j := range w {
+			lo, hi := j*chunkLen, (j+1)*chunkLen
+			signpack.PackCompensate(st.sendPiece(0, j), st.WorkerError[lo:hi], inputPart(buf, lo, hi), workerScale)
+		}
+		send, recv := st.phase1(0)
+		if err := c.AllToAllBytes(ctx, send, recv); err != nil {
+			return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))
+		}
+
+		// Server side, steps 5-6: c = sum over j, ascending, of
+		// (worker_scale_j / W) * unpack(chunk received from j), then c =
+		// c + server_error.
+		st.sumPiece(0)
+	} else {
+		// Pipelined. The goroutine all-gathers the header (numel only),
+		// then sends each piece as it is handed over.
 		st.ctx, st.comm = ctx, c
 		defer st.release()
 		go st.communicator()
+
+		// Worker side, steps 1 and 4, piece by piece: x = pad(buf) +
+		// worker_error (kept in the worker error buffer until step 3), its
+		// squares summed chunk by chunk, and sgn(x) packed; then phase 1,
+		// second half: all-to-all of the packed chunks (chunk j to rank j),
+		// one piece at a time. After the first piece the caller waits for
+		// the header, so that on a busy CPU the communicating goroutines
+		// of all ranks get it through before the packing goes on.
+		for p := range k {
+			for j := range w {
+				lo := j*chunkLen + p*st.pieceBytes*8
+				hi := lo + st.pieceLen(p)*8
+				st.packX(st.sendPiece(p, j), j, buf, lo, hi)
+			}
+			st.ready <- struct{}{}
+			if p == 0 {
+				if err := st.wait(); err != nil {
+					return st.fail(c, fmt.Errorf("onebit: phase 1 header: %w", err))
+				}
+			}
+		}
+
+		// Step 2, worker_scale, and phase 1, first half: the all-gather of
+		// the W worker scales, issued after piece mid-1.
+		workerScale = st.normScale()
+		binary.LittleEndian.PutUint32(st.scaleMsg, math.Float32bits(workerScale))
+		st.scaleReady <- struct{}{}
+
+		// Step 3 while the pieces are on the wire: worker_error = x -
+		// worker_scale * sgn(x). (PackResidual packs sgn(x) again, into
+		// scratch: the bytes sent may still be in use.)
+		for p := range k {
+			for j := range w {
+				lo := j*chunkLen + p*st.pieceBytes*8
+				signpack.PackResidual(st.scratch, st.WorkerError[lo:lo+st.pieceLen(p)*8], workerScale)
+			}
+		}
+
+		// Server side, steps 5-6, piece by piece as they arrive (the first
+		// mid pieces once the scales are in): c = sum over j, ascending,
+		// of (worker_scale_j / W) * unpack(chunk received from j), then c =
+		// c + server_error.
+		summed := 0
+		for p := range k {
+			if err := st.wait(); err != nil {
+				return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))
+			}
+			if p == st.mid-1 {
+				if err := st.wait(); err != nil {
+					return st.fail(c, fmt.Errorf("onebit: phase 1 scales: %w", err))
+				}
+			}
+			for ; p >= st.mid-1 && summed <= p; summed++ {
+				st.sumPiece(summed)
+			}
+		}
 	}
 
-	// Worker side, steps 3-4, piece by piece: worker_error = x -
-	// worker_scale * sgn(x) and pack sgn(x); then phase 1, second half:
-	// all-to-all of the packed chunks (chunk j to rank j), one piece at a
-	// time.
-	for p := range k {
-		for j := range w {
-			lo := j*chunkLen + p*st.pieceBytes*8
-			signpack.PackResidual(st.sendPiece(p, j), st.WorkerError[lo:lo+st.pieceLen(p)*8], workerScale)
-		}
-		if err := st.sendPhase1(ctx, c, p); err != nil {
-			return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err), false)
-		}
-	}
+	// Server side, step 7: server_scale, from the sum of squares of c
+	// that sumPiece kept.
+	serverScale := errorfeedback.ScaleOf(st.serverNorm.Sum(), len(st.ServerError))
 
-	// Server side, step 5, piece by piece as they arrive: c = sum over j,
-	// ascending, of (worker_scale_j / W) * unpack(chunk received from j).
-	for p := range k {
-		if err := st.wait(); err != nil {
-			return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err), false)
-		}
-		lo := p * st.pieceBytes * 8
-		acc := st.server[lo : lo+st.pieceLen(p)*8]
-		signpack.UnpackScale(acc, st.recvPiece(p, 0), st.scale(0)/float32(w))
-		for j := 1; j < w; j++ {
-			signpack.UnpackScaleAdd(acc, st.recvPiece(p, j), st.scale(j)/float32(w))
-		}
-	}
-
-	// Server side, steps 6-9, on the whole chunk: c = c + server_error,
-	// server_scale, server_error = c - server_scale * sgn(c), pack sgn(c).
-	serverScale, err := st.ServerError.Compress(st.serverMsg[4:], st.server)
-	if err != nil {
-		return st.fail(c, fmt.Errorf("onebit: server compression: %w", err), true)
-	}
-
-	// Phase 2: all-gather of the packed server chunks and of the W server
-	// scales, together: each rank's message is its scale and then its
-	// packed chunk, sent in the same pieces (the scale rides in piece 0).
+	// Server side, steps 8-9, and phase 2, piece by piece: server_error =
+	// c - server_scale * sgn(c) and pack sgn(c); then the all-gather of the
+	// packed server chunks and of the W server scales, together: each
+	// rank's message is its scale and then its packed chunk, sent in the
+	// same pieces (the scale rides in piece 0).
 	binary.LittleEndian.PutUint32(st.serverMsg[:4], math.Float32bits(serverScale))
-	if err := st.sendPhase2(ctx, c); err != nil {
-		return st.fail(c, fmt.Errorf("onebit: phase 2 all-gather: %w", err), false)
+	for p := range k {
+		lo := p * st.pieceBytes * 8
+		signpack.PackResidual(st.serverMsg[4+p*st.pieceBytes:4+p*st.pieceBytes+st.pieceLen(p)],
+			st.ServerError[lo:lo+st.pieceLen(p)*8], serverScale)
+		if k > 1 {
+			st.ready <- struct{}{}
+		}
+	}
+	if k == 1 {
+		send, recv := st.phase2(0)
+		if err := c.AllGatherBytes(ctx, send, recv); err != nil {
+			return st.fail(c, fmt.Errorf("onebit: phase 2 all-gather: %w", err))
+		}
 	}
 
 	// Output, piece by piece as they arrive: element i of chunk j is
 	// server_scale_j * unpack(...); the first n elements replace buf.
 	for p := range k {
 		if err := st.wait(); err != nil {
-			return st.fail(c, fmt.Errorf("onebit: phase 2 all-gather: %w", err), false)
+			return st.fail(c, fmt.Errorf("onebit: phase 2 all-gather: %w", err))
 		}
 		for j := range w {
 			signs := st.msgPiece(p, j)
@@ -279,6 +372,61 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 		}
 	}
 	return nil
+}
+
+// inputPart is the part of buf that falls in [lo, hi) of the padded tensor.
+func inputPart(buf []float32, lo, hi int) []float32 {
+	return buf[min(lo, len(buf)):min(hi, len(buf))]
+}
+
+// normScale is the worker scale from the chunks' sums of squares, added in
+// chunk order.
+func (st *State) normScale() float32 {
+	var ss float64
+	for j := range st.norms {
+		ss += st.norms[j].Sum()
+	}
+	return errorfeedback.ScaleOf(ss, len(st.WorkerError))
+}
+
+// packBlock is the elements packX forms and packs at a time: small enough
+// that x is still in the cache when it is packed.
+const packBlock = 16 << 10
+
+// packX forms x = pad(buf) + worker_error on [lo, hi) of the padded tensor
+// (in chunk j), leaves it in the worker error buffer, adds its squares to
+// chunk j's norm and packs sgn(x) into dst.
+func (st *State) packX(dst []byte, j int, buf []float32, lo, hi int) {
+	for b := lo; b < hi; b += packBlock {
+		e := min(b+packBlock, hi)
+		x := st.WorkerError[b:e]
+		st.norms[j].Compensate(x, inputPart(buf, b, e))
+		signpack.Pack(dst[(b-lo)/8:(e-lo)/8], x)
+	}
+}
+
+// sumPiece is the server side, steps 5-6, on piece p of the chunks
+// received in phase 1: c = sum over j, ascending, of (worker_scale_j / W)
+// * unpack(piece p of the chunk from j); then c = c + server_error, kept in
+// the server error buffer until step 8, its squares summed in serverNorm
+// for step 7.
+//
+// It works in blocks of packBlock elements, so that c stays in the cache
+// from its first sum to its last use.
+func (st *State) sumPiece(p int) {
+	w := st.world
+	lo := p * st.pieceBytes * 8
+	hi := lo + st.pieceLen(p)*8
+	for b := lo; b < hi; b += packBlock {
+		e := min(b+packBlock, hi)
+		acc := st.server[b:e]
+		bytes := func(j int) []byte { return st.recvPiece(p, j)[(b-lo)/8 : (e-lo)/8] }
+		signpack.UnpackScale(acc, bytes(0), st.wscales[0]/float32(w))
+		for j := 1; j < w; j++ {
+			signpack.UnpackScaleAdd(acc, bytes(j), st.wscales[j]/float32(w))
+		}
+		st.serverNorm.Compensate(st.ServerError[b:e], acc)
+	}
 }
 
 // pieceLen is the packed bytes per destination of piece p.
@@ -335,27 +483,6 @@ func (st *State) msgPiece(p, j int) []byte {
 	return st.gathered[off : off+n]
 }
 
-// sendPhase1 puts piece p of phase 1 on the wire: at once without
-// pipelining, else by handing it to the communicating goroutine.
-func (st *State) sendPhase1(ctx context.Context, c comm.Comm, p int) error {
-	if st.pieces == 1 {
-		send, recv := st.phase1(p)
-		return c.AllToAllBytes(ctx, send, recv)
-	}
-	st.ready <- true
-	return nil
-}
-
-// sendPhase2 puts phase 2 on the wire, like sendPhase1.
-func (st *State) sendPhase2(ctx context.Context, c comm.Comm) error {
-	if st.pieces == 1 {
-		send, recv := st.phase2(0)
-		return c.AllGatherBytes(ctx, send, recv)
-	}
-	st.ready <- true
-	return nil
-}
-
 // wait returns when the next collective of a pipelined call is done, with
 // its error; without pipelining the collective is done already.
 func (st *State) wait() error {
@@ -365,16 +492,31 @@ func (st *State) wait() error {
 	return <-st.done
 }
 
-// communicate is the goroutine of a pipelined call: the K all-to-alls of
-// phase 1, then the K all-gathers of phase 2, each piece once the caller
-// has made it ready. It stops at the first error (after reporting it) or
-// when the caller gives up.
+// communicate is the goroutine of a pipelined call: the header (the
+// length check), the K all-to-alls of phase 1 with the all-gather of the
+// worker scales after the first mid of them, then the K all-gathers of
+// phase 2, each once the caller has made it ready. It stops at the first
+// error (after reporting it) or when the caller gives up.
 func (st *State) communicate() {
 	ctx, c := st.ctx, st.comm
+	err := st.exchangeHeader(ctx, c, 0)
+	if err == nil {
+		comm.SkipChecks(c, 2*st.pieces+1)
+	}
+	st.done <- err
+	if err != nil {
+		return
+	}
 	for p := range st.pieces {
-		if !<-st.ready {
-			return
+		if p == st.mid {
+			<-st.scaleReady
+			err := st.exchangeWorkerScales(ctx, c)
+			st.done <- err
+			if err != nil {
+				return
+			}
 		}
+		<-st.ready
 		send, recv := st.phase1(p)
 		err := c.AllToAllBytes(ctx, send, recv)
 		st.done <- err
@@ -382,10 +524,8 @@ func (st *State) communicate() {
 			return
 		}
 	}
-	if !<-st.ready {
-		return
-	}
 	for p := range st.pieces {
+		<-st.ready
 		send, recv := st.phase2(p)
 		err := c.AllGatherBytes(ctx, send, recv)
 		st.done <- err
@@ -399,31 +539,28 @@ func (st *State) communicate() {
 // the goroutine is done with them.
 func (st *State) release() { st.ctx, st.comm = nil, nil }
 
-// fail ends a call that failed after the header and returns err. In a
-// pipelined call it first makes sure the communicating goroutine is gone
-// and both channels are empty for the next call: a goroutine that reported
-// an error has returned, and pieces it never took are drained; a goroutine
-// still alive (the caller failed while it waited for phase 2) is told to
-// give up. Then it cancels what is left of the promise of agreed
-// arguments.
-func (st *State) fail(c comm.Comm, err error, alive bool) error {
+// fail ends a call that failed and returns err. In a pipelined call the
+// communicating goroutine reported the error and has returned; fail drains
+// what it never took from the channels, for the next call. Then it cancels
+// what is left of the promise of agreed arguments.
+func (st *State) fail(c comm.Comm, err error) error {
 	if st.pieces > 1 {
-		if alive {
-			st.ready <- false
-		} else {
-			for len(st.ready) > 0 {
-				<-st.ready
-			}
+		for len(st.ready) > 0 {
+			<-st.ready
+		}
+		for len(st.scaleReady) > 0 {
+			<-st.scaleReady
 		}
 	}
 	comm.SkipChecks(c, 0)
 	return err
 }
 
-// exchangeScales all-gathers this rank's scale together with the tensor
-// length it was called with, checks that every rank has the same length,
-// and leaves every rank's scale for st.scale.
-func (st *State) exchangeScales(ctx context.Context, c comm.Comm, scale float32) error {
+// exchangeHeader all-gathers this rank's worker scale (0 in a pipelined
+// call, where the scales travel later) together with the tensor length it
+// was called with, checks that every rank has the same length, and leaves
+// every rank's scale in st.wscales.
+func (st *State) exchangeHeader(ctx context.Context, c comm.Comm, scale float32) error {
 	binary.LittleEndian.PutUint32(st.header[0:4], math.Float32bits(scale))
 	binary.LittleEndian.PutUint64(st.header[4:12], uint64(st.numel))
 	if err := c.AllGatherBytes(ctx, st.header, st.headers); err != nil {
@@ -436,10 +573,20 @@ func (st *State) exchangeScales(ctx context.Context, c comm.Comm, scale float32)
 				Rank: j, Got: int(got), Want: int(want)}
 		}
 	}
+	for j := range st.wscales {
+		st.wscales[j] = math.Float32frombits(binary.LittleEndian.Uint32(st.headers[j*headerLen:]))
+	}
 	return nil
 }
 
-// scale returns rank j's scale from the last exchange.
-func (st *State) scale(j int) float32 {
-	return math.Float32frombits(binary.LittleEndian.Uint32(st.headers[j*headerLen:]))
+// exchangeWorkerScales all-gathers the worker scales of a pipelined call
+// (this rank's in st.scaleMsg) into st.wscales.
+func (st *State) exchangeWorkerScales(ctx context.Context, c comm.Comm) error {
+	if err := c.AllGatherBytes(ctx, st.scaleMsg, st.scaleAll); err != nil {
+		return err
+	}
+	for j := range st.wscales {
+		st.wscales[j] = math.Float32frombits(binary.LittleEndian.Uint32(st.scaleAll[4*j:]))
+	}
+	return nil
 }

@@ -53,18 +53,8 @@ func NewDeviceState(dev accel.Device, numel, world int) (*DeviceState, error) {
 	}
 	n := PaddedLen(numel, world)
 	c := n / world
-	st := &DeviceState{
-		dev: dev, numel: numel, world: world,
-		stage: make([]byte, n/8),
-		wire: State{
-			numel: numel, world: world, chunkBytes: c / 8,
-			sendSigns: make([]byte, n/8), recvSigns: make([]byte, n/8),
-			serverMsg: make([]byte, 4+c/8), gathered: make([]byte, world*(4+c/8)),
-			header: make([]byte, headerLen), headers: make([]byte, headerLen*world),
-			scales: make([]float32, world),
-		},
-	}
-	st.wire.setPieces(c/8/pieceTarget, world)
+	st := &DeviceState{dev: dev, numel: numel, world: world, stage: make([]byte, n/8)}
+	st.wire.initWire(numel, world)
 	for _, a := range []struct {
 		span  *accel.Span
 		bytes int
@@ -158,12 +148,12 @@ func (s *DeviceState) server(dev accel.Device, w, chunkBytes int) (float32, erro
 	if err := dev.CopyIn(s.recvSigns, s.stage); err != nil {
 		return 0, fmt.Errorf("onebit: received signs to device: %w", err)
 	}
-	if err := dev.UnpackScale(s.acc, s.recvSigns.Sub(0, chunkBytes), s.wire.scale(0)/float32(w)); err != nil {
+	if err := dev.UnpackScale(s.acc, s.recvSigns.Sub(0, chunkBytes), s.wire.wscales[0]/float32(w)); err != nil {
 		return 0, fmt.Errorf("onebit: server accumulation: %w", err)
 	}
 	for j := 1; j < w; j++ {
 		chunk := s.recvSigns.Sub(j*chunkBytes, (j+1)*chunkBytes)
-		if err := dev.UnpackScaleAdd(s.acc, chunk, s.wire.scale(j)/float32(w)); err != nil {
+		if err := dev.UnpackScaleAdd(s.acc, chunk, s.wire.wscales[j]/float32(w)); err != nil {
 			return 0, fmt.Errorf("onebit: server accumulation: %w", err)
 		}
 	}
@@ -229,9 +219,13 @@ func floatBytes(p []float32) []byte {
 // the host, and only they cross the communicator. The collectives are
 // issued one after the other (no overlap with the device's work).
 //
-// With the accel.CPU device the results are bit for bit AllReduce's. On
-// another device the signs are the same and the errors and the output agree
-// within the spec's tolerance (the norms may be summed in another order).
+// The norms are summed in the device's order: AllReduce sums the worker
+// norm chunk by chunk in 32 lanes, a device's Compress sums the whole
+// buffer its own way. So on any device, accel.CPU included, the errors and
+// the output agree with AllReduce's within the spec's tolerance, and bit
+// for bit unless a scale rounds to a neighbouring float32 (with accel.CPU,
+// whose float64 sums differ from AllReduce's in the last bits only, that
+// is about one scale in 10^8).
 // Every rank must call it with the same numel; st must have been made for
 // numel and c.Size(). A call allocates nothing.
 func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *DeviceState) error {
@@ -262,17 +256,29 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 	}
 	st.toWire()
 
-	// Phase 1: scales (with the length check), then the packed chunks in
-	// AllReduce's pieces. Once the header is through, every length of this
-	// call is agreed: the 2K collectives that follow skip the backend's
-	// argument check, as in AllReduce; a failure in between cancels that
-	// promise.
-	if err := wire.exchangeScales(ctx, c, workerScale); err != nil {
+	// Phase 1: the header (with the length check), then the packed chunks
+	// in AllReduce's pieces, with the worker scales where AllReduce sends
+	// them: in the header of an unpipelined call, after piece mid-1 of a
+	// pipelined one. Once the header is through, every length of this call
+	// is agreed: the collectives that follow skip the backend's argument
+	// check, as in AllReduce; a failure in between cancels that promise.
+	k := wire.pieces
+	headerScale := workerScale
+	if k > 1 {
+		headerScale = 0
+	}
+	if err := wire.exchangeHeader(ctx, c, headerScale); err != nil {
 		return fmt.Errorf("onebit: phase 1 scales: %w", err)
 	}
-	k := wire.pieces
-	comm.SkipChecks(c, 2*k)
+	comm.SkipChecks(c, 2*k+min(k-1, 1))
 	for p := range k {
+		if k > 1 && p == wire.mid {
+			binary.LittleEndian.PutUint32(wire.scaleMsg, math.Float32bits(workerScale))
+			if err := wire.exchangeWorkerScales(ctx, c); err != nil {
+				comm.SkipChecks(c, 0)
+				return fmt.Errorf("onebit: phase 1 scales: %w", err)
+			}
+		}
 		send, recv := wire.phase1(p)
 		if err := c.AllToAllBytes(ctx, send, recv); err != nil {
 			comm.SkipChecks(c, 0)

@@ -277,3 +277,45 @@ readDone:
 	VZEROUPPER
 	MOVL   AX, ret+16(FP)
 	RET
+
+// RESIDC is RESID on x + in: the vector at off(SI) plus the one at off(DX)
+// (x first, as in the generic x[i] + in[i], so that NaNs come out
+// identical).
+#define RESIDC(off, Ym) \
+	VMOVUPS   off(SI), Y8 \
+	VADDPS    off(DX), Y8, Y8 \
+	VCMPPS    $0x15, Y15, Y8, Ym \
+	VSUBPS    Y12, Y8, Y9 \
+	VADDPS    Y12, Y8, Y10 \
+	VBLENDVPS Ym, Y9, Y10, Y9 \
+	VMOVUPS   Y9, off(SI)
+
+// func packCompensateAVX2(dst *byte, x, in *float32, blocks int, scale float32)
+TEXT ·packCompensateAVX2(SB), NOSPLIT, $0-36
+	MOVQ dst+0(FP), DI
+	MOVQ x+8(FP), SI
+	MOVQ in+16(FP), DX
+	MOVQ blocks+24(FP), CX
+	TESTQ CX, CX
+	JZ   compDone
+	VBROADCASTSS scale+32(FP), Y12
+	VPXOR   Y15, Y15, Y15
+	VMOVDQU packPerm<>(SB), Y14
+	VMOVDQU packShuf<>(SB), Y13
+
+compLoop:
+	RESIDC(0, Y0)
+	RESIDC(32, Y1)
+	RESIDC(64, Y2)
+	RESIDC(96, Y3)
+	PACK4
+	MOVL AX, (DI)
+	ADDQ $128, SI
+	ADDQ $128, DX
+	ADDQ $4, DI
+	DECQ CX
+	JNZ  compLoop
+	VZEROUPPER
+
+compDone:
+	RET
