@@ -18,3 +18,7 @@ func fastPath() string { return "generic" }
 
 // lanesFast is the lanes kernel Norm uses.
 func lanesFast(acc *[lanes]float64, x, in []float32, store bool) { lanesGeneric(acc, x, in, store) }
+
+// packLanesFast does nothing here: Norm.CompensatePack takes its portable
+// path.
+func packLanesFast(acc *[lanes]float64, dst []byte, x, in []float32) int { return 0 }

@@ -1,6 +1,10 @@
 package errorfeedback
 
-import "math"
+import (
+	"math"
+
+	"github.com/lowbit-ml/lowbit/signpack"
+)
 
 // lanes is the number of float64 partial sums a Norm keeps.
 const lanes = 32
@@ -29,6 +33,36 @@ func (m *Norm) Compensate(x, in []float32) { m.add(x, in, true, lanesFast) }
 // Add appends x[i] + in[i] (in zero beyond its length) to the run without
 // storing the sums: a read-only pass that gives the same run as Compensate.
 func (m *Norm) Add(x, in []float32) { m.add(x, in, false, lanesFast) }
+
+// CompensatePack is Compensate followed by signpack.Pack(dst, x) of the
+// sums, in one pass over x and in where the CPU allows (AVX2 and FMA, a
+// run cut at multiples of 32): the first pass of a compress step whose
+// scale is not known yet. dst must hold signpack.PackedLen(len(x)) bytes;
+// CompensatePack panics otherwise, as Pack does.
+func (m *Norm) CompensatePack(dst []byte, x, in []float32) {
+	m.compensatePack(dst, x, in, packLanesFast)
+}
+
+// packKernel runs the fused pass over whole blocks from lane 0 and returns
+// how many elements it did.
+type packKernel func(acc *[lanes]float64, dst []byte, x, in []float32) int
+
+func (m *Norm) compensatePack(dst []byte, x, in []float32, fast packKernel) {
+	if len(dst) < signpack.PackedLen(len(x)) {
+		panic("errorfeedback: CompensatePack: packed buffer too short")
+	}
+	if len(in) > len(x) {
+		in = in[:len(x)]
+	}
+	done := 0
+	if m.n%lanes == 0 {
+		done = fast(&m.acc, dst, x, in)
+		m.n += done
+	}
+	rest := x[done:]
+	m.add(rest, in[min(done, len(in)):], true, lanesFast)
+	signpack.Pack(dst[done/8:], rest)
+}
 
 // Sum returns the sum of squares of the run so far.
 func (m *Norm) Sum() float64 {

@@ -130,3 +130,22 @@ func addSumSquaresLanesAVX2(acc *[lanes]float64, x, in *float32, blocks int)
 //
 //go:noescape
 func sumAddedSquaresLanesAVX2(acc *[lanes]float64, x, in *float32, blocks int)
+
+// packLanesFast is Norm.CompensatePack's kernel for whole blocks of 32
+// elements starting at lane 0: it returns how many elements it did (none
+// without AVX2 and FMA).
+func packLanesFast(acc *[lanes]float64, dst []byte, x, in []float32) int {
+	nb := min(len(x), len(in)) / lanes
+	if !useAVX2 || nb == 0 {
+		return 0
+	}
+	_ = dst[nb*lanes/8-1]
+	compensatePackAVX2(acc, &x[0], &in[0], &dst[0], nb)
+	return nb * lanes
+}
+
+// compensatePackAVX2 is addSumSquaresLanesAVX2 that also packs the signs
+// of the sums into blocks*4 bytes of dst, as signpack.Pack would.
+//
+//go:noescape
+func compensatePackAVX2(acc *[lanes]float64, x, in *float32, dst *byte, blocks int)

@@ -210,3 +210,87 @@ sumLanesLoop:
 
 sumLanesRet:
 	RET
+
+// The fused compensate-norm-pack kernel packs signs exactly as package
+// signpack's AVX2 kernels do (see pack_amd64.s there): a compare gives a
+// mask per element, VPACKSSDW and VPACKSSWB narrow four masks to bytes,
+// VPERMD with fusePerm puts each group of 8 together, high half first,
+// VPSHUFB with fuseShuf reverses the bytes of every dword, and VPMOVMSKB
+// yields the 4 packed bytes of 32 elements, the first element in the most
+// significant bit of its byte.
+DATA fusePerm<>+0(SB)/4, $4
+DATA fusePerm<>+4(SB)/4, $0
+DATA fusePerm<>+8(SB)/4, $5
+DATA fusePerm<>+12(SB)/4, $1
+DATA fusePerm<>+16(SB)/4, $6
+DATA fusePerm<>+20(SB)/4, $2
+DATA fusePerm<>+24(SB)/4, $7
+DATA fusePerm<>+28(SB)/4, $3
+GLOBL fusePerm<>(SB), RODATA|NOPTR, $32
+
+DATA fuseShuf<>+0(SB)/8, $0x0405060700010203
+DATA fuseShuf<>+8(SB)/8, $0x0c0d0e0f08090a0b
+DATA fuseShuf<>+16(SB)/8, $0x0405060700010203
+DATA fuseShuf<>+24(SB)/8, $0x0c0d0e0f08090a0b
+GLOBL fuseShuf<>(SB), RODATA|NOPTR, $32
+
+DATA fuseZero<>+0(SB)/8, $0
+DATA fuseZero<>+8(SB)/8, $0
+DATA fuseZero<>+16(SB)/8, $0
+DATA fuseZero<>+24(SB)/8, $0
+GLOBL fuseZero<>(SB), RODATA|NOPTR, $32
+
+// FUSE_SQ forms the 8 sums x + in at off (x first, as in the generic
+// x[i] + in[i]), stores them into x, sets Ym to their sign mask (1 for x >= 0, -0.0 and NaN:
+// NLT_UQ against zero, as signpack's residual kernel) and adds their
+// squares into Ylo (elements 0..3) and Yhi (4..7). Y4..Y6 are scratch.
+// The sums are stored back into x.
+#define FUSE_SQ(off, Ym, Ylo, Yhi) \
+	VMOVUPS      off(DI), Y4 \
+	VADDPS       off(SI), Y4, Y4 \
+	VMOVUPS      Y4, off(DI) \
+	VCMPPS       $0x15, fuseZero<>(SB), Y4, Ym \
+	VCVTPS2PD    X4, Y5 \
+	VEXTRACTF128 $1, Y4, X6 \
+	VCVTPS2PD    X6, Y6 \
+	VFMADD231PD  Y5, Y5, Ylo \
+	VFMADD231PD  Y6, Y6, Yhi
+
+// FUSE_BLOCK handles one block of 32 elements and writes its 4 packed
+// bytes to (DX).
+#define FUSE_BLOCK \
+	FUSE_SQ(0, Y0, Y8, Y9) \
+	FUSE_SQ(32, Y1, Y10, Y11) \
+	FUSE_SQ(64, Y2, Y12, Y13) \
+	FUSE_SQ(96, Y3, Y14, Y15) \
+	VPACKSSDW Y1, Y0, Y0 \
+	VPACKSSDW Y3, Y2, Y2 \
+	VPACKSSWB Y2, Y0, Y0 \
+	VPERMD    Y0, Y7, Y0 \
+	VPSHUFB   fuseShuf<>(SB), Y0, Y0 \
+	VPMOVMSKB Y0, BX \
+	MOVL      BX, (DX)
+
+// func compensatePackAVX2(acc *[32]float64, x, in *float32, dst *byte, blocks int)
+TEXT ·compensatePackAVX2(SB), NOSPLIT, $0-40
+	MOVQ acc+0(FP), AX
+	MOVQ x+8(FP), DI
+	MOVQ in+16(FP), SI
+	MOVQ dst+24(FP), DX
+	MOVQ blocks+32(FP), CX
+	TESTQ CX, CX
+	JZ    fuseRet
+	LOAD_ACC
+	VMOVDQU fusePerm<>(SB), Y7
+
+fuseLoop:
+	FUSE_BLOCK
+	ADDQ $128, DI
+	ADDQ $128, SI
+	ADDQ $4, DX
+	DECQ CX
+	JNZ  fuseLoop
+	STORE_ACC
+
+fuseRet:
+	RET

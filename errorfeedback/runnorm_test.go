@@ -1,12 +1,15 @@
 package errorfeedback
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/signpack"
 )
 
 // splitRun feeds x + in to a fresh Norm in the pieces cuts gives (each cut
@@ -104,4 +107,66 @@ func TestRunNormAllocs(t *testing.T) {
 		m.Compensate(x, in)
 		_ = m.Sum()
 	}))
+}
+
+// TestNormCompensatePack: the fused pass gives Compensate's lanes and x,
+// and signpack.Pack's bytes of the sums, however the run is cut, on the
+// fast kernel and on the portable path alike.
+func TestNormCompensatePack(t *testing.T) {
+	rng := rand.New(rand.NewPCG(23, 24))
+	none := func(*[lanes]float64, []byte, []float32, []float32) int { return 0 }
+	for _, n := range []int{0, 8, 13, 32, 96, 1000, 4096, 4099} {
+		for _, m := range []int{n, n - 5, n / 3, 0} {
+			if m < 0 {
+				continue
+			}
+			x, in := randomSlice(rng, n, 3), randomSlice(rng, m, 2)
+			if n > 3 {
+				x[n/2] = float32(math.NaN())
+				x[3] = float32(math.Copysign(0, -1))
+				x[1] = float32(math.Inf(-1))
+			}
+			want, wantX := splitRun(x, in, nil, true, lanesGeneric)
+			wantP := make([]byte, signpack.PackedLen(n))
+			signpack.Pack(wantP, wantX)
+			for trial := range 10 {
+				var cuts []int
+				if trial > 0 {
+					cuts = []int{8 * rng.IntN(n/8+1)}
+					if trial%2 == 0 {
+						cuts = []int{32 * rng.IntN(n/32+1)}
+					}
+				}
+				for _, k := range []struct {
+					name string
+					f    packKernel
+				}{{"fast", packLanesFast}, {"portable", none}} {
+					var got Norm
+					gx := append([]float32(nil), x...)
+					gp := make([]byte, len(wantP))
+					lo := 0
+					for _, hi := range append(cuts, n) {
+						got.compensatePack(gp[lo/8:], gx[lo:hi], in[min(lo, m):min(hi, m)], k.f)
+						lo = hi
+					}
+					msg := fmt.Sprintf("n=%d m=%d cuts=%v %s", n, m, cuts, k.name)
+					require.Equal(t, normBits(want), normBits(got), msg)
+					requireSameBits(t, wantX, gx, "%s: x", msg)
+					require.Equal(t, wantP, gp, "%s: packed", msg)
+				}
+			}
+		}
+	}
+	var m Norm
+	assert.Panics(t, func() { m.CompensatePack(make([]byte, 1), make([]float32, 9), nil) })
+}
+
+// normBits is a Norm's state as bits, so that NaN lanes compare equal.
+func normBits(m Norm) [lanes + 1]uint64 {
+	var b [lanes + 1]uint64
+	for i, v := range m.acc {
+		b[i] = math.Float64bits(v)
+	}
+	b[lanes] = uint64(m.n)
+	return b
 }

@@ -51,7 +51,7 @@ type State struct {
 	chunkBytes   int // C/8: the packed bytes of one chunk
 	pieces       int // K: the pieces each chunk's bytes travel in (1: no pipelining)
 	pieceBytes   int // packed bytes of every piece of a chunk but the last
-	mid          int // pipelined: the worker scales travel after this many pieces
+	mid          int // pipelined: the worker scales travel with this piece
 
 	// norms sums the squares of x = pad(buf) + worker_error, one run per
 	// chunk, so that a pipelined call, which forms x piece by piece, gets
@@ -68,17 +68,16 @@ type State struct {
 	header    []byte    // this rank's scale and numel on the wire
 	headers   []byte    // every rank's header
 	scratch   []byte    // pipelined: pieceBytes of packed signs nobody reads
-	scaleMsg  []byte    // pipelined: this rank's worker scale, after piece mid-1
-	scaleAll  []byte    // pipelined: every rank's worker scale
-	wscales   []float32 // every rank's worker scale, from the header or scaleAll
+	midSend   []byte    // pipelined: piece mid of phase 1, W segments each followed by the worker scale
+	midRecv   []byte    // pipelined: piece mid as received, every rank's segment and worker scale
+	wscales   []float32 // every rank's worker scale, from the header or piece mid
 	scales    []float32 // every rank's server scale, from piece 0 of phase 2
 
 	// With pieces > 1 a goroutine per call issues the collectives in order
-	// while the caller computes: ready hands it a piece, scaleReady the
-	// worker scale, and done returns each collective's error.
-	ready      chan struct{}
-	scaleReady chan struct{}
-	done       chan error
+	// while the caller computes: ready hands it a piece, and done returns
+	// each collective's error.
+	ready chan struct{}
+	done  chan error
 	// The goroutine's function, made once so that starting it allocates
 	// nothing, and the call's context and communicator it works with (set
 	// only during a pipelined call).
@@ -128,7 +127,6 @@ func (st *State) initWire(numel, world int) {
 	st.sendSigns, st.recvSigns = make([]byte, n/8), make([]byte, n/8)
 	st.serverMsg, st.gathered = make([]byte, 4+c/8), make([]byte, world*(4+c/8))
 	st.header, st.headers = make([]byte, headerLen), make([]byte, headerLen*world)
-	st.scaleMsg, st.scaleAll = make([]byte, 4), make([]byte, 4*world)
 	st.wscales, st.scales = make([]float32, world), make([]float32, world)
 	st.setPieces(c/8/pieceTarget, world)
 	st.communicator = st.communicate
@@ -136,8 +134,8 @@ func (st *State) initWire(numel, world int) {
 
 // setPieces cuts every chunk's packed bytes into at most k pieces (at least
 // one; one is no pipelining). Pieces are whole bytes, all pieceBytes long
-// but the last. The worker scales travel after the first half of the
-// pieces: by then the caller has long packed them all.
+// but the last. The worker scales travel with piece mid, the first of the
+// second half: by then the caller has long packed them all.
 func (st *State) setPieces(k, world int) {
 	chunkBytes := st.chunkBytes
 	k = max(1, min(k, maxPieces, chunkBytes))
@@ -149,13 +147,14 @@ func (st *State) setPieces(k, world int) {
 	if st.pieces > 1 && world > 1 {
 		st.mid = st.pieces / 2
 		st.scratch = make([]byte, st.pieceBytes)
+		st.midSend = make([]byte, world*(st.pieceLen(st.mid)+4))
+		st.midRecv = make([]byte, world*(st.pieceLen(st.mid)+4))
 		st.ready = make(chan struct{}, 2*st.pieces)
-		st.scaleReady = make(chan struct{}, 1)
-		st.done = make(chan error, 2*st.pieces+2)
+		st.done = make(chan error, 2*st.pieces+1)
 	} else {
 		st.pieces, st.pieceBytes, st.mid = 1, chunkBytes, 0
-		st.scratch = nil
-		st.ready, st.scaleReady, st.done = nil, nil, nil
+		st.scratch, st.midSend, st.midRecv = nil, nil, nil
+		st.ready, st.done = nil, nil
 	}
 }
 
@@ -190,10 +189,11 @@ func (s *State) Reset() {
 // output is unpacked while the last pieces are still on the wire. The signs
 // of x do not depend on the worker scale, so a pipelined call does not wait
 // for it: the header carries only the length, the first pieces go out as
-// soon as they are packed, and the worker scales follow in an all-gather of
-// their own after the first half of the pieces. The arithmetic is the same,
-// element for element (the worker norm is summed in the same order, chunk
-// by chunk, either way), so the output and the error buffers are
+// soon as they are packed, and the worker scales follow in the all-to-all
+// of the first piece of the second half, 4 bytes after each segment. The
+// arithmetic is the same, element for element (the worker norm is summed
+// in the same order, chunk by chunk, either way), so the output and the
+// error buffers are
 // bit-identical to an unpipelined call. A pipelined call runs its
 // collectives on a goroutine of its own while the caller's goroutine
 // computes; it returns only after that goroutine is done with c.
@@ -282,7 +282,9 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 				hi := lo + st.pieceLen(p)*8
 				st.packX(st.sendPiece(p, j), j, buf, lo, hi)
 			}
-			st.ready <- struct{}{}
+			if p < st.mid {
+				st.ready <- struct{}{}
+			}
 			if p == 0 {
 				if err := st.wait(); err != nil {
 					return st.fail(c, fmt.Errorf("onebit: phase 1 header: %w", err))
@@ -290,11 +292,14 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 			}
 		}
 
-		// Step 2, worker_scale, and phase 1, first half: the all-gather of
-		// the W worker scales, issued after piece mid-1.
+		// Step 2, worker_scale, and phase 1, first half: the W worker
+		// scales travel in the all-to-all of piece mid, each after the
+		// segment for its destination; the pieces from mid on go out now.
 		workerScale = st.normScale()
-		binary.LittleEndian.PutUint32(st.scaleMsg, math.Float32bits(workerScale))
-		st.scaleReady <- struct{}{}
+		st.putWorkerScale(workerScale)
+		for range k - st.mid {
+			st.ready <- struct{}{}
+		}
 
 		// Step 3 while the pieces are on the wire: worker_error = x -
 		// worker_scale * sgn(x). (PackResidual packs sgn(x) again, into
@@ -307,20 +312,18 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 		}
 
 		// Server side, steps 5-6, piece by piece as they arrive (the first
-		// mid pieces once the scales are in): c = sum over j, ascending,
-		// of (worker_scale_j / W) * unpack(chunk received from j), then c =
-		// c + server_error.
+		// mid+1 pieces once piece mid has brought the scales): c = sum over
+		// j, ascending, of (worker_scale_j / W) * unpack(chunk received from
+		// j), then c = c + server_error.
 		summed := 0
 		for p := range k {
 			if err := st.wait(); err != nil {
 				return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))
 			}
-			if p == st.mid-1 {
-				if err := st.wait(); err != nil {
-					return st.fail(c, fmt.Errorf("onebit: phase 1 scales: %w", err))
-				}
+			if p == st.mid {
+				st.getWorkerScales()
 			}
-			for ; p >= st.mid-1 && summed <= p; summed++ {
+			for ; p >= st.mid && summed <= p; summed++ {
 				st.sumPiece(summed)
 			}
 		}
@@ -389,20 +392,15 @@ func (st *State) normScale() float32 {
 	return errorfeedback.ScaleOf(ss, len(st.WorkerError))
 }
 
-// packBlock is the elements packX forms and packs at a time: small enough
-// that x is still in the cache when it is packed.
-const packBlock = 16 << 10
+// sumBlock is the elements sumPiece sums at a time: small enough that c
+// is still in the cache when it is compensated.
+const sumBlock = 16 << 10
 
 // packX forms x = pad(buf) + worker_error on [lo, hi) of the padded tensor
 // (in chunk j), leaves it in the worker error buffer, adds its squares to
-// chunk j's norm and packs sgn(x) into dst.
+// chunk j's norm and packs sgn(x) into dst, in one pass.
 func (st *State) packX(dst []byte, j int, buf []float32, lo, hi int) {
-	for b := lo; b < hi; b += packBlock {
-		e := min(b+packBlock, hi)
-		x := st.WorkerError[b:e]
-		st.norms[j].Compensate(x, inputPart(buf, b, e))
-		signpack.Pack(dst[(b-lo)/8:(e-lo)/8], x)
-	}
+	st.norms[j].CompensatePack(dst, st.WorkerError[lo:hi], inputPart(buf, lo, hi))
 }
 
 // sumPiece is the server side, steps 5-6, on piece p of the chunks
@@ -411,14 +409,14 @@ func (st *State) packX(dst []byte, j int, buf []float32, lo, hi int) {
 // the server error buffer until step 8, its squares summed in serverNorm
 // for step 7.
 //
-// It works in blocks of packBlock elements, so that c stays in the cache
+// It works in blocks of sumBlock elements, so that c stays in the cache
 // from its first sum to its last use.
 func (st *State) sumPiece(p int) {
 	w := st.world
 	lo := p * st.pieceBytes * 8
 	hi := lo + st.pieceLen(p)*8
-	for b := lo; b < hi; b += packBlock {
-		e := min(b+packBlock, hi)
+	for b := lo; b < hi; b += sumBlock {
+		e := min(b+sumBlock, hi)
 		acc := st.server[b:e]
 		bytes := func(j int) []byte { return st.recvPiece(p, j)[(b-lo)/8 : (e-lo)/8] }
 		signpack.UnpackScale(acc, bytes(0), st.wscales[0]/float32(w))
@@ -436,22 +434,53 @@ func (st *State) pieceLen(p int) int {
 
 // sendPiece is where the packed bytes of piece p of chunk j go. The send
 // and receive buffers of phase 1 are piece-major: piece p is one contiguous
-// all-to-all buffer of W segments, segment j for (or from) rank j.
+// all-to-all buffer of W segments, segment j for (or from) rank j. Piece
+// mid of a pipelined call has buffers of its own, where every segment is
+// followed by the sender's worker scale.
 func (st *State) sendPiece(p, j int) []byte {
+	if st.pieces > 1 && p == st.mid {
+		n := st.pieceLen(p)
+		return st.midSend[j*(n+4) : j*(n+4)+n]
+	}
 	off := p*st.pieceBytes*st.world + j*st.pieceLen(p)
 	return st.sendSigns[off : off+st.pieceLen(p)]
 }
 
 // recvPiece is piece p of the chunk received from rank j.
 func (st *State) recvPiece(p, j int) []byte {
+	if st.pieces > 1 && p == st.mid {
+		n := st.pieceLen(p)
+		return st.midRecv[j*(n+4) : j*(n+4)+n]
+	}
 	off := p*st.pieceBytes*st.world + j*st.pieceLen(p)
 	return st.recvSigns[off : off+st.pieceLen(p)]
 }
 
 // phase1 returns the send and receive buffers of piece p's all-to-all.
 func (st *State) phase1(p int) (send, recv []byte) {
+	if st.pieces > 1 && p == st.mid {
+		return st.midSend, st.midRecv
+	}
 	off, n := p*st.pieceBytes*st.world, st.pieceLen(p)*st.world
 	return st.sendSigns[off : off+n], st.recvSigns[off : off+n]
+}
+
+// putWorkerScale writes this rank's worker scale after every segment of
+// piece mid of a pipelined call.
+func (st *State) putWorkerScale(scale float32) {
+	n := st.pieceLen(st.mid)
+	for j := range st.world {
+		binary.LittleEndian.PutUint32(st.midSend[j*(n+4)+n:], math.Float32bits(scale))
+	}
+}
+
+// getWorkerScales reads every rank's worker scale from piece mid of a
+// pipelined call, as received, into st.wscales.
+func (st *State) getWorkerScales() {
+	n := st.pieceLen(st.mid)
+	for j := range st.world {
+		st.wscales[j] = math.Float32frombits(binary.LittleEndian.Uint32(st.midRecv[j*(n+4)+n:]))
+	}
 }
 
 // msgOff and msgLen place piece p of a phase 2 message: piece 0 is the
@@ -493,29 +522,20 @@ func (st *State) wait() error {
 }
 
 // communicate is the goroutine of a pipelined call: the header (the
-// length check), the K all-to-alls of phase 1 with the all-gather of the
-// worker scales after the first mid of them, then the K all-gathers of
+// length check), the K all-to-alls of phase 1, then the K all-gathers of
 // phase 2, each once the caller has made it ready. It stops at the first
-// error (after reporting it) or when the caller gives up.
+// error, after reporting it.
 func (st *State) communicate() {
 	ctx, c := st.ctx, st.comm
 	err := st.exchangeHeader(ctx, c, 0)
 	if err == nil {
-		comm.SkipChecks(c, 2*st.pieces+1)
+		comm.SkipChecks(c, 2*st.pieces)
 	}
 	st.done <- err
 	if err != nil {
 		return
 	}
 	for p := range st.pieces {
-		if p == st.mid {
-			<-st.scaleReady
-			err := st.exchangeWorkerScales(ctx, c)
-			st.done <- err
-			if err != nil {
-				return
-			}
-		}
 		<-st.ready
 		send, recv := st.phase1(p)
 		err := c.AllToAllBytes(ctx, send, recv)
@@ -548,9 +568,6 @@ func (st *State) fail(c comm.Comm, err error) error {
 		for len(st.ready) > 0 {
 			<-st.ready
 		}
-		for len(st.scaleReady) > 0 {
-			<-st.scaleReady
-		}
 	}
 	comm.SkipChecks(c, 0)
 	return err
@@ -575,18 +592,6 @@ func (st *State) exchangeHeader(ctx context.Context, c comm.Comm, scale float32)
 	}
 	for j := range st.wscales {
 		st.wscales[j] = math.Float32frombits(binary.LittleEndian.Uint32(st.headers[j*headerLen:]))
-	}
-	return nil
-}
-
-// exchangeWorkerScales all-gathers the worker scales of a pipelined call
-// (this rank's in st.scaleMsg) into st.wscales.
-func (st *State) exchangeWorkerScales(ctx context.Context, c comm.Comm) error {
-	if err := c.AllGatherBytes(ctx, st.scaleMsg, st.scaleAll); err != nil {
-		return err
-	}
-	for j := range st.wscales {
-		st.wscales[j] = math.Float32frombits(binary.LittleEndian.Uint32(st.scaleAll[4*j:]))
 	}
 	return nil
 }

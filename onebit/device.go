@@ -258,32 +258,30 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 
 	// Phase 1: the header (with the length check), then the packed chunks
 	// in AllReduce's pieces, with the worker scales where AllReduce sends
-	// them: in the header of an unpipelined call, after piece mid-1 of a
-	// pipelined one. Once the header is through, every length of this call
-	// is agreed: the collectives that follow skip the backend's argument
-	// check, as in AllReduce; a failure in between cancels that promise.
+	// them: in the header of an unpipelined call, after every segment of
+	// piece mid of a pipelined one. Once the header is through, every
+	// length of this call is agreed: the 2K collectives that follow skip
+	// the backend's argument check, as in AllReduce; a failure in between
+	// cancels that promise.
 	k := wire.pieces
 	headerScale := workerScale
 	if k > 1 {
 		headerScale = 0
+		wire.putWorkerScale(workerScale)
 	}
 	if err := wire.exchangeHeader(ctx, c, headerScale); err != nil {
 		return fmt.Errorf("onebit: phase 1 scales: %w", err)
 	}
-	comm.SkipChecks(c, 2*k+min(k-1, 1))
+	comm.SkipChecks(c, 2*k)
 	for p := range k {
-		if k > 1 && p == wire.mid {
-			binary.LittleEndian.PutUint32(wire.scaleMsg, math.Float32bits(workerScale))
-			if err := wire.exchangeWorkerScales(ctx, c); err != nil {
-				comm.SkipChecks(c, 0)
-				return fmt.Errorf("onebit: phase 1 scales: %w", err)
-			}
-		}
 		send, recv := wire.phase1(p)
 		if err := c.AllToAllBytes(ctx, send, recv); err != nil {
 			comm.SkipChecks(c, 0)
 			return fmt.Errorf("onebit: phase 1 all-to-all: %w", err)
 		}
+	}
+	if k > 1 {
+		wire.getWorkerScales()
 	}
 	st.fromWire(false)
 	serverScale, err := st.server(dev, w, chunkBytes)

@@ -175,8 +175,8 @@ func onebitPieces(n int64, w int) int {
 
 // onebitWireBytes is what each rank sends in onebit.AllReduce: with N the
 // padded length and C = N/W its chunk, the header all-gather of scale and
-// length ((W-1)*12), the phase 1 all-to-all of packed signs ((W-1)*C/8),
-// when pipelined the all-gather of the worker scales ((W-1)*4), and the
+// length ((W-1)*12), the phase 1 all-to-all of packed signs ((W-1)*C/8;
+// when pipelined (W-1)*4 more: the worker scales travel in it), and the
 // phase 2 all-gather of server scale and signs ((W-1)*(4+C/8)).
 func onebitWireBytes(n int64, w int) int64 {
 	if w <= 1 {
@@ -191,7 +191,7 @@ func onebitWireBytes(n int64, w int) int64 {
 }
 
 // onebitSteps is onebit.AllReduce as it runs now (three collectives, large
-// tensors pipelined in K pieces with a fourth), with its local work split
+// tensors pipelined in K pieces), with its local work split
 // by the passes it makes over the padded buffer of N elements (C = N/W):
 // the worker norm or the worker residual (N), packing with error feedback
 // (N), the server's unpack-and-sum of W chunks (N) and its compression
@@ -201,8 +201,8 @@ func onebitWireBytes(n int64, w int) int64 {
 //     pipelined, of the length only, at once;
 //   - phase 1: all-to-all of the packed chunks, after packing; pipelined,
 //     packing, the worker residual and the server's sum overlap the pieces
-//     on the wire, and the worker scales follow the first half of the
-//     pieces in an all-gather of their own (the scales step);
+//     on the wire, and the worker scales travel in the piece that starts
+//     the second half;
 //   - phase 2: all-gather of server scale and signs, after the server's
 //     compression (and its sum, unpipelined); unpacking the output follows
 //     it, or overlaps its pieces when pipelined.
@@ -223,9 +223,9 @@ func onebitSteps(n int64, w int, compute float64) []step {
 	if k > 1 {
 		hdr.pre = 0
 		p1.work = 3 * pass
+		p1.bytes += int64(w-1) * 4
 		p2.pre = pass / float64(w)
-		scales := step{rounds: r, bytes: int64(w-1) * 4}
-		return []step{hdr, p1, scales, p2}
+		return []step{hdr, p1, p2}
 	}
 	p1.pre = pass
 	p2.pre = pass * (1 + 1/float64(w))

@@ -97,17 +97,13 @@ func TestOnebitStepsFollowAlgorithm(t *testing.T) {
 	}{{1000, 2, 1}, {1 << 20, 4, 1}, {1 << 22, 4, 2}, {3 << 20, 3, 2}, {1 << 23, 2, 8}} {
 		assert.Equal(t, tc.pieces, onebitPieces(int64(tc.elems), tc.ranks), "%+v", tc)
 		steps := onebitSteps(int64(tc.elems), tc.ranks, 1)
-		scales := 0 // the all-gather of the worker scales of a pipelined call
-		if tc.pieces > 1 {
-			scales = 1
-		}
-		require.Len(t, steps, 3+scales)
+		require.Len(t, steps, 3)
 		calls, work := 0, 0.0
 		for _, st := range steps {
 			calls += max(1, st.pieces)
 			work += st.pre + st.work
 		}
-		assert.Equal(t, 1+2*tc.pieces+scales, calls)
+		assert.Equal(t, 1+2*tc.pieces, calls)
 		assert.InDelta(t, 1, work, 1e-12, "the steps' local work adds up to the call's")
 
 		err := local.Run(context.Background(), tc.ranks, func(ctx context.Context, c comm.Comm) error {
@@ -127,8 +123,8 @@ func TestOnebitStepsFollowAlgorithm(t *testing.T) {
 			if got := s.PerCollective[comm.CAllToAll].Calls; got != int64(tc.pieces) {
 				return fmt.Errorf("%d all-to-alls, want %d", got, tc.pieces)
 			}
-			if got := s.PerCollective[comm.CAllGather].Calls; got != int64(1+tc.pieces+scales) {
-				return fmt.Errorf("%d all-gathers, want %d", got, 1+tc.pieces+scales)
+			if got := s.PerCollective[comm.CAllGather].Calls; got != int64(1+tc.pieces) {
+				return fmt.Errorf("%d all-gathers, want %d", got, 1+tc.pieces)
 			}
 			if got, want := sentBytes(s), onebitWireBytes(int64(tc.elems), tc.ranks); got != want {
 				return fmt.Errorf("sent %d bytes, want %d", got, want)
@@ -345,7 +341,7 @@ func TestPredictPerRankLink(t *testing.T) {
 	k := onebitPieces(n, 2)
 	require.Greater(t, k, 1)
 	p = m.predict(one, n, setup{Ranks: 2, Rate: 1.25e8, Sharing: perRankLink}, f)
-	assert.Equal(t, 2+2*k, p.Calls) // with the all-gather of the worker scales
+	assert.Equal(t, 1+2*k, p.Calls)
 	compute = 4 * float64(n) / 4e9 * (4 + 1.0/2) / 5
 	assert.Less(t, p.Compute, compute)
 	assert.Less(t, p.total(), compute+p.Transfer+p.Latency)
