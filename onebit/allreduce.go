@@ -273,22 +273,30 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 		// worker_error (kept in the worker error buffer until step 3), its
 		// squares summed chunk by chunk, and sgn(x) packed; then phase 1,
 		// second half: all-to-all of the packed chunks (chunk j to rank j),
-		// one piece at a time. After the first piece the caller waits for
-		// the header, so that on a busy CPU the communicating goroutines
-		// of all ranks get it through before the packing goes on.
+		// one piece at a time. In the first half the caller stays one piece
+		// ahead of the wire: after piece 0 it waits for the header, after
+		// piece p for the all-to-all of piece p-1, so that on a busy CPU
+		// the communicating goroutines of all ranks get the first pieces
+		// through rather than wait for every rank's packing. (Packing is
+		// faster than the wire: the second half is packed while piece
+		// mid-1 is on it.)
+		arrived := 0 // all-to-alls already waited for
 		for p := range k {
 			for j := range w {
 				lo := j*chunkLen + p*st.pieceBytes*8
 				hi := lo + st.pieceLen(p)*8
 				st.packX(st.sendPiece(p, j), j, buf, lo, hi)
 			}
-			if p < st.mid {
-				st.ready <- struct{}{}
+			if p >= st.mid {
+				continue
 			}
-			if p == 0 {
-				if err := st.wait(); err != nil {
-					return st.fail(c, fmt.Errorf("onebit: phase 1 header: %w", err))
-				}
+			st.ready <- struct{}{}
+			what := "header"
+			if p > 0 {
+				what, arrived = "all-to-all", arrived+1
+			}
+			if err := st.wait(); err != nil {
+				return st.fail(c, fmt.Errorf("onebit: phase 1 %s: %w", what, err))
 			}
 		}
 
@@ -317,8 +325,10 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 		// j), then c = c + server_error.
 		summed := 0
 		for p := range k {
-			if err := st.wait(); err != nil {
-				return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))
+			if p >= arrived {
+				if err := st.wait(); err != nil {
+					return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))
+				}
 			}
 			if p == st.mid {
 				st.getWorkerScales()
