@@ -40,7 +40,7 @@ func benchBuffers(b *testing.B) (Residual, []float32, []byte) {
 // compressGeneric is Compress with the portable norm kernels (sign packing
 // still uses its own fast path).
 func compressGeneric(r Residual, packed []byte, input []float32) float32 {
-	return r.compress(packed, input, sumAddedSquaresGeneric, sumSquaresGeneric)
+	return r.compress(packed, input, addSumSquaresGeneric, sumSquaresGeneric)
 }
 
 var sinkF32 float32
@@ -118,25 +118,4 @@ func BenchmarkNormSpeedup(b *testing.B) {
 	b.ReportMetric(mbPerSec(med[1]), "add-generic-MB/s")
 	b.ReportMetric(mbPerSec(med[2]), "sum-fast-MB/s")
 	b.ReportMetric(mbPerSec(med[3]), "sum-generic-MB/s")
-}
-
-// BenchmarkCompressFusedVsTwoPass times Compress as it is (Scale, a
-// read-only norm pass, then PackCompensate, which forms x, packs and
-// updates the residual in one pass) against the two-pass form it replaced
-// (Compensate, which stores x, then PackResidual) in alternation over the
-// same buffers, and reports "speedup", two-pass/fused of their median times
-// in the same run. Both give the same bits (TestCompensateInPieces).
-func BenchmarkCompressFusedVsTwoPass(b *testing.B) {
-	r, input, packed := benchBuffers(b)
-	med := samerun.Medians(b,
-		func() { sinkF32, _ = r.Compress(packed, input) },
-		func() {
-			s, _ := r.Compensate(input)
-			signpack.PackResidual(packed, r, s)
-			sinkF32 = s
-		},
-	)
-	b.ReportMetric(med[1]/med[0], "speedup")
-	b.ReportMetric(mbPerSec(med[0]), "fused-MB/s")
-	b.ReportMetric(mbPerSec(med[1]), "two-pass-MB/s")
 }

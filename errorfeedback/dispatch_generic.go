@@ -6,10 +6,6 @@ package errorfeedback
 // x[i] squared.
 func addSumSquares(x, in []float32) float64 { return addSumSquaresGeneric(x, in) }
 
-// sumAddedSquares returns the float64 sum of (x[i] + in[i]) squared,
-// leaving x as it is.
-func sumAddedSquares(x, in []float32) float64 { return sumAddedSquaresGeneric(x, in) }
-
 // sumSquares returns the float64 sum of x[i] squared.
 func sumSquares(x []float32) float64 { return sumSquaresGeneric(x) }
 
@@ -17,7 +13,7 @@ func sumSquares(x []float32) float64 { return sumSquaresGeneric(x) }
 func fastPath() string { return "generic" }
 
 // lanesFast is the lanes kernel Norm uses.
-func lanesFast(acc *[lanes]float64, x, in []float32, store bool) { lanesGeneric(acc, x, in, store) }
+func lanesFast(acc *[lanes]float64, x, in []float32) { lanesGeneric(acc, x, in) }
 
 // packLanesFast does nothing here: Norm.CompensatePack takes its portable
 // path.

@@ -37,10 +37,6 @@ func (r Residual) Reset() { clear(r) }
 // scale. The norm is accumulated in float64 and rounded once to float32.
 // input may be shorter than r (the pad lanes are zero); packed must hold
 // signpack.PackedLen(len(r)) bytes. Compress does not allocate.
-//
-// Compress is Scale followed by one signpack.PackCompensate: a read-only
-// pass for the norm, then one pass that forms x, packs its signs and
-// writes the new residual, so x is never stored on its own.
 func (r Residual) Compress(packed []byte, input []float32) (scale float32, err error) {
 	if len(input) > len(r) {
 		return 0, fmt.Errorf("errorfeedback: input of %d elements is longer than the residual (%d)", len(input), len(r))
@@ -51,27 +47,7 @@ func (r Residual) Compress(packed []byte, input []float32) (scale float32, err e
 	if len(r) == 0 {
 		return 0, nil
 	}
-	return r.compress(packed, input, sumAddedSquares, sumSquares), nil
-}
-
-// Scale returns the scale of the compress step for input without changing
-// r: ||pad(input) + r||_2 / sqrt(len(r)), accumulated in float64 and rounded
-// once, the same float32 as Compress and Compensate return, bit for bit.
-// The caller finishes the step with signpack.PackCompensate(packed, r,
-// input, scale), which forms x = pad(input) + r, packs sgn(x) and leaves
-// x - scale*sgn(x) in r. It may do so in pieces, r[lo:hi] with the part of
-// input that falls in [lo, hi) (any split into runs of whole bytes, that is
-// multiples of 8 elements, gives the same bytes and residual), which lets a
-// pipelined collective send the first pieces while it packs the rest. Scale
-// reads input and r once and writes nothing; it does not allocate.
-func (r Residual) Scale(input []float32) (scale float32, err error) {
-	if len(input) > len(r) {
-		return 0, fmt.Errorf("errorfeedback: input of %d elements is longer than the residual (%d)", len(input), len(r))
-	}
-	if len(r) == 0 {
-		return 0, nil
-	}
-	return r.scale(input, sumAddedSquares, sumSquares), nil
+	return r.compress(packed, input, addSumSquares, sumSquares), nil
 }
 
 // Compensate runs the first half of Compress: r = pad(input) + r, and
@@ -80,9 +56,9 @@ func (r Residual) Scale(input []float32) (scale float32, err error) {
 // signpack.PackResidual(packed, r, scale), which packs sgn(x) and leaves
 // x - scale*sgn(x) in r; it may do so in pieces (any split into runs of
 // whole bytes, that is multiples of 8 elements, gives the same bytes and
-// residual). Compress gives the same scale, bytes and residual. Scale with
-// PackCompensate does the same work with one store of the residual instead
-// of two. Compensate does not allocate.
+// residual), which lets a pipelined collective send the first pieces while
+// it packs the rest. Compress is Compensate followed by one PackResidual.
+// Compensate does not allocate.
 func (r Residual) Compensate(input []float32) (scale float32, err error) {
 	if len(input) > len(r) {
 		return 0, fmt.Errorf("errorfeedback: input of %d elements is longer than the residual (%d)", len(input), len(r))
@@ -99,17 +75,11 @@ func (r Residual) compensate(input []float32,
 	return float32(math.Sqrt(ss) / math.Sqrt(float64(len(r))))
 }
 
-func (r Residual) scale(input []float32,
-	sumAddedSquares func(x, in []float32) float64, sumSquares func(x []float32) float64) float32 {
-	ss := sumAddedSquares(r[:len(input)], input) + sumSquares(r[len(input):])
-	return float32(math.Sqrt(ss) / math.Sqrt(float64(len(r))))
-}
-
 // compress is Compress after its argument checks, with the norm kernels
 // passed in so that the benchmarks can time either set.
 func (r Residual) compress(packed []byte, input []float32,
-	sumAddedSquares func(x, in []float32) float64, sumSquares func(x []float32) float64) float32 {
-	scale := r.scale(input, sumAddedSquares, sumSquares)
-	signpack.PackCompensate(packed, r, input, scale)
+	addSumSquares func(x, in []float32) float64, sumSquares func(x []float32) float64) float32 {
+	scale := r.compensate(input, addSumSquares, sumSquares)
+	signpack.PackResidual(packed, r, scale)
 	return scale
 }

@@ -101,25 +101,8 @@ func TestCompensateInPieces(t *testing.T) {
 		}
 		assert.Equal(t, wantPacked, packed, "n=%d", c.n)
 		assert.Equal(t, whole, split, "n=%d", c.n)
-
-		// Scale, then PackCompensate over the same pieces, each with the
-		// part of in that falls in it.
-		fused := errorfeedback.Residual(append([]float32(nil), prev...))
-		scale, err = fused.Scale(in)
-		require.NoError(t, err)
-		require.Equal(t, wantScale, scale, "Scale n=%d", c.n)
-		require.Equal(t, prev, []float32(fused), "Scale changed the residual, n=%d", c.n)
-		clear(packed)
-		for lo := 0; lo < c.n; lo += c.piece {
-			hi := min(lo+c.piece, c.n)
-			signpack.PackCompensate(packed[lo/8:hi/8], fused[lo:hi], in[min(lo, c.in):min(hi, c.in)], scale)
-		}
-		assert.Equal(t, wantPacked, packed, "fused n=%d", c.n)
-		assert.Equal(t, whole, fused, "fused n=%d", c.n)
 	}
 	_, err := errorfeedback.NewResidual(4).Compensate(make([]float32, 5))
-	assert.ErrorContains(t, err, "longer")
-	_, err = errorfeedback.NewResidual(4).Scale(make([]float32, 5))
 	assert.ErrorContains(t, err, "longer")
 }
 

@@ -28,11 +28,7 @@ func (m *Norm) Reset() { *m = Norm{} }
 // Compensate appends x[i] + in[i] to the run for every i < len(x), where in
 // is zero beyond its length (x[i] is then taken as it is), and stores the
 // sums into x: the compensate half of the compress step, for one piece.
-func (m *Norm) Compensate(x, in []float32) { m.add(x, in, true, lanesFast) }
-
-// Add appends x[i] + in[i] (in zero beyond its length) to the run without
-// storing the sums: a read-only pass that gives the same run as Compensate.
-func (m *Norm) Add(x, in []float32) { m.add(x, in, false, lanesFast) }
+func (m *Norm) Compensate(x, in []float32) { m.add(x, in, lanesFast) }
 
 // CompensatePack is Compensate followed by signpack.Pack(dst, x) of the
 // sums, in one pass over x and in where the CPU allows (AVX2 and FMA, a
@@ -60,7 +56,7 @@ func (m *Norm) compensatePack(dst []byte, x, in []float32, fast packKernel) {
 		m.n += done
 	}
 	rest := x[done:]
-	m.add(rest, in[min(done, len(in)):], true, lanesFast)
+	m.add(rest, in[min(done, len(in)):], lanesFast)
 	signpack.Pack(dst[done/8:], rest)
 }
 
@@ -88,49 +84,46 @@ func ScaleOf(sumSquares float64, n int) float32 {
 }
 
 // lanesKernel adds blocks*32 elements of x + in (in must be as long),
-// starting at lane 0, into acc, storing the sums into x if store is set.
-type lanesKernel func(acc *[lanes]float64, x, in []float32, store bool)
+// starting at lane 0, into acc and stores the sums into x.
+type lanesKernel func(acc *[lanes]float64, x, in []float32)
 
-func (m *Norm) add(x, in []float32, store bool, blocks lanesKernel) {
+func (m *Norm) add(x, in []float32, blocks lanesKernel) {
 	if len(in) > len(x) {
 		in = in[:len(x)]
 	}
 	i := 0
 	// Up to the next lane 0, one element at a time.
 	for ; i < len(in) && m.n%lanes != 0; i++ {
-		m.addOne(&x[i], x[i]+in[i], store)
+		m.addOne(&x[i], x[i]+in[i])
 	}
 	if nb := (len(in) - i) / lanes; nb > 0 && m.n%lanes == 0 {
-		blocks(&m.acc, x[i:i+nb*lanes], in[i:i+nb*lanes], store)
+		blocks(&m.acc, x[i:i+nb*lanes], in[i:i+nb*lanes])
 		i += nb * lanes
 		m.n += nb * lanes
 	}
 	for ; i < len(in); i++ {
-		m.addOne(&x[i], x[i]+in[i], store)
+		m.addOne(&x[i], x[i]+in[i])
 	}
 	for ; i < len(x); i++ {
-		m.addOne(&x[i], x[i], false)
+		m.addOne(&x[i], x[i])
 	}
 }
 
-func (m *Norm) addOne(p *float32, v float32, store bool) {
-	if store {
-		*p = v
-	}
+// addOne stores v at p and appends it to the run.
+func (m *Norm) addOne(p *float32, v float32) {
+	*p = v
 	m.acc[m.n%lanes] += float64(v) * float64(v)
 	m.n++
 }
 
 // lanesGeneric is the portable lanes kernel.
-func lanesGeneric(acc *[lanes]float64, x, in []float32, store bool) {
+func lanesGeneric(acc *[lanes]float64, x, in []float32) {
 	in = in[:len(x)]
 	for b := 0; b+lanes <= len(x); b += lanes {
 		xs, is := x[b:b+lanes:b+lanes], in[b:b+lanes:b+lanes]
 		for l := range lanes {
 			v := xs[l] + is[l]
-			if store {
-				xs[l] = v
-			}
+			xs[l] = v
 			acc[l] += float64(v) * float64(v)
 		}
 	}

@@ -25,15 +25,6 @@ func addSumSquares(x, in []float32) float64 {
 	return addSumSquaresGeneric(x, in)
 }
 
-// sumAddedSquares returns the float64 sum of (x[i] + in[i]) squared,
-// leaving x as it is: the sum addSumSquares returns, bit for bit.
-func sumAddedSquares(x, in []float32) float64 {
-	if useAVX2 {
-		return sumAddedSquaresFast(x, in)
-	}
-	return sumAddedSquaresGeneric(x, in)
-}
-
 // sumSquares returns the float64 sum of x[i] squared.
 func sumSquares(x []float32) float64 {
 	if useAVX2 {
@@ -56,16 +47,6 @@ func addSumSquaresFast(x, in []float32) float64 {
 		x, in = x[nb*block:], in[nb*block:]
 	}
 	return s + addSumSquaresGeneric(x, in)
-}
-
-func sumAddedSquaresFast(x, in []float32) float64 {
-	in = in[:len(x)]
-	var s float64
-	if nb := len(x) / block; nb > 0 {
-		s = sumAddedSquaresAVX2(&x[0], &in[0], nb)
-		x, in = x[nb*block:], in[nb*block:]
-	}
-	return s + sumAddedSquaresGeneric(x, in)
 }
 
 func sumSquaresFast(x []float32) float64 {
@@ -93,12 +74,6 @@ func fastPath() string {
 //go:noescape
 func addSumSquaresAVX2(x, in *float32, blocks int) float64
 
-// sumAddedSquaresAVX2 returns the float64 sum of (x[i] + in[i]) squared
-// for blocks*32 elements, summed as addSumSquaresAVX2 sums them.
-//
-//go:noescape
-func sumAddedSquaresAVX2(x, in *float32, blocks int) float64
-
 // sumSquaresAVX2 returns the float64 sum of the squares of blocks*32
 // elements of x.
 //
@@ -107,17 +82,13 @@ func sumSquaresAVX2(x *float32, blocks int) float64
 
 // lanesFast is the lanes kernel Norm uses: AVX2 and FMA where the CPU has
 // them.
-func lanesFast(acc *[lanes]float64, x, in []float32, store bool) {
+func lanesFast(acc *[lanes]float64, x, in []float32) {
 	if !useAVX2 || len(x) < lanes {
-		lanesGeneric(acc, x, in, store)
+		lanesGeneric(acc, x, in)
 		return
 	}
 	_ = in[len(x)-1]
-	if store {
-		addSumSquaresLanesAVX2(acc, &x[0], &in[0], len(x)/lanes)
-	} else {
-		sumAddedSquaresLanesAVX2(acc, &x[0], &in[0], len(x)/lanes)
-	}
+	addSumSquaresLanesAVX2(acc, &x[0], &in[0], len(x)/lanes)
 }
 
 // addSumSquaresLanesAVX2 is addSumSquaresAVX2 that starts from and leaves
@@ -125,11 +96,6 @@ func lanesFast(acc *[lanes]float64, x, in []float32, store bool) {
 //
 //go:noescape
 func addSumSquaresLanesAVX2(acc *[lanes]float64, x, in *float32, blocks int)
-
-// sumAddedSquaresLanesAVX2 is addSumSquaresLanesAVX2 without the store.
-//
-//go:noescape
-func sumAddedSquaresLanesAVX2(acc *[lanes]float64, x, in *float32, blocks int)
 
 // packLanesFast is Norm.CompensatePack's kernel for whole blocks of 32
 // elements starting at lane 0: it returns how many elements it did (none

@@ -106,40 +106,6 @@ sumDone:
 	MOVSD X8, ret+16(FP)
 	RET
 
-// SUM_ADD_SQ is ADD_SQ without the store: x is left as it is.
-#define SUM_ADD_SQ(off, Ylo, Yhi) \
-	VMOVUPS      off(DI), Y0 \
-	VADDPS       off(SI), Y0, Y0 \
-	VCVTPS2PD    X0, Y1 \
-	VEXTRACTF128 $1, Y0, X2 \
-	VCVTPS2PD    X2, Y2 \
-	VFMADD231PD  Y1, Y1, Ylo \
-	VFMADD231PD  Y2, Y2, Yhi
-
-// func sumAddedSquaresAVX2(x, in *float32, blocks int) float64
-TEXT ·sumAddedSquaresAVX2(SB), NOSPLIT, $0-32
-	MOVQ x+0(FP), DI
-	MOVQ in+8(FP), SI
-	MOVQ blocks+16(FP), CX
-	ZERO_ACC
-	TESTQ CX, CX
-	JZ    sumAddDone
-
-sumAddLoop:
-	SUM_ADD_SQ(0, Y8, Y9)
-	SUM_ADD_SQ(32, Y10, Y11)
-	SUM_ADD_SQ(64, Y12, Y13)
-	SUM_ADD_SQ(96, Y14, Y15)
-	ADDQ $128, DI
-	ADDQ $128, SI
-	DECQ CX
-	JNZ  sumAddLoop
-
-sumAddDone:
-	REDUCE_ACC
-	MOVSD X8, ret+24(FP)
-	RET
-
 // LOAD_ACC and STORE_ACC move the 32 partial sums between acc (AX) and
 // Y8..Y15, element i of a block in acc[i].
 #define LOAD_ACC \
@@ -185,30 +151,6 @@ addLanesLoop:
 	STORE_ACC
 
 addLanesRet:
-	RET
-
-// func sumAddedSquaresLanesAVX2(acc *[32]float64, x, in *float32, blocks int)
-TEXT ·sumAddedSquaresLanesAVX2(SB), NOSPLIT, $0-32
-	MOVQ acc+0(FP), AX
-	MOVQ x+8(FP), DI
-	MOVQ in+16(FP), SI
-	MOVQ blocks+24(FP), CX
-	TESTQ CX, CX
-	JZ    sumLanesRet
-	LOAD_ACC
-
-sumLanesLoop:
-	SUM_ADD_SQ(0, Y8, Y9)
-	SUM_ADD_SQ(32, Y10, Y11)
-	SUM_ADD_SQ(64, Y12, Y13)
-	SUM_ADD_SQ(96, Y14, Y15)
-	ADDQ $128, DI
-	ADDQ $128, SI
-	DECQ CX
-	JNZ  sumLanesLoop
-	STORE_ACC
-
-sumLanesRet:
 	RET
 
 // The fused compensate-norm-pack kernel packs signs exactly as package

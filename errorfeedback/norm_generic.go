@@ -29,30 +29,6 @@ func addSumSquaresGeneric(x, in []float32) float64 {
 	return (s0 + s1) + (s2 + s3)
 }
 
-// sumAddedSquaresGeneric returns the float64 sum of (x[i] + in[i])
-// squared, the sum addSumSquaresGeneric returns, bit for bit, without
-// storing the sums. in must be at least as long as x.
-func sumAddedSquaresGeneric(x, in []float32) float64 {
-	in = in[:len(x)]
-	var s0, s1, s2, s3 float64
-	i := 0
-	for ; i+4 <= len(x); i += 4 {
-		a := x[i] + in[i]
-		b := x[i+1] + in[i+1]
-		c := x[i+2] + in[i+2]
-		d := x[i+3] + in[i+3]
-		s0 += float64(a) * float64(a)
-		s1 += float64(b) * float64(b)
-		s2 += float64(c) * float64(c)
-		s3 += float64(d) * float64(d)
-	}
-	for ; i < len(x); i++ {
-		a := x[i] + in[i]
-		s0 += float64(a) * float64(a)
-	}
-	return (s0 + s1) + (s2 + s3)
-}
-
 // sumSquaresGeneric returns the float64 sum of x[i] squared.
 func sumSquaresGeneric(x []float32) float64 {
 	var s0, s1, s2, s3 float64

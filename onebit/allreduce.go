@@ -227,12 +227,12 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 
 	var workerScale float32
 	if k == 1 {
-		// Worker side, steps 1-2: worker_scale = ||x|| / sqrt(N) for x =
-		// pad(buf) + worker_error, in a read-only pass (x is formed again
-		// in step 3).
+		// Worker side, steps 1-2: x = pad(buf) + worker_error (kept in the
+		// worker error buffer until step 3) and worker_scale = ||x|| /
+		// sqrt(N).
 		for j := range w {
 			lo, hi := j*chunkLen, (j+1)*chunkLen
-			st.norms[j].Add(st.WorkerError[lo:hi], inputPart(buf, lo, hi))
+			st.norms[j].Compensate(st.WorkerError[lo:hi], inputPart(buf, lo, hi))
 		}
 		workerScale = st.normScale()
 
@@ -245,14 +245,10 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 		}
 		comm.SkipChecks(c, 2)
 
-		// Worker side, steps 3-4: x = pad(buf) + worker_error,
-		// worker_error = x - worker_scale * sgn(x) and pack sgn(x), in one
-		// pass; then phase 1, second half: all-to-all of the packed chunks
-		// (chunk j to rank j).
-		for j := range w {
-			lo, hi := j*chunkLen, (j+1)*chunkLen
-			signpack.PackCompensate(st.sendPiece(0, j), st.WorkerError[lo:hi], inputPart(buf, lo, hi), workerScale)
-		}
+		// Worker side, steps 3-4: worker_error = x - worker_scale * sgn(x)
+		// and pack sgn(x); then phase 1, second half: all-to-all of the
+		// packed chunks (chunk j to rank j).
+		signpack.PackResidual(st.sendSigns, st.WorkerError, workerScale)
 		send, recv := st.phase1(0)
 		if err := c.AllToAllBytes(ctx, send, recv); err != nil {
 			return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))

@@ -8,14 +8,13 @@ type Kernels struct {
 	PackResidual   func(dst []byte, x []float32, scale float32)
 	UnpackScale    func(dst []float32, src []byte, scale float32)
 	UnpackScaleAdd func(acc []float32, src []byte, scale float32)
-	PackCompensate func(dst []byte, x, in []float32, scale float32)
 }
 
 // Generic is the portable path; Fast is what the exported functions use on
 // this machine (the AVX2 path on amd64 CPUs that have it).
 var (
-	Generic = Kernels{"generic", packGeneric, packResidualGeneric, unpackScaleGeneric, unpackScaleAddGeneric, packCompensateGeneric}
-	Fast    = Kernels{"fast", pack, packResidual, unpackScale, unpackScaleAdd, packCompensate}
+	Generic = Kernels{"generic", packGeneric, packResidualGeneric, unpackScaleGeneric, unpackScaleAddGeneric}
+	Fast    = Kernels{"fast", pack, packResidual, unpackScale, unpackScaleAdd}
 )
 
 // FastPath names the kernels behind Fast.

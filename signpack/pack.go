@@ -32,21 +32,6 @@ func PackResidual(dst []byte, x []float32, scale float32) {
 	packResidual(dst, x, scale)
 }
 
-// PackCompensate is the fused compensate-and-pack step of error feedback.
-// For every element it forms v = x[i] + in[i], where in is zero beyond its
-// length, packs sgn(v) into dst like Pack and leaves v - scale*sgn(v) in
-// x[i]. It gives the same bytes and floats as adding in into x and then
-// calling PackResidual, in one pass over the memory instead of two. in must
-// not be longer than x and dst must hold PackedLen(len(x)) bytes;
-// PackCompensate panics otherwise.
-func PackCompensate(dst []byte, x, in []float32, scale float32) {
-	checkPacked("PackCompensate", len(dst), len(x))
-	if len(in) > len(x) {
-		panic("signpack: PackCompensate: input longer than the residual")
-	}
-	packCompensate(dst, x, in, scale)
-}
-
 // Unpack writes +1 or -1 into every element of dst from the packed bits in
 // src, which must hold at least PackedLen(len(dst)) bytes.
 func Unpack(dst []float32, src []byte) {

@@ -31,14 +31,6 @@ func packResidual(dst []byte, x []float32, scale float32) {
 	packResidualGeneric(dst, x, scale)
 }
 
-func packCompensate(dst []byte, x, in []float32, scale float32) {
-	if useAVX2 {
-		packCompensateFast(dst, x, in, scale)
-		return
-	}
-	packCompensateGeneric(dst, x, in, scale)
-}
-
 func unpackScale(dst []float32, src []byte, scale float32) {
 	if useAVX2 {
 		unpackScaleFast(dst, src, scale)
@@ -74,16 +66,6 @@ func packResidualFast(dst []byte, x []float32, scale float32) {
 		dst, x = dst[nb*block/8:], x[nb*block:]
 	}
 	packResidualGeneric(dst, x, scale)
-}
-
-func packCompensateFast(dst []byte, x, in []float32, scale float32) {
-	if nb := len(in) / block; nb > 0 {
-		_ = dst[nb*block/8-1]
-		_ = x[nb*block-1]
-		packCompensateAVX2(&dst[0], &x[0], &in[0], nb, scale)
-		dst, x, in = dst[nb*block/8:], x[nb*block:], in[nb*block:]
-	}
-	packCompensateGeneric(dst, x, in, scale)
 }
 
 func unpackScaleFast(dst []float32, src []byte, scale float32) {
@@ -129,11 +111,6 @@ func packAVX2(dst *byte, src *float32, blocks int)
 //
 //go:noescape
 func packResidualAVX2(dst *byte, x *float32, blocks int, scale float32)
-
-// packCompensateAVX2 is packResidualAVX2 on x[i] + in[i].
-//
-//go:noescape
-func packCompensateAVX2(dst *byte, x, in *float32, blocks int, scale float32)
 
 // unpackScaleAVX2 writes ±scale into blocks*32 elements of dst.
 //

@@ -49,32 +49,6 @@ func packResidualGeneric(dst []byte, x []float32, scale float32) {
 	}
 }
 
-// packCompensateGeneric is packResidualGeneric on x[i] + in[i]; past the
-// end of in, x[i] is taken as it is (adding a zero could only turn -0.0
-// into +0.0, which packs and updates alike, but taking it as it is keeps
-// every bit of the unfused path).
-func packCompensateGeneric(dst []byte, x, in []float32, scale float32) {
-	n := len(x)
-	for i := 0; i < n; i += 8 {
-		var b byte
-		end := min(i+8, n)
-		for j := i; j < end; j++ {
-			v := x[j]
-			if j < len(in) {
-				v += in[j]
-			}
-			if v < 0 {
-				v += scale
-			} else {
-				b |= 1 << (7 - (j - i))
-				v -= scale
-			}
-			x[j] = v
-		}
-		dst[i/8] = b
-	}
-}
-
 func unpackScaleGeneric(dst []float32, src []byte, scale float32) {
 	pos := scale
 	neg := math.Float32frombits(math.Float32bits(scale) ^ signBit)

@@ -6,7 +6,6 @@ import (
 	"math"
 	"math/rand/v2"
 	"path/filepath"
-	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -342,46 +341,6 @@ func TestResidualProperty(t *testing.T) {
 	})
 }
 
-// TestPackCompensate holds the fused compensate-and-pack to its unfused
-// definition: add in into x, then PackResidual. Inputs shorter than x
-// (the padded tail of a tensor) leave the tail as PackResidual would.
-func TestPackCompensate(t *testing.T) {
-	r := rand.New(rand.NewPCG(11, 12))
-	forEachKernels(t, func(t *testing.T, k signpack.Kernels) {
-		for _, n := range testLengths() {
-			for _, m := range []int{n, n - 1, n - 7, n / 2, 0} {
-				if m < 0 {
-					continue
-				}
-				name := fmt.Sprintf("n=%d len(in)=%d", n, m)
-				x, in := randFloats(r, n), randFloats(r, m)
-				scale := float32(r.Float64())
-				want := append([]float32(nil), x...)
-				for i := range in {
-					want[i] += in[i]
-				}
-				wantP := make([]byte, signpack.PackedLen(n))
-				signpack.PackResidual(wantP, want, scale)
-
-				got := append([]float32(nil), x...)
-				gotP := make([]byte, len(wantP))
-				k.PackCompensate(gotP, got, in, scale)
-				require.Equal(t, wantP, gotP, name)
-				for i := range got {
-					if want[i] != want[i] {
-						// Which NaN the unfused x[i] + in[i] returns depends on
-						// the operand order the compiler picks; checkSame
-						// compares the two paths bit for bit.
-						require.True(t, got[i] != got[i], "%s: element %d", name, i)
-						continue
-					}
-					require.Equal(t, math.Float32bits(want[i]), math.Float32bits(got[i]), "%s: element %d", name, i)
-				}
-			}
-		}
-	})
-}
-
 // TestFastMatchesGeneric compares both paths bit for bit on arbitrary bit
 // patterns, including NaN accumulators and NaN scales.
 func TestFastMatchesGeneric(t *testing.T) {
@@ -394,14 +353,13 @@ func TestFastMatchesGeneric(t *testing.T) {
 	}
 }
 
-// checkSame runs all five kernels of both paths on the same input and
+// checkSame runs all four kernels of both paths on the same input and
 // requires bit-identical results.
 func checkSame(t *testing.T, x []float32, p []byte, scale float32) {
 	t.Helper()
 	n := len(x)
 	var gotP [2][]byte
-	var gotX, gotU, gotA, gotC [2][]uint32
-	var gotCP [2][]byte
+	var gotX, gotU, gotA [2][]uint32
 	for i, k := range kernelSets {
 		gotP[i] = make([]byte, signpack.PackedLen(n))
 		k.Pack(gotP[i], x)
@@ -410,12 +368,6 @@ func checkSame(t *testing.T, x []float32, p []byte, scale float32) {
 		k.PackResidual(rp, xr, scale)
 		require.Equal(t, gotP[i], rp, "PackResidual bytes %s", k.Name)
 		gotX[i] = bitsOf(xr)
-		xc := append([]float32(nil), x...)
-		in := append([]float32(nil), x[:n/2]...)
-		slices.Reverse(in)
-		cp := make([]byte, len(gotP[i]))
-		k.PackCompensate(cp, xc, in, scale)
-		gotC[i], gotCP[i] = bitsOf(xc), cp
 
 		u := make([]float32, n)
 		k.UnpackScale(u, p, scale)
@@ -426,20 +378,6 @@ func checkSame(t *testing.T, x []float32, p []byte, scale float32) {
 	}
 	require.Equal(t, gotP[0], gotP[1], "Pack n=%d", n)
 	require.Equal(t, gotX[0], gotX[1], "PackResidual n=%d scale=%v", n, scale)
-	require.Equal(t, gotCP[0], gotCP[1], "PackCompensate bytes n=%d scale=%v", n, scale)
-	// Where x[i] and in[i] are both NaN, which of the two x[i] + in[i]
-	// returns is not defined (the Go compiler may commute the operands), so
-	// there both paths need only give a NaN.
-	in := append([]float32(nil), x[:n/2]...)
-	slices.Reverse(in)
-	for i := range x {
-		if i < len(in) && x[i] != x[i] && in[i] != in[i] {
-			require.True(t, gotC[0][i]&0x7fffffff > 0x7f800000 && gotC[1][i]&0x7fffffff > 0x7f800000,
-				"PackCompensate n=%d element %d: NaN + NaN gave %#08x and %#08x", n, i, gotC[0][i], gotC[1][i])
-			gotC[0][i], gotC[1][i] = 0, 0
-		}
-	}
-	require.Equal(t, gotC[0], gotC[1], "PackCompensate n=%d scale=%v", n, scale)
 	require.Equal(t, gotU[0], gotU[1], "UnpackScale n=%d scale=%v", n, scale)
 	require.Equal(t, gotA[0], gotA[1], "UnpackScaleAdd n=%d scale=%v", n, scale)
 }
@@ -447,8 +385,6 @@ func checkSame(t *testing.T, x []float32, p []byte, scale float32) {
 func TestShortBufferPanics(t *testing.T) {
 	assert.Panics(t, func() { signpack.Pack(make([]byte, 1), make([]float32, 9)) })
 	assert.Panics(t, func() { signpack.PackResidual(make([]byte, 3), make([]float32, 33), 1) })
-	assert.Panics(t, func() { signpack.PackCompensate(make([]byte, 3), make([]float32, 33), nil, 1) })
-	assert.Panics(t, func() { signpack.PackCompensate(make([]byte, 5), make([]float32, 33), make([]float32, 34), 1) })
 	assert.Panics(t, func() { signpack.Unpack(make([]float32, 17), make([]byte, 2)) })
 	assert.Panics(t, func() { signpack.UnpackScale(make([]float32, 65), make([]byte, 8), 1) })
 	assert.Panics(t, func() { signpack.UnpackScaleAdd(make([]float32, 8), nil, 1) })
@@ -465,7 +401,6 @@ func TestNoAllocs(t *testing.T) {
 	for name, f := range map[string]func(){
 		"Pack":           func() { signpack.Pack(p, x) },
 		"PackResidual":   func() { signpack.PackResidual(p, x, 0.5) },
-		"PackCompensate": func() { signpack.PackCompensate(p, out, x, 0.5) },
 		"Unpack":         func() { signpack.Unpack(out, p) },
 		"UnpackScale":    func() { signpack.UnpackScale(out, p, 2) },
 		"UnpackScaleAdd": func() { signpack.UnpackScaleAdd(out, p, 2) },
