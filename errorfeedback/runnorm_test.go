@@ -1,6 +1,7 @@
 package errorfeedback
 
 import (
+	"encoding/binary"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -165,4 +166,66 @@ func normBits(m Norm) [lanes + 1]uint64 {
 	}
 	b[lanes] = uint64(m.n)
 	return b
+}
+
+// FuzzNorm runs the fast kernels and the portable path of Norm on
+// arbitrary float32 bit patterns, NaNs and infinities included, cut at an
+// arbitrary point: the lanes must agree bit for bit, and so must x and the
+// packed bytes, but where x[i] and in[i] are both NaN (which of the two
+// their sum is, is not defined; requireSums allows either).
+func FuzzNorm(f *testing.F) {
+	f.Add(make([]byte, 8*70), uint16(33))
+	f.Add([]byte{0, 0, 0x80, 0x7f, 0, 0, 0xc0, 0x7f, 1, 2, 3, 4, 5, 6, 7, 8}, uint16(1))
+	f.Fuzz(func(t *testing.T, data []byte, cut uint16) {
+		n := len(data) / 8
+		x := make([]float32, n)
+		in := make([]float32, n)
+		for i := range n {
+			x[i] = math.Float32frombits(binary.LittleEndian.Uint32(data[4*i:]))
+			in[i] = math.Float32frombits(binary.LittleEndian.Uint32(data[4*(n+i):]))
+		}
+		c := 0
+		if n > 0 {
+			c = int(cut) % (n + 1)
+		}
+		none := func(*[lanes]float64, []byte, []float32, []float32) int { return 0 }
+		run := func(lk lanesKernel, pk packKernel, pack bool) (Norm, []float32, []byte) {
+			var m Norm
+			xs := append([]float32(nil), x...)
+			p := make([]byte, signpack.PackedLen(n))
+			for _, r := range [][2]int{{0, c}, {c, n}} {
+				if pack {
+					m.compensatePack(p[r[0]/8:], xs[r[0]:r[1]], in[r[0]:r[1]], pk)
+				} else {
+					m.add(xs[r[0]:r[1]], in[r[0]:r[1]], lk)
+				}
+			}
+			return m, xs, p
+		}
+		for _, pack := range []bool{false, true} {
+			if pack && c%8 != 0 {
+				continue // packing cuts fall on whole bytes
+			}
+			gm, gx, gp := run(lanesGeneric, none, pack)
+			fm, fx, fp := run(lanesFast, packLanesFast, pack)
+			requireSums(t, x, in, gx, "generic x")
+			requireSums(t, x, in, fx, "fast x")
+			for l := range lanes {
+				g, h := gm.acc[l], fm.acc[l]
+				if !(math.IsNaN(g) && math.IsNaN(h)) && math.Float64bits(g) != math.Float64bits(h) {
+					t.Fatalf("lane %d: generic %v, fast %v (pack %v, cut %d)", l, g, h, pack, c)
+				}
+			}
+			if pack {
+				for i := range x {
+					if isNaN32(x[i]) && isNaN32(in[i]) {
+						// Either NaN packs as 1.
+						continue
+					}
+					bit := func(p []byte) byte { return p[i/8] >> (7 - i%8) & 1 }
+					require.Equal(t, bit(gp), bit(fp), "packed bit %d", i)
+				}
+			}
+		}
+	})
 }
