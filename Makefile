@@ -9,8 +9,10 @@ all: build
 build:
 	$(GO) build ./...
 
-## test: lint, unit tests, race tests of the concurrent packages, the
-## conformance check through the CLI, and the multi-process MPI tests.
+## test: lint (gofmt, go vet, and a 32-bit build of the library: 32-bit
+## ints and the portable kernels), unit tests, race tests of the concurrent
+## packages, the conformance check through the CLI, and the multi-process
+## MPI tests.
 test: lint test-unit test-race conformance test-mpi test-integrations
 
 test-unit:
@@ -40,6 +42,7 @@ lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	  if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
+	GOARCH=386 CGO_ENABLED=0 $(GO) build ./signpack ./errorfeedback ./quant ./onebit ./optim/... ./comm/... ./accel/...
 
 fuzz:
 	./scripts/fuzz.sh $(FUZZTIME)

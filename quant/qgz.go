@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 
 	"github.com/lowbit-ml/lowbit/comm"
 )
@@ -309,8 +310,8 @@ func (s status) bad() bool { return s.rank != 0 }
 
 func (s status) put(chunk []byte) {
 	binary.LittleEndian.PutUint32(chunk[0:], uint32(s.rank))
-	binary.LittleEndian.PutUint32(chunk[4:], uint32(min(s.send, 1<<32-1)))
-	binary.LittleEndian.PutUint32(chunk[8:], uint32(min(s.recv, 1<<32-1)))
+	binary.LittleEndian.PutUint32(chunk[4:], uint32(min(uint64(max(s.send, 0)), math.MaxUint32)))
+	binary.LittleEndian.PutUint32(chunk[8:], uint32(min(uint64(max(s.recv, 0)), math.MaxUint32)))
 	binary.LittleEndian.PutUint32(chunk[12:], 0)
 }
 
