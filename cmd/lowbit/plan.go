@@ -303,6 +303,16 @@ type planPoint struct {
 	Repeats int
 	// Warmup and Iters are the benchmark's untimed and timed calls.
 	Warmup, Iters int
+	// Before is what the benchmark ran before this point in the same run
+	// (sizes outermost, then collectives, in order): it leaves the token
+	// bucket of a shaped link as this point finds it.
+	Before []benchedCase
+}
+
+// benchedCase is one collective at one size of a lowbit bench run.
+type benchedCase struct {
+	Collective string
+	Bytes      int64 // float32 bytes per rank
 }
 
 // points groups m's rows by setting and takes the median over repeats.
@@ -317,6 +327,7 @@ func (m *measurements) points() ([]planPoint, error) {
 	times := map[key][]float64{}
 	wire := map[key]int64{}
 	calls := map[key][2]int{}
+	before := map[key][]benchedCase{}
 	for _, r := range m.Runs {
 		if r.Bench.Ranks != r.Ranks {
 			return nil, fmt.Errorf("measurements: run at %s says %d ranks, its bench %d", r.Rate, r.Ranks, r.Bench.Ranks)
@@ -324,11 +335,14 @@ func (m *measurements) points() ([]planPoint, error) {
 		if _, err := parseRate(r.Rate); err != nil {
 			return nil, fmt.Errorf("measurements: %w", err)
 		}
+		var ran []benchedCase
 		for _, row := range r.Bench.Results {
 			k := key{row.Collective, r.Rate, r.Ranks, row.Bytes}
 			if _, ok := times[k]; !ok {
 				order = append(order, k)
+				before[k] = slices.Clone(ran)
 			}
+			ran = append(ran, benchedCase{row.Collective, row.Bytes})
 			times[k] = append(times[k], row.TimeP50us/1e6)
 			wire[k] = row.WireBytesPerRank
 			calls[k] = [2]int{r.Bench.Warmup, r.Bench.Iterations}
@@ -341,7 +355,7 @@ func (m *measurements) points() ([]planPoint, error) {
 		med := median(ts)
 		pts = append(pts, planPoint{Collective: k.coll, Rate: rate, RateName: k.rate, Ranks: k.ranks,
 			Bytes: k.bytes, Wire: wire[k], Seconds: med, Spread: (slices.Max(ts) - slices.Min(ts)) / med,
-			Repeats: len(ts), Warmup: calls[k][0], Iters: calls[k][1]})
+			Repeats: len(ts), Warmup: calls[k][0], Iters: calls[k][1], Before: before[k]})
 	}
 	return pts, nil
 }
@@ -457,6 +471,9 @@ type setup struct {
 	// Warmup and Iters are the untimed and timed calls of the lowbit bench
 	// run predicted on a shaped link (Iters 0: the steady state).
 	Warmup, Iters int
+	// Before is what that bench run did first, each with Warmup + Iters
+	// calls: on a shaped link it drains the bucket this call starts from.
+	Before []benchedCase
 }
 
 // computeSeconds is the local work of a call of collective c on n elements
@@ -540,7 +557,10 @@ func barrierRounds(w int) float64 {
 // full (the benchmark's setup between sizes leaves the link idle), gains
 // rate*t tokens (up to the burst) in each idle time t (local work, latency
 // rounds, barrier and copy), and each step spends W times its bytes from
-// it; what the tokens do not cover goes at beta. Without a count of calls
+// it; what the tokens do not cover goes at beta. The collectives the run
+// benchmarked before (s.Before, with as many calls each, each after the
+// idle time of its set-up) go first: they leave the bucket as this one
+// finds it. Without a count of calls
 // (s.Iters == 0) the call is repeated until the bucket's state repeats:
 // the steady state. With more ranks than the calibration machine's CPUs
 // on the shared link, alpha is scaled by W/cpus.
@@ -548,6 +568,66 @@ func (m *costModel) predict(c collectiveModel, n int64, s setup, f linkFit) pred
 	if s.Ranks < 2 || n <= 0 {
 		return prediction{}
 	}
+	tokens := float64(s.Burst)
+	if s.Burst > 0 && s.Iters > 0 {
+		refill := func(n int64) {
+			tokens = min(float64(s.Burst), tokens+m.caseSetupSeconds(n, s)*s.Rate)
+		}
+		for _, b := range s.Before {
+			bc, ok := findCollective(b.Collective)
+			if !ok {
+				continue
+			}
+			refill(b.Bytes / 4)
+			for range s.Warmup + s.Iters {
+				m.callFrom(bc, b.Bytes/4, s, f, &tokens)
+			}
+		}
+		refill(n)
+	}
+	return m.predictFrom(c, n, s, f, tokens)
+}
+
+// benchSetupPerElement is the time lowbit bench takes to set a case up
+// (allocate its buffers and fill its input) per float32 element per rank,
+// measured on the calibration machine (4-10 ns for allreduce and onebit
+// from 16K to 1M elements on one rank).
+const benchSetupPerElement = 8e-9
+
+// caseSetupSeconds is the idle time of a shaped link while lowbit bench
+// sets up a case of n elements per rank: the W ranks take turns on the
+// calibration machine's CPUs.
+func (m *costModel) caseSetupSeconds(n int64, s setup) float64 {
+	t := benchSetupPerElement * float64(n)
+	if m.CPUs > 0 {
+		t *= max(1, float64(s.Ranks)/float64(m.CPUs))
+	}
+	return t
+}
+
+// callFrom is one benchmarked call of c (after its barrier and copy) from
+// the bucket's tokens, which it updates.
+func (m *costModel) callFrom(c collectiveModel, n int64, s setup, f linkFit, tokens *float64) prediction {
+	alpha := m.alphaFor(s, f)
+	gap := barrierRounds(s.Ranks)*alpha + m.copySeconds(n, s)
+	*tokens = min(float64(s.Burst), *tokens+gap*s.Rate)
+	return m.oneCall(c, n, s, f, tokens)
+}
+
+// alphaFor is the fitted alpha, scaled by W/cpus with more ranks than the
+// calibration machine's CPUs on the shared link.
+func (m *costModel) alphaFor(s setup, f linkFit) float64 {
+	alpha := f.Alpha
+	if s.Sharing == sharedLink && m.CPUs > 0 {
+		// More ranks than the machine has CPUs: a round waits for its
+		// receiver to be scheduled (oversubscription).
+		alpha *= max(1, float64(s.Ranks)/float64(m.CPUs))
+	}
+	return alpha
+}
+
+// oneCall is one call of c from the bucket's tokens, which it updates.
+func (m *costModel) oneCall(c collectiveModel, n int64, s setup, f linkFit, tokens *float64) prediction {
 	compute := m.computeSeconds(c, n, s)
 	steps := c.steps(n, s.Ranks, compute)
 	beta := f.Ineff / s.Rate
@@ -555,50 +635,42 @@ func (m *costModel) predict(c collectiveModel, n int64, s setup, f linkFit) pred
 	if s.Sharing == sharedLink {
 		share = int64(s.Ranks)
 	}
-	alpha := f.Alpha
-	if s.Sharing == sharedLink && m.CPUs > 0 {
-		// More ranks than the machine has CPUs: a round waits for its
-		// receiver to be scheduled (oversubscription).
-		alpha *= max(1, float64(s.Ranks)/float64(m.CPUs))
-	}
-	tokens := float64(s.Burst)
-	// call is one call from the bucket's tokens, which it updates.
-	call := func() prediction {
-		p := prediction{Wire: c.wireBytes(n, s.Ranks)}
-		for _, st := range steps {
-			lat := st.rounds * alpha
-			b := float64(st.bytes * share)
-			short := b
-			if s.Burst > 0 {
-				idle := lat
-				if st.pieces <= 1 {
-					idle += st.pre
-				}
-				tokens = min(float64(s.Burst), tokens+idle*s.Rate)
-				short = max(0, b-tokens)
-				tokens = max(0, tokens-b)
+	alpha := m.alphaFor(s, f)
+	p := prediction{Wire: c.wireBytes(n, s.Ranks)}
+	for _, st := range steps {
+		lat := st.rounds * alpha
+		b := float64(st.bytes * share)
+		short := b
+		if s.Burst > 0 {
+			idle := lat
+			if st.pieces <= 1 {
+				idle += st.pre
 			}
-			x := short * beta
-			busy := st.pre + overlap(st.work, x, st.pieces)
-			p.Bottleneck += int64(short)
-			p.Latency += lat
-			p.Transfer += x
-			p.Compute += busy - x
-			p.Calls += max(1, st.pieces)
+			*tokens = min(float64(s.Burst), *tokens+idle*s.Rate)
+			short = max(0, b-*tokens)
+			*tokens = max(0, *tokens-b)
 		}
-		return p
+		x := short * beta
+		busy := st.pre + overlap(st.work, x, st.pieces)
+		p.Bottleneck += int64(short)
+		p.Latency += lat
+		p.Transfer += x
+		p.Compute += busy - x
+		p.Calls += max(1, st.pieces)
 	}
+	return p
+}
+
+// predictFrom is predict with the bucket holding tokens at the start.
+func (m *costModel) predictFrom(c collectiveModel, n int64, s setup, f linkFit, tokens float64) prediction {
 	if s.Burst == 0 {
-		return call()
+		return m.oneCall(c, n, s, f, &tokens)
 	}
-	gap := barrierRounds(s.Ranks)*alpha + m.copySeconds(n, s)
-	idle := func() { tokens = min(float64(s.Burst), tokens+gap*s.Rate) }
 	if s.Iters == 0 {
 		var p prediction
 		for range 50 {
-			idle()
 			start := tokens
-			p = call()
+			p = m.callFrom(c, n, s, f, &tokens)
 			if math.Abs(tokens-start) < 1 {
 				break
 			}
@@ -606,13 +678,11 @@ func (m *costModel) predict(c collectiveModel, n int64, s setup, f linkFit) pred
 		return p
 	}
 	for range s.Warmup {
-		idle()
-		call()
+		m.callFrom(c, n, s, f, &tokens)
 	}
 	timed := make([]prediction, s.Iters)
 	for i := range timed {
-		idle()
-		timed[i] = call()
+		timed[i] = m.callFrom(c, n, s, f, &tokens)
 	}
 	slices.SortFunc(timed, func(a, b prediction) int { return cmp.Compare(a.total(), b.total()) })
 	if len(timed)%2 == 1 {
@@ -648,7 +718,7 @@ func (m *costModel) fitFor(rateName string, rate float64) (f linkFit, ok bool) {
 
 // setupFor is the setup a measured point was taken in.
 func (m *costModel) setupFor(p planPoint) setup {
-	s := setup{Ranks: p.Ranks, Rate: p.Rate, Sharing: m.Sharing, Warmup: p.Warmup, Iters: p.Iters}
+	s := setup{Ranks: p.Ranks, Rate: p.Rate, Sharing: m.Sharing, Warmup: p.Warmup, Iters: p.Iters, Before: p.Before}
 	if m.Sharing == sharedLink {
 		s.Burst = m.Burst
 	}
