@@ -172,3 +172,35 @@ func TestPipelineDefault(t *testing.T) {
 	one, _ := onebit.NewState(16<<20, 1)
 	assert.Equal(t, 1, onebit.Pieces(one))
 }
+
+// TestPipelineMismatchedSizes: in a pipelined call the header carries the
+// length only, and still no tensor data moves before it is checked: ranks
+// with different lengths get a MismatchError on every rank, whether both
+// or only one of them pipelines, and no goroutine is left behind.
+func TestPipelineMismatchedSizes(t *testing.T) {
+	before := runtime.NumGoroutine()
+	for _, sizes := range [][2]int{{1 << 14, 1<<14 + 8}, {1 << 14, 100}, {100, 1 << 15}} {
+		err := local.Run(ctxT(t), 2, func(ctx context.Context, c comm.Comm) error {
+			n := sizes[c.Rank()]
+			st, err := onebit.NewState(n, 2)
+			require.NoError(t, err)
+			onebit.SetPieces(st, 4)
+			err = onebit.AllReduce(ctx, c, make([]float32, n), st)
+			var me *comm.MismatchError
+			require.ErrorAs(t, err, &me, "rank %d sizes %v", c.Rank(), sizes)
+			assert.Equal(t, sizes[1], me.Got)
+			assert.Equal(t, sizes[0], me.Want)
+			// The communicator is usable again: a matching call goes through.
+			m := sizes[0]
+			st2, err := onebit.NewState(m, 2)
+			require.NoError(t, err)
+			onebit.SetPieces(st2, 4)
+			return onebit.AllReduce(ctx, c, make([]float32, m), st2)
+		})
+		require.NoError(t, err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); runtime.NumGoroutine() > before; {
+		require.False(t, time.Now().After(deadline), "goroutines left blocked")
+		time.Sleep(10 * time.Millisecond)
+	}
+}
