@@ -86,10 +86,11 @@ type State struct {
 	comm         comm.Comm
 }
 
-// headerLen is the bytes each rank contributes to a scale all-gather: its
-// scale (little-endian float32) and the tensor length it called with
-// (little-endian uint64), so that mismatched sizes are caught on every rank
-// even when they pad to the same N.
+// headerLen is the bytes each rank contributes to the header all-gather:
+// its worker scale (little-endian float32; 0 in a pipelined call, whose
+// scales travel later) and the tensor length it called with (little-endian
+// uint64), so that mismatched sizes are caught on every rank even when they
+// pad to the same N.
 const headerLen = 4 + 8
 
 // pieceTarget is the packed bytes per destination a piece of a pipelined
