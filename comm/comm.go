@@ -130,6 +130,31 @@ func SkipChecks(c Comm, n int) {
 	}
 }
 
+// Concurrent is implemented by communicators that say whether their
+// collectives may run while this rank runs collectives on its other
+// communicators, from other goroutines (each communicator still used by one
+// goroutine at a time). comm/local always may; comm/mpi may when MPI
+// provides MPI_THREAD_MULTIPLE (under MPI_THREAD_SERIALIZED its calls take
+// turns, and two blocking collectives would wait for each other).
+type Concurrent interface {
+	// Concurrent reports whether collectives on this communicator may
+	// overlap collectives on the rank's other communicators.
+	Concurrent() bool
+}
+
+// CanOverlap reports whether collectives on every one of cs may run at the
+// same time as collectives on the others: each implements Concurrent and
+// says so. A communicator that does not implement it may not.
+func CanOverlap(cs ...Comm) bool {
+	for _, c := range cs {
+		k, ok := c.(Concurrent)
+		if !ok || !k.Concurrent() {
+			return false
+		}
+	}
+	return true
+}
+
 // Collective names a kind of collective call in Stats.
 type Collective int
 

@@ -41,11 +41,18 @@ import (
 // divide); otherwise it differs from them by float32 rounding only (the
 // machine sums are added together instead of rank by rank).
 //
+// A large allreduce (slices of 256K elements and more, on communicators
+// that can overlap their collectives: comm.CanOverlap) is pipelined: its
+// slices are cut into up to 8 pieces, and the rail's collectives of one
+// piece run on a second goroutine while the node's collectives of the next
+// run on the caller's, with the same result bit for bit.
+//
 // Every call starts with a small all-gather of each rank's lengths, so
 // that lengths that differ across ranks, or that do not fit the group, are
 // the same clear error on every rank. A TwoLevel keeps its buffers between
 // calls: after the first call at a given size a call allocates nothing
-// (on comm/local). It is used by one goroutine at a time.
+// (on comm/local) but a pipelined allreduce's goroutine, context and
+// channels. It is used by one goroutine at a time.
 type TwoLevel struct {
 	l    *comm.Layout
 	d, m int // ranks per machine, machines
@@ -55,6 +62,11 @@ type TwoLevel struct {
 	part  []float32 // this rank's machine sums of its slices, [M, K]
 	rail  []float32 // the slices received on the rail, [M, K]
 	own   []float32 // this rank's chunk of the mean, K
+
+	// pieces, when > 0, overrides how many pieces a pipelined allreduce
+	// cuts its slices into (tests); pipe holds its staging buffers.
+	pieces int
+	pipe   pipeBufs
 
 	hdr  []byte // this rank's call and lengths
 	hdrs []byte // every rank's
@@ -170,6 +182,16 @@ func (t *TwoLevel) AllReduce(ctx context.Context, buf []float32) error {
 		clear(perm[n:])
 	}
 	own := t.own[:k]
+	if p := t.pipePieces(k); p > 1 {
+		if err := t.pipelined(ctx, perm, k, p); err != nil {
+			return fmt.Errorf("quant: two-level allreduce: %w", err)
+		}
+		if n != w*k {
+			copy(buf, perm)
+		}
+		t.calls++
+		return nil
+	}
 	if err := t.reduce(ctx, perm, k, own); err != nil {
 		return fmt.Errorf("quant: two-level allreduce: %w", err)
 	}
@@ -336,4 +358,182 @@ func (t *TwoLevel) agree(ctx context.Context, call, a, b int) error {
 			a, w, b, t.m, t.d)
 	}
 	return nil
+}
+
+// pipeMinPiece is the fewest elements per slice a piece of a pipelined
+// allreduce carries, and pipeMaxPieces the most pieces it is cut into.
+const (
+	pipeMinPiece  = 128 << 10
+	pipeMaxPieces = 8
+)
+
+// pipePieces is how many pieces an allreduce with slices of k elements is
+// pipelined in: 1 (not pipelined) with one machine or one rank per
+// machine, when the communicators cannot overlap their collectives
+// (comm.CanOverlap), or when the slices are small.
+func (t *TwoLevel) pipePieces(k int) int {
+	if t.d == 1 || t.m == 1 || !comm.CanOverlap(t.l.Intra, t.l.Inter) {
+		return 1
+	}
+	if t.pieces > 0 {
+		return min(t.pieces, k)
+	}
+	return max(1, min(k/pipeMinPiece, pipeMaxPieces))
+}
+
+// pipeBufs are the staging buffers of a pipelined allreduce: the steps on
+// the node run on the caller's goroutine and those on the rail on another,
+// each with buffers of its own.
+type pipeBufs struct {
+	nodeSend, nodeRecv []float32 // [D, M, piece]
+	railSend, railRecv []float32 // [M, piece]
+}
+
+// pipelined is AllReduce's reduce-scatter and all-gathers on perm ([D, M,
+// K]) with the slices cut into p pieces along K, so that the node's and the
+// rail's collectives overlap: while the rail exchanges piece q, the node
+// all-to-alls piece q+1. The caller's goroutine runs the node's steps
+// (all-to-all and sum of every piece, then the all-gather of every piece
+// as the rail hands it back), a second goroutine the rail's (all-to-all,
+// sum and mean, all-gather, piece by piece). Every element is summed in
+// the same order as in reduce, so the result is bit-identical to the
+// unpipelined allreduce. The collectives on each communicator come in the
+// same order on every rank.
+func (t *TwoLevel) pipelined(ctx context.Context, perm []float32, k, p int) error {
+	d, m := t.d, t.m
+	piece := (k + p - 1) / p
+	pb := &t.pipe
+	if cap(pb.nodeSend) < d*m*piece {
+		pb.nodeSend, pb.nodeRecv = make([]float32, d*m*piece), make([]float32, d*m*piece)
+	}
+	if cap(pb.railSend) < m*piece {
+		pb.railSend, pb.railRecv = make([]float32, m*piece), make([]float32, m*piece)
+	}
+	part := t.part[:m*k]
+	bounds := func(q int) (int, int) { return q * piece, min((q+1)*piece, k) }
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	reduced := make(chan int, p)  // pieces of part the node has summed
+	gathered := make(chan int, p) // pieces of part the rail has filled back
+	railErr := make(chan error, 1)
+	go func() {
+		err := t.railSteps(ctx, part, k, p, bounds, reduced, gathered)
+		if err != nil {
+			cancel()
+		}
+		railErr <- err
+	}()
+	err := t.nodeSteps(ctx, perm, part, k, p, bounds, reduced, gathered)
+	if err != nil {
+		cancel()
+	}
+	if rerr := <-railErr; err == nil || errors.Is(err, context.Canceled) && rerr != nil {
+		err = rerr
+	}
+	return err
+}
+
+// nodeSteps is the node's half of pipelined: for every piece the node
+// all-to-all and the sum of this rank's slices into part, then for every
+// piece the rail has filled back the node all-gather into perm.
+func (t *TwoLevel) nodeSteps(ctx context.Context, perm, part []float32, k, p int,
+	bounds func(int) (int, int), reduced chan<- int, gathered <-chan int) error {
+	d, m := t.d, t.m
+	pb := &t.pipe
+	for q := range p {
+		lo, hi := bounds(q)
+		n := hi - lo
+		send, recv := pb.nodeSend[:d*m*n], pb.nodeRecv[:d*m*n]
+		for s := range d * m { // slice [dd][mm] = s, to local rank dd
+			copy(send[s*n:(s+1)*n], perm[s*k+lo:s*k+hi])
+		}
+		if err := t.l.Intra.AllToAll(ctx, send, recv); err != nil {
+			return fmt.Errorf("node all-to-all: %w", err)
+		}
+		for mm := range m {
+			acc := part[mm*k+lo : mm*k+hi]
+			copy(acc, recv[mm*n:(mm+1)*n])
+			for j := 1; j < d; j++ {
+				addTo(acc, recv[(j*m+mm)*n:(j*m+mm+1)*n])
+			}
+		}
+		reduced <- q
+	}
+	for range p {
+		q, err := receive(ctx, gathered)
+		if err != nil {
+			return err
+		}
+		lo, hi := bounds(q)
+		n := hi - lo
+		send, recv := pb.nodeSend[:m*n], pb.nodeRecv[:d*m*n]
+		pieceOf(send, part, m, k, lo, hi)
+		if err := t.l.Intra.AllGather(ctx, send, recv); err != nil {
+			return fmt.Errorf("node all-gather: %w", err)
+		}
+		for s := range d * m {
+			copy(perm[s*k+lo:s*k+hi], recv[s*n:(s+1)*n])
+		}
+	}
+	return nil
+}
+
+// railSteps is the rail's half of pipelined: for every piece the node has
+// summed, the rail all-to-all, the sum in ascending machine order and the
+// mean, the rail all-gather back into part.
+func (t *TwoLevel) railSteps(ctx context.Context, part []float32, k, p int,
+	bounds func(int) (int, int), reduced <-chan int, gathered chan<- int) error {
+	m := t.m
+	w := float32(t.d * m)
+	pb := &t.pipe
+	for range p {
+		q, err := receive(ctx, reduced)
+		if err != nil {
+			return err
+		}
+		lo, hi := bounds(q)
+		n := hi - lo
+		send, recv := pb.railSend[:m*n], pb.railRecv[:m*n]
+		pieceOf(send, part, m, k, lo, hi)
+		if err := t.l.Inter.AllToAll(ctx, send, recv); err != nil {
+			return fmt.Errorf("rail all-to-all: %w", err)
+		}
+		own := t.own[lo:hi]
+		copy(own, recv[:n])
+		for j := 1; j < m; j++ {
+			addTo(own, recv[j*n:(j+1)*n])
+		}
+		for i := range own {
+			own[i] /= w
+		}
+		if err := t.l.Inter.AllGather(ctx, own, recv); err != nil {
+			return fmt.Errorf("rail all-gather: %w", err)
+		}
+		for mm := range m {
+			copy(part[mm*k+lo:mm*k+hi], recv[mm*n:(mm+1)*n])
+		}
+		gathered <- q
+	}
+	return nil
+}
+
+// receive returns the next piece from ch, or the context's error once it
+// is done.
+func receive(ctx context.Context, ch <-chan int) (int, error) {
+	select {
+	case q := <-ch:
+		return q, nil
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	}
+}
+
+// pieceOf copies piece [lo, hi) of each of the m slices of part ([M, K])
+// into dst ([M, hi-lo]).
+func pieceOf(dst, part []float32, m, k, lo, hi int) {
+	n := hi - lo
+	for mm := range m {
+		copy(dst[mm*n:(mm+1)*n], part[mm*k+lo:mm*k+hi])
+	}
 }

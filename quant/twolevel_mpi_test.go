@@ -71,14 +71,15 @@ func TestMPIDownCastMatchesLocal(t *testing.T) {
 	require.True(t, errors.As(err, &me), "%v", err)
 }
 
-// twoLevelCall runs a two-level allreduce of n elements and a two-level
-// reduce-scatter of W*k elements on l and returns both results,
-// concatenated.
-func twoLevelCall(ctx context.Context, l *comm.Layout, n, k int) ([]float32, error) {
+// twoLevelCall runs a two-level allreduce of n elements (in pieces, when
+// pieces > 0) and a two-level reduce-scatter of W*k elements on l and
+// returns both results, concatenated.
+func twoLevelCall(ctx context.Context, l *comm.Layout, n, k, pieces int) ([]float32, error) {
 	tl, err := quant.NewTwoLevel(l)
 	if err != nil {
 		return nil, err
 	}
+	quant.SetTwoLevelPieces(tl, pieces)
 	buf := mpiInput(l.World.Rank(), 0, n)
 	if err := tl.AllReduce(ctx, buf); err != nil {
 		return nil, err
@@ -92,18 +93,21 @@ func twoLevelCall(ctx context.Context, l *comm.Layout, n, k int) ([]float32, err
 
 // TestMPITwoLevelMatchesLocal: the two-level allreduce and reduce-scatter
 // under MPI return what the in-process backend returns on the same layout,
-// bit for bit, and are within 1e-6 relative of MPI's exact allreduce.
+// bit for bit, and are within 1e-6 relative of MPI's exact allreduce; so
+// does the pipelined allreduce (node and rail collectives overlapping on
+// two goroutines), against the unpipelined one on the in-process backend.
 func TestMPITwoLevelMatchesLocal(t *testing.T) {
 	ctx := mpiCtx(t)
 	l := mpiLayout(t, ctx)
 	w := mpiWorld.Size()
-	for _, n := range []int{1, 7 * w, 10007} {
+	for _, c := range []struct{ n, pieces int }{{1, 0}, {7 * w, 0}, {10007, 0}, {10007, 3}, {40000, 8}} {
+		n := c.n
 		const k = 333
-		name := fmt.Sprintf("%v n=%d", l, n)
-		got, err := twoLevelCall(ctx, l, n, k)
+		name := fmt.Sprintf("%v n=%d pieces=%d", l, n, c.pieces)
+		got, err := twoLevelCall(ctx, l, n, k, c.pieces)
 		require.NoError(t, err, name)
 		want := onLocal(t, func(ctx context.Context, l *comm.Layout) ([]float32, error) {
-			return twoLevelCall(ctx, l, n, k)
+			return twoLevelCall(ctx, l, n, k, 0)
 		})
 		requireBits(t, want[mpiWorld.Rank()], got, name)
 

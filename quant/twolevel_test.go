@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"runtime"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -292,4 +294,68 @@ func TestTwoLevelAllocs(t *testing.T) {
 	}
 	assert.Zero(t, allocs)
 	assert.EqualValues(t, 202, tls[0].Stats().Calls)
+}
+
+// TestTwoLevelPipelined: the allreduce cut into pieces, with the node's and
+// the rail's collectives overlapping, gives the unpipelined allreduce's
+// result bit for bit (the same sums in the same order) and the same
+// traffic, for any number of pieces, even ones that do not divide the
+// slices.
+func TestTwoLevelPipelined(t *testing.T) {
+	for _, ly := range [][2]int{{2, 2}, {3, 2}, {2, 3}} {
+		m, d := ly[0], ly[1]
+		w := m * d
+		for _, n := range []int{7 * w, 1000, 4099, 40000} {
+			for _, pieces := range []int{2, 3, 8} {
+				err := runTwoLevel(t, m, d, func(ctx context.Context, c comm.Comm, tl *TwoLevel) error {
+					in := randInput(c.Rank(), n)
+					want := append([]float32(nil), in...)
+					if err := tl.AllReduce(ctx, want); err != nil {
+						return err
+					}
+					before := tl.Stats()
+					tl.pieces = pieces
+					k := (n + w - 1) / w
+					if got := tl.pipePieces(k); got != min(pieces, k) {
+						return fmt.Errorf("pipePieces = %d, want %d", got, min(pieces, k))
+					}
+					buf := append([]float32(nil), in...)
+					if err := tl.AllReduce(ctx, buf); err != nil {
+						return err
+					}
+					msg := fmt.Sprintf("%dx%d n=%d pieces=%d rank %d", m, d, n, pieces, c.Rank())
+					for i := range want {
+						if math.Float32bits(want[i]) != math.Float32bits(buf[i]) {
+							return fmt.Errorf("%s: element %d is %g, unpipelined %g", msg, i, buf[i], want[i])
+						}
+					}
+					after := tl.Stats()
+					assert.Equal(t, before.InterBytes, after.InterBytes-before.InterBytes, msg)
+					assert.Equal(t, before.IntraBytes, after.IntraBytes-before.IntraBytes, msg)
+					return nil
+				})
+				require.NoError(t, err)
+			}
+		}
+	}
+}
+
+// TestTwoLevelPipelinedCancel: a pipelined allreduce whose context ends
+// returns its error on every rank and leaves no goroutine behind.
+func TestTwoLevelPipelinedCancel(t *testing.T) {
+	before := runtime.NumGoroutine()
+	ctx, cancel := context.WithCancel(ctxT(t))
+	err := runTwoLevel(t, 2, 2, func(_ context.Context, c comm.Comm, tl *TwoLevel) error {
+		tl.pieces = 4
+		if c.Rank() == 3 {
+			cancel()
+			return nil // never joins
+		}
+		return tl.AllReduce(ctx, make([]float32, 4000))
+	})
+	assert.Error(t, err)
+	for deadline := time.Now().Add(5 * time.Second); runtime.NumGoroutine() > before; {
+		require.False(t, time.Now().After(deadline), "goroutines left blocked")
+		time.Sleep(10 * time.Millisecond)
+	}
 }

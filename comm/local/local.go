@@ -245,7 +245,12 @@ type Comm struct {
 var (
 	_ comm.Comm         = (*Comm)(nil)
 	_ comm.NodeSplitter = (*Comm)(nil)
+	_ comm.Concurrent   = (*Comm)(nil)
 )
+
+// Concurrent reports true: the communicators of an in-process group share
+// nothing with the rank's other communicators.
+func (c *Comm) Concurrent() bool { return true }
 
 // Rank returns this rank's index.
 func (c *Comm) Rank() int { return c.rank }

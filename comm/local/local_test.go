@@ -359,3 +359,13 @@ func TestAllReduceAllocs(t *testing.T) {
 	<-done
 	assert.Zero(t, allocs)
 }
+
+// TestConcurrent: in-process communicators may overlap their collectives
+// with the rank's other communicators' (quant's pipelined two-level
+// allreduce relies on it; its tests run it).
+func TestConcurrent(t *testing.T) {
+	cs, err := local.New(2)
+	require.NoError(t, err)
+	assert.True(t, comm.CanOverlap(cs...))
+	assert.False(t, comm.CanOverlap(cs[0], nil), "a communicator that does not say so may not")
+}

@@ -562,6 +562,11 @@ func (c *mpiComm) Barrier(ctx context.Context) error {
 	return nil
 }
 
+// Concurrent reports whether MPI provides MPI_THREAD_MULTIPLE: then
+// collectives on this communicator may run while the rank runs others on
+// its other communicators.
+func (c *mpiComm) Concurrent() bool { return !env.serialize }
+
 // SkipChecks makes the next n collectives on c skip the agreement round
 // that checks every rank's arguments before data moves (see
 // comm.CheckSkipper); n = 0 cancels. A collective that fails cancels what
