@@ -183,10 +183,10 @@ DATA fuseZero<>+24(SB)/8, $0
 GLOBL fuseZero<>(SB), RODATA|NOPTR, $32
 
 // FUSE_SQ forms the 8 sums x + in at off (x first, as in the generic
-// x[i] + in[i]), stores them into x, sets Ym to their sign mask (1 for x >= 0, -0.0 and NaN:
-// NLT_UQ against zero, as signpack's residual kernel) and adds their
-// squares into Ylo (elements 0..3) and Yhi (4..7). Y4..Y6 are scratch.
-// The sums are stored back into x.
+// x[i] + in[i]), stores them into x, sets Ym to their sign mask (1 for
+// x >= 0, -0.0 and NaN: NLT_UQ against zero, as signpack's residual
+// kernel) and adds their squares into Ylo (elements 0..3) and Yhi (4..7).
+// Y4..Y6 are scratch.
 #define FUSE_SQ(off, Ym, Ylo, Yhi) \
 	VMOVUPS      off(DI), Y4 \
 	VADDPS       off(SI), Y4, Y4 \

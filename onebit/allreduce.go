@@ -62,7 +62,7 @@ type State struct {
 
 	sendSigns []byte    // packed worker signs, N/8 bytes, piece-major (see sendPiece)
 	recvSigns []byte    // phase 1 chunks received, N/8 bytes, piece-major
-	server    []float32 // server accumulator c, C floats
+	server    []float32 // server accumulator c, one block of sumBlock floats (C if less) at a time
 	serverMsg []byte    // phase 2 message: server scale (4 bytes), then the packed server chunk (C/8)
 	gathered  []byte    // every rank's phase 2 message, W*(4+C/8) bytes, piece-major (see msgPiece)
 	header    []byte    // this rank's scale and numel on the wire
@@ -112,7 +112,7 @@ func NewState(numel, world int) (*State, error) {
 	st := &State{
 		WorkerError: errorfeedback.NewResidual(n),
 		ServerError: errorfeedback.NewResidual(n / world),
-		server:      make([]float32, n/world),
+		server:      make([]float32, min(n/world, sumBlock)),
 	}
 	st.initWire(numel, world)
 	return st, nil
@@ -194,10 +194,9 @@ func (s *State) Reset() {
 // of the first piece of the second half, 4 bytes after each segment. The
 // arithmetic is the same, element for element (the worker norm is summed
 // in the same order, chunk by chunk, either way), so the output and the
-// error buffers are
-// bit-identical to an unpipelined call. A pipelined call runs its
-// collectives on a goroutine of its own while the caller's goroutine
-// computes; it returns only after that goroutine is done with c.
+// error buffers are bit-identical to an unpipelined call. A pipelined call
+// runs its collectives on a goroutine of its own while the caller's
+// goroutine computes; it returns only after that goroutine is done with c.
 //
 // With one rank the call still compresses (the output is the
 // error-compensated sign compression of buf, as in the reference);
@@ -424,7 +423,7 @@ func (st *State) sumPiece(p int) {
 	hi := lo + st.pieceLen(p)*8
 	for b := lo; b < hi; b += sumBlock {
 		e := min(b+sumBlock, hi)
-		acc := st.server[b:e]
+		acc := st.server[:e-b]
 		bytes := func(j int) []byte { return st.recvPiece(p, j)[(b-lo)/8 : (e-lo)/8] }
 		signpack.UnpackScale(acc, bytes(0), st.wscales[0]/float32(w))
 		for j := 1; j < w; j++ {

@@ -181,42 +181,46 @@ func (t *TwoLevel) AllReduce(ctx context.Context, buf []float32) error {
 		copy(perm, buf)
 		clear(perm[n:])
 	}
-	own := t.own[:k]
+	var err error
 	if p := t.pipePieces(k); p > 1 {
-		if err := t.pipelined(ctx, perm, k, p); err != nil {
-			return fmt.Errorf("quant: two-level allreduce: %w", err)
-		}
-		if n != w*k {
-			copy(buf, perm)
-		}
-		t.calls++
-		return nil
+		err = t.pipelined(ctx, perm, k, p)
+	} else {
+		err = t.allReduce(ctx, perm, k)
 	}
-	if err := t.reduce(ctx, perm, k, own); err != nil {
+	if err != nil {
 		return fmt.Errorf("quant: two-level allreduce: %w", err)
 	}
-	// The reverse: rail all-gather into this rank's slices [d][0..M),
-	// then all-gather of the slices inside the machine.
+	if n != w*k {
+		copy(buf, perm)
+	}
+	t.calls++
+	return nil
+}
+
+// allReduce is AllReduce on perm ([D, M, K]) in one piece: the
+// reduce-scatter, then the reverse: a rail all-gather into this rank's
+// slices [d][0..M), then an all-gather of the slices inside the machine.
+func (t *TwoLevel) allReduce(ctx context.Context, perm []float32, k int) error {
+	own := t.own[:k]
+	if err := t.reduce(ctx, perm, k, own); err != nil {
+		return err
+	}
 	part := perm[:t.m*k] // with one rank per machine, the slices are the tensor
 	if t.d > 1 {
 		part = t.part[:t.m*k]
 	}
 	if t.m > 1 {
 		if err := t.l.Inter.AllGather(ctx, own, part); err != nil {
-			return fmt.Errorf("quant: two-level allreduce: rail all-gather: %w", err)
+			return fmt.Errorf("rail all-gather: %w", err)
 		}
 	} else {
 		copy(part, own)
 	}
 	if t.d > 1 {
 		if err := t.l.Intra.AllGather(ctx, part, perm); err != nil {
-			return fmt.Errorf("quant: two-level allreduce: node all-gather: %w", err)
+			return fmt.Errorf("node all-gather: %w", err)
 		}
 	}
-	if n != w*k {
-		copy(buf, perm)
-	}
-	t.calls++
 	return nil
 }
 
@@ -445,9 +449,7 @@ func (t *TwoLevel) nodeSteps(ctx context.Context, perm, part []float32, k, p int
 		lo, hi := bounds(q)
 		n := hi - lo
 		send, recv := pb.nodeSend[:d*m*n], pb.nodeRecv[:d*m*n]
-		for s := range d * m { // slice [dd][mm] = s, to local rank dd
-			copy(send[s*n:(s+1)*n], perm[s*k+lo:s*k+hi])
-		}
+		pieceOf(send, perm, d*m, k, lo, hi) // slice [dd][mm] goes to local rank dd
 		if err := t.l.Intra.AllToAll(ctx, send, recv); err != nil {
 			return fmt.Errorf("node all-to-all: %w", err)
 		}
@@ -472,9 +474,7 @@ func (t *TwoLevel) nodeSteps(ctx context.Context, perm, part []float32, k, p int
 		if err := t.l.Intra.AllGather(ctx, send, recv); err != nil {
 			return fmt.Errorf("node all-gather: %w", err)
 		}
-		for s := range d * m {
-			copy(perm[s*k+lo:s*k+hi], recv[s*n:(s+1)*n])
-		}
+		setPiece(perm, recv, d*m, k, lo, hi)
 	}
 	return nil
 }
@@ -510,9 +510,7 @@ func (t *TwoLevel) railSteps(ctx context.Context, part []float32, k, p int,
 		if err := t.l.Inter.AllGather(ctx, own, recv); err != nil {
 			return fmt.Errorf("rail all-gather: %w", err)
 		}
-		for mm := range m {
-			copy(part[mm*k+lo:mm*k+hi], recv[mm*n:(mm+1)*n])
-		}
+		setPiece(part, recv, m, k, lo, hi)
 		gathered <- q
 	}
 	return nil
@@ -529,11 +527,20 @@ func receive(ctx context.Context, ch <-chan int) (int, error) {
 	}
 }
 
-// pieceOf copies piece [lo, hi) of each of the m slices of part ([M, K])
-// into dst ([M, hi-lo]).
-func pieceOf(dst, part []float32, m, k, lo, hi int) {
+// pieceOf copies piece [lo, hi) of each of the m slices of src ([m, k])
+// into dst ([m, hi-lo]).
+func pieceOf(dst, src []float32, m, k, lo, hi int) {
 	n := hi - lo
-	for mm := range m {
-		copy(dst[mm*n:(mm+1)*n], part[mm*k+lo:mm*k+hi])
+	for s := range m {
+		copy(dst[s*n:(s+1)*n], src[s*k+lo:s*k+hi])
+	}
+}
+
+// setPiece is the reverse of pieceOf: it copies src ([m, hi-lo]) into
+// piece [lo, hi) of each of the m slices of dst ([m, k]).
+func setPiece(dst, src []float32, m, k, lo, hi int) {
+	n := hi - lo
+	for s := range m {
+		copy(dst[s*k+lo:s*k+hi], src[s*n:(s+1)*n])
 	}
 }

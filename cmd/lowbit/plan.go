@@ -191,8 +191,8 @@ func onebitWireBytes(n int64, w int) int64 {
 }
 
 // onebitSteps is onebit.AllReduce as it runs now (three collectives, large
-// tensors pipelined in K pieces), with its local work split
-// by the passes it makes over the padded buffer of N elements (C = N/W):
+// tensors pipelined in K pieces), with its local work split by the passes
+// it makes over the padded buffer of N elements (C = N/W):
 // the worker norm or the worker residual (N), packing with error feedback
 // (N), the server's unpack-and-sum of W chunks (N) and its compression
 // (C), unpacking the output (N): 4 + 1/W passes.
@@ -225,10 +225,10 @@ func onebitSteps(n int64, w int, compute float64) []step {
 		p1.work = 3 * pass
 		p1.bytes += int64(w-1) * 4
 		p2.pre = pass / float64(w)
-		return []step{hdr, p1, p2}
+	} else {
+		p1.pre = pass
+		p2.pre = pass * (1 + 1/float64(w))
 	}
-	p1.pre = pass
-	p2.pre = pass * (1 + 1/float64(w))
 	return []step{hdr, p1, p2}
 }
 
@@ -553,14 +553,13 @@ func barrierRounds(w int) float64 {
 // bench: s.Warmup untimed and s.Iters timed calls back to back, each after
 // a barrier and after copying the input into the buffer (a fifth of the
 // 1-rank call's time: one of its five passes), and the prediction is the
-// median of the timed calls, like the benchmark's p50. The bucket starts
-// full (the benchmark's setup between sizes leaves the link idle), gains
-// rate*t tokens (up to the burst) in each idle time t (local work, latency
-// rounds, barrier and copy), and each step spends W times its bytes from
-// it; what the tokens do not cover goes at beta. The collectives the run
-// benchmarked before (s.Before, with as many calls each, each after the
-// idle time of its set-up) go first: they leave the bucket as this one
-// finds it. Without a count of calls
+// median of the timed calls, like the benchmark's p50. The bucket is full
+// when the benchmark's run starts, gains rate*t tokens (up to the burst)
+// in each idle time t (local work, latency rounds, barrier and copy), and
+// each step spends W times its bytes from it; what the tokens do not cover
+// goes at beta. The collectives the run benchmarked before (s.Before, with
+// as many calls each, each after the idle time of its set-up) go first:
+// they leave the bucket as this one finds it. Without a count of calls
 // (s.Iters == 0) the call is repeated until the bucket's state repeats:
 // the steady state. With more ranks than the calibration machine's CPUs
 // on the shared link, alpha is scaled by W/cpus.
