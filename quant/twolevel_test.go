@@ -305,8 +305,8 @@ func TestTwoLevelPipelined(t *testing.T) {
 	for _, ly := range [][2]int{{2, 2}, {3, 2}, {2, 3}} {
 		m, d := ly[0], ly[1]
 		w := m * d
-		for _, n := range []int{7 * w, 1000, 4099, 40000} {
-			for _, pieces := range []int{2, 3, 8} {
+		for _, n := range []int{7 * w, 10 * w, 1000, 4099, 40000} {
+			for _, pieces := range []int{2, 3, 7, 8} {
 				err := runTwoLevel(t, m, d, func(ctx context.Context, c comm.Comm, tl *TwoLevel) error {
 					in := randInput(c.Rank(), n)
 					want := append([]float32(nil), in...)
@@ -316,8 +316,11 @@ func TestTwoLevelPipelined(t *testing.T) {
 					before := tl.Stats()
 					tl.pieces = pieces
 					k := (n + w - 1) / w
-					if got := tl.pipePieces(k); got != min(pieces, k) {
-						return fmt.Errorf("pipePieces = %d, want %d", got, min(pieces, k))
+					// As many pieces as asked for, or fewer where pieces
+					// of ceil(k/pieces) need fewer (k=10 in 7: 5 of 2).
+					piece := (k + min(pieces, k) - 1) / min(pieces, k)
+					if got, want := tl.pipePieces(k), (k+piece-1)/piece; got != want {
+						return fmt.Errorf("pipePieces = %d, want %d", got, want)
 					}
 					buf := append([]float32(nil), in...)
 					if err := tl.AllReduce(ctx, buf); err != nil {
@@ -357,5 +360,72 @@ func TestTwoLevelPipelinedCancel(t *testing.T) {
 	for deadline := time.Now().Add(5 * time.Second); runtime.NumGoroutine() > before; {
 		require.False(t, time.Now().After(deadline), "goroutines left blocked")
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// promised wraps a node or rail communicator to check TwoLevel's promises
+// (comm.SkipChecks): every collective must come under one, and none may
+// be left over after a call, or a later collective would go unchecked.
+type promised struct {
+	comm.Comm
+	skip   int
+	broken int // collectives called with no promise left
+}
+
+func (p *promised) SkipChecks(n int) { p.skip = n }
+func (p *promised) Concurrent() bool { return true }
+
+func (p *promised) use() {
+	if p.skip == 0 {
+		p.broken++
+		return
+	}
+	p.skip--
+}
+
+func (p *promised) AllToAll(ctx context.Context, send, recv []float32) error {
+	p.use()
+	return p.Comm.AllToAll(ctx, send, recv)
+}
+
+func (p *promised) AllGather(ctx context.Context, send, recv []float32) error {
+	p.use()
+	return p.Comm.AllGather(ctx, send, recv)
+}
+
+// TestTwoLevelPromises: the two-level collectives promise exactly the
+// node and rail collectives they make (each call agrees on its lengths
+// over the whole group first), pipelined or not, reduce-scatter or
+// allreduce, so no check is skipped on a collective that was not promised
+// and none is left over for the next one.
+func TestTwoLevelPromises(t *testing.T) {
+	for _, ly := range [][2]int{{2, 2}, {2, 3}, {3, 1}, {1, 3}} {
+		m, d := ly[0], ly[1]
+		w := m * d
+		err := runTwoLevel(t, m, d, func(ctx context.Context, c comm.Comm, tl *TwoLevel) error {
+			intra, inter := &promised{Comm: tl.l.Intra}, &promised{Comm: tl.l.Inter}
+			l := *tl.l
+			l.Intra, l.Inter = intra, inter
+			tl.l = &l
+			for _, pieces := range []int{0, 3} {
+				tl.pieces = pieces
+				for _, n := range []int{1, 7 * w, 4099} {
+					msg := fmt.Sprintf("%dx%d pieces=%d n=%d", m, d, pieces, n)
+					if err := tl.AllReduce(ctx, randInput(c.Rank(), n)); err != nil {
+						return err
+					}
+					k := (n + w - 1) / w
+					if err := tl.ReduceScatter(ctx, randInput(c.Rank(), w*k), make([]float32, k)); err != nil {
+						return err
+					}
+					for name, p := range map[string]*promised{"node": intra, "rail": inter} {
+						assert.Zero(t, p.broken, "%s: %s collectives without a promise", msg, name)
+						assert.Zero(t, p.skip, "%s: %s promises left over", msg, name)
+					}
+				}
+			}
+			return nil
+		})
+		require.NoError(t, err)
 	}
 }
