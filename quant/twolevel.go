@@ -46,7 +46,11 @@ import (
 // slices are cut into up to 32 pieces of at least 64K elements, and the
 // rail's collectives of one piece run on a second goroutine while the
 // node's collectives of the next run on the caller's, with the same result
-// bit for bit.
+// bit for bit. Its pieces are messages of 256 KiB and more: over Open MPI's
+// TCP transport, whose rendezvous costs a round trip per message beyond
+// 64 KiB, raise the eager limit (mpirun --mca btl_tcp_eager_limit 4194304
+// --mca btl_tcp_rndv_eager_limit 4194304; scripts/bench-twolevel.sh
+// measured 580-610 ms instead of 690-770 ms at 64 MiB over 1 Gbit).
 //
 // Every call starts with a small all-gather of each rank's lengths, so
 // that lengths that differ across ranks, or that do not fit the group, are
