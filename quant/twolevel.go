@@ -392,10 +392,10 @@ func (t *TwoLevel) agree(ctx context.Context, call, a, b int) error {
 // pipeMinPiece is the fewest elements per slice a piece of a pipelined
 // allreduce carries, and pipeMaxPieces the most pieces it is cut into.
 // Measured on 2 machines x 2 ranks joined by 1 Gbit TCP
-// (scripts/bench-twolevel.sh, 64 MiB): with Open MPI's TCP rendezvous for
-// messages beyond 64 KiB, pieces of 128K elements (32 of them) took 690-750
-// ms against 840-850 ms for 8 pieces of 512K; with the eager limit raised
-// to 4 MiB, 580-590 ms against 640 ms.
+// (scripts/bench-twolevel.sh, 64 MiB, runs of one session): with Open
+// MPI's TCP rendezvous for messages beyond 64 KiB, pieces of 128K elements
+// (32 of them) took 690-750 ms against 780-850 ms for 8 pieces of 512K;
+// with the eager limit raised to 4 MiB, 580-590 ms against 640 ms.
 const (
 	pipeMinPiece  = 64 << 10
 	pipeMaxPieces = 32

@@ -197,6 +197,6 @@ awk -F, -v title="shaped ($RATE loopback, TCP), $NP ranks, $QRPN per node:" '
 
 if [ "$TWOLEVEL" != 0 ]; then
 	echo
-	run env RATE="$RATE" EAGER="${EAGER:-4194304}" RPN="$QRPN" BEGIN="$QSIZE" END="$QSIZE" WARMUP="$WARMUP" ITERS="$ITERS" GO="$GO" \
+	run env RATE="$RATE" EAGER="${EAGER:-}" RPN="$QRPN" BEGIN="$QSIZE" END="$QSIZE" WARMUP="$WARMUP" ITERS="$ITERS" GO="$GO" \
 		COLLECTIVES=allreduce,twolevel,fp16,bf16 "$root/scripts/bench-twolevel.sh"
 fi

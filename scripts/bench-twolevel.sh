@@ -21,9 +21,9 @@
 # receiver's acknowledgement before the bulk of the data goes. On the
 # shaped link (tbf latency up to 50 ms) that stall recurs for every piece
 # the two-level allreduce pipelines, and the link idles meanwhile: at
-# 64 MiB the two-level allreduce took 690-750 ms with the default and
-# 580-640 ms with EAGER=4194304, while the flat ring allreduce was the same
-# within noise either way (950-1050 ms). EAGER (4194304 bytes) sets
+# 64 MiB the two-level allreduce took 690-770 ms with the default and
+# 580-610 ms with EAGER=4194304, while the flat ring allreduce was the same
+# within noise either way (910-1010 ms). EAGER (4194304 bytes) sets
 # btl_tcp_eager_limit and btl_tcp_rndv_eager_limit for both collectives
 # alike; EAGER=0 keeps Open MPI's default.
 #
