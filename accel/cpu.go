@@ -174,9 +174,79 @@ func (d *CPU) Compress(packed, residual, input Span) (float32, error) {
 	return scale, nil
 }
 
+// CompressCarried forms the residuals in place (Residuals), then runs
+// errorfeedback.Residual.Compensate and signpack.Pack.
+func (d *CPU) CompressCarried(packed, carried Span, prevScale float32, input Span) (float32, error) {
+	x, p, err := d.kernelArgs("compress-carried", "compress-carried x", "compress-carried packed", carried, packed)
+	if err != nil {
+		return 0, err
+	}
+	in, err := d.floatsOf("compress-carried input", input)
+	if err != nil {
+		return 0, err
+	}
+	if len(in) > len(x) {
+		return 0, fmt.Errorf("accel: cpu: compress-carried: input of %d elements is longer than x (%d)", len(in), len(x))
+	}
+	if len(x) == 0 {
+		return 0, nil
+	}
+	Residuals(x, prevScale)
+	scale, err := errorfeedback.Residual(x).Compensate(in)
+	if err != nil {
+		return 0, fmt.Errorf("accel: cpu: %w", err)
+	}
+	signpack.Pack(p, x)
+	return scale, nil
+}
+
+// SumCompressCarried forms each element's residual and input in one loop,
+// then packs the signs.
+func (d *CPU) SumCompressCarried(packed, carried Span, prevScale float32, chunks, scales Span) (float32, error) {
+	x, p, err := d.kernelArgs("sum-compress-carried", "sum-compress-carried x", "sum-compress-carried packed", carried, packed)
+	if err != nil {
+		return 0, err
+	}
+	c, err := d.bytesOf("sum-compress-carried chunks", chunks)
+	if err != nil {
+		return 0, err
+	}
+	sc, err := d.floatsOf("sum-compress-carried scales", scales)
+	if err != nil {
+		return 0, err
+	}
+	if err := CheckSum("sum-compress-carried", len(c), len(sc), len(x)); err != nil {
+		return 0, err
+	}
+	if len(x) == 0 {
+		return 0, nil
+	}
+	stride := PackedLen(len(x))
+	var ss float64
+	for i, v := range x {
+		at, shift := i>>3, 7-uint(i&7)
+		in := sc[0]
+		if c[at]>>shift&1 == 0 {
+			in = -in
+		}
+		for j := 1; j < len(sc); j++ {
+			s := sc[j]
+			if c[j*stride+at]>>shift&1 == 0 {
+				s = -s
+			}
+			in += s
+		}
+		v = Residual(v, prevScale) + in
+		x[i] = v
+		ss += float64(v) * float64(v)
+	}
+	signpack.Pack(p, x)
+	return errorfeedback.ScaleOf(ss, len(x)), nil
+}
+
 // UnpackScale runs signpack.UnpackScale.
 func (d *CPU) UnpackScale(dst, packed Span, scale float32) error {
-	x, p, err := d.unpackArgs("unpack-scale", "unpack-scale destination", "unpack-scale packed", dst, packed)
+	x, p, err := d.kernelArgs("unpack-scale", "unpack-scale destination", "unpack-scale packed", dst, packed)
 	if err != nil {
 		return err
 	}
@@ -186,7 +256,7 @@ func (d *CPU) UnpackScale(dst, packed Span, scale float32) error {
 
 // UnpackScaleAdd runs signpack.UnpackScaleAdd.
 func (d *CPU) UnpackScaleAdd(acc, packed Span, scale float32) error {
-	x, p, err := d.unpackArgs("unpack-scale-add", "unpack-scale-add accumulator", "unpack-scale-add packed", acc, packed)
+	x, p, err := d.kernelArgs("unpack-scale-add", "unpack-scale-add accumulator", "unpack-scale-add packed", acc, packed)
 	if err != nil {
 		return err
 	}
@@ -194,9 +264,9 @@ func (d *CPU) UnpackScaleAdd(acc, packed Span, scale float32) error {
 	return nil
 }
 
-// unpackArgs checks the arguments of an unpack kernel; the names are
-// constants so that the check allocates nothing.
-func (d *CPU) unpackArgs(op, dstName, packedName string, dst, packed Span) ([]float32, []byte, error) {
+// kernelArgs checks a kernel's float32 span and the packed signs of its
+// elements; the names are constants so that the check allocates nothing.
+func (d *CPU) kernelArgs(op, dstName, packedName string, dst, packed Span) ([]float32, []byte, error) {
 	x, err := d.floatsOf(dstName, dst)
 	if err != nil {
 		return nil, nil, err

@@ -4,6 +4,14 @@ package onebit
 // the same steps, with the tensor, both error buffers and the scratch on an
 // accel.Device. Only the packed chunks and the scales cross to the host,
 // where the communicator moves them.
+//
+// The error buffers hold their residuals in the carried form of package
+// accel (x and the scale that packed it), so that each compression is one
+// pass over its buffer: the worker's compensate, norm and pack
+// (CompressCarried), and the server's accumulation of the received chunks
+// with its compensate, norm and pack (SumCompressCarried). Errors and
+// SetErrors convert to and from residuals, so checkpoints hold AllReduce's
+// state.
 
 import (
 	"context"
@@ -26,20 +34,27 @@ type DeviceState struct {
 	numel, world int
 	bufs         []accel.Buffer // every device allocation, for Close
 
-	worker      accel.Span // worker residual, N floats
-	serverErr   accel.Span // server residual, C floats
-	acc         accel.Span // server accumulator c, C floats
+	worker      accel.Span // worker error, carried: N floats
+	serverErr   accel.Span // server error, carried: C floats
 	sendSigns   accel.Span // packed worker signs, N/8 bytes, chunk after chunk
+	recv        accel.Span // recvSigns, then recvScales (one copy from stage)
 	recvSigns   accel.Span // chunks received in phase 1, N/8 bytes, rank after rank
+	recvScales  accel.Span // their worker scales divided by W, W floats
 	serverSigns accel.Span // packed server signs, C/8 bytes
 	allSigns    accel.Span // every rank's packed server chunk, N/8 bytes, rank after rank
+
+	// workerScale and serverScale are the scales that packed the carried
+	// worker and server errors (0 for a residual held as it is).
+	workerScale, serverScale float32
 
 	// stage holds N/8 bytes on the host in the device's order (chunk
 	// after chunk) on their way between the device and the wire buffers
 	// of wire, which are laid out (pieces, headers) exactly as AllReduce's
-	// so that device and host ranks work together.
-	stage []byte
-	wire  State
+	// so that device and host ranks work together; in phase 1 the W
+	// scales of recvScales follow them, from byte scalesAt.
+	stage    []byte
+	scalesAt int
+	wire     State
 }
 
 // NewDeviceState allocates zeroed error buffers and scratch on dev for a
@@ -53,14 +68,15 @@ func NewDeviceState(dev accel.Device, numel, world int) (*DeviceState, error) {
 	}
 	n := PaddedLen(numel, world)
 	c := n / world
-	st := &DeviceState{dev: dev, numel: numel, world: world, stage: make([]byte, n/8)}
+	scalesAt := (n/8 + 3) &^ 3 // 4-byte aligned
+	st := &DeviceState{dev: dev, numel: numel, world: world, stage: make([]byte, scalesAt+4*world), scalesAt: scalesAt}
 	st.wire.initWire(numel, world)
 	for _, a := range []struct {
 		span  *accel.Span
 		bytes int
 	}{
-		{&st.worker, 4 * n}, {&st.serverErr, 4 * c}, {&st.acc, 4 * c},
-		{&st.sendSigns, n / 8}, {&st.recvSigns, n / 8}, {&st.serverSigns, c / 8}, {&st.allSigns, n / 8},
+		{&st.worker, 4 * n}, {&st.serverErr, 4 * c},
+		{&st.sendSigns, n / 8}, {&st.recv, len(st.stage)}, {&st.serverSigns, c / 8}, {&st.allSigns, n / 8},
 	} {
 		b, err := dev.Alloc(a.bytes)
 		if err != nil {
@@ -69,6 +85,8 @@ func NewDeviceState(dev accel.Device, numel, world int) (*DeviceState, error) {
 		st.bufs = append(st.bufs, b)
 		*a.span = accel.Whole(b)
 	}
+	st.recvSigns = st.recv.Sub(0, n/8)
+	st.recvScales = st.recv.Sub(scalesAt, len(st.stage))
 	return st, nil
 }
 
@@ -81,17 +99,19 @@ func (s *DeviceState) World() int { return s.world }
 // Device is the device the state lives on.
 func (s *DeviceState) Device() accel.Device { return s.dev }
 
-// WorkerError is this rank's worker residual on the device,
-// PaddedLen(numel, world) floats.
+// WorkerError is this rank's worker error on the device,
+// PaddedLen(numel, world) floats, in the carried form of package accel
+// (use Errors for the residuals).
 func (s *DeviceState) WorkerError() accel.Span { return s.worker }
 
-// ServerError is this rank's server residual on the device, for its own
-// chunk: PaddedLen(numel, world)/world floats.
+// ServerError is this rank's server error on the device, for its own
+// chunk: PaddedLen(numel, world)/world floats, in the carried form of
+// package accel (use Errors for the residuals).
 func (s *DeviceState) ServerError() accel.Span { return s.serverErr }
 
-// Errors copies both error buffers to the host (for checkpoints and tests):
+// Errors copies both residuals to the host (for checkpoints and tests):
 // worker must hold PaddedLen(numel, world) floats and server a world-th of
-// that.
+// that. They are the WorkerError and ServerError of AllReduce's State.
 func (s *DeviceState) Errors(worker, server []float32) error {
 	if err := s.dev.CopyOut(floatBytes(worker), s.worker); err != nil {
 		return fmt.Errorf("onebit: worker error: %w", err)
@@ -99,23 +119,28 @@ func (s *DeviceState) Errors(worker, server []float32) error {
 	if err := s.dev.CopyOut(floatBytes(server), s.serverErr); err != nil {
 		return fmt.Errorf("onebit: server error: %w", err)
 	}
+	accel.Residuals(worker, s.workerScale)
+	accel.Residuals(server, s.serverScale)
 	return nil
 }
 
-// SetErrors copies both error buffers from the host (to resume from a
+// SetErrors copies both residuals from the host (to resume from a
 // checkpoint); the lengths are those of Errors.
 func (s *DeviceState) SetErrors(worker, server []float32) error {
 	if err := s.dev.CopyIn(s.worker, floatBytes(worker)); err != nil {
 		return fmt.Errorf("onebit: worker error: %w", err)
 	}
+	s.workerScale = 0 // a residual r is carried as (r, 0)
 	if err := s.dev.CopyIn(s.serverErr, floatBytes(server)); err != nil {
 		return fmt.Errorf("onebit: server error: %w", err)
 	}
+	s.serverScale = 0
 	return nil
 }
 
 // Reset zeroes both error buffers.
 func (s *DeviceState) Reset() error {
+	s.workerScale, s.serverScale = 0, 0
 	if err := s.dev.Zero(s.worker); err != nil {
 		return fmt.Errorf("onebit: reset: %w", err)
 	}
@@ -140,27 +165,23 @@ func (s *DeviceState) Close() error {
 }
 
 // server runs the server side, steps 5-9, on the device: the received
-// chunks (in stage, rank after rank) go to the device, are accumulated in
-// ascending rank order, compressed against the server error, and the
-// packed signs come back to the wire's phase 2 message after its scale.
-// It returns the server scale.
-func (s *DeviceState) server(dev accel.Device, w, chunkBytes int) (float32, error) {
-	if err := dev.CopyIn(s.recvSigns, s.stage); err != nil {
+// chunks (in stage, rank after rank) and their scales divided by W go to
+// the device in one copy; one kernel accumulates them in ascending rank
+// order (the sums of AllReduce's server), compensates with the server
+// error and packs; the packed signs come back to the wire's phase 2
+// message after its scale. It returns the server scale.
+func (s *DeviceState) server(dev accel.Device, w int) (float32, error) {
+	for j := range w {
+		binary.LittleEndian.PutUint32(s.stage[s.scalesAt+4*j:], math.Float32bits(s.wire.wscales[j]/float32(w)))
+	}
+	if err := dev.CopyIn(s.recv, s.stage); err != nil {
 		return 0, fmt.Errorf("onebit: received signs to device: %w", err)
 	}
-	if err := dev.UnpackScale(s.acc, s.recvSigns.Sub(0, chunkBytes), s.wire.wscales[0]/float32(w)); err != nil {
-		return 0, fmt.Errorf("onebit: server accumulation: %w", err)
-	}
-	for j := 1; j < w; j++ {
-		chunk := s.recvSigns.Sub(j*chunkBytes, (j+1)*chunkBytes)
-		if err := dev.UnpackScaleAdd(s.acc, chunk, s.wire.wscales[j]/float32(w)); err != nil {
-			return 0, fmt.Errorf("onebit: server accumulation: %w", err)
-		}
-	}
-	scale, err := dev.Compress(s.serverSigns, s.serverErr, s.acc)
+	scale, err := dev.SumCompressCarried(s.serverSigns, s.serverErr, s.serverScale, s.recvSigns, s.recvScales)
 	if err != nil {
 		return 0, fmt.Errorf("onebit: server compression: %w", err)
 	}
+	s.serverScale = scale
 	if err := dev.CopyOut(s.wire.serverMsg[4:], s.serverSigns); err != nil {
 		return 0, fmt.Errorf("onebit: server signs to host: %w", err)
 	}
@@ -246,12 +267,13 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 	chunkLen := n / w
 	chunkBytes := chunkLen / 8
 
-	// Worker side, steps 1-4, on the device.
-	workerScale, err := dev.Compress(st.sendSigns, st.worker, buf)
+	// Worker side, steps 1-4, on the device, in one pass.
+	workerScale, err := dev.CompressCarried(st.sendSigns, st.worker, st.workerScale, buf)
 	if err != nil {
 		return fmt.Errorf("onebit: worker compression: %w", err)
 	}
-	if err := dev.CopyOut(st.stage, st.sendSigns); err != nil {
+	st.workerScale = workerScale
+	if err := dev.CopyOut(st.stage[:n/8], st.sendSigns); err != nil {
 		return fmt.Errorf("onebit: worker signs to host: %w", err)
 	}
 	st.toWire()
@@ -284,7 +306,7 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 		wire.getWorkerScales()
 	}
 	st.fromWire(false)
-	serverScale, err := st.server(dev, w, chunkBytes)
+	serverScale, err := st.server(dev, w)
 	if err != nil {
 		comm.SkipChecks(c, 0)
 		return err
@@ -301,7 +323,7 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 		}
 	}
 	st.fromWire(true)
-	if err := dev.CopyIn(st.allSigns, st.stage); err != nil {
+	if err := dev.CopyIn(st.allSigns, st.stage[:n/8]); err != nil {
 		return fmt.Errorf("onebit: gathered signs to device: %w", err)
 	}
 

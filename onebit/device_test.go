@@ -74,6 +74,32 @@ func sameBits(what string, want, got []float32) error {
 	return nil
 }
 
+// stepBoth runs one step of in on the host path (host) and on the device
+// and compares them bit for bit.
+func (d *deviceRank) stepBoth(ctx context.Context, c comm.Comm, host *onebit.State, in []float32, what string) error {
+	buf := append([]float32(nil), in...)
+	if err := onebit.AllReduce(ctx, c, buf, host); err != nil {
+		return err
+	}
+	out, worker, server, err := d.step(ctx, c, in)
+	if err != nil {
+		return err
+	}
+	return sameAsHost(what, host, buf, out, worker, server)
+}
+
+// sameAsHost compares a device step's output and errors bit for bit with
+// the host path's (its output want and its state host).
+func sameAsHost(what string, host *onebit.State, want, out, worker, server []float32) error {
+	if err := sameBits(what+" output", want, out); err != nil {
+		return err
+	}
+	if err := sameBits(what+" worker error", host.WorkerError, worker); err != nil {
+		return err
+	}
+	return sameBits(what+" server error", host.ServerError, server)
+}
+
 // TestAllReduceDeviceMatchesHost runs AllReduce and AllReduceDevice (on the
 // CPU device) side by side on the same inputs for several steps: outputs
 // and both error buffers must be bit-identical. (The two sum the norms in
@@ -98,21 +124,7 @@ func TestAllReduceDeviceMatchesHost(t *testing.T) {
 						if k == 2 && n > 4 { // zeros and signed zeros take the +1 branch
 							in[0], in[1] = 0, float32(math.Copysign(0, -1))
 						}
-						buf := append([]float32(nil), in...)
-						if err := onebit.AllReduce(ctx, c, buf, host); err != nil {
-							return err
-						}
-						out, worker, server, err := dev.step(ctx, c, in)
-						if err != nil {
-							return err
-						}
-						if err := sameBits(fmt.Sprintf("rank %d step %d output", r, k), buf, out); err != nil {
-							return err
-						}
-						if err := sameBits(fmt.Sprintf("rank %d step %d worker error", r, k), host.WorkerError, worker); err != nil {
-							return err
-						}
-						if err := sameBits(fmt.Sprintf("rank %d step %d server error", r, k), host.ServerError, server); err != nil {
+						if err := dev.stepBoth(ctx, c, host, in, fmt.Sprintf("rank %d step %d", r, k)); err != nil {
 							return err
 						}
 					}
@@ -217,13 +229,7 @@ func TestAllReduceDeviceConformance(t *testing.T) {
 					if err := onebit.AllReduce(ctx, c, buf, host); err != nil {
 						return err
 					}
-					if err := sameBits(fmt.Sprintf("step %d output", k), buf, out); err != nil {
-						return err
-					}
-					if err := sameBits(fmt.Sprintf("step %d worker error", k), host.WorkerError, worker); err != nil {
-						return err
-					}
-					if err := sameBits(fmt.Sprintf("step %d server error", k), host.ServerError, server); err != nil {
+					if err := sameAsHost(fmt.Sprintf("step %d", k), host, buf, out, worker, server); err != nil {
 						return err
 					}
 				}
@@ -287,6 +293,47 @@ func TestAllReduceDeviceMismatchedSizes(t *testing.T) {
 		var me *comm.MismatchError
 		require.ErrorAs(t, err, &me, "rank %d", c.Rank())
 		return nil
+	})
+	require.NoError(t, err)
+}
+
+// TestAllReduceDeviceResume: the device state holds its errors in the
+// carried form; Errors turns them into residuals and SetErrors takes
+// residuals back. A run checkpointed after two steps and resumed on a
+// fresh state must go on bit for bit as the host path does without a
+// break.
+func TestAllReduceDeviceResume(t *testing.T) {
+	const w, n = 3, 1001
+	err := local.Run(ctxT(t), w, func(ctx context.Context, c comm.Comm) error {
+		r := c.Rank()
+		rng := rand.New(rand.NewPCG(11, uint64(r)))
+		host, err := onebit.NewState(n, w)
+		if err != nil {
+			return err
+		}
+		dev := newDeviceRank(t, accel.NewCPU(), n, w)
+		for k := 0; k < 6; k++ {
+			if k == 2 || k == 4 { // checkpoint, then resume on a new state (2) or the same (4)
+				worker := make([]float32, dev.st.WorkerError().Elems())
+				server := make([]float32, dev.st.ServerError().Elems())
+				if err := dev.st.Errors(worker, server); err != nil {
+					return err
+				}
+				if k == 2 {
+					if err := dev.st.Close(); err != nil {
+						return err
+					}
+					dev = newDeviceRank(t, accel.NewCPU(), n, w)
+				}
+				if err := dev.st.SetErrors(worker, server); err != nil {
+					return err
+				}
+			}
+			if err := dev.stepBoth(ctx, c, host, randn(rng, n), fmt.Sprintf("rank %d step %d", r, k)); err != nil {
+				return err
+			}
+		}
+		return dev.st.Close()
 	})
 	require.NoError(t, err)
 }

@@ -1,11 +1,14 @@
 package cuda_test
 
 import (
+	"context"
 	"testing"
 
 	"github.com/lowbit-ml/lowbit/accel"
 	"github.com/lowbit-ml/lowbit/accel/cuda"
+	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/internal/samerun"
+	"github.com/lowbit-ml/lowbit/onebit"
 )
 
 // The benchmarks need a GPU; without one they skip with one line. Build
@@ -23,7 +26,7 @@ type benchBufs struct {
 	dev                         *cuda.Device
 	input, residual, copyDst    accel.Span
 	packed, recv, acc, srvErr   accel.Span
-	srvPacked, all              accel.Span
+	srvPacked, all, scales      accel.Span
 	hostSend, hostRecv, hostAll []byte
 }
 
@@ -41,7 +44,7 @@ func newBenchBufs(b *testing.B, n, w int) *benchBufs {
 	bb := &benchBufs{
 		dev: d, input: alloc(4 * n), residual: alloc(4 * n), copyDst: alloc(4 * n),
 		packed: alloc(n / 8), recv: alloc(n / 8), acc: alloc(4 * c), srvErr: alloc(4 * c),
-		srvPacked: alloc(c / 8), all: alloc(n / 8),
+		srvPacked: alloc(c / 8), all: alloc(n / 8), scales: alloc(4 * w),
 		hostSend: make([]byte, n/8), hostRecv: make([]byte, n/8), hostAll: make([]byte, n/8),
 	}
 	x := make([]float32, n)
@@ -49,6 +52,13 @@ func newBenchBufs(b *testing.B, n, w int) *benchBufs {
 		x[i] = float32(i%1000) - 499.5
 	}
 	if err := d.CopyIn(bb.input, f32bytes(x)); err != nil {
+		b.Fatal(err)
+	}
+	sc := make([]float32, w)
+	for j := range sc {
+		sc[j] = 1 / float32(w)
+	}
+	if err := d.CopyIn(bb.scales, f32bytes(sc)); err != nil {
 		b.Fatal(err)
 	}
 	return bb
@@ -65,73 +75,90 @@ func (bb *benchBufs) copyPass(b *testing.B) func() {
 	}
 }
 
-// BenchmarkCompressVsCopy: compensate+pack (Compress: the norm pass reads
-// residual and input and writes the residual; the pack pass reads and
-// writes the residual and writes the signs) against a device-to-device
-// copy of the same buffer, in bytes read plus written per second. The
-// target is bw-ratio >= 0.8.
+// BenchmarkCompressVsCopy: compensate+pack against a device-to-device
+// copy of the same buffer, in bytes read plus written per second. Two
+// kernels do it: carried (CompressCarried, one pass: read x and the
+// input, write x and the signs) and two-pass (Compress: the norm pass
+// reads residual and input and writes the residual; the pack pass reads
+// and writes the residual and writes the signs). The target is bw-ratio
+// >= 0.8; x-copy-time is the time against the copy's.
 func BenchmarkCompressVsCopy(b *testing.B) {
 	const n = benchElems
-	bb := newBenchBufs(b, n, 1)
-	med := samerun.Medians(b, bb.copyPass(b), func() {
-		if _, err := bb.dev.Compress(bb.packed, bb.residual, bb.input); err != nil {
-			b.Fatal(err)
-		}
-	})
-	copyBytes := float64(8 * n)
-	compressBytes := float64(20*n + n/8)
-	copyBW, compressBW := copyBytes/med[0], compressBytes/med[1]
-	b.ReportMetric(copyBW/1e9, "copy-GB/s")
-	b.ReportMetric(compressBW/1e9, "compress-GB/s")
-	b.ReportMetric(compressBW/copyBW, "bw-ratio")
-	b.ReportMetric(med[1]/med[0], "x-copy-time")
-}
-
-// BenchmarkStepDeviceVsCopy: the device part of one 1-bit allreduce step
-// of rank 0 of W=4 ranks (worker Compress, packed signs to the host and
-// back, 4 chunk unpacks into the server accumulator, server Compress,
-// server signs to the host, the gathered signs back, the output unpack),
-// with the communication left out, against a device-to-device copy of the
-// tensor. Sub-benchmark kernels leaves out the host<->device copies of
-// the packed signs (PCIe, pageable host memory) as well: the kernels'
-// share. The target is x-copy < 3.
-func BenchmarkStepDeviceVsCopy(b *testing.B) {
-	for _, hostCopies := range []bool{true, false} {
-		name := "with-host-copies"
-		if !hostCopies {
-			name = "kernels"
-		}
-		b.Run(name, func(b *testing.B) { benchStep(b, hostCopies) })
+	for _, k := range []struct {
+		name  string
+		bytes float64
+		run   func(bb *benchBufs) error
+	}{
+		{"carried", 12*n + n/8, func(bb *benchBufs) error {
+			_, err := bb.dev.CompressCarried(bb.packed, bb.residual, 0.5, bb.input)
+			return err
+		}},
+		{"two-pass", 20*n + n/8, func(bb *benchBufs) error {
+			_, err := bb.dev.Compress(bb.packed, bb.residual, bb.input)
+			return err
+		}},
+	} {
+		b.Run(k.name, func(b *testing.B) {
+			bb := newBenchBufs(b, n, 1)
+			med := samerun.Medians(b, bb.copyPass(b), func() {
+				if err := k.run(bb); err != nil {
+					b.Fatal(err)
+				}
+			})
+			copyBW, compressBW := float64(8*n)/med[0], k.bytes/med[1]
+			b.ReportMetric(copyBW/1e9, "copy-GB/s")
+			b.ReportMetric(compressBW/1e9, "compress-GB/s")
+			b.ReportMetric(compressBW/copyBW, "bw-ratio")
+			b.ReportMetric(med[1]/med[0], "x-copy-time")
+		})
 	}
 }
 
-func benchStep(b *testing.B, hostCopies bool) {
+// BenchmarkStepDeviceVsCopy: the device part of one 1-bit allreduce step
+// of rank 0 of W=4 ranks, with the communication left out, against a
+// device-to-device copy of the tensor. The target is x-copy < 3.
+//
+//   - allreduce: onebit.AllReduceDevice itself, on a stand-in
+//     communicator whose all-to-all and all-gather copy the rank's own
+//     message into every slot (host staging and the host<->device copies
+//     of packed signs included: PCIe, pageable host memory).
+//   - carried/kernels: its kernels alone (CompressCarried of the tensor,
+//     SumCompressCarried of the rank's chunk from 4 received chunks, the
+//     output UnpackScale), no host copies: the kernels' share.
+//   - two-pass/kernels: the same step with the kernels before the
+//     carried ones (Compress, 4 unpacks into an accumulator, Compress,
+//     UnpackScale), for comparison in the same run.
+func BenchmarkStepDeviceVsCopy(b *testing.B) {
+	b.Run("allreduce", benchAllReduceStep)
+	b.Run("carried/kernels", func(b *testing.B) { benchStep(b, true) })
+	b.Run("two-pass/kernels", func(b *testing.B) { benchStep(b, false) })
+}
+
+func benchStep(b *testing.B, carried bool) {
 	const n, w = benchElems, 4
 	bb := newBenchBufs(b, n, w)
 	d := bb.dev
 	c := n / w
+	check := func(err error) {
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
 	step := func() {
-		check := func(err error) {
-			if err != nil {
-				b.Fatal(err)
+		if carried {
+			_, err := d.CompressCarried(bb.packed, bb.residual, 0.5, bb.input)
+			check(err)
+			_, err = d.SumCompressCarried(bb.srvPacked, bb.srvErr, 0.5, bb.recv, bb.scales)
+			check(err)
+		} else {
+			_, err := d.Compress(bb.packed, bb.residual, bb.input)
+			check(err)
+			check(d.UnpackScale(bb.acc, bb.recv.Sub(0, c/8), 0.25))
+			for j := 1; j < w; j++ {
+				check(d.UnpackScaleAdd(bb.acc, bb.recv.Sub(j*c/8, (j+1)*c/8), 0.25))
 			}
-		}
-		_, err := d.Compress(bb.packed, bb.residual, bb.input)
-		check(err)
-		if hostCopies {
-			check(d.CopyOut(bb.hostSend, bb.packed))
-			copy(bb.hostRecv, bb.hostSend) // stands in for the all-to-all
-			check(d.CopyIn(bb.recv, bb.hostRecv))
-		}
-		check(d.UnpackScale(bb.acc, bb.recv.Sub(0, c/8), 0.25))
-		for j := 1; j < w; j++ {
-			check(d.UnpackScaleAdd(bb.acc, bb.recv.Sub(j*c/8, (j+1)*c/8), 0.25))
-		}
-		_, err = d.Compress(bb.srvPacked, bb.srvErr, bb.acc)
-		check(err)
-		if hostCopies {
-			check(d.CopyOut(bb.hostAll[:c/8], bb.srvPacked))
-			check(d.CopyIn(bb.all, bb.hostAll))
+			_, err = d.Compress(bb.srvPacked, bb.srvErr, bb.acc)
+			check(err)
 		}
 		check(d.UnpackScale(bb.input, bb.all, 1))
 		check(d.Synchronize())
@@ -140,6 +167,50 @@ func benchStep(b *testing.B, hostCopies bool) {
 	b.ReportMetric(float64(8*n)/med[0]/1e9, "copy-GB/s")
 	b.ReportMetric(med[1]*1e3, "step-ms")
 	b.ReportMetric(med[1]/med[0], "x-copy")
+}
+
+func benchAllReduceStep(b *testing.B) {
+	const n, w = benchElems, 4
+	bb := newBenchBufs(b, n, w)
+	st, err := onebit.NewDeviceState(bb.dev, n, w)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { st.Close() })
+	c := selfComm{size: w}
+	ctx := context.Background()
+	med := samerun.Medians(b, bb.copyPass(b), func() {
+		if err := onebit.AllReduceDevice(ctx, c, bb.input, st); err != nil {
+			b.Fatal(err)
+		}
+	})
+	b.ReportMetric(float64(8*n)/med[0]/1e9, "copy-GB/s")
+	b.ReportMetric(med[1]*1e3, "step-ms")
+	b.ReportMetric(med[1]/med[0], "x-copy")
+}
+
+// selfComm stands in for W ranks that all send what rank 0 sends: its
+// all-to-all and all-gather copy the caller's message into every slot, so
+// that AllReduceDevice does all of its device and host work with no
+// communication. Only the methods AllReduceDevice calls are implemented.
+type selfComm struct {
+	comm.Comm
+	size int
+}
+
+func (c selfComm) Rank() int { return 0 }
+func (c selfComm) Size() int { return c.size }
+
+func (c selfComm) AllGatherBytes(_ context.Context, send, recv []byte) error {
+	for j := range c.size {
+		copy(recv[j*len(send):], send)
+	}
+	return nil
+}
+
+func (c selfComm) AllToAllBytes(_ context.Context, send, recv []byte) error {
+	copy(recv, send)
+	return nil
 }
 
 // BenchmarkKernelsVsCopy times each kernel of the step on its own against
@@ -153,6 +224,14 @@ func BenchmarkKernelsVsCopy(b *testing.B) {
 		bytes float64 // read plus written
 		run   func(bb *benchBufs) error
 	}{
+		{"compress-carried-N", 12*n + n/8, func(bb *benchBufs) error {
+			_, err := bb.dev.CompressCarried(bb.packed, bb.residual, 0.5, bb.input)
+			return err
+		}},
+		{"sum-compress-carried-N/4", float64(8*c + c/8 + w*c/8), func(bb *benchBufs) error {
+			_, err := bb.dev.SumCompressCarried(bb.srvPacked, bb.srvErr, 0.5, bb.recv, bb.scales)
+			return err
+		}},
 		{"compress-N", 20*n + n/8, func(bb *benchBufs) error {
 			_, err := bb.dev.Compress(bb.packed, bb.residual, bb.input)
 			return err

@@ -97,6 +97,8 @@ type Device struct {
 	stream                                uintptr
 	module                                uintptr
 	fnNorm, fnPack, fnUnpack, fnUnpackAdd uintptr
+	fnCarry, fnSumCarry, fnScale          uintptr
+	carryPerSM, sumCarryPerSM             int // resident blocks per multiprocessor
 
 	scratch     uint64 // device: maxParts float64 partial sums, then the float32 scale
 	scaleOffset uint64
@@ -111,8 +113,8 @@ type Device struct {
 // launchArgs is pinned host memory for kernel parameters and the driver's
 // out-parameters, so that a launch allocates nothing.
 type launchArgs struct {
-	vals  [8]uint64
-	ptrs  [8]unsafe.Pointer
+	vals  [9]uint64
+	ptrs  [9]unsafe.Pointer
 	out   uint64 // CUdeviceptr, CUmodule, CUfunction, CUcontext, CUstream
 	i32   int32
 	free  uint64
@@ -273,6 +275,7 @@ func (d *Device) loadModule() error {
 	}{
 		{"lowbit_compensate_norm", &d.fnNorm}, {"lowbit_pack_residual", &d.fnPack},
 		{"lowbit_unpack_scale", &d.fnUnpack}, {"lowbit_unpack_scale_add", &d.fnUnpackAdd},
+		{"lowbit_carry_pack", &d.fnCarry}, {"lowbit_sum_carry_pack", &d.fnSumCarry}, {"lowbit_scale", &d.fnScale},
 	} {
 		name := append([]byte(k.name), 0)
 		err := call("cuModuleGetFunction", d.drv.cuModuleGetFunction, uintptr(unsafe.Pointer(&d.args.out)), d.module, uintptr(unsafe.Pointer(&name[0])))
@@ -281,6 +284,18 @@ func (d *Device) loadModule() error {
 			return fmt.Errorf("cuda: kernel %s: %w", k.name, err)
 		}
 		*k.fn = uintptr(d.args.out)
+	}
+	for _, k := range []struct {
+		name   string
+		fn     uintptr
+		blocks *int
+	}{{"lowbit_carry_pack", d.fnCarry, &d.carryPerSM}, {"lowbit_sum_carry_pack", d.fnSumCarry, &d.sumCarryPerSM}} {
+		err := call("cuOccupancyMaxActiveBlocksPerMultiprocessor", d.drv.cuOccupancyMaxActiveBlocksPerMultiprocessor,
+			uintptr(unsafe.Pointer(&d.args.i32)), k.fn, blockSize, 0)
+		if err != nil {
+			return fmt.Errorf("cuda: kernel %s: %w", k.name, err)
+		}
+		*k.blocks = max(1, int(d.args.i32))
 	}
 	return nil
 }
@@ -581,6 +596,107 @@ func (d *Device) Compress(packed, residual, input accel.Span) (float32, error) {
 	packGrid := max(1, min((groups+warpsPerBlock-1)/warpsPerBlock, 4*d.info.SMs))
 	a[0], a[1], a[2], a[3], a[4], a[5] = p, r, uint64(n), d.scratch, uint64(parts), d.scratch+d.scaleOffset
 	if err := d.launch("lowbit_pack_residual", d.fnPack, packGrid); err != nil {
+		return 0, err
+	}
+	if err := call("cuMemcpyDtoHAsync_v2", d.drv.cuMemcpyDtoHAsync, uintptr(unsafe.Pointer(&d.args.scale)), uintptr(d.scratch+d.scaleOffset), 4, d.stream); err != nil {
+		return 0, fmt.Errorf("cuda: %w", err)
+	}
+	if err := d.sync(); err != nil {
+		return 0, err
+	}
+	return d.args.scale, nil
+}
+
+// CompressCarried runs the one-pass carry-and-pack kernel, then the
+// one-block kernel that sums its partial norms, and waits for the scale.
+func (d *Device) CompressCarried(packed, carried accel.Span, prevScale float32, input accel.Span) (float32, error) {
+	leave, err := d.enter()
+	if err != nil {
+		return 0, err
+	}
+	defer leave()
+	x, p, err := d.carriedArgs("compress-carried", "compress-carried x", "compress-carried packed", packed, carried)
+	if err != nil {
+		return 0, err
+	}
+	in, err := d.ptrOf("compress-carried input", input, true)
+	if err != nil {
+		return 0, err
+	}
+	n, nIn := carried.Len/4, input.Len/4
+	if nIn > n {
+		return 0, fmt.Errorf("cuda: compress-carried: input of %d elements is longer than x (%d)", nIn, n)
+	}
+	if n == 0 {
+		return 0, nil
+	}
+	a := &d.args.vals
+	a[0], a[1], a[2], a[3], a[4], a[5] = p, x, uint64(n), uint64(math.Float32bits(prevScale)), in, uint64(nIn)
+	return d.carry("lowbit_carry_pack", d.fnCarry, d.carryPerSM, n, 6)
+}
+
+// SumCompressCarried runs the one-pass kernel that sums the chunks, carries
+// and packs, then the one-block norm kernel, and waits for the scale.
+func (d *Device) SumCompressCarried(packed, carried accel.Span, prevScale float32, chunks, scales accel.Span) (float32, error) {
+	leave, err := d.enter()
+	if err != nil {
+		return 0, err
+	}
+	defer leave()
+	x, p, err := d.carriedArgs("sum-compress-carried", "sum-compress-carried x", "sum-compress-carried packed", packed, carried)
+	if err != nil {
+		return 0, err
+	}
+	c, err := d.ptrOf("sum-compress-carried chunks", chunks, false)
+	if err != nil {
+		return 0, err
+	}
+	sc, err := d.ptrOf("sum-compress-carried scales", scales, true)
+	if err != nil {
+		return 0, err
+	}
+	n, w := carried.Len/4, scales.Len/4
+	if err := accel.CheckSum("sum-compress-carried", chunks.Len, w, n); err != nil {
+		return 0, err
+	}
+	if n == 0 {
+		return 0, nil
+	}
+	a := &d.args.vals
+	a[0], a[1], a[2], a[3] = p, x, uint64(n), uint64(math.Float32bits(prevScale))
+	a[4], a[5], a[6], a[7] = c, uint64(accel.PackedLen(n)), sc, uint64(w)
+	return d.carry("lowbit_sum_carry_pack", d.fnSumCarry, d.sumCarryPerSM, n, 8)
+}
+
+// carriedArgs checks the carried values and packed signs of a carried
+// kernel and returns their device addresses.
+func (d *Device) carriedArgs(op, xName, packedName string, packed, carried accel.Span) (x, p uint64, err error) {
+	if x, err = d.ptrOf(xName, carried, true); err != nil {
+		return 0, 0, err
+	}
+	if p, err = d.ptrOf(packedName, packed, false); err != nil {
+		return 0, 0, err
+	}
+	return x, p, accel.CheckKernel(op, packed.Len, carried.Len/4)
+}
+
+// carry launches a carry-and-pack kernel over n elements, whose
+// parameters are in d.args.vals up to the partial sums (parameter
+// partials, which carry sets), then lowbit_scale, and waits for the
+// scale. The grid is at most one wave of resident blocks (perSM on each
+// multiprocessor), so that no block of the grid-stride loop starts late.
+// The caller holds the lock.
+func (d *Device) carry(kernel string, fn uintptr, perSM, n, partials int) (float32, error) {
+	groups := (n + 1023) / 1024
+	warpsPerBlock := blockSize / 32
+	grid := max(1, min((groups+warpsPerBlock-1)/warpsPerBlock, perSM*d.info.SMs, maxParts))
+	a := &d.args.vals
+	a[partials] = d.scratch
+	if err := d.launch(kernel, fn, grid); err != nil {
+		return 0, err
+	}
+	a[0], a[1], a[2], a[3] = d.scratch, uint64(grid), uint64(n), d.scratch+d.scaleOffset
+	if err := d.launch("lowbit_scale", d.fnScale, 1); err != nil {
 		return 0, err
 	}
 	if err := call("cuMemcpyDtoHAsync_v2", d.drv.cuMemcpyDtoHAsync, uintptr(unsafe.Pointer(&d.args.scale)), uintptr(d.scratch+d.scaleOffset), 4, d.stream); err != nil {

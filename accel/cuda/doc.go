@@ -19,11 +19,21 @@
 // Open records the chosen GPU's memory from NVML; go-nvml needs cgo, so a
 // CGO_ENABLED=0 build reads the memory from the driver instead.
 //
-// The kernels are bandwidth-minded: compensate-and-norm is one pass with
-// coalesced loads and per-block float64 partial sums; pack-with-residual is
-// one pass in which each warp loads 32 coalesced rows of 32 floats, packs
-// each row with a warp ballot (bit-reversed per byte into the wire format),
-// updates the residual, and stores its 32 packed words in one coalesced
-// 128-byte write; the unpack kernels are grid-stride loops with coalesced
-// float stores.
+// The kernels are bandwidth-minded. The carried kernels that
+// onebit.AllReduceDevice uses (CompressCarried, SumCompressCarried) are
+// one pass each: every warp loads 32 coalesced rows of 32 floats, forms
+// each element's residual from the carried value and adds the input (for
+// the server, the scaled signs of the W received chunks, summed in
+// registers), stores the new value, packs each row with a warp ballot
+// (bit-reversed per byte into the wire format), stores its 32 packed words
+// in one coalesced 128-byte write, and adds the squares into per-block
+// float64 partial sums that a one-block kernel turns into the scale; the
+// grid is one wave of resident blocks (cuOccupancyMaxActiveBlocksPerMultiprocessor).
+// Compress is two passes: compensate-and-norm with coalesced loads, then
+// pack-with-residual as above; the unpack kernels are grid-stride loops
+// with coalesced float stores.
+//
+// The tests run kernels/lowbit.cu itself on the host when no GPU is there:
+// testdata/simt.h and simt.cc emulate the thread hierarchy (a fiber per
+// thread, barriers, warp ballots and shuffles) inside a stand-in libcuda.
 package cuda

@@ -80,30 +80,31 @@ type driver struct {
 	lib  uintptr
 	path string
 
-	cuInit                    uintptr
-	cuDriverGetVersion        uintptr
-	cuDeviceGetCount          uintptr
-	cuDeviceGet               uintptr
-	cuDeviceGetName           uintptr
-	cuDeviceGetPCIBusId       uintptr
-	cuDeviceGetAttribute      uintptr
-	cuDevicePrimaryCtxRetain  uintptr
-	cuDevicePrimaryCtxRelease uintptr
-	cuCtxSetCurrent           uintptr
-	cuStreamCreate            uintptr
-	cuStreamDestroy           uintptr
-	cuStreamSynchronize       uintptr
-	cuModuleLoadData          uintptr
-	cuModuleUnload            uintptr
-	cuModuleGetFunction       uintptr
-	cuMemAlloc                uintptr
-	cuMemFree                 uintptr
-	cuMemGetInfo              uintptr
-	cuMemcpyHtoDAsync         uintptr
-	cuMemcpyDtoHAsync         uintptr
-	cuMemcpyDtoDAsync         uintptr
-	cuMemsetD8Async           uintptr
-	cuLaunchKernel            uintptr
+	cuInit                                      uintptr
+	cuDriverGetVersion                          uintptr
+	cuDeviceGetCount                            uintptr
+	cuDeviceGet                                 uintptr
+	cuDeviceGetName                             uintptr
+	cuDeviceGetPCIBusId                         uintptr
+	cuDeviceGetAttribute                        uintptr
+	cuDevicePrimaryCtxRetain                    uintptr
+	cuDevicePrimaryCtxRelease                   uintptr
+	cuCtxSetCurrent                             uintptr
+	cuStreamCreate                              uintptr
+	cuStreamDestroy                             uintptr
+	cuStreamSynchronize                         uintptr
+	cuModuleLoadData                            uintptr
+	cuModuleUnload                              uintptr
+	cuModuleGetFunction                         uintptr
+	cuMemAlloc                                  uintptr
+	cuMemFree                                   uintptr
+	cuMemGetInfo                                uintptr
+	cuMemcpyHtoDAsync                           uintptr
+	cuMemcpyDtoHAsync                           uintptr
+	cuMemcpyDtoDAsync                           uintptr
+	cuMemsetD8Async                             uintptr
+	cuLaunchKernel                              uintptr
+	cuOccupancyMaxActiveBlocksPerMultiprocessor uintptr
 }
 
 // symbols maps each driver field to its exported name. The _v2 names are
@@ -140,6 +141,7 @@ func (d *driver) symbols() []struct {
 		{"cuMemcpyDtoDAsync_v2", &d.cuMemcpyDtoDAsync},
 		{"cuMemsetD8Async", &d.cuMemsetD8Async},
 		{"cuLaunchKernel", &d.cuLaunchKernel},
+		{"cuOccupancyMaxActiveBlocksPerMultiprocessor", &d.cuOccupancyMaxActiveBlocksPerMultiprocessor},
 	}
 }
 

@@ -2,7 +2,7 @@
 //
 // Built to PTX by `make ptx` with Debian's clang, without the CUDA toolkit:
 //
-//   clang-14 --cuda-device-only -nocudainc --cuda-gpu-arch=sm_80 -S -O3 \
+//   clang-14 --cuda-device-only -nocudainc --cuda-gpu-arch=sm_80 -S -O3
 //       -o accel/cuda/lowbit.ptx accel/cuda/kernels/lowbit.cu
 //
 // The PTX is committed and embedded in the Go package; the driver compiles
@@ -19,6 +19,11 @@
 // (lane 8k+j goes to byte 3-k, bit 7-j) and a byte swap puts byte 3-k
 // back at k: the wire format.
 
+#ifdef LOWBIT_SIMT
+// The tests run this file on the host, one fiber per thread
+// (accel/cuda/testdata/simt.h supplies the names below).
+#include "simt.h"
+#else
 #define __global__ __attribute__((global))
 #define __device__ __attribute__((device))
 #define __shared__ __attribute__((shared))
@@ -27,9 +32,6 @@
 typedef long long i64;
 typedef unsigned long long u64;
 typedef unsigned int u32;
-typedef struct __attribute__((aligned(16))) {
-  float x, y, z, w;
-} float4v;
 
 static __device__ __forceinline__ u32 tid() { return __nvvm_read_ptx_sreg_tid_x(); }
 static __device__ __forceinline__ u32 ntid() { return __nvvm_read_ptx_sreg_ntid_x(); }
@@ -42,10 +44,28 @@ static __device__ __forceinline__ u32 nctaid() { return __nvvm_read_ptx_sreg_nct
 // then read the block's scale before thread 0 has stored it.
 static __device__ __forceinline__ void sync_threads() { asm volatile("bar.sync 0;" ::: "memory"); }
 
+// shfl_down_i32 is __shfl_down_sync over the full warp; ballot is
+// __ballot_sync over the full warp.
+static __device__ __forceinline__ int shfl_down_i32(int v, int delta) {
+  return __nvvm_shfl_sync_down_i32(0xffffffffu, v, delta, 0x1f);
+}
+static __device__ __forceinline__ u32 ballot(bool p) { return __nvvm_vote_ballot_sync(0xffffffffu, p); }
+
+// to_wire turns a ballot word into the wire format: bit reversal, then a
+// byte swap (see the top of the file).
+static __device__ __forceinline__ u32 to_wire(u32 word) { return __nvvm_prmt(__builtin_bitreverse32(word), 0, 0x0123); }
+
+static __device__ __forceinline__ double sqrt_rn(double x) { return __nvvm_sqrt_rn_d(x); }
+#endif
+
+typedef struct __attribute__((aligned(16))) {
+  float x, y, z, w;
+} float4v;
+
 static __device__ __forceinline__ double shfl_down(double v, int delta) {
   u64 b = __builtin_bit_cast(u64, v);
-  int lo = __nvvm_shfl_sync_down_i32(0xffffffffu, (int)(u32)b, delta, 0x1f);
-  int hi = __nvvm_shfl_sync_down_i32(0xffffffffu, (int)(u32)(b >> 32), delta, 0x1f);
+  int lo = shfl_down_i32((int)(u32)b, delta);
+  int hi = shfl_down_i32((int)(u32)(b >> 32), delta);
   return __builtin_bit_cast(double, ((u64)(u32)hi << 32) | (u64)(u32)lo);
 }
 
@@ -112,9 +132,34 @@ static __device__ float norm_scale(const double *__restrict__ partials, int npar
   double s = 0;
   for (int k = tid(); k < nparts; k += ntid()) s += partials[k];
   s = block_sum(s);
-  if (tid() == 0) scale = (float)(__nvvm_sqrt_rn_d(s) / __nvvm_sqrt_rn_d((double)n));
+  if (tid() == 0) scale = (float)(sqrt_rn(s) / sqrt_rn((double)n));
   sync_threads();
   return scale;
+}
+
+// load_rows loads the 32 rows of 32 floats of the group of 1024 elements
+// from base, lane by lane (0 beyond n): 32 coalesced loads per warp.
+static __device__ __forceinline__ void load_rows(float v[32], const float *__restrict__ x, i64 base, u32 lane, i64 n) {
+#pragma unroll
+  for (int k = 0; k < 32; k++) {
+    i64 idx = base + k * 32 + lane;
+    v[k] = idx < n ? x[idx] : 0.0f;
+  }
+}
+
+// store_words stores the packed signs of group g, lane's ballot word
+// (row lane) in the wire format: one coalesced 128-byte store per warp, or
+// bytes at an unaligned or partial end.
+static __device__ __forceinline__ void store_words(unsigned char *__restrict__ packed, i64 g, u32 lane, u32 mine,
+                                                   i64 nbytes, bool aligned) {
+  u32 wire = to_wire(mine);
+  i64 at = (g << 7) + 4 * (i64)lane; // byte offset of this lane's word
+  if (aligned && at + 4 <= nbytes) {
+    *(u32 *)(packed + at) = wire;
+  } else {
+    for (int b = 0; b < 4; b++)
+      if (at + b < nbytes) packed[at + b] = (unsigned char)(wire >> (8 * b));
+  }
 }
 
 // lowbit_pack_residual packs the signs of x (n elements) into packed
@@ -137,29 +182,18 @@ extern "C" __global__ void lowbit_pack_residual(unsigned char *__restrict__ pack
   for (i64 g = (i64)ctaid() * (ntid() >> 5) + (tid() >> 5); g < groups; g += warps) {
     i64 base = g << 10;
     float v[32];
-#pragma unroll
-    for (int k = 0; k < 32; k++) {
-      i64 idx = base + k * 32 + lane;
-      v[k] = idx < n ? x[idx] : 0.0f;
-    }
+    load_rows(v, x, base, lane, n);
     u32 mine = 0;
 #pragma unroll
     for (int k = 0; k < 32; k++) {
       i64 idx = base + k * 32 + lane;
       bool in = idx < n;
       bool neg = v[k] < 0.0f; // false for NaN: NaN packs as +1
-      u32 word = __nvvm_vote_ballot_sync(0xffffffffu, in && !neg);
+      u32 word = ballot(in && !neg);
       if (lane == (u32)k) mine = word;
       if (in) x[idx] = neg ? v[k] + scale : v[k] - scale;
     }
-    u32 wire = __nvvm_prmt(__builtin_bitreverse32(mine), 0, 0x0123);
-    i64 at = (g << 7) + 4 * (i64)lane; // byte offset of this lane's word
-    if (aligned && at + 4 <= nbytes) {
-      *(u32 *)(packed + at) = wire;
-    } else {
-      for (int b = 0; b < 4; b++)
-        if (at + b < nbytes) packed[at + b] = (unsigned char)(wire >> (8 * b));
-    }
+    store_words(packed, g, lane, mine, nbytes, aligned);
   }
 }
 
@@ -216,4 +250,118 @@ extern "C" __global__ void lowbit_unpack_scale(float *__restrict__ dst, const un
 extern "C" __global__ void lowbit_unpack_scale_add(float *__restrict__ acc, const unsigned char *__restrict__ packed,
                                                    i64 n, float scale) {
   unpack<true>(acc, packed, n, scale);
+}
+
+// The carried kernels (accel.Device.CompressCarried and SumCompressCarried)
+// keep a residual in its carried form: the buffer holds x, the value the
+// last compression packed, and the host keeps that compression's scale;
+// the residual is x - scale for x >= 0 (or NaN) and x + scale otherwise,
+// in float32, exactly the value lowbit_pack_residual would have stored.
+// Forming it where the next step reads x anyway makes compensate, norm and
+// pack one pass: read x and the input, write x and the signs (12 bytes and
+// one bit per element, against 20 for the two kernels above). The signs do
+// not depend on the scale, so the pass needs no grid-wide sum first; its
+// partial sums of squares go to lowbit_scale afterwards.
+
+// dense_input is the input of CompressCarried: in[i] for i < n_in, nothing
+// beyond (x = residual there, as in lowbit_compensate_norm: adding 0 would
+// turn a residual of -0 into +0).
+struct dense_input {
+  const float *__restrict__ in;
+  i64 n_in;
+  __device__ __forceinline__ bool has(i64 i) const { return i < n_in; }
+  __device__ __forceinline__ float at(i64 i) const { return in[i]; }
+};
+
+// signs_input is the input of SumCompressCarried: the server's average of
+// w packed chunks (chunk j at byte j*stride), scales[j] times the signs of
+// chunk j, summed in float32 in ascending j from the first term: the
+// values of lowbit_unpack_scale for chunk 0 followed by
+// lowbit_unpack_scale_add for the others.
+struct signs_input {
+  const unsigned char *__restrict__ chunks;
+  i64 stride;
+  const float *__restrict__ scales;
+  int w;
+  __device__ __forceinline__ bool has(i64) const { return true; }
+  __device__ __forceinline__ float at(i64 i) const {
+    i64 byte = i >> 3;
+    int bit = (int)(i & 7);
+    float v = pm(chunks[byte], bit, scales[0]);
+    for (int j = 1; j < w; j++) v = v + pm(chunks[j * stride + byte], bit, scales[j]);
+    return v;
+  }
+};
+
+// carry_pack is the one pass: for each element, the residual from the
+// carried x and prev (the scale that packed it), plus the input, stored
+// back in x, its sign packed, its square summed; partials[blockIdx.x] gets
+// the block's float64 sum. Each warp handles groups of 1024 elements as
+// lowbit_pack_residual does (coalesced rows of 32 floats, one ballot per
+// row, one coalesced store of 32 packed words).
+template <class In>
+static __device__ __forceinline__ void carry_pack(unsigned char *__restrict__ packed, float *__restrict__ x, i64 n,
+                                                  float prev, In in, double *__restrict__ partials) {
+  u32 lane = tid() & 31;
+  i64 warps = (i64)nctaid() * (ntid() >> 5);
+  i64 groups = (n + 1023) >> 10;
+  i64 nbytes = (n + 7) >> 3;
+  bool aligned = (((u64)packed) & 3) == 0;
+  double s0 = 0, s1 = 0;
+  for (i64 g = (i64)ctaid() * (ntid() >> 5) + (tid() >> 5); g < groups; g += warps) {
+    i64 base = g << 10;
+    float v[32];
+    load_rows(v, x, base, lane, n);
+#pragma unroll
+    for (int k = 0; k < 32; k++) {
+      i64 idx = base + k * 32 + lane;
+      float e = v[k] < 0.0f ? v[k] + prev : v[k] - prev; // NaN: NaN - prev
+      if (idx < n && in.has(idx)) e = e + in.at(idx);
+      v[k] = e;
+    }
+    u32 mine = 0;
+#pragma unroll
+    for (int k = 0; k < 32; k++) {
+      i64 idx = base + k * 32 + lane;
+      bool ok = idx < n;
+      u32 word = ballot(ok && !(v[k] < 0.0f)); // NaN packs as +1
+      if (lane == (u32)k) mine = word;
+      if (ok) {
+        x[idx] = v[k];
+        if (k & 1)
+          s1 += (double)v[k] * (double)v[k];
+        else
+          s0 += (double)v[k] * (double)v[k];
+      }
+    }
+    store_words(packed, g, lane, mine, nbytes, aligned);
+  }
+  double s = block_sum(s0 + s1);
+  if (tid() == 0) partials[ctaid()] = s;
+}
+
+// lowbit_carry_pack: CompressCarried, x = residual(x, prev) + pad(input).
+extern "C" __global__ void lowbit_carry_pack(unsigned char *__restrict__ packed, float *__restrict__ x, i64 n,
+                                             float prev, const float *__restrict__ input, i64 n_input,
+                                             double *__restrict__ partials) {
+  dense_input in = {input, n_input};
+  carry_pack(packed, x, n, prev, in, partials);
+}
+
+// lowbit_sum_carry_pack: SumCompressCarried, x = residual(x, prev) + the
+// scaled sum of w packed chunks.
+extern "C" __global__ void lowbit_sum_carry_pack(unsigned char *__restrict__ packed, float *__restrict__ x, i64 n,
+                                                 float prev, const unsigned char *__restrict__ chunks, i64 stride,
+                                                 const float *__restrict__ scales, int w,
+                                                 double *__restrict__ partials) {
+  signs_input in = {chunks, stride, scales, w};
+  carry_pack(packed, x, n, prev, in, partials);
+}
+
+// lowbit_scale: one block sums the partials of a carry pass in a fixed
+// order and stores the scale, float32(sqrt(ss) / sqrt(n)).
+extern "C" __global__ void lowbit_scale(const double *__restrict__ partials, int nparts, i64 n,
+                                        float *__restrict__ scale_out) {
+  float scale = norm_scale(partials, nparts, n);
+  if (tid() == 0) *scale_out = scale;
 }

@@ -1,11 +1,13 @@
 // A stand-in for libcuda.so.1 for the tests of package accel/cuda: the
 // driver entry points the package calls, on host memory ("device"
-// pointers are host pointers), with the four kernels emulated in C by name.
+// pointers are host pointers), with the kernels of kernels/lowbit.cu run
+// on the host by simt.cc (g++ builds both into one library).
 // stub_cuda_set selects failures. It checks the arguments it can, so that
 // the Go side's argument passing is exercised for real.
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -14,7 +16,7 @@ typedef unsigned long long CUdeviceptr;
 
 enum {
   OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, NO_DEVICE = 100,
-  INVALID_DEVICE = 101, INVALID_CONTEXT = 201, UNSUPPORTED_PTX = 222, INVALID_HANDLE = 400, NOT_FOUND = 500,
+  INVALID_DEVICE = 101, INVALID_CONTEXT = 201, UNSUPPORTED_PTX = 222, INVALID_HANDLE = 400, NOT_FOUND = 500, LAUNCH_FAILED = 719,
 };
 
 static int mode;             // 0 ok, 1 no device, 2 old driver, 3 PTX rejected, 4 old GPU
@@ -90,31 +92,56 @@ CUresult cuStreamCreate(void **s, unsigned int flags) {
 CUresult cuStreamDestroy_v2(void *s) { return s == &stream_token ? OK : INVALID_HANDLE; }
 CUresult cuStreamSynchronize(void *s) { return s == &stream_token ? OK : INVALID_HANDLE; }
 
+// The kernels are those of kernels/lowbit.cu, run on the host by simt.cc.
+int simt_kernel(const char *name);
+int simt_launch(int k, unsigned grid, unsigned block, void **params, char *err, int errlen);
+static char launch_error[256];
+const char *stub_cuda_launch_error(void) { return launch_error; }
+
 static int module_token;
+static char *module_image;
 CUresult cuModuleLoadData(void **m, const void *image) {
   if (!m || !image) return INVALID_VALUE;
   if (mode == 3) return UNSUPPORTED_PTX;
-  // The image must be NUL-terminated PTX that defines the kernels.
+  // The image must be NUL-terminated PTX; cuModuleGetFunction looks the
+  // kernels up in it.
   const char *p = image;
-  if (!strstr(p, ".entry lowbit_pack_residual(")) return 218; // INVALID_PTX
+  if (!strstr(p, ".visible .entry ")) return 218; // INVALID_PTX
+  pthread_mutex_lock(&mu);
+  free(module_image);
+  module_image = strdup(p);
+  pthread_mutex_unlock(&mu);
   *m = &module_token;
   return OK;
 }
 CUresult cuModuleUnload(void *m) { return m == &module_token ? OK : INVALID_HANDLE; }
 
-static const char *kernels[] = {"lowbit_compensate_norm", "lowbit_pack_residual", "lowbit_unpack_scale",
-                                "lowbit_unpack_scale_add"};
+// cuModuleGetFunction finds a kernel that both the embedded PTX defines
+// and simt.cc can run.
 CUresult cuModuleGetFunction(void **f, void *m, const char *name) {
   if (m != &module_token || !f || !name) return INVALID_HANDLE;
-  for (intptr_t i = 0; i < 4; i++)
-    if (!strcmp(name, kernels[i])) {
-      *f = (void *)(i + 1);
-      return OK;
-    }
-  return NOT_FOUND;
+  char entry[300];
+  snprintf(entry, sizeof entry, ".visible .entry %s(", name);
+  int k = simt_kernel(name);
+  pthread_mutex_lock(&mu);
+  int found = module_image && strstr(module_image, entry);
+  pthread_mutex_unlock(&mu);
+  if (!k || !found) return NOT_FOUND;
+  *f = (void *)(intptr_t)k;
+  return OK;
 }
 
-// Allocations carry an 8-byte header with their size.
+// Allocations carry a header (size, list links) and are followed by
+// kGuard guard bytes; after every launch check_guards looks for a kernel
+// that wrote past the end of a buffer.
+enum { kGuard = 64, kGuardByte = 0xCD };
+struct alloc {
+  uint64_t n;
+  struct alloc *next, *prev;
+  uint64_t pad;
+};
+static struct alloc allocs = {0, &allocs, &allocs, 0};
+
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
   if (!p || n == 0) return INVALID_VALUE;
   pthread_mutex_lock(&mu);
@@ -122,23 +149,50 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     pthread_mutex_unlock(&mu);
     return OUT_OF_MEMORY;
   }
+  struct alloc *h = malloc(sizeof *h + n + kGuard);
+  if (!h) {
+    pthread_mutex_unlock(&mu);
+    return OUT_OF_MEMORY;
+  }
   mem_used += n;
+  h->n = n;
+  h->next = allocs.next;
+  h->prev = &allocs;
+  allocs.next->prev = h;
+  allocs.next = h;
+  unsigned char *data = (unsigned char *)(h + 1);
+  memset(data, 0xA5, n); // not zero: Alloc must clear it
+  memset(data + n, kGuardByte, kGuard);
   pthread_mutex_unlock(&mu);
-  uint64_t *h = malloc(n + 16);
-  if (!h) return OUT_OF_MEMORY;
-  h[0] = n;
-  memset(h + 2, 0xA5, n); // not zero: Alloc must clear it
-  *p = (CUdeviceptr)(h + 2);
+  *p = (CUdeviceptr)data;
   return OK;
 }
 CUresult cuMemFree_v2(CUdeviceptr p) {
   if (!p) return INVALID_VALUE;
-  uint64_t *h = (uint64_t *)p - 2;
+  struct alloc *h = (struct alloc *)p - 1;
   pthread_mutex_lock(&mu);
-  mem_used -= h[0];
+  mem_used -= h->n;
+  h->prev->next = h->next;
+  h->next->prev = h->prev;
   pthread_mutex_unlock(&mu);
   free(h);
   return OK;
+}
+
+// check_guards returns 0, or -1 with the buffer a kernel overran in err;
+// the caller holds mu.
+static int check_guards(char *err, int errlen) {
+  for (struct alloc *h = allocs.next; h != &allocs; h = h->next) {
+    unsigned char *g = (unsigned char *)(h + 1) + h->n;
+    for (int i = 0; i < kGuard; i++)
+      if (g[i] != kGuardByte) {
+        snprintf(err, errlen, "a kernel wrote %d bytes past the end of a %llu-byte buffer", i + 1,
+                 (unsigned long long)h->n);
+        memset(g, kGuardByte, kGuard);
+        return -1;
+      }
+  }
+  return 0;
 }
 CUresult cuMemGetInfo_v2(size_t *free_, size_t *total) {
   if (!free_ || !total) return INVALID_VALUE;
@@ -167,56 +221,10 @@ CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void *s) {
   return OK;
 }
 
-// The kernels, emulated block by block with the grid-stride loops of
-// lowbit.cu (sums in a different order; the results agree within the
-// spec's tolerance).
-static void k_norm(unsigned gx, unsigned bx, void **a) {
-  float *r = *(float **)a[0];
-  const float *in = *(const float **)a[1];
-  long long nin = *(long long *)a[2], n = *(long long *)a[3];
-  double *parts = *(double **)a[4];
-  long long stride = (long long)gx * bx;
-  for (unsigned b = 0; b < gx; b++) {
-    double s = 0;
-    for (unsigned t = 0; t < bx; t++)
-      for (long long i = (long long)b * bx + t; i < n; i += stride) {
-        float x = r[i];
-        if (i < nin) x = x + in[i];
-        r[i] = x;
-        s += (double)x * (double)x;
-      }
-    parts[b] = s;
-  }
-}
-static void k_pack(void **a) {
-  unsigned char *p = *(unsigned char **)a[0];
-  float *x = *(float **)a[1];
-  long long n = *(long long *)a[2];
-  const double *parts = *(const double **)a[3];
-  int nparts = *(int *)a[4];
-  float *out = *(float **)a[5];
-  double s = 0;
-  for (int k = 0; k < nparts; k++) s += parts[k];
-  float scale = (float)(sqrt(s) / sqrt((double)n));
-  *out = scale;
-  for (long long i = 0; i < n; i += 8) {
-    unsigned char b = 0;
-    for (long long j = i; j < i + 8 && j < n; j++) {
-      if (x[j] < 0) x[j] += scale;
-      else { b |= 0x80 >> (j - i); x[j] -= scale; }
-    }
-    p[i / 8] = b;
-  }
-}
-static void k_unpack(void **a, int add) {
-  float *d = *(float **)a[0];
-  const unsigned char *p = *(const unsigned char **)a[1];
-  long long n = *(long long *)a[2];
-  float scale = *(float *)a[3];
-  for (long long i = 0; i < n; i++) {
-    float v = (p[i >> 3] >> (7 - (i & 7))) & 1 ? scale : -scale;
-    d[i] = add ? d[i] + v : v;
-  }
+CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, void *f, int block, size_t shmem) {
+  if (!blocks || !f || block <= 0 || block > 1024 || shmem) return INVALID_VALUE;
+  *blocks = 2048 / block - 1; // as if registers held one block back
+  return OK;
 }
 CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shmem, void *s, void **params, void **extra) {
@@ -224,11 +232,9 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
     return INVALID_VALUE;
   if (bx == 0 || bx > 1024 || bx % 32) return INVALID_VALUE;
   __atomic_add_fetch(&launches, 1, __ATOMIC_SEQ_CST);
-  switch ((intptr_t)f) {
-  case 1: if (gx > 1024) return INVALID_VALUE; k_norm(gx, bx, params); return OK;
-  case 2: k_pack(params); return OK;
-  case 3: k_unpack(params, 0); return OK;
-  case 4: k_unpack(params, 1); return OK;
-  }
-  return INVALID_HANDLE;
+  pthread_mutex_lock(&mu);
+  int rc = simt_launch((int)(intptr_t)f, gx, bx, params, launch_error, sizeof launch_error);
+  if (rc == 0) rc = check_guards(launch_error, sizeof launch_error);
+  pthread_mutex_unlock(&mu);
+  return rc == 0 ? OK : LAUNCH_FAILED;
 }

@@ -28,6 +28,7 @@ const Tolerance = 1e-5
 // in another order).
 func Run(t *testing.T, dev accel.Device, exact bool) {
 	t.Run("kernels", func(t *testing.T) { kernels(t, dev, exact) })
+	t.Run("carried", func(t *testing.T) { carried(t, dev, exact) })
 	t.Run("copies", func(t *testing.T) { copies(t, dev) })
 	t.Run("bad-input", func(t *testing.T) { badInput(t, dev) })
 }
@@ -91,9 +92,14 @@ func kernels(t *testing.T, dev accel.Device, exact bool) {
 		for _, nIn := range []int{n, n - 5} {
 			in := randn(rng, nIn)
 			res := randn(rng, n)
+			// A NaN makes the scale and every residual NaN: only the
+			// shorter input has one, so that the floats of the other
+			// are checked.
 			if nIn > 2 {
-				in[0], in[1] = float32(math.NaN()), float32(math.Copysign(0, -1))
-				res[0], res[1] = 0, 0
+				in[1], res[1] = float32(math.Copysign(0, -1)), 0
+				if nIn < n {
+					in[0], res[0] = float32(math.NaN()), 0
+				}
 			}
 			if nIn > 3 {
 				in[2], res[2] = float32(math.Copysign(0, -1)), 0 // -0 + 0 = +0
@@ -131,6 +137,127 @@ func kernels(t *testing.T, dev accel.Device, exact bool) {
 			}
 		}
 	}
+}
+
+// carried checks CompressCarried and SumCompressCarried against the host
+// code: x = residual + input and the packed signs bit for bit on every
+// device (no scale enters them), the scale and the residual Residuals makes
+// of x bit for bit when exact, else within Tolerance.
+func carried(t *testing.T, dev accel.Device, exact bool) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	for _, n := range []int{8, 24, 1000, 1024, 4104, 100_000} {
+		for _, prev := range []float32{0, 0.75} {
+			xPrev := randn(rng, n)
+			xPrev[n-1] = float32(math.Copysign(0, -1))
+			if prev == 0 {
+				xPrev[1] = 0
+			} else {
+				xPrev[0] = float32(math.NaN()) // a NaN scale: only the signs and x are checked
+			}
+			res := append(errorfeedback.Residual(nil), xPrev...)
+			accel.Residuals(res, prev)
+
+			// CompressCarried, with an input shorter than x (the residual
+			// of -0 at the end must stay -0) and as long.
+			for _, nIn := range []int{n, n - 5} {
+				in := randn(rng, nIn)
+				want := hostCompress(t, res, in)
+				what := fmt.Sprintf("compress-carried n=%d input %d prev %g", n, nIn, prev)
+				got := runCarried(t, dev, xPrev, prev, func(packed, x accel.Span) (float32, error) {
+					ib := alloc(t, dev, 4*len(in)+4)
+					inSpan := accel.Floats(ib, 1, len(in)) // not the whole buffer
+					must(t, dev.CopyIn(inSpan, Bytes(in)), "copy-in")
+					return dev.CompressCarried(packed, x, prev, inSpan)
+				})
+				checkCarried(t, what, got, want, exact)
+			}
+
+			// SumCompressCarried of w chunks.
+			for _, w := range []int{1, 3} {
+				chunks := make([]byte, w*signpack.PackedLen(n))
+				for i := range chunks {
+					chunks[i] = byte(rng.Uint32())
+				}
+				scales := make([]float32, w)
+				for j := range scales {
+					scales[j] = float32(rng.Float64()) / float32(w)
+				}
+				acc := make([]float32, n)
+				for j := range w {
+					c := chunks[j*signpack.PackedLen(n) : (j+1)*signpack.PackedLen(n)]
+					if j == 0 {
+						signpack.UnpackScale(acc, c, scales[0])
+					} else {
+						signpack.UnpackScaleAdd(acc, c, scales[j])
+					}
+				}
+				want := hostCompress(t, res, acc)
+				what := fmt.Sprintf("sum-compress-carried n=%d w=%d prev %g", n, w, prev)
+				got := runCarried(t, dev, xPrev, prev, func(packed, x accel.Span) (float32, error) {
+					cb := alloc(t, dev, len(chunks)+1)
+					cs := accel.Span{Buf: cb, Off: 1, Len: len(chunks)} // unaligned
+					sb := alloc(t, dev, 4*w)
+					must(t, dev.CopyIn(cs, chunks), "copy-in")
+					must(t, dev.CopyIn(accel.Whole(sb), Bytes(scales)), "copy-in")
+					return dev.SumCompressCarried(packed, x, prev, cs, accel.Whole(sb))
+				})
+				checkCarried(t, what, got, want, exact)
+			}
+		}
+	}
+}
+
+// runCarried runs kernel on a copy of xPrev and returns what it left.
+func runCarried(t *testing.T, dev accel.Device, xPrev []float32, prev float32,
+	kernel func(packed, x accel.Span) (float32, error)) compressed {
+	t.Helper()
+	n := len(xPrev)
+	xb := alloc(t, dev, 4*n)
+	pb := alloc(t, dev, signpack.PackedLen(n)+3)
+	packed := accel.Span{Buf: pb, Off: 3, Len: signpack.PackedLen(n)} // unaligned
+	must(t, dev.CopyIn(accel.Whole(xb), Bytes(xPrev)), "copy-in")
+	scale, err := kernel(packed, accel.Whole(xb))
+	must(t, err, "carried kernel")
+	out := compressed{packed: make([]byte, packed.Len), res: make([]float32, n), scale: scale}
+	must(t, dev.CopyOut(out.packed, packed), "copy-out")
+	must(t, dev.CopyOut(Bytes(out.res), accel.Whole(xb)), "copy-out")
+	return out
+}
+
+// hostWant is what the host code computes from a residual and an input:
+// x = residual + pad(input), the packed signs of x, the scale and the new
+// residual.
+type hostWant struct {
+	x, res []float32
+	packed []byte
+	scale  float32
+}
+
+func hostCompress(t *testing.T, res, in []float32) hostWant {
+	t.Helper()
+	w := hostWant{x: append([]float32(nil), res...), res: append([]float32(nil), res...), packed: make([]byte, signpack.PackedLen(len(res)))}
+	for i := range in {
+		w.x[i] = res[i] + in[i]
+	}
+	var err error
+	w.scale, err = errorfeedback.Residual(w.res).Compress(w.packed, in)
+	must(t, err, "host compress")
+	return w
+}
+
+// checkCarried compares a carried kernel's x (in got.res), signs, scale
+// and the residuals of x with the host's.
+func checkCarried(t *testing.T, what string, got compressed, want hostWant, exact bool) {
+	t.Helper()
+	for i := range want.packed {
+		if got.packed[i] != want.packed[i] {
+			t.Fatalf("%s: packed[%d] = %#02x, want %#02x", what, i, got.packed[i], want.packed[i])
+		}
+	}
+	must(t, Compare(what+" x", want.x, got.res, true), "carried")
+	must(t, Compare(what+" scale", []float32{want.scale}, []float32{got.scale}, exact), "carried")
+	accel.Residuals(got.res, got.scale)
+	must(t, Compare(what+" residual", want.res, got.res, exact), "carried")
 }
 
 type compressed struct {
@@ -248,6 +375,12 @@ func badInput(t *testing.T, dev accel.Device) {
 		{"input longer than residual", second(dev.Compress(accel.Span{Buf: p3, Len: 1}, accel.Floats(b, 0, 8), accel.Whole(b)))},
 		{"compress packed wrong", second(dev.Compress(accel.Whole(p3), accel.Whole(b), accel.Floats(b, 0, 0)))},
 		{"negative alloc", second(dev.Alloc(-1))},
+		{"carried input longer than x", second(dev.CompressCarried(accel.Span{Buf: p3, Len: 1}, accel.Floats(b, 0, 8), 0, accel.Whole(b)))},
+		{"carried packed wrong", second(dev.CompressCarried(accel.Whole(p3), accel.Whole(b), 0, accel.Floats(b, 0, 0)))},
+		{"carried x not aligned", second(dev.CompressCarried(accel.Span{Buf: p3, Len: 1}, accel.Span{Buf: b, Off: 2, Len: 32}, 0, accel.Floats(b, 0, 0)))},
+		{"sum chunks too short", second(dev.SumCompressCarried(accel.Span{Buf: p3, Len: 1}, accel.Floats(b, 0, 8), 0, accel.Span{Buf: p3, Len: 1}, accel.Floats(b, 8, 2)))},
+		{"sum without scales", second(dev.SumCompressCarried(accel.Span{Buf: p3, Len: 1}, accel.Floats(b, 0, 8), 0, accel.Span{Buf: p3, Len: 0}, accel.Floats(b, 8, 0)))},
+		{"sum packed wrong", second(dev.SumCompressCarried(accel.Whole(p3), accel.Floats(b, 0, 8), 0, accel.Span{Buf: p3, Len: 1}, accel.Floats(b, 8, 1)))},
 	} {
 		if c.err == nil {
 			t.Errorf("%s: no error", c.what)
