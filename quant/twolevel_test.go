@@ -315,12 +315,16 @@ func TestTwoLevelPipelined(t *testing.T) {
 					}
 					before := tl.Stats()
 					tl.pieces = pieces
+					// At most as many pieces as asked for (and slices have
+					// elements), none of them empty, and no fewer than half
+					// (k=10 in 7 is 5 pieces of 2: 7 of ceil(10/7) = 2 would
+					// leave the last two empty).
 					k := (n + w - 1) / w
-					// As many pieces as asked for, or fewer where pieces
-					// of ceil(k/pieces) need fewer (k=10 in 7: 5 of 2).
-					piece := (k + min(pieces, k) - 1) / min(pieces, k)
-					if got, want := tl.pipePieces(k), (k+piece-1)/piece; got != want {
-						return fmt.Errorf("pipePieces = %d, want %d", got, want)
+					p := tl.pipePieces(k)
+					piece := (k + p - 1) / p
+					if asked := min(pieces, k); p > asked || 2*p < asked || (p-1)*piece >= k {
+						return fmt.Errorf("pipePieces(%d) = %d with %d asked for: pieces of %d, the last %d elements",
+							k, p, pieces, piece, k-(p-1)*piece)
 					}
 					buf := append([]float32(nil), in...)
 					if err := tl.AllReduce(ctx, buf); err != nil {
