@@ -2,6 +2,8 @@ package accel_test
 
 import (
 	"errors"
+	"math"
+	"math/rand/v2"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -49,4 +51,33 @@ func TestCPUAllocs(t *testing.T) {
 		_ = d.UnpackScaleAdd(accel.Whole(x), accel.Whole(p), 0.5)
 	})
 	assert.Zero(t, allocs)
+}
+
+// TestResidual checks the branch-free Residual against its definition
+// (x - scale for x >= 0 or NaN, x + scale otherwise) bit for bit, on the
+// special values and on random bit patterns.
+func TestResidual(t *testing.T) {
+	want := func(x, s float32) float32 {
+		if x < 0 {
+			return x + s
+		}
+		return x - s
+	}
+	xs := []float32{0, float32(math.Copysign(0, -1)), 1, -1, float32(math.Inf(1)), float32(math.Inf(-1)),
+		math.Float32frombits(1), math.Float32frombits(0x80000001), math.MaxFloat32, -math.MaxFloat32,
+		math.Float32frombits(0x7fc00000), math.Float32frombits(0xffc00000), math.Float32frombits(0x7f800001),
+		math.Float32frombits(0xff800001)}
+	rng := rand.New(rand.NewPCG(5, 6))
+	for range 100_000 {
+		xs = append(xs, math.Float32frombits(rng.Uint32()))
+	}
+	for _, s := range []float32{0, 0.75, 3e-39, float32(math.Inf(1))} {
+		for _, x := range xs {
+			got, w := accel.Residual(x, s), want(x, s)
+			if math.Float32bits(got) != math.Float32bits(w) {
+				t.Fatalf("Residual(%g (%#08x), %g) = %g (%#08x), want %g (%#08x)",
+					x, math.Float32bits(x), s, got, math.Float32bits(got), w, math.Float32bits(w))
+			}
+		}
+	}
 }

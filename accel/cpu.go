@@ -2,6 +2,7 @@ package accel
 
 import (
 	"fmt"
+	"math"
 	"unsafe"
 
 	"github.com/lowbit-ml/lowbit/errorfeedback"
@@ -15,6 +16,7 @@ import (
 // to use; it is not safe for concurrent use.
 type CPU struct {
 	closed bool
+	acc    []float32 // SumCompressCarried's accumulator, grown on demand
 }
 
 // NewCPU returns a CPU device.
@@ -191,7 +193,7 @@ func (d *CPU) CompressCarried(packed, carried Span, prevScale float32, input Spa
 	if len(x) == 0 {
 		return 0, nil
 	}
-	Residuals(x, prevScale)
+	residuals(x, p, prevScale)
 	scale, err := errorfeedback.Residual(x).Compensate(in)
 	if err != nil {
 		return 0, fmt.Errorf("accel: cpu: %w", err)
@@ -200,8 +202,10 @@ func (d *CPU) CompressCarried(packed, carried Span, prevScale float32, input Spa
 	return scale, nil
 }
 
-// SumCompressCarried forms each element's residual and input in one loop,
-// then packs the signs.
+// SumCompressCarried forms the residuals in place, accumulates the chunks
+// with signpack.UnpackScale and UnpackScaleAdd into a scratch buffer the
+// device keeps (it grows on the first call of a size), then runs
+// errorfeedback.Residual.Compensate and signpack.Pack.
 func (d *CPU) SumCompressCarried(packed, carried Span, prevScale float32, chunks, scales Span) (float32, error) {
 	x, p, err := d.kernelArgs("sum-compress-carried", "sum-compress-carried x", "sum-compress-carried packed", carried, packed)
 	if err != nil {
@@ -221,27 +225,32 @@ func (d *CPU) SumCompressCarried(packed, carried Span, prevScale float32, chunks
 	if len(x) == 0 {
 		return 0, nil
 	}
+	if cap(d.acc) < len(x) {
+		d.acc = make([]float32, len(x))
+	}
+	acc := d.acc[:len(x)]
 	stride := PackedLen(len(x))
-	var ss float64
-	for i, v := range x {
-		at, shift := i>>3, 7-uint(i&7)
-		in := sc[0]
-		if c[at]>>shift&1 == 0 {
-			in = -in
-		}
-		for j := 1; j < len(sc); j++ {
-			s := sc[j]
-			if c[j*stride+at]>>shift&1 == 0 {
-				s = -s
-			}
-			in += s
-		}
-		v = Residual(v, prevScale) + in
-		x[i] = v
-		ss += float64(v) * float64(v)
+	signpack.UnpackScale(acc, c[:stride], sc[0])
+	for j := 1; j < len(sc); j++ {
+		signpack.UnpackScaleAdd(acc, c[j*stride:(j+1)*stride], sc[j])
+	}
+	residuals(x, p, prevScale)
+	scale, err := errorfeedback.Residual(x).Compensate(acc)
+	if err != nil {
+		return 0, fmt.Errorf("accel: cpu: %w", err)
 	}
 	signpack.Pack(p, x)
-	return errorfeedback.ScaleOf(ss, len(x)), nil
+	return scale, nil
+}
+
+// residuals is Residuals in one pass of signpack.PackResidual, the kernel
+// that leaves Compress's residuals; it also writes the signs of x to
+// packed, which the caller overwrites afterwards. A scale of +0 leaves
+// every x as it is.
+func residuals(x []float32, packed []byte, scale float32) {
+	if math.Float32bits(scale) != 0 {
+		signpack.PackResidual(packed, x, scale)
+	}
 }
 
 // UnpackScale runs signpack.UnpackScale.
