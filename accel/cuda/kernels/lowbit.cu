@@ -263,6 +263,10 @@ extern "C" __global__ void lowbit_unpack_scale_add(float *__restrict__ acc, cons
 // not depend on the scale, so the pass needs no grid-wide sum first; its
 // partial sums of squares go to lowbit_scale afterwards.
 
+// An input of carry_pack gives, for the group of 1024 elements at base,
+// the value each lane adds to its 32 elements (rows(r, base, lane, n)),
+// and whether element i gets one at all (has(i)).
+
 // dense_input is the input of CompressCarried: in[i] for i < n_in, nothing
 // beyond (x = residual there, as in lowbit_compensate_norm: adding 0 would
 // turn a residual of -0 into +0).
@@ -270,26 +274,35 @@ struct dense_input {
   const float *__restrict__ in;
   i64 n_in;
   __device__ __forceinline__ bool has(i64 i) const { return i < n_in; }
-  __device__ __forceinline__ float at(i64 i) const { return in[i]; }
+  __device__ __forceinline__ void rows(float r[32], i64 base, u32 lane, i64) const {
+    load_rows(r, in, base, lane, n_in);
+  }
 };
 
 // signs_input is the input of SumCompressCarried: the server's average of
 // w packed chunks (chunk j at byte j*stride), scales[j] times the signs of
 // chunk j, summed in float32 in ascending j from the first term: the
 // values of lowbit_unpack_scale for chunk 0 followed by
-// lowbit_unpack_scale_add for the others.
+// lowbit_unpack_scale_add for the others. The loop over the chunks is
+// outside the unrolled rows, so that the kernel's code does not grow with
+// 32 copies of it.
 struct signs_input {
   const unsigned char *__restrict__ chunks;
   i64 stride;
   const float *__restrict__ scales;
   int w;
   __device__ __forceinline__ bool has(i64) const { return true; }
-  __device__ __forceinline__ float at(i64 i) const {
-    i64 byte = i >> 3;
-    int bit = (int)(i & 7);
-    float v = pm(chunks[byte], bit, scales[0]);
-    for (int j = 1; j < w; j++) v = v + pm(chunks[j * stride + byte], bit, scales[j]);
-    return v;
+  __device__ __forceinline__ void rows(float r[32], i64 base, u32 lane, i64 n) const {
+    for (int j = 0; j < w; j++) {
+      const unsigned char *__restrict__ c = chunks + j * stride;
+      float s = scales[j];
+#pragma unroll
+      for (int k = 0; k < 32; k++) {
+        i64 idx = base + k * 32 + lane;
+        float v = idx < n ? pm(c[idx >> 3], (int)(idx & 7), s) : 0.0f;
+        r[k] = j == 0 ? v : r[k] + v;
+      }
+    }
   }
 };
 
@@ -310,13 +323,14 @@ static __device__ __forceinline__ void carry_pack(unsigned char *__restrict__ pa
   double s0 = 0, s1 = 0;
   for (i64 g = (i64)ctaid() * (ntid() >> 5) + (tid() >> 5); g < groups; g += warps) {
     i64 base = g << 10;
-    float v[32];
+    float v[32], r[32];
     load_rows(v, x, base, lane, n);
+    in.rows(r, base, lane, n);
 #pragma unroll
     for (int k = 0; k < 32; k++) {
       i64 idx = base + k * 32 + lane;
       float e = v[k] < 0.0f ? v[k] + prev : v[k] - prev; // NaN: NaN - prev
-      if (idx < n && in.has(idx)) e = e + in.at(idx);
+      if (idx < n && in.has(idx)) e = e + r[k];
       v[k] = e;
     }
     u32 mine = 0;
