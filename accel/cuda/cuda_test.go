@@ -1,6 +1,7 @@
 package cuda_test
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"math"
@@ -37,6 +38,25 @@ func TestEmbeddedPTX(t *testing.T) {
 	src, err := os.ReadFile("lowbit.ptx")
 	require.NoError(t, err)
 	assert.Equal(t, len(src), cuda.PTXSize)
+}
+
+// TestPTXUpToDate: the tests run kernels/lowbit.cu on the host (the
+// stand-in libcuda), a GPU runs the committed lowbit.ptx; the two must be
+// the same kernels. It rebuilds the PTX as `make ptx` does and compares.
+func TestPTXUpToDate(t *testing.T) {
+	clang, err := exec.LookPath("clang-14")
+	if err != nil {
+		t.Skip("cuda: clang-14 not found, skipping the check that lowbit.ptx is built from kernels/lowbit.cu (apt-get install clang-14)")
+	}
+	out := filepath.Join(t.TempDir(), "lowbit.ptx")
+	msg, err := exec.Command(clang, "--cuda-device-only", "-nocudainc", "-nocudalib", "--cuda-gpu-arch=sm_80",
+		"-Xclang", "-target-feature", "-Xclang", "+ptx70", "-S", "-O3", "-o", out, filepath.Join("kernels", "lowbit.cu")).CombinedOutput()
+	require.NoError(t, err, "clang-14: %s", msg)
+	built, err := os.ReadFile(out)
+	require.NoError(t, err)
+	committed, err := os.ReadFile("lowbit.ptx")
+	require.NoError(t, err)
+	require.True(t, bytes.Equal(built, committed), "lowbit.ptx is not what kernels/lowbit.cu compiles to: run make ptx")
 }
 
 // TestOpenNoDriver: without the driver library Open fails with an error
