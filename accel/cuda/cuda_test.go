@@ -336,6 +336,22 @@ func TestDevices(t *testing.T) {
 // independent reference.
 func TestGPUConformance(t *testing.T) {
 	openGPU(t)
+	checkConformance(t, func() (accel.Device, error) { return cuda.Open() })
+}
+
+// TestStubConformance runs the conformance vectors through the kernel
+// source on the stand-in driver.
+func TestStubConformance(t *testing.T) {
+	s := buildStub(t)
+	s.mode(stubOK, 0)
+	checkConformance(t, func() (accel.Device, error) {
+		return cuda.Open(cuda.WithLibrary(s.path), cuda.WithOrdinal(0))
+	})
+}
+
+// checkConformance runs every onebit conformance vector with
+// onebit.AllReduceDevice on the devices open gives, one per rank.
+func checkConformance(t *testing.T, open func() (accel.Device, error)) {
 	// The test runs in the package folder (also a copied test binary, run
 	// from accel/cuda of a checkout).
 	cases, err := conformance.Load(filepath.Join("..", "..", "internal", "conformance", "testdata"))
@@ -349,7 +365,7 @@ func TestGPUConformance(t *testing.T) {
 		t.Run(cs.Name, func(t *testing.T) {
 			err := local.Run(context.Background(), cs.World, func(ctx context.Context, c comm.Comm) error {
 				r := c.Rank()
-				dev, err := cuda.Open()
+				dev, err := open()
 				if err != nil {
 					return err
 				}
