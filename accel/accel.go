@@ -99,15 +99,16 @@ type Device interface {
 	// the prevScale of the next call. Where the input is shorter the
 	// residual is kept as it is (not added to zero, which would turn -0
 	// into +0). The sizes are those of Compress. Given the same prevScale,
-	// the packed signs and x are those Compress computes bit for bit on
-	// every device (no norm enters them), and the scale agrees within
-	// Compress's tolerance.
+	// the packed signs are Compress's and x is pad(input) + residual bit
+	// for bit on every device (no norm enters them); the scale agrees with
+	// Compress's within its tolerance.
 	CompressCarried(packed, carried Span, prevScale float32, input Span) (scale float32, err error)
 	// SumCompressCarried is CompressCarried whose input is the average the
 	// 1-bit allreduce's server forms from the chunks the ranks sent it:
 	// chunks holds len(scales) packed chunks of PackedLen(n) bytes each,
-	// back to back (n = elements of carried), scales a float32 per chunk,
-	// and the input is
+	// back to back (n = elements of carried), scales a float32 per chunk
+	// (onebit.AllReduceDevice passes the worker scales divided by the
+	// number of ranks), and the input is
 	//
 	//	scales[0]*sgn(chunk 0) + scales[1]*sgn(chunk 1) + ...
 	//
