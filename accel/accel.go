@@ -47,7 +47,6 @@ package accel
 import (
 	"errors"
 	"fmt"
-	"math"
 )
 
 // Device is memory and kernels on one device, with one ordered stream.
@@ -201,16 +200,12 @@ func Residuals(carried []float32, scale float32) {
 }
 
 // Residual is the residual of one carried value x packed with scale:
-// x - scale for x >= 0 or NaN, else x + scale. It computes both and
-// selects on the bits, without a branch (the signs are random): x < 0 is
-// the sign bit with a magnitude that is neither zero (-0) nor a NaN's.
+// x - scale for x >= 0 or NaN, else x + scale.
 func Residual(x, scale float32) float32 {
-	b := math.Float32bits(x)
-	m := b &^ (1 << 31)
-	nonzero := (m | -m) >> 31
-	nan := (0x7f800000 - m) >> 31
-	neg := -((b >> 31) & nonzero &^ nan) // all ones for x < 0
-	return math.Float32frombits(math.Float32bits(x+scale)&neg | math.Float32bits(x-scale)&^neg)
+	if x < 0 {
+		return x + scale
+	}
+	return x - scale
 }
 
 // CheckSum checks the sizes of SumCompressCarried's arguments: chunks must

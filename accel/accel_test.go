@@ -11,6 +11,7 @@ import (
 
 	"github.com/lowbit-ml/lowbit/accel"
 	"github.com/lowbit-ml/lowbit/accel/internal/acceltest"
+	"github.com/lowbit-ml/lowbit/signpack"
 )
 
 // TestCPU runs the shared device suite on the CPU device, which must give
@@ -53,16 +54,10 @@ func TestCPUAllocs(t *testing.T) {
 	assert.Zero(t, allocs)
 }
 
-// TestResidual checks the branch-free Residual against its definition
-// (x - scale for x >= 0 or NaN, x + scale otherwise) bit for bit, on the
-// special values and on random bit patterns.
+// TestResidual checks Residuals against signpack.PackResidual, the kernel
+// that leaves Compress's residuals, bit for bit, on the special values and
+// on random bit patterns.
 func TestResidual(t *testing.T) {
-	want := func(x, s float32) float32 {
-		if x < 0 {
-			return x + s
-		}
-		return x - s
-	}
 	xs := []float32{0, float32(math.Copysign(0, -1)), 1, -1, float32(math.Inf(1)), float32(math.Inf(-1)),
 		math.Float32frombits(1), math.Float32frombits(0x80000001), math.MaxFloat32, -math.MaxFloat32,
 		math.Float32frombits(0x7fc00000), math.Float32frombits(0xffc00000), math.Float32frombits(0x7f800001),
@@ -71,12 +66,16 @@ func TestResidual(t *testing.T) {
 	for range 100_000 {
 		xs = append(xs, math.Float32frombits(rng.Uint32()))
 	}
-	for _, s := range []float32{0, 0.75, 3e-39, float32(math.Inf(1))} {
-		for _, x := range xs {
-			got, w := accel.Residual(x, s), want(x, s)
-			if math.Float32bits(got) != math.Float32bits(w) {
-				t.Fatalf("Residual(%g (%#08x), %g) = %g (%#08x), want %g (%#08x)",
-					x, math.Float32bits(x), s, got, math.Float32bits(got), w, math.Float32bits(w))
+	packed := make([]byte, signpack.PackedLen(len(xs)))
+	for _, s := range []float32{0, 0.75, 3e-39, float32(math.Inf(1)), float32(math.NaN())} {
+		want := append([]float32(nil), xs...)
+		signpack.PackResidual(packed, want, s)
+		got := append([]float32(nil), xs...)
+		accel.Residuals(got, s)
+		for i, x := range xs {
+			if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+				t.Fatalf("Residual(%g (%#08x), %g) = %g (%#08x), PackResidual %g (%#08x)",
+					x, math.Float32bits(x), s, got[i], math.Float32bits(got[i]), want[i], math.Float32bits(want[i]))
 			}
 		}
 	}

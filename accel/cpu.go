@@ -176,8 +176,8 @@ func (d *CPU) Compress(packed, residual, input Span) (float32, error) {
 	return scale, nil
 }
 
-// CompressCarried forms the residuals in place (Residuals), then runs
-// errorfeedback.Residual.Compensate and signpack.Pack.
+// CompressCarried forms the residuals in place with signpack.PackResidual,
+// then runs errorfeedback.Residual.Compensate and signpack.Pack.
 func (d *CPU) CompressCarried(packed, carried Span, prevScale float32, input Span) (float32, error) {
 	x, p, err := d.kernelArgs("compress-carried", "compress-carried x", "compress-carried packed", carried, packed)
 	if err != nil {
@@ -190,16 +190,7 @@ func (d *CPU) CompressCarried(packed, carried Span, prevScale float32, input Spa
 	if len(in) > len(x) {
 		return 0, fmt.Errorf("accel: cpu: compress-carried: input of %d elements is longer than x (%d)", len(in), len(x))
 	}
-	if len(x) == 0 {
-		return 0, nil
-	}
-	residuals(x, p, prevScale)
-	scale, err := errorfeedback.Residual(x).Compensate(in)
-	if err != nil {
-		return 0, fmt.Errorf("accel: cpu: %w", err)
-	}
-	signpack.Pack(p, x)
-	return scale, nil
+	return compressCarried(p, x, prevScale, in)
 }
 
 // SumCompressCarried forms the residuals in place, accumulates the chunks
@@ -234,23 +225,27 @@ func (d *CPU) SumCompressCarried(packed, carried Span, prevScale float32, chunks
 	for j := 1; j < len(sc); j++ {
 		signpack.UnpackScaleAdd(acc, c[j*stride:(j+1)*stride], sc[j])
 	}
-	residuals(x, p, prevScale)
-	scale, err := errorfeedback.Residual(x).Compensate(acc)
+	return compressCarried(p, x, prevScale, acc)
+}
+
+// compressCarried is CompressCarried after its checks: the residuals in
+// one pass of signpack.PackResidual, the kernel that leaves Compress's
+// residuals (its signs in packed are overwritten at the end; a scale of +0
+// leaves every x as it is), then errorfeedback.Residual.Compensate and
+// signpack.Pack.
+func compressCarried(packed []byte, x []float32, prevScale float32, input []float32) (float32, error) {
+	if len(x) == 0 {
+		return 0, nil
+	}
+	if math.Float32bits(prevScale) != 0 {
+		signpack.PackResidual(packed, x, prevScale)
+	}
+	scale, err := errorfeedback.Residual(x).Compensate(input)
 	if err != nil {
 		return 0, fmt.Errorf("accel: cpu: %w", err)
 	}
-	signpack.Pack(p, x)
+	signpack.Pack(packed, x)
 	return scale, nil
-}
-
-// residuals is Residuals in one pass of signpack.PackResidual, the kernel
-// that leaves Compress's residuals; it also writes the signs of x to
-// packed, which the caller overwrites afterwards. A scale of +0 leaves
-// every x as it is.
-func residuals(x []float32, packed []byte, scale float32) {
-	if math.Float32bits(scale) != 0 {
-		signpack.PackResidual(packed, x, scale)
-	}
 }
 
 // UnpackScale runs signpack.UnpackScale.

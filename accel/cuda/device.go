@@ -615,7 +615,7 @@ func (d *Device) CompressCarried(packed, carried accel.Span, prevScale float32, 
 		return 0, err
 	}
 	defer leave()
-	x, p, err := d.carriedArgs("compress-carried", "compress-carried x", "compress-carried packed", packed, carried)
+	x, p, err := d.kernelArgs("compress-carried", "compress-carried x", "compress-carried packed", carried, packed)
 	if err != nil {
 		return 0, err
 	}
@@ -643,7 +643,7 @@ func (d *Device) SumCompressCarried(packed, carried accel.Span, prevScale float3
 		return 0, err
 	}
 	defer leave()
-	x, p, err := d.carriedArgs("sum-compress-carried", "sum-compress-carried x", "sum-compress-carried packed", packed, carried)
+	x, p, err := d.kernelArgs("sum-compress-carried", "sum-compress-carried x", "sum-compress-carried packed", carried, packed)
 	if err != nil {
 		return 0, err
 	}
@@ -668,16 +668,16 @@ func (d *Device) SumCompressCarried(packed, carried accel.Span, prevScale float3
 	return d.carry("lowbit_sum_carry_pack", d.fnSumCarry, d.sumCarryPerSM, n, 8)
 }
 
-// carriedArgs checks the carried values and packed signs of a carried
-// kernel and returns their device addresses.
-func (d *Device) carriedArgs(op, xName, packedName string, packed, carried accel.Span) (x, p uint64, err error) {
-	if x, err = d.ptrOf(xName, carried, true); err != nil {
+// kernelArgs checks a kernel's float32 span and the packed signs of its
+// elements and returns their device addresses.
+func (d *Device) kernelArgs(op, xName, packedName string, x, packed accel.Span) (xp, pp uint64, err error) {
+	if xp, err = d.ptrOf(xName, x, true); err != nil {
 		return 0, 0, err
 	}
-	if p, err = d.ptrOf(packedName, packed, false); err != nil {
+	if pp, err = d.ptrOf(packedName, packed, false); err != nil {
 		return 0, 0, err
 	}
-	return x, p, accel.CheckKernel(op, packed.Len, carried.Len/4)
+	return xp, pp, accel.CheckKernel(op, packed.Len, x.Len/4)
 }
 
 // carry launches a carry-and-pack kernel over n elements, whose
@@ -724,18 +724,11 @@ func (d *Device) unpack(kernel string, fn uintptr, dstName, packedName string, d
 		return err
 	}
 	defer leave()
-	x, err := d.ptrOf(dstName, dst, true)
-	if err != nil {
-		return err
-	}
-	p, err := d.ptrOf(packedName, packed, false)
+	x, p, err := d.kernelArgs(kernel, dstName, packedName, dst, packed)
 	if err != nil {
 		return err
 	}
 	n := dst.Len / 4
-	if err := accel.CheckKernel(kernel, packed.Len, n); err != nil {
-		return err
-	}
 	if n == 0 {
 		return nil
 	}
