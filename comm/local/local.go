@@ -10,7 +10,9 @@
 //
 // A cancelled context, a passed deadline or a Close on any rank aborts the
 // whole group: every rank waiting in a collective returns an error wrapping
-// comm.ErrAborted, and the communicators are unusable afterwards. Buffers
+// comm.ErrAborted, and the communicators are unusable afterwards. Under Run,
+// a rank whose function returns closes its communicators (those it split
+// off included), so a rank that fails never leaves its peers blocked. Buffers
 // passed to one call must not overlap each other.
 package local
 
@@ -66,6 +68,16 @@ func New(size int, opts ...Option) ([]comm.Comm, error) {
 // Run starts size ranks, calls fn on each from its own goroutine, waits for
 // all of them, closes the communicators and returns the errors joined (nil
 // when every rank succeeded).
+//
+// A rank's communicator is closed as soon as its fn returns, with or
+// without an error, as a process's would be when it exits: peers that still
+// wait for it in a collective, or call one later, get an error wrapping
+// comm.ErrAborted (whose text carries the returned error) instead of
+// blocking forever. Collectives that every rank has already entered finish
+// normally, so a rank that returns nil after its last collective does not
+// disturb peers still completing theirs. In the joined error, the errors
+// that caused the abort come first (in rank order), then the errors of the
+// ranks it stranded.
 func Run(ctx context.Context, size int, fn func(ctx context.Context, c comm.Comm) error, opts ...Option) error {
 	cs, err := New(size, opts...)
 	if err != nil {
@@ -75,16 +87,53 @@ func Run(ctx context.Context, size int, fn func(ctx context.Context, c comm.Comm
 	var wg sync.WaitGroup
 	for r := range cs {
 		wg.Go(func() {
-			if err := fn(ctx, cs[r]); err != nil {
+			c := cs[r].(*Comm)
+			err := fn(ctx, c)
+			if err != nil {
 				errs[r] = fmt.Errorf("rank %d: %w", r, err)
 			}
+			c.leave(err)
 		})
 	}
 	wg.Wait()
-	for _, c := range cs {
-		c.Close()
-	}
+	// Causes first: the errors that do not come from the abort.
+	slices.SortStableFunc(errs, func(a, b error) int {
+		return cmp.Compare(rankOfAbort(a), rankOfAbort(b))
+	})
 	return errors.Join(errs...)
+}
+
+// rankOfAbort orders Run's errors: 0 for a cause, 1 for an error that only
+// reports the group's abort, 2 for none.
+func rankOfAbort(err error) int {
+	switch {
+	case err == nil:
+		return 2
+	case errors.Is(err, comm.ErrAborted):
+		return 1
+	}
+	return 0
+}
+
+// leave is Close for a rank whose function has returned err: the group's
+// abort names the rank and, when there is one, its error.
+// The communicators split off c on this rank leave with it.
+func (c *Comm) leave(err error) {
+	for _, s := range c.splits {
+		s.leave(err)
+	}
+	if c.closed {
+		return
+	}
+	c.closed = true
+	if c.w.size == 1 {
+		return
+	}
+	cause := fmt.Errorf("%w by rank %d: its function returned", comm.ErrClosed, c.rank)
+	if err != nil {
+		cause = fmt.Errorf("%w by rank %d: its function returned an error: %v", comm.ErrClosed, c.rank, err)
+	}
+	c.w.abort(c.rank, cause)
 }
 
 // slot is what one rank publishes for the collective it is in.
@@ -99,6 +148,7 @@ type slot struct {
 	color, key int
 	node       int   // Split: the rank's node, inherited by its new communicator
 	split      *Comm // Split's result for this rank, written by rank 0
+	invalid    bool  // the rank's own arguments are invalid (see check)
 }
 
 // world is the state one group shares.
@@ -240,6 +290,9 @@ type Comm struct {
 	node   int // the pretended machine this rank runs on (WithRanksPerNode)
 	closed bool
 	stats  comm.Counter
+	// splits are the communicators Split made for this rank: a rank that
+	// leaves (see Run) leaves them too.
+	splits []*Comm
 }
 
 var (
@@ -301,9 +354,21 @@ func (c *Comm) end(ctx context.Context, kind comm.Collective, err error) error {
 	return nil
 }
 
-// check compares every rank's published slot with rank 0's.
-func (c *Comm) check() error {
+// check compares every rank's published slot with rank 0's. bad is this
+// rank's own argument error, found before the collective: a rank with
+// invalid arguments still publishes its slot (marked invalid) and meets its
+// peers, so that every rank returns an error rather than waiting for it.
+// The lowest such rank is named; it returns its own error.
+func (c *Comm) check(bad error) error {
 	s0 := &c.w.slots[0]
+	for j := range c.w.size {
+		if c.w.slots[j].invalid {
+			if bad != nil {
+				return bad
+			}
+			return fmt.Errorf("local: %s: rank %d called it with invalid arguments (its error says which)", s0.kind, j)
+		}
+	}
 	for j := 1; j < c.w.size; j++ {
 		s := &c.w.slots[j]
 		mismatch := func(what string, got, want int) error {
@@ -334,13 +399,14 @@ func (c *Comm) check() error {
 // chunk into a shared scratch buffer, then every rank copies the whole
 // result: two passes over memory and no per-call allocation.
 func (c *Comm) AllReduce(ctx context.Context, buf []float32, op comm.Op) error {
+	var bad error
 	if !op.Valid() {
-		return fmt.Errorf("local: allreduce: invalid op %v", op)
+		bad = fmt.Errorf("local: allreduce: invalid op %v", op)
 	}
-	if err := c.begin(ctx, slot{kind: comm.CAllReduce, send: buf, op: op}); err != nil {
+	if err := c.begin(ctx, slot{kind: comm.CAllReduce, send: buf, op: op, invalid: bad != nil}); err != nil {
 		return err
 	}
-	if err := c.check(); err != nil {
+	if err := c.check(bad); err != nil {
 		// Every rank found the same error: leave together.
 		return c.end(ctx, comm.CAllReduce, err)
 	}
@@ -399,17 +465,17 @@ func chunk(n, size, r int) (lo, hi int) {
 
 // ReduceScatter reduces send over all ranks and keeps chunk Rank() in recv.
 func (c *Comm) ReduceScatter(ctx context.Context, send, recv []float32, op comm.Op) error {
+	var bad error
 	if !op.Valid() {
-		return fmt.Errorf("local: reducescatter: invalid op %v", op)
-	}
-	if len(send) != c.w.size*len(recv) {
-		return fmt.Errorf("local: reducescatter: send length %d is not %d ranks x receive length %d",
+		bad = fmt.Errorf("local: reducescatter: invalid op %v", op)
+	} else if len(send) != c.w.size*len(recv) {
+		bad = fmt.Errorf("local: reducescatter: send length %d is not %d ranks x receive length %d",
 			len(send), c.w.size, len(recv))
 	}
-	if err := c.begin(ctx, slot{kind: comm.CReduceScatter, send: send, recv: recv, op: op}); err != nil {
+	if err := c.begin(ctx, slot{kind: comm.CReduceScatter, send: send, recv: recv, op: op, invalid: bad != nil}); err != nil {
 		return err
 	}
-	err := c.check()
+	err := c.check(bad)
 	if err == nil {
 		c.reduce(recv, c.rank*len(recv), op, sendOf)
 	}
@@ -434,14 +500,16 @@ func (c *Comm) AllGatherBytes(ctx context.Context, send, recv []byte) error {
 }
 
 func allGather[T byte | float32](c *Comm, ctx context.Context, s slot, send, recv []T, peer func(*slot) []T) error {
+	var bad error
 	if len(recv) != c.w.size*len(send) {
-		return fmt.Errorf("local: allgather: receive length %d is not %d ranks x send length %d",
+		bad = fmt.Errorf("local: allgather: receive length %d is not %d ranks x send length %d",
 			len(recv), c.w.size, len(send))
 	}
+	s.invalid = bad != nil
 	if err := c.begin(ctx, s); err != nil {
 		return err
 	}
-	err := c.check()
+	err := c.check(bad)
 	if err == nil {
 		for j := 0; j < c.w.size; j++ {
 			copy(recv[j*len(send):], peer(&c.w.slots[j]))
@@ -468,16 +536,17 @@ func (c *Comm) AllToAllBytes(ctx context.Context, send, recv []byte) error {
 }
 
 func allToAll[T byte | float32](c *Comm, ctx context.Context, s slot, send, recv []T, peer func(*slot) []T) error {
+	var bad error
 	if len(send) != len(recv) {
-		return fmt.Errorf("local: alltoall: send length %d differs from receive length %d", len(send), len(recv))
+		bad = fmt.Errorf("local: alltoall: send length %d differs from receive length %d", len(send), len(recv))
+	} else {
+		bad = comm.CheckLen(comm.CAllToAll, "send", len(send), c.w.size)
 	}
-	if err := comm.CheckLen(comm.CAllToAll, "send", len(send), c.w.size); err != nil {
-		return err
-	}
+	s.invalid = bad != nil
 	if err := c.begin(ctx, s); err != nil {
 		return err
 	}
-	err := c.check()
+	err := c.check(bad)
 	if err == nil {
 		k := len(send) / c.w.size
 		for j := 0; j < c.w.size; j++ {
@@ -505,13 +574,15 @@ func (c *Comm) BroadcastBytes(ctx context.Context, buf []byte, root int) error {
 }
 
 func broadcast[T byte | float32](c *Comm, ctx context.Context, s slot, buf []T, root int, peer func(*slot) []T) error {
+	var bad error
 	if root < 0 || root >= c.w.size {
-		return fmt.Errorf("local: broadcast: root %d out of range [0, %d)", root, c.w.size)
+		bad = fmt.Errorf("local: broadcast: root %d out of range [0, %d)", root, c.w.size)
 	}
+	s.invalid = bad != nil
 	if err := c.begin(ctx, s); err != nil {
 		return err
 	}
-	err := c.check()
+	err := c.check(bad)
 	if err == nil && c.rank != root {
 		copy(buf, peer(&c.w.slots[root]))
 	}
@@ -541,7 +612,7 @@ func (c *Comm) Barrier(ctx context.Context) error {
 	if err := c.begin(ctx, slot{kind: comm.CBarrier}); err != nil {
 		return err
 	}
-	if err := c.end(ctx, comm.CBarrier, c.check()); err != nil {
+	if err := c.end(ctx, comm.CBarrier, c.check(nil)); err != nil {
 		return err
 	}
 	c.stats.Add(comm.CBarrier, 0, 0)
@@ -554,7 +625,7 @@ func (c *Comm) Split(ctx context.Context, color, key int) (comm.Comm, error) {
 	if err := c.begin(ctx, slot{kind: comm.CSplit, color: color, key: key, node: c.node}); err != nil {
 		return nil, err
 	}
-	err := c.check()
+	err := c.check(nil)
 	if err == nil && c.rank == 0 {
 		c.w.split()
 	}
@@ -563,6 +634,7 @@ func (c *Comm) Split(ctx context.Context, color, key int) (comm.Comm, error) {
 	}
 	c.stats.Add(comm.CSplit, 0, 0)
 	if s := c.w.slots[c.rank].split; s != nil {
+		c.splits = append(c.splits, s)
 		return s, nil
 	}
 	return nil, nil

@@ -3,9 +3,12 @@ package local_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"runtime"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -232,18 +235,161 @@ func TestMismatchedCollective(t *testing.T) {
 	require.NoError(t, err)
 }
 
+// TestBadArguments: a rank whose own arguments are invalid still meets its
+// peers, so every rank returns an error (the bad rank its own, the others
+// one naming it) and the group stays usable.
 func TestBadArguments(t *testing.T) {
-	cs, err := local.New(3)
-	require.NoError(t, err)
-	ctx := ctxT(t)
-	c := cs[0]
-	assert.Error(t, c.AllGather(ctx, make([]float32, 2), make([]float32, 5)))
-	assert.Error(t, c.AllToAll(ctx, make([]float32, 4), make([]float32, 4)))
-	assert.Error(t, c.ReduceScatter(ctx, make([]float32, 7), make([]float32, 2), comm.Sum))
-	assert.Error(t, c.Broadcast(ctx, make([]float32, 1), 3))
-	assert.Error(t, c.AllReduce(ctx, make([]float32, 1), comm.Op(9)))
-	_, err = local.New(0)
+	const w = 3
+	bad := map[string]func(ctx context.Context, c comm.Comm, wrong bool) error{
+		"allgather": func(ctx context.Context, c comm.Comm, wrong bool) error {
+			n := 6
+			if wrong {
+				n = 5
+			}
+			return c.AllGather(ctx, make([]float32, 2), make([]float32, n))
+		},
+		"alltoall": func(ctx context.Context, c comm.Comm, wrong bool) error {
+			n := 3
+			if wrong {
+				n = 4
+			}
+			return c.AllToAll(ctx, make([]float32, n), make([]float32, n))
+		},
+		"alltoall-lengths": func(ctx context.Context, c comm.Comm, wrong bool) error {
+			n := 3
+			if wrong {
+				n = 6
+			}
+			return c.AllToAllBytes(ctx, make([]byte, 3), make([]byte, n))
+		},
+		"reducescatter": func(ctx context.Context, c comm.Comm, wrong bool) error {
+			n := 6
+			if wrong {
+				n = 7
+			}
+			return c.ReduceScatter(ctx, make([]float32, n), make([]float32, 2), comm.Sum)
+		},
+		"reducescatter-op": func(ctx context.Context, c comm.Comm, wrong bool) error {
+			op := comm.Sum
+			if wrong {
+				op = comm.Op(9)
+			}
+			return c.ReduceScatter(ctx, make([]float32, 6), make([]float32, 2), op)
+		},
+		"broadcast": func(ctx context.Context, c comm.Comm, wrong bool) error {
+			root := 0
+			if wrong {
+				root = 3
+			}
+			return c.Broadcast(ctx, make([]float32, 1), root)
+		},
+		"allreduce-op": func(ctx context.Context, c comm.Comm, wrong bool) error {
+			op := comm.Sum
+			if wrong {
+				op = comm.Op(9)
+			}
+			return c.AllReduce(ctx, make([]float32, 1), op)
+		},
+	}
+	for name, call := range bad {
+		t.Run(name, func(t *testing.T) {
+			err := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
+				err := call(ctx, c, c.Rank() == 1)
+				if !assert.Error(t, err, "rank %d", c.Rank()) {
+					return nil
+				}
+				assert.NotErrorIs(t, err, comm.ErrAborted)
+				if c.Rank() != 1 {
+					assert.ErrorContains(t, err, "rank 1 called it with invalid arguments")
+				}
+				// The group is still usable.
+				return c.Barrier(ctx)
+			})
+			require.NoError(t, err)
+		})
+	}
+	_, err := local.New(0)
 	assert.Error(t, err)
+}
+
+// TestRunReturnAborts: a rank whose function returns an error while its
+// peers wait in a collective (or call one later) does not strand them: they
+// get an error wrapping comm.ErrAborted that carries the cause, promptly,
+// also under context.Background(); and the joined error puts the cause
+// first.
+func TestRunReturnAborts(t *testing.T) {
+	boom := errors.New("boom")
+	for _, w := range []int{2, 3, 5} {
+		for _, bad := range []int{0, w - 1} {
+			start := time.Now()
+			err := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
+				if c.Rank() == bad {
+					time.Sleep(5 * time.Millisecond) // let the others block first
+					return boom
+				}
+				err := c.Barrier(ctx)
+				require.ErrorIs(t, err, comm.ErrAborted)
+				assert.ErrorContains(t, err, "boom")
+				assert.NotErrorIs(t, err, boom, "the peers' errors carry the cause's text, not the cause")
+				// Later calls fail at once too.
+				return c.AllReduce(ctx, make([]float32, 3), comm.Sum)
+			})
+			require.ErrorIs(t, err, boom)
+			assert.Less(t, time.Since(start), 5*time.Second)
+			msg := err.Error()
+			assert.True(t, strings.HasPrefix(msg, fmt.Sprintf("rank %d: boom", bad)), "the cause comes first: %s", msg)
+			assert.Equal(t, w-1, strings.Count(msg, fmt.Sprintf("rank %d gave up", bad)), "every other rank reports the abort: %s", msg)
+		}
+	}
+}
+
+// TestRunReturnNilAfterLastCollective: a rank that returns nil right after
+// its last collective does not break peers still finishing it: thousands of
+// rounds where every rank leaves as soon as its last call returns, and none
+// sees an error.
+func TestRunReturnNilAfterLastCollective(t *testing.T) {
+	for i := range 1000 {
+		w := 2 + i%4
+		var failed atomic.Int32
+		err := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
+			buf := make([]float32, 1+i%7)
+			buf[0] = float32(c.Rank())
+			if err := c.AllReduce(ctx, buf, comm.Sum); err != nil {
+				failed.Add(1)
+				return err
+			}
+			if c.Rank()%2 == 1 && i%2 == 1 {
+				// A call the even ranks, gone, never make: it must fail
+				// (not hang), and the AllReduce above must not.
+				return c.Barrier(ctx)
+			}
+			return nil
+		})
+		require.Zero(t, failed.Load(), "round %d: a rank that left after the last collective broke a peer still in it", i)
+		if i%2 == 1 {
+			require.ErrorIs(t, err, comm.ErrAborted, "round %d", i)
+		} else {
+			require.NoError(t, err, "round %d", i)
+		}
+	}
+}
+
+// TestRunReturnAbortsSplits: a rank that returns leaves the communicators
+// it split off too, so peers waiting in a sub-group are not stranded.
+func TestRunReturnAbortsSplits(t *testing.T) {
+	boom := errors.New("boom")
+	err := local.Run(context.Background(), 4, func(ctx context.Context, c comm.Comm) error {
+		sub, err := c.Split(ctx, c.Rank()%2, c.Rank())
+		if err != nil {
+			return err
+		}
+		if c.Rank() == 0 {
+			return boom
+		}
+		return sub.Barrier(ctx) // rank 2 waits for rank 0 in the sub-group
+	}, local.WithRanksPerNode(2))
+	require.ErrorIs(t, err, boom)
+	require.ErrorIs(t, err, comm.ErrAborted)
 }
 
 // TestCancelMidCollective cancels one rank's context while its peers wait
