@@ -8,6 +8,7 @@ package onebit
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math"
 
@@ -201,20 +202,31 @@ func (s *State) Reset() {
 // With one rank the call still compresses (the output is the
 // error-compensated sign compression of buf, as in the reference);
 // optimizers skip the call when W = 1. With an empty buf it zeroes both
-// error buffers and communicates nothing; so a rank with an empty buf among
-// ranks with non-empty ones is not detected by this call: the others wait
-// for it until their context ends.
+// error buffers and communicates only the header, so that a rank with an
+// empty buf among ranks with non-empty ones is an error on every rank.
+//
+// Bad arguments on one rank (a nil State, or one made for another length
+// or group size) are an error on every rank, not a hang: the rank that
+// finds them still takes part in the header all-gather, with a length that
+// marks the call as refused, and returns its own error; every other rank
+// returns an error naming it.
 func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error {
+	if c == nil {
+		return fmt.Errorf("onebit: nil communicator")
+	}
 	w := c.Size()
 	if st == nil {
-		return fmt.Errorf("onebit: nil state")
+		return refuse(ctx, c, fmt.Errorf("onebit: nil state"))
 	}
 	if st.numel != len(buf) || st.world != w {
-		return fmt.Errorf("onebit: state made for %d elements on %d ranks, called with %d elements on %d ranks",
-			st.Numel(), st.World(), len(buf), w)
+		return refuse(ctx, c, fmt.Errorf("onebit: state made for %d elements on %d ranks, called with %d elements on %d ranks",
+			st.Numel(), st.World(), len(buf), w))
 	}
 	if len(buf) == 0 {
 		st.Reset()
+		if err := st.exchangeHeader(ctx, c, 0); err != nil {
+			return fmt.Errorf("onebit: phase 1 scales: %w", err)
+		}
 		return nil
 	}
 	n := len(st.WorkerError)
@@ -579,6 +591,26 @@ func (st *State) fail(c comm.Comm, err error) error {
 	return err
 }
 
+// refusedLen is the tensor length a rank puts in its header when it
+// refuses the call (bad arguments, or a failure of its own before the
+// header): no real tensor has it.
+const refusedLen = math.MaxUint64
+
+// refuse takes part in the header all-gather of a call this rank refuses,
+// so that the other ranks return an error instead of waiting for it, and
+// returns bad (with the all-gather's error, if it failed too). It
+// allocates its header: refusing is not the hot path, and a refusing rank
+// may have no State to take one from.
+func refuse(ctx context.Context, c comm.Comm, bad error) error {
+	w := c.Size()
+	hdr, all := make([]byte, headerLen), make([]byte, headerLen*w)
+	binary.LittleEndian.PutUint64(hdr[4:], refusedLen)
+	if err := c.AllGatherBytes(ctx, hdr, all); err != nil {
+		return errors.Join(bad, fmt.Errorf("onebit: telling the other ranks: %w", err))
+	}
+	return bad
+}
+
 // exchangeHeader all-gathers this rank's worker scale (0 in a pipelined
 // call, where the scales travel later) together with the tensor length it
 // was called with, checks that every rank has the same length, and leaves
@@ -588,6 +620,11 @@ func (st *State) exchangeHeader(ctx context.Context, c comm.Comm, scale float32)
 	binary.LittleEndian.PutUint64(st.header[4:12], uint64(st.numel))
 	if err := c.AllGatherBytes(ctx, st.header, st.headers); err != nil {
 		return err
+	}
+	for j := range st.world {
+		if binary.LittleEndian.Uint64(st.headers[j*headerLen+4:]) == refusedLen {
+			return fmt.Errorf("onebit: rank %d refused the call (bad arguments or a failure of its own; its error says which)", j)
+		}
 	}
 	want := binary.LittleEndian.Uint64(st.headers[4:])
 	for j := 1; j < st.world; j++ {

@@ -186,18 +186,67 @@ func TestEmpty(t *testing.T) {
 	require.NoError(t, err)
 }
 
+// TestStateMismatch: a rank whose state does not fit its call (or is nil)
+// refuses it on every rank: it returns its own error, and the others, which
+// called correctly, return one naming it instead of waiting for it.
 func TestStateMismatch(t *testing.T) {
-	cs, err := local.New(2)
-	require.NoError(t, err)
-	st, err := onebit.NewState(10, 2)
-	require.NoError(t, err)
-	assert.ErrorContains(t, onebit.AllReduce(context.Background(), cs[0], make([]float32, 11), st), "state made for 10")
-	st4, err := onebit.NewState(10, 4)
-	require.NoError(t, err)
-	assert.Error(t, onebit.AllReduce(context.Background(), cs[0], make([]float32, 10), st4))
-	assert.Error(t, onebit.AllReduce(context.Background(), cs[0], make([]float32, 10), nil))
-	_, err = onebit.NewState(-1, 2)
+	cases := map[string]struct {
+		make func() (*onebit.State, []float32)
+		want string
+	}{
+		"length": {func() (*onebit.State, []float32) { return mustState(t, 10, 2), make([]float32, 11) }, "state made for 10"},
+		"world":  {func() (*onebit.State, []float32) { return mustState(t, 10, 4), make([]float32, 10) }, "on 4 ranks"},
+		"nil":    {func() (*onebit.State, []float32) { return nil, make([]float32, 10) }, "nil state"},
+	}
+	for name, tc := range cases {
+		t.Run(name, func(t *testing.T) {
+			err := local.Run(ctxT(t), 2, func(ctx context.Context, c comm.Comm) error {
+				st, buf := mustState(t, 10, 2), make([]float32, 10)
+				if c.Rank() == 0 {
+					st, buf = tc.make()
+				}
+				err := onebit.AllReduce(ctx, c, buf, st)
+				if c.Rank() == 0 {
+					assert.ErrorContains(t, err, tc.want)
+				} else {
+					assert.ErrorContains(t, err, "rank 0 refused the call")
+				}
+				assert.NotErrorIs(t, err, comm.ErrAborted)
+				return nil
+			})
+			require.NoError(t, err)
+		})
+	}
+	_, err := onebit.NewState(-1, 2)
 	assert.Error(t, err)
+	assert.ErrorContains(t, onebit.AllReduce(context.Background(), nil, nil, nil), "nil communicator")
+}
+
+// TestEmptyAmongNonEmpty: a rank with an empty tensor among ranks with
+// non-empty ones is an error on every rank (it still sends the header); an
+// empty tensor on every rank is fine.
+func TestEmptyAmongNonEmpty(t *testing.T) {
+	for _, sizes := range [][2]int{{0, 5}, {5, 0}, {0, 0}} {
+		err := local.Run(ctxT(t), 2, func(ctx context.Context, c comm.Comm) error {
+			n := sizes[c.Rank()]
+			st := mustState(t, n, 2)
+			err := onebit.AllReduce(ctx, c, make([]float32, n), st)
+			if sizes[0] == sizes[1] {
+				require.NoError(t, err)
+				return nil
+			}
+			var me *comm.MismatchError
+			assert.ErrorAs(t, err, &me, "rank %d sizes %v", c.Rank(), sizes)
+			return nil
+		})
+		require.NoError(t, err)
+	}
+}
+
+func mustState(t *testing.T, n, w int) *onebit.State {
+	st, err := onebit.NewState(n, w)
+	require.NoError(t, err)
+	return st
 }
 
 // TestMismatchedSizes: ranks whose tensors differ get an error on every

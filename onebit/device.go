@@ -248,18 +248,30 @@ func floatBytes(p []float32) []byte {
 // whose float64 sums differ from AllReduce's in the last bits only, that
 // is about one scale in 10^8).
 // Every rank must call it with the same numel; st must have been made for
-// numel and c.Size(). A call allocates nothing.
+// numel and c.Size(). A call allocates nothing. As in AllReduce, bad
+// arguments on one rank, and a failure of its device before the header
+// (the worker compression), are an error on every rank: that rank still
+// takes part in the header, marking the call as refused.
 func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *DeviceState) error {
-	if st == nil {
-		return fmt.Errorf("onebit: nil state")
+	if c == nil {
+		return fmt.Errorf("onebit: nil communicator")
 	}
 	w := c.Size()
+	if st == nil {
+		return refuse(ctx, c, fmt.Errorf("onebit: nil state"))
+	}
 	if buf.Len != 4*st.numel || st.world != w {
-		return fmt.Errorf("onebit: state made for %d elements on %d ranks, called with %d bytes (%d elements) on %d ranks",
-			st.numel, st.world, buf.Len, buf.Len/4, w)
+		return refuse(ctx, c, fmt.Errorf("onebit: state made for %d elements on %d ranks, called with %d bytes (%d elements) on %d ranks",
+			st.numel, st.world, buf.Len, buf.Len/4, w))
 	}
 	if st.numel == 0 {
-		return st.Reset()
+		if err := st.Reset(); err != nil {
+			return refuse(ctx, c, err)
+		}
+		if err := st.wire.exchangeHeader(ctx, c, 0); err != nil {
+			return fmt.Errorf("onebit: phase 1 scales: %w", err)
+		}
+		return nil
 	}
 	dev := st.dev
 	wire := &st.wire
@@ -270,11 +282,11 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 	// Worker side, steps 1-4, on the device, in one pass.
 	workerScale, err := dev.CompressCarried(st.sendSigns, st.worker, st.workerScale, buf)
 	if err != nil {
-		return fmt.Errorf("onebit: worker compression: %w", err)
+		return refuse(ctx, c, fmt.Errorf("onebit: worker compression: %w", err))
 	}
 	st.workerScale = workerScale
 	if err := dev.CopyOut(st.stage[:n/8], st.sendSigns); err != nil {
-		return fmt.Errorf("onebit: worker signs to host: %w", err)
+		return refuse(ctx, c, fmt.Errorf("onebit: worker signs to host: %w", err))
 	}
 	st.toWire()
 

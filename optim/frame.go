@@ -59,6 +59,10 @@ type FrameConfig struct {
 	// the load goes ahead, but the following steps round differently
 	// from the run that made the checkpoint).
 	Averager *GradAverager
+	// Ready, when not nil, is asked at the start of every Step whether
+	// this rank can take it (an optimizer closed on this rank, say); an
+	// error refuses the step like a failed size check (see Frame.Step).
+	Ready func() error
 }
 
 // Frame is the part of an optimizer step that every lowbit optimizer
@@ -85,6 +89,7 @@ type Frame struct {
 	log             *zap.Logger
 	guard           FiniteGuard
 	avg             *GradAverager
+	ready           func() error
 
 	lr    float32  // the fixed learning rate
 	sched Schedule // overrides lr when not nil
@@ -111,6 +116,7 @@ func NewFrame(cfg FrameConfig) *Frame {
 		lr:        cfg.LR,
 		stage:     cfg.Stage,
 		avg:       cfg.Averager,
+		ready:     cfg.Ready,
 	}
 	if f.log == nil {
 		f.log = zap.NewNop()
@@ -141,26 +147,28 @@ func (f *Frame) Handle(s Stage, fn StepFunc) {
 // ErrSkipStep (then the step is skipped as above). The traffic of the
 // call is accounted in Stats either way. Errors are prefixed with the
 // frame's name and the step.
+//
+// The checks before the agreement (sizes, the scheduled learning rate,
+// the stage's update, FrameConfig.Ready) can fail on one rank only. Such a
+// rank does not return early: it refuses the step in the finite-gradient
+// agreement, so that every rank returns an error (the refusing rank its
+// own, the others one naming it) and none waits for it. This costs
+// nothing on the wire: the agreement runs every step anyway. Nothing is
+// changed or counted on any rank.
 func (f *Frame) Step(ctx context.Context) error {
 	before := f.bytesSent()
-	if err := CheckSizes(f.params, f.sizes); err != nil {
-		return fmt.Errorf("%s: %w", f.name, err)
-	}
 	t := f.step + 1
-	lr := f.lr
-	if f.sched != nil {
-		lr = f.sched.LR(t)
-		if err := CheckLR(lr); err != nil {
-			return fmt.Errorf("%s step %d: schedule %s: %w", f.name, t, f.sched, err)
-		}
-	}
-	i := slices.Index(f.stages, f.stage)
-	if i < 0 {
-		return fmt.Errorf("%s step %d: no update registered for stage %q", f.name, t, f.stage)
-	}
-	ok, err := f.guard.Check(ctx, f.c, f.params)
-	if err != nil {
+	lr, i, refusal := f.prepare(t)
+	ok, by, err := f.guard.check(ctx, f.c, f.params, refusal != nil)
+	switch {
+	case refusal != nil && err != nil:
+		return errors.Join(refusal, fmt.Errorf("%s step %d: telling the other ranks: %w", f.name, t, err))
+	case refusal != nil:
+		return refusal
+	case err != nil:
 		return fmt.Errorf("%s step %d: %w", f.name, t, err)
+	case by >= 0:
+		return fmt.Errorf("%s step %d: rank %d refused the step (its error says why)", f.name, t, by)
 	}
 	if !ok {
 		f.skip(before, t, nil)
@@ -178,6 +186,32 @@ func (f *Frame) Step(ctx context.Context) error {
 	f.stats.Steps++
 	f.account(before)
 	return nil
+}
+
+// prepare runs this rank's checks of step t and returns its learning
+// rate and the index of its stage's update, or why this rank cannot take
+// it.
+func (f *Frame) prepare(t int64) (lr float32, i int, refusal error) {
+	if err := CheckSizes(f.params, f.sizes); err != nil {
+		return 0, 0, fmt.Errorf("%s: %w", f.name, err)
+	}
+	lr = f.lr
+	if f.sched != nil {
+		lr = f.sched.LR(t)
+		if err := CheckLR(lr); err != nil {
+			return 0, 0, fmt.Errorf("%s step %d: schedule %s: %w", f.name, t, f.sched, err)
+		}
+	}
+	i = slices.Index(f.stages, f.stage)
+	if i < 0 {
+		return 0, 0, fmt.Errorf("%s step %d: no update registered for stage %q", f.name, t, f.stage)
+	}
+	if f.ready != nil {
+		if err := f.ready(); err != nil {
+			return 0, 0, fmt.Errorf("%s step %d: %w", f.name, t, err)
+		}
+	}
+	return lr, i, nil
 }
 
 // skip counts step t as skipped; why is nil for a non-finite gradient.

@@ -32,27 +32,54 @@ type FiniteGuard struct {
 
 // Check is AllFinite (see there) using g's buffer.
 func (g *FiniteGuard) Check(ctx context.Context, c comm.Comm, params []*Param) (bool, error) {
+	ok, _, err := g.check(ctx, c, params, false)
+	return ok, err
+}
+
+// Flag values of the agreement: 0 for finite gradients, 1 for a
+// non-finite one, refusedFlag+W-1-r when rank r refuses the step, so that
+// the maximum names the lowest refusing rank.
+const refusedFlag = 2
+
+// check is Check that also carries a refusal: a rank that cannot take the
+// step (refuse) still takes part in the allreduce, and every rank learns,
+// in by, the lowest rank that refused (-1 when none did). It allocates
+// nothing after the first call and adds nothing to the wire.
+func (g *FiniteGuard) check(ctx context.Context, c comm.Comm, params []*Param, refuse bool) (ok bool, by int, err error) {
 	bad := false
-	for _, p := range params {
-		if p != nil && !Finite(p.GradData()) {
-			bad = true
-			break
+	if !refuse {
+		for _, p := range params {
+			if p != nil && !Finite(p.GradData()) {
+				bad = true
+				break
+			}
 		}
 	}
 	if c == nil || c.Size() <= 1 {
-		return !bad, nil
+		if refuse {
+			return false, 0, nil
+		}
+		return !bad, -1, nil
 	}
 	if g.flag == nil {
 		g.flag = make([]float32, 1)
 	}
-	g.flag[0] = 0
-	if bad {
+	w := c.Size()
+	switch {
+	case refuse:
+		g.flag[0] = float32(refusedFlag + w - 1 - c.Rank())
+	case bad:
 		g.flag[0] = 1
+	default:
+		g.flag[0] = 0
 	}
 	if err := c.AllReduce(ctx, g.flag, comm.Max); err != nil {
-		return false, fmt.Errorf("optim: agreeing on finite gradients: %w", err)
+		return false, -1, fmt.Errorf("optim: agreeing on finite gradients: %w", err)
 	}
-	return g.flag[0] == 0, nil
+	if f := int(g.flag[0]); f >= refusedFlag {
+		return false, w - 1 - (f - refusedFlag), nil
+	}
+	return g.flag[0] == 0, -1, nil
 }
 
 // Finite reports whether every element of x is finite. It does not branch

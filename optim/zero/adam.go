@@ -181,7 +181,7 @@ func NewAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg Config
 	}
 	a.f = optim.NewFrame(optim.FrameConfig{
 		Name: "zero: Adam", Algorithm: Algorithm, Comm: c, Params: a.params, Sizes: a.sizes,
-		LR: cfg.LR, Stage: optim.StageExact, Logger: o.Logger,
+		LR: cfg.LR, Stage: optim.StageExact, Logger: o.Logger, Ready: a.ready,
 	})
 	a.f.Handle(optim.StageExact, a.update)
 	return a, nil
@@ -386,11 +386,18 @@ func (a *Adam) Step(ctx context.Context) error {
 	return a.f.Step(ctx)
 }
 
-// update is the frame's StepFunc: step t with learning rate lr.
-func (a *Adam) update(ctx context.Context, t int64, lr float32) error {
+// ready refuses a step after Close (see optim.FrameConfig.Ready: a rank
+// that closed refuses on every rank, rather than leave its peers waiting
+// in the reduce-scatter).
+func (a *Adam) ready() error {
 	if a.world > 1 && a.rs == nil && a.co == nil && a.part > 0 {
 		return errors.New("step after Close")
 	}
+	return nil
+}
+
+// update is the frame's StepFunc: step t with learning rate lr.
+func (a *Adam) update(ctx context.Context, t int64, lr float32) error {
 	before := a.subBytes()
 	defer func() {
 		a.subLast = a.subBytes() - before
