@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 	"unsafe"
 
@@ -81,6 +82,9 @@ func WithOverflowLogger(l *zap.Logger) DownCastOption {
 // chunk: the caller's n, a little-endian uint64.
 const dcHeader = 4
 
+// dcRefused is the n in the header of a rank that refuses the call.
+const dcRefused = math.MaxUint64
+
 // accBlock is the number of elements summed at a time in float32: the
 // sums stay in the first-level cache between the W chunks.
 const accBlock = 4096
@@ -114,8 +118,11 @@ func (d *DownCast) AllReduce(ctx context.Context, c comm.Comm, buf []float32) er
 		return errors.New("quant: down-cast allreduce: nil communicator")
 	}
 	f := d.format
+	var bad error
 	if !f.Valid() {
-		return fmt.Errorf("quant: down-cast allreduce: invalid format %v", f)
+		// Still take part in the all-to-all, refusing in the header, so
+		// that the other ranks return an error rather than wait.
+		bad = fmt.Errorf("quant: down-cast allreduce: invalid format %v", f)
 	}
 	w, n := c.Size(), len(buf)
 	chunk := (n + w - 1) / w
@@ -128,6 +135,11 @@ func (d *DownCast) AllReduce(ctx context.Context, c comm.Comm, buf []float32) er
 	ov := 0
 	for j := 0; j < w; j++ {
 		s := send[j*stride : (j+1)*stride]
+		if bad != nil {
+			binary.LittleEndian.PutUint64(bytesOf(s[:dcHeader]), dcRefused)
+			clear(s[dcHeader:])
+			continue
+		}
 		binary.LittleEndian.PutUint64(bytesOf(s[:dcHeader]), uint64(n))
 		lo := min(j*chunk, n)
 		hi := min(lo+chunk, n)
@@ -147,7 +159,15 @@ func (d *DownCast) AllReduce(ctx context.Context, c comm.Comm, buf []float32) er
 	d.stats.Convert += t1.Sub(t0)
 	d.stats.Comm += t2.Sub(t1)
 	if err != nil {
-		return fmt.Errorf("quant: down-cast allreduce: all-to-all: %w", err)
+		return errors.Join(bad, fmt.Errorf("quant: down-cast allreduce: all-to-all: %w", err))
+	}
+	if bad != nil {
+		return bad
+	}
+	for j := range w {
+		if binary.LittleEndian.Uint64(bytesOf(recv[j*stride:j*stride+dcHeader])) == dcRefused {
+			return fmt.Errorf("quant: down-cast allreduce: rank %d refused the call (its error says why)", j)
+		}
 	}
 	want := binary.LittleEndian.Uint64(bytesOf(recv[:dcHeader]))
 	for j := 1; j < w; j++ {
