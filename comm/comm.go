@@ -4,10 +4,23 @@
 // returns a Comm. Algorithms built on collectives, such as the 1-bit
 // compressed allreduce, take a Comm and never know which backend is under it.
 //
-// Every collective takes a context.Context. A cancelled context or a passed
-// deadline returns an error on every rank of the group; no rank is left
-// blocked forever. After such an error the communicator is broken: every later
-// call returns ErrAborted, and the caller makes a new one.
+// Every collective takes a context.Context. What a cancelled context or a
+// passed deadline does depends on the backend, because not every transport
+// can cancel a collective:
+//
+//   - comm/local aborts the whole group: every rank waiting in a collective,
+//     or calling one later, returns an error wrapping ErrAborted; no rank is
+//     left blocked.
+//   - comm/mpi cannot cancel an MPI collective. A context already done when
+//     a call starts returns an error wrapping ErrAborted on that rank only,
+//     without communicating: its peers are not told and wait for it until
+//     their own context ends. A context that ends while a collective is in
+//     flight aborts the whole MPI job (the process exits; mpirun ends every
+//     rank): no rank returns an error. A context that can never end
+//     (context.Background) waits as long as the peers do.
+//
+// Either way the communicator is broken afterwards: every later call returns
+// ErrAborted, and the caller makes a new one.
 //
 // Buffers whose lengths differ across ranks are detected and reported, with
 // both lengths, on every rank (see MismatchError).

@@ -180,6 +180,29 @@ if [ -x "$lowbit" ]; then
 	fi
 fi
 
+# The hang matrix under mpirun (internal/hangmatrix): every public
+# collective and optimizer step with one rank given bad input, under
+# context.Background(); every rank must return an error within a second.
+hbin=$tmp/hangmatrix.test
+if "$GO" test -c -tags mpi -o "$hbin" ./internal/hangmatrix; then
+	for np in 2 4; do
+		log=$tmp/hangmatrix-np$np.log
+		run "$log" timeout -k 10 120 "${mpirun[@]}" -np "$np" "$hbin" -test.run MPI -test.v -test.timeout=100s
+		if [ "$rc" -eq 0 ]; then
+			echo "MPI tests: hang matrix, np=$np ok (${ms} ms)"
+			grep -E 'matrix \|' "$log" | sed 's/^ *hangmatrix_mpi_test.go:[0-9]*: /  /'
+			passed=$((passed + 1))
+		else
+			echo "MPI tests: hang matrix, np=$np FAILED (exit $rc after ${ms} ms):"
+			tail -n 60 "$log"
+			fail=$((fail + 1))
+		fi
+	done
+else
+	echo "MPI tests: building the hangmatrix test binary with -tags mpi failed"
+	fail=$((fail + 1))
+fi
+
 echo "MPI tests took $(( ($(date +%s%N) - start) / 1000 / 1000000 )) s"
 # The closing line, in the form CI counts.
 echo "mpi: $passed passed, $fail failed"
