@@ -15,8 +15,8 @@ import (
 // TestConvergenceReduceModes is TestConvergence for the gradient
 // averaging modes: exact Adam, and 1-bit Adam whose warm-up averages in
 // the mode, trained with fp16, bf16 and two-level averaging (2 nodes of
-// 2 ranks) on the same run as TestConvergence, must end within 5%
-// (relative) of the final training loss and within 1 point of the
+// 2 ranks) on the same run as TestConvergence, must end within 0.5%
+// (relative) of the final training loss and within 0.3 points of the
 // accuracy of the same optimizer with fp32 averaging. It logs the table.
 func TestConvergenceReduceModes(t *testing.T) {
 	if testing.Short() || cvRace {
@@ -61,8 +61,11 @@ func TestConvergenceReduceModes(t *testing.T) {
 			name := opt.name + " " + mode.String()
 			assert.Equal(t, s.Steps, r.stats.Steps, name)
 			assert.Zero(t, r.stats.Skipped, name)
-			assert.InEpsilon(t, base.loss, r.loss, 0.05, "%s: final loss %.4f, fp32 %.4f", name, r.loss, base.loss)
-			assert.InDelta(t, base.acc, r.acc, 0.01, "%s: accuracy %.4f, fp32 %.4f", name, r.acc, base.acc)
+			// Measured: at most 0.067% of loss and 0.06 points of
+			// accuracy from fp32 (1-bit Adam bf16); the bounds leave a
+			// margin of about 0.4% and 0.25 points.
+			assert.InEpsilon(t, base.loss, r.loss, 0.005, "%s: final loss %.4f, fp32 %.4f", name, r.loss, base.loss)
+			assert.InDelta(t, base.acc, r.acc, 0.003, "%s: accuracy %.4f, fp32 %.4f", name, r.acc, base.acc)
 			if mode != optim.ReduceTwoLevel && opt.name == "optim.Adam" {
 				// Half the gradient bytes; the finite-gradient flag is
 				// the same in both.

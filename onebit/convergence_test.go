@@ -74,8 +74,11 @@ func cvTrain(t *testing.T, s cvSpec, newOpt func(c comm.Comm, ps []*optim.Param)
 // 1-bit optimizer and its exact counterpart, with the compressed stage
 // taking seven eighths of the run (and, for 0/1 Adam, local steps with up
 // to 8 steps between synchronizations for most of it), and requires the
-// final training loss to agree within 5% (relative) and the accuracy
-// within 1 point. A control run in which every rank trains alone shows
+// final training loss to agree within 1% (relative; 2.2% for 0/1 Adam)
+// and the accuracy within 1 point (0.6 for 1-bit Adam): the measured
+// differences plus a stated margin (see the table below). The exact steps
+// are pinned by the TestPin* tests; this test catches what only shows
+// over a long run. A control run in which every rank trains alone shows
 // that the task needs the communication. It logs loss, accuracy, bytes
 // per step and the reduction of the total volume.
 func TestConvergence(t *testing.T) {
@@ -110,19 +113,27 @@ func TestConvergence(t *testing.T) {
 	pairs := []struct {
 		name, exactName string
 		exact, onebit   func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error)
+		// The bounds on the final loss (relative) and accuracy against
+		// the exact run. Measured (deterministic runs): 1-bit Adam -0.31%
+		// and +0.21 points, 1-bit LAMB -0.23% and +0.65 points, 0/1 Adam
+		// +1.49% and -0.56 points. The bounds add about 0.7 points of
+		// loss and 0.35 to 0.45 points of accuracy to those.
+		lossTol, accTol float64
 	}{
 		{
 			"onebit.Adam", "optim.Adam", exactAdam,
 			func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 				return onebit.NewAdam(c, ps, onebitAdam)
 			},
+			0.01, 0.006,
 		},
 		{
 			"onebit.Lamb", "optim.Lamb",
 			func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) { return optim.NewLamb(c, ps, lamb) },
 			newLamb(onebitLamb),
+			0.01, 0.01,
 		},
-		{"onebit.ZeroOneAdam", "optim.Adam", exactAdam, newZeroOne(zeroOne)},
+		{"onebit.ZeroOneAdam", "optim.Adam", exactAdam, newZeroOne(zeroOne), 0.022, 0.01},
 	}
 	var table strings.Builder
 	fmt.Fprintf(&table, "\nbytes/step: mean bytes rank 0 sent per step; last step: bytes of step %d; reduction: total volume of the exact run over this one\n", s.Steps)
@@ -146,8 +157,8 @@ func TestConvergence(t *testing.T) {
 
 		assert.Equal(t, s.Steps, ob.stats.Steps, pair.name)
 		assert.Zero(t, ob.stats.Skipped, pair.name)
-		assert.InEpsilon(t, ex.loss, ob.loss, 0.05, "%s: final loss %.4f, %s %.4f", pair.name, ob.loss, pair.exactName, ex.loss)
-		assert.InDelta(t, ex.acc, ob.acc, 0.01, "%s: accuracy %.4f, %s %.4f", pair.name, ob.acc, pair.exactName, ex.acc)
+		assert.InEpsilon(t, ex.loss, ob.loss, pair.lossTol, "%s: final loss %.4f, %s %.4f", pair.name, ob.loss, pair.exactName, ex.loss)
+		assert.InDelta(t, ex.acc, ob.acc, pair.accTol, "%s: accuracy %.4f, %s %.4f", pair.name, ob.acc, pair.exactName, ex.acc)
 		// The warm-up (an eighth of the run) sends as much as the exact
 		// optimizer; the rest much less.
 		assert.Less(t, 4*ob.stats.BytesSent, ex.stats.BytesSent, "%s sends less than a quarter of what %s sends", pair.name, pair.exactName)

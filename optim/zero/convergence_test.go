@@ -82,8 +82,8 @@ func cvTrain(t *testing.T, s cvSpec, newOpt newOpt) cvResult {
 
 // TestConvergence trains onebit's convergence network from the same seed
 // with sharded Adam in every reduce mode and with optim.Adam, and requires
-// the final training loss to agree within 5% (relative) and the accuracy
-// within 1 point, the bounds the 1-bit optimizers meet. The quantized
+// the final training loss to agree within 0.5% (relative) and the
+// accuracy within 0.3 points (measured: 0.08% and 0.07 points). The quantized
 // modes run on 2 "nodes" of 2 ranks, so that both qgZ hops carry data. It
 // logs loss, accuracy, bytes per step and optimizer floats per rank.
 func TestConvergence(t *testing.T) {
@@ -118,8 +118,11 @@ func TestConvergence(t *testing.T) {
 		row(name, z)
 		assert.Equal(t, s.Steps, z.stats.Steps, name)
 		assert.Zero(t, z.stats.Skipped, name)
-		assert.InEpsilon(t, ex.loss, z.loss, 0.05, "%s: final loss %.4f, optim.Adam %.4f", name, z.loss, ex.loss)
-		assert.InDelta(t, ex.acc, z.acc, 0.01, "%s: accuracy %.4f, optim.Adam %.4f", name, z.acc, ex.acc)
+		// Measured: at most 0.08% of loss and 0.07 points of accuracy
+		// from optim.Adam (int8); the bounds leave a margin of about
+		// 0.4% and 0.25 points.
+		assert.InEpsilon(t, ex.loss, z.loss, 0.005, "%s: final loss %.4f, optim.Adam %.4f", name, z.loss, ex.loss)
+		assert.InDelta(t, ex.acc, z.acc, 0.003, "%s: accuracy %.4f, optim.Adam %.4f", name, z.acc, ex.acc)
 		if mode != zero.ReduceCoalesced { // its flat buffers are as large as the model
 			assert.Less(t, float64(z.floats), 0.55*float64(ex.floats), "%s: optimizer floats per rank against optim.Adam's", name)
 		}
