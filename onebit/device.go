@@ -230,6 +230,11 @@ func floatBytes(p []float32) []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(&p[0])), 4*len(p))
 }
 
+// failedScale is the server scale a rank of AllReduceDevice sends when its
+// own server compression failed: a signalling NaN, which no arithmetic
+// produces, so no real scale is taken for it.
+const failedScale = 0x7f80dead
+
 // AllReduceDevice is AllReduce on a tensor that lives on a device: it
 // replaces the numel float32 values of buf, a span on st's device, with the
 // error-compensated 1-bit compressed average over the ranks of c, and
@@ -318,23 +323,34 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 		wire.getWorkerScales()
 	}
 	st.fromWire(false)
-	serverScale, err := st.server(dev, w)
-	if err != nil {
-		comm.SkipChecks(c, 0)
-		return err
+	// A rank whose server side fails still takes part in phase 2, with
+	// failedScale in place of its scale, so that its peers return an error
+	// naming it instead of waiting for it.
+	serverScale, serverErr := st.server(dev, w)
+	scaleBits := math.Float32bits(serverScale)
+	if serverErr != nil {
+		scaleBits = failedScale
 	}
 
 	// Phase 2: every rank's scale and packed server chunk, in pieces, as in
 	// AllReduce.
-	binary.LittleEndian.PutUint32(wire.serverMsg[:4], math.Float32bits(serverScale))
+	binary.LittleEndian.PutUint32(wire.serverMsg[:4], scaleBits)
 	for p := range k {
 		send, recv := wire.phase2(p)
 		if err := c.AllGatherBytes(ctx, send, recv); err != nil {
 			comm.SkipChecks(c, 0)
-			return fmt.Errorf("onebit: phase 2 all-gather: %w", err)
+			return errors.Join(serverErr, fmt.Errorf("onebit: phase 2 all-gather: %w", err))
 		}
 	}
+	if serverErr != nil {
+		return serverErr
+	}
 	st.fromWire(true)
+	for j, s := range wire.scales {
+		if math.Float32bits(s) == failedScale {
+			return fmt.Errorf("onebit: rank %d failed its server compression (its error says why)", j)
+		}
+	}
 	if err := dev.CopyIn(st.allSigns, st.stage[:n/8]); err != nil {
 		return fmt.Errorf("onebit: gathered signs to device: %w", err)
 	}

@@ -6,6 +6,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/stretchr/testify/assert"
@@ -253,18 +254,28 @@ func TestAllReduceDeviceBadInput(t *testing.T) {
 	b10, err := dev.Alloc(4 * 10)
 	require.NoError(t, err)
 
-	assert.ErrorContains(t, onebit.AllReduceDevice(ctx, cs[0], accel.Whole(b11), st), "state made for 10 elements")
-	assert.ErrorContains(t, onebit.AllReduceDevice(ctx, cs[0], accel.Whole(b10), nil), "nil state")
+	// Rank 1 makes a valid call each time; rank 0's bad call still meets
+	// it in the header, so both return at once: rank 0 with its own error,
+	// rank 1 with one naming rank 0.
+	peer := newDeviceRank(t, accel.NewCPU(), 10, 2)
+	bad := func(buf accel.Span, st *onebit.DeviceState, want string) {
+		t.Helper()
+		done := make(chan error, 1)
+		go func() { done <- onebit.AllReduceDevice(ctx, cs[1], peer.buf, peer.st) }()
+		assert.ErrorContains(t, onebit.AllReduceDevice(ctx, cs[0], buf, st), want)
+		assert.ErrorContains(t, <-done, "rank 0 refused the call")
+	}
+	bad(accel.Whole(b11), st, "state made for 10 elements")
+	bad(accel.Whole(b10), nil, "nil state")
 	st4, err := onebit.NewDeviceState(dev, 10, 4)
 	require.NoError(t, err)
-	assert.ErrorContains(t, onebit.AllReduceDevice(ctx, cs[0], accel.Whole(b10), st4), "on 4 ranks")
+	bad(accel.Whole(b10), st4, "on 4 ranks")
 
-	// A tensor on another device, or a span past the end of its buffer:
-	// an error before anything is communicated.
+	// A tensor on another device, or a span past the end of its buffer.
 	other, err := accel.NewCPU().Alloc(4 * 10)
 	require.NoError(t, err)
-	assert.ErrorContains(t, onebit.AllReduceDevice(ctx, cs[0], accel.Whole(other), st), "another device")
-	assert.ErrorContains(t, onebit.AllReduceDevice(ctx, cs[0], accel.Span{Buf: b10, Off: 4, Len: 40}, st), "out of a 40-byte buffer")
+	bad(accel.Whole(other), st, "another device")
+	bad(accel.Span{Buf: b10, Off: 4, Len: 40}, st, "out of a 40-byte buffer")
 
 	// Host copies of the errors with the wrong length.
 	assert.Error(t, st.Errors(make([]float32, 3), make([]float32, 8)))
@@ -277,7 +288,7 @@ func TestAllReduceDeviceBadInput(t *testing.T) {
 
 	// A freed state and a closed device give errors, not crashes.
 	require.NoError(t, st.Close())
-	assert.ErrorIs(t, onebit.AllReduceDevice(ctx, cs[0], accel.Whole(b10), st), accel.ErrFreed)
+	bad(accel.Whole(b10), st, accel.ErrFreed.Error())
 	require.NoError(t, dev.Close())
 	_, err = onebit.NewDeviceState(dev, 10, 2)
 	assert.Error(t, err)
@@ -373,4 +384,45 @@ func TestAllReduceDeviceAllocs(t *testing.T) {
 	allocs := testing.AllocsPerRun(100, func() { _ = onebit.AllReduceDevice(ctx, cs[0], ranks[0].buf, ranks[0].st) })
 	<-done
 	assert.Zero(t, allocs)
+}
+
+// serverFailingDevice is the CPU device whose server compression fails.
+type serverFailingDevice struct{ accel.Device }
+
+func (serverFailingDevice) SumCompressCarried(_, _ accel.Span, _ float32, _, _ accel.Span) (float32, error) {
+	return 0, fmt.Errorf("injected server failure")
+}
+
+// TestAllReduceDeviceServerFailure: a rank whose device fails between the
+// phases (after phase 1, before phase 2) still takes part in phase 2, so
+// every rank returns an error promptly, the others naming it, unpipelined
+// and pipelined, under a context that never ends.
+func TestAllReduceDeviceServerFailure(t *testing.T) {
+	for _, n := range []int{1000, 1 << 20} {
+		t.Run(fmt.Sprint(n), func(t *testing.T) {
+			const w, bad = 3, 1
+			errs := make([]error, w)
+			start := time.Now()
+			err := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
+				var dev accel.Device = accel.NewCPU()
+				if c.Rank() == bad {
+					dev = serverFailingDevice{dev}
+				}
+				d := newDeviceRank(t, dev, n, w)
+				errs[c.Rank()] = onebit.AllReduceDevice(ctx, c, d.buf, d.st)
+				return nil
+			})
+			require.NoError(t, err)
+			assert.Less(t, time.Since(start), 5*time.Second)
+			for r, e := range errs {
+				require.Error(t, e, "rank %d", r)
+				assert.NotErrorIs(t, e, comm.ErrAborted, "rank %d", r)
+				if r == bad {
+					assert.ErrorContains(t, e, "injected server failure")
+				} else {
+					assert.ErrorContains(t, e, "rank 1 failed its server compression")
+				}
+			}
+		})
+	}
 }
