@@ -38,14 +38,19 @@ type exact struct {
 	m, v    [][]float32
 	scratch []float32 // LAMB's update, as long as the largest parameter
 	avg     *GradAverager
+	name    string // "Adam" or "LAMB"
+	closed  bool
 }
 
+// newExact returns the engine of the optimizer called name ("Adam" or
+// "LAMB"); its errors carry the package prefix once.
 func newExact(name, algorithm string, c comm.Comm, params []*Param, adam AdamConfig, opts []Option) (*exact, error) {
-	if err := CheckParams(params); err != nil {
-		return nil, err
+	if err := checkParams(params); err != nil {
+		return nil, fmt.Errorf("optim: %s: %w", name, err)
 	}
 	o := ApplyOptions(opts)
 	e := &exact{
+		name:      name,
 		algorithm: algorithm,
 		params:    append([]*Param(nil), params...),
 		adam:      adam,
@@ -67,7 +72,7 @@ func newExact(name, algorithm string, c comm.Comm, params []*Param, adam AdamCon
 	}
 	e.avg = avg
 	e.Frame = NewFrame(FrameConfig{
-		Name: name, Algorithm: algorithm, Comm: c, Params: e.params, Sizes: e.m,
+		Name: "optim: " + name, Algorithm: algorithm, Comm: c, Params: e.params, Sizes: e.m,
 		LR: adam.LR, Stage: StageExact, Logger: o.Logger, Averager: avg,
 	})
 	e.Handle(StageExact, e.update)
@@ -93,6 +98,20 @@ func CheckSizes(params []*Param, bufs [][]float32) error {
 		}
 	}
 	return nil
+}
+
+// step is Step, refused after close.
+func (e *exact) step(ctx context.Context) error {
+	if e.closed {
+		return fmt.Errorf("%w (%s)", ErrClosed, e.name)
+	}
+	return e.Step(ctx)
+}
+
+// close releases the averager's communicators; step fails afterwards.
+func (e *exact) close() error {
+	e.closed = true
+	return e.avg.Close()
 }
 
 // update is the exact stage's StepFunc.

@@ -19,7 +19,7 @@ func ExampleAdam() {
 	}
 	cfg := optim.DefaultAdamConfig()
 	cfg.LR = 0.1
-	opt, err := optim.NewAdam(nil, []*optim.Param{w}, cfg)
+	opt, err := optim.NewAdam(context.Background(), nil, []*optim.Param{w}, cfg)
 	if err != nil {
 		log.Fatal(err)
 	}
