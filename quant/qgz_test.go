@@ -6,6 +6,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"runtime"
+	"strings"
 	"testing"
 	"time"
 
@@ -510,5 +511,35 @@ func BenchmarkQGZErrorFeedback(b *testing.B) {
 			b.ReportMetric(fed[k-1], "fed-err")
 			b.ReportMetric(plain[k-1]/fed[k-1], "plain/fed")
 		})
+	}
+}
+
+// TestQGZConfigValidate: each field's bad value is refused by Validate,
+// and by NewQGZ with Validate's message (naming the rank, on every rank).
+func TestQGZConfigValidate(t *testing.T) {
+	require.NoError(t, quant.QGZConfig{Bits: 4}.Validate())
+	require.NoError(t, quant.QGZConfig{Bits: 8, GroupSize: 64, ErrorFeedback: true}.Validate())
+	for _, c := range []struct {
+		field string
+		cfg   quant.QGZConfig
+	}{
+		{"Bits", quant.QGZConfig{Bits: 5}},
+		{"Bits", quant.QGZConfig{}},
+		{"GroupSize", quant.QGZConfig{Bits: 4, GroupSize: -1}},
+	} {
+		verr := c.cfg.Validate()
+		require.Error(t, verr, c.field)
+		assert.Contains(t, verr.Error(), "quant: QGZConfig."+c.field+" = ")
+		err := local.Run(context.Background(), 1, func(ctx context.Context, cm comm.Comm) error {
+			l, err := comm.NewLayout(ctx, cm, 1)
+			if err != nil {
+				return err
+			}
+			defer l.Close()
+			_, err = quant.NewQGZ(ctx, l, 100, c.cfg)
+			return err
+		})
+		require.Error(t, err, c.field)
+		assert.Contains(t, err.Error(), strings.TrimPrefix(verr.Error(), "quant: "), c.field)
 	}
 }
