@@ -57,7 +57,7 @@ func newBuckets(params []*optim.Param, world, bytes int) (*buckets, error) {
 	add := func(lo, hi int) error {
 		st, err := NewState(hi-lo, world)
 		if err != nil {
-			return err
+			return samePackage{err}
 		}
 		b.bounds = append(b.bounds, lo)
 		b.states = append(b.states, st)
@@ -96,7 +96,7 @@ func (b *buckets) errorNames(k int) (worker, server string) {
 func (b *buckets) allReduce(ctx context.Context, c comm.Comm, flat []float32) error {
 	for k, st := range b.states {
 		if err := AllReduce(ctx, c, flat[b.bounds[k]:b.bounds[k+1]], st); err != nil {
-			return fmt.Errorf("bucket %d of %d: %w", k, len(b.states), err)
+			return fmt.Errorf("bucket %d of %d: %w", k, len(b.states), samePackage{err})
 		}
 	}
 	return nil

@@ -5,9 +5,20 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strings"
 
 	"github.com/lowbit-ml/lowbit/optim"
 )
+
+// samePackage wraps an error that this package's exported API returned
+// (prefixed "onebit: ", AllReduce's say) for a caller in this package that
+// wraps it under its own prefix (the optimizer's, "onebit: 1-bit LAMB
+// step 3: ..."): it reads without the inner prefix, so that the package's
+// prefix appears once, and unwraps to err.
+type samePackage struct{ err error }
+
+func (e samePackage) Error() string { return strings.TrimPrefix(e.err.Error(), "onebit: ") }
+func (e samePackage) Unwrap() error { return e.err }
 
 // configErrorIn returns err with the *optim.ConfigError it holds (if any)
 // relabelled as an error of config, for the fields a config embeds from

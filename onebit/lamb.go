@@ -191,7 +191,7 @@ func NewLamb(ctx context.Context, c comm.Comm, params []*optim.Param, cfg LambCo
 	})
 	if w := o.f.World(); w > 1 {
 		if o.ef, err = NewState(total, w); err != nil {
-			return nil, fmt.Errorf("onebit: 1-bit LAMB: %w", err)
+			return nil, fmt.Errorf("onebit: 1-bit LAMB: %w", samePackage{err})
 		}
 	}
 	o.f.Handle(optim.StageWarmup, o.warmup)
@@ -295,7 +295,7 @@ func (o *Lamb) compressed(ctx context.Context, t int64, lr float32) error {
 	// 4. One compressed allreduce of the fused buffer.
 	if o.ef != nil {
 		if err := AllReduce(ctx, o.f.Comm(), o.m, o.ef); err != nil {
-			return err
+			return fmt.Errorf("momentum: %w", samePackage{err})
 		}
 	}
 	// 5. Per parameter: unscale, mask, v_fresh, factor, update.

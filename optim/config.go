@@ -33,6 +33,15 @@ func (e *ConfigError) Error() string {
 	return fmt.Sprintf("%s: %s.%s = %v: want %s", pkg, typ, e.Field, e.Value, e.Want)
 }
 
+// samePackage wraps an error that this package's exported API returned
+// (prefixed "optim: ") for a caller in this package that wraps it under its
+// own prefix (a Frame's name, "optim: Adam"): it reads without the inner
+// prefix, so that the package's prefix appears once, and unwraps to err.
+type samePackage struct{ err error }
+
+func (e samePackage) Error() string { return strings.TrimPrefix(e.err.Error(), "optim: ") }
+func (e samePackage) Unwrap() error { return e.err }
+
 // configErrorIn returns err with the *ConfigError it holds (if any)
 // relabelled as an error of config: what a config that embeds another
 // returns for the embedded one's fields. Other errors are returned as
@@ -118,7 +127,7 @@ func DefaultAdamConfig() AdamConfig {
 func (c AdamConfig) Validate() error {
 	const cfg = "optim.AdamConfig"
 	switch {
-	case !(c.LR > 0) || math.IsInf(float64(c.LR), 1):
+	case checkLR(c.LR) != nil:
 		return &ConfigError{cfg, "LR", c.LR, "finite and > 0"}
 	case !(c.Beta1 >= 0 && c.Beta1 < 1):
 		return &ConfigError{cfg, "Beta1", c.Beta1, "in [0, 1)"}

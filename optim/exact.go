@@ -88,13 +88,14 @@ func CommBytes(c comm.Comm) int64 {
 	return c.Stats().Total().BytesSent
 }
 
-// CheckSizes returns an error when the value or gradient of params[i] does
-// not hold len(bufs[i]) elements: the caller replaced a tensor after the
-// optimizer sized its buffers from it.
-func CheckSizes(params []*Param, bufs [][]float32) error {
+// checkSizes returns an error (without the package prefix: the Frame adds
+// its name) when the value or gradient of params[i] does not hold
+// len(bufs[i]) elements: the caller replaced a tensor after the optimizer
+// sized its buffers from it.
+func checkSizes(params []*Param, bufs [][]float32) error {
 	for i, p := range params {
 		if n := len(bufs[i]); len(p.Data()) != n || len(p.GradData()) != n {
-			return fmt.Errorf("optim: parameter %q: value or gradient no longer holds the %d elements it had at construction", p.Name, n)
+			return fmt.Errorf("parameter %q: value or gradient no longer holds the %d elements it had at construction", p.Name, n)
 		}
 	}
 	return nil
@@ -117,7 +118,7 @@ func (e *exact) close() error {
 // update is the exact stage's StepFunc.
 func (e *exact) update(ctx context.Context, t int64, lr float32) error {
 	if err := e.avg.Average(ctx); err != nil {
-		return err
+		return samePackage{err}
 	}
 	cfg := e.adam
 	c1, c2 := float32(1), float32(1)

@@ -44,7 +44,7 @@ type FrameConfig struct {
 	Params []*Param
 	// Sizes holds, per parameter, a buffer the optimizer sized from it at
 	// construction: Step refuses to run when a parameter's value or
-	// gradient no longer holds that many elements (see CheckSizes).
+	// gradient no longer holds that many elements (see checkSizes).
 	Sizes [][]float32
 	// LR is the initial fixed learning rate (the config's).
 	LR float32
@@ -143,14 +143,14 @@ func (f *Frame) Handle(s Stage, fn StepFunc) {
 // frame's name and the step.
 func (f *Frame) Step(ctx context.Context) error {
 	before := f.bytesSent()
-	if err := CheckSizes(f.params, f.sizes); err != nil {
+	if err := checkSizes(f.params, f.sizes); err != nil {
 		return fmt.Errorf("%s: %w", f.name, err)
 	}
 	t := f.step + 1
 	lr := f.lr
 	if f.sched != nil {
 		lr = f.sched.LR(t)
-		if err := CheckLR(lr); err != nil {
+		if err := checkLR(lr); err != nil {
 			return fmt.Errorf("%s step %d: schedule %s: %w", f.name, t, f.sched, err)
 		}
 	}
@@ -247,7 +247,7 @@ func (f *Frame) Logger() *zap.Logger { return f.log }
 
 // SetLR implements LRSetter.SetLR.
 func (f *Frame) SetLR(lr float32) error {
-	if err := CheckLR(lr); err != nil {
+	if err := checkLR(lr); err != nil {
 		return fmt.Errorf("%s: %w", f.name, err)
 	}
 	f.lr, f.sched = lr, nil
@@ -258,7 +258,7 @@ func (f *Frame) SetLR(lr float32) error {
 // step before it is accepted.
 func (f *Frame) SetSchedule(s Schedule) error {
 	if s != nil {
-		if err := CheckLR(s.LR(f.step + 1)); err != nil {
+		if err := checkLR(s.LR(f.step + 1)); err != nil {
 			return fmt.Errorf("%s: schedule %s at step %d: %w", f.name, s, f.step+1, err)
 		}
 	}

@@ -48,7 +48,7 @@
 // product to float32 so that results are bit-identical across ranks and
 // architectures; the step helpers (FiniteGuard and AllFinite for the
 // skip-on-non-finite agreement, GradAverager and AverageGrads,
-// CheckParams, CheckSizes, CommBytes); and the checkpoint format
+// CheckParams, CommBytes); and the checkpoint format
 // (Checkpoint, SaveFile, LoadFile, CheckCompatible, LoadCounters and the
 // shared tensor names).
 package optim
