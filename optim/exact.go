@@ -168,10 +168,10 @@ func (e *exact) Load(ck *Checkpoint) error {
 	return nil
 }
 
-// LoadCounters reads the step counters every optimizer stores (IntStep,
+// loadCounters reads the step counters every optimizer stores (IntStep,
 // IntSteps, IntSkipped) and checks that they are consistent: non-negative,
 // with step + skipped == steps.
-func LoadCounters(ck *Checkpoint) (step, steps, skipped int64, err error) {
+func loadCounters(ck *Checkpoint) (step, steps, skipped int64, err error) {
 	if step, err = ck.Int(IntStep); err != nil {
 		return
 	}

@@ -317,7 +317,7 @@ type FrameState struct {
 // CheckLoad checks, without changing anything, that ck can be loaded into
 // the frame's optimizer: ck.CheckCompatible for the frame's algorithm,
 // world size and parameters; a stage among stages; consistent counters
-// (see LoadCounters); and the learning-rate state. It returns what Restore
+// (see loadCounters); and the learning-rate state. It returns what Restore
 // applies once the optimizer has restored (Checkpoint.Restore) the rest.
 // Errors wrap ErrIncompatibleCheckpoint and are not prefixed with the
 // frame's name.
@@ -342,7 +342,7 @@ func (f *Frame) CheckLoad(ck *Checkpoint, stages ...Stage) (FrameState, error) {
 		return st, fmt.Errorf("%w: unknown stage %q for %s (want one of %q)", ErrIncompatibleCheckpoint, ck.Stage, f.algorithm, stages)
 	}
 	var err error
-	if st.Step, st.Steps, st.Skipped, err = LoadCounters(ck); err != nil {
+	if st.Step, st.Steps, st.Skipped, err = loadCounters(ck); err != nil {
 		return st, err
 	}
 	st.Stage = ck.Stage

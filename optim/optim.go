@@ -49,7 +49,7 @@
 // architectures; the step helpers (FiniteGuard and AllFinite for the
 // skip-on-non-finite agreement, GradAverager and AverageGrads,
 // CheckParams, CommBytes); and the checkpoint format
-// (Checkpoint, SaveFile, LoadFile, CheckCompatible, LoadCounters and the
+// (Checkpoint, SaveFile, LoadFile, CheckCompatible and the
 // shared tensor names).
 package optim
 
