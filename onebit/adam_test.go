@@ -653,6 +653,7 @@ func ExampleAdam() {
 		if err != nil {
 			return err
 		}
+		defer opt.Close() // every holder of an optimizer closes it (not a collective)
 		target := float32(c.Rank())
 		for step := 0; step < 300; step++ {
 			for i, x := range w.Data() {

@@ -264,6 +264,7 @@ func ExampleNewZeroOneAdam() {
 		if err != nil {
 			return err
 		}
+		defer opt.Close() // every holder of an optimizer closes it (not a collective)
 		for range 400 {
 			for i := range n { // the gradient of (w-target)^2/2
 				w.GradData()[i] = w.Data()[i] - float32(c.Rank()+1)*float32(math.Cos(float64(i)))

@@ -23,6 +23,7 @@ func ExampleAdam() {
 	if err != nil {
 		log.Fatal(err)
 	}
+	defer opt.Close() // every holder of an optimizer closes it (not a collective)
 	dir, err := os.MkdirTemp("", "adam-example")
 	if err != nil {
 		log.Fatal(err)
