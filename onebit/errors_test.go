@@ -163,3 +163,72 @@ func TestErrorPrefixOnce(t *testing.T) {
 	}))
 	assertPrefixOnce(t, "NewQGZ", qerr)
 }
+
+// splitRecorder records the communicators split off it.
+type splitRecorder struct {
+	comm.Comm
+	subs *[]comm.Comm
+}
+
+func (s splitRecorder) Split(ctx context.Context, color, key int) (comm.Comm, error) {
+	sub, err := s.Comm.Split(ctx, color, key)
+	if err == nil {
+		*s.subs = append(*s.subs, sub)
+	}
+	return sub, err
+}
+
+// TestCloseReleasesSplits: every optimizer that splits communicators off
+// its group (two-level averaging in the warm-up of the 1-bit optimizers,
+// the node layout of zero's int8 mode) closes them in Close, which is
+// idempotent, and refuses Step afterwards with optim.ErrClosed.
+func TestCloseReleasesSplits(t *testing.T) {
+	two := optim.DefaultAdamConfig()
+	two.Reduce, two.RanksPerNode = optim.ReduceTwoLevel, 2
+	a := onebit.DefaultAdamConfig()
+	a.AdamConfig = two
+	l := onebit.DefaultLambConfig()
+	l.AdamConfig = two
+	z := onebit.DefaultZeroOneAdamConfig()
+	z.AdamConfig = two
+	zc := zero.DefaultConfig()
+	zc.ReduceScatter, zc.RanksPerNode = zero.ReduceInt8, 2
+	for name, mk := range map[string]func(context.Context, comm.Comm, []*optim.Param) (optim.Optimizer, error){
+		"onebit.Adam": func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+			return onebit.NewAdam(ctx, c, p, a)
+		},
+		"onebit.Lamb": func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+			return onebit.NewLamb(ctx, c, p, l)
+		},
+		"onebit.ZeroOneAdam": func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+			return onebit.NewZeroOneAdam(ctx, c, p, z)
+		},
+		"zero.Adam": func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+			return zero.NewAdam(ctx, c, p, zc)
+		},
+	} {
+		err := local.Run(context.Background(), 4, func(ctx context.Context, c comm.Comm) error {
+			var subs []comm.Comm
+			ps := configParams()
+			opt, err := mk(ctx, splitRecorder{c, &subs}, ps)
+			if err != nil {
+				return err
+			}
+			for i := range ps[0].GradData() {
+				ps[0].GradData()[i] = float32(c.Rank() + i)
+			}
+			if err := opt.Step(ctx); err != nil {
+				return err
+			}
+			require.NotEmpty(t, subs, "%s: the first step (or the constructor) splits the group", name)
+			require.NoError(t, opt.Close())
+			for _, s := range subs {
+				assert.ErrorIs(t, s.Barrier(ctx), comm.ErrClosed, "%s: a split communicator is still open", name)
+			}
+			require.NoError(t, opt.Close(), "%s: Close is idempotent", name)
+			assert.ErrorIs(t, opt.Step(ctx), optim.ErrClosed, name)
+			return nil
+		})
+		require.NoError(t, err, name)
+	}
+}

@@ -248,3 +248,45 @@ func TestExactStepAllocatesNothingInEveryMode(t *testing.T) {
 		}
 	}
 }
+
+// TestCloseReleasesLayout: after a two-level step on 2 nodes of 2 ranks,
+// Close releases the layout's communicators (collectives on them fail),
+// a second Close does nothing, Step fails with ErrClosed, and State still
+// works; for Adam and LAMB.
+func TestCloseReleasesLayout(t *testing.T) {
+	for _, lamb := range []bool{false, true} {
+		err := local.Run(context.Background(), 4, func(ctx context.Context, c comm.Comm) error {
+			ps := testParams(t, 5, []int{8}, []int{3, 3})
+			cfg := DefaultAdamConfig()
+			cfg.Reduce, cfg.RanksPerNode = ReduceTwoLevel, 2
+			var opt Optimizer
+			var e *exact
+			if lamb {
+				l, err := NewLamb(ctx, c, ps, LambConfig{AdamConfig: cfg, MaxCoeff: 10})
+				if err != nil {
+					return err
+				}
+				opt, e = l, l.e
+			} else {
+				a, err := NewAdam(ctx, c, ps, cfg)
+				if err != nil {
+					return err
+				}
+				opt, e = a, a.e
+			}
+			fillGrads(ps, c.Rank(), 1)
+			require.NoError(t, opt.Step(ctx))
+			layout := e.avg.layout
+			require.NotNil(t, layout, "the first step builds the layout")
+			require.NoError(t, opt.Close())
+			assert.ErrorIs(t, layout.Intra.Barrier(ctx), comm.ErrClosed, "the node communicator is closed")
+			assert.ErrorIs(t, layout.Inter.Barrier(ctx), comm.ErrClosed, "the rail communicator is closed")
+			require.NoError(t, opt.Close(), "Close is idempotent")
+			assert.ErrorIs(t, opt.Step(ctx), ErrClosed)
+			_, err := opt.State()
+			assert.NoError(t, err)
+			return nil
+		})
+		require.NoError(t, err, "lamb %v", lamb)
+	}
+}
