@@ -18,29 +18,29 @@ type AdamConfig struct {
 	optim.AdamConfig
 	// FreezeStep is the number of warm-up steps, in which 1-bit Adam is
 	// exact Adam; from step FreezeStep+1 on the variance is frozen and the
-	// momentum is communicated compressed. Default 100. 0 compresses from
-	// the first step with v = 0 (rarely what you want).
+	// momentum is communicated compressed; >= 0. Default 100. 0
+	// compresses from the first step with v = 0 (rarely what you want).
 	FreezeStep int
 	// ExpAvgMask optionally maps a parameter name to a mask as long as the
 	// parameter, multiplied into its momentum after every compressed
-	// allreduce (to keep, say, padded embedding rows at zero). Parameters
-	// without an entry are not masked. Default nil.
+	// allreduce (to keep, say, padded embedding rows at zero); finite.
+	// Parameters without an entry are not masked. Default nil.
 	ExpAvgMask map[string][]float32
 	// BucketBytes is the size of the fused buckets the momentum is
-	// compressed in: the momenta of all parameters form one flat buffer,
-	// cut into buckets of BucketBytes (the last may be shorter), and each
-	// bucket is one compressed allreduce with its own error feedback.
-	// 0 means DefaultBucketBytes (25 MiB, like DDP); PerParameter
+	// compressed in, in the convention of optim.DefaultBucketBytes: the
+	// momenta of all parameters form one flat buffer, cut into buckets of
+	// BucketBytes (the last may be shorter), and each bucket is one
+	// compressed allreduce with its own error feedback. 0 means
+	// optim.DefaultBucketBytes (25 MiB, like DDP); optim.PerParameter
 	// compresses each parameter on its own (one collective and one scale
-	// per parameter, as lowbit did before buckets). Every rank must use
-	// the same value.
+	// per parameter, as lowbit did before buckets).
 	BucketBytes int
 }
 
 // DefaultAdamConfig returns optim.DefaultAdamConfig with FreezeStep 100,
-// no mask and buckets of DefaultBucketBytes.
+// no mask and buckets of optim.DefaultBucketBytes.
 func DefaultAdamConfig() AdamConfig {
-	return AdamConfig{AdamConfig: optim.DefaultAdamConfig(), FreezeStep: 100, BucketBytes: DefaultBucketBytes}
+	return AdamConfig{AdamConfig: optim.DefaultAdamConfig(), FreezeStep: 100, BucketBytes: optim.DefaultBucketBytes}
 }
 
 // Checkpoint names of 1-bit Adam's state beyond optim's common ones.
@@ -97,21 +97,18 @@ var (
 )
 
 // NewAdam returns 1-bit Adam over params on the ranks of c (nil for a
-// single process). It allocates both moments and, on more than one rank,
+// single process). Every rank of c calls it together, with the same
+// parameter shapes and config; it does not communicate (ctx: see optim's
+// package doc). An invalid cfg is refused with cfg.Validate's error. It
+// allocates both moments and, on more than one rank,
 // one State of error buffers per bucket; the first warm-up Step may
 // allocate the averaging buffers of cfg.Reduce (see optim.NewAdam); later
 // steps allocate nothing.
-func NewAdam(c comm.Comm, params []*optim.Param, cfg AdamConfig, opts ...optim.Option) (*Adam, error) {
-	if err := cfg.AdamConfig.Validate(); err != nil {
-		return nil, fmt.Errorf("onebit: Adam: %w", err)
-	}
-	if cfg.FreezeStep < 0 {
-		return nil, fmt.Errorf("onebit: Adam: freeze step %d must be >= 0", cfg.FreezeStep)
+func NewAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg AdamConfig, opts ...optim.Option) (*Adam, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
 	}
 	if err := optim.CheckParams(params); err != nil {
-		return nil, fmt.Errorf("onebit: Adam: %w", err)
-	}
-	if err := checkBucketBytes(cfg.BucketBytes); err != nil {
 		return nil, fmt.Errorf("onebit: Adam: %w", err)
 	}
 	a := &Adam{
@@ -154,7 +151,9 @@ func NewAdam(c comm.Comm, params []*optim.Param, cfg AdamConfig, opts ...optim.O
 
 // Step applies one update; see optim.Optimizer. In warm-up it overwrites
 // the gradients with their average; in compression it leaves them alone.
-func (a *Adam) Step(ctx context.Context) error { return a.f.Step(ctx) }
+func (a *Adam) Step(ctx context.Context) error {
+	return a.f.Step(ctx)
+}
 
 // warmup is exact Adam; after step FreezeStep it freezes v's bias
 // correction and enters the compression stage.
@@ -290,6 +289,9 @@ func (a *Adam) Load(ck *optim.Checkpoint) error {
 }
 
 // Close releases the communicators that ReduceTwoLevel averaging split off
-// the group (none in the other modes). The optimizer must not step after
-// Close. It is not a collective, but every rank should call it.
-func (a *Adam) Close() error { return a.avg.Close() }
+// the group (none in the other modes); see optim.Optimizer.Close: not a
+// collective, idempotent, every rank calls it, Step fails after it.
+func (a *Adam) Close() error {
+	a.f.Close()
+	return a.avg.Close()
+}

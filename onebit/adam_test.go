@@ -107,9 +107,9 @@ func TestAdamOneRankMatchesExactAdamThenFrozenVariance(t *testing.T) {
 				}
 				ps := adamParams(t, []int{4, 5})
 				exactPs := adamParams(t, []int{4, 5})
-				opt, err := onebit.NewAdam(c, ps, cfg)
+				opt, err := onebit.NewAdam(context.Background(), c, ps, cfg)
 				require.NoError(t, err)
-				exact, err := optim.NewAdam(nil, exactPs, cfg.AdamConfig)
+				exact, err := optim.NewAdam(context.Background(), nil, exactPs, cfg.AdamConfig)
 				require.NoError(t, err)
 				ref := &adamFrozenRef{cfg: cfg.AdamConfig, freeze: freeze,
 					p: append([]float32(nil), ps[0].Data()...), m: make([]float32, 20), v: make([]float32, 20)}
@@ -148,7 +148,7 @@ func TestAdamStagesAndTraffic(t *testing.T) {
 		ps := adamParams(t, []int{n})
 		cfg := onebit.DefaultAdamConfig()
 		cfg.FreezeStep = freeze
-		opt, err := onebit.NewAdam(c, ps, cfg)
+		opt, err := onebit.NewAdam(ctx, c, ps, cfg)
 		if err != nil {
 			return err
 		}
@@ -201,7 +201,7 @@ func adamRun(t *testing.T, w int, cfg onebit.AdamConfig, dir string, from, to in
 	out := make([][][]uint32, w)
 	err := local.Run(adamCtx(t), w, func(ctx context.Context, c comm.Comm) error {
 		ps := adamParams(t, []int{3, 7}, []int{13}, []int{1})
-		opt, err := onebit.NewAdam(c, ps, cfg)
+		opt, err := onebit.NewAdam(ctx, c, ps, cfg)
 		if err != nil {
 			return err
 		}
@@ -272,7 +272,7 @@ func TestAdamCheckpointCarriesErrorBuffers(t *testing.T) {
 	}{
 		{"one fused bucket", 0, 2},
 		{"buckets of 32 bytes", 32, 2 * 5}, // 35 elements in buckets of 8, 8, 8, 8, 3
-		{"per parameter", onebit.PerParameter, 2 * 3},
+		{"per parameter", optim.PerParameter, 2 * 3},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := adamConfigForResume(freeze)
@@ -307,7 +307,7 @@ func TestAdamCheckpointCarriesErrorBuffers(t *testing.T) {
 // resumed from its checkpoint ends bit-identical to an uninterrupted one.
 func TestAdamBucketsResumeBitExact(t *testing.T) {
 	const w, freeze, k, total = 3, 2, 5, 9
-	for _, bb := range []int{0, 24, onebit.PerParameter} {
+	for _, bb := range []int{0, 24, optim.PerParameter} {
 		cfg := adamConfigForResume(freeze)
 		cfg.BucketBytes = bb
 		dir := t.TempDir()
@@ -327,10 +327,10 @@ func TestAdamBucketCheckpointRefusal(t *testing.T) {
 		saved, loaded int
 		msg           string
 	}{
-		{onebit.PerParameter, 0, "per parameter"},
+		{optim.PerParameter, 0, "per parameter"},
 		{0, 32, "buckets of"},
 		{32, 0, "buckets of"},
-		{0, onebit.PerParameter, "buckets of"},
+		{0, optim.PerParameter, "buckets of"},
 	} {
 		cfg := adamConfigForResume(freeze)
 		cfg.BucketBytes = tc.saved
@@ -340,7 +340,7 @@ func TestAdamBucketCheckpointRefusal(t *testing.T) {
 			ps := adamParams(t, []int{3, 7}, []int{13}, []int{1})
 			lc := adamConfigForResume(freeze)
 			lc.BucketBytes = tc.loaded
-			opt, err := onebit.NewAdam(c, ps, lc)
+			opt, err := onebit.NewAdam(ctx, c, ps, lc)
 			if err != nil {
 				return err
 			}
@@ -368,7 +368,7 @@ func TestAdamLoadRefusesIncompatibleCheckpoints(t *testing.T) {
 	states := make([]*optim.Checkpoint, 2)
 	err := local.Run(adamCtx(t), 2, func(ctx context.Context, c comm.Comm) error {
 		ps := adamParams(t, []int{4}, []int{2, 3})
-		opt, err := onebit.NewAdam(c, ps, cfg)
+		opt, err := onebit.NewAdam(ctx, c, ps, cfg)
 		if err != nil {
 			return err
 		}
@@ -384,7 +384,7 @@ func TestAdamLoadRefusesIncompatibleCheckpoints(t *testing.T) {
 	require.NoError(t, err)
 
 	exactPs := adamParams(t, []int{4}, []int{2, 3})
-	exact, err := optim.NewAdam(nil, exactPs, cfg.AdamConfig)
+	exact, err := optim.NewAdam(context.Background(), nil, exactPs, cfg.AdamConfig)
 	require.NoError(t, err)
 	fromExact, err := exact.State()
 	require.NoError(t, err)
@@ -392,7 +392,7 @@ func TestAdamLoadRefusesIncompatibleCheckpoints(t *testing.T) {
 
 	err = local.Run(adamCtx(t), 2, func(ctx context.Context, c comm.Comm) error {
 		ps := adamParams(t, []int{4}, []int{2, 3})
-		opt, err := onebit.NewAdam(c, ps, cfg)
+		opt, err := onebit.NewAdam(ctx, c, ps, cfg)
 		if err != nil {
 			return err
 		}
@@ -430,7 +430,7 @@ func TestAdamLoadRefusesIncompatibleCheckpoints(t *testing.T) {
 
 	// Another world size, and other shapes.
 	err = local.Run(adamCtx(t), 4, func(ctx context.Context, c comm.Comm) error {
-		opt, err := onebit.NewAdam(c, adamParams(t, []int{4}, []int{2, 3}), cfg)
+		opt, err := onebit.NewAdam(ctx, c, adamParams(t, []int{4}, []int{2, 3}), cfg)
 		if err != nil {
 			return err
 		}
@@ -439,7 +439,7 @@ func TestAdamLoadRefusesIncompatibleCheckpoints(t *testing.T) {
 	})
 	require.NoError(t, err)
 	err = local.Run(adamCtx(t), 2, func(ctx context.Context, c comm.Comm) error {
-		opt, err := onebit.NewAdam(c, adamParams(t, []int{4}, []int{3, 2}), cfg)
+		opt, err := onebit.NewAdam(ctx, c, adamParams(t, []int{4}, []int{3, 2}), cfg)
 		if err != nil {
 			return err
 		}
@@ -462,7 +462,7 @@ func TestAdamSkipsNonFiniteStepsOnEveryRank(t *testing.T) {
 				ps := adamParams(t, []int{5, 5}, []int{9})
 				cfg := onebit.DefaultAdamConfig()
 				cfg.FreezeStep = freeze
-				opt, err := onebit.NewAdam(c, ps, cfg)
+				opt, err := onebit.NewAdam(ctx, c, ps, cfg)
 				if err != nil {
 					return err
 				}
@@ -519,7 +519,7 @@ func TestAdamMaskKeepsMaskedMomentumAtZero(t *testing.T) {
 			mask[i] = 1
 		}
 		cfg.ExpAvgMask = map[string][]float32{"w0": mask}
-		opt, err := onebit.NewAdam(c, ps, cfg)
+		opt, err := onebit.NewAdam(ctx, c, ps, cfg)
 		if err != nil {
 			return err
 		}
@@ -558,10 +558,10 @@ func TestAdamRejectsBadConfig(t *testing.T) {
 	} {
 		cfg := onebit.DefaultAdamConfig()
 		f(&cfg)
-		_, err := onebit.NewAdam(nil, ps, cfg)
+		_, err := onebit.NewAdam(context.Background(), nil, ps, cfg)
 		assert.Error(t, err, name)
 	}
-	_, err := onebit.NewAdam(nil, []*optim.Param{nil}, onebit.DefaultAdamConfig())
+	_, err := onebit.NewAdam(context.Background(), nil, []*optim.Param{nil}, onebit.DefaultAdamConfig())
 	assert.Error(t, err)
 }
 
@@ -570,7 +570,7 @@ func TestAdamFreezeStepZero(t *testing.T) {
 	ps := adamParams(t, []int{3})
 	cfg := onebit.DefaultAdamConfig()
 	cfg.FreezeStep = 0
-	opt, err := onebit.NewAdam(nil, ps, cfg)
+	opt, err := onebit.NewAdam(context.Background(), nil, ps, cfg)
 	require.NoError(t, err)
 	assert.Equal(t, optim.StageCompression, opt.Stats().Stage)
 	adamGrads(ps, 0, 1)
@@ -583,7 +583,7 @@ func TestAdamStepAllocatesNothing(t *testing.T) {
 	cfg := onebit.DefaultAdamConfig()
 	cfg.FreezeStep = 2
 	cfg.ExpAvgMask = map[string][]float32{"w1": make([]float32, 10)}
-	opt, err := onebit.NewAdam(nil, ps, cfg)
+	opt, err := onebit.NewAdam(context.Background(), nil, ps, cfg)
 	require.NoError(t, err)
 	adamGrads(ps, 0, 1)
 	ctx := adamCtx(t)
@@ -606,7 +606,7 @@ func TestAdamStepAllocatesNothingOnTwoRanks(t *testing.T) {
 		adamGrads(ps, r, 1)
 		cfg := onebit.DefaultAdamConfig()
 		cfg.FreezeStep = 1
-		opts[r], err = onebit.NewAdam(cs[r], ps, cfg)
+		opts[r], err = onebit.NewAdam(ctx, cs[r], ps, cfg)
 		require.NoError(t, err)
 	}
 	// Warm-up step and a first compression step on both ranks.
@@ -649,10 +649,11 @@ func ExampleAdam() {
 		cfg := onebit.DefaultAdamConfig()
 		cfg.LR = 0.05
 		cfg.FreezeStep = 50
-		opt, err := onebit.NewAdam(c, []*optim.Param{w}, cfg)
+		opt, err := onebit.NewAdam(ctx, c, []*optim.Param{w}, cfg)
 		if err != nil {
 			return err
 		}
+		defer opt.Close() // every holder of an optimizer closes it (not a collective)
 		target := float32(c.Rank())
 		for step := 0; step < 300; step++ {
 			for i, x := range w.Data() {

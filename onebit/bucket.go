@@ -9,19 +9,6 @@ import (
 	"github.com/lowbit-ml/lowbit/optim"
 )
 
-// DefaultBucketBytes is the default size of a fused bucket of the 1-bit
-// optimizers (AdamConfig.BucketBytes, ZeroOneAdamConfig.BucketBytes): 25
-// MiB, like PyTorch DDP's bucket_cap_mb.
-const DefaultBucketBytes = 25 << 20
-
-// PerParameter, as a bucket size (AdamConfig.BucketBytes,
-// ZeroOneAdamConfig.BucketBytes), compresses every parameter on its own,
-// with its own scale and error feedback: one collective per parameter, and
-// the checkpoint names of the error buffers are those of lowbit before
-// buckets (WorkerErrorPrefix and ServerErrorPrefix followed by the
-// parameter's name), so such checkpoints load.
-const PerParameter = -1
-
 // Checkpoint entries of the fused buckets of 1-bit Adam and 0/1 Adam.
 const (
 	// IntBucketBytes is the bucket size the error buffers were made for;
@@ -48,24 +35,16 @@ type buckets struct {
 	bytes  int
 	bounds []int    // bucket k is flat[bounds[k]:bounds[k+1]]
 	states []*State // per bucket
-	names  []string // PerParameter: the parameter of each bucket
-}
-
-// checkBucketBytes validates a configured bucket size; 0 is the default.
-func checkBucketBytes(b int) error {
-	if b != PerParameter && (b < 0 || (b > 0 && b < 4)) {
-		return fmt.Errorf("bucket size %d bytes must be 0 (the default, %d), PerParameter (-1) or at least 4", b, DefaultBucketBytes)
-	}
-	return nil
+	names  []string // optim.PerParameter: the parameter of each bucket
 }
 
 // newBuckets makes the buckets of the flat buffer of params, whose
 // elements are the parameters' in order, on world ranks (bytes 0:
-// DefaultBucketBytes; PerParameter: one bucket per parameter). With one
+// optim.DefaultBucketBytes; optim.PerParameter: one bucket per parameter). With one
 // rank nothing is communicated and there are no buckets.
 func newBuckets(params []*optim.Param, world, bytes int) (*buckets, error) {
 	if bytes == 0 {
-		bytes = DefaultBucketBytes
+		bytes = optim.DefaultBucketBytes
 	}
 	b := &buckets{bytes: bytes}
 	n := 0
@@ -78,13 +57,13 @@ func newBuckets(params []*optim.Param, world, bytes int) (*buckets, error) {
 	add := func(lo, hi int) error {
 		st, err := NewState(hi-lo, world)
 		if err != nil {
-			return err
+			return samePackage{err}
 		}
 		b.bounds = append(b.bounds, lo)
 		b.states = append(b.states, st)
 		return nil
 	}
-	if bytes == PerParameter {
+	if bytes == optim.PerParameter {
 		lo := 0
 		for _, p := range params {
 			if err := add(lo, lo+p.Numel()); err != nil {
@@ -117,7 +96,7 @@ func (b *buckets) errorNames(k int) (worker, server string) {
 func (b *buckets) allReduce(ctx context.Context, c comm.Comm, flat []float32) error {
 	for k, st := range b.states {
 		if err := AllReduce(ctx, c, flat[b.bounds[k]:b.bounds[k+1]], st); err != nil {
-			return fmt.Errorf("bucket %d of %d: %w", k, len(b.states), err)
+			return fmt.Errorf("bucket %d of %d: %w", k, len(b.states), samePackage{err})
 		}
 	}
 	return nil
@@ -151,16 +130,16 @@ func (b *buckets) check(ck *optim.Checkpoint) error {
 	size, okSize := ck.Ints[IntBucketBytes]
 	count, okCount := ck.Ints[IntBuckets]
 	switch {
-	case b.bytes == PerParameter && (!okSize || size == PerParameter):
+	case b.bytes == optim.PerParameter && (!okSize || size == optim.PerParameter):
 		// Per-parameter buffers, named by parameter, as before buckets;
 		// restore checks their names and lengths.
 		return nil
 	case !okSize || !okCount:
 		return fmt.Errorf("%w: its error buffers are per parameter (made before fused buckets); "+
-			"set BucketBytes to PerParameter to load it as it is, or load ck.ResetErrors() to continue with the error feedback restarted from zero",
+			"set BucketBytes to optim.PerParameter to load it as it is, or load ck.ResetErrors() to continue with the error feedback restarted from zero",
 			optim.ErrIncompatibleCheckpoint)
-	case size == PerParameter:
-		return fmt.Errorf("%w: its error buffers are per parameter (BucketBytes PerParameter), this optimizer has %d buckets of %d bytes; "+
+	case size == optim.PerParameter:
+		return fmt.Errorf("%w: its error buffers are per parameter (BucketBytes optim.PerParameter), this optimizer has %d buckets of %d bytes; "+
 			"use the same BucketBytes, or load ck.ResetErrors() to restart the error feedback",
 			optim.ErrIncompatibleCheckpoint, len(b.states), b.bytes)
 	case size != int64(b.bytes) || count != int64(len(b.states)):

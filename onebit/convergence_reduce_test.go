@@ -1,6 +1,7 @@
 package onebit_test
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"testing"
@@ -37,7 +38,9 @@ func TestConvergenceReduceModes(t *testing.T) {
 			cfg.LR = 0.005
 			cfg.Reduce = mode
 			cfg.RanksPerNode = 2
-			return func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) { return optim.NewAdam(c, ps, cfg) }
+			return func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+				return optim.NewAdam(context.Background(), c, ps, cfg)
+			}
 		}},
 		{"onebit.Adam", func(mode optim.ReduceMode) func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 			cfg := onebit.DefaultAdamConfig()
@@ -45,7 +48,9 @@ func TestConvergenceReduceModes(t *testing.T) {
 			cfg.FreezeStep = 100
 			cfg.Reduce = mode
 			cfg.RanksPerNode = 2
-			return func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) { return onebit.NewAdam(c, ps, cfg) }
+			return func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+				return onebit.NewAdam(context.Background(), c, ps, cfg)
+			}
 		}},
 	} {
 		base := cvTrain(t, s, opt.mk(optim.ReduceFP32))

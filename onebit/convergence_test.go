@@ -109,7 +109,9 @@ func TestConvergence(t *testing.T) {
 	zeroOne.LocalStepScaler = 20
 	zeroOne.LocalStepClipper = 8
 
-	exactAdam := func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) { return optim.NewAdam(c, ps, adam) }
+	exactAdam := func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		return optim.NewAdam(context.Background(), c, ps, adam)
+	}
 	pairs := []struct {
 		name, exactName string
 		exact, onebit   func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error)
@@ -123,13 +125,15 @@ func TestConvergence(t *testing.T) {
 		{
 			"onebit.Adam", "optim.Adam", exactAdam,
 			func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-				return onebit.NewAdam(c, ps, onebitAdam)
+				return onebit.NewAdam(context.Background(), c, ps, onebitAdam)
 			},
 			0.01, 0.006,
 		},
 		{
 			"onebit.Lamb", "optim.Lamb",
-			func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) { return optim.NewLamb(c, ps, lamb) },
+			func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+				return optim.NewLamb(context.Background(), c, ps, lamb)
+			},
 			newLamb(onebitLamb),
 			0.01, 0.01,
 		},
@@ -163,7 +167,9 @@ func TestConvergence(t *testing.T) {
 		// optimizer; the rest much less.
 		assert.Less(t, 4*ob.stats.BytesSent, ex.stats.BytesSent, "%s sends less than a quarter of what %s sends", pair.name, pair.exactName)
 	}
-	alone := cvTrain(t, s, func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) { return optim.NewAdam(nil, ps, adam) })
+	alone := cvTrain(t, s, func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		return optim.NewAdam(context.Background(), nil, ps, adam)
+	})
 	row("control: Adam, no comm", alone, "-")
 	assert.Greater(t, alone.loss, 1.05*exactRuns["optim.Adam"].loss, "ranks training alone should do clearly worse")
 	t.Log(table.String())

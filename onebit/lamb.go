@@ -38,7 +38,8 @@ type LambConfig struct {
 	// in [0, 1). Default 0.9.
 	CoeffBeta float32
 	// FactorMax and FactorMin bound the compression-stage factor that
-	// stands in for the trust ratio's change, 0 < FactorMin <= FactorMax.
+	// stands in for the trust ratio's change, 0 < FactorMin <= FactorMax
+	// < +Inf.
 	// Defaults 4 and 0.5.
 	FactorMax, FactorMin float32
 	// FactorThreshold bounds the relative change of the factor from one
@@ -47,8 +48,11 @@ type LambConfig struct {
 	// ExpAvgMask optionally maps a parameter name to a mask of that
 	// parameter's size, multiplied into its momentum after every
 	// compressed allreduce (for momenta that must stay exactly zero,
-	// which 1-bit compression cannot represent). Default none.
+	// which 1-bit compression cannot represent); finite. Default none.
 	ExpAvgMask map[string][]float32
+	// 1-bit LAMB has no BucketBytes: the momenta of the whole model go
+	// through one compressed allreduce of the fused buffer, as the spec
+	// says; see optim.DefaultBucketBytes for why.
 }
 
 // DefaultLambConfig returns optim.DefaultLambConfig (lr 1e-3, betas (0.9,
@@ -64,26 +68,6 @@ func DefaultLambConfig() LambConfig {
 		FactorMin:       0.5,
 		FactorThreshold: 0.1,
 	}
-}
-
-// Validate reports the first invalid field.
-func (c LambConfig) Validate() error {
-	if err := c.LambConfig.Validate(); err != nil {
-		return err
-	}
-	if c.FreezeStep < 1 {
-		return fmt.Errorf("onebit: freeze step %d must be at least 1", c.FreezeStep)
-	}
-	if !(c.CoeffBeta >= 0 && c.CoeffBeta < 1) {
-		return fmt.Errorf("onebit: coeff beta %v must be in [0, 1)", c.CoeffBeta)
-	}
-	if !(c.FactorMin > 0 && c.FactorMin <= c.FactorMax) || math.IsInf(float64(c.FactorMax), 1) {
-		return fmt.Errorf("onebit: factor bounds [%v, %v] must satisfy 0 < min <= max < +Inf", c.FactorMin, c.FactorMax)
-	}
-	if !(c.FactorThreshold >= 0 && c.FactorThreshold < 1) {
-		return fmt.Errorf("onebit: factor threshold %v must be in [0, 1)", c.FactorThreshold)
-	}
-	return nil
 }
 
 // Lamb is 1-bit LAMB: plain LAMB with exactly averaged gradients for
@@ -156,12 +140,14 @@ const (
 )
 
 // NewLamb returns 1-bit LAMB over params on the ranks of c (nil means one
-// rank). Every rank must construct it with the same parameter shapes, in
-// the same order, and the same config. The moments, the fused momentum
+// rank). Every rank must construct it together, with the same parameter
+// shapes, in the same order, and the same config; it does not communicate
+// (ctx: see optim's package doc). An invalid cfg is refused with
+// cfg.Validate's error. The moments, the fused momentum
 // buffer and the error buffers are allocated here, once.
-func NewLamb(c comm.Comm, params []*optim.Param, cfg LambConfig, opts ...optim.Option) (*Lamb, error) {
+func NewLamb(ctx context.Context, c comm.Comm, params []*optim.Param, cfg LambConfig, opts ...optim.Option) (*Lamb, error) {
 	if err := cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("onebit: 1-bit LAMB: %w", err)
+		return nil, err
 	}
 	if err := optim.CheckParams(params); err != nil {
 		return nil, fmt.Errorf("onebit: 1-bit LAMB: %w", err)
@@ -204,7 +190,7 @@ func NewLamb(c comm.Comm, params []*optim.Param, cfg LambConfig, opts ...optim.O
 	})
 	if w := o.f.World(); w > 1 {
 		if o.ef, err = NewState(total, w); err != nil {
-			return nil, fmt.Errorf("onebit: 1-bit LAMB: %w", err)
+			return nil, fmt.Errorf("onebit: 1-bit LAMB: %w", samePackage{err})
 		}
 	}
 	o.f.Handle(optim.StageWarmup, o.warmup)
@@ -225,7 +211,9 @@ func (o *Lamb) Stats() optim.Stats { return o.f.Stats() }
 // warm-up stage Step overwrites the gradients with their average over the
 // ranks. An error from the communicator leaves the optimizer in an
 // undefined state.
-func (o *Lamb) Step(ctx context.Context) error { return o.f.Step(ctx) }
+func (o *Lamb) Step(ctx context.Context) error {
+	return o.f.Step(ctx)
+}
 
 // SetLR fixes the learning rate of the following steps, replacing any
 // schedule; see optim.LRSetter. The frozen variance, coeff_freeze and the
@@ -303,7 +291,7 @@ func (o *Lamb) compressed(ctx context.Context, t int64, lr float32) error {
 	// 4. One compressed allreduce of the fused buffer.
 	if o.ef != nil {
 		if err := AllReduce(ctx, o.f.Comm(), o.m, o.ef); err != nil {
-			return err
+			return fmt.Errorf("momentum: %w", samePackage{err})
 		}
 	}
 	// 5. Per parameter: unscale, mask, v_fresh, factor, update.
@@ -562,9 +550,6 @@ func compileMasks(params []*optim.Param, masks map[string][]float32) ([][]float3
 		if len(mask) != p.Numel() {
 			return nil, fmt.Errorf("exp_avg mask of %q has %d elements, the parameter %d", p.Name, len(mask), p.Numel())
 		}
-		if !optim.Finite(mask) {
-			return nil, fmt.Errorf("exp_avg mask of %q is not finite", p.Name)
-		}
 		out[i] = append([]float32(nil), mask...)
 		found++
 	}
@@ -626,7 +611,10 @@ func boolInt(b bool) int64 {
 	return 0
 }
 
-// Close releases the communicators that ReduceTwoLevel averaging split off
-// the group (none in the other modes). The optimizer must not step after
-// Close. It is not a collective, but every rank should call it.
-func (o *Lamb) Close() error { return o.avg.Close() }
+// Close releases the communicators that oeduceLambwoLevel averaging split off
+// the group (none in the other modes); see optim.Optimizer.Close: not a
+// collective, idempotent, every rank calls it, Step fails after it.
+func (o *Lamb) Close() error {
+	o.f.Close()
+	return o.avg.Close()
+}

@@ -53,7 +53,7 @@ func lzBenchStep(b *testing.B, n, warm int, want optim.Stage, build func(ps []*o
 	if got := opt.Stats().Stage; got != want {
 		b.Fatalf("stage %s, want %s", got, want)
 	}
-	adam, err := optim.NewAdam(nil, ps, optim.DefaultAdamConfig())
+	adam, err := optim.NewAdam(context.Background(), nil, ps, optim.DefaultAdamConfig())
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -74,7 +74,7 @@ func BenchmarkLambStep(b *testing.B) {
 				lzBenchStep(b, size.n, 2, stage.want, func(ps []*optim.Param) (optim.Optimizer, error) {
 					cfg := onebit.DefaultLambConfig()
 					cfg.FreezeStep = stage.freeze
-					return onebit.NewLamb(nil, ps, cfg)
+					return onebit.NewLamb(context.Background(), nil, ps, cfg)
 				})
 			})
 		}

@@ -271,7 +271,7 @@ func lzZeroAllocs(t *testing.T, w int, warm int, newOpt func(c comm.Comm, ps []*
 
 func newLamb(cfg onebit.LambConfig) func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 	return func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-		return onebit.NewLamb(c, ps, cfg)
+		return onebit.NewLamb(context.Background(), c, ps, cfg)
 	}
 }
 
@@ -295,7 +295,7 @@ func TestLambWarmupIsExactLamb(t *testing.T) {
 				cfg.CoeffBeta = 0.5 // does not matter in warm-up
 				cfg.ExpAvgMask = nil
 				exact, err := lzSetup(w, func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-					return optim.NewLamb(c, ps, cfg.LambConfig)
+					return optim.NewLamb(context.Background(), c, ps, cfg.LambConfig)
 				}).Uninterrupted(lzCtx(t), 20, nil)
 				require.NoError(t, err)
 				got, err := lzSetup(w, newLamb(cfg)).Uninterrupted(lzCtx(t), 20, nil)
@@ -335,7 +335,7 @@ func TestLambFactorByHand(t *testing.T) {
 			ps[j].Data()[k] = float32(x)
 		}
 	}
-	opt, err := onebit.NewLamb(nil, ps, cfg)
+	opt, err := onebit.NewLamb(context.Background(), nil, ps, cfg)
 	require.NoError(t, err)
 
 	// The spec, in float64.
@@ -486,12 +486,12 @@ func TestLambConfigErrors(t *testing.T) {
 	} {
 		cfg := onebit.DefaultLambConfig()
 		mut(&cfg)
-		_, err := onebit.NewLamb(nil, ps, cfg)
+		_, err := onebit.NewLamb(context.Background(), nil, ps, cfg)
 		assert.Error(t, err, name)
 	}
-	_, err := onebit.NewLamb(nil, []*optim.Param{optim.NewParam("a", 1), optim.NewParam("a", 2)}, onebit.DefaultLambConfig())
+	_, err := onebit.NewLamb(context.Background(), nil, []*optim.Param{optim.NewParam("a", 1), optim.NewParam("a", 2)}, onebit.DefaultLambConfig())
 	assert.Error(t, err, "duplicate names")
-	_, err = onebit.NewLamb(nil, ps, onebit.DefaultLambConfig())
+	_, err = onebit.NewLamb(context.Background(), nil, ps, onebit.DefaultLambConfig())
 	assert.NoError(t, err)
 }
 
@@ -505,7 +505,7 @@ func TestLambTraffic(t *testing.T) {
 	var warm, compressed int64
 	err := local.Run(lzCtx(t), w, func(ctx context.Context, c comm.Comm) error {
 		net := testnet.New(1, s.In, s.Hidden, s.Classes)
-		opt, err := onebit.NewLamb(c, net.Params(), lambTestConfig(2))
+		opt, err := onebit.NewLamb(ctx, c, net.Params(), lambTestConfig(2))
 		if err != nil {
 			return err
 		}
@@ -548,10 +548,11 @@ func ExampleNewLamb() {
 		cfg := onebit.DefaultLambConfig()
 		cfg.LR = 0.05
 		cfg.FreezeStep = 10
-		opt, err := onebit.NewLamb(c, []*optim.Param{w}, cfg)
+		opt, err := onebit.NewLamb(ctx, c, []*optim.Param{w}, cfg)
 		if err != nil {
 			return err
 		}
+		defer opt.Close() // every holder of an optimizer closes it (not a collective)
 		for range 400 {
 			for i := range n { // the gradient of (w-target)^2/2
 				w.GradData()[i] = w.Data()[i] - float32(c.Rank()+1)*float32(math.Cos(float64(i)))

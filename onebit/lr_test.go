@@ -1,6 +1,7 @@
 package onebit_test
 
 import (
+	"context"
 	"fmt"
 	"math"
 	"testing"
@@ -34,7 +35,7 @@ func TestAdamScheduleKeepsFrozenVariance(t *testing.T) {
 	cfg.WeightDecay = 0.05
 	sched := lrTestSchedule(t, 0.01)
 	ps := adamParams(t, []int{4, 5})
-	opt, err := onebit.NewAdam(nil, ps, cfg)
+	opt, err := onebit.NewAdam(context.Background(), nil, ps, cfg)
 	require.NoError(t, err)
 	require.NoError(t, opt.SetSchedule(sched))
 	ref := &adamFrozenRef{cfg: cfg.AdamConfig, freeze: freeze,
@@ -70,7 +71,9 @@ func TestOnebitScheduledResume(t *testing.T) {
 		name string
 		mk   func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error)
 	}{
-		{"onebit.Adam", func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) { return onebit.NewAdam(c, ps, adam) }},
+		{"onebit.Adam", func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+			return onebit.NewAdam(context.Background(), c, ps, adam)
+		}},
 		{"onebit.Lamb", newLamb(lambTestConfig(4))},
 		{"onebit.ZeroOneAdam", newZeroOne(zeroOneTestConfig())},
 	} {
@@ -102,7 +105,7 @@ func TestOnebitScheduledResume(t *testing.T) {
 func TestOnebitSetLRRejectsBadInput(t *testing.T) {
 	for _, mk := range []func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error){
 		func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-			return onebit.NewAdam(c, ps, onebit.DefaultAdamConfig())
+			return onebit.NewAdam(context.Background(), c, ps, onebit.DefaultAdamConfig())
 		},
 		newLamb(lambTestConfig(2)),
 		newZeroOne(zeroOneTestConfig()),

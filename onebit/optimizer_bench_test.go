@@ -51,7 +51,7 @@ func BenchmarkAdamCompressionStep(b *testing.B) {
 			p := optimBenchParam(sz.n)
 			cfg := onebit.DefaultAdamConfig()
 			cfg.FreezeStep = 1
-			opt, err := onebit.NewAdam(nil, []*optim.Param{p}, cfg)
+			opt, err := onebit.NewAdam(context.Background(), nil, []*optim.Param{p}, cfg)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -64,7 +64,7 @@ func BenchmarkAdamCompressionStep(b *testing.B) {
 			if opt.Stage() != optim.StageCompression {
 				b.Fatalf("stage %s, want compression", opt.Stage())
 			}
-			adam, err := optim.NewAdam(nil, []*optim.Param{p}, cfg.AdamConfig)
+			adam, err := optim.NewAdam(context.Background(), nil, []*optim.Param{p}, cfg.AdamConfig)
 			if err != nil {
 				b.Fatal(err)
 			}

@@ -12,6 +12,7 @@ package onebit_test
 // by 1e-3 relative or more).
 
 import (
+	"context"
 	"fmt"
 	"math"
 	"testing"
@@ -73,10 +74,10 @@ func TestPinAdam(t *testing.T) {
 			cfg.FreezeStep = freeze
 			cfg.ExpAvgMask = pinMask()
 			if !tc.fused {
-				cfg.BucketBytes = onebit.PerParameter
+				cfg.BucketBytes = optim.PerParameter
 			}
 			cks := pinRun(t, tc.w, steps, func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-				return onebit.NewAdam(c, ps, cfg)
+				return onebit.NewAdam(context.Background(), c, ps, cfg)
 			})
 
 			// The reference.
@@ -218,7 +219,7 @@ func pinLamb(t *testing.T, tc pinLambCase, freeze, steps int) {
 	cfg.FreezeStep = freeze
 	cfg.ExpAvgMask = pinMask()
 	cks := pinRun(t, tc.w, steps, func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-		return onebit.NewLamb(c, ps, cfg)
+		return onebit.NewLamb(context.Background(), c, ps, cfg)
 	})
 
 	w, n := tc.w, len(pinModel)
@@ -397,7 +398,7 @@ func TestPinZeroOneAdam(t *testing.T) {
 				cfg.BucketBytes = 0
 			}
 			cks := pinRun(t, tc.w, steps, func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-				return onebit.NewZeroOneAdam(c, ps, cfg)
+				return onebit.NewZeroOneAdam(context.Background(), c, ps, cfg)
 			})
 			pinZeroOne(t, cks, tc.w, tc.bc, tc.fused, steps)
 		})

@@ -27,7 +27,9 @@ func reduceOptimizers(mode optim.ReduceMode, warm int) map[string]func(c comm.Co
 	zo := zeroOneTestConfig()
 	zo.VarFreezeStep, zo.VarUpdateScaler, zo.Reduce = warm, warm+1, mode
 	return map[string]func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error){
-		"onebit.Adam":        func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) { return onebit.NewAdam(c, ps, adam) },
+		"onebit.Adam": func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+			return onebit.NewAdam(context.Background(), c, ps, adam)
+		},
 		"onebit.Lamb":        newLamb(lamb),
 		"onebit.ZeroOneAdam": newZeroOne(zo),
 	}

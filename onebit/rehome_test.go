@@ -38,13 +38,13 @@ func rehomeCases() []rehomeCase {
 	adamCfg.FreezeStep = 3
 	adamCfg.ExpAvgMask = map[string][]float32{"fc2.bias": {1, 0, 1}}
 	newAdam := func(c comm.Comm, ps []*optim.Param, opts ...optim.Option) (optim.Optimizer, error) {
-		return onebit.NewAdam(c, ps, adamCfg, opts...)
+		return onebit.NewAdam(context.Background(), c, ps, adamCfg, opts...)
 	}
 	newLamb := func(c comm.Comm, ps []*optim.Param, opts ...optim.Option) (optim.Optimizer, error) {
-		return onebit.NewLamb(c, ps, lambTestConfig(3), opts...)
+		return onebit.NewLamb(context.Background(), c, ps, lambTestConfig(3), opts...)
 	}
 	newZeroOne := func(c comm.Comm, ps []*optim.Param, opts ...optim.Option) (optim.Optimizer, error) {
-		return onebit.NewZeroOneAdam(c, ps, zeroOneTestConfig(), opts...)
+		return onebit.NewZeroOneAdam(context.Background(), c, ps, zeroOneTestConfig(), opts...)
 	}
 	return []rehomeCase{
 		{"adam/4to2", optim.AlgorithmOnebitAdam, optim.StageCompression, 4, 2, 6, 10, newAdam},

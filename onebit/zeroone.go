@@ -43,15 +43,16 @@ type ZeroOneAdamConfig struct {
 	// parameter's size, multiplied into what comes out of every
 	// compressed allreduce (the gradient in phase A, the momentum
 	// accumulator in phase B), also with one rank, where the allreduce is
-	// skipped. Default none.
+	// skipped; finite. Default none.
 	ExpAvgMask map[string][]float32
 	// BucketBytes is the size of the fused buckets of the compressed
-	// allreduce: what it compresses (the gradients in phase A, the
-	// accumulators in phase B) is copied into one flat buffer, cut into
-	// buckets of BucketBytes, each one compressed allreduce with its own
-	// error feedback. 0 means DefaultBucketBytes (25 MiB); PerParameter
-	// compresses each parameter on its own. Every rank must use the same
-	// value. DefaultZeroOneAdamConfig chooses PerParameter: one scale for
+	// allreduce, in the convention of optim.DefaultBucketBytes: what it
+	// compresses (the gradients in phase A, the accumulators in phase B)
+	// is copied into one flat buffer, cut into buckets of BucketBytes,
+	// each one compressed allreduce with its own error feedback. 0 means
+	// optim.DefaultBucketBytes (25 MiB); optim.PerParameter compresses
+	// each parameter on its own. DefaultZeroOneAdamConfig chooses
+	// optim.PerParameter: one scale for
 	// the accumulators of all parameters cost 0/1 Adam 1.3 points of
 	// accuracy in the convergence test (onebit/convergence_test.go), where
 	// per-parameter scales (or buckets of a few parameters) match exact
@@ -63,7 +64,7 @@ type ZeroOneAdamConfig struct {
 // (0.9, 0.999), eps 1e-8, no weight decay, bias correction on) with
 // VarFreezeStep 100000, VarUpdateScaler 16, LocalStepScaler 32678 and
 // LocalStepClipper 16, each parameter compressed on its own
-// (BucketBytes PerParameter).
+// (BucketBytes optim.PerParameter).
 func DefaultZeroOneAdamConfig() ZeroOneAdamConfig {
 	return ZeroOneAdamConfig{
 		AdamConfig:       optim.DefaultAdamConfig(),
@@ -71,32 +72,8 @@ func DefaultZeroOneAdamConfig() ZeroOneAdamConfig {
 		VarUpdateScaler:  16,
 		LocalStepScaler:  32678,
 		LocalStepClipper: 16,
-		BucketBytes:      PerParameter,
+		BucketBytes:      optim.PerParameter,
 	}
-}
-
-// Validate reports the first invalid field.
-func (c ZeroOneAdamConfig) Validate() error {
-	if err := c.AdamConfig.Validate(); err != nil {
-		return err
-	}
-	for _, f := range []struct {
-		name string
-		v    int
-	}{
-		{"var freeze step", c.VarFreezeStep},
-		{"var update scaler", c.VarUpdateScaler},
-		{"local step scaler", c.LocalStepScaler},
-		{"local step clipper", c.LocalStepClipper},
-	} {
-		if f.v < 1 {
-			return fmt.Errorf("onebit: %s %d must be at least 1", f.name, f.v)
-		}
-	}
-	if err := checkBucketBytes(c.BucketBytes); err != nil {
-		return fmt.Errorf("onebit: %w", err)
-	}
-	return nil
 }
 
 // ZeroOneAdam is 0/1 Adam. In phase A (steps 1..VarFreezeStep) the
@@ -172,12 +149,14 @@ const (
 )
 
 // NewZeroOneAdam returns 0/1 Adam over params on the ranks of c (nil means
-// one rank). Every rank must construct it with the same parameter shapes,
-// in the same order, and the same config. All buffers are allocated here,
+// one rank). Every rank must construct it together, with the same
+// parameter shapes, in the same order, and the same config; it does not
+// communicate (ctx: see optim's package doc). An invalid cfg is refused
+// with cfg.Validate's error. All buffers are allocated here,
 // once.
-func NewZeroOneAdam(c comm.Comm, params []*optim.Param, cfg ZeroOneAdamConfig, opts ...optim.Option) (*ZeroOneAdam, error) {
+func NewZeroOneAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg ZeroOneAdamConfig, opts ...optim.Option) (*ZeroOneAdam, error) {
 	if err := cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("onebit: 0/1 Adam: %w", err)
+		return nil, err
 	}
 	if err := optim.CheckParams(params); err != nil {
 		return nil, fmt.Errorf("onebit: 0/1 Adam: %w", err)
@@ -257,7 +236,9 @@ func (o *ZeroOneAdam) Intervals() (varInterval, varCounter, localInterval, local
 // skipped on every rank and changes nothing but the counters. Step may
 // overwrite the gradients (with their exact or compressed average). An
 // error from the communicator leaves the optimizer in an undefined state.
-func (o *ZeroOneAdam) Step(ctx context.Context) error { return o.f.Step(ctx) }
+func (o *ZeroOneAdam) Step(ctx context.Context) error {
+	return o.f.Step(ctx)
+}
 
 // Stage is the phase the next step runs in: optim.StagePhaseA or
 // optim.StagePhaseB.
@@ -540,7 +521,10 @@ func (o *ZeroOneAdam) load(ck *optim.Checkpoint) error {
 	return nil
 }
 
-// Close releases the communicators that ReduceTwoLevel averaging split off
-// the group (none in the other modes). The optimizer must not step after
-// Close. It is not a collective, but every rank should call it.
-func (o *ZeroOneAdam) Close() error { return o.avg.Close() }
+// Close releases the communicators that oeduceZeroOneAdamwoLevel averaging split off
+// the group (none in the other modes); see optim.Optimizer.Close: not a
+// collective, idempotent, every rank calls it, Step fails after it.
+func (o *ZeroOneAdam) Close() error {
+	o.f.Close()
+	return o.avg.Close()
+}

@@ -1,6 +1,7 @@
 package onebit_test
 
 import (
+	"context"
 	"fmt"
 	"testing"
 
@@ -32,7 +33,7 @@ func BenchmarkZeroOneAdamStep(b *testing.B) {
 					cfg.VarUpdateScaler = 1
 					cfg.LocalStepScaler = 1
 					cfg.LocalStepClipper = phase.local
-					return onebit.NewZeroOneAdam(nil, ps, cfg)
+					return onebit.NewZeroOneAdam(context.Background(), nil, ps, cfg)
 				})
 			})
 		}

@@ -18,7 +18,7 @@ import (
 
 func newZeroOne(cfg onebit.ZeroOneAdamConfig) func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 	return func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-		return onebit.NewZeroOneAdam(c, ps, cfg)
+		return onebit.NewZeroOneAdam(context.Background(), c, ps, cfg)
 	}
 }
 
@@ -58,7 +58,7 @@ func TestZeroOneScheduleByHand(t *testing.T) {
 
 	net := testnet.New(5, 8, 6, 3)
 	d := testnet.Generate(5, 32, 8, 3)
-	opt, err := onebit.NewZeroOneAdam(nil, net.Params(), cfg)
+	opt, err := onebit.NewZeroOneAdam(context.Background(), nil, net.Params(), cfg)
 	require.NoError(t, err)
 	prev, err := opt.State()
 	require.NoError(t, err)
@@ -107,7 +107,7 @@ func lzEqualFloats(a, b []float32) bool {
 // compressed allreduce of u, and other phase-B steps only the
 // finite-gradient flag.
 func TestZeroOneTraffic(t *testing.T) {
-	t.Run("per parameter", func(t *testing.T) { zeroOneTraffic(t, onebit.PerParameter) })
+	t.Run("per parameter", func(t *testing.T) { zeroOneTraffic(t, optim.PerParameter) })
 	t.Run("one fused bucket", func(t *testing.T) { zeroOneTraffic(t, 0) })
 }
 
@@ -120,7 +120,7 @@ func zeroOneTraffic(t *testing.T, bucketBytes int) {
 	bytes := make([]int64, 17)
 	err := local.Run(lzCtx(t), w, func(ctx context.Context, c comm.Comm) error {
 		net := testnet.New(1, s.In, s.Hidden, s.Classes)
-		opt, err := onebit.NewZeroOneAdam(c, net.Params(), cfg)
+		opt, err := onebit.NewZeroOneAdam(ctx, c, net.Params(), cfg)
 		if err != nil {
 			return err
 		}
@@ -144,7 +144,7 @@ func zeroOneTraffic(t *testing.T, bucketBytes int) {
 		compressed += onebitBytes(p.Numel())
 		total += int64(p.Numel())
 	}
-	if bucketBytes != onebit.PerParameter {
+	if bucketBytes != optim.PerParameter {
 		compressed = onebitBytes(int(total)) // one collective for the whole model
 	}
 	for step := int64(1); step <= 16; step++ {
@@ -172,7 +172,7 @@ func TestZeroOneAllVarianceStepsIsAdam(t *testing.T) {
 				cfg.BiasCorrection = bc
 				cfg.VarFreezeStep, cfg.VarUpdateScaler = 1000, 1000
 				exact, err := lzSetup(w, func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-					return optim.NewAdam(c, ps, cfg.AdamConfig)
+					return optim.NewAdam(context.Background(), c, ps, cfg.AdamConfig)
 				}).Uninterrupted(lzCtx(t), 20, nil)
 				require.NoError(t, err)
 				got, err := lzSetup(w, newZeroOne(cfg)).Uninterrupted(lzCtx(t), 20, nil)
@@ -236,12 +236,12 @@ func TestZeroOneConfigErrors(t *testing.T) {
 	} {
 		cfg := onebit.DefaultZeroOneAdamConfig()
 		mut(&cfg)
-		_, err := onebit.NewZeroOneAdam(nil, ps, cfg)
+		_, err := onebit.NewZeroOneAdam(context.Background(), nil, ps, cfg)
 		assert.Error(t, err, name)
 	}
-	_, err := onebit.NewZeroOneAdam(nil, []*optim.Param{nil}, onebit.DefaultZeroOneAdamConfig())
+	_, err := onebit.NewZeroOneAdam(context.Background(), nil, []*optim.Param{nil}, onebit.DefaultZeroOneAdamConfig())
 	assert.Error(t, err, "nil parameter")
-	_, err = onebit.NewZeroOneAdam(nil, ps, onebit.DefaultZeroOneAdamConfig())
+	_, err = onebit.NewZeroOneAdam(context.Background(), nil, ps, onebit.DefaultZeroOneAdamConfig())
 	assert.NoError(t, err)
 }
 
@@ -260,10 +260,11 @@ func ExampleNewZeroOneAdam() {
 		cfg.VarFreezeStep = 20
 		cfg.LocalStepScaler = 10
 		cfg.LocalStepClipper = 4
-		opt, err := onebit.NewZeroOneAdam(c, []*optim.Param{w}, cfg)
+		opt, err := onebit.NewZeroOneAdam(ctx, c, []*optim.Param{w}, cfg)
 		if err != nil {
 			return err
 		}
+		defer opt.Close() // every holder of an optimizer closes it (not a collective)
 		for range 400 {
 			for i := range n { // the gradient of (w-target)^2/2
 				w.GradData()[i] = w.Data()[i] - float32(c.Rank()+1)*float32(math.Cos(float64(i)))

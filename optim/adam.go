@@ -2,7 +2,6 @@ package optim
 
 import (
 	"context"
-	"fmt"
 
 	"github.com/lowbit-ml/lowbit/comm"
 )
@@ -32,23 +31,26 @@ var (
 )
 
 // NewAdam returns Adam over params, averaging gradients over c (nil for a
-// single process). It allocates the moments, two float32 buffers per
+// single process). Every rank of c calls it together; it does not
+// communicate (ctx is there for the constructors' common form, see the
+// package doc). An invalid cfg is refused with cfg.Validate's error. It
+// allocates the moments, two float32 buffers per
 // parameter; in the fp16, bf16 and two-level reduction modes the first
 // Step allocates the flat averaging buffers (and builds the layout, a
 // collective); later steps allocate nothing.
-func NewAdam(c comm.Comm, params []*Param, cfg AdamConfig, opts ...Option) (*Adam, error) {
+func NewAdam(ctx context.Context, c comm.Comm, params []*Param, cfg AdamConfig, opts ...Option) (*Adam, error) {
 	if err := cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("optim: Adam: %w", err)
+		return nil, err
 	}
-	e, err := newExact("optim: Adam", AlgorithmAdam, c, params, cfg, opts)
+	e, err := newExact("Adam", AlgorithmAdam, c, params, cfg, opts)
 	if err != nil {
-		return nil, fmt.Errorf("optim: Adam: %w", err)
+		return nil, err
 	}
 	return &Adam{e: e}, nil
 }
 
 // Step applies one update; see Optimizer.
-func (a *Adam) Step(ctx context.Context) error { return a.e.Step(ctx) }
+func (a *Adam) Step(ctx context.Context) error { return a.e.step(ctx) }
 
 // Params returns the parameters in construction order.
 func (a *Adam) Params() []*Param { return a.e.params }
@@ -77,6 +79,6 @@ func (a *Adam) SetSchedule(s Schedule) error { return a.e.SetSchedule(s) }
 func (a *Adam) LR() float32 { return a.e.LR() }
 
 // Close releases the communicators that ReduceTwoLevel averaging split off
-// the group (none in the other modes). The optimizer must not step after
-// Close. It is not a collective, but every rank should call it.
-func (a *Adam) Close() error { return a.e.avg.Close() }
+// the group (none in the other modes); see Optimizer.Close: not a
+// collective, idempotent, every rank calls it, Step fails after it.
+func (a *Adam) Close() error { return a.e.close() }

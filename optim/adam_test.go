@@ -55,7 +55,7 @@ func TestAdamMatchesFloat64Reference(t *testing.T) {
 			for i, x := range ps[0].Data() {
 				ref.p[i] = float64(x)
 			}
-			opt, err := NewAdam(nil, ps, cfg)
+			opt, err := NewAdam(context.Background(), nil, ps, cfg)
 			require.NoError(t, err)
 			for s := 1; s <= 20; s++ {
 				fillGrads(ps, 0, s)
@@ -83,7 +83,7 @@ func TestAdamConstantGradientByHand(t *testing.T) {
 	p, err := NewParamFrom("w", []float32{1, -2, 0.5}, 3)
 	require.NoError(t, err)
 	copy(p.GradData(), []float32{2, -0.25, 4})
-	opt, err := NewAdam(nil, []*Param{p}, cfg)
+	opt, err := NewAdam(context.Background(), nil, []*Param{p}, cfg)
 	require.NoError(t, err)
 	want := []float64{1, -2, 0.5}
 	g := []float64{2, -0.25, 4}
@@ -104,7 +104,7 @@ func TestAdamAveragesGradientsOverRanks(t *testing.T) {
 	cfg.LR = 0.01
 	// Single-process reference fed the mean gradient.
 	ref := testParams(t, 2, []int{4, 4}, []int{7})
-	refOpt, err := NewAdam(nil, ref, cfg)
+	refOpt, err := NewAdam(context.Background(), nil, ref, cfg)
 	require.NoError(t, err)
 	tmp := testParams(t, 2, []int{4, 4}, []int{7})
 	want := make([][][]float32, 6)
@@ -127,7 +127,7 @@ func TestAdamAveragesGradientsOverRanks(t *testing.T) {
 	got := make([][][]float32, w)
 	err = local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
 		ps := testParams(t, 2, []int{4, 4}, []int{7})
-		opt, err := NewAdam(c, ps, cfg)
+		opt, err := NewAdam(ctx, c, ps, cfg)
 		if err != nil {
 			return err
 		}
@@ -158,8 +158,8 @@ func TestAdamAveragesGradientsOverRanks(t *testing.T) {
 func TestAdamStepAllocatesNothing(t *testing.T) {
 	ps := testParams(t, 3, []int{64, 3}, []int{10})
 	for _, mk := range []func() (Optimizer, error){
-		func() (Optimizer, error) { return NewAdam(nil, ps, DefaultAdamConfig()) },
-		func() (Optimizer, error) { return NewLamb(nil, ps, DefaultLambConfig()) },
+		func() (Optimizer, error) { return NewAdam(context.Background(), nil, ps, DefaultAdamConfig()) },
+		func() (Optimizer, error) { return NewLamb(context.Background(), nil, ps, DefaultLambConfig()) },
 	} {
 		opt, err := mk()
 		require.NoError(t, err)
@@ -187,23 +187,23 @@ func TestAdamRejectsBadInput(t *testing.T) {
 	for i, f := range bad {
 		cfg := DefaultAdamConfig()
 		f(&cfg)
-		_, err := NewAdam(nil, ps, cfg)
+		_, err := NewAdam(context.Background(), nil, ps, cfg)
 		assert.Error(t, err, "config %d", i)
 	}
-	_, err := NewAdam(nil, []*Param{ps[0], nil}, DefaultAdamConfig())
+	_, err := NewAdam(context.Background(), nil, []*Param{ps[0], nil}, DefaultAdamConfig())
 	assert.ErrorContains(t, err, "nil")
 	dup := testParams(t, 1, []int{2})
 	dup[0].Name = ps[0].Name
-	_, err = NewAdam(nil, []*Param{ps[0], dup[0]}, DefaultAdamConfig())
+	_, err = NewAdam(context.Background(), nil, []*Param{ps[0], dup[0]}, DefaultAdamConfig())
 	assert.ErrorContains(t, err, "used twice")
 	mis := NewParam("mis", 2, 3)
 	mis.Grad = NewParam("g", 3, 2).Grad
-	_, err = NewAdam(nil, []*Param{mis}, DefaultAdamConfig())
+	_, err = NewAdam(context.Background(), nil, []*Param{mis}, DefaultAdamConfig())
 	assert.ErrorContains(t, err, "shape")
 
 	// A tensor replaced after construction is reported, not a panic.
 	p := NewParam("x", 4)
-	opt, err := NewAdam(nil, []*Param{p}, DefaultAdamConfig())
+	opt, err := NewAdam(context.Background(), nil, []*Param{p}, DefaultAdamConfig())
 	require.NoError(t, err)
 	p.Value = NewParam("x", 5).Value
 	p.Grad = NewParam("x", 5).Grad
@@ -214,7 +214,7 @@ func TestAdamScalarAndEmptyParams(t *testing.T) {
 	s := NewParam("scalar")
 	e := NewParam("empty", 0)
 	s.GradData()[0] = 1
-	opt, err := NewAdam(nil, []*Param{s, e}, DefaultAdamConfig())
+	opt, err := NewAdam(context.Background(), nil, []*Param{s, e}, DefaultAdamConfig())
 	require.NoError(t, err)
 	require.NoError(t, opt.Step(context.Background()))
 	assert.InDelta(t, -1e-3, s.Data()[0], 1e-9)

@@ -33,7 +33,7 @@ func BenchmarkAdamStep(b *testing.B) {
 	for _, sz := range benchSizes {
 		b.Run(sz.name, func(b *testing.B) {
 			p := benchParam(sz.n)
-			opt, err := NewAdam(nil, []*Param{p}, DefaultAdamConfig())
+			opt, err := NewAdam(context.Background(), nil, []*Param{p}, DefaultAdamConfig())
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -62,11 +62,11 @@ func BenchmarkLambStep(b *testing.B) {
 	for _, sz := range benchSizes {
 		b.Run(sz.name, func(b *testing.B) {
 			p := benchParam(sz.n)
-			lamb, err := NewLamb(nil, []*Param{p}, DefaultLambConfig())
+			lamb, err := NewLamb(context.Background(), nil, []*Param{p}, DefaultLambConfig())
 			if err != nil {
 				b.Fatal(err)
 			}
-			adam, err := NewAdam(nil, []*Param{p}, DefaultAdamConfig())
+			adam, err := NewAdam(context.Background(), nil, []*Param{p}, DefaultAdamConfig())
 			if err != nil {
 				b.Fatal(err)
 			}

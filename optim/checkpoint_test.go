@@ -250,7 +250,7 @@ func TestSaveFileFailureKeepsPreviousCheckpoint(t *testing.T) {
 
 func TestCheckCompatible(t *testing.T) {
 	ps := testParams(t, 1, []int{2, 3}, []int{4})
-	opt, err := NewAdam(nil, ps, DefaultAdamConfig())
+	opt, err := NewAdam(context.Background(), nil, ps, DefaultAdamConfig())
 	require.NoError(t, err)
 	ck, err := opt.State()
 	require.NoError(t, err)
@@ -278,9 +278,9 @@ func TestLoadRefusesAndLeavesOptimizerUnchanged(t *testing.T) {
 		var opt Optimizer
 		var err error
 		if alg == AlgorithmAdam {
-			opt, err = NewAdam(nil, ps, DefaultAdamConfig())
+			opt, err = NewAdam(context.Background(), nil, ps, DefaultAdamConfig())
 		} else {
-			opt, err = NewLamb(nil, ps, DefaultLambConfig())
+			opt, err = NewLamb(context.Background(), nil, ps, DefaultLambConfig())
 		}
 		require.NoError(t, err)
 		fillGrads(ps, 0, 1)
@@ -331,9 +331,9 @@ func TestExactResumeIsBitIdentical(t *testing.T) {
 					cfg := DefaultLambConfig()
 					cfg.WeightDecay = 0.01
 					if alg == AlgorithmAdam {
-						return NewAdam(c, ps, cfg.AdamConfig)
+						return NewAdam(context.Background(), c, ps, cfg.AdamConfig)
 					}
-					return NewLamb(c, ps, cfg)
+					return NewLamb(context.Background(), c, ps, cfg)
 				}
 				run := func(from, to int, load, save bool) [][][]float32 {
 					var mu sync.Mutex

@@ -38,14 +38,18 @@ type exact struct {
 	m, v    [][]float32
 	scratch []float32 // LAMB's update, as long as the largest parameter
 	avg     *GradAverager
+	name    string // "Adam" or "LAMB"
 }
 
+// newExact returns the engine of the optimizer called name ("Adam" or
+// "LAMB"); its errors carry the package prefix once.
 func newExact(name, algorithm string, c comm.Comm, params []*Param, adam AdamConfig, opts []Option) (*exact, error) {
-	if err := CheckParams(params); err != nil {
-		return nil, err
+	if err := checkParams(params); err != nil {
+		return nil, fmt.Errorf("optim: %s: %w", name, err)
 	}
 	o := ApplyOptions(opts)
 	e := &exact{
+		name:      name,
 		algorithm: algorithm,
 		params:    append([]*Param(nil), params...),
 		adam:      adam,
@@ -67,7 +71,7 @@ func newExact(name, algorithm string, c comm.Comm, params []*Param, adam AdamCon
 	}
 	e.avg = avg
 	e.Frame = NewFrame(FrameConfig{
-		Name: name, Algorithm: algorithm, Comm: c, Params: e.params, Sizes: e.m,
+		Name: "optim: " + name, Algorithm: algorithm, Comm: c, Params: e.params, Sizes: e.m,
 		LR: adam.LR, Stage: StageExact, Logger: o.Logger, Averager: avg,
 	})
 	e.Handle(StageExact, e.update)
@@ -83,22 +87,32 @@ func CommBytes(c comm.Comm) int64 {
 	return c.Stats().Total().BytesSent
 }
 
-// CheckSizes returns an error when the value or gradient of params[i] does
-// not hold len(bufs[i]) elements: the caller replaced a tensor after the
-// optimizer sized its buffers from it.
-func CheckSizes(params []*Param, bufs [][]float32) error {
+// checkSizes returns an error (without the package prefix: the Frame adds
+// its name) when the value or gradient of params[i] does not hold
+// len(bufs[i]) elements: the caller replaced a tensor after the optimizer
+// sized its buffers from it.
+func checkSizes(params []*Param, bufs [][]float32) error {
 	for i, p := range params {
 		if n := len(bufs[i]); len(p.Data()) != n || len(p.GradData()) != n {
-			return fmt.Errorf("optim: parameter %q: value or gradient no longer holds the %d elements it had at construction", p.Name, n)
+			return fmt.Errorf("parameter %q: value or gradient no longer holds the %d elements it had at construction", p.Name, n)
 		}
 	}
 	return nil
 }
 
+// step is Step (the Frame refuses it after close).
+func (e *exact) step(ctx context.Context) error { return e.Step(ctx) }
+
+// close releases the averager's communicators; step fails afterwards.
+func (e *exact) close() error {
+	e.Frame.Close()
+	return e.avg.Close()
+}
+
 // update is the exact stage's StepFunc.
 func (e *exact) update(ctx context.Context, t int64, lr float32) error {
 	if err := e.avg.Average(ctx); err != nil {
-		return err
+		return samePackage{err}
 	}
 	cfg := e.adam
 	c1, c2 := float32(1), float32(1)
@@ -148,10 +162,10 @@ func (e *exact) Load(ck *Checkpoint) error {
 	return nil
 }
 
-// LoadCounters reads the step counters every optimizer stores (IntStep,
+// loadCounters reads the step counters every optimizer stores (IntStep,
 // IntSteps, IntSkipped) and checks that they are consistent: non-negative,
 // with step + skipped == steps.
-func LoadCounters(ck *Checkpoint) (step, steps, skipped int64, err error) {
+func loadCounters(ck *Checkpoint) (step, steps, skipped int64, err error) {
 	if step, err = ck.Int(IntStep); err != nil {
 		return
 	}

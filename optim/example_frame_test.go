@@ -51,6 +51,9 @@ func (o *sgd) SetLR(lr float32) error             { return o.f.SetLR(lr) }
 func (o *sgd) SetSchedule(s optim.Schedule) error { return o.f.SetSchedule(s) }
 func (o *sgd) LR() float32                        { return o.f.LR() }
 
+// Close has nothing to release: the SGD made no communicator of its own.
+func (o *sgd) Close() error { return nil }
+
 func (o *sgd) State() (*optim.Checkpoint, error) {
 	ck := o.f.Checkpoint()
 	for _, p := range o.params {

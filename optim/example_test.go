@@ -19,10 +19,11 @@ func ExampleAdam() {
 	}
 	cfg := optim.DefaultAdamConfig()
 	cfg.LR = 0.1
-	opt, err := optim.NewAdam(nil, []*optim.Param{w}, cfg)
+	opt, err := optim.NewAdam(context.Background(), nil, []*optim.Param{w}, cfg)
 	if err != nil {
 		log.Fatal(err)
 	}
+	defer opt.Close() // every holder of an optimizer closes it (not a collective)
 	dir, err := os.MkdirTemp("", "adam-example")
 	if err != nil {
 		log.Fatal(err)

@@ -44,7 +44,7 @@ type FrameConfig struct {
 	Params []*Param
 	// Sizes holds, per parameter, a buffer the optimizer sized from it at
 	// construction: Step refuses to run when a parameter's value or
-	// gradient no longer holds that many elements (see CheckSizes).
+	// gradient no longer holds that many elements (see checkSizes).
 	Sizes [][]float32
 	// LR is the initial fixed learning rate (the config's).
 	LR float32
@@ -59,10 +59,6 @@ type FrameConfig struct {
 	// the load goes ahead, but the following steps round differently
 	// from the run that made the checkpoint).
 	Averager *GradAverager
-	// Ready, when not nil, is asked at the start of every Step whether
-	// this rank can take it (an optimizer closed on this rank, say); an
-	// error refuses the step like a failed size check (see Frame.Step).
-	Ready func() error
 }
 
 // Frame is the part of an optimizer step that every lowbit optimizer
@@ -89,7 +85,7 @@ type Frame struct {
 	log             *zap.Logger
 	guard           FiniteGuard
 	avg             *GradAverager
-	ready           func() error
+	closed          bool // Close was called: every later Step is refused
 
 	lr    float32  // the fixed learning rate
 	sched Schedule // overrides lr when not nil
@@ -116,7 +112,6 @@ func NewFrame(cfg FrameConfig) *Frame {
 		lr:        cfg.LR,
 		stage:     cfg.Stage,
 		avg:       cfg.Averager,
-		ready:     cfg.Ready,
 	}
 	if f.log == nil {
 		f.log = zap.NewNop()
@@ -149,7 +144,7 @@ func (f *Frame) Handle(s Stage, fn StepFunc) {
 // frame's name and the step.
 //
 // The checks before the agreement (sizes, the scheduled learning rate,
-// the stage's update, FrameConfig.Ready) can fail on one rank only. Such a
+// the stage's update, Close) can fail on one rank only. Such a
 // rank does not return early: it refuses the step in the finite-gradient
 // agreement, so that every rank returns an error (the refusing rank its
 // own, the others one naming it) and none waits for it. This costs
@@ -192,13 +187,13 @@ func (f *Frame) Step(ctx context.Context) error {
 // rate and the index of its stage's update, or why this rank cannot take
 // it.
 func (f *Frame) prepare(t int64) (lr float32, i int, refusal error) {
-	if err := CheckSizes(f.params, f.sizes); err != nil {
+	if err := checkSizes(f.params, f.sizes); err != nil {
 		return 0, 0, fmt.Errorf("%s: %w", f.name, err)
 	}
 	lr = f.lr
 	if f.sched != nil {
 		lr = f.sched.LR(t)
-		if err := CheckLR(lr); err != nil {
+		if err := checkLR(lr); err != nil {
 			return 0, 0, fmt.Errorf("%s step %d: schedule %s: %w", f.name, t, f.sched, err)
 		}
 	}
@@ -206,10 +201,8 @@ func (f *Frame) prepare(t int64) (lr float32, i int, refusal error) {
 	if i < 0 {
 		return 0, 0, fmt.Errorf("%s step %d: no update registered for stage %q", f.name, t, f.stage)
 	}
-	if f.ready != nil {
-		if err := f.ready(); err != nil {
-			return 0, 0, fmt.Errorf("%s step %d: %w", f.name, t, err)
-		}
+	if f.closed {
+		return 0, 0, fmt.Errorf("%w (%s)", ErrClosed, f.name)
 	}
 	return lr, i, nil
 }
@@ -248,6 +241,12 @@ func (f *Frame) Enter(s Stage) {
 	f.stage = s
 }
 
+// Close marks the frame closed: every later Step is refused, on every
+// rank (the refusal travels in the finite-gradient agreement, so a rank
+// that closed early does not leave its peers waiting). An optimizer's
+// Close calls it; it communicates nothing and may be called again.
+func (f *Frame) Close() { f.closed = true }
+
 // Stage is the stage the next step runs in.
 func (f *Frame) Stage() Stage { return f.stage }
 
@@ -281,7 +280,7 @@ func (f *Frame) Logger() *zap.Logger { return f.log }
 
 // SetLR implements LRSetter.SetLR.
 func (f *Frame) SetLR(lr float32) error {
-	if err := CheckLR(lr); err != nil {
+	if err := checkLR(lr); err != nil {
 		return fmt.Errorf("%s: %w", f.name, err)
 	}
 	f.lr, f.sched = lr, nil
@@ -292,7 +291,7 @@ func (f *Frame) SetLR(lr float32) error {
 // step before it is accepted.
 func (f *Frame) SetSchedule(s Schedule) error {
 	if s != nil {
-		if err := CheckLR(s.LR(f.step + 1)); err != nil {
+		if err := checkLR(s.LR(f.step + 1)); err != nil {
 			return fmt.Errorf("%s: schedule %s at step %d: %w", f.name, s, f.step+1, err)
 		}
 	}
@@ -351,7 +350,7 @@ type FrameState struct {
 // CheckLoad checks, without changing anything, that ck can be loaded into
 // the frame's optimizer: ck.CheckCompatible for the frame's algorithm,
 // world size and parameters; a stage among stages; consistent counters
-// (see LoadCounters); and the learning-rate state. It returns what Restore
+// (see loadCounters); and the learning-rate state. It returns what Restore
 // applies once the optimizer has restored (Checkpoint.Restore) the rest.
 // Errors wrap ErrIncompatibleCheckpoint and are not prefixed with the
 // frame's name.
@@ -376,7 +375,7 @@ func (f *Frame) CheckLoad(ck *Checkpoint, stages ...Stage) (FrameState, error) {
 		return st, fmt.Errorf("%w: unknown stage %q for %s (want one of %q)", ErrIncompatibleCheckpoint, ck.Stage, f.algorithm, stages)
 	}
 	var err error
-	if st.Step, st.Steps, st.Skipped, err = LoadCounters(ck); err != nil {
+	if st.Step, st.Steps, st.Skipped, err = loadCounters(ck); err != nil {
 		return st, err
 	}
 	st.Stage = ck.Stage

@@ -33,7 +33,10 @@ type FiniteGuard struct {
 // Check is AllFinite (see there) using g's buffer.
 func (g *FiniteGuard) Check(ctx context.Context, c comm.Comm, params []*Param) (bool, error) {
 	ok, _, err := g.check(ctx, c, params, false)
-	return ok, err
+	if err != nil {
+		return false, fmt.Errorf("optim: %w", err)
+	}
+	return ok, nil
 }
 
 // Flag values of the agreement: 0 for finite gradients, 1 for a
@@ -44,7 +47,8 @@ const refusedFlag = 2
 // check is Check that also carries a refusal: a rank that cannot take the
 // step (refuse) still takes part in the allreduce, and every rank learns,
 // in by, the lowest rank that refused (-1 when none did). It allocates
-// nothing after the first call and adds nothing to the wire.
+// nothing after the first call and adds nothing to the wire. Its errors
+// carry no package prefix: Check and the Frame add theirs.
 func (g *FiniteGuard) check(ctx context.Context, c comm.Comm, params []*Param, refuse bool) (ok bool, by int, err error) {
 	bad := false
 	if !refuse {
@@ -74,7 +78,7 @@ func (g *FiniteGuard) check(ctx context.Context, c comm.Comm, params []*Param, r
 		g.flag[0] = 0
 	}
 	if err := c.AllReduce(ctx, g.flag, comm.Max); err != nil {
-		return false, -1, fmt.Errorf("optim: agreeing on finite gradients: %w", err)
+		return false, -1, fmt.Errorf("agreeing on finite gradients: %w", err)
 	}
 	if f := int(g.flag[0]); f >= refusedFlag {
 		return false, w - 1 - (f - refusedFlag), nil

@@ -89,9 +89,9 @@ func TestExactOptimizersSkipNonFiniteSteps(t *testing.T) {
 				var opt Optimizer
 				var err error
 				if alg == AlgorithmAdam {
-					opt, err = NewAdam(c, ps, DefaultAdamConfig())
+					opt, err = NewAdam(ctx, c, ps, DefaultAdamConfig())
 				} else {
-					opt, err = NewLamb(c, ps, DefaultLambConfig())
+					opt, err = NewLamb(ctx, c, ps, DefaultLambConfig())
 				}
 				if err != nil {
 					return err

@@ -2,7 +2,6 @@ package optim
 
 import (
 	"context"
-	"fmt"
 
 	"github.com/lowbit-ml/lowbit/comm"
 )
@@ -31,24 +30,26 @@ var (
 )
 
 // NewLamb returns LAMB over params, averaging gradients over c (nil for a
-// single process). It allocates both moments and one scratch buffer as
+// single process). Every rank of c calls it together; it does not
+// communicate (ctx: see the package doc). An invalid cfg is refused with
+// cfg.Validate's error. It allocates both moments and one scratch buffer as
 // long as the largest parameter; the first Step may allocate the
 // averaging buffers of cfg.Reduce (see NewAdam); later steps allocate
 // nothing.
-func NewLamb(c comm.Comm, params []*Param, cfg LambConfig, opts ...Option) (*Lamb, error) {
+func NewLamb(ctx context.Context, c comm.Comm, params []*Param, cfg LambConfig, opts ...Option) (*Lamb, error) {
 	if err := cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("optim: LAMB: %w", err)
+		return nil, err
 	}
-	e, err := newExact("optim: LAMB", AlgorithmLamb, c, params, cfg.AdamConfig, opts)
+	e, err := newExact("LAMB", AlgorithmLamb, c, params, cfg.AdamConfig, opts)
 	if err != nil {
-		return nil, fmt.Errorf("optim: LAMB: %w", err)
+		return nil, err
 	}
 	e.lamb = cfg
 	return &Lamb{e: e}, nil
 }
 
 // Step applies one update; see Optimizer.
-func (l *Lamb) Step(ctx context.Context) error { return l.e.Step(ctx) }
+func (l *Lamb) Step(ctx context.Context) error { return l.e.step(ctx) }
 
 // Params returns the parameters in construction order.
 func (l *Lamb) Params() []*Param { return l.e.params }
@@ -76,6 +77,6 @@ func (l *Lamb) SetSchedule(s Schedule) error { return l.e.SetSchedule(s) }
 func (l *Lamb) LR() float32 { return l.e.LR() }
 
 // Close releases the communicators that ReduceTwoLevel averaging split off
-// the group (none in the other modes). The optimizer must not step after
-// Close. It is not a collective, but every rank should call it.
-func (l *Lamb) Close() error { return l.e.avg.Close() }
+// the group (none in the other modes); see Optimizer.Close: not a
+// collective, idempotent, every rank calls it, Step fails after it.
+func (l *Lamb) Close() error { return l.e.close() }

@@ -16,7 +16,7 @@ func lambOneStep(t *testing.T, cfg LambConfig, p, g []float32) []float32 {
 	prm, err := NewParamFrom("w", p, len(p))
 	require.NoError(t, err)
 	copy(prm.GradData(), g)
-	opt, err := NewLamb(nil, []*Param{prm}, cfg)
+	opt, err := NewLamb(context.Background(), nil, []*Param{prm}, cfg)
 	require.NoError(t, err)
 	require.NoError(t, opt.Step(context.Background()))
 	return prm.Data()
@@ -66,7 +66,7 @@ func TestLambMatchesFloat64Reference(t *testing.T) {
 	cfg.LR = 0.02
 	cfg.WeightDecay = 0.01
 	ps := testParams(t, 4, []int{6}, []int{2, 2})
-	opt, err := NewLamb(nil, ps, cfg)
+	opt, err := NewLamb(context.Background(), nil, ps, cfg)
 	require.NoError(t, err)
 	type st struct{ p, m, v []float64 }
 	ref := make([]st, len(ps))
@@ -122,7 +122,7 @@ func TestLambConfigValidation(t *testing.T) {
 	} {
 		cfg := DefaultLambConfig()
 		f(&cfg)
-		_, err := NewLamb(nil, ps, cfg)
+		_, err := NewLamb(context.Background(), nil, ps, cfg)
 		assert.Error(t, err)
 	}
 }

@@ -17,6 +17,27 @@
 // default), fp16 or bf16 on the wire, or a two-level (node-aware)
 // allreduce; see GradAverager.
 //
+// Conventions shared by every optimizer of lowbit (optim, onebit,
+// optim/zero):
+//
+//   - Constructors: New<Optimizer>(ctx, c, params, cfg, opts...). Every
+//     rank of c calls it together. The rule for contexts in lowbit is that
+//     a constructor takes a context.Context first exactly when every rank
+//     must call it together (it may communicate): every optimizer
+//     constructor (zero.NewAdam agrees on its arguments with one
+//     all-gather; the others do not communicate today but keep the same
+//     form), comm.NewLayout, quant.NewQGZ and quant.NewCoalesced.
+//     Constructors that never communicate (NewGradAverager,
+//     quant.NewTwoLevel, onebit.NewState, ...) take none.
+//   - Configs: every config has a Validate method that checks every
+//     field and returns a *ConfigError; the constructor returns exactly
+//     that error for an invalid config and checks nothing about the
+//     config that Validate does not.
+//   - Buckets: one field, BucketBytes, in bytes; see DefaultBucketBytes.
+//   - Close: part of Optimizer; every holder of an optimizer calls it.
+//   - Errors carry each package's prefix once ("onebit: 1-bit LAMB step
+//     3: momentum: phase 1 all-to-all: local: ...").
+//
 // The 1-bit optimizers live in package onebit and implement the same
 // interface. They reuse what this package exports for them: the step
 // frame (Frame: size check, learning rate, skip on non-finite gradients,
@@ -27,8 +48,8 @@
 // product to float32 so that results are bit-identical across ranks and
 // architectures; the step helpers (FiniteGuard and AllFinite for the
 // skip-on-non-finite agreement, GradAverager and AverageGrads,
-// CheckParams, CheckSizes, CommBytes); and the checkpoint format
-// (Checkpoint, SaveFile, LoadFile, CheckCompatible, LoadCounters and the
+// CheckParams, CommBytes); and the checkpoint format
+// (Checkpoint, SaveFile, LoadFile, CheckCompatible and the
 // shared tensor names).
 package optim
 
@@ -94,27 +115,36 @@ func float32s(t *tensor.Dense) []float32 {
 // exactly the tensor's elements (a view), or a name used twice
 // (checkpoints find buffers by parameter name).
 func CheckParams(params []*Param) error {
+	if err := checkParams(params); err != nil {
+		return fmt.Errorf("optim: %w", err)
+	}
+	return nil
+}
+
+// checkParams is CheckParams without the package prefix, for callers in
+// this package that add their own.
+func checkParams(params []*Param) error {
 	seen := make(map[string]bool, len(params))
 	for i, p := range params {
 		if p == nil {
-			return fmt.Errorf("optim: parameter %d is nil", i)
+			return fmt.Errorf("parameter %d is nil", i)
 		}
 		if p.Value == nil || p.Grad == nil {
-			return fmt.Errorf("optim: parameter %q: value or gradient is nil", p.Name)
+			return fmt.Errorf("parameter %q: value or gradient is nil", p.Name)
 		}
 		if p.Value.Dtype() != tensor.Float32 || p.Grad.Dtype() != tensor.Float32 {
-			return fmt.Errorf("optim: parameter %q: value is %v and gradient %v, want float32", p.Name, p.Value.Dtype(), p.Grad.Dtype())
+			return fmt.Errorf("parameter %q: value is %v and gradient %v, want float32", p.Name, p.Value.Dtype(), p.Grad.Dtype())
 		}
 		if !p.Value.Shape().Eq(p.Grad.Shape()) {
-			return fmt.Errorf("optim: parameter %q: value shape %v, gradient shape %v", p.Name, p.Value.Shape(), p.Grad.Shape())
+			return fmt.Errorf("parameter %q: value shape %v, gradient shape %v", p.Name, p.Value.Shape(), p.Grad.Shape())
 		}
 		n := p.Numel()
 		if len(p.Data()) != n || len(p.GradData()) != n {
-			return fmt.Errorf("optim: parameter %q: %d elements but backing slices of %d and %d (views are not supported)",
+			return fmt.Errorf("parameter %q: %d elements but backing slices of %d and %d (views are not supported)",
 				p.Name, n, len(p.Data()), len(p.GradData()))
 		}
 		if seen[p.Name] {
-			return fmt.Errorf("optim: parameter name %q is used twice", p.Name)
+			return fmt.Errorf("parameter name %q is used twice", p.Name)
 		}
 		seen[p.Name] = true
 	}
@@ -173,4 +203,14 @@ type Optimizer interface {
 	// that predates the learning-rate entries leaves the optimizer's own
 	// learning rate and schedule as they are.
 	Load(*Checkpoint) error
+	// Close releases what the optimizer made for itself: communicators
+	// split off the group (the node layout of two-level or quantized
+	// reductions, and with comm/mpi their watchdogs). It never closes the
+	// communicator the optimizer was given. Close is not a collective: it
+	// does not communicate and never waits for other ranks, but every rank
+	// must call it (once the optimizer is done with, typically deferred
+	// after a successful construction). It is idempotent: a second call
+	// does nothing and returns nil. A Step after Close returns an error;
+	// Params, Stats and State still work.
+	Close() error
 }

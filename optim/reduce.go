@@ -75,6 +75,10 @@ const IntGradReduce = "grad_reduce"
 // returns nil.
 var ErrSkipStep = errors.New("optim: skip this step")
 
+// ErrClosed is returned (wrapped) by the Step of an optimizer after its
+// Close.
+var ErrClosed = errors.New("optim: step after Close")
+
 // GradAverager averages the gradients of a fixed list of parameters over
 // the ranks of a communicator in one ReduceMode, in place, so that every
 // rank ends with the same gradients. Except in ReduceFP32 the gradients
@@ -98,6 +102,7 @@ type GradAverager struct {
 	down   *quant.DownCast // ReduceFP16, ReduceBF16
 	layout *comm.Layout    // ReduceTwoLevel
 	two    *quant.TwoLevel // ReduceTwoLevel
+	closed bool
 }
 
 // NewGradAverager returns an averager of params' gradients over c (nil or
@@ -124,6 +129,9 @@ func (g *GradAverager) Mode() ReduceMode { return g.mode }
 // Average replaces every gradient by its mean over the ranks; every rank
 // calls it together, with the same parameter shapes.
 func (g *GradAverager) Average(ctx context.Context) error {
+	if g.closed {
+		return fmt.Errorf("%w (gradient averager)", ErrClosed)
+	}
 	if g.c == nil || g.c.Size() <= 1 {
 		return nil
 	}
@@ -201,8 +209,10 @@ func (g *GradAverager) bytesSent() int64 {
 	return CommBytes(g.layout.Intra) + CommBytes(g.layout.Inter)
 }
 
-// Close releases the two-level layout's communicators, if any.
+// Close releases the two-level layout's communicators, if any. It is not
+// a collective and is idempotent; Average fails after it.
 func (g *GradAverager) Close() error {
+	g.closed = true
 	if g.layout == nil {
 		return nil
 	}

@@ -30,10 +30,10 @@ func TestReduceModeNames(t *testing.T) {
 	assert.Equal(t, "ReduceMode(-1)", ReduceMode(-1).String())
 	cfg := DefaultAdamConfig()
 	cfg.Reduce = 9
-	assert.ErrorContains(t, cfg.Validate(), "reduction mode")
+	assert.ErrorContains(t, cfg.Validate(), "AdamConfig.Reduce = ReduceMode(9)")
 	cfg = DefaultAdamConfig()
 	cfg.RanksPerNode = -1
-	assert.ErrorContains(t, cfg.Validate(), "ranks per node")
+	assert.ErrorContains(t, cfg.Validate(), "AdamConfig.RanksPerNode = -1")
 }
 
 // Every mode leaves every rank with the same gradients, the mean of the
@@ -123,7 +123,7 @@ func TestReduceModesSkipNonFiniteSteps(t *testing.T) {
 				ps := testParams(t, 5, []int{8}, []int{3, 3})
 				cfg := DefaultAdamConfig()
 				cfg.Reduce = m
-				opt, err := NewAdam(c, ps, cfg)
+				opt, err := NewAdam(ctx, c, ps, cfg)
 				if err != nil {
 					return err
 				}
@@ -180,14 +180,14 @@ func TestCheckpointRecordsReduceMode(t *testing.T) {
 	ps := testParams(t, 1, []int{3})
 	cfg := DefaultAdamConfig()
 	cfg.Reduce = ReduceBF16
-	opt, err := NewAdam(nil, ps, cfg)
+	opt, err := NewAdam(context.Background(), nil, ps, cfg)
 	require.NoError(t, err)
 	ck, err := opt.State()
 	require.NoError(t, err)
 	assert.Equal(t, int64(ReduceBF16), ck.Ints[IntGradReduce])
 
 	core, logs := observer.New(zapcore.WarnLevel)
-	other, err := NewAdam(nil, testParams(t, 1, []int{3}), DefaultAdamConfig(), WithLogger(zap.New(core)))
+	other, err := NewAdam(context.Background(), nil, testParams(t, 1, []int{3}), DefaultAdamConfig(), WithLogger(zap.New(core)))
 	require.NoError(t, err)
 	require.NoError(t, other.Load(ck))
 	assert.Equal(t, 1, logs.FilterMessageSnippet("another gradient reduction mode").Len())
@@ -215,9 +215,9 @@ func TestExactStepAllocatesNothingInEveryMode(t *testing.T) {
 				cfg := DefaultLambConfig()
 				cfg.Reduce = m
 				if alg == AlgorithmAdam {
-					opts[r], err = NewAdam(cs[r], ps, cfg.AdamConfig)
+					opts[r], err = NewAdam(ctx, cs[r], ps, cfg.AdamConfig)
 				} else {
-					opts[r], err = NewLamb(cs[r], ps, cfg)
+					opts[r], err = NewLamb(ctx, cs[r], ps, cfg)
 				}
 				require.NoError(t, err)
 				require.NoError(t, opts[r].(LRSetter).SetSchedule(sched))
@@ -246,5 +246,47 @@ func TestExactStepAllocatesNothingInEveryMode(t *testing.T) {
 			assert.Zero(t, allocs, "%s %s", alg, m)
 			assert.Zero(t, opts[0].Stats().Skipped)
 		}
+	}
+}
+
+// TestCloseReleasesLayout: after a two-level step on 2 nodes of 2 ranks,
+// Close releases the layout's communicators (collectives on them fail),
+// a second Close does nothing, Step fails with ErrClosed, and State still
+// works; for Adam and LAMB.
+func TestCloseReleasesLayout(t *testing.T) {
+	for _, lamb := range []bool{false, true} {
+		err := local.Run(context.Background(), 4, func(ctx context.Context, c comm.Comm) error {
+			ps := testParams(t, 5, []int{8}, []int{3, 3})
+			cfg := DefaultAdamConfig()
+			cfg.Reduce, cfg.RanksPerNode = ReduceTwoLevel, 2
+			var opt Optimizer
+			var e *exact
+			if lamb {
+				l, err := NewLamb(ctx, c, ps, LambConfig{AdamConfig: cfg, MaxCoeff: 10})
+				if err != nil {
+					return err
+				}
+				opt, e = l, l.e
+			} else {
+				a, err := NewAdam(ctx, c, ps, cfg)
+				if err != nil {
+					return err
+				}
+				opt, e = a, a.e
+			}
+			fillGrads(ps, c.Rank(), 1)
+			require.NoError(t, opt.Step(ctx))
+			layout := e.avg.layout
+			require.NotNil(t, layout, "the first step builds the layout")
+			require.NoError(t, opt.Close())
+			assert.ErrorIs(t, layout.Intra.Barrier(ctx), comm.ErrClosed, "the node communicator is closed")
+			assert.ErrorIs(t, layout.Inter.Barrier(ctx), comm.ErrClosed, "the rail communicator is closed")
+			require.NoError(t, opt.Close(), "Close is idempotent")
+			assert.ErrorIs(t, opt.Step(ctx), ErrClosed)
+			_, err := opt.State()
+			assert.NoError(t, err)
+			return nil
+		})
+		require.NoError(t, err, "lamb %v", lamb)
 	}
 }

@@ -119,7 +119,7 @@ func TestCheckpointEncodesErrorsReset(t *testing.T) {
 
 func TestCheckCompatibleErrorsReset(t *testing.T) {
 	ps := testParams(t, 1, []int{2, 3}, []int{4})
-	opt, err := NewAdam(nil, ps, DefaultAdamConfig())
+	opt, err := NewAdam(context.Background(), nil, ps, DefaultAdamConfig())
 	require.NoError(t, err)
 	ck, err := opt.State()
 	require.NoError(t, err)
@@ -153,9 +153,9 @@ func TestExactLoadsResetCheckpointOnAnotherWorld(t *testing.T) {
 		t.Run(alg, func(t *testing.T) {
 			mk := func(c comm.Comm, ps []*Param) (Optimizer, error) {
 				if alg == AlgorithmAdam {
-					return NewAdam(c, ps, DefaultAdamConfig())
+					return NewAdam(context.Background(), c, ps, DefaultAdamConfig())
 				}
-				return NewLamb(c, ps, DefaultLambConfig())
+				return NewLamb(context.Background(), c, ps, DefaultLambConfig())
 			}
 			shapes := [][]int{{5, 3}, {11}}
 			cks := make([]*Checkpoint, 4)

@@ -46,11 +46,11 @@ type LRSetter interface {
 	LR() float32
 }
 
-// CheckLR returns an error unless lr is a usable learning rate: finite and
-// > 0.
-func CheckLR(lr float32) error {
+// checkLR returns an error (without the package prefix: its callers add
+// theirs) unless lr is a usable learning rate: finite and > 0.
+func checkLR(lr float32) error {
 	if !(lr > 0) || math.IsInf(float64(lr), 1) {
-		return fmt.Errorf("optim: learning rate %v must be finite and > 0", lr)
+		return fmt.Errorf("learning rate %v must be finite and > 0", lr)
 	}
 	return nil
 }
@@ -77,8 +77,8 @@ func fmtF(x float32) string { return strconv.FormatFloat(float64(x), 'g', -1, 32
 // ConstantLR returns the schedule whose learning rate is lr at every step,
 // for use as the schedule after LinearWarmup. lr must be finite and > 0.
 func ConstantLR(lr float32) (Schedule, error) {
-	if err := CheckLR(lr); err != nil {
-		return nil, err
+	if err := checkLR(lr); err != nil {
+		return nil, fmt.Errorf("optim: constant schedule: %w", err)
 	}
 	return constantLR(lr), nil
 }
@@ -134,7 +134,7 @@ func (w *linearWarmup) String() string {
 // reaches 0 at step steps+1, which an optimizer refuses to take: train for
 // steps steps, or give final > 0.
 func CosineDecay(base, final float32, steps int64) (Schedule, error) {
-	if err := CheckLR(base); err != nil {
+	if err := checkLR(base); err != nil {
 		return nil, fmt.Errorf("optim: cosine decay: base %w", err)
 	}
 	if !(final >= 0 && final <= base) {
@@ -170,7 +170,7 @@ func (c *cosineDecay) String() string {
 // gamma in (0, 1] and every >= 1. A learning rate that decays so far that
 // it rounds to 0 in float32 is refused by the optimizer at that step.
 func StepDecay(base, gamma float32, every int64) (Schedule, error) {
-	if err := CheckLR(base); err != nil {
+	if err := checkLR(base); err != nil {
 		return nil, fmt.Errorf("optim: step decay: base %w", err)
 	}
 	if !(gamma > 0 && gamma <= 1) {

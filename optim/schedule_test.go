@@ -101,12 +101,12 @@ func TestSetLRAndScheduleDriveTheStep(t *testing.T) {
 		func(ps []*Param, lr float32) (Optimizer, error) {
 			c := DefaultAdamConfig()
 			c.LR = lr
-			return NewAdam(nil, ps, c)
+			return NewAdam(context.Background(), nil, ps, c)
 		},
 		func(ps []*Param, lr float32) (Optimizer, error) {
 			c := DefaultLambConfig()
 			c.LR = lr
-			return NewLamb(nil, ps, c)
+			return NewLamb(context.Background(), nil, ps, c)
 		},
 	} {
 		bySet, bySched, fixed := testParams(t, 2, []int{3, 4}), testParams(t, 2, []int{3, 4}), testParams(t, 2, []int{3, 4})
@@ -137,7 +137,7 @@ func TestSetLRAndScheduleDriveTheStep(t *testing.T) {
 
 func TestSetLRRejectsBadInput(t *testing.T) {
 	ps := testParams(t, 1, []int{3})
-	opt, err := NewAdam(nil, ps, DefaultAdamConfig())
+	opt, err := NewAdam(context.Background(), nil, ps, DefaultAdamConfig())
 	require.NoError(t, err)
 	require.NoError(t, opt.SetLR(0.5))
 	for _, lr := range []float32{0, -1, float32(math.NaN()), float32(math.Inf(1)), float32(math.Inf(-1))} {
@@ -176,7 +176,7 @@ func TestBadScheduleFailsEveryRankWithoutTraffic(t *testing.T) {
 	var errs []error
 	err := local.Run(context.Background(), 3, func(ctx context.Context, c comm.Comm) error {
 		ps := testParams(t, 1, []int{5})
-		opt, err := NewAdam(c, ps, DefaultAdamConfig())
+		opt, err := NewAdam(ctx, c, ps, DefaultAdamConfig())
 		if err != nil {
 			return err
 		}
@@ -204,7 +204,7 @@ func TestBadScheduleFailsEveryRankWithoutTraffic(t *testing.T) {
 
 func TestCheckpointKeepsLearningRate(t *testing.T) {
 	ps := testParams(t, 1, []int{3})
-	opt, err := NewAdam(nil, ps, DefaultAdamConfig())
+	opt, err := NewAdam(context.Background(), nil, ps, DefaultAdamConfig())
 	require.NoError(t, err)
 	require.NoError(t, opt.SetLR(0.25))
 	fillGrads(ps, 0, 1)
@@ -216,7 +216,7 @@ func TestCheckpointKeepsLearningRate(t *testing.T) {
 	var back Checkpoint
 	require.NoError(t, back.UnmarshalBinary(b))
 
-	fresh, err := NewAdam(nil, testParams(t, 1, []int{3}), DefaultAdamConfig())
+	fresh, err := NewAdam(context.Background(), nil, testParams(t, 1, []int{3}), DefaultAdamConfig())
 	require.NoError(t, err)
 	require.NoError(t, fresh.Load(&back))
 	assert.Equal(t, float32(0.25), fresh.LR())
@@ -228,7 +228,7 @@ func TestCheckpointKeepsLearningRate(t *testing.T) {
 	old.Floats = nil
 	cfg := DefaultAdamConfig()
 	cfg.LR = 0.125
-	fresh, err = NewAdam(nil, testParams(t, 1, []int{3}), cfg)
+	fresh, err = NewAdam(context.Background(), nil, testParams(t, 1, []int{3}), cfg)
 	require.NoError(t, err)
 	require.NoError(t, fresh.Load(&old))
 	assert.Equal(t, float32(0.125), fresh.LR())
@@ -243,7 +243,7 @@ func TestLoadRefusesAnotherSchedule(t *testing.T) {
 	other := mustSchedule(CosineDecay(0.01, 0, 200))
 	mk := func(s Schedule) *Adam {
 		ps := testParams(t, 1, []int{3})
-		opt, err := NewAdam(nil, ps, DefaultAdamConfig())
+		opt, err := NewAdam(context.Background(), nil, ps, DefaultAdamConfig())
 		require.NoError(t, err)
 		if s != nil {
 			require.NoError(t, opt.SetSchedule(s))
@@ -294,7 +294,7 @@ func TestScheduledResumeIsBitIdentical(t *testing.T) {
 		if ps == nil {
 			ps = testParams(t, 3, []int{4, 2}, []int{5})
 		}
-		opt, err := NewLamb(nil, ps, DefaultLambConfig())
+		opt, err := NewLamb(context.Background(), nil, ps, DefaultLambConfig())
 		require.NoError(t, err)
 		require.NoError(t, opt.SetSchedule(sched))
 		if ck != nil {

@@ -38,7 +38,7 @@ func ExampleQGZ() {
 			return err
 		}
 		defer l.Close()
-		q, err := quant.NewQGZContext(ctx, l, 8, quant.QGZConfig{Bits: 8})
+		q, err := quant.NewQGZ(ctx, l, 8, quant.QGZConfig{Bits: 8})
 		if err != nil {
 			return err
 		}

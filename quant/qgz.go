@@ -15,12 +15,33 @@ type QGZConfig struct {
 	// Bits is the code width of both quantization rounds: 4 or 8.
 	Bits int
 	// GroupSize is the number of elements per quantization group (groups
-	// never straddle a partition); 0 means DefaultGroupSize (2048).
+	// never straddle a partition); >= 0, 0 means DefaultGroupSize (2048).
 	GroupSize int
 	// ErrorFeedback keeps a per-rank residual of both quantization rounds
 	// (what quantization lost) and adds it to the next call's input, so
 	// that repeated reductions carry no bias.
 	ErrorFeedback bool
+}
+
+// Validate reports the first invalid field: Bits other than 4 and 8, or
+// a negative GroupSize. NewQGZ refuses a config that any rank has invalid
+// with this error, naming the rank, on every rank.
+func (c QGZConfig) Validate() error {
+	if err := c.check(); err != nil {
+		return fmt.Errorf("quant: %w", err)
+	}
+	return nil
+}
+
+// check is Validate without the package prefix.
+func (c QGZConfig) check() error {
+	switch {
+	case c.Bits != 4 && c.Bits != 8:
+		return fmt.Errorf("QGZConfig.Bits = %d: want 4 or 8", c.Bits)
+	case c.GroupSize < 0:
+		return fmt.Errorf("QGZConfig.GroupSize = %d: want >= 0 (0 for DefaultGroupSize, %d)", c.GroupSize, DefaultGroupSize)
+	}
+	return nil
 }
 
 // QGZ is the hierarchical quantized reduce-scatter of ZeRO++ ("qgZ") for a
@@ -76,17 +97,12 @@ const hdrLen = 16
 // cfgLen is what each rank contributes to the construction agreement.
 const cfgLen = 8 * 6
 
-// NewQGZ is NewQGZContext with context.Background().
-func NewQGZ(l *comm.Layout, n int, cfg QGZConfig) (*QGZ, error) {
-	return NewQGZContext(context.Background(), l, n, cfg)
-}
-
-// NewQGZContext returns a QGZ for tensors of n elements on the layout l.
-// Every rank of l.World must call it together: it runs one small
-// all-gather so that a bad configuration on any rank (n <= 0, bits other
-// than 4 and 8, a negative group size) and configurations that differ
-// across ranks are an error on every rank.
-func NewQGZContext(ctx context.Context, l *comm.Layout, n int, cfg QGZConfig) (*QGZ, error) {
+// NewQGZ returns a QGZ for tensors of n elements on the layout l. Every
+// rank of l.World must call it together: it runs one small all-gather so
+// that a bad configuration on any rank (n <= 0, or what cfg.Validate
+// refuses) and configurations that differ across ranks are an error on
+// every rank.
+func NewQGZ(ctx context.Context, l *comm.Layout, n int, cfg QGZConfig) (*QGZ, error) {
 	if l == nil || l.World == nil || l.Intra == nil || l.Inter == nil {
 		return nil, errors.New("quant: qgz: nil or incomplete layout")
 	}
@@ -152,15 +168,10 @@ func NewQGZContext(ctx context.Context, l *comm.Layout, n int, cfg QGZConfig) (*
 }
 
 func checkQGZ(n, bits, group int) error {
-	switch {
-	case n <= 0:
+	if n <= 0 {
 		return fmt.Errorf("tensor length %d: want > 0", n)
-	case bits != 4 && bits != 8:
-		return fmt.Errorf("%d-bit codes: want 4 or 8", bits)
-	case group <= 0:
-		return fmt.Errorf("group size %d: want > 0 (0 for the default %d)", group, DefaultGroupSize)
 	}
-	return nil
+	return QGZConfig{Bits: bits, GroupSize: group}.check()
 }
 
 // Len is the tensor length n the QGZ was made for.

@@ -121,7 +121,7 @@ func requireBits(t *testing.T, want, got []float32, what string) {
 // qgzCall runs three qgZ reductions of n elements (inputs differ per call)
 // on l and returns the outputs of all three, concatenated.
 func qgzCall(ctx context.Context, l *comm.Layout, n int, cfg quant.QGZConfig) ([]float32, error) {
-	q, err := quant.NewQGZContext(ctx, l, n, cfg)
+	q, err := quant.NewQGZ(ctx, l, n, cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -173,7 +173,7 @@ func TestMPIQGZMean(t *testing.T) {
 		bits int
 		tol  float64
 	}{{4, 0.3}, {8, 0.02}} {
-		q, err := quant.NewQGZContext(ctx, l, n, quant.QGZConfig{Bits: c.bits, GroupSize: 256})
+		q, err := quant.NewQGZ(ctx, l, n, quant.QGZConfig{Bits: c.bits, GroupSize: 256})
 		require.NoError(t, err)
 		recv := make([]float32, q.PartLen())
 		require.NoError(t, q.ReduceScatter(ctx, mpiInput(rank, 0, n), recv))
@@ -213,13 +213,13 @@ func TestMPIQGZBadInput(t *testing.T) {
 	if last {
 		bits = 4
 	}
-	_, err := quant.NewQGZContext(ctx, l, 1000, quant.QGZConfig{Bits: bits})
+	_, err := quant.NewQGZ(ctx, l, 1000, quant.QGZConfig{Bits: bits})
 	require.ErrorContains(t, err, "qgz bits")
 
-	_, err = quant.NewQGZContext(ctx, l, 1000, quant.QGZConfig{Bits: 8, GroupSize: -1 - mpiWorld.Rank()%2})
-	require.ErrorContains(t, err, "group size")
+	_, err = quant.NewQGZ(ctx, l, 1000, quant.QGZConfig{Bits: 8, GroupSize: -1 - mpiWorld.Rank()%2})
+	require.ErrorContains(t, err, "QGZConfig.GroupSize")
 
-	q, err := quant.NewQGZContext(ctx, l, 1000, quant.QGZConfig{Bits: 4})
+	q, err := quant.NewQGZ(ctx, l, 1000, quant.QGZConfig{Bits: 4})
 	require.NoError(t, err)
 	send := make([]float32, 1000)
 	if last {

@@ -6,6 +6,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"runtime"
+	"strings"
 	"testing"
 	"time"
 
@@ -115,7 +116,7 @@ func TestQGZLayouts(t *testing.T) {
 						want := simulate(t, inputs, nodes, rpn, bits, gs)
 						outs := make([][]float32, w)
 						require.NoError(t, runLayout(t, nodes, rpn, func(ctx context.Context, l *comm.Layout) error {
-							q, err := quant.NewQGZ(l, n, quant.QGZConfig{Bits: bits, GroupSize: g})
+							q, err := quant.NewQGZ(context.Background(), l, n, quant.QGZConfig{Bits: bits, GroupSize: g})
 							if err != nil {
 								return err
 							}
@@ -164,7 +165,7 @@ func TestQGZLayouts(t *testing.T) {
 
 func TestQGZPadding(t *testing.T) {
 	require.NoError(t, runLayout(t, 2, 2, func(ctx context.Context, l *comm.Layout) error {
-		q, err := quant.NewQGZ(l, 10, quant.QGZConfig{Bits: 8})
+		q, err := quant.NewQGZ(context.Background(), l, 10, quant.QGZConfig{Bits: 8})
 		if err != nil {
 			return err
 		}
@@ -225,35 +226,35 @@ func everyRankFails(t *testing.T, want string, fn func(ctx context.Context, l *c
 func TestQGZBadInput(t *testing.T) {
 	t.Run("length mismatch", func(t *testing.T) {
 		everyRankFails(t, "tensor length mismatch", func(ctx context.Context, l *comm.Layout) error {
-			_, err := quant.NewQGZContext(ctx, l, 100+l.World.Rank()/3, quant.QGZConfig{Bits: 8})
+			_, err := quant.NewQGZ(ctx, l, 100+l.World.Rank()/3, quant.QGZConfig{Bits: 8})
 			return err
 		})
 	})
 	t.Run("bits", func(t *testing.T) {
-		everyRankFails(t, "rank 2: 5-bit codes: want 4 or 8", func(ctx context.Context, l *comm.Layout) error {
+		everyRankFails(t, "rank 2: QGZConfig.Bits = 5: want 4 or 8", func(ctx context.Context, l *comm.Layout) error {
 			bits := 8
 			if l.World.Rank() == 2 {
 				bits = 5
 			}
-			_, err := quant.NewQGZContext(ctx, l, 100, quant.QGZConfig{Bits: bits})
+			_, err := quant.NewQGZ(ctx, l, 100, quant.QGZConfig{Bits: bits})
 			return err
 		})
 	})
 	t.Run("group size", func(t *testing.T) {
-		everyRankFails(t, "group size -1", func(ctx context.Context, l *comm.Layout) error {
-			_, err := quant.NewQGZContext(ctx, l, 100, quant.QGZConfig{Bits: 4, GroupSize: -1})
+		everyRankFails(t, "QGZConfig.GroupSize = -1", func(ctx context.Context, l *comm.Layout) error {
+			_, err := quant.NewQGZ(ctx, l, 100, quant.QGZConfig{Bits: 4, GroupSize: -1})
 			return err
 		})
 	})
 	t.Run("group size differs", func(t *testing.T) {
 		everyRankFails(t, "group size mismatch", func(ctx context.Context, l *comm.Layout) error {
-			_, err := quant.NewQGZContext(ctx, l, 100, quant.QGZConfig{Bits: 4, GroupSize: 32 + l.World.Rank()})
+			_, err := quant.NewQGZ(ctx, l, 100, quant.QGZConfig{Bits: 4, GroupSize: 32 + l.World.Rank()})
 			return err
 		})
 	})
 	t.Run("empty", func(t *testing.T) {
 		everyRankFails(t, "tensor length 0", func(ctx context.Context, l *comm.Layout) error {
-			_, err := quant.NewQGZContext(ctx, l, 0, quant.QGZConfig{Bits: 4})
+			_, err := quant.NewQGZ(ctx, l, 0, quant.QGZConfig{Bits: 4})
 			return err
 		})
 	})
@@ -261,7 +262,7 @@ func TestQGZBadInput(t *testing.T) {
 		// Rank 1 (node 0) calls with a short send buffer: every rank,
 		// those of node 1 included, reports it, and the next call works.
 		everyRankFails(t, "rank 1 called ReduceScatter with len(send) 99", func(ctx context.Context, l *comm.Layout) error {
-			q, err := quant.NewQGZContext(ctx, l, 100, quant.QGZConfig{Bits: 4, ErrorFeedback: true})
+			q, err := quant.NewQGZ(ctx, l, 100, quant.QGZConfig{Bits: 4, ErrorFeedback: true})
 			if err != nil {
 				return err
 			}
@@ -282,7 +283,7 @@ func TestQGZBadInput(t *testing.T) {
 	})
 	t.Run("recv length", func(t *testing.T) {
 		everyRankFails(t, "rank 3 called ReduceScatter with len(send) 100 and len(recv) 24", func(ctx context.Context, l *comm.Layout) error {
-			q, err := quant.NewQGZContext(ctx, l, 100, quant.QGZConfig{Bits: 8})
+			q, err := quant.NewQGZ(ctx, l, 100, quant.QGZConfig{Bits: 8})
 			if err != nil {
 				return err
 			}
@@ -307,7 +308,7 @@ func TestQGZBadInput(t *testing.T) {
 		}
 	})
 	t.Run("nil layout", func(t *testing.T) {
-		_, err := quant.NewQGZ(nil, 10, quant.QGZConfig{Bits: 4})
+		_, err := quant.NewQGZ(context.Background(), nil, 10, quant.QGZConfig{Bits: 4})
 		require.ErrorContains(t, err, "quant: qgz")
 	})
 }
@@ -321,7 +322,7 @@ func TestQGZBadInput(t *testing.T) {
 func TestQGZNoAllocs(t *testing.T) {
 	for _, ef := range []bool{false, true} {
 		require.NoError(t, runLayout(t, 1, 1, func(ctx context.Context, l *comm.Layout) error {
-			q, err := quant.NewQGZ(l, 10001, quant.QGZConfig{Bits: 4, GroupSize: 64, ErrorFeedback: ef})
+			q, err := quant.NewQGZ(context.Background(), l, 10001, quant.QGZConfig{Bits: 4, GroupSize: 64, ErrorFeedback: ef})
 			if err != nil {
 				return err
 			}
@@ -346,7 +347,7 @@ func TestQGZNoAllocs(t *testing.T) {
 	for _, ef := range []bool{false, true} {
 		var before, after runtime.MemStats
 		require.NoError(t, runLayout(t, 2, 2, func(ctx context.Context, l *comm.Layout) error {
-			q, err := quant.NewQGZ(l, 10001, quant.QGZConfig{Bits: 4, GroupSize: 64, ErrorFeedback: ef})
+			q, err := quant.NewQGZ(context.Background(), l, 10001, quant.QGZConfig{Bits: 4, GroupSize: 64, ErrorFeedback: ef})
 			if err != nil {
 				return err
 			}
@@ -407,7 +408,7 @@ func runningMeanError(t testing.TB, nodes, rpn, n, bits, k int, ef bool) []float
 		refSq += v * v
 	}
 	require.NoError(t, runLayout(t, nodes, rpn, func(ctx context.Context, l *comm.Layout) error {
-		q, err := quant.NewQGZ(l, n, quant.QGZConfig{Bits: bits, GroupSize: 128, ErrorFeedback: ef})
+		q, err := quant.NewQGZ(context.Background(), l, n, quant.QGZConfig{Bits: bits, GroupSize: 128, ErrorFeedback: ef})
 		if err != nil {
 			return err
 		}
@@ -453,14 +454,14 @@ func TestQGZErrorFeedback(t *testing.T) {
 	require.InDelta(t, plain[0], plain[k-1], 1e-12, "without feedback every call is the same")
 
 	require.NoError(t, runLayout(t, 2, 2, func(ctx context.Context, l *comm.Layout) error {
-		plain, err := quant.NewQGZ(l, 100, quant.QGZConfig{Bits: 4})
+		plain, err := quant.NewQGZ(context.Background(), l, 100, quant.QGZConfig{Bits: 4})
 		if err != nil {
 			return err
 		}
 		if r1, r2 := plain.Residuals(); r1 != nil || r2 != nil {
 			return fmt.Errorf("residuals without feedback")
 		}
-		fed, err := quant.NewQGZ(l, 100, quant.QGZConfig{Bits: 4, ErrorFeedback: true})
+		fed, err := quant.NewQGZ(context.Background(), l, 100, quant.QGZConfig{Bits: 4, ErrorFeedback: true})
 		if err != nil {
 			return err
 		}
@@ -510,5 +511,35 @@ func BenchmarkQGZErrorFeedback(b *testing.B) {
 			b.ReportMetric(fed[k-1], "fed-err")
 			b.ReportMetric(plain[k-1]/fed[k-1], "plain/fed")
 		})
+	}
+}
+
+// TestQGZConfigValidate: each field's bad value is refused by Validate,
+// and by NewQGZ with Validate's message (naming the rank, on every rank).
+func TestQGZConfigValidate(t *testing.T) {
+	require.NoError(t, quant.QGZConfig{Bits: 4}.Validate())
+	require.NoError(t, quant.QGZConfig{Bits: 8, GroupSize: 64, ErrorFeedback: true}.Validate())
+	for _, c := range []struct {
+		field string
+		cfg   quant.QGZConfig
+	}{
+		{"Bits", quant.QGZConfig{Bits: 5}},
+		{"Bits", quant.QGZConfig{}},
+		{"GroupSize", quant.QGZConfig{Bits: 4, GroupSize: -1}},
+	} {
+		verr := c.cfg.Validate()
+		require.Error(t, verr, c.field)
+		assert.Contains(t, verr.Error(), "quant: QGZConfig."+c.field+" = ")
+		err := local.Run(context.Background(), 1, func(ctx context.Context, cm comm.Comm) error {
+			l, err := comm.NewLayout(ctx, cm, 1)
+			if err != nil {
+				return err
+			}
+			defer l.Close()
+			_, err = quant.NewQGZ(ctx, l, 100, c.cfg)
+			return err
+		})
+		require.Error(t, err, c.field)
+		assert.Contains(t, err.Error(), strings.TrimPrefix(verr.Error(), "quant: "), c.field)
 	}
 }

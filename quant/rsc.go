@@ -37,16 +37,11 @@ type Coalesced struct {
 	outs  [][]float32
 }
 
-// NewCoalesced is NewCoalescedContext with context.Background().
-func NewCoalesced(c comm.Comm, sizes []int) (*Coalesced, error) {
-	return NewCoalescedContext(context.Background(), c, sizes)
-}
-
-// NewCoalescedContext returns a Coalesced for tensors of the given sizes
+// NewCoalesced returns a Coalesced for tensors of the given sizes
 // (element counts) on c. Every rank of c must call it together: it runs
 // one small all-gather so that a negative size on any rank, and tensor
 // counts or sizes that differ across ranks, are an error on every rank.
-func NewCoalescedContext(ctx context.Context, c comm.Comm, sizes []int) (*Coalesced, error) {
+func NewCoalesced(ctx context.Context, c comm.Comm, sizes []int) (*Coalesced, error) {
 	if c == nil {
 		return nil, errors.New("quant: coalesced: nil communicator")
 	}

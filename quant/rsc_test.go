@@ -28,7 +28,7 @@ func TestCoalesced(t *testing.T) {
 	for _, w := range []int{1, 2, 3, 4, 7} {
 		t.Run(fmt.Sprint(w), func(t *testing.T) {
 			require.NoError(t, runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
-				rs, err := quant.NewCoalesced(c, sizes)
+				rs, err := quant.NewCoalesced(context.Background(), c, sizes)
 				if err != nil {
 					return err
 				}
@@ -111,7 +111,7 @@ func TestCoalescedBadInput(t *testing.T) {
 			if c.Rank() == 2 {
 				sizes = append(sizes, 1)
 			}
-			_, err := quant.NewCoalescedContext(ctx, c, sizes)
+			_, err := quant.NewCoalesced(ctx, c, sizes)
 			return err
 		})
 	})
@@ -121,19 +121,19 @@ func TestCoalescedBadInput(t *testing.T) {
 			if c.Rank() == 1 {
 				sizes = []int{5, 4}
 			}
-			_, err := quant.NewCoalescedContext(ctx, c, sizes)
+			_, err := quant.NewCoalesced(ctx, c, sizes)
 			return err
 		})
 	})
 	t.Run("negative", func(t *testing.T) {
 		every(t, 2, "negative size", func(ctx context.Context, c comm.Comm) error {
-			_, err := quant.NewCoalescedContext(ctx, c, []int{4, -1 * c.Rank()})
+			_, err := quant.NewCoalesced(ctx, c, []int{4, -1 * c.Rank()})
 			return err
 		})
 	})
 	t.Run("call", func(t *testing.T) {
 		every(t, 3, "tensor", func(ctx context.Context, c comm.Comm) error {
-			rs, err := quant.NewCoalescedContext(ctx, c, []int{4, 5})
+			rs, err := quant.NewCoalesced(ctx, c, []int{4, 5})
 			if err != nil {
 				return err
 			}
@@ -153,7 +153,7 @@ func TestCoalescedBadInput(t *testing.T) {
 		})
 	})
 	t.Run("nil", func(t *testing.T) {
-		_, err := quant.NewCoalesced(nil, []int{1})
+		_, err := quant.NewCoalesced(context.Background(), nil, []int{1})
 		require.ErrorContains(t, err, "quant: coalesced")
 	})
 }

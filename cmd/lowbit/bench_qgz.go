@@ -44,7 +44,7 @@ func newQuantBenchCase(ctx context.Context, name string, c comm.Comm, rpn, elems
 		if err != nil {
 			return nil, err
 		}
-		q, err := quant.NewQGZContext(ctx, l, elems, quant.QGZConfig{Bits: bits})
+		q, err := quant.NewQGZ(ctx, l, elems, quant.QGZConfig{Bits: bits})
 		if err != nil {
 			l.Close()
 			return nil, err
@@ -70,7 +70,7 @@ func newQuantBenchCase(ctx context.Context, name string, c comm.Comm, rpn, elems
 		}, nil
 	case "rsc":
 		sizes := rscSizes(elems)
-		rs, err := quant.NewCoalescedContext(ctx, c, sizes)
+		rs, err := quant.NewCoalesced(ctx, c, sizes)
 		if err != nil {
 			return nil, err
 		}

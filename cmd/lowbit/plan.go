@@ -18,6 +18,7 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/onebit"
+	"github.com/lowbit-ml/lowbit/optim"
 )
 
 // The plan command predicts collective and step times with an alpha-beta
@@ -927,8 +928,8 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	fs.Float64Var(&cfg.compressBps, "compress-rate", 0, "float32 bytes/s a 1-rank onebit.AllReduce gets through on your hardware (default: measured on the calibration machine; time yours with lowbit bench --backend local --ranks 1 --collective onebit: bytes/p50)")
 	fs.Float64Var(&cfg.alpha, "alpha", 0, "seconds per latency-bound message round (default: fitted on the calibration link nearest in rate)")
 	fs.Float64Var(&cfg.ineff, "ineff", 0, "time per byte over the line rate's, 1 = line rate (default: fitted on the calibration link nearest in rate, at least 1 for an uncalibrated link)")
-	cfg.bucketBytes = onebit.DefaultBucketBytes
-	fs.Var(sizeFlag{&cfg.bucketBytes}, "bucket", "fused bucket `size`: the gradient goes in calls of this many bytes (onebit.DefaultBucketBytes, like DDP)")
+	cfg.bucketBytes = optim.DefaultBucketBytes
+	fs.Var(sizeFlag{&cfg.bucketBytes}, "bucket", "fused bucket `size`: the gradient goes in calls of this many bytes (optim.DefaultBucketBytes, like DDP)")
 	fs.DurationVar(&cfg.stepCompute, "step-compute", 0, "forward and backward time of one step, added to each step time (no overlap with communication)")
 	fs.BoolVar(&cfg.holdout, "holdout", false, "with fit: predict each rank count of each link from a fit to the other rank counts of that link")
 	fs.BoolVar(&cfg.asJSON, "json", false, "write JSON")

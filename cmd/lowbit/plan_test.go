@@ -19,6 +19,7 @@ import (
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/onebit"
+	"github.com/lowbit-ml/lowbit/optim"
 )
 
 // planTolerance is how far a prediction may be from a recorded
@@ -159,7 +160,7 @@ func TestPlanMeasurementsCoverage(t *testing.T) {
 	}
 	one := m.Compute[1]
 	require.NotEmpty(t, one)
-	assert.GreaterOrEqual(t, one[len(one)-1].Bytes, int64(onebit.DefaultBucketBytes))
+	assert.GreaterOrEqual(t, one[len(one)-1].Bytes, int64(optim.DefaultBucketBytes))
 	for _, w := range []int{2, 3, 4} {
 		assert.NotEmpty(t, m.Compute[w], "no %d-rank compute run", w)
 	}
@@ -400,7 +401,7 @@ func TestPlanCommand(t *testing.T) {
 	assert.Equal(t, int64(199), res.Assumptions.Buckets)
 	require.Len(t, res.Rows, 3)
 	exact, ob, fp16 := res.Rows[0], res.Rows[1], res.Rows[2]
-	per := int64(onebit.DefaultBucketBytes / 4)
+	per := int64(optim.DefaultBucketBytes / 4)
 	n := int64(1.3e9)
 	assert.Equal(t, (n/per)*comm.RingAllReduceBytes(4*per, 64)+comm.RingAllReduceBytes(4*(n%per), 64), exact.WirePerRank)
 	assert.InDelta(t, 32, float64(exact.WirePerRank)/float64(ob.WirePerRank), 1)

@@ -101,24 +101,24 @@ func newOptimizer(ctx context.Context, name string, c comm.Comm, params []*optim
 	lamb.AdamConfig = adam
 	switch name {
 	case "adam":
-		return optim.NewAdam(c, params, adam)
+		return optim.NewAdam(ctx, c, params, adam)
 	case "lamb":
-		return optim.NewLamb(c, params, lamb)
+		return optim.NewLamb(ctx, c, params, lamb)
 	case "onebit-adam":
 		cfg := onebit.DefaultAdamConfig()
 		cfg.AdamConfig = adam
 		cfg.FreezeStep = h.freezeStep
-		return onebit.NewAdam(c, params, cfg)
+		return onebit.NewAdam(ctx, c, params, cfg)
 	case "onebit-lamb":
 		cfg := onebit.DefaultLambConfig()
 		cfg.LambConfig = lamb
 		cfg.FreezeStep = h.freezeStep
-		return onebit.NewLamb(c, params, cfg)
+		return onebit.NewLamb(ctx, c, params, cfg)
 	case "zeroone-adam":
 		cfg := onebit.DefaultZeroOneAdamConfig()
 		cfg.AdamConfig = adam
 		cfg.VarFreezeStep = max(1, h.freezeStep)
-		return onebit.NewZeroOneAdam(c, params, cfg)
+		return onebit.NewZeroOneAdam(ctx, c, params, cfg)
 	case "zero-adam":
 		cfg := zero.DefaultConfig()
 		cfg.AdamConfig = adam

@@ -71,7 +71,7 @@ func shard(n, w, r int) (lo, hi int) { return r * n / w, (r + 1) * n / w }
 // its shard's summed loss scaled by W/batch, so that the average over the
 // ranks that the optimizer takes is the gradient of the global batch's mean
 // loss.
-func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg trainConfig, progress progressFunc) (*result, error) {
+func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg trainConfig, progress progressFunc) (res *result, err error) {
 	w, rank := c.Size(), c.Rank()
 	if cfg.batch < w {
 		return nil, fmt.Errorf("batch %d is smaller than the %d workers", cfg.batch, w)
@@ -97,10 +97,17 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 	if err != nil {
 		return nil, err
 	}
+	defer func() {
+		// Every rank releases what the optimizer split off the group
+		// (not a collective).
+		if cerr := opt.Close(); cerr != nil && err == nil {
+			res, err = nil, fmt.Errorf("closing the optimizer: %w", cerr)
+		}
+	}()
 
 	total := cfg.epochs * stepsPerEpoch
 	evalEvery := max(1, stepsPerEpoch/max(1, cfg.evalsPerEpoch))
-	res := &result{optimizer: cfg.optimizer, workers: w, steps: total, testSize: test.len(), initHash: initHash}
+	res = &result{optimizer: cfg.optimizer, workers: w, steps: total, testSize: test.len(), initHash: initHash}
 	lossHist := make([]float32, total)
 	scale := float32(w) / float32(cfg.batch)
 	labels := make([]byte, hi-lo)

@@ -31,10 +31,10 @@ func Example() {
 		pred := layers.DenseWithBias(scope.In("linear"), in[0], 1)
 		return graph.ReduceAllMean(graph.Square(graph.Sub(pred, in[1])))
 	}
-	newOpt := func(c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+	newOpt := func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
 		cfg := onebit.DefaultAdamConfig()
 		cfg.LR, cfg.FreezeStep = 0.05, 20
-		return onebit.NewAdam(c, p, cfg)
+		return onebit.NewAdam(ctx, c, p, cfg)
 	}
 	losses := make([]float32, 2)
 	err := local.Run(context.Background(), 2, func(ctx context.Context, c comm.Comm) error {
@@ -46,6 +46,7 @@ func Example() {
 		if err != nil {
 			return err
 		}
+		defer tr.Close()
 		lo := 4 * c.Rank()
 		x := tensors.FromFlatDataAndDimensions(xs[lo:lo+4], 4, 1)
 		y := tensors.FromFlatDataAndDimensions(ys[lo:lo+4], 4, 1)

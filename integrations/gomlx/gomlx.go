@@ -54,12 +54,13 @@ import (
 type LossFn func(scope *model.Scope, inputs []*graph.Node) *graph.Node
 
 // NewOptimizer builds the lowbit optimizer over the trainable variables'
-// parameters, communicating on c: for example
+// parameters, communicating on c (every rank calls it together, with the
+// context of Init or of the first Step): for example
 //
-//	func(c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
-//		return onebit.NewAdam(c, p, onebit.DefaultAdamConfig())
+//	func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+//		return onebit.NewAdam(ctx, c, p, onebit.DefaultAdamConfig())
 //	}
-type NewOptimizer func(c comm.Comm, params []*optim.Param) (optim.Optimizer, error)
+type NewOptimizer func(ctx context.Context, c comm.Comm, params []*optim.Param) (optim.Optimizer, error)
 
 // Trainer trains the trainable variables of one rank's GoMLX model.Store
 // with a lowbit optimizer. It is used by one goroutine at a time.
@@ -77,6 +78,7 @@ type Trainer struct {
 
 	flag    []float32 // the per-step error agreement, allocated once
 	skipped int64
+	closed  bool
 }
 
 // New returns a Trainer for the model whose loss is loss, with its variables
@@ -138,6 +140,18 @@ func New(c comm.Comm, backend compute.Backend, store *model.Store, loss LossFn, 
 
 // Optimizer returns the lowbit optimizer, nil before Init or the first Step.
 func (t *Trainer) Optimizer() optim.Optimizer { return t.opt }
+
+// Close releases what the optimizer made for itself (see
+// optim.Optimizer.Close); it does not close the communicator. It is not a
+// collective, but every rank calls it once training is done (defer it
+// after New). It is idempotent; Init and Step fail after it.
+func (t *Trainer) Close() error {
+	t.closed = true
+	if t.opt == nil {
+		return nil
+	}
+	return t.opt.Close()
+}
 
 // Params returns the lowbit parameters, one per trainable variable in the
 // store's order and named by the variable's path; nil before Init or the
@@ -271,6 +285,9 @@ func (t *Trainer) writeBack() error {
 // it yourself to Load a checkpoint before the first Step. Once it has
 // succeeded it does nothing.
 func (t *Trainer) Init(ctx context.Context, inputs ...any) error {
+	if t.closed {
+		return fmt.Errorf("gomlx: Init: %w", optim.ErrClosed)
+	}
 	if t.opt != nil {
 		return nil
 	}
@@ -313,7 +330,7 @@ func (t *Trainer) Init(ctx context.Context, inputs ...any) error {
 			return err
 		}
 	}
-	opt, err := t.newOpt(t.c, t.params)
+	opt, err := t.newOpt(ctx, t.c, t.params)
 	if err != nil {
 		return fmt.Errorf("gomlx: building the optimizer: %w", err)
 	}

@@ -75,17 +75,17 @@ func newStore(seed int64) *model.Store {
 	return s
 }
 
-func adam(c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+func adam(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
 	cfg := optim.DefaultAdamConfig()
 	cfg.LR = 1e-2
-	return optim.NewAdam(c, p, cfg)
+	return optim.NewAdam(ctx, c, p, cfg)
 }
 
-func onebitAdam(c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+func onebitAdam(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
 	cfg := onebit.DefaultAdamConfig()
 	cfg.LR = 1e-2
 	cfg.FreezeStep = 5
-	return onebit.NewAdam(c, p, cfg)
+	return onebit.NewAdam(ctx, c, p, cfg)
 }
 
 // values returns copies of the trainer's variables' values.
@@ -401,10 +401,10 @@ func linearGrads(r, s int) (gw, gb []float32) {
 // its compression stage).
 func TestEqualsHostStep(t *testing.T) {
 	const w, steps = 4, 8
-	onebitEarly := func(c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+	onebitEarly := func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
 		cfg := onebit.DefaultAdamConfig()
 		cfg.LR, cfg.FreezeStep = 1e-2, 3
-		return onebit.NewAdam(c, p, cfg)
+		return onebit.NewAdam(ctx, c, p, cfg)
 	}
 	for _, c := range []struct {
 		name string
@@ -461,7 +461,7 @@ func TestEqualsHostStep(t *testing.T) {
 					require.NoError(t, err)
 					params[i] = p
 				}
-				opt, err := c.opt(cm, params)
+				opt, err := c.opt(ctx, cm, params)
 				require.NoError(t, err)
 				for s := range steps {
 					gw, gb := linearGrads(r, s)
@@ -492,4 +492,42 @@ func TestEqualsHostStep(t *testing.T) {
 			assert.NotEqual(t, init, got[0][steps-1], "the variables moved")
 		})
 	}
+}
+
+// closeCounter counts the Close calls that reach the optimizer.
+type closeCounter struct {
+	optim.Optimizer
+	n *int
+}
+
+func (c closeCounter) Close() error {
+	*c.n++
+	return c.Optimizer.Close()
+}
+
+// TestClose: Close reaches the optimizer, is idempotent, and Step and
+// Init fail after it with optim.ErrClosed.
+func TestClose(t *testing.T) {
+	ctx := context.Background()
+	closes := 0
+	counted := func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+		o, err := adam(ctx, c, p)
+		return closeCounter{o, &closes}, err
+	}
+	b := newBackend(t)
+	x, y := batch(0, 8)
+	tr, err := New(nil, b, newStore(1), regression, counted)
+	require.NoError(t, err)
+	_, err = tr.Step(ctx, x, y)
+	require.NoError(t, err)
+	require.NoError(t, tr.Close())
+	require.NoError(t, tr.Close())
+	assert.Positive(t, closes, "Close reaches the optimizer")
+	_, err = tr.Step(ctx, x, y)
+	assert.ErrorIs(t, err, optim.ErrClosed)
+
+	tr, err = New(nil, b, newStore(1), regression, counted)
+	require.NoError(t, err)
+	require.NoError(t, tr.Close())
+	assert.ErrorIs(t, tr.Init(ctx, x, y), optim.ErrClosed)
 }

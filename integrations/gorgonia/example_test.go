@@ -37,14 +37,15 @@ func Example() {
 		vm := G.NewTapeMachine(g, G.BindDualValues(w))
 		defer vm.Close()
 
-		solver, err := lbgorgonia.NewSolver(ctx, c, func(c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+		solver, err := lbgorgonia.NewSolver(ctx, c, func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
 			cfg := onebit.DefaultAdamConfig()
 			cfg.LR, cfg.FreezeStep = 0.05, 20
-			return onebit.NewAdam(c, p, cfg)
+			return onebit.NewAdam(ctx, c, p, cfg)
 		})
 		if err != nil {
 			return err
 		}
+		defer solver.Close()
 		model := []G.ValueGrad{w}
 		if err := solver.Init(ctx, model); err != nil {
 			return err

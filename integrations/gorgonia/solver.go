@@ -29,12 +29,13 @@ import (
 )
 
 // NewOptimizer builds the lowbit optimizer over the model's parameters,
-// communicating on c, for example
+// communicating on c (every rank calls it together, with the context of
+// Init or of the first Step), for example
 //
-//	func(c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
-//		return onebit.NewAdam(c, p, onebit.DefaultAdamConfig())
+//	func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+//		return onebit.NewAdam(ctx, c, p, onebit.DefaultAdamConfig())
 //	}
-type NewOptimizer func(c comm.Comm, params []*optim.Param) (optim.Optimizer, error)
+type NewOptimizer func(ctx context.Context, c comm.Comm, params []*optim.Param) (optim.Optimizer, error)
 
 // Solver implements gorgonia.Solver with a lowbit optimizer. It is used by
 // one goroutine at a time, one Solver per rank.
@@ -47,6 +48,7 @@ type Solver struct {
 	params []*optim.Param
 	shapes []tensor.Shape
 	flag   []float32 // the per-step error agreement, allocated once
+	closed bool
 }
 
 var _ G.Solver = (*Solver)(nil)
@@ -68,6 +70,18 @@ func NewSolver(ctx context.Context, c comm.Comm, newOpt NewOptimizer) (*Solver, 
 // Optimizer returns the lowbit optimizer, nil before Init or the first Step.
 func (s *Solver) Optimizer() optim.Optimizer { return s.opt }
 
+// Close releases what the optimizer made for itself (see
+// optim.Optimizer.Close); it does not close the communicator. It is not a
+// collective, but every rank calls it once training is done (defer it
+// after NewSolver). It is idempotent; Init and Step fail after it.
+func (s *Solver) Close() error {
+	s.closed = true
+	if s.opt == nil {
+		return nil
+	}
+	return s.opt.Close()
+}
+
 // Params returns the parameters given to the optimizer (sharing the nodes'
 // tensors), nil before Init or the first Step.
 func (s *Solver) Params() []*optim.Param { return s.params }
@@ -78,6 +92,9 @@ func (s *Solver) Params() []*optim.Param { return s.params }
 // that the first gradients are computed from the same values everywhere;
 // Step calls it if it was not called. Once it has succeeded it does nothing.
 func (s *Solver) Init(ctx context.Context, model []G.ValueGrad) error {
+	if s.closed {
+		return fmt.Errorf("gorgonia: Init: %w", optim.ErrClosed)
+	}
 	if s.opt != nil {
 		return nil
 	}
@@ -105,7 +122,7 @@ func (s *Solver) Init(ctx context.Context, model []G.ValueGrad) error {
 			}
 		}
 	}
-	opt, err := s.newOpt(s.c, params)
+	opt, err := s.newOpt(ctx, s.c, params)
 	if err != nil {
 		return fmt.Errorf("gorgonia: building the optimizer: %w", err)
 	}

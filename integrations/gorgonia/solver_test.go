@@ -96,17 +96,17 @@ func (m *net) values() [][]float32 {
 	return out
 }
 
-func adam(c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+func adam(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
 	cfg := optim.DefaultAdamConfig()
 	cfg.LR = 1e-2
-	return optim.NewAdam(c, p, cfg)
+	return optim.NewAdam(ctx, c, p, cfg)
 }
 
-func onebitAdam(c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+func onebitAdam(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
 	cfg := onebit.DefaultAdamConfig()
 	cfg.LR = 1e-2
 	cfg.FreezeStep = 5
-	return onebit.NewAdam(c, p, cfg)
+	return onebit.NewAdam(ctx, c, p, cfg)
 }
 
 type rankRun struct {
@@ -301,4 +301,44 @@ func TestStepAllocs(t *testing.T) {
 		}
 	})
 	assert.Zero(t, allocs)
+}
+
+// closeCounter counts the Close calls that reach the optimizer.
+type closeCounter struct {
+	optim.Optimizer
+	n *int
+}
+
+func (c closeCounter) Close() error {
+	*c.n++
+	return c.Optimizer.Close()
+}
+
+// TestClose: Close reaches the optimizer, is idempotent, and Step and
+// Init fail after it with optim.ErrClosed.
+func TestClose(t *testing.T) {
+	ctx := context.Background()
+	closes := 0
+	counted := func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+		o, err := adam(ctx, c, p)
+		return closeCounter{o, &closes}, err
+	}
+	m := newNet(t, 1, 8)
+	defer m.machine.Close()
+	x, y := data(0, 8)
+	s, err := NewSolver(ctx, nil, counted)
+	require.NoError(t, err)
+	m.forward(t, x, y)
+	require.NoError(t, s.Step(m.model()))
+	require.NoError(t, s.Close())
+	require.NoError(t, s.Close())
+	assert.Positive(t, closes, "Close reaches the optimizer")
+	m.forward(t, x, y)
+	assert.ErrorIs(t, s.Step(m.model()), optim.ErrClosed)
+
+	// Closed before the optimizer exists: Init refuses to build one.
+	s, err = NewSolver(ctx, nil, counted)
+	require.NoError(t, err)
+	require.NoError(t, s.Close())
+	assert.ErrorIs(t, s.Init(ctx, m.model()), optim.ErrClosed)
 }

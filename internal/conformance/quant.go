@@ -168,7 +168,7 @@ func RunQGZRank(ctx context.Context, l *comm.Layout, c *Case) error {
 			q.Nodes, q.RanksPerNode, l.Nodes, l.RanksPerNode)
 	}
 	r := l.World.Rank()
-	qg, err := quant.NewQGZContext(ctx, l, q.Numel, quant.QGZConfig{Bits: q.Bits, GroupSize: q.GroupSize})
+	qg, err := quant.NewQGZ(ctx, l, q.Numel, quant.QGZConfig{Bits: q.Bits, GroupSize: q.GroupSize})
 	if err != nil {
 		return err
 	}
@@ -201,7 +201,7 @@ func RunRSCRank(ctx context.Context, cm comm.Comm, c *Case) error {
 	if len(q.Inputs[r]) != len(sizes) || len(q.Outputs[r]) != len(sizes) {
 		return fmt.Errorf("rank %d: %d inputs and %d outputs for %d shapes", r, len(q.Inputs[r]), len(q.Outputs[r]), len(sizes))
 	}
-	rs, err := quant.NewCoalescedContext(ctx, cm, sizes)
+	rs, err := quant.NewCoalesced(ctx, cm, sizes)
 	if err != nil {
 		return err
 	}

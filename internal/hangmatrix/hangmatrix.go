@@ -88,7 +88,7 @@ func Cases(ranksPerNode int) []Case {
 			if err != nil {
 				return nil, err
 			}
-			q, err := quant.NewQGZContext(ctx, l, n, quant.QGZConfig{Bits: 8})
+			q, err := quant.NewQGZ(ctx, l, n, quant.QGZConfig{Bits: 8})
 			if err != nil {
 				return nil, err
 			}
@@ -99,7 +99,7 @@ func Cases(ranksPerNode int) []Case {
 			recv := make([]float32, q.PartLen())
 			return func(ctx context.Context) error { return q.ReduceScatter(ctx, send, recv) }, nil
 		}},
-		{"quant.NewQGZContext: invalid bits", func(ctx context.Context, c comm.Comm, bad bool) (func(context.Context) error, error) {
+		{"quant.NewQGZ: invalid bits", func(ctx context.Context, c comm.Comm, bad bool) (func(context.Context) error, error) {
 			l, err := comm.NewLayout(ctx, c, ranksPerNode)
 			if err != nil {
 				return nil, err
@@ -109,7 +109,7 @@ func Cases(ranksPerNode int) []Case {
 				bits = 5
 			}
 			return func(ctx context.Context) error {
-				_, err := quant.NewQGZContext(ctx, l, n, quant.QGZConfig{Bits: bits})
+				_, err := quant.NewQGZ(ctx, l, n, quant.QGZConfig{Bits: bits})
 				return err
 			}, nil
 		}},
@@ -129,7 +129,7 @@ func Cases(ranksPerNode int) []Case {
 			return func(ctx context.Context) error { return tl.AllReduce(ctx, buf) }, nil
 		}},
 		{"quant.Coalesced.ReduceScatter: tensor of another size", func(ctx context.Context, c comm.Comm, bad bool) (func(context.Context) error, error) {
-			rc, err := quant.NewCoalescedContext(ctx, c, []int{n, 7})
+			rc, err := quant.NewCoalesced(ctx, c, []int{n, 7})
 			if err != nil {
 				return nil, err
 			}
@@ -154,21 +154,21 @@ func Cases(ranksPerNode int) []Case {
 			return func(ctx context.Context) error { return g.Average(ctx) }, err
 		}},
 		optimizer("optim.Adam.Step: resized gradient", resize, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-			return optim.NewAdam(c, ps, optim.DefaultAdamConfig())
+			return optim.NewAdam(ctx, c, ps, optim.DefaultAdamConfig())
 		}),
 		optimizer("optim.Lamb.Step: invalid scheduled learning rate", badSchedule, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-			return optim.NewLamb(c, ps, optim.DefaultLambConfig())
+			return optim.NewLamb(ctx, c, ps, optim.DefaultLambConfig())
 		}),
 		optimizer("onebit.Adam.Step (compression): resized gradient", resize, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 			cfg := onebit.DefaultAdamConfig()
 			cfg.FreezeStep = 0
-			return onebit.NewAdam(c, ps, cfg)
+			return onebit.NewAdam(ctx, c, ps, cfg)
 		}),
 		optimizer("onebit.Lamb.Step: resized gradient", resize, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-			return onebit.NewLamb(c, ps, onebit.DefaultLambConfig())
+			return onebit.NewLamb(ctx, c, ps, onebit.DefaultLambConfig())
 		}),
 		optimizer("onebit.ZeroOneAdam.Step: resized gradient", resize, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-			return onebit.NewZeroOneAdam(c, ps, onebit.DefaultZeroOneAdamConfig())
+			return onebit.NewZeroOneAdam(ctx, c, ps, onebit.DefaultZeroOneAdamConfig())
 		}),
 		optimizer("zero.Adam.Step: resized gradient", resize, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 			return zero.NewAdam(ctx, c, ps, zero.DefaultConfig())

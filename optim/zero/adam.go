@@ -45,7 +45,7 @@ const Algorithm = "zero-adam"
 // rank), reduce-scatters the gradients so that each rank holds the mean
 // gradient of what it owns, applies optim.AdamStep to its own elements, and
 // all-gathers the parameters. The flat modes go bucket by bucket (see
-// Config.BucketSize) so that no buffer as large as the model is needed.
+// Config.BucketBytes) so that no buffer as large as the model is needed.
 //
 // With ReduceFP32 the result is that of optim.Adam whenever the mean the
 // communicator's ReduceScatter computes is bit for bit the one its
@@ -119,15 +119,16 @@ func (e exactReducer) reduceScatter(ctx context.Context, send, recv []float32) e
 // NewAdam returns sharded Adam over params on the ranks of c (nil for a
 // single process). Every rank of c must call it, with the same parameter
 // names and shapes and the same configuration: a difference is reported on
-// every rank. It allocates this rank's moments and the staging buffers;
+// every rank (an invalid cfg as cfg.Validate's error on the rank that has
+// it, joined with the agreement's error on more than one rank). It
+// allocates this rank's moments and the staging buffers;
 // Step allocates nothing after the first call.
 func NewAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg Config, opts ...optim.Option) (*Adam, error) {
 	bad := cfg.Validate()
 	if bad == nil {
-		bad = optim.CheckParams(params)
-	}
-	if bad != nil {
-		bad = fmt.Errorf("zero: Adam: %w", bad)
+		if err := optim.CheckParams(params); err != nil {
+			bad = fmt.Errorf("zero: Adam: %w", err)
+		}
 	}
 	if c != nil && c.Size() > 1 {
 		// Every rank takes part, so that a rank's bad input is an error on
@@ -181,7 +182,7 @@ func NewAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg Config
 	}
 	a.f = optim.NewFrame(optim.FrameConfig{
 		Name: "zero: Adam", Algorithm: Algorithm, Comm: c, Params: a.params, Sizes: a.sizes,
-		LR: cfg.LR, Stage: optim.StageExact, Logger: o.Logger, Ready: a.ready,
+		LR: cfg.LR, Stage: optim.StageExact, Logger: o.Logger,
 	})
 	a.f.Handle(optim.StageExact, a.update)
 	return a, nil
@@ -208,16 +209,14 @@ func (a *Adam) initFlat(ctx context.Context) error {
 	if a.part == 0 {
 		return nil
 	}
-	k := w + 1 // bucket-sized buffers: the W staged slices and the chunk
 	var l *comm.Layout
 	if a.cfg.ReduceScatter.quantized() {
 		var err error
 		if l, err = comm.NewLayout(ctx, a.c, a.cfg.RanksPerNode); err != nil {
 			return fmt.Errorf("zero: Adam: %w", err)
 		}
-		k += l.Nodes + 1 // the qgZ's partial sums and partition
 	}
-	b := a.bucketLen(a.part, k)
+	b := a.bucketLen(a.part)
 	a.bucket = b
 	a.stage = make([]float32, w*b)
 	a.chunk = make([]float32, b)
@@ -230,17 +229,17 @@ func (a *Adam) initFlat(ctx context.Context) error {
 }
 
 // bucketLen returns the elements per rank of one bucket over a partition
-// of part > 0 elements when k bucket-sized float32 buffers are needed:
-// Config.BucketSize/W, by default ceil(part/k) (so that those buffers
-// together hold about one partition), at most part, evened out so that the
-// buckets are as few as that allows and all but the last of the same
-// length.
-func (a *Adam) bucketLen(part, k int) int {
+// of part > 0 elements: Config.BucketBytes/(4W) (BucketBytes 0:
+// optim.DefaultBucketBytes), at least 1 and at most part, evened out so
+// that the buckets are as few as that allows and all but the last of the
+// same length.
+func (a *Adam) bucketLen(part int) int {
 	w := a.world
-	b := a.cfg.BucketSize / w
-	if a.cfg.BucketSize == 0 {
-		b = (part + k - 1) / k
+	bytes := a.cfg.BucketBytes
+	if bytes == 0 {
+		bytes = optim.DefaultBucketBytes
 	}
+	b := bytes / 4 / w
 	b = min(max(b, 1), part)
 	rounds := (part + b - 1) / b
 	return (part + rounds - 1) / rounds
@@ -273,7 +272,7 @@ func agree(ctx context.Context, c comm.Comm, params []*optim.Param, cfg Config, 
 	}
 	shapes := h.Sum64()
 	h.Reset()
-	for _, v := range []int{int(cfg.ReduceScatter), cfg.BucketSize, cfg.GroupSize} {
+	for _, v := range []int{int(cfg.ReduceScatter), cfg.BucketBytes, cfg.GroupSize} {
 		put(uint64(v))
 	}
 	ac := cfg.AdamConfig
@@ -320,8 +319,10 @@ func agree(ctx context.Context, c comm.Comm, params []*optim.Param, cfg Config, 
 
 // Close releases the communicators Adam made for itself (the node layout
 // of the int8 and int4 modes). It does not close the communicator given to
-// NewAdam. Step fails after Close.
+// NewAdam. See optim.Optimizer.Close: not a collective, idempotent, every
+// rank calls it, Step fails after it.
 func (a *Adam) Close() error {
+	a.f.Close()
 	if a.close == nil {
 		return nil
 	}
@@ -384,16 +385,6 @@ func (a *Adam) subBytes() int64 {
 func (a *Adam) Step(ctx context.Context) error {
 	a.subLast = 0
 	return a.f.Step(ctx)
-}
-
-// ready refuses a step after Close (see optim.FrameConfig.Ready: a rank
-// that closed refuses on every rank, rather than leave its peers waiting
-// in the reduce-scatter).
-func (a *Adam) ready() error {
-	if a.world > 1 && a.rs == nil && a.co == nil && a.part > 0 {
-		return errors.New("step after Close")
-	}
-	return nil
 }
 
 // update is the frame's StepFunc: step t with learning rate lr.

@@ -81,7 +81,7 @@ func BenchmarkStep(b *testing.B) {
 		return g
 	}
 	groups := []*benchGroup{mk("adam", func(_ context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-		return optim.NewAdam(c, ps, optim.DefaultAdamConfig())
+		return optim.NewAdam(ctx, c, ps, optim.DefaultAdamConfig())
 	})}
 	for _, mode := range []zero.Reduce{zero.ReduceFP32, zero.ReduceCoalesced, zero.ReduceInt8, zero.ReduceInt4} {
 		cfg := zero.DefaultConfig()

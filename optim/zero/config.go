@@ -1,7 +1,9 @@
 package zero
 
 import (
+	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/lowbit-ml/lowbit/optim"
 )
@@ -71,22 +73,28 @@ type Config struct {
 	// mode of the exact optimizers, must stay optim.ReduceFP32 (the zero
 	// value): sharded Adam reduce-scatters, as ReduceScatter says.
 	optim.AdamConfig
-	// ReduceScatter is the gradient reduce-scatter. Default ReduceFP32.
+	// ReduceScatter is the gradient reduce-scatter, one of the Reduce
+	// modes. Default ReduceFP32.
 	ReduceScatter Reduce
-	// BucketSize bounds the number of gradient elements one reduce-scatter
-	// call takes in the modes with a flat buffer (fp32, int8, int4), and the
-	// parameter elements one all-gather call returns in every mode: Step
-	// stages the data bucket by bucket, W slices of at most BucketSize/W
-	// elements each, instead of copying the whole model into one flat
-	// buffer. Every rank must use the same value. Default 0: buckets whose
-	// staging and work buffers hold about as many float32s as one moment
-	// of this rank, so that the optimizer's memory stays about three of its
-	// 1/W shares of the moments (see Adam.StateFloats), at the price of
-	// about W+1 (fp32) or W+Nodes+2 (int8, int4) calls of each collective
-	// per step. Larger buckets mean fewer, larger calls.
-	BucketSize int
+	// BucketBytes is the bucket size, in the convention of
+	// optim.DefaultBucketBytes: the gradients, laid end to end as one flat
+	// buffer, are reduce-scattered BucketBytes bytes (BucketBytes/4
+	// elements, W slices of BucketBytes/(4W)) per call in the modes with a
+	// flat buffer (fp32, int8, int4), and the parameters are all-gathered
+	// as many bytes per call in every mode. Step stages the data bucket by
+	// bucket instead of copying the whole model into one flat buffer, so
+	// the staging buffers hold about BucketBytes (the W slices) plus
+	// BucketBytes/W (this rank's chunk), and the int8 and int4 modes add
+	// (Nodes+1)*BucketBytes/W of work buffers: memory beyond this rank's
+	// 1/W share of the moments stays under about 1.5*BucketBytes whatever
+	// the model's size, at the price of one call of each collective per
+	// bucket (at least one per step). 0 means optim.DefaultBucketBytes
+	// (25 MiB); otherwise at least 4 (optim.PerParameter is refused: the
+	// buckets of sharded Adam cut across parameters). Every rank must use
+	// the same value.
+	BucketBytes int
 	// GroupSize is the quantization group of the int8 and int4 modes (0:
-	// the default of package quant). Ignored by the other modes.
+	// the default of package quant); >= 0. Ignored by the other modes.
 	GroupSize int
 }
 
@@ -96,22 +104,34 @@ func DefaultConfig() Config {
 	return Config{AdamConfig: optim.DefaultAdamConfig()}
 }
 
-// Validate reports the first invalid field.
+// Validate reports the first invalid field as an *optim.ConfigError:
+// those of optim.AdamConfig.Validate, a Reduce other than
+// optim.ReduceFP32, an unknown ReduceScatter, a BucketBytes other than 0
+// or at least 4, or a negative GroupSize. NewAdam returns exactly this
+// error (on every rank, see NewAdam).
 func (c Config) Validate() error {
+	const cfg = "zero.Config"
 	if err := c.AdamConfig.Validate(); err != nil {
+		var ce *optim.ConfigError
+		if errors.As(err, &ce) {
+			relabelled := *ce
+			relabelled.Config = cfg
+			return &relabelled
+		}
 		return err
 	}
-	if c.AdamConfig.Reduce != optim.ReduceFP32 {
-		return fmt.Errorf("zero: AdamConfig.Reduce is %v, but sharded Adam has no allreduce: choose the gradient reduce-scatter with Config.ReduceScatter", c.AdamConfig.Reduce)
+	bad := func(field string, v any, want string) error {
+		return &optim.ConfigError{Config: cfg, Field: field, Value: v, Want: want}
 	}
-	if !c.ReduceScatter.Valid() {
-		return fmt.Errorf("zero: invalid reduce-scatter mode %v", c.ReduceScatter)
-	}
-	if c.BucketSize < 0 {
-		return fmt.Errorf("zero: bucket size %d must be >= 0", c.BucketSize)
-	}
-	if c.GroupSize < 0 {
-		return fmt.Errorf("zero: group size %d must be >= 0", c.GroupSize)
+	switch {
+	case c.AdamConfig.Reduce != optim.ReduceFP32:
+		return bad("Reduce", c.AdamConfig.Reduce, "fp32 (sharded Adam has no allreduce: choose the gradient reduce-scatter with ReduceScatter)")
+	case !c.ReduceScatter.Valid():
+		return bad("ReduceScatter", c.ReduceScatter, "one of "+strings.Join(reduceNames[:], ", "))
+	case c.BucketBytes != 0 && c.BucketBytes < 4:
+		return bad("BucketBytes", c.BucketBytes, fmt.Sprintf("0 (optim.DefaultBucketBytes, %d) or at least 4", optim.DefaultBucketBytes))
+	case c.GroupSize < 0:
+		return bad("GroupSize", c.GroupSize, ">= 0 (0 for quant's default)")
 	}
 	return nil
 }

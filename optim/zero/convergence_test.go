@@ -110,6 +110,9 @@ func TestConvergence(t *testing.T) {
 		cfg := zero.DefaultConfig()
 		cfg.AdamConfig = adam
 		cfg.ReduceScatter = mode
+		// Buckets of 64 elements per rank: the default (25 MiB) would
+		// stage this small model whole.
+		cfg.BucketBytes = 4 * 64 * s.World
 		if mode == zero.ReduceInt8 || mode == zero.ReduceInt4 {
 			cfg.RanksPerNode = 2
 		}

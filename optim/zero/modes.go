@@ -20,7 +20,7 @@ func (r qgzReducer) reduceScatter(ctx context.Context, send, recv []float32) err
 // on the layout l, which Adam then owns.
 func (a *Adam) initQGZ(ctx context.Context, l *comm.Layout, b int) error {
 	qc := quant.QGZConfig{Bits: a.cfg.ReduceScatter.bits(), GroupSize: a.cfg.GroupSize}
-	q, err := quant.NewQGZContext(ctx, l, a.world*b, qc)
+	q, err := quant.NewQGZ(ctx, l, a.world*b, qc)
 	if err == nil && (q.PartLen() != b || q.Padded() != a.world*b) {
 		err = fmt.Errorf("qgZ of %d elements on %d ranks has partitions of %d, padded to %d; want %d and %d",
 			a.world*b, a.world, q.PartLen(), q.Padded(), b, a.world*b)
@@ -67,7 +67,7 @@ func (a *Adam) initCoalesced(ctx context.Context) error {
 	for i, p := range a.params {
 		sizes[i] = p.Numel()
 	}
-	rs, err := quant.NewCoalescedContext(ctx, a.c, sizes)
+	rs, err := quant.NewCoalesced(ctx, a.c, sizes)
 	if err != nil {
 		return fmt.Errorf("zero: Adam: %w", err)
 	}
@@ -90,7 +90,7 @@ func (a *Adam) initCoalesced(ctx context.Context) error {
 	}
 	a.co = co
 	if slot > 0 {
-		a.bucket = a.bucketLen(slot, w)
+		a.bucket = a.bucketLen(slot)
 		a.stage = make([]float32, w*a.bucket)
 	}
 	return nil

@@ -164,16 +164,16 @@ func meanLoss(scope *model.Scope, in []*graph.Node) *graph.Node {
 
 // newOptimizer is the lowbit optimizer called name.
 func newOptimizer(name string, o *options) lbgomlx.NewOptimizer {
-	return func(c comm.Comm, params []*optim.Param) (optim.Optimizer, error) {
+	return func(ctx context.Context, c comm.Comm, params []*optim.Param) (optim.Optimizer, error) {
 		adam := optim.DefaultAdamConfig()
 		adam.LR = float32(o.lr)
 		if name == "adam" {
-			return optim.NewAdam(c, params, adam)
+			return optim.NewAdam(ctx, c, params, adam)
 		}
 		cfg := onebit.DefaultAdamConfig()
 		cfg.AdamConfig = adam
 		cfg.FreezeStep = o.freezeStep
-		return onebit.NewAdam(c, params, cfg)
+		return onebit.NewAdam(ctx, c, params, cfg)
 	}
 }
 
@@ -209,6 +209,7 @@ func trainRank(ctx context.Context, c comm.Comm, name string, o *options, train,
 	if err != nil {
 		return nil, err
 	}
+	defer tr.Close()
 
 	lo, hi := rank*o.batch/w, (rank+1)*o.batch/w
 	perm := make([]int, len(train.labels))
