@@ -202,7 +202,7 @@ func NewZeroOneAdam(c comm.Comm, params []*optim.Param, cfg ZeroOneAdamConfig, o
 	o.f = optim.NewFrame(optim.FrameConfig{
 		Name: "onebit: 0/1 Adam", Algorithm: optim.AlgorithmZeroOneAdam, Comm: c,
 		Params: o.params, Sizes: o.m, LR: cfg.LR, Stage: optim.StagePhaseA,
-		Logger: optim.ApplyOptions(opts).Logger, Averager: o.avg,
+		Logger: optim.ApplyOptions(opts).Logger, Averager: o.avg, Hypers: cfg.hypers(masks),
 	})
 	sizes := make([]int, len(params))
 	for i, p := range params {

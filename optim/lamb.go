@@ -44,6 +44,7 @@ func NewLamb(c comm.Comm, params []*Param, cfg LambConfig, opts ...Option) (*Lam
 		return nil, fmt.Errorf("optim: LAMB: %w", err)
 	}
 	e.lamb = cfg
+	e.hypers = LambHypers(cfg) // the frame's, replacing newExact's AdamHypers
 	return &Lamb{e: e}, nil
 }
 
