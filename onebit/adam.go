@@ -139,7 +139,7 @@ func NewAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg AdamCo
 	a.f = optim.NewFrame(optim.FrameConfig{
 		Name: "onebit: Adam", Algorithm: optim.AlgorithmOnebitAdam, Comm: c,
 		Params: a.params, Sizes: a.m, LR: cfg.LR, Stage: start,
-		Logger: optim.ApplyOptions(opts).Logger, Averager: a.avg,
+		Logger: optim.ApplyOptions(opts).Logger, Averager: a.avg, Hypers: cfg.hypers(masks),
 	})
 	if a.bkt, err = newBuckets(a.params, a.f.World(), cfg.BucketBytes); err != nil {
 		return nil, fmt.Errorf("onebit: Adam: %w", err)

@@ -186,7 +186,7 @@ func NewLamb(ctx context.Context, c comm.Comm, params []*optim.Param, cfg LambCo
 	o.f = optim.NewFrame(optim.FrameConfig{
 		Name: "onebit: 1-bit LAMB", Algorithm: optim.AlgorithmOnebitLamb, Comm: c,
 		Params: o.params, Sizes: o.mViews, LR: cfg.LR, Stage: optim.StageWarmup,
-		Logger: optim.ApplyOptions(opts).Logger, Averager: o.avg,
+		Logger: optim.ApplyOptions(opts).Logger, Averager: o.avg, Hypers: cfg.hypers(masks),
 	})
 	if w := o.f.World(); w > 1 {
 		if o.ef, err = NewState(total, w); err != nil {

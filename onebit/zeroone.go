@@ -181,7 +181,7 @@ func NewZeroOneAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg
 	o.f = optim.NewFrame(optim.FrameConfig{
 		Name: "onebit: 0/1 Adam", Algorithm: optim.AlgorithmZeroOneAdam, Comm: c,
 		Params: o.params, Sizes: o.m, LR: cfg.LR, Stage: optim.StagePhaseA,
-		Logger: optim.ApplyOptions(opts).Logger, Averager: o.avg,
+		Logger: optim.ApplyOptions(opts).Logger, Averager: o.avg, Hypers: cfg.hypers(masks),
 	})
 	sizes := make([]int, len(params))
 	for i, p := range params {

@@ -2,6 +2,7 @@ package optim
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -136,6 +137,9 @@ func FuzzCheckpointDecode(f *testing.F) {
 	f.Add(encode(f, sampleCheckpoint().ResetErrors())) // version 2, with flags
 	f.Add(encode(f, &Checkpoint{}))
 	f.Add([]byte(ckMagic))
+	f.Add(encode(f, &Checkpoint{Algorithm: "onebit-lamb", World: 2, Tensors: []Tensor{ // a dimension beyond 2^31-1
+		{Name: "worker_error", Shape: []int{0, math.MaxInt32 + 1}, Data: []float32{}},
+	}}))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var ck Checkpoint
 		if ck.UnmarshalBinary(b) != nil {
@@ -218,11 +222,9 @@ func TestSaveFileFailureKeepsPreviousCheckpoint(t *testing.T) {
 	next.Ints["step"] = 99
 	// The write dies halfway, as in a full disk or a crash.
 	boom := errors.New("disk full")
-	err = saveFile(path, next, func(w io.Writer, b []byte) error {
-		if _, err := w.Write(b[:len(b)/2]); err != nil {
-			return err
-		}
-		return boom
+	size := len(encode(t, next))
+	err = saveFile(path, next, func(w io.Writer) io.Writer {
+		return &failingWriter{w: w, left: size / 2, err: boom}
 	})
 	assert.ErrorIs(t, err, boom)
 	now, err := os.ReadFile(path)
@@ -388,4 +390,117 @@ func TestExactResumeIsBitIdentical(t *testing.T) {
 			})
 		}
 	}
+}
+
+// failingWriter passes left bytes on to w, then fails with err.
+type failingWriter struct {
+	w    io.Writer
+	left int
+	err  error
+}
+
+func (f *failingWriter) Write(p []byte) (int, error) {
+	if len(p) > f.left {
+		n, _ := f.w.Write(p[:f.left])
+		f.left = 0
+		return n, f.err
+	}
+	f.left -= len(p)
+	return f.w.Write(p)
+}
+
+// A dimension of 2^31 or more is written and read back (issue 25: the
+// decoder refused what the encoder wrote). A zero dimension keeps the data
+// empty, so nothing large is allocated.
+func TestCheckpointLargeDimensionsRoundTrip(t *testing.T) {
+	if math.MaxInt == math.MaxInt32 {
+		t.Skip("needs 64-bit ints")
+	}
+	big := 1 << 31
+	ck := &Checkpoint{Algorithm: "onebit-lamb", World: math.MaxInt32, Rank: math.MaxInt32 - 1, Tensors: []Tensor{
+		{Name: "param/a", Shape: []int{big, 0}, Data: []float32{}},
+		{Name: "param/b", Shape: []int{0, math.MaxInt}, Data: []float32{}},
+		{Name: "param/c", Shape: []int{1 << 40, 1 << 40, 0}, Data: []float32{}},
+	}}
+	b := encode(t, ck)
+	var back Checkpoint
+	require.NoError(t, back.UnmarshalBinary(b))
+	for i := range ck.Tensors {
+		assert.Equal(t, ck.Tensors[i].Shape, back.Tensors[i].Shape)
+	}
+	assert.Equal(t, b, encode(t, &back))
+	path := filepath.Join(t.TempDir(), "ck")
+	require.NoError(t, SaveFile(path, ck))
+	fromFile, err := LoadFile(path)
+	require.NoError(t, err)
+	assert.Equal(t, b, encode(t, fromFile))
+}
+
+// A header announcing a tensor of 2^31 elements (a 1-bit LAMB error buffer
+// of a model that large) is refused for its missing data, not for its
+// dimension: the decoder accepts the size the encoder writes.
+func TestCheckpointDecodeLargeTensorHeader(t *testing.T) {
+	if math.MaxInt == math.MaxInt32 {
+		t.Skip("needs 64-bit ints")
+	}
+	ck := &Checkpoint{Algorithm: "onebit-lamb", World: 2, Tensors: []Tensor{{Name: "worker_error", Shape: []int{2}, Data: []float32{1, 2}}}}
+	b := encode(t, ck)
+	numelOff := len(b) - 8 - 8
+	dimOff := numelOff - 8
+	c := append([]byte(nil), b...)
+	binary.LittleEndian.PutUint64(c[dimOff:], 1<<31)
+	binary.LittleEndian.PutUint64(c[numelOff:], 1<<31)
+	fixCRC(c)
+	var got Checkpoint
+	err := got.UnmarshalBinary(c)
+	require.ErrorIs(t, err, ErrCorruptCheckpoint)
+	assert.ErrorContains(t, err, "needs 8589934592 bytes of data")
+	assert.NotContains(t, err.Error(), "out of range")
+}
+
+// What the format cannot represent is refused when saving, and nothing is
+// written.
+func TestCheckpointMarshalRefusesUnrepresentable(t *testing.T) {
+	for name, ck := range map[string]*Checkpoint{
+		"shape overflows int":             {Tensors: []Tensor{{Name: "x", Shape: []int{1 << 32, 1 << 32}, Data: []float32{}}}},
+		"shape overflows int, three dims": {Tensors: []Tensor{{Name: "x", Shape: []int{math.MaxInt, 2, 1}, Data: []float32{}}}},
+		"negative dimension":              {Tensors: []Tensor{{Name: "x", Shape: []int{-1, 0}, Data: []float32{}}}},
+		"too many dimensions":             {Tensors: []Tensor{{Name: "x", Shape: make([]int, maxDims+1), Data: []float32{}}}},
+		"world size":                      {World: math.MaxInt32 + 1},
+		"negative rank":                   {World: 1, Rank: -1},
+	} {
+		_, err := ck.MarshalBinary()
+		assert.Error(t, err, name)
+		path := filepath.Join(t.TempDir(), "ck")
+		assert.Error(t, SaveFile(path, ck), name)
+		_, err = os.Stat(path)
+		assert.ErrorIs(t, err, os.ErrNotExist, name)
+	}
+	n, ok := numel([]int{math.MaxInt / 2, 3})
+	assert.False(t, ok, "overflowing product: %d", n)
+	n, ok = numel([]int{3, 0, math.MaxInt})
+	assert.True(t, ok)
+	assert.Zero(t, n)
+}
+
+// SaveFile streams: it writes the same bytes as MarshalBinary, and a
+// checkpoint that changes between the size check and the write is caught.
+func TestSaveFileStreamsTheEncoding(t *testing.T) {
+	ck := sampleCheckpoint()
+	big := make([]float32, 3*ckChunk+5)
+	for i := range big {
+		big[i] = float32(i) * 0.5
+	}
+	ck.AddTensor("param/big", []int{len(big)}, big)
+	path := filepath.Join(t.TempDir(), "ck")
+	require.NoError(t, SaveFile(path, ck))
+	raw, err := os.ReadFile(path)
+	require.NoError(t, err)
+	assert.Equal(t, encode(t, ck), raw)
+
+	l, err := ck.layout()
+	require.NoError(t, err)
+	ck.Ints["added"] = 1
+	_, err = ck.writePayload(io.Discard, l)
+	assert.ErrorContains(t, err, "changed while")
 }

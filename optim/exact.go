@@ -73,6 +73,7 @@ func newExact(name, algorithm string, c comm.Comm, params []*Param, adam AdamCon
 	e.Frame = NewFrame(FrameConfig{
 		Name: "optim: " + name, Algorithm: algorithm, Comm: c, Params: e.params, Sizes: e.m,
 		LR: adam.LR, Stage: StageExact, Logger: o.Logger, Averager: avg,
+		Hypers: AdamHypers(adam),
 	})
 	e.Handle(StageExact, e.update)
 	return e, nil

@@ -59,6 +59,10 @@ type FrameConfig struct {
 	// the load goes ahead, but the following steps round differently
 	// from the run that made the checkpoint).
 	Averager *GradAverager
+	// Hypers are the hyperparameters that decide the optimizer's steps,
+	// other than the learning rate (see Hyper): every checkpoint records
+	// them and CheckLoad refuses one made with other values.
+	Hypers []Hyper
 }
 
 // Frame is the part of an optimizer step that every lowbit optimizer
@@ -86,6 +90,7 @@ type Frame struct {
 	guard           FiniteGuard
 	avg             *GradAverager
 	closed          bool // Close was called: every later Step is refused
+	hypers          []Hyper
 
 	lr    float32  // the fixed learning rate
 	sched Schedule // overrides lr when not nil
@@ -112,6 +117,7 @@ func NewFrame(cfg FrameConfig) *Frame {
 		lr:        cfg.LR,
 		stage:     cfg.Stage,
 		avg:       cfg.Averager,
+		hypers:    slices.Clone(cfg.Hypers),
 	}
 	if f.log == nil {
 		f.log = zap.NewNop()
@@ -314,8 +320,9 @@ func (f *Frame) Schedule() Schedule { return f.sched }
 // Checkpoint returns a checkpoint holding the frame's part of the state:
 // algorithm, world size, rank, stage, the counters IntStep, IntSteps and
 // IntSkipped, the learning-rate entries FloatLR and IntLRSchedule, and
-// with an Averager its mode (IntGradReduce). The optimizer adds its
-// tensors and its own entries.
+// with an Averager its mode (IntGradReduce), and the hyperparameters of
+// FrameConfig.Hypers (HyperPrefix + name). The optimizer adds its tensors
+// and its own entries.
 func (f *Frame) Checkpoint() *Checkpoint {
 	ck := &Checkpoint{
 		Algorithm: f.algorithm,
@@ -331,6 +338,7 @@ func (f *Frame) Checkpoint() *Checkpoint {
 	if f.avg != nil {
 		ck.Ints[IntGradReduce] = int64(f.avg.Mode())
 	}
+	f.writeHypers(ck)
 	return ck
 }
 
@@ -345,6 +353,8 @@ type FrameState struct {
 	lr    float32
 	hasLR bool
 	mode  ReduceMode
+	// unchecked are the hyperparameters the checkpoint does not record.
+	unchecked []string
 }
 
 // CheckLoad checks, without changing anything, that ck can be loaded into
@@ -366,6 +376,14 @@ type FrameState struct {
 //
 // Reduction mode: an unknown IntGradReduce is refused; a known one that
 // differs from the Averager's is accepted, and Restore logs a warning.
+//
+// Hyperparameters (FrameConfig.Hypers): a checkpoint that records another
+// value for one of them, or records one the optimizer does not have, is
+// refused with an error naming it and both values. One that does not
+// record some of them (made before they were recorded) loads, the
+// optimizer keeps its own values for those, and Restore logs a warning
+// naming them. To change a hyperparameter on purpose when resuming,
+// delete its entry (HyperPrefix + name) from the checkpoint's Floats.
 func (f *Frame) CheckLoad(ck *Checkpoint, stages ...Stage) (FrameState, error) {
 	var st FrameState
 	if err := ck.CheckCompatible(f.algorithm, f.world, f.params); err != nil {
@@ -403,6 +421,9 @@ func (f *Frame) CheckLoad(ck *Checkpoint, stages ...Stage) (FrameState, error) {
 	if st.mode, err = modeOf(ck); err != nil {
 		return st, err
 	}
+	if st.unchecked, err = f.checkHypers(ck); err != nil {
+		return st, err
+	}
 	return st, nil
 }
 
@@ -418,6 +439,10 @@ func (f *Frame) Restore(st FrameState) {
 	}
 	f.log.Info("loaded checkpoint", zap.String("algorithm", f.algorithm),
 		zap.Int64("step", st.Step), zap.String("stage", string(st.Stage)))
+	if len(st.unchecked) > 0 {
+		f.log.Warn("loaded a checkpoint that does not record these hyperparameters: keeping this optimizer's values, unchecked",
+			zap.String("algorithm", f.algorithm), zap.Strings("hyperparameters", st.unchecked))
+	}
 	if f.avg != nil && st.mode != f.avg.Mode() {
 		f.log.Warn("loaded a checkpoint made with another gradient reduction mode: resuming is not bit-identical",
 			zap.String("algorithm", f.algorithm), zap.String("checkpoint_mode", st.mode.String()),

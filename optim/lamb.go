@@ -45,6 +45,7 @@ func NewLamb(ctx context.Context, c comm.Comm, params []*Param, cfg LambConfig, 
 		return nil, err
 	}
 	e.lamb = cfg
+	e.hypers = LambHypers(cfg) // the frame's, replacing newExact's AdamHypers
 	return &Lamb{e: e}, nil
 }
 

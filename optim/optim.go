@@ -3,9 +3,10 @@
 // step, the exact baselines (Adam/AdamW and LAMB, whose gradients are
 // averaged with an exact allreduce), and the checkpoint format.
 //
-// Checkpoints are per rank (SaveFile writes atomically, LoadFile refuses a
-// damaged file, Load refuses another algorithm, world size, rank or
-// shapes). To move training to a group of another size, ask for it
+// Checkpoints are per rank (SaveFile streams them to disk atomically,
+// LoadFile refuses a damaged file, Load refuses another algorithm, world
+// size, rank or shapes, and another value of any hyperparameter that
+// decides the next step: see Hyper). To move training to a group of another size, ask for it
 // explicitly with Checkpoint.ResetErrors: the copy it returns loads on any
 // group and restarts the error feedback from zero (IsErrorBuffer names the
 // buffers it drops).

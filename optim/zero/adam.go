@@ -182,7 +182,7 @@ func NewAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg Config
 	}
 	a.f = optim.NewFrame(optim.FrameConfig{
 		Name: "zero: Adam", Algorithm: Algorithm, Comm: c, Params: a.params, Sizes: a.sizes,
-		LR: cfg.LR, Stage: optim.StageExact, Logger: o.Logger,
+		LR: cfg.LR, Stage: optim.StageExact, Logger: o.Logger, Hypers: optim.AdamHypers(cfg.AdamConfig),
 	})
 	a.f.Handle(optim.StageExact, a.update)
 	return a, nil
