@@ -135,10 +135,10 @@ type CheckSkipper interface {
 	SkipChecks(n int)
 }
 
-// SkipChecks calls c.SkipChecks(n) when c implements CheckSkipper and does
-// nothing otherwise.
+// SkipChecks calls SkipChecks(n) on the CheckSkipper that As finds in c
+// (through any wrappers) and does nothing when there is none.
 func SkipChecks(c Comm, n int) {
-	if s, ok := c.(CheckSkipper); ok {
+	if s, ok := As[CheckSkipper](c); ok {
 		s.SkipChecks(n)
 	}
 }
@@ -156,11 +156,12 @@ type Concurrent interface {
 }
 
 // CanOverlap reports whether collectives on every one of cs may run at the
-// same time as collectives on the others: each implements Concurrent and
-// says so. A communicator that does not implement it may not.
+// same time as collectives on the others: each implements Concurrent, or
+// wraps one that does (see As), and says so. A communicator that does not
+// may not.
 func CanOverlap(cs ...Comm) bool {
 	for _, c := range cs {
-		k, ok := c.(Concurrent)
+		k, ok := As[Concurrent](c)
 		if !ok || !k.Concurrent() {
 			return false
 		}

@@ -12,7 +12,11 @@ import (
 type NodeSplitter interface {
 	// SplitNode returns a communicator of the ranks that share this rank's
 	// node, ordered by their rank in this communicator. Every rank of the
-	// group must call it.
+	// group must call it. A wrapper (see Wrapper) whose wrapped
+	// communicator cannot tell returns an error wrapping
+	// errors.ErrUnsupported, on every rank, without communicating; callers
+	// then take each rank to be a node of its own, as for a communicator
+	// that does not implement NodeSplitter.
 	SplitNode(ctx context.Context) (Comm, error)
 }
 
@@ -40,8 +44,8 @@ type Layout struct {
 // With ranksPerNode > 0 the layout is explicit: ranks [0, k) are node 0,
 // [k, 2k) node 1, and so on. This is how tests and benchmarks lay out
 // several "machines" on one. With ranksPerNode == 0 the backend says which
-// ranks share a machine (c must implement NodeSplitter; a communicator that
-// does not is taken to be one rank per node). Every node must hold the same
+// ranks share a machine (the NodeSplitter that As finds in c; a
+// communicator without one is taken to be one rank per node). Every node must hold the same
 // number of ranks, and the ranks of a node must be consecutive (node-major),
 // as mpirun's default --map-by core places them.
 //
@@ -69,12 +73,18 @@ func NewLayout(ctx context.Context, c Comm, ranksPerNode int) (*Layout, error) {
 	rpn := ranksPerNode
 	var intra Comm
 	if rpn == 0 {
-		if ns, ok := c.(NodeSplitter); !ok {
-			rpn = 1
-		} else {
-			if intra, err = ns.SplitNode(ctx); err != nil {
+		ns, ok := As[NodeSplitter](c)
+		if ok {
+			intra, err = ns.SplitNode(ctx)
+			if errors.Is(err, errors.ErrUnsupported) {
+				ok = false
+			} else if err != nil {
 				return nil, fmt.Errorf("comm: layout: %w", err)
 			}
+		}
+		if !ok {
+			rpn = 1
+		} else {
 			rpn = intra.Size()
 			// Second agreement: the nodes the backend found must be of
 			// one size and node-major.

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"sync/atomic"
 	"time"
 
@@ -11,8 +13,12 @@ import (
 // timedComm is a comm.Comm that adds the wall time of every collective call
 // to a counter, so the training loop can split the time an optimizer spends
 // in Step into communication (inside collectives) and the rest
-// (compression and the update). Communicators made by Split share the
-// counter.
+// (compression and the update). Communicators made by Split and SplitNode
+// share the counter.
+//
+// It keeps the capabilities of the communicator it wraps (the argument
+// check the 1-bit allreduce skips, the node layout, overlapping
+// collectives) by implementing comm.Wrapper: comm.As finds them through it.
 type timedComm struct {
 	comm.Comm
 	ns *atomic.Int64
@@ -81,4 +87,30 @@ func (t *timedComm) Split(ctx context.Context, color, key int) (comm.Comm, error
 	return &timedComm{Comm: c, ns: t.ns}, nil
 }
 
-var _ comm.Comm = (*timedComm)(nil)
+// Unwrap returns the wrapped communicator (comm.Wrapper): every call of
+// timedComm is one call of it.
+func (t *timedComm) Unwrap() comm.Comm { return t.Comm }
+
+// SplitNode splits off the ranks of this rank's node through the wrapped
+// communicator's comm.NodeSplitter, timed like Split, and wraps the result
+// so its calls are counted too. Without one it returns
+// errors.ErrUnsupported (the layout then takes one rank per node, as it
+// would for the wrapped communicator).
+func (t *timedComm) SplitNode(ctx context.Context) (comm.Comm, error) {
+	ns, ok := comm.As[comm.NodeSplitter](t.Comm)
+	if !ok {
+		return nil, fmt.Errorf("mnist: timed communicator: node split: %w", errors.ErrUnsupported)
+	}
+	defer t.since(time.Now())
+	c, err := ns.SplitNode(ctx)
+	if c == nil || err != nil {
+		return c, err
+	}
+	return &timedComm{Comm: c, ns: t.ns}, nil
+}
+
+var (
+	_ comm.Comm         = (*timedComm)(nil)
+	_ comm.Wrapper      = (*timedComm)(nil)
+	_ comm.NodeSplitter = (*timedComm)(nil)
+)
