@@ -25,7 +25,8 @@ import (
 //  3. widen and sum them in float32, in ascending rank order, divide by W;
 //  4. narrow that mean and all-gather the chunks; widen into the buffer.
 //
-// The partial sums are float32: unlike NCCL's half-precision allreduce,
+// The partial sums are float32 (an element whose bfloat16 sum overflows
+// float32 while its mean does not is summed again in float64): unlike NCCL's half-precision allreduce,
 // which adds in 16 bits at every hop of its ring, the only roundings are
 // the two narrowings (each rank's input, then the mean), so the error does
 // not grow with W. The result is identical on every rank.
@@ -195,6 +196,9 @@ func (d *DownCast) AllReduce(ctx context.Context, c comm.Comm, buf []float32) er
 			for i := range acc {
 				acc[i] /= fw
 			}
+			if f == BF16 {
+				resumWide(acc, recv[dcHeader+off:], stride, w)
+			}
 		}
 		Narrow(f, gsend[off:], acc) // |mean| <= max |input|: nothing new overflows
 	}
@@ -213,6 +217,27 @@ func (d *DownCast) AllReduce(ctx context.Context, c comm.Comm, buf []float32) er
 	d.stats.Convert += time.Since(t4)
 	d.stats.Calls++
 	return nil
+}
+
+// resumWide redoes in float64 the means in acc that came out ±Inf from
+// the float32 sum of w bfloat16 inputs (rank j's at src[j*stride+i]).
+// BF16 holds values up to float32's largest, so a float32 sum of finite
+// inputs can overflow where their mean cannot (4 ranks x 2e38): those
+// elements get the mean of the float64 sum, rounded once to float32. An
+// element with an infinite input stays infinite, as in float32; every
+// other element keeps the bits of the float32 sum. It costs one scan of
+// acc when nothing overflowed.
+func resumWide(acc []float32, src []uint16, stride, w int) {
+	for i, v := range acc {
+		if !math.IsInf(float64(v), 0) {
+			continue
+		}
+		var s float64
+		for j := range w {
+			s += float64(math.Float32frombits(uint32(src[j*stride+i]) << 16))
+		}
+		acc[i] = float32(s / float64(w))
+	}
 }
 
 // grow makes the buffers hold w chunks of chunk elements; they only grow.

@@ -241,3 +241,47 @@ func TestDownCastAllocs(t *testing.T) {
 		assert.Positive(t, st.Comm)
 	}
 }
+
+// TestDownCastBF16SumOverflow: bfloat16 holds values up to float32's
+// largest, so the float32 sum of a chunk can overflow where the mean of
+// the ranks' values is representable (4 ranks x 2e38). Such elements are
+// summed again in float64: the mean comes out finite, with nothing counted
+// as overflow; an infinite input still gives an infinite mean.
+func TestDownCastBF16SumOverflow(t *testing.T) {
+	inf := float32(math.Inf(1))
+	inputs := [][]float32{
+		{2e38, 3e38, 3e38, 1, inf, -3e38},
+		{2e38, 3e38, 3e38, 2, 3e38, -3e38},
+		{2e38, -3e38, 3e38, 3, 3e38, -3e38},
+		{2e38, 1, 3e38, 4, 3e38, -3e38},
+	}
+	// The float64 mean of the bfloat16 values, narrowed once more.
+	want := make([]float32, len(inputs[0]))
+	for i := range want {
+		var s float64
+		for _, in := range inputs {
+			s += float64(bf16ToF32(f32ToBF16(in[i])))
+		}
+		want[i] = bf16ToF32(f32ToBF16(float32(s / float64(len(inputs)))))
+	}
+	outs := make([][]float32, len(inputs))
+	overflow := make([]int64, len(inputs))
+	err := local.Run(ctxT(t), len(inputs), func(ctx context.Context, c comm.Comm) error {
+		d := NewDownCast(BF16)
+		buf := append([]float32(nil), inputs[c.Rank()]...)
+		err := d.AllReduce(ctx, c, buf)
+		outs[c.Rank()], overflow[c.Rank()] = buf, d.Stats().Overflow
+		return err
+	})
+	require.NoError(t, err)
+	for r, out := range outs {
+		assert.Equal(t, want, out, "rank %d", r)
+		for i := range 4 {
+			assert.False(t, math.IsInf(float64(out[i]), 0), "rank %d element %d: a representable mean became Inf", r, i)
+		}
+		assert.Equal(t, float32(2.5), out[3], "an ordinary element keeps the float32 sum")
+		assert.Equal(t, inf, out[4], "an infinite input stays infinite")
+		assert.Equal(t, bf16ToF32(f32ToBF16(-3e38)), out[5], "the negative side too")
+	}
+	assert.Equal(t, []int64{0, 0, 0, 0}, overflow)
+}
