@@ -121,7 +121,9 @@ func BenchmarkDownCast(b *testing.B) {
 			for r := range ds {
 				ds[r] = NewDownCast(f)
 			}
-			run(b, func(ctx context.Context, c comm.Comm, buf []float32) error { return ds[c.Rank()].AllReduce(ctx, c, buf) })
+			run(b, func(ctx context.Context, c comm.Comm, buf []float32) error {
+				return ds[c.Rank()].AllReduce(ctx, c, buf)
+			})
 		})
 	}
 }
