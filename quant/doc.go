@@ -12,9 +12,15 @@
 // collectives that down-cast to them live beside them.
 //
 // Every collective here returns the mean over ranks, takes a
-// context.Context, allocates its buffers once at construction and reports
-// bad input (mismatched sizes across ranks, a bad configuration) as an
-// error on every rank, never as a hang or a panic.
+// context.Context, and reports bad input (mismatched sizes across ranks, a
+// bad configuration) as an error on every rank, never as a hang or a
+// panic. Its buffers are allocated at construction (QGZ, Coalesced) or
+// grown on the first call at a given size (DownCast, TwoLevel); after that
+// a call allocates nothing (the tests check each with
+// testing.AllocsPerRun). The conversion kernels are plain functions, not
+// collectives: Narrow and Widen panic on an invalid Format, as an index
+// out of range would (Format.Valid checks one first), and convert
+// min(len(dst), len(src)) elements, like copy.
 //
 // The kernels have a fast path (AVX2 assembly on amd64) and a portable Go
 // path (build tag purego, or any other architecture) that give identical
