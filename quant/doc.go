@@ -16,8 +16,10 @@
 // bad configuration) as an error on every rank, never as a hang or a
 // panic. Its buffers are allocated at construction (QGZ, Coalesced) or
 // grown on the first call at a given size (DownCast, TwoLevel); after that
-// a call allocates nothing (the tests check each with
-// testing.AllocsPerRun). The conversion kernels are plain functions, not
+// a call allocates nothing, except that TwoLevel's pipelined allreduce
+// starts its second goroutine with a cancellable context on every call (4
+// small objects, whatever the size). The tests check each with
+// testing.AllocsPerRun. The conversion kernels are plain functions, not
 // collectives: Narrow and Widen panic on an invalid Format, as an index
 // out of range would (Format.Valid checks one first), and convert
 // min(len(dst), len(src)) elements, like copy.

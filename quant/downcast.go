@@ -149,8 +149,10 @@ func (d *DownCast) AllReduce(ctx context.Context, c comm.Comm, buf []float32) er
 	}
 	if ov > 0 {
 		d.stats.Overflow += int64(ov)
-		d.log.Warn("quant: down-cast allreduce: finite values beyond the format's range went on the wire as Inf",
-			zap.Stringer("format", f), zap.Int("overflow", ov), zap.Int("elements", n), zap.Int("rank", c.Rank()))
+		// Check first: the fields would allocate even for the no-op logger.
+		if ce := d.log.Check(zap.WarnLevel, "quant: down-cast allreduce: finite values beyond the format's range went on the wire as Inf"); ce != nil {
+			ce.Write(zap.Stringer("format", f), zap.Int("overflow", ov), zap.Int("elements", n), zap.Int("rank", c.Rank()))
+		}
 	}
 
 	// 2. All-to-all; every rank checks every rank's n.

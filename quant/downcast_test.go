@@ -209,6 +209,10 @@ func TestDownCastBadInput(t *testing.T) {
 	assert.Error(t, err)
 }
 
+// TestDownCastAllocs: after the first call a call allocates nothing, also
+// when inputs overflow the format (the warning goes to the default no-op
+// logger) and when a bfloat16 sum overflows float32 (the float64 re-sum).
+// Every call starts from the same inputs, since the mean replaces them.
 func TestDownCastAllocs(t *testing.T) {
 	const w, n = 3, 10000
 	for _, f := range []Format{FP16, BF16} {
@@ -216,27 +220,37 @@ func TestDownCastAllocs(t *testing.T) {
 		require.NoError(t, err)
 		ctx := ctxT(t)
 		ds := make([]*DownCast, w)
-		bufs := make([][]float32, w)
+		srcs, bufs := make([][]float32, w), make([][]float32, w)
 		for r := range ds {
 			ds[r] = NewDownCast(f)
-			bufs[r] = randInput(r, n)
+			srcs[r] = randInput(r, n)
+			srcs[r][0] = 1e6             // beyond fp16's range
+			srcs[r][1] = 3e38            // a bfloat16 sum over float32's range
+			srcs[r][2] = math.MaxFloat32 // beyond bfloat16's range
+			bufs[r] = make([]float32, n)
+		}
+		call := func(r int) {
+			copy(bufs[r], srcs[r])
+			_ = ds[r].AllReduce(ctx, cs[r], bufs[r])
 		}
 		done := make(chan struct{}, w)
 		for r := 1; r < w; r++ {
 			go func() {
 				defer func() { done <- struct{}{} }()
 				for range 101 {
-					_ = ds[r].AllReduce(ctx, cs[r], bufs[r])
+					call(r)
 				}
 			}()
 		}
-		allocs := testing.AllocsPerRun(100, func() { _ = ds[0].AllReduce(ctx, cs[0], bufs[0]) })
+		allocs := testing.AllocsPerRun(100, func() { call(0) })
 		for r := 1; r < w; r++ {
 			<-done
 		}
 		assert.Zero(t, allocs, "%s", f)
 		st := ds[0].Stats()
 		assert.EqualValues(t, 101, st.Calls)
+		assert.Positive(t, st.Overflow, "%s: the overflow path ran", f)
+		assert.False(t, f == BF16 && math.IsInf(float64(bufs[0][1]), 0), "bf16: the float64 re-sum ran")
 		assert.Positive(t, st.Convert)
 		assert.Positive(t, st.Comm)
 	}

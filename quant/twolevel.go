@@ -56,8 +56,10 @@ import (
 // that lengths that differ across ranks, or that do not fit the group, are
 // the same clear error on every rank. A TwoLevel keeps its buffers between
 // calls: after the first call at a given size a call allocates nothing
-// (on comm/local) but a pipelined allreduce's goroutine, context and
-// channels. It is used by one goroutine at a time.
+// (on comm/local), except that a pipelined allreduce allocates its second
+// goroutine and a cancellable context on every call: a few small objects
+// (4 on Go 1.26), whatever the tensor's size. It is used by one goroutine
+// at a time.
 type TwoLevel struct {
 	l    *comm.Layout
 	d, m int // ranks per machine, machines
@@ -424,7 +426,20 @@ func (t *TwoLevel) pipePieces(k int) int {
 type pipeBufs struct {
 	nodeSend, nodeRecv []float32 // [D, M, piece]
 	railSend, railRecv []float32 // [M, piece]
+
+	// reduced carries the pieces of part the node has summed, gathered
+	// those the rail has filled back, railErr the rail's result. They are
+	// empty between calls; a failed call drops them (it may leave pieces
+	// in them) and the next call makes new ones.
+	reduced, gathered chan int
+	railErr           chan error
 }
+
+// span cuts slices of k elements into pieces of piece elements.
+type span struct{ piece, k int }
+
+// bounds returns the range [lo, hi) of piece q.
+func (s span) bounds(q int) (lo, hi int) { return q * s.piece, min((q+1)*s.piece, s.k) }
 
 // pipelined is AllReduce's reduce-scatter and all-gathers on perm ([D, M,
 // K]) with the slices cut into p pieces along K, so that the node's and the
@@ -446,27 +461,34 @@ func (t *TwoLevel) pipelined(ctx context.Context, perm []float32, k, p int) erro
 	if cap(pb.railSend) < m*piece {
 		pb.railSend, pb.railRecv = make([]float32, m*piece), make([]float32, m*piece)
 	}
+	if cap(pb.reduced) < p {
+		pb.reduced, pb.gathered = make(chan int, p), make(chan int, p)
+	}
+	if pb.railErr == nil {
+		pb.railErr = make(chan error, 1)
+	}
 	part := t.part[:m*k]
-	bounds := func(q int) (int, int) { return q * piece, min((q+1)*piece, k) }
+	sp := span{piece: piece, k: k}
+	reduced, gathered, railErr := pb.reduced, pb.gathered, pb.railErr
 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	reduced := make(chan int, p)  // pieces of part the node has summed
-	gathered := make(chan int, p) // pieces of part the rail has filled back
-	railErr := make(chan error, 1)
 	go func() {
-		err := t.railSteps(ctx, part, k, p, bounds, reduced, gathered)
+		err := t.railSteps(ctx, part, p, sp, reduced, gathered)
 		if err != nil {
 			cancel()
 		}
 		railErr <- err
 	}()
-	err := t.nodeSteps(ctx, perm, part, k, p, bounds, reduced, gathered)
+	err := t.nodeSteps(ctx, perm, part, p, sp, reduced, gathered)
 	if err != nil {
 		cancel()
 	}
 	if rerr := <-railErr; err == nil || errors.Is(err, context.Canceled) && rerr != nil {
 		err = rerr
+	}
+	if err != nil {
+		pb.reduced, pb.gathered = nil, nil
 	}
 	return err
 }
@@ -474,12 +496,12 @@ func (t *TwoLevel) pipelined(ctx context.Context, perm []float32, k, p int) erro
 // nodeSteps is the node's half of pipelined: for every piece the node
 // all-to-all and the sum of this rank's slices into part, then for every
 // piece the rail has filled back the node all-gather into perm.
-func (t *TwoLevel) nodeSteps(ctx context.Context, perm, part []float32, k, p int,
-	bounds func(int) (int, int), reduced chan<- int, gathered <-chan int) error {
-	d, m := t.d, t.m
+func (t *TwoLevel) nodeSteps(ctx context.Context, perm, part []float32, p int,
+	sp span, reduced chan<- int, gathered <-chan int) error {
+	d, m, k := t.d, t.m, sp.k
 	pb := &t.pipe
 	for q := range p {
-		lo, hi := bounds(q)
+		lo, hi := sp.bounds(q)
 		n := hi - lo
 		send, recv := pb.nodeSend[:d*m*n], pb.nodeRecv[:d*m*n]
 		pieceOf(send, perm, d*m, k, lo, hi) // slice [dd][mm] goes to local rank dd
@@ -500,7 +522,7 @@ func (t *TwoLevel) nodeSteps(ctx context.Context, perm, part []float32, k, p int
 		if err != nil {
 			return err
 		}
-		lo, hi := bounds(q)
+		lo, hi := sp.bounds(q)
 		n := hi - lo
 		send, recv := pb.nodeSend[:m*n], pb.nodeRecv[:d*m*n]
 		pieceOf(send, part, m, k, lo, hi)
@@ -515,9 +537,9 @@ func (t *TwoLevel) nodeSteps(ctx context.Context, perm, part []float32, k, p int
 // railSteps is the rail's half of pipelined: for every piece the node has
 // summed, the rail all-to-all, the sum in ascending machine order and the
 // mean, the rail all-gather back into part.
-func (t *TwoLevel) railSteps(ctx context.Context, part []float32, k, p int,
-	bounds func(int) (int, int), reduced <-chan int, gathered chan<- int) error {
-	m := t.m
+func (t *TwoLevel) railSteps(ctx context.Context, part []float32, p int,
+	sp span, reduced <-chan int, gathered chan<- int) error {
+	m, k := t.m, sp.k
 	w := float32(t.d * m)
 	pb := &t.pipe
 	for range p {
@@ -525,7 +547,7 @@ func (t *TwoLevel) railSteps(ctx context.Context, part []float32, k, p int,
 		if err != nil {
 			return err
 		}
-		lo, hi := bounds(q)
+		lo, hi := sp.bounds(q)
 		n := hi - lo
 		send, recv := pb.railSend[:m*n], pb.railRecv[:m*n]
 		pieceOf(send, part, m, k, lo, hi)
