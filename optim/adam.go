@@ -50,7 +50,7 @@ func NewAdam(ctx context.Context, c comm.Comm, params []*Param, cfg AdamConfig, 
 }
 
 // Step applies one update; see Optimizer.
-func (a *Adam) Step(ctx context.Context) error { return a.e.step(ctx) }
+func (a *Adam) Step(ctx context.Context) error { return a.e.Step(ctx) }
 
 // Params returns the parameters in construction order.
 func (a *Adam) Params() []*Param { return a.e.params }

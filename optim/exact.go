@@ -38,7 +38,6 @@ type exact struct {
 	m, v    [][]float32
 	scratch []float32 // LAMB's update, as long as the largest parameter
 	avg     *GradAverager
-	name    string // "Adam" or "LAMB"
 }
 
 // newExact returns the engine of the optimizer called name ("Adam" or
@@ -49,7 +48,6 @@ func newExact(name, algorithm string, c comm.Comm, params []*Param, adam AdamCon
 	}
 	o := ApplyOptions(opts)
 	e := &exact{
-		name:      name,
 		algorithm: algorithm,
 		params:    append([]*Param(nil), params...),
 		adam:      adam,
@@ -100,9 +98,6 @@ func checkSizes(params []*Param, bufs [][]float32) error {
 	}
 	return nil
 }
-
-// step is Step (the Frame refuses it after close).
-func (e *exact) step(ctx context.Context) error { return e.Step(ctx) }
 
 // close releases the averager's communicators; step fails afterwards.
 func (e *exact) close() error {

@@ -50,7 +50,7 @@ func NewLamb(ctx context.Context, c comm.Comm, params []*Param, cfg LambConfig, 
 }
 
 // Step applies one update; see Optimizer.
-func (l *Lamb) Step(ctx context.Context) error { return l.e.step(ctx) }
+func (l *Lamb) Step(ctx context.Context) error { return l.e.Step(ctx) }
 
 // Params returns the parameters in construction order.
 func (l *Lamb) Params() []*Param { return l.e.params }
