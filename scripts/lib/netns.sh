@@ -1,0 +1,205 @@
+# shellcheck shell=bash
+# scripts/lib/netns.sh: the shaped-network harness every script of lowbit
+# that needs a slow or lossy network sources (bench-net, bench-twolevel,
+# demo-net, plan-calibrate, soak). It creates network namespaces (one, or
+# two joined by a veth pair), shapes or impairs their links with tc (a tbf
+# token bucket, netem), runs commands inside them in the background so that
+# a signal is handled at once, and always cleans up: on every exit, also on
+# failure or interruption, it kills what still runs in its namespaces,
+# deletes them and removes its temporary directory.
+#
+# Use:
+#
+#	. "$(dirname "$0")/lib/netns.sh"
+#	netns_init demo-net                  # message prefix; traps; $NETNS_TMP
+#	netns_require_root "it creates a network namespace and a tc qdisc"
+#	netns_require_mpi headers            # mpirun (and libopenmpi-dev)
+#	netns_new ns demo                    # ns=lowbit-demo-PID-N, lo up
+#	netns_shape "$ns" lo 1gbit           # tbf rate 1gbit burst 256kb latency 50ms
+#	netns_run ip netns exec "$ns" "${NETNS_MPIRUN[@]}" -np 4 "${NETNS_MPI_LO[@]}" prog
+#	netns_del "$ns"                      # or leave it to the exit trap
+#
+# Every function reports a failure as "PREFIX: message" on stderr; the
+# netns_require_* functions and netns_new exit 1 on failure. Needs bash,
+# ip and tc from iproute2.
+
+# NETNS_MPIRUN is mpirun as every script starts it: as root, more ranks
+# than cores, not bound to cores, and waiting ranks yielding the CPU
+# (mpi_yield_when_idle), since spinning ranks would otherwise steal it from
+# computing ones on a small machine.
+NETNS_MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
+
+# NETNS_MPI_LO makes Open MPI's ranks talk over TCP on the loopback only,
+# so that a qdisc on lo sees (and shapes) all of their traffic.
+NETNS_MPI_LO=(--mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo)
+
+# NETNS_TBF is the token bucket's burst and latency (bench.md,
+# "Bandwidth-limited runs"); netns_shape adds the rate.
+NETNS_TBF=${NETNS_TBF:-burst 256kb latency 50ms}
+
+_netns_prefix=lowbit
+_netns_list=()
+_netns_child=
+_netns_seq=0
+NETNS_TMP=
+
+# netns_die MESSAGE prints "PREFIX: MESSAGE" on stderr and exits 1.
+netns_die() {
+	echo "$_netns_prefix: $*" >&2
+	exit 1
+}
+
+# netns_init PREFIX sets the message prefix, makes the temporary directory
+# NETNS_TMP and installs the traps: EXIT cleans up; INT and TERM stop the
+# running child (netns_run) and exit 130 and 143.
+netns_init() {
+	_netns_prefix=$1
+	NETNS_TMP=$(mktemp -d "${TMPDIR:-/tmp}/lowbit-$1.XXXXXX")
+	trap netns_cleanup EXIT
+	trap '_netns_signal 130' INT
+	trap '_netns_signal 143' TERM
+}
+
+# netns_require_root WHY exits unless the script runs as root.
+netns_require_root() {
+	[ "$(id -u)" -eq 0 ] || netns_die "cannot run: needs root: $1 (run it with sudo)"
+	local tool
+	for tool in ip tc timeout; do
+		command -v "$tool" >/dev/null ||
+			netns_die "cannot run: $tool not found; install iproute2 and coreutils (Debian: apt-get install -y iproute2)"
+	done
+}
+
+# netns_require_mpi [headers] exits unless mpirun is installed and, with
+# the argument headers, the Open MPI headers a -tags mpi build needs.
+netns_require_mpi() {
+	command -v mpirun >/dev/null ||
+		netns_die "cannot run: mpirun not found; install Open MPI (Debian: apt-get install -y openmpi-bin libopenmpi-dev)"
+	if [ "${1:-}" = headers ]; then
+		pkg-config --exists ompi-c 2>/dev/null ||
+			netns_die "cannot run: Open MPI headers not found (pkg-config ompi-c), needed to build with -tags mpi; install libopenmpi-dev"
+	fi
+}
+
+# netns_new VAR TAG creates the namespace lowbit-TAG-PID-N, brings its
+# loopback up, registers it for clean-up and stores its name in VAR.
+netns_new() {
+	local var=$1 tag=$2 name
+	_netns_seq=$((_netns_seq + 1))
+	name="lowbit-$tag-$$-$_netns_seq"
+	# Registered first, so that a signal between the two lines still
+	# removes it.
+	_netns_list+=("$name")
+	ip netns add "$name" || netns_die "cannot run: could not create network namespace $name (ip netns add needs CAP_SYS_ADMIN)"
+	ip -n "$name" link set lo up
+	printf -v "$var" '%s' "$name"
+}
+
+# netns_shape NS DEV RATE puts a token bucket of RATE (tc's units: 1gbit,
+# 100mbit) on DEV's egress in NS, replacing its root qdisc.
+netns_shape() {
+	tc -n "$1" qdisc replace dev "$2" root tbf rate "$3" $NETNS_TBF ||
+		netns_die "cannot run: tc could not shape $2 to $3 in $1 (tc's message above; a kernel without sch_tbf fails here too)"
+}
+
+# netns_impair NS DEV NETEM... puts netem with the given impairment (e.g.
+# loss 1% delay 5ms 2ms reorder 10%) on DEV's egress in NS, replacing its
+# root qdisc. netem's own rate option shapes too: "rate 1gbit loss 1%".
+#
+# A kernel built without sch_netem (some cloud and VM kernels) cannot
+# delay or reorder. There the loss alone is applied, by iptables dropping
+# that share of the packets DEV receives (the statistic match), and a line
+# on stderr says what was left out; NETNS_IMPAIRED tells the caller what
+# was applied ("netem ..." or "iptables loss X%").
+NETNS_IMPAIRED=
+netns_impair() {
+	local ns=$1 dev=$2
+	shift 2
+	if tc -n "$ns" qdisc replace dev "$dev" root netem "$@" 2>/dev/null; then
+		NETNS_IMPAIRED="netem $*"
+		return 0
+	fi
+	local loss="" prev=""
+	local a
+	for a in "$@"; do
+		[ "$prev" != loss ] || loss=${a%\%}
+		prev=$a
+	done
+	if [ -z "$loss" ]; then
+		netns_die "cannot run: tc could not apply netem $* on $dev in $ns: this kernel has no sch_netem, and the impairment has no loss to apply another way"
+	fi
+	command -v iptables >/dev/null ||
+		netns_die "cannot run: this kernel has no sch_netem; the loss fallback needs iptables (Debian: apt-get install -y iptables)"
+	local p
+	p=$(awk -v l="$loss" 'BEGIN { printf "%.6f", l / 100 }')
+	ip netns exec "$ns" iptables -A INPUT -i "$dev" -m statistic --mode random --probability "$p" -j DROP ||
+		netns_die "cannot run: iptables could not drop $loss% of the packets on $dev in $ns (its message above)"
+	NETNS_IMPAIRED="iptables loss $loss%"
+	echo "$_netns_prefix: this kernel has no sch_netem: applying only the loss ($loss% of packets dropped on $dev by iptables); not applied: netem $*" >&2
+}
+
+# netns_join NSA DEVA ADDRA NSB DEVB ADDRB joins two namespaces with a
+# veth pair: DEVA in NSA with address ADDRA (CIDR), DEVB in NSB with ADDRB.
+netns_join() {
+	ip -n "$1" link add "$2" type veth peer name "$5" netns "$4" ||
+		netns_die "cannot run: could not create the veth pair $2/$5"
+	ip -n "$1" addr add "$3" dev "$2"
+	ip -n "$4" addr add "$6" dev "$5"
+	ip -n "$1" link set "$2" up
+	ip -n "$4" link set "$5" up
+}
+
+# netns_sent NS DEV prints the bytes DEV's root qdisc in NS has passed.
+netns_sent() {
+	tc -n "$1" -s qdisc show dev "$2" | awk '/^qdisc/ { q = NR == 1 } /Sent/ && q { print $2; exit }'
+}
+
+# netns_run CMD... runs CMD in the background and waits for it, so that
+# INT and TERM are handled at once (the handler stops CMD); it returns
+# CMD's exit status.
+netns_run() {
+	local rc=0
+	"$@" &
+	_netns_child=$!
+	wait "$_netns_child" || rc=$?
+	_netns_child=
+	return "$rc"
+}
+
+# netns_del NS kills what still runs in NS (a rank or daemon that outlived
+# an interrupted run), deletes NS and forgets it. Deleting one already gone
+# is not an error.
+netns_del() {
+	local ns=$1 pids i
+	if [ -e "/run/netns/$ns" ]; then
+		pids=$(ip netns pids "$ns" 2>/dev/null || true)
+		if [ -n "$pids" ]; then
+			# shellcheck disable=SC2086 # a list of pids
+			kill -KILL $pids 2>/dev/null || true
+		fi
+		ip netns del "$ns" 2>/dev/null ||
+			echo "$_netns_prefix: could not delete network namespace $ns (ip netns del $ns)" >&2
+	fi
+	for i in "${!_netns_list[@]}"; do
+		[ "${_netns_list[$i]}" != "$ns" ] || unset '_netns_list[i]'
+	done
+}
+
+# netns_cleanup deletes every namespace netns_new made and the temporary
+# directory; the EXIT trap calls it.
+netns_cleanup() {
+	local ns
+	for ns in "${_netns_list[@]}"; do
+		netns_del "$ns"
+	done
+	[ -z "$NETNS_TMP" ] || rm -rf "$NETNS_TMP"
+}
+
+_netns_signal() {
+	echo "$_netns_prefix: interrupted; stopping the run and removing the namespaces" >&2
+	if [ -n "$_netns_child" ]; then
+		kill -TERM "$_netns_child" 2>/dev/null || true
+		wait "$_netns_child" 2>/dev/null || true
+	fi
+	exit "$1"
+}
