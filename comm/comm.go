@@ -22,6 +22,10 @@
 // Either way the communicator is broken afterwards: every later call returns
 // ErrAborted, and the caller makes a new one.
 //
+// A nil context is treated as context.Background() by both backends (and by
+// every algorithm built on them), rather than refused: refusing it on the one
+// rank that passed it would leave its peers waiting under comm/mpi.
+//
 // Buffers whose lengths differ across ranks are detected and reported, with
 // both lengths, on every rank (see MismatchError).
 package comm

@@ -145,6 +145,9 @@ func (t *TwoLevel) Stats() TwoLevelStats {
 // same lengths (anything else is an error on every rank). send is not
 // modified.
 func (t *TwoLevel) ReduceScatter(ctx context.Context, send, recv []float32) error {
+	if ctx == nil {
+		ctx = context.Background() // comm's rule for a nil context
+	}
 	k := len(recv)
 	if err := t.agree(ctx, 1, len(send), len(recv)); err != nil {
 		return err
@@ -169,6 +172,9 @@ func (t *TwoLevel) ReduceScatter(ctx context.Context, send, recv []float32) erro
 // on every rank); a length that is not a multiple of W is padded with
 // zeros inside.
 func (t *TwoLevel) AllReduce(ctx context.Context, buf []float32) error {
+	if ctx == nil {
+		ctx = context.Background() // comm's rule for a nil context
+	}
 	w := t.d * t.m
 	n := len(buf)
 	if err := t.agree(ctx, 2, n, 0); err != nil {
@@ -361,9 +367,6 @@ func (t *TwoLevel) agree(ctx context.Context, call, a, b int) error {
 	name := "reduce-scatter"
 	if call == 2 {
 		name = "allreduce"
-	}
-	if ctx == nil {
-		return fmt.Errorf("quant: two-level %s: nil context", name)
 	}
 	binary.LittleEndian.PutUint64(t.hdr[0:], uint64(call))
 	binary.LittleEndian.PutUint64(t.hdr[8:], uint64(a))

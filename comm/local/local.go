@@ -195,6 +195,9 @@ const (
 
 // wait is the group barrier for rank r. It does not allocate.
 func (w *world) wait(ctx context.Context, r int, flags int) error {
+	if ctx == nil {
+		ctx = context.Background() // the comm package's rule for a nil context
+	}
 	if flags&closes != 0 {
 		w.busy.Add(-1)
 	}

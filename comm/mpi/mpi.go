@@ -248,6 +248,9 @@ func (c *mpiComm) begin(ctx context.Context, a *args) (armed bool, err error) {
 	if err := c.usable(a.kind); err != nil {
 		return false, err
 	}
+	if ctx == nil {
+		ctx = context.Background() // the comm package's rule for a nil context
+	}
 	if err := ctx.Err(); err != nil {
 		return false, c.giveUp(a.kind, err)
 	}
