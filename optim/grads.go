@@ -109,12 +109,17 @@ func Finite(x []float32) bool {
 // of c, with one exact allreduce (comm.Mean) per parameter; every rank ends
 // with the same gradients. It does nothing when c is nil or c.Size() == 1.
 // Every rank must call it with the same parameter shapes, in the same order.
+// A nil entry takes part as an empty gradient, so that it is an error on
+// every rank (a comm.MismatchError) unless every rank has nil there.
 func AverageGrads(ctx context.Context, c comm.Comm, params []*Param) error {
 	if c == nil || c.Size() <= 1 {
 		return nil
 	}
-	for _, p := range params {
+	for i, p := range params {
 		if p == nil {
+			if err := c.AllReduce(ctx, nil, comm.Mean); err != nil {
+				return fmt.Errorf("optim: averaging gradient %d (nil on this rank): %w", i, err)
+			}
 			continue
 		}
 		if err := c.AllReduce(ctx, p.GradData(), comm.Mean); err != nil {

@@ -76,6 +76,29 @@ func TestAverageGrads(t *testing.T) {
 	require.NoError(t, err)
 }
 
+// A nil parameter on one rank is an error on every rank, never a silent
+// pairing of one rank's gradient with another's neighbour: here rank 1's
+// list is shifted by one, and the gradients have equal lengths.
+func TestAverageGradsNilParam(t *testing.T) {
+	errs := make([]error, 2)
+	err := local.Run(context.Background(), 2, func(ctx context.Context, c comm.Comm) error {
+		ps := testParams(t, 1, []int{3}, []int{3})
+		if c.Rank() == 1 {
+			ps = []*Param{nil, ps[0], ps[1]}
+		} else {
+			ps = append(ps, nil)
+		}
+		errs[c.Rank()] = AverageGrads(ctx, c, ps)
+		return nil
+	})
+	require.NoError(t, err)
+	for r, e := range errs {
+		var mm *comm.MismatchError
+		assert.ErrorAs(t, e, &mm, "rank %d", r)
+	}
+	assert.ErrorContains(t, errs[1], "nil on this rank")
+}
+
 // One rank's NaN gradient makes every rank skip that step and change
 // nothing; training then continues and stays identical across ranks.
 func TestExactOptimizersSkipNonFiniteSteps(t *testing.T) {

@@ -94,8 +94,9 @@ type QGZ struct {
 // that every rank reports the bad call instead of waiting for it.
 const hdrLen = 16
 
-// cfgLen is what each rank contributes to the construction agreement.
-const cfgLen = 8 * 6
+// cfgLen is what each rank contributes to the construction agreement: the
+// six settings and a flag saying that this rank's layout is inconsistent.
+const cfgLen = 8 * 7
 
 // NewQGZ returns a QGZ for tensors of n elements on the layout l. Every
 // rank of l.World must call it together: it runs one small all-gather so
@@ -110,15 +111,23 @@ func NewQGZ(ctx context.Context, l *comm.Layout, n int, cfg QGZConfig) (*QGZ, er
 		cfg.GroupSize = DefaultGroupSize
 	}
 	w := l.World.Size()
+	// An inconsistent layout (one not made by comm.NewLayout) is refused
+	// inside the agreement, so that the peers of the rank that has it
+	// return an error too instead of waiting for it.
+	var layoutErr error
 	if l.Nodes*l.RanksPerNode != w || l.Intra.Size() != l.RanksPerNode || l.Inter.Size() != l.Nodes {
-		return nil, fmt.Errorf("quant: qgz: inconsistent layout: %v with %d ranks, node groups of %d and %d",
+		layoutErr = fmt.Errorf("quant: qgz: inconsistent layout: %v with %d ranks, node groups of %d and %d",
 			l, w, l.Intra.Size(), l.Inter.Size())
 	}
 	ef := 0
 	if cfg.ErrorFeedback {
 		ef = 1
 	}
-	mine := [6]int{n, cfg.Bits, cfg.GroupSize, ef, l.Nodes, l.RanksPerNode}
+	refused := 0
+	if layoutErr != nil {
+		refused = 1
+	}
+	mine := [7]int{n, cfg.Bits, cfg.GroupSize, ef, l.Nodes, l.RanksPerNode, refused}
 	send := make([]byte, cfgLen)
 	for i, v := range mine {
 		binary.LittleEndian.PutUint64(send[8*i:], uint64(int64(v)))
@@ -128,6 +137,14 @@ func NewQGZ(ctx context.Context, l *comm.Layout, n int, cfg QGZConfig) (*QGZ, er
 		return nil, fmt.Errorf("quant: qgz: agreeing on the configuration: %w", err)
 	}
 	get := func(r, i int) int { return int(int64(binary.LittleEndian.Uint64(all[r*cfgLen+8*i:]))) }
+	if layoutErr != nil {
+		return nil, layoutErr
+	}
+	for r := 0; r < w; r++ {
+		if get(r, 6) != 0 {
+			return nil, fmt.Errorf("quant: qgz: rank %d refused: inconsistent layout on that rank", r)
+		}
+	}
 	for r := 0; r < w; r++ {
 		if err := checkQGZ(get(r, 0), get(r, 1), get(r, 2)); err != nil {
 			return nil, fmt.Errorf("quant: qgz: rank %d: %w", r, err)

@@ -307,6 +307,19 @@ func TestQGZBadInput(t *testing.T) {
 			require.ErrorContains(t, err, "does not divide", "rank %d", r)
 		}
 	})
+	t.Run("hand-built layout", func(t *testing.T) {
+		// Rank 3's layout claims 4 nodes of 1: it is refused inside the
+		// agreement, so its peers return too (before, they waited).
+		everyRankFails(t, "inconsistent layout", func(ctx context.Context, l *comm.Layout) error {
+			if l.World.Rank() == 3 {
+				bad := *l
+				bad.Nodes, bad.RanksPerNode = 4, 1
+				l = &bad
+			}
+			_, err := quant.NewQGZ(ctx, l, 100, quant.QGZConfig{Bits: 4})
+			return err
+		})
+	})
 	t.Run("nil layout", func(t *testing.T) {
 		_, err := quant.NewQGZ(context.Background(), nil, 10, quant.QGZConfig{Bits: 4})
 		require.ErrorContains(t, err, "quant: qgz")
