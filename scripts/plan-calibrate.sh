@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # plan-calibrate.sh [OUT]: record the measurements that "lowbit plan" is
 # calibrated from and that its unit test checks it against (default OUT:
-# cmd/lowbit/testdata/plan/measured.json).
+# costmodel/measured.json).
 #
 # For each shaped link rate (RATES, default "1gbit 250mbit") and each rank
 # count (RANKS, default "2 3 4") it runs "lowbit bench --backend mpi --json"
@@ -50,7 +50,7 @@ GO=${GO:-go}
 die() { echo "plan-calibrate: $*" >&2; exit 1; }
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-out=${1:-$root/cmd/lowbit/testdata/plan/measured.json}
+out=${1:-$root/costmodel/measured.json}
 
 [ "$(id -u)" -eq 0 ] || die "needs root: it creates a network namespace and a tc qdisc (run: sudo $0)"
 command -v mpirun >/dev/null || die "mpirun not found: install Open MPI (Debian: apt-get install -y openmpi-bin libopenmpi-dev)"
