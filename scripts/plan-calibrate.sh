@@ -29,21 +29,21 @@
 #
 # Settings (environment): RATES, RANKS, REPEATS (7), BURST_KB (256: the tbf
 # burst in KiB, recorded because the model runs the token bucket), BEGIN
-# (4K), END (4M), FACTOR (4), WARMUP (2), ITERS (10), COMPUTE_REPEATS (5),
-# COMPUTE_END (64M), COLLECTIVES (allreduce,onebit), GO (go).
+# (4Ki), END (4Mi), FACTOR (4), WARMUP (2), ITERS (10), COMPUTE_REPEATS (5),
+# COMPUTE_END (64Mi), COLLECTIVES (allreduce,onebit), GO (go).
 set -euo pipefail
 
 RATES=${RATES:-1gbit 250mbit}
 RANKS=${RANKS:-2 3 4}
 REPEATS=${REPEATS:-7}
 BURST_KB=${BURST_KB:-256}
-BEGIN=${BEGIN:-4K}
-END=${END:-4M}
+BEGIN=${BEGIN:-4Ki}
+END=${END:-4Mi}
 FACTOR=${FACTOR:-4}
 WARMUP=${WARMUP:-2}
 ITERS=${ITERS:-10}
 COMPUTE_REPEATS=${COMPUTE_REPEATS:-5}
-COMPUTE_END=${COMPUTE_END:-64M}
+COMPUTE_END=${COMPUTE_END:-64Mi}
 COLLECTIVES=${COLLECTIVES:-allreduce,onebit}
 GO=${GO:-go}
 
