@@ -28,7 +28,7 @@
 # MPI's TCP eager limit set to EAGER bytes for both collectives (4194304;
 # 0 keeps Open MPI's 64 KiB: see that script for why).
 #
-# Settings (environment): RATE (1gbit), NP (4), BEGIN (1M), END (64M),
+# Settings (environment): RATE (1gbit), NP (4), BEGIN (1Mi), END (64Mi),
 # FACTOR (2), WARMUP (1), ITERS (5) for the shaped sweep (the exact 64 MiB
 # allreduce takes about 3.2 s per call at 1 Gbit), QSIZE (END), QRPN (2)
 # for the quantized and down-cast run (about a minute at 64 MiB: the whole
@@ -40,8 +40,8 @@ set -euo pipefail
 
 RATE=${RATE:-1gbit}
 NP=${NP:-4}
-BEGIN=${BEGIN:-1M}
-END=${END:-64M}
+BEGIN=${BEGIN:-1Mi}
+END=${END:-64Mi}
 FACTOR=${FACTOR:-2}
 WARMUP=${WARMUP:-1}
 ITERS=${ITERS:-5}

@@ -36,7 +36,7 @@
 # removed on every exit, also on failure or interruption.
 #
 # Settings (environment): RATE (1gbit), RPN (2, ranks per machine),
-# BEGIN (4M), END (64M), FACTOR (4), WARMUP (1), ITERS (5),
+# BEGIN (4Mi), END (64Mi), FACTOR (4), WARMUP (1), ITERS (5),
 # COLLECTIVES (allreduce,twolevel; fp16 and bf16 may be added), FLAT_ALG
 # (4), EAGER (4194304; 0: Open MPI's default), BTL (vader,tcp,self),
 # MPIEXTRA (more mpirun arguments, split on spaces), CSV (a path to copy
@@ -46,8 +46,8 @@ set -euo pipefail
 
 RATE=${RATE:-1gbit}
 RPN=${RPN:-2}
-BEGIN=${BEGIN:-4M}
-END=${END:-64M}
+BEGIN=${BEGIN:-4Mi}
+END=${END:-64Mi}
 FACTOR=${FACTOR:-4}
 WARMUP=${WARMUP:-1}
 ITERS=${ITERS:-5}

@@ -8,8 +8,8 @@
 # The slow network is a network namespace whose loopback is shaped by a
 # token bucket (the spec page bench.md, "Bandwidth-limited runs"): every rank
 # runs inside it and talks over TCP on lo, so the qdisc caps the total
-# traffic of all ranks at RATE. The namespace is named lowbit-demo-PID, so
-# it never collides with bench-net's or another demo's, and it is deleted on
+# traffic of all ranks at RATE. scripts/lib/netns.sh makes the namespace
+# (lowbit-demo-PID-N: no collision with another script's) and deletes it on
 # every exit, also on failure or interruption.
 #
 # Needs root (for the namespace and the qdisc), Open MPI (mpirun, and the
@@ -32,76 +32,35 @@ MNIST_FLAGS=${MNIST_FLAGS:-}
 TIMEOUT=${TIMEOUT:-1200}
 GO=${GO:-go}
 
-die() { echo "demo-net: $*" >&2; exit 1; }
-
-[ "$(id -u)" -eq 0 ] || die "cannot run: needs root, it creates a network namespace and a tc qdisc (run: sudo make demo-net)"
-command -v mpirun >/dev/null || die "cannot run: mpirun not found; install Open MPI (Debian: apt-get install -y openmpi-bin libopenmpi-dev)"
-pkg-config --exists ompi-c 2>/dev/null ||
-	die "cannot run: Open MPI headers not found (pkg-config ompi-c), needed to build with -tags mpi; install libopenmpi-dev"
-for tool in ip tc timeout; do
-	command -v "$tool" >/dev/null || die "cannot run: $tool not found; install iproute2 (Debian: apt-get install -y iproute2)"
-done
+. "$(dirname "$0")/lib/netns.sh"
+netns_init demo-net
+netns_require_root "it creates a network namespace and a tc qdisc (run: sudo make demo-net)"
+netns_require_mpi headers
+command -v timeout >/dev/null || netns_die "cannot run: timeout not found (coreutils)"
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 case $DATA in /*) ;; *) DATA=$root/$DATA ;; esac
 for f in train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz t10k-images-idx3-ubyte.gz t10k-labels-idx1-ubyte.gz; do
-	[ -f "$DATA/$f" ] || die "cannot run: $DATA/$f missing; fetch MNIST first (make mnist-data)"
+	[ -f "$DATA/$f" ] || netns_die "cannot run: $DATA/$f missing; fetch MNIST first (make mnist-data)"
 done
 
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/lowbit-demo-net.XXXXXX")
-ns="lowbit-demo-$$"
-ns_made=
-cleanup() {
-	if [ -n "$ns_made" ] && [ -e "/run/netns/$ns" ]; then
-		ip netns del "$ns" 2>/dev/null || echo "demo-net: could not delete network namespace $ns (ip netns del $ns)" >&2
-	fi
-	rm -rf "$tmp"
-}
-# The run goes to the background so that a signal is handled at once: the
-# handler stops it, and the EXIT trap removes the namespace.
-child=
-on_signal() {
-	echo "demo-net: interrupted; stopping the run and removing the namespace" >&2
-	if [ -n "$child" ]; then
-		kill -TERM "$child" 2>/dev/null || true
-		wait "$child" 2>/dev/null || true
-	fi
-	exit "$1"
-}
-trap cleanup EXIT
-trap 'on_signal 130' INT
-trap 'on_signal 143' TERM
-
 echo "demo-net: building examples/mnist with -tags mpi"
-(cd "$root" && "$GO" build -tags mpi -o "$tmp/mnist" ./examples/mnist)
+(cd "$root" && "$GO" build -tags mpi -o "$NETNS_TMP/mnist" ./examples/mnist)
 
-echo "demo-net: network namespace $ns, loopback shaped to $RATE (tbf burst 256kb latency 50ms)"
-# ns_made is set first so that a signal between the two lines still
-# removes the namespace.
-ns_made=1
-ip netns add "$ns" || die "cannot run: could not create network namespace $ns (ip netns add needs CAP_SYS_ADMIN)"
-ip netns exec "$ns" ip link set lo up
-ip netns exec "$ns" tc qdisc add dev lo root tbf rate "$RATE" burst 256kb latency 50ms ||
-	die "cannot run: tc could not shape the loopback to RATE=$RATE (tc's message above; a kernel without sch_tbf fails here too)"
+netns_new ns demo
+echo "demo-net: network namespace $ns, loopback shaped to $RATE (tbf $NETNS_TBF)"
+netns_shape "$ns" lo "$RATE"
 
 echo "demo-net: $NP MPI ranks over TCP on the shaped loopback: Adam, then 1-bit Adam from the same seed"
-# Waiting ranks yield the CPU (mpi_yield_when_idle): with more ranks than
-# cores, spinning ranks would otherwise steal it from computing ones.
-# shellcheck disable=SC2086 # MNIST_FLAGS is a list of flags
-ip netns exec "$ns" timeout --kill-after=30 "$TIMEOUT" mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$NP" \
-	--mca mpi_yield_when_idle 1 --mca pml ob1 --mca btl tcp,self \
-	--mca btl_tcp_if_include lo --mca oob_tcp_if_include lo \
-	"$tmp/mnist" -backend mpi -compare -optimizer onebit-adam -data "$DATA" -target "$TARGET" -quiet $MNIST_FLAGS \
-	>"$tmp/mnist.out" 2>&1 &
-child=$!
 rc=0
-wait "$child" || rc=$?
-child=
-ip netns del "$ns"
-ns_made=
-cat "$tmp/mnist.out"
-[ "$rc" -ne 124 ] || die "the MNIST run took more than TIMEOUT=$TIMEOUT s and was stopped"
-[ "$rc" -eq 0 ] || die "the MNIST run failed (exit $rc)"
+# shellcheck disable=SC2086 # MNIST_FLAGS is a list of flags
+netns_run ip netns exec "$ns" timeout --kill-after=30 "$TIMEOUT" "${NETNS_MPIRUN[@]}" -np "$NP" "${NETNS_MPI_LO[@]}" \
+	"$NETNS_TMP/mnist" -backend mpi -compare -optimizer onebit-adam -data "$DATA" -target "$TARGET" -quiet $MNIST_FLAGS \
+	>"$NETNS_TMP/mnist.out" 2>&1 || rc=$?
+netns_del "$ns"
+cat "$NETNS_TMP/mnist.out"
+[ "$rc" -ne 124 ] || netns_die "the MNIST run took more than TIMEOUT=$TIMEOUT s and was stopped"
+[ "$rc" -eq 0 ] || netns_die "the MNIST run failed (exit $rc)"
 
 # The example's table: "optimizer test-acc loss TT (step S) wall compute comm
 # compress sent", where TT is "-" when the target was not reached.
@@ -133,4 +92,4 @@ awk -v rate="$RATE" -v np="$NP" -v target="$TARGET" '
 		} else {
 			printf "; time to %g%%: not reached by both, no ratio\n", 100 * target
 		}
-	}' "$tmp/mnist.out"
+	}' "$NETNS_TMP/mnist.out"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # plan-calibrate.sh [OUT]: record the measurements that "lowbit plan" is
 # calibrated from and that its unit test checks it against (default OUT:
-# cmd/lowbit/testdata/plan/measured.json).
+# costmodel/measured.json).
 #
 # For each shaped link rate (RATES, default "1gbit 250mbit") and each rank
 # count (RANKS, default "2 3 4") it runs "lowbit bench --backend mpi --json"
@@ -29,28 +29,28 @@
 #
 # Settings (environment): RATES, RANKS, REPEATS (7), BURST_KB (256: the tbf
 # burst in KiB, recorded because the model runs the token bucket), BEGIN
-# (4K), END (4M), FACTOR (4), WARMUP (2), ITERS (10), COMPUTE_REPEATS (5),
-# COMPUTE_END (64M), COLLECTIVES (allreduce,onebit), GO (go).
+# (4Ki), END (4Mi), FACTOR (4), WARMUP (2), ITERS (10), COMPUTE_REPEATS (5),
+# COMPUTE_END (64Mi), COLLECTIVES (allreduce,onebit), GO (go).
 set -euo pipefail
 
 RATES=${RATES:-1gbit 250mbit}
 RANKS=${RANKS:-2 3 4}
 REPEATS=${REPEATS:-7}
 BURST_KB=${BURST_KB:-256}
-BEGIN=${BEGIN:-4K}
-END=${END:-4M}
+BEGIN=${BEGIN:-4Ki}
+END=${END:-4Mi}
 FACTOR=${FACTOR:-4}
 WARMUP=${WARMUP:-2}
 ITERS=${ITERS:-10}
 COMPUTE_REPEATS=${COMPUTE_REPEATS:-5}
-COMPUTE_END=${COMPUTE_END:-64M}
+COMPUTE_END=${COMPUTE_END:-64Mi}
 COLLECTIVES=${COLLECTIVES:-allreduce,onebit}
 GO=${GO:-go}
 
 die() { echo "plan-calibrate: $*" >&2; exit 1; }
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-out=${1:-$root/cmd/lowbit/testdata/plan/measured.json}
+out=${1:-$root/costmodel/measured.json}
 
 [ "$(id -u)" -eq 0 ] || die "needs root: it creates a network namespace and a tc qdisc (run: sudo $0)"
 command -v mpirun >/dev/null || die "mpirun not found: install Open MPI (Debian: apt-get install -y openmpi-bin libopenmpi-dev)"

@@ -169,7 +169,7 @@ fi
 if [ -x "$lowbit" ]; then
 	log=$tmp/bench-quant.log
 	run "$log" timeout -k 10 120 "${mpirun[@]}" -np 6 "$lowbit" bench --backend mpi --ranks 6 --ranks-per-node 2 \
-		--collective qgz4,qgz8,rsc,fp16,bf16,twolevel -b 64K -e 64K -w 1 -n 2 --check
+		--collective qgz4,qgz8,rsc,fp16,bf16,twolevel -b 64Ki -e 64Ki -w 1 -n 2 --check
 	if [ "$rc" -eq 0 ] && [ "$(grep -cE '^(qgz4|qgz8|rsc|fp16|bf16|twolevel) ' "$log")" -eq 6 ]; then
 		echo "MPI tests: lowbit bench --check qgz4,qgz8,rsc,fp16,bf16,twolevel, 3 nodes x 2 ranks ok (${ms} ms)"
 		passed=$((passed + 1))

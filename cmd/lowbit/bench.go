@@ -18,18 +18,17 @@ import (
 	"time"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/internal/cliflag"
 	"github.com/lowbit-ml/lowbit/onebit"
+	"github.com/lowbit-ml/lowbit/size"
 )
 
 func init() {
 	register(command{
 		name:  "bench",
 		usage: "PARAM-style collective benchmark: exact collectives and the 1-bit allreduce",
-		run: func(args []string, stdout io.Writer) error {
-			cfg, err := parseBenchFlags(args, os.Stderr)
-			if errors.Is(err, flag.ErrHelp) {
-				return nil
-			}
+		run: func(args []string, stdout, stderr io.Writer) error {
+			cfg, err := parseBenchFlags(args, stderr)
 			if err != nil {
 				return err
 			}
@@ -38,6 +37,13 @@ func init() {
 		},
 	})
 }
+
+// Limits of lowbit bench's flags: what one machine can hold and time.
+const (
+	maxBenchBytes = 64 << 30 // bytes per rank
+	maxBenchIters = 1_000_000
+	maxLocalRanks = 4096
+)
 
 // The collectives lowbit bench knows, in the order -h lists them.
 var benchCollectives = []string{"allreduce", "onebit", "alltoall", "allgather", "reducescatter", "qgz4", "qgz8", "rsc"}
@@ -83,73 +89,6 @@ type benchConfig struct {
 	device      string // onebit on device-resident buffers (bench_device.go); "" for host buffers
 }
 
-// sizeFlag is a byte count flag that accepts binary suffixes.
-type sizeFlag struct{ v *int64 }
-
-func (s sizeFlag) String() string {
-	if s.v == nil {
-		return ""
-	}
-	return formatSize(*s.v)
-}
-
-func (s sizeFlag) Set(v string) error {
-	n, err := parseSize(v)
-	if err != nil {
-		return err
-	}
-	*s.v = n
-	return nil
-}
-
-// parseSize parses a positive byte count: digits with an optional binary
-// suffix K, M, G or T (1K = 1024), case-insensitive, optionally followed by
-// B or iB (64M, 64MB, 64MiB).
-func parseSize(s string) (int64, error) {
-	t := strings.ToUpper(strings.TrimSpace(s))
-	t = strings.TrimSuffix(t, "IB")
-	if len(t) > 1 {
-		t = strings.TrimSuffix(t, "B")
-	}
-	shift := 0
-	if t != "" {
-		switch t[len(t)-1] {
-		case 'K':
-			shift = 10
-		case 'M':
-			shift = 20
-		case 'G':
-			shift = 30
-		case 'T':
-			shift = 40
-		}
-		if shift > 0 {
-			t = t[:len(t)-1]
-		}
-	}
-	n, err := strconv.ParseInt(t, 10, 64)
-	if err != nil || n <= 0 {
-		return 0, fmt.Errorf("invalid size %q: want a positive byte count such as 4096, 1K, 64M or 1G", s)
-	}
-	if n > math.MaxInt64>>shift {
-		return 0, fmt.Errorf("invalid size %q: too large", s)
-	}
-	return n << shift, nil
-}
-
-// formatSize writes b with the largest binary suffix that divides it.
-func formatSize(b int64) string {
-	for _, u := range []struct {
-		shift  uint
-		suffix string
-	}{{40, "T"}, {30, "G"}, {20, "M"}, {10, "K"}} {
-		if b >= 1<<u.shift && b%(1<<u.shift) == 0 {
-			return strconv.FormatInt(b>>u.shift, 10) + u.suffix
-		}
-	}
-	return strconv.FormatInt(b, 10)
-}
-
 // sizeSweep returns begin, begin*factor, ... up to end.
 func sizeSweep(begin, end, factor int64) ([]int64, error) {
 	switch {
@@ -158,7 +97,7 @@ func sizeSweep(begin, end, factor int64) ([]int64, error) {
 	case begin%4 != 0 || end%4 != 0:
 		return nil, fmt.Errorf("sizes are bytes of float32 data and must be multiples of 4 (--b %d, --e %d)", begin, end)
 	case end < begin:
-		return nil, fmt.Errorf("end size %s is below begin size %s", formatSize(end), formatSize(begin))
+		return nil, fmt.Errorf("end size %s is below begin size %s", size.Format(end), size.Format(begin))
 	case factor < 2 && end != begin:
 		return nil, fmt.Errorf("size factor --f must be at least 2, got %d", factor)
 	}
@@ -177,8 +116,8 @@ func parseBenchFlags(args []string, out io.Writer) (*benchConfig, error) {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.SetOutput(out)
 	begin, end := int64(1<<10), int64(64<<20)
-	fs.Var(sizeFlag{&begin}, "b", "begin `size`: bytes of float32 data per rank (1K, 64M, 1G: binary units)")
-	fs.Var(sizeFlag{&end}, "e", "end `size` (inclusive)")
+	fs.Var(&size.Value[int64]{P: &begin, Min: 4, Max: maxBenchBytes}, "b", "begin `size`: bytes of float32 data per rank (1Ki, 64Mi, 1G)")
+	fs.Var(&size.Value[int64]{P: &end, Min: 4, Max: maxBenchBytes}, "e", "end `size` (inclusive)")
 	factor := fs.Int64("f", 4, "size factor between steps")
 	warmup := fs.Int("w", 2, "warm-up iterations per collective and size")
 	iters := fs.Int("n", 10, "timed iterations per collective and size")
@@ -235,31 +174,48 @@ With --backend mpi start it under mpirun (a binary built with -tags mpi).
 `)
 		fs.PrintDefaults()
 	}
-	if err := fs.Parse(args); err != nil {
+	if err := cliflag.Parse(fs, args); err != nil {
 		return nil, err
 	}
 	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
+		return nil, cliflag.Usagef("unexpected arguments: %q", fs.Args())
+	}
+	switch {
+	case *warmup < 0 || *warmup > maxBenchIters:
+		return nil, cliflag.Bad(fs, "w", "want 0 to %d warm-up iterations", maxBenchIters)
+	case *iters < 1 || *iters > maxBenchIters:
+		return nil, cliflag.Bad(fs, "n", "want 1 to %d timed iterations", maxBenchIters)
+	case *ranks < 0 || *ranks > maxLocalRanks || *ranks == 0 && *backend == "local":
+		return nil, cliflag.Bad(fs, "ranks", "want 1 to %d ranks", maxLocalRanks)
+	case *rpn < 0 || *rpn > maxLocalRanks:
+		return nil, cliflag.Bad(fs, "ranks-per-node", "want 0 (the ranks that share a machine) to %d", maxLocalRanks)
+	case *backend != "local" && *backend != "mpi":
+		return nil, cliflag.Bad(fs, "backend", "unknown backend (want %s)", backends)
+	case begin%4 != 0:
+		return nil, cliflag.Bad(fs, "b", "bytes of float32 data: want a multiple of 4")
+	case end%4 != 0:
+		return nil, cliflag.Bad(fs, "e", "bytes of float32 data: want a multiple of 4")
+	case end < begin:
+		return nil, cliflag.Bad(fs, "e", "below the begin size --b %s", size.Format(begin))
+	case *factor < 2 && end != begin:
+		return nil, cliflag.Bad(fs, "f", "want a factor of at least 2")
 	}
 	sizes, err := sizeSweep(begin, end, *factor)
 	if err != nil {
-		return nil, err
-	}
-	if *warmup < 0 || *iters < 1 {
-		return nil, fmt.Errorf("need --w >= 0 and --n >= 1, got --w %d --n %d", *warmup, *iters)
+		return nil, cliflag.Usagef("%s", err)
 	}
 	cfg := &benchConfig{sizes: sizes, warmup: *warmup, iters: *iters, backend: *backend,
 		ranks: *ranks, check: *check, format: "table", cpuProfile: *cpuProfile, rpn: *rpn, device: *device}
 	for name := range strings.SplitSeq(*list, ",") {
 		name = strings.TrimSpace(name)
 		if !slices.Contains(benchCollectives, name) {
-			return nil, fmt.Errorf("unknown collective %q (want %s)", name, strings.Join(benchCollectives, ", "))
+			return nil, cliflag.Bad(fs, "collective", "unknown collective %q (want %s)", name, strings.Join(benchCollectives, ", "))
 		}
 		cfg.collectives = append(cfg.collectives, name)
 	}
 	switch {
 	case *asJSON && *asCSV:
-		return nil, errors.New("--json and --csv exclude each other")
+		return nil, cliflag.Usagef("--json and --csv exclude each other")
 	case *asJSON:
 		cfg.format = "json"
 	case *asCSV:
@@ -273,7 +229,7 @@ With --backend mpi start it under mpirun (a binary built with -tags mpi).
 		}
 	}
 	if err := checkDeviceFlag(cfg); err != nil {
-		return nil, err
+		return nil, cliflag.Bad(fs, "device", "%s", err)
 	}
 	return cfg, nil
 }
@@ -387,31 +343,31 @@ func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchRep
 	payload := make([]byte, 8*(cfg.iters+3))
 	gathered := make([]byte, w*len(payload))
 	samples := make([]int64, w*cfg.iters)
-	for _, size := range cfg.sizes {
+	for _, sz := range cfg.sizes {
 		for _, name := range cfg.collectives {
 			var bc *benchCase
 			var err error
 			if isQuantBench(name) {
-				bc, err = newQuantBenchCase(ctx, name, c, cfg.rpn, int(size/4))
+				bc, err = newQuantBenchCase(ctx, name, c, cfg.rpn, int(sz/4))
 			} else if isHalfBench(name) {
-				bc, err = newHalfBenchCase(ctx, name, c, cfg.rpn, int(size/4), cfg.warmup)
+				bc, err = newHalfBenchCase(ctx, name, c, cfg.rpn, int(sz/4), cfg.warmup)
 			} else if name == "onebit" && cfg.device != "" {
-				bc, err = newDeviceBenchCase(cfg.device, c, int(size/4))
+				bc, err = newDeviceBenchCase(cfg.device, c, int(sz/4))
 			} else {
-				bc, err = newBenchCase(name, c, int(size/4))
+				bc, err = newBenchCase(name, c, int(sz/4))
 			}
 			if err != nil {
-				return fmt.Errorf("%s at %s: %w", name, formatSize(size), err)
+				return fmt.Errorf("%s at %s: %w", name, size.Format(sz), err)
 			}
 			wire, err := timeCase(ctx, c, bc, cfg.warmup, times)
 			if err != nil {
-				return fmt.Errorf("%s at %s: %w", name, formatSize(size), err)
+				return fmt.Errorf("%s at %s: %w", name, size.Format(sz), err)
 			}
 			var errSq, refSq float64
 			if cfg.check {
 				if bc.checkRun != nil {
 					if err := bc.checkRun(ctx); err != nil {
-						return fmt.Errorf("%s at %s: check run: %w", name, formatSize(size), err)
+						return fmt.Errorf("%s at %s: check run: %w", name, size.Format(sz), err)
 					}
 				}
 				errSq, refSq = bc.check()
@@ -425,11 +381,11 @@ func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchRep
 			binary.LittleEndian.PutUint64(payload[8*cfg.iters+8:], math.Float64bits(errSq))
 			binary.LittleEndian.PutUint64(payload[8*cfg.iters+16:], math.Float64bits(refSq))
 			if err := c.AllGatherBytes(ctx, payload, gathered); err != nil {
-				return fmt.Errorf("%s at %s: gathering times: %w", name, formatSize(size), err)
+				return fmt.Errorf("%s at %s: gathering times: %w", name, size.Format(sz), err)
 			}
 			if bc.close != nil {
 				if err := bc.close(); err != nil {
-					return fmt.Errorf("%s at %s: %w", name, formatSize(size), err)
+					return fmt.Errorf("%s at %s: %w", name, size.Format(sz), err)
 				}
 			}
 			if rep == nil {
@@ -452,7 +408,7 @@ func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchRep
 			}
 		}
 		if rep != nil {
-			if err := rep.endSize(size); err != nil {
+			if err := rep.endSize(sz); err != nil {
 				return err
 			}
 		}
@@ -808,7 +764,7 @@ func formatRow(row benchRow) string {
 		ratio = fmt.Sprintf("%.2fx", row.CompressionRatio)
 	}
 	s := fmt.Sprintf("%-13s %6s %11d %11.1f %11.1f %11.1f %11.1f %9.3f %9.3f %12d %7s",
-		row.Collective, formatSize(row.Bytes), row.ElementsPerRank,
+		row.Collective, size.Format(row.Bytes), row.ElementsPerRank,
 		row.TimeP50us, row.TimeP95us, row.TimeMinus, row.TimeMaxus,
 		row.AlgBWGBps, row.BusBWGBps, row.WireBytesPerRank, ratio)
 	if row.RelError != nil {
@@ -848,7 +804,7 @@ func (r *benchReporter) row(row benchRow) error {
 		}
 		if !(*row.RelError <= tol) { // NaN fails too
 			r.failed = append(r.failed, fmt.Sprintf("%s at %s: relative error %.3g above %g",
-				row.Collective, formatSize(row.Bytes), *row.RelError, tol))
+				row.Collective, size.Format(row.Bytes), *row.RelError, tol))
 		}
 	}
 	switch r.cfg.format {
@@ -868,7 +824,7 @@ func (r *benchReporter) row(row benchRow) error {
 }
 
 // endSize closes a size: the speedup of onebit over allreduce, when both ran.
-func (r *benchReporter) endSize(size int64) error {
+func (r *benchReporter) endSize(sz int64) error {
 	rows := r.size
 	r.size = r.size[:0]
 	var exact, compressed float64
@@ -883,12 +839,12 @@ func (r *benchReporter) endSize(size int64) error {
 	if exact == 0 || compressed == 0 {
 		return nil
 	}
-	sp := benchSpeedup{Bytes: size, Speedup: exact / compressed}
+	sp := benchSpeedup{Bytes: sz, Speedup: exact / compressed}
 	r.res.Speedups = append(r.res.Speedups, sp)
 	if r.cfg.format != "table" {
 		return nil
 	}
-	_, err := fmt.Fprintf(r.w, "%-13s %6s speedup onebit vs allreduce: %.2fx\n", "", formatSize(size), sp.Speedup)
+	_, err := fmt.Fprintf(r.w, "%-13s %6s speedup onebit vs allreduce: %.2fx\n", "", size.Format(sz), sp.Speedup)
 	return err
 }
 

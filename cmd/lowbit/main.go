@@ -5,23 +5,32 @@
 //	lowbit demo                                    exact vs compressed allreduce
 //	lowbit plan [flags]                            predicted collective and step times (alpha-beta model)
 //
-// Run "lowbit COMMAND -h" for a command's flags. With --backend mpi, start
-// the tool under mpirun; a binary built without the mpi tag says how to
-// build one that has it.
+// Run "lowbit COMMAND -h" for a command's flags. Sizes (--bucket, --params,
+// -b, --size, ...) take SI or binary units: 340M, 64Mi, 1.5G (package
+// size). A bad command line prints one line and exits with status 2; a
+// command that fails exits with 1. With --backend mpi, start the tool
+// under mpirun; a binary built without the mpi tag says how to build one
+// that has it.
 package main
 
 import (
+	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"os"
 	"slices"
+	"strings"
+
+	"github.com/lowbit-ml/lowbit/internal/cliflag"
 )
 
 // command is one subcommand; each lives in its own file and registers
-// itself in init.
+// itself in init. run writes its results to stdout and its usage (-h) to
+// stderr; a bad command line is a *cliflag.Error.
 type command struct {
 	name, usage string
-	run         func(args []string, stdout io.Writer) error
+	run         func(args []string, stdout, stderr io.Writer) error
 }
 
 var commands []command
@@ -30,31 +39,41 @@ func register(c command) { commands = append(commands, c) }
 
 func usage(w io.Writer) {
 	fmt.Fprintln(w, "usage: lowbit COMMAND [flags]")
-	slices.SortFunc(commands, func(a, b command) int {
-		if a.name < b.name {
-			return -1
-		}
-		return 1
-	})
+	slices.SortFunc(commands, func(a, b command) int { return strings.Compare(a.name, b.name) })
 	for _, c := range commands {
 		fmt.Fprintf(w, "  %-12s %s\n", c.name, c.usage)
 	}
 }
 
-func main() {
-	if len(os.Args) < 2 {
-		usage(os.Stderr)
-		os.Exit(2)
+// run runs the command line args (without the program name) and returns
+// the exit status.
+func run(args []string, stdout, stderr io.Writer) int {
+	if len(args) < 1 {
+		usage(stderr)
+		return 2
 	}
 	for _, c := range commands {
-		if c.name == os.Args[1] {
-			if err := c.run(os.Args[2:], os.Stdout); err != nil {
-				fmt.Fprintln(os.Stderr, "lowbit "+c.name+":", err)
-				os.Exit(1)
-			}
-			return
+		if c.name != args[0] {
+			continue
 		}
+		err := c.run(args[1:], stdout, stderr)
+		switch {
+		case err == nil || errors.Is(err, flag.ErrHelp):
+			return 0
+		case cliflag.IsUsage(err):
+			fmt.Fprintf(stderr, "lowbit %s: %s; see lowbit %s -h\n", c.name, oneLine(err), c.name)
+			return 2
+		}
+		fmt.Fprintln(stderr, "lowbit "+c.name+":", err)
+		return 1
 	}
-	usage(os.Stderr)
-	os.Exit(2)
+	usage(stderr)
+	return 2
 }
+
+// oneLine keeps a usage error on one line whatever its value holds.
+func oneLine(err error) string {
+	return strings.NewReplacer("\n", `\n`, "\r", `\r`).Replace(err.Error())
+}
+
+func main() { os.Exit(run(os.Args[1:], os.Stdout, os.Stderr)) }

@@ -41,6 +41,8 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/internal/cliflag"
+	"github.com/lowbit-ml/lowbit/size"
 )
 
 // Defaults of the flags, chosen so that "make demo" reaches 97% test
@@ -91,7 +93,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.compare, "compare", false, "train the exact and the compressed optimizer one after the other from the same seed (adam vs onebit-adam, lamb vs onebit-lamb, adam vs zeroone-adam, adam vs zero-adam)")
 	fs.IntVar(&o.freezeStep, "freeze-step", defaultFreezeStep, "warm-up steps of onebit-adam, onebit-lamb and zeroone-adam (exact steps before compression starts)")
 	fs.IntVar(&o.epochs, "epochs", defaultEpochs, "passes over the training set")
-	fs.IntVar(&o.batch, "batch", defaultBatch, "global batch size, split over the workers")
+	o.batch = defaultBatch
+	fs.Var(&size.Value[int]{P: &o.batch, Min: 1, Max: 1 << 20}, "batch", "global batch `size` in examples, split over the workers (1Ki, 4096)")
 	fs.Float64Var(&o.lr, "lr", defaultLR, "learning rate")
 	fs.Uint64Var(&o.seed, "seed", defaultSeed, "seed of the initial weights and of the shuffling")
 	fs.StringVar(&o.plot, "plot", "", "write training loss and test accuracy curves to this PNG file")
@@ -106,11 +109,11 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.checkpoint.killAt, "kill-at", 0, "testing: kill the process (every rank, SIGKILL) right after the checkpoint of this step is saved")
 	fs.StringVar(&o.reduce, "reduce", "fp32", "gradient averaging of the exact optimizers and of the 1-bit optimizers' exact stage: "+strings.Join(reduceNames, ", ")+
 		"; with -optimizer zero-adam its gradient reduce-scatter: "+strings.Join(zeroReduceNames, ", "))
-	if err := fs.Parse(args); err != nil {
+	if err := cliflag.Parse(fs, args); err != nil {
 		return nil, err
 	}
 	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
+		return nil, cliflag.Usagef("unexpected arguments %q", fs.Args())
 	}
 	fs.Visit(func(f *flag.Flag) {
 		if f.Name == "workers" {
@@ -154,6 +157,10 @@ func main() {
 	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	if errors.Is(err, flag.ErrHelp) {
 		return
+	}
+	if cliflag.IsUsage(err) {
+		fmt.Fprintf(os.Stderr, "mnist: %v; see mnist -h\n", err)
+		os.Exit(2)
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "mnist:", err)

@@ -1,0 +1,233 @@
+package costmodel
+
+import (
+	"fmt"
+	"math"
+	"strings"
+	"time"
+)
+
+// Job describes a data-parallel training job whose gradient exchange Plan
+// predicts.
+type Job struct {
+	// Params is the number of float32 gradient elements (model
+	// parameters) each rank exchanges per step, at least 1.
+	Params int64
+	// Ranks is the data-parallel world size W, at least 2.
+	Ranks int
+	// Link is the link rate in bytes per second (ParseRate), and
+	// LinkName its tc name ("10gbit"): a calibrated link of that name is
+	// used as fitted; otherwise the calibrated link nearest in rate is
+	// carried over, with ineff at least 1.
+	Link     float64
+	LinkName string
+	// Sharing is how the ranks share the link ("": PerRank).
+	Sharing Sharing
+	// BucketBytes is the size of the fused buckets the gradient is
+	// exchanged in (calls one after another), a positive multiple of 4.
+	BucketBytes int64
+	// Collectives lists the collectives to predict by name (Collectives);
+	// nil: allreduce and onebit.
+	Collectives []string
+	// StepCompute is the forward and backward time of one step, added to
+	// each step (no overlap with communication).
+	StepCompute time.Duration
+	// CompressBps, Alpha and Ineff, when positive, replace the
+	// calibration's compression rate (float32 bytes per second through a
+	// 1-rank onebit call), seconds per latency-bound round and time per
+	// byte over the line rate's.
+	CompressBps, Alpha, Ineff float64
+}
+
+// Row is one collective's predicted step.
+type Row struct {
+	Collective   string  `json:"collective"`
+	Calibrated   bool    `json:"calibrated"`
+	Calls        int     `json:"calls"` // collective calls per step (buckets times calls per bucket)
+	WirePerRank  int64   `json:"wire_bytes_per_rank"`
+	LatencyS     float64 `json:"latency_s"`
+	TransferS    float64 `json:"transfer_s"`
+	CompressS    float64 `json:"compress_s"`
+	CommS        float64 `json:"comm_s"` // LatencyS + TransferS + CompressS
+	StepS        float64 `json:"step_s"` // CommS + Job.StepCompute
+	SpeedupExact float64 `json:"speedup_vs_exact,omitempty"`
+}
+
+// Assumptions is what a plan's numbers rest on, each with where it comes
+// from.
+type Assumptions struct {
+	Alpha        float64 `json:"alpha_s"`
+	AlphaFrom    string  `json:"alpha_from"`
+	Ineff        float64 `json:"ineff"`
+	IneffFrom    string  `json:"ineff_from"`
+	Buckets      int64   `json:"buckets"`
+	BucketBytes  int64   `json:"bucket_bytes"`
+	CompressBps  float64 `json:"compress_bytes_per_s"` // 1-rank onebit call throughput at the bucket size
+	CompressFrom string  `json:"compress_from"`
+}
+
+// Plan is the predicted gradient exchange of one step of a Job.
+type Plan struct {
+	Params      int64       `json:"params"`
+	Ranks       int         `json:"ranks"`
+	LinkBps     float64     `json:"link_bytes_per_s"`
+	Sharing     string      `json:"link_sharing"`
+	StepCompute float64     `json:"step_compute_s"`
+	Assumptions Assumptions `json:"assumptions"`
+	// Model is the model the plan used (with Job.CompressBps applied).
+	Model *Model `json:"model"`
+	Rows  []Row  `json:"collectives"`
+}
+
+// Overrides of a Job's fitted figures name themselves in Assumptions with
+// these.
+const (
+	AlphaFromJob    = "--alpha"
+	IneffFromJob    = "--ineff"
+	CompressFromJob = "--compress-rate"
+)
+
+// Plan predicts the gradient exchange of one step of j: the gradient goes
+// in buckets of j.BucketBytes, each bucket one call of each collective.
+func (m *Model) Plan(j Job) (*Plan, error) {
+	if err := j.Validate(); err != nil {
+		return nil, err
+	}
+	if j.Sharing == "" {
+		j.Sharing = PerRank
+	}
+	if j.Collectives == nil {
+		j.Collectives = []string{"allreduce", "onebit"}
+	}
+	if j.CompressBps > 0 {
+		cp := *m
+		cp.CompressBps = j.CompressBps
+		m = &cp
+	}
+	n := j.Params
+	s := setup{Ranks: j.Ranks, Rate: j.Link, Sharing: j.Sharing}
+	f, calibratedLink := m.fitFor(j.LinkName, j.Link)
+	a := Assumptions{Alpha: f.Alpha, Ineff: f.Ineff,
+		AlphaFrom: "fitted on the calibration's " + f.RateName + " shaped loopback",
+		IneffFrom: "fitted on the calibration's " + f.RateName + " shaped loopback"}
+	if !calibratedLink && f.Ineff < 1 {
+		a.Ineff = 1
+		a.IneffFrom = fmt.Sprintf("line rate: the %s loopback fit (%.2f) is below 1, which a real link does not do", f.RateName, f.Ineff)
+	}
+	if j.Alpha > 0 {
+		a.Alpha, a.AlphaFrom = j.Alpha, AlphaFromJob
+	}
+	if j.Ineff > 0 {
+		a.Ineff, a.IneffFrom = j.Ineff, IneffFromJob
+	}
+	f.Alpha, f.Ineff = a.Alpha, a.Ineff
+	if j.Sharing == Shared {
+		s.Burst = m.Burst
+	}
+	// The gradient goes in buckets of j.BucketBytes: full ones and the
+	// rest.
+	per := j.BucketBytes / 4
+	full, rest := n/per, n%per
+	a.Buckets, a.BucketBytes = full, j.BucketBytes
+	if rest > 0 {
+		a.Buckets++
+	}
+	one, _ := findCollective("onebit")
+	if c1 := m.computeSeconds(one, min(n, per), setup{Ranks: 1, Sharing: PerRank}); c1 > 0 {
+		a.CompressBps = float64(4*onebitPaddedLen(min(n, per), 1)) / c1
+	}
+	a.CompressFrom = "measured on the calibration machine, 1 rank, at the bucket size; set --compress-rate to your hardware's"
+	if m.CompressBps > 0 {
+		a.CompressFrom = CompressFromJob
+	}
+	predictStep := func(c collective) prediction {
+		var p prediction
+		add := func(q prediction, times int64) {
+			p.Wire += q.Wire * times
+			p.Bottleneck += q.Bottleneck * times
+			p.Latency += q.Latency * float64(times)
+			p.Transfer += q.Transfer * float64(times)
+			p.Compute += q.Compute * float64(times)
+			p.Calls += q.Calls * int(times)
+		}
+		if full > 0 {
+			add(m.predict(c, per, s, f), full)
+		}
+		if rest > 0 {
+			add(m.predict(c, rest, s, f), 1)
+		}
+		return p
+	}
+	compute := j.StepCompute.Seconds()
+	exactComm := predictStep(collectives[0]).total()
+	var rows []Row
+	for _, name := range j.Collectives {
+		c, _ := findCollective(name)
+		p := predictStep(c)
+		r := Row{Collective: name, Calibrated: c.uncalibrated == "", Calls: p.Calls, WirePerRank: p.Wire,
+			LatencyS: p.Latency, TransferS: p.Transfer, CompressS: p.Compute, CommS: p.total(),
+			StepS: p.total() + compute}
+		if r.StepS > 0 {
+			r.SpeedupExact = (exactComm + compute) / r.StepS
+		}
+		rows = append(rows, r)
+	}
+	return &Plan{Params: n, Ranks: j.Ranks, LinkBps: j.Link, Sharing: string(j.Sharing), StepCompute: compute,
+		Assumptions: a, Model: m, Rows: rows}, nil
+}
+
+// Limits of a Job that Plan accepts.
+const (
+	MaxParams = 1e15
+	MaxRanks  = 1 << 20
+)
+
+// JobError is a Job that Plan refuses: Field names the Job field at
+// fault.
+type JobError struct {
+	Field  string
+	Reason string
+}
+
+func (e *JobError) Error() string { return e.Field + ": " + e.Reason }
+
+// Validate reports the first field of j that Plan cannot use, as a
+// *JobError.
+func (j Job) Validate() error {
+	bad := func(v float64) bool { return v < 0 || math.IsInf(v, 0) || math.IsNaN(v) }
+	fail := func(field, format string, args ...any) error {
+		return &JobError{Field: field, Reason: fmt.Sprintf(format, args...)}
+	}
+	switch {
+	case j.Params < 1 || j.Params > MaxParams:
+		return fail("Params", "must be in [1, %g], got %d", float64(MaxParams), j.Params)
+	case j.Ranks < 2 || j.Ranks > MaxRanks:
+		return fail("Ranks", "must be in [2, %d], got %d", MaxRanks, j.Ranks)
+	case !(j.Link > 0) || math.IsInf(j.Link, 0):
+		return fail("Link", "must be a positive rate, got %g", j.Link)
+	case j.Sharing != "" && j.Sharing != Shared && j.Sharing != PerRank:
+		return fail("Sharing", "unknown link sharing %q (want %s or %s)", j.Sharing, Shared, PerRank)
+	case bad(j.CompressBps) || j.CompressBps > 1e15:
+		return fail("CompressBps", "must be in [0, 1e15] bytes per second, got %g", j.CompressBps)
+	case bad(j.Alpha) || j.Alpha > 1:
+		return fail("Alpha", "must be in [0, 1] seconds per round, got %g", j.Alpha)
+	case bad(j.Ineff) || j.Ineff > 1000:
+		return fail("Ineff", "must be in [0, 1000], got %g", j.Ineff)
+	case j.BucketBytes < 4 || j.BucketBytes%4 != 0:
+		return fail("BucketBytes", "must be a positive multiple of 4 bytes, got %d", j.BucketBytes)
+	case j.StepCompute < 0:
+		return fail("StepCompute", "must not be negative, got %s", j.StepCompute)
+	case j.Collectives != nil && len(j.Collectives) == 0:
+		return fail("Collectives", "no collective to plan")
+	}
+	for _, name := range j.Collectives {
+		if _, ok := findCollective(name); !ok {
+			var names []string
+			for _, c := range collectives {
+				names = append(names, c.name)
+			}
+			return fail("Collectives", "unknown collective %q (want %s)", name, strings.Join(names, ", "))
+		}
+	}
+	return nil
+}
