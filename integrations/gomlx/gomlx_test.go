@@ -2,21 +2,25 @@ package gomlx
 
 import (
 	"context"
+	"encoding/binary"
+	"iter"
 	"math"
 	"math/rand/v2"
+	_ "path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/gomlx/compute"
-	"github.com/gomlx/compute/dtypes"
 	"github.com/gomlx/compute/gobackend"
-	"github.com/gomlx/compute/shapes"
 	"github.com/gomlx/gomlx/core/graph"
 	"github.com/gomlx/gomlx/core/tensors"
 	"github.com/gomlx/gomlx/ml/layers"
 	"github.com/gomlx/gomlx/ml/layers/activation"
 	"github.com/gomlx/gomlx/ml/model"
+	_ "github.com/gomlx/gomlx/ml/model/checkpoint"
+	"github.com/gomlx/gomlx/ml/train"
+	"github.com/gomlx/gomlx/ml/train/loss"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -24,24 +28,25 @@ import (
 	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/optim/zero"
 )
 
 const (
 	features = 8
-	hidden   = 16
 	rows     = 64 // global batch
 )
 
-// regression is a two-layer perceptron with a mean squared error loss.
-func regression(scope *model.Scope, in []*graph.Node) *graph.Node {
-	x, y := in[0], in[1]
-	h := activation.Relu(layers.DenseWithBias(scope.In("hidden"), x, hidden))
-	out := layers.DenseWithBias(scope.In("out"), h, 1)
-	return graph.ReduceAllMean(graph.Square(graph.Sub(out, y)))
+// mlp returns a two-layer perceptron of the given hidden width.
+func mlp(hidden int) func(scope *model.Scope, x *graph.Node) *graph.Node {
+	return func(scope *model.Scope, x *graph.Node) *graph.Node {
+		h := activation.Relu(layers.DenseWithBias(scope.In("hidden"), x, hidden))
+		return layers.DenseWithBias(scope.In("out"), h, 1)
+	}
 }
 
-// batch returns rows [lo, hi) of a fixed regression data set.
-func batch(lo, hi int) (x, y *tensors.Tensor) {
+// regression returns rows [lo, hi) of a fixed regression data set, as new
+// tensors (the Trainer finalizes what a Dataset yields).
+func regression(lo, hi int) (x, y *tensors.Tensor) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	w := make([]float32, features)
 	for i := range w {
@@ -60,15 +65,34 @@ func batch(lo, hi int) (x, y *tensors.Tensor) {
 		tensors.FromFlatDataAndDimensions(ys[lo:hi], hi-lo, 1)
 }
 
-func newBackend(t testing.TB) compute.Backend {
-	t.Helper()
-	b, err := gobackend.New("")
-	require.NoError(t, err)
-	return b
+// shard is a train.Dataset: rank's shard of the regression set, every step;
+// edit, if not nil, may replace a step's batch.
+type shard struct {
+	rank, world int
+	step        int
+	edit        func(step int, b train.Batch) train.Batch
+}
+
+func (d *shard) Name() string { return "regression" }
+
+func (d *shard) Iter() iter.Seq2[train.Batch, error] {
+	return func(yield func(train.Batch, error) bool) {
+		for {
+			x, y := regression(d.rank*rows/d.world, (d.rank+1)*rows/d.world)
+			b := train.Batch{Inputs: []*tensors.Tensor{x}, Labels: []*tensors.Tensor{y}}
+			if d.edit != nil {
+				b = d.edit(d.step, b)
+			}
+			d.step++
+			if !yield(b, nil) {
+				return
+			}
+		}
+	}
 }
 
 // newStore returns a store whose initializer is seeded by seed, so that
-// ranks start from different values unless the Trainer broadcasts.
+// ranks start from different values unless the Optimizer broadcasts.
 func newStore(seed int64) *model.Store {
 	s := model.NewStore()
 	s.RootScope().SetParam(model.ParamInitialSeed, seed)
@@ -81,6 +105,12 @@ func adam(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, 
 	return optim.NewAdam(ctx, c, p, cfg)
 }
 
+func lamb(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+	cfg := optim.DefaultLambConfig()
+	cfg.LR = 1e-2
+	return optim.NewLamb(ctx, c, p, cfg)
+}
+
 func onebitAdam(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
 	cfg := onebit.DefaultAdamConfig()
 	cfg.LR = 1e-2
@@ -88,446 +118,147 @@ func onebitAdam(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optim
 	return onebit.NewAdam(ctx, c, p, cfg)
 }
 
-// values returns copies of the trainer's variables' values.
-func values(t testing.TB, tr *Trainer) [][]float32 {
+func onebitLamb(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+	cfg := onebit.DefaultLambConfig()
+	cfg.LR = 1e-2
+	cfg.FreezeStep = 5
+	return onebit.NewLamb(ctx, c, p, cfg)
+}
+
+func zeroOneAdam(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+	cfg := onebit.DefaultZeroOneAdamConfig()
+	cfg.LR = 1e-2
+	return onebit.NewZeroOneAdam(ctx, c, p, cfg)
+}
+
+func zeroAdam(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+	cfg := zero.DefaultConfig()
+	cfg.LR = 1e-2
+	return zero.NewAdam(ctx, c, p, cfg)
+}
+
+// rankModel is one rank's GoMLX training set-up, as a user writes it.
+type rankModel struct {
+	store   *model.Store
+	opt     *Optimizer
+	trainer *train.Trainer
+	loop    *train.Loop
+	losses  []float32
+}
+
+func newRankModel(t testing.TB, ctx context.Context, c comm.Comm, store *model.Store, hidden int, build Builder) *rankModel {
+	t.Helper()
+	backend, err := gobackend.New("")
+	require.NoError(t, err)
+	opt, err := New(ctx, c, build)
+	require.NoError(t, err)
+	m := &rankModel{store: store, opt: opt}
+	m.trainer = train.NewTrainer(backend, store, mlp(hidden), loss.MeanSquaredError, opt, nil, nil)
+	m.loop = train.NewLoop(m.trainer)
+	opt.AttachToLoop(m.loop)
+	m.loop.OnStep("record", 0, func(_ *train.Loop, metrics []*tensors.Tensor) error {
+		m.losses = append(m.losses, metrics[0].Value().(float32))
+		return nil
+	})
+	return m
+}
+
+// variables returns copies of the values of the store's trainable
+// variables and global step, by path.
+func variables(t testing.TB, s *model.Store) map[string][]byte {
+	t.Helper()
+	out := map[string][]byte{}
+	for v := range s.IterVariables() {
+		if !v.Trainable && v.Path() != "/global_step" {
+			continue
+		}
+		val, err := v.Value()
+		require.NoError(t, err, v.Path())
+		require.NoError(t, val.ConstBytes(func(b []byte) { out[v.Path()] = append([]byte(nil), b...) }))
+	}
+	return out
+}
+
+// trainable returns copies of the trainable variables' values, in order.
+func trainable(t testing.TB, s *model.Store) [][]float32 {
 	t.Helper()
 	var out [][]float32
-	for _, v := range tr.vars {
-		val, err := v.Value()
-		require.NoError(t, err)
-		d, err := tensors.CopyFlatData[float32](val)
-		require.NoError(t, err)
-		out = append(out, d)
+	for v := range s.IterVariables() {
+		if v.Trainable {
+			d, err := tensors.CopyFlatData[float32](v.MustValue())
+			require.NoError(t, err)
+			out = append(out, d)
+		}
 	}
 	return out
 }
 
 // rankRun is what one rank of a test run reports.
 type rankRun struct {
-	losses  []float32
-	init    [][]float32 // variables after Init
-	final   [][]float32 // variables at the end
-	stats   optim.Stats
-	stepErr []error
+	losses []float32
+	final  map[string][]byte
+	stats  optim.Stats
+	err    error
 }
 
-// train runs steps on w in-process ranks, each with a differently seeded
-// store and its shard of the batch; hook, if not nil, runs on every rank
-// before every step and may replace the inputs.
-func train(t *testing.T, w, steps int, newOpt NewOptimizer, hook func(rank, step int, tr *Trainer, x, y *tensors.Tensor) (*tensors.Tensor, *tensors.Tensor)) []*rankRun {
+// runLoop trains steps on w in-process ranks with train.Loop, each with a
+// differently seeded store and its shard of the batch.
+func runLoop(t *testing.T, w, steps int, build Builder, edit func(rank, step int, b train.Batch) train.Batch) []*rankRun {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	runs := make([]*rankRun, w)
 	var mu sync.Mutex
-	err := local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
+	_ = local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
 		r := c.Rank()
-		tr, err := New(c, newBackend(t), newStore(int64(100+r)), regression, newOpt)
-		if err != nil {
-			return err
+		m := newRankModel(t, ctx, c, newStore(int64(100+r)), 16, build)
+		defer m.opt.Close()
+		ds := &shard{rank: r, world: w}
+		if edit != nil {
+			ds.edit = func(step int, b train.Batch) train.Batch { return edit(r, step, b) }
 		}
-		x, y := batch(r*rows/w, (r+1)*rows/w)
-		if err := tr.Init(ctx, x, y); err != nil {
-			return err
+		_, err := m.loop.RunSteps(ds, steps)
+		run := &rankRun{losses: m.losses, err: err}
+		if err == nil {
+			run.final = variables(t, m.store)
+			run.stats = m.opt.Optimizer().Stats()
 		}
-		run := &rankRun{init: values(t, tr)}
-		for s := range steps {
-			xs, ys := x, y
-			if hook != nil {
-				xs, ys = hook(r, s, tr, x, y)
-			}
-			loss, err := tr.Step(ctx, xs, ys)
-			run.stepErr = append(run.stepErr, err)
-			run.losses = append(run.losses, loss)
-		}
-		run.final = values(t, tr)
-		run.stats = tr.Optimizer().Stats()
 		mu.Lock()
 		runs[r] = run
 		mu.Unlock()
-		return nil
+		return err
 	})
-	require.NoError(t, err)
 	return runs
 }
 
-func meanLoss(runs []*rankRun, step int) float64 {
-	var s float64
-	for _, r := range runs {
-		s += float64(r.losses[step])
-	}
-	return s / float64(len(runs))
-}
-
-// TestDataParallel trains on 4 ranks whose initializers are seeded
-// differently: after Init every rank holds rank 0's values, the loss falls,
-// and the ranks stay bit-identical, with exact and with 1-bit Adam.
-func TestDataParallel(t *testing.T) {
-	for _, c := range []struct {
-		name string
-		opt  NewOptimizer
-	}{{"adam", adam}, {"onebit-adam", onebitAdam}} {
-		t.Run(c.name, func(t *testing.T) {
+// TestLoopEveryOptimizer trains on 2 ranks whose initializers are seeded
+// differently, with every lowbit optimizer inside train.Loop: the loss
+// falls, the ranks end bit-identical (0/1 Adam at a synchronization) and
+// GoMLX's global step counts the steps.
+func TestLoopEveryOptimizer(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		build Builder
+	}{
+		{"adam", adam}, {"lamb", lamb}, {"onebit-adam", onebitAdam}, {"onebit-lamb", onebitLamb},
+		{"zeroone-adam", zeroOneAdam}, {"zero-adam", zeroAdam},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
 			const steps = 30
-			runs := train(t, 4, steps, c.opt, nil)
+			runs := runLoop(t, 2, steps, tc.build, nil)
 			for r, run := range runs {
-				require.Len(t, run.stepErr, steps)
-				for s, err := range run.stepErr {
-					require.NoError(t, err, "rank %d step %d", r, s)
-				}
-				assert.Equal(t, runs[0].init, run.init, "rank %d starts from rank 0's values", r)
-				assert.Equal(t, runs[0].final, run.final, "rank %d ends bit-identical to rank 0", r)
+				require.NoError(t, run.err, "rank %d", r)
+				require.Len(t, run.losses, steps)
+				assert.Less(t, run.losses[steps-1], run.losses[0]/2, "rank %d: %v", r, run.losses)
 				assert.Equal(t, int64(steps), run.stats.Steps)
 				assert.Zero(t, run.stats.Skipped)
 			}
-			first, last := meanLoss(runs, 0), meanLoss(runs, steps-1)
-			assert.Less(t, last, first/2, "loss falls: %.4f -> %.4f", first, last)
-			if c.name == "onebit-adam" {
-				assert.Equal(t, optim.StageCompression, runs[0].stats.Stage)
+			if tc.name != "zeroone-adam" {
+				assert.Equal(t, runs[0].final, runs[1].final, "ranks differ")
+			}
+			for r, run := range runs {
+				assert.Equal(t, int64(steps), int64(binary.LittleEndian.Uint64(run.final["/global_step"])), "rank %d", r)
 			}
 		})
 	}
-}
-
-// TestMatchesOneRank: with exact Adam, 4 ranks on quarter batches follow
-// the loss curve of 1 rank on the whole batch (the mean of the shards'
-// mean-loss gradients is the whole batch's).
-func TestMatchesOneRank(t *testing.T) {
-	const steps = 10
-	one := train(t, 1, steps, adam, nil)
-	four := train(t, 4, steps, adam, nil)
-	require.Equal(t, one[0].init, four[0].init, "seed 100 is rank 0's in both")
-	for s := range steps {
-		assert.InDelta(t, meanLoss(one, s), meanLoss(four, s), 1e-4*max(1, meanLoss(one, s)), "step %d", s)
-	}
-	for i := range one[0].final {
-		assert.InDeltaSlice(t, one[0].final[i], four[0].final[i], 1e-4)
-	}
-}
-
-// TestNonFiniteSkipped: a NaN in one rank's batch skips that step on every
-// rank, changes no variable, and training goes on.
-func TestNonFiniteSkipped(t *testing.T) {
-	const steps, bad = 6, 3
-	var before [][][]float32 = make([][][]float32, 4)
-	var after [][][]float32 = make([][][]float32, 4)
-	var mu sync.Mutex
-	runs := train(t, 4, steps, onebitAdam, func(rank, step int, tr *Trainer, x, y *tensors.Tensor) (*tensors.Tensor, *tensors.Tensor) {
-		mu.Lock()
-		defer mu.Unlock()
-		switch step {
-		case bad:
-			before[rank] = values(t, tr)
-		case bad + 1:
-			after[rank] = values(t, tr)
-		}
-		if step == bad && rank == 2 {
-			d := tensors.MustCopyFlatData[float32](y)
-			d[0] = float32(math.NaN())
-			return x, tensors.FromFlatDataAndDimensions(d, y.Shape().Dimensions...)
-		}
-		return x, y
-	})
-	for r, run := range runs {
-		for s, err := range run.stepErr {
-			require.NoError(t, err, "rank %d step %d", r, s)
-		}
-		assert.Equal(t, int64(1), run.stats.Skipped, "rank %d", r)
-		assert.Equal(t, before[r], after[r], "rank %d: the skipped step changed nothing", r)
-		assert.Equal(t, runs[0].final, run.final)
-	}
-	assert.True(t, math.IsNaN(float64(runs[2].losses[bad])))
-}
-
-// TestShapeChange: a variable reshaped between steps on one rank gives an
-// error on every rank and changes nothing anywhere; the next steps with
-// the variable restored go on.
-func TestShapeChange(t *testing.T) {
-	const steps, bad = 4, 2
-	var kept *tensors.Tensor
-	var before, after [][][]float32 = make([][][]float32, 3), make([][][]float32, 3)
-	var mu sync.Mutex
-	runs := train(t, 3, steps, adam, func(rank, step int, tr *Trainer, x, y *tensors.Tensor) (*tensors.Tensor, *tensors.Tensor) {
-		mu.Lock()
-		defer mu.Unlock()
-		v := tr.vars[0]
-		switch {
-		case step == bad:
-			before[rank] = values(t, tr)
-			if rank == 1 {
-				kept = v.MustValue()
-				require.NoError(t, v.SetValuePreservingOld(tensors.FromShape(shapes.Make(dtypes.Float32, 3, 3))))
-			}
-		case step == bad+1:
-			if rank == 1 {
-				require.NoError(t, v.SetValuePreservingOld(kept))
-			}
-			after[rank] = values(t, tr)
-		}
-		return x, y
-	})
-	for r, run := range runs {
-		require.Error(t, run.stepErr[bad], "rank %d", r)
-		if r == 1 {
-			assert.Contains(t, run.stepErr[bad].Error(), "changed shape from")
-			assert.Contains(t, run.stepErr[bad].Error(), "no variable changed")
-		} else {
-			assert.Contains(t, run.stepErr[bad].Error(), "another rank failed")
-			assert.Equal(t, before[r], after[r], "rank %d: nothing changed", r)
-		}
-		for s, err := range run.stepErr {
-			if s != bad {
-				require.NoError(t, err, "rank %d step %d", r, s)
-			}
-		}
-		assert.Equal(t, int64(steps-1), run.stats.Steps, "the failed step never reached the optimizer")
-		assert.Equal(t, runs[0].final, run.final)
-	}
-}
-
-// TestDifferentModels: ranks whose models differ are told so on every rank.
-func TestDifferentModels(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	errs := make([]error, 2)
-	_ = local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		loss := regression
-		if c.Rank() == 1 {
-			loss = func(scope *model.Scope, in []*graph.Node) *graph.Node {
-				out := layers.DenseWithBias(scope.In("out"), in[0], 1)
-				return graph.ReduceAllMean(graph.Square(graph.Sub(out, in[1])))
-			}
-		}
-		tr, err := New(c, newBackend(t), newStore(1), loss, adam)
-		require.NoError(t, err)
-		x, y := batch(0, 8)
-		_, errs[c.Rank()] = tr.Step(ctx, x, y)
-		return errs[c.Rank()]
-	})
-	for r, err := range errs {
-		require.Error(t, err, "rank %d", r)
-		assert.Contains(t, err.Error(), "other trainable variables", "rank %d", r)
-	}
-}
-
-// TestCheckpoint: State after some steps, then Init and Load in a fresh
-// trainer, continues bit-identically to the uninterrupted run.
-func TestCheckpoint(t *testing.T) {
-	const steps, cut = 12, 7
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	whole := train(t, 2, steps, onebitAdam, nil)
-	err := local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		r := c.Rank()
-		x, y := batch(r*rows/2, (r+1)*rows/2)
-		b := newBackend(t)
-		tr, err := New(c, b, newStore(int64(100+r)), regression, onebitAdam)
-		require.NoError(t, err)
-		for range cut {
-			_, err := tr.Step(ctx, x, y)
-			require.NoError(t, err)
-		}
-		ck, err := tr.State()
-		require.NoError(t, err)
-
-		// A fresh model with other initial values resumes.
-		tr2, err := New(c, b, newStore(int64(7+r)), regression, onebitAdam)
-		require.NoError(t, err)
-		require.NoError(t, tr2.Init(ctx, x, y))
-		require.NoError(t, tr2.Load(ck))
-		for range steps - cut {
-			_, err := tr2.Step(ctx, x, y)
-			require.NoError(t, err)
-		}
-		assert.Equal(t, whole[r].final, values(t, tr2), "rank %d", r)
-		return nil
-	})
-	require.NoError(t, err)
-}
-
-func TestNewErrors(t *testing.T) {
-	b := newBackend(t)
-	s := model.NewStore()
-	for _, c := range []struct {
-		name string
-		err  func() error
-		want string
-	}{
-		{"backend", func() error { _, err := New(nil, nil, s, regression, adam); return err }, "nil backend"},
-		{"store", func() error { _, err := New(nil, b, nil, regression, adam); return err }, "nil model.Store"},
-		{"loss", func() error { _, err := New(nil, b, s, nil, adam); return err }, "nil loss"},
-		{"optimizer", func() error { _, err := New(nil, b, s, regression, nil); return err }, "nil optimizer"},
-	} {
-		err := c.err()
-		require.Error(t, err, c.name)
-		assert.Contains(t, err.Error(), c.want)
-	}
-	tr, err := New(nil, b, s, regression, adam)
-	require.NoError(t, err)
-	_, err = tr.State()
-	assert.ErrorContains(t, err, "before Init")
-	// A graph that cannot be built is an error, not a panic.
-	x, _ := batch(0, 4)
-	_, err = tr.Step(context.Background(), x)
-	assert.ErrorContains(t, err, "building the graph")
-}
-
-// linear is a loss whose gradients are its inputs, bit for bit: the sum of
-// w*gw plus the sum of b*gb, so that d/dw = gw and d/db = gb.
-func linear(scope *model.Scope, in []*graph.Node) *graph.Node {
-	w := scope.VariableWithShape("w", shapes.Make(dtypes.Float32, 3, 4)).NodeValue(in[0].Graph())
-	b := scope.VariableWithShape("b", shapes.Make(dtypes.Float32, 5)).NodeValue(in[0].Graph())
-	return graph.Add(graph.ReduceAllSum(graph.Mul(w, in[0])), graph.ReduceAllSum(graph.Mul(b, in[1])))
-}
-
-// linearGrads returns the gradients rank r feeds at step s.
-func linearGrads(r, s int) (gw, gb []float32) {
-	rng := rand.New(rand.NewPCG(uint64(r), uint64(s)))
-	gw, gb = make([]float32, 12), make([]float32, 5)
-	for i := range gw {
-		gw[i] = float32(rng.NormFloat64())
-	}
-	for i := range gb {
-		gb[i] = float32(rng.NormFloat64())
-	}
-	return gw, gb
-}
-
-// TestEqualsHostStep: a Trainer step is exactly the lowbit optimizer's Step
-// on host parameters holding rank 0's initial values and each rank's graph
-// gradients: the gradients reach the right parameters, the lowbit
-// optimizer averages them over the ranks, and the results come back into
-// the variables, bit for bit, for exact and for 1-bit Adam (its warm-up and
-// its compression stage).
-func TestEqualsHostStep(t *testing.T) {
-	const w, steps = 4, 8
-	onebitEarly := func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
-		cfg := onebit.DefaultAdamConfig()
-		cfg.LR, cfg.FreezeStep = 1e-2, 3
-		return onebit.NewAdam(ctx, c, p, cfg)
-	}
-	for _, c := range []struct {
-		name string
-		opt  NewOptimizer
-	}{{"adam", adam}, {"onebit-adam", onebitEarly}} {
-		t.Run(c.name, func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
-			names := make([]string, 2)
-			var init [][]float32
-			got := make([][][][]float32, w) // [rank][step] variables
-			var mu sync.Mutex
-			require.NoError(t, local.Run(ctx, w, func(ctx context.Context, cm comm.Comm) error {
-				r := cm.Rank()
-				tr, err := New(cm, newBackend(t), newStore(int64(10+r)), linear, c.opt)
-				require.NoError(t, err)
-				for s := range steps {
-					gw, gb := linearGrads(r, s)
-					xw := tensors.FromFlatDataAndDimensions(gw, 3, 4)
-					xb := tensors.FromFlatDataAndDimensions(gb, 5)
-					if s == 0 {
-						require.NoError(t, tr.Init(ctx, xw, xb))
-						if r == 0 {
-							mu.Lock()
-							init = values(t, tr)
-							for i, p := range tr.Params() {
-								names[i] = p.Name
-							}
-							mu.Unlock()
-						}
-					}
-					_, err := tr.Step(ctx, xw, xb)
-					require.NoError(t, err)
-					v := values(t, tr)
-					mu.Lock()
-					got[r] = append(got[r], v)
-					mu.Unlock()
-				}
-				return nil
-			}))
-			require.Len(t, init, 2)
-
-			// The reference: the lowbit optimizer alone, on the host.
-			want := make([][][][]float32, w)
-			require.NoError(t, local.Run(ctx, w, func(ctx context.Context, cm comm.Comm) error {
-				r := cm.Rank()
-				params := make([]*optim.Param, 2)
-				for i := range params {
-					dims := []int{3, 4}
-					if len(init[i]) == 5 {
-						dims = []int{5}
-					}
-					p, err := optim.NewParamFrom(names[i], append([]float32(nil), init[i]...), dims...)
-					require.NoError(t, err)
-					params[i] = p
-				}
-				opt, err := c.opt(ctx, cm, params)
-				require.NoError(t, err)
-				for s := range steps {
-					gw, gb := linearGrads(r, s)
-					for _, p := range params {
-						if p.Numel() == 12 {
-							copy(p.GradData(), gw)
-						} else {
-							copy(p.GradData(), gb)
-						}
-					}
-					require.NoError(t, opt.Step(ctx))
-					var v [][]float32
-					for _, p := range params {
-						v = append(v, append([]float32(nil), p.Data()...))
-					}
-					mu.Lock()
-					want[r] = append(want[r], v)
-					mu.Unlock()
-				}
-				if c.name == "onebit-adam" {
-					assert.Equal(t, optim.StageCompression, opt.Stats().Stage)
-				}
-				return nil
-			}))
-			for r := range w {
-				assert.Equal(t, want[r], got[r], "rank %d", r)
-			}
-			assert.NotEqual(t, init, got[0][steps-1], "the variables moved")
-		})
-	}
-}
-
-// closeCounter counts the Close calls that reach the optimizer.
-type closeCounter struct {
-	optim.Optimizer
-	n *int
-}
-
-func (c closeCounter) Close() error {
-	*c.n++
-	return c.Optimizer.Close()
-}
-
-// TestClose: Close reaches the optimizer, is idempotent, and Step and
-// Init fail after it with optim.ErrClosed.
-func TestClose(t *testing.T) {
-	ctx := context.Background()
-	closes := 0
-	counted := func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
-		o, err := adam(ctx, c, p)
-		return closeCounter{o, &closes}, err
-	}
-	b := newBackend(t)
-	x, y := batch(0, 8)
-	tr, err := New(nil, b, newStore(1), regression, counted)
-	require.NoError(t, err)
-	_, err = tr.Step(ctx, x, y)
-	require.NoError(t, err)
-	require.NoError(t, tr.Close())
-	require.NoError(t, tr.Close())
-	assert.Positive(t, closes, "Close reaches the optimizer")
-	_, err = tr.Step(ctx, x, y)
-	assert.ErrorIs(t, err, optim.ErrClosed)
-
-	tr, err = New(nil, b, newStore(1), regression, counted)
-	require.NoError(t, err)
-	require.NoError(t, tr.Close())
-	assert.ErrorIs(t, tr.Init(ctx, x, y), optim.ErrClosed)
 }
