@@ -7,12 +7,14 @@ import (
 	"math"
 	"math/rand/v2"
 	_ "path/filepath"
-	"strings"
+	_ "strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/gomlx/compute/dtypes"
 	"github.com/gomlx/compute/gobackend"
+	"github.com/gomlx/compute/shapes"
 	"github.com/gomlx/gomlx/core/graph"
 	"github.com/gomlx/gomlx/core/tensors"
 	"github.com/gomlx/gomlx/ml/layers"
@@ -260,5 +262,248 @@ func TestLoopEveryOptimizer(t *testing.T) {
 				assert.Equal(t, int64(steps), int64(binary.LittleEndian.Uint64(run.final["/global_step"])), "rank %d", r)
 			}
 		})
+	}
+}
+
+// TestLoopMatchesOneRank: 2 ranks with half batches each, whose
+// initializers are seeded differently, follow the trajectory of 1 rank
+// with the whole batch and rank 0's seed (exact Adam): every rank starts
+// from rank 0's values before the first gradient is computed.
+func TestLoopMatchesOneRank(t *testing.T) {
+	const steps = 10
+	two := runLoop(t, 2, steps, adam, nil)
+	one := runLoop(t, 1, steps, adam, nil)
+	require.NoError(t, two[0].err)
+	require.NoError(t, one[0].err)
+	for s := range steps {
+		mean := (float64(two[0].losses[s]) + float64(two[1].losses[s])) / 2
+		assert.InDelta(t, float64(one[0].losses[s]), mean, 1e-5, "step %d", s)
+	}
+	for path, b := range one[0].final {
+		if path == "/global_step" {
+			continue
+		}
+		assert.InDeltaSlice(t, floats(b), floats(two[0].final[path]), 1e-5, path)
+	}
+}
+
+func floats(b []byte) []float64 {
+	out := make([]float64, len(b)/4)
+	for i := range out {
+		out[i] = float64(math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:])))
+	}
+	return out
+}
+
+// nanAt makes rank's batch at step hold a NaN (its loss is then NaN).
+func nanAt(rank, step int) func(r, s int, b train.Batch) train.Batch {
+	return func(r, s int, b train.Batch) train.Batch {
+		if r == rank && s == step {
+			require.NoError(nil, tensors.MutableFlatData(b.Inputs[0], func(f []float32) { f[0] = float32(math.NaN()) }))
+		}
+		return b
+	}
+}
+
+// TestLoopNonFiniteLoss: a NaN loss on rank 1 at step 3 stops the loop on
+// every rank with an error, and no variable changed in that step; a
+// second RunSteps goes on from there.
+func TestLoopNonFiniteLoss(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	err := local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
+		r := c.Rank()
+		m := newRankModel(t, ctx, c, newStore(int64(100+r)), 16, onebitAdam)
+		defer m.opt.Close()
+		ds := &shard{rank: r, world: 2, edit: func(s int, b train.Batch) train.Batch { return nanAt(1, 3)(r, s, b) }}
+		_, err := m.loop.RunSteps(ds, 3)
+		require.NoError(t, err)
+		before := variables(t, m.store)
+		_, err = m.loop.RunSteps(ds, 5)
+		require.Error(t, err, "rank %d", r)
+		assert.Contains(t, err.Error(), "not finite", "rank %d", r)
+		assert.Equal(t, before, variables(t, m.store), "rank %d: a variable changed", r)
+		_, err = m.loop.RunSteps(ds, 5)
+		require.NoError(t, err, "rank %d", r)
+		assert.Equal(t, int64(8), m.opt.Optimizer().Stats().Steps)
+		assert.Equal(t, int64(8), optimizerGlobalStep(m.store))
+		return nil
+	})
+	require.NoError(t, err)
+}
+
+func optimizerGlobalStep(s *model.Store) int64 {
+	return s.GetVariable("/global_step").MustValue().Value().(int64)
+}
+
+// TestLoopNonFiniteGradient: a gradient that is NaN on rank 1 at step 4
+// while every loss is finite (0*sqrt(0)) is skipped on every rank and the
+// loop goes on.
+func TestLoopNonFiniteGradient(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const steps = 8
+	finals := make([]map[string][]byte, 2)
+	err := local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
+		r := c.Rank()
+		backend, err := gobackend.New("")
+		require.NoError(t, err)
+		opt, err := New(ctx, c, onebitAdam)
+		require.NoError(t, err)
+		defer opt.Close()
+		store := newStore(int64(100 + r))
+		// The second label is a gate: 1, or 0 to make the gradient of
+		// sqrt(|w*gate|) infinite, times 0: NaN, with a finite loss.
+		lossFn := func(labels, pred []*graph.Node) *graph.Node {
+			mse := loss.MeanSquaredError(labels[:1], pred)
+			w := store.RootScope().In("gate").VariableWithValue("w", float32(1)).NodeValue(pred[0].Graph())
+			trap := graph.Sqrt(graph.Abs(graph.Mul(w, graph.ReduceAllSum(labels[1]))))
+			return graph.Add(mse, graph.MulScalar(trap, 0))
+		}
+		trainer := train.NewTrainer(backend, store, mlp(16), lossFn, opt, nil, nil)
+		loop := train.NewLoop(trainer)
+		opt.AttachToLoop(loop)
+		var before map[string][]byte
+		loop.OnStep("watch", 0, func(l *train.Loop, _ []*tensors.Tensor) error {
+			if l.LoopStep == 3 {
+				before = variables(t, store)
+			}
+			if l.LoopStep == 4 {
+				after := variables(t, store)
+				delete(after, "/global_step")
+				delete(before, "/global_step")
+				assert.Equal(t, before, after, "rank %d: the skipped step changed a variable", r)
+			}
+			return nil
+		})
+		ds := &shard{rank: r, world: 2, edit: func(s int, b train.Batch) train.Batch {
+			gate := float32(1)
+			if r == 1 && s == 4 {
+				gate = 0
+			}
+			b.Labels = append(b.Labels, tensors.FromFlatDataAndDimensions([]float32{gate}, 1))
+			return b
+		}}
+		_, err = loop.RunSteps(ds, steps)
+		require.NoError(t, err, "rank %d", r)
+		st := opt.Optimizer().Stats()
+		assert.Equal(t, int64(1), st.Skipped, "rank %d", r)
+		assert.Equal(t, int64(steps), st.Steps, "rank %d", r)
+		finals[r] = variables(t, store)
+		return nil
+	})
+	require.NoError(t, err)
+	assert.Equal(t, finals[0], finals[1])
+}
+
+// TestLoopErrorReachesEveryRank: a failure on one rank, in the hook
+// (a trainable variable added) or inside GoMLX's TrainStep (a batch of
+// another width), ends the loop on every rank with an error, no hang.
+func TestLoopErrorReachesEveryRank(t *testing.T) {
+	t.Run("new variable", func(t *testing.T) {
+		runs := runLoopModel(t, func(r int) any {
+			return func(scope *model.Scope, spec any, in []*graph.Node) []*graph.Node {
+				out := mlp(16)(scope, in[0])
+				if spec == "extra" {
+					out = graph.Add(out, scope.In("extra").VariableWithValue("b", float32(0)).NodeValue(out.Graph()))
+				}
+				return []*graph.Node{out}
+			}
+		}, func(r, s int, b train.Batch) train.Batch {
+			if r == 1 && s == 3 {
+				b.Spec = "extra"
+			}
+			return b
+		})
+		for r, run := range runs {
+			require.Error(t, run.err, "rank %d", r)
+			assert.Len(t, run.losses, 3, "rank %d", r)
+		}
+		assert.Contains(t, runs[1].err.Error(), "trainable variables changed")
+		assert.Contains(t, runs[0].err.Error(), "another rank failed")
+	})
+	t.Run("graph fails on one rank", func(t *testing.T) {
+		runs := runLoopModel(t, func(int) any { return mlp(16) }, func(r, s int, b train.Batch) train.Batch {
+			if r == 1 && s == 2 {
+				b.Inputs[0] = tensors.FromShape(shapes.Make(dtypes.Float32, rows/2, features+1))
+			}
+			return b
+		})
+		for r, run := range runs {
+			require.Error(t, run.err, "rank %d", r)
+		}
+		assert.ErrorIs(t, runs[0].err, comm.ErrAborted)
+	})
+}
+
+// runLoopModel is runLoop with a model function per rank (a
+// train.ModelFn or a compatible function) and exact Adam.
+func runLoopModel(t *testing.T, modelFn func(rank int) any, edit func(rank, step int, b train.Batch) train.Batch) []*rankRun {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	runs := make([]*rankRun, 2)
+	var mu sync.Mutex
+	_ = local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
+		r := c.Rank()
+		backend, err := gobackend.New("")
+		require.NoError(t, err)
+		opt, err := New(ctx, c, adam)
+		require.NoError(t, err)
+		defer opt.Close()
+		var trainer *train.Trainer
+		switch fn := modelFn(r).(type) {
+		case func(*model.Scope, *graph.Node) *graph.Node:
+			trainer = train.NewTrainer(backend, newStore(int64(r)), fn, loss.MeanSquaredError, opt, nil, nil)
+		case func(*model.Scope, any, []*graph.Node) []*graph.Node:
+			trainer = train.NewTrainer(backend, newStore(int64(r)), fn, loss.MeanSquaredError, opt, nil, nil)
+		default:
+			t.Fatalf("model function %T", fn)
+		}
+		loop := train.NewLoop(trainer)
+		opt.AttachToLoop(loop)
+		run := &rankRun{}
+		loop.OnStep("record", 0, func(_ *train.Loop, metrics []*tensors.Tensor) error {
+			run.losses = append(run.losses, metrics[0].Value().(float32))
+			return nil
+		})
+		_, run.err = loop.RunSteps(&shard{rank: r, world: 2, edit: func(s int, b train.Batch) train.Batch {
+			if edit == nil {
+				return b
+			}
+			return edit(r, s, b)
+		}}, 6)
+		mu.Lock()
+		runs[r] = run
+		mu.Unlock()
+		return run.err
+	})
+	return runs
+}
+
+// TestLoopDifferentModels: ranks whose models differ fail on every rank
+// at the first step, before any collective of the optimizer.
+func TestLoopDifferentModels(t *testing.T) {
+	runs := runLoopModel(t, func(r int) any { return mlp(8 + 8*r) }, nil)
+	for r, run := range runs {
+		require.Error(t, run.err, "rank %d", r)
+		assert.Contains(t, run.err.Error(), "other trainable variables", "rank %d", r)
+		assert.Empty(t, run.losses)
+	}
+}
+
+func TestNewErrors(t *testing.T) {
+	_, err := New(nil, nil, adam) //nolint:staticcheck // a nil context is the bad input
+	assert.Error(t, err)
+	_, err = New(context.Background(), nil, nil)
+	assert.Error(t, err)
+	// A builder that fails or returns nil fails the first step.
+	for _, build := range []Builder{
+		func(context.Context, comm.Comm, []*optim.Param) (optim.Optimizer, error) { return nil, assert.AnError },
+		func(context.Context, comm.Comm, []*optim.Param) (optim.Optimizer, error) { return nil, nil },
+	} {
+		runs := runLoop(t, 1, 3, build, nil)
+		require.Error(t, runs[0].err)
+		assert.Contains(t, runs[0].err.Error(), "optimizer")
 	}
 }
