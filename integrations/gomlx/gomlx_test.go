@@ -3,11 +3,13 @@ package gomlx
 import (
 	"context"
 	"encoding/binary"
+	"fmt"
+	"io/fs"
+	"os"
 	"iter"
 	"math"
 	"math/rand/v2"
-	_ "path/filepath"
-	_ "strings"
+	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -20,7 +22,7 @@ import (
 	"github.com/gomlx/gomlx/ml/layers"
 	"github.com/gomlx/gomlx/ml/layers/activation"
 	"github.com/gomlx/gomlx/ml/model"
-	_ "github.com/gomlx/gomlx/ml/model/checkpoint"
+	"github.com/gomlx/gomlx/ml/model/checkpoint"
 	"github.com/gomlx/gomlx/ml/train"
 	"github.com/gomlx/gomlx/ml/train/loss"
 	"github.com/stretchr/testify/assert"
@@ -506,4 +508,146 @@ func TestNewErrors(t *testing.T) {
 		require.Error(t, runs[0].err)
 		assert.Contains(t, runs[0].err.Error(), "optimizer")
 	}
+}
+
+// resumeRank is one rank of a checkpointed run: steps steps with build,
+// saved every step to dir/rank-R with Optimizer.SaveOnStepFn (with
+// direct, with Handler.Save after the last step), starting from what dir
+// holds. It returns the run's variables at the end, or the error.
+func resumeRank(t *testing.T, ctx context.Context, c comm.Comm, dir string, hidden, steps int, build Builder, direct bool) (map[string][]byte, *Optimizer, error) {
+	t.Helper()
+	r := c.Rank()
+	// Initial values that differ by rank and by checkpoint directory state:
+	// a resumed run must take its values from the checkpoint.
+	seed := int64(7 + r)
+	if entries, _ := os.ReadDir(filepath.Join(dir, fmt.Sprintf("rank-%d", r))); len(entries) > 0 {
+		seed += 1000
+	}
+	store := newStore(seed)
+	h, err := checkpoint.Build(store).Dir(filepath.Join(dir, fmt.Sprintf("rank-%d", r))).Keep(2).Done()
+	require.NoError(t, err)
+	m := newRankModel(t, ctx, c, store, hidden, build)
+	train.EveryNSteps(m.loop, 1, "checkpoint", 100, m.opt.SaveOnStepFn(h))
+	if direct {
+		train.EveryNSteps(m.loop, steps, "direct", 200, h.SaveOnStepFn)
+	}
+	_, err = m.loop.RunSteps(&shard{rank: r, world: c.Size()}, steps)
+	if err != nil {
+		return nil, m.opt, err
+	}
+	return variables(t, store), m.opt, m.opt.Close()
+}
+
+// TestResumeBitIdentical: N steps straight against N/2, a GoMLX checkpoint
+// with the lowbit state, a restore into fresh objects (other initial
+// values), N/2: every trainable variable and the global step are
+// bit-identical, on every rank, with every optimizer that has state worth
+// the name (1-bit Adam crosses its freeze step after the restore).
+func TestResumeBitIdentical(t *testing.T) {
+	const steps = 12
+	for _, tc := range []struct {
+		name  string
+		build Builder
+	}{
+		{"adam", adam}, {"lamb", lamb}, {"onebit-adam", onebitAdam}, {"onebit-lamb", onebitLamb},
+		{"zeroone-adam", zeroOneAdam}, {"zero-adam", zeroAdam},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			whole := make([]map[string][]byte, 2)
+			resumed := make([]map[string][]byte, 2)
+			dirWhole, dirCut := t.TempDir(), t.TempDir()
+			err := local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
+				var err error
+				whole[c.Rank()], _, err = resumeRank(t, ctx, c, dirWhole, 16, steps, tc.build, false)
+				require.NoError(t, err)
+				_, _, err = resumeRank(t, ctx, c, dirCut, 16, steps/2, tc.build, false)
+				require.NoError(t, err)
+				var opt *Optimizer
+				resumed[c.Rank()], opt, err = resumeRank(t, ctx, c, dirCut, 16, steps/2, tc.build, false)
+				require.NoError(t, err)
+				assert.True(t, opt.Restored())
+				return nil
+			})
+			require.NoError(t, err)
+			for r := range 2 {
+				require.NotEmpty(t, whole[r])
+				assert.Equal(t, whole[r], resumed[r], "rank %d", r)
+			}
+		})
+	}
+}
+
+// TestResumeRefused: a checkpoint of another optimizer, another model
+// size, another number of ranks, or saved with Handler.Save after the
+// lowbit state: an error on every rank, and the checkpoint and the lowbit
+// optimizer unchanged.
+func TestResumeRefused(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	dir := t.TempDir()
+	require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
+		_, _, err := resumeRank(t, ctx, c, dir, 16, 4, onebitAdam, false)
+		return err
+	}))
+	files := snapshot(t, dir)
+	try := func(w, hidden int, build Builder, want string) {
+		t.Helper()
+		errs := make([]error, w)
+		_ = local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
+			_, opt, err := resumeRank(t, ctx, c, dir, hidden, 2, build, false)
+			errs[c.Rank()] = err
+			if opt.Optimizer() != nil {
+				t.Errorf("rank %d: the optimizer was kept", c.Rank())
+			}
+			return err
+		})
+		for r, err := range errs {
+			require.Error(t, err, "rank %d", r)
+			assert.Contains(t, err.Error(), want, "rank %d", r)
+		}
+		assert.Equal(t, files, snapshot(t, dir), "the checkpoint changed")
+	}
+	try(2, 16, adam, "incompatible checkpoint")
+	try(2, 32, onebitAdam, "shape")
+	try(1, 16, onebitAdam, "incompatible checkpoint")
+
+	// A checkpoint saved with Handler.Save after the lowbit state was saved.
+	dir2 := t.TempDir()
+	require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
+		r := c.Rank()
+		store := newStore(int64(r))
+		h, err := checkpoint.Build(store).Dir(filepath.Join(dir2, fmt.Sprintf("rank-%d", r))).Done()
+		require.NoError(t, err)
+		m := newRankModel(t, ctx, c, store, 16, adam)
+		train.EveryNSteps(m.loop, 2, "lowbit", 100, m.opt.SaveOnStepFn(h))
+		train.EveryNSteps(m.loop, 3, "direct", 200, h.SaveOnStepFn)
+		_, err = m.loop.RunSteps(&shard{rank: r, world: 2}, 3)
+		return err
+	}))
+	errs := make([]error, 2)
+	_ = local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
+		_, _, errs[c.Rank()] = resumeRank(t, ctx, c, dir2, 16, 2, adam, false)
+		return errs[c.Rank()]
+	})
+	for r, err := range errs {
+		require.Error(t, err, "rank %d", r)
+		assert.Contains(t, err.Error(), "global step 2, its model from step 3", "rank %d", r)
+	}
+}
+
+// snapshot returns the contents of every file under dir.
+func snapshot(t *testing.T, dir string) map[string]string {
+	t.Helper()
+	out := map[string]string{}
+	require.NoError(t, filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		b, err := os.ReadFile(p)
+		out[p] = string(b)
+		return err
+	}))
+	return out
 }
