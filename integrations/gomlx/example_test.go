@@ -3,12 +3,15 @@ package gomlx_test
 import (
 	"context"
 	"fmt"
+	"iter"
 
 	"github.com/gomlx/compute/gobackend"
 	"github.com/gomlx/gomlx/core/graph"
 	"github.com/gomlx/gomlx/core/tensors"
 	"github.com/gomlx/gomlx/ml/layers"
 	"github.com/gomlx/gomlx/ml/model"
+	"github.com/gomlx/gomlx/ml/train"
+	"github.com/gomlx/gomlx/ml/train/loss"
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
@@ -17,24 +20,36 @@ import (
 	"github.com/lowbit-ml/lowbit/optim"
 )
 
-// A GoMLX linear regression trained data-parallel on 2 in-process ranks
-// with 1-bit Adam: each rank builds its own model.Store and feeds its own
-// half of the batch; the Trainer averages the gradients through lowbit.
+// half is a train.Dataset: rank's half of y = 2x - 1 on 8 points, every step.
+type half struct{ rank int }
+
+func (h half) Name() string { return "line" }
+
+func (h half) Iter() iter.Seq2[train.Batch, error] {
+	return func(yield func(train.Batch, error) bool) {
+		xs := []float32{-1, -0.75, -0.5, -0.25, 0.25, 0.5, 0.75, 1}[4*h.rank : 4*h.rank+4]
+		for {
+			ys := make([]float32, len(xs))
+			for i, x := range xs {
+				ys[i] = 2*x - 1
+			}
+			b := train.Batch{
+				Inputs: []*tensors.Tensor{tensors.FromFlatDataAndDimensions(xs, 4, 1)},
+				Labels: []*tensors.Tensor{tensors.FromFlatDataAndDimensions(ys, 4, 1)},
+			}
+			if !yield(b, nil) {
+				return
+			}
+		}
+	}
+}
+
+// A GoMLX linear regression trained with train.Loop, data-parallel on 2
+// in-process ranks with 1-bit Adam: the GoMLX code is the usual one, but
+// for the optimizer given to train.NewTrainer and the AttachToLoop line.
 func Example() {
-	// y = 2x - 1 on 8 points, 4 per rank.
-	xs := []float32{-1, -0.75, -0.5, -0.25, 0.25, 0.5, 0.75, 1}
-	ys := make([]float32, len(xs))
-	for i, x := range xs {
-		ys[i] = 2*x - 1
-	}
-	loss := func(scope *model.Scope, in []*graph.Node) *graph.Node {
-		pred := layers.DenseWithBias(scope.In("linear"), in[0], 1)
-		return graph.ReduceAllMean(graph.Square(graph.Sub(pred, in[1])))
-	}
-	newOpt := func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
-		cfg := onebit.DefaultAdamConfig()
-		cfg.LR, cfg.FreezeStep = 0.05, 20
-		return onebit.NewAdam(ctx, c, p, cfg)
+	linear := func(scope *model.Scope, x *graph.Node) *graph.Node {
+		return layers.DenseWithBias(scope.In("linear"), x, 1)
 	}
 	losses := make([]float32, 2)
 	err := local.Run(context.Background(), 2, func(ctx context.Context, c comm.Comm) error {
@@ -42,19 +57,23 @@ func Example() {
 		if err != nil {
 			return err
 		}
-		tr, err := gomlx.New(c, backend, model.NewStore(), loss, newOpt)
+		opt, err := gomlx.New(ctx, c, func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+			cfg := onebit.DefaultAdamConfig()
+			cfg.LR, cfg.FreezeStep = 0.05, 20
+			return onebit.NewAdam(ctx, c, p, cfg)
+		})
 		if err != nil {
 			return err
 		}
-		defer tr.Close()
-		lo := 4 * c.Rank()
-		x := tensors.FromFlatDataAndDimensions(xs[lo:lo+4], 4, 1)
-		y := tensors.FromFlatDataAndDimensions(ys[lo:lo+4], 4, 1)
-		for range 300 {
-			if losses[c.Rank()], err = tr.Step(ctx, x, y); err != nil {
-				return err
-			}
+		defer opt.Close()
+		trainer := train.NewTrainer(backend, model.NewStore(), linear, loss.MeanSquaredError, opt, nil, nil)
+		loop := train.NewLoop(trainer)
+		opt.AttachToLoop(loop)
+		metrics, err := loop.RunSteps(half{rank: c.Rank()}, 300)
+		if err != nil {
+			return err
 		}
+		losses[c.Rank()] = tensors.ToScalar[float32](metrics[0])
 		return nil
 	})
 	fmt.Println("error:", err)

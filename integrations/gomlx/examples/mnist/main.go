@@ -21,6 +21,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"iter"
 	"math/rand/v2"
 	"os"
 	"os/signal"
@@ -37,6 +38,8 @@ import (
 	"github.com/gomlx/gomlx/ml/layers"
 	"github.com/gomlx/gomlx/ml/layers/activation"
 	"github.com/gomlx/gomlx/ml/model"
+	"github.com/gomlx/gomlx/ml/model/checkpoint"
+	"github.com/gomlx/gomlx/ml/train"
 	"github.com/gomlx/gomlx/ml/train/loss"
 
 	"github.com/lowbit-ml/lowbit/comm"
@@ -65,6 +68,9 @@ type options struct {
 	lr         float64
 	freezeStep int
 	seed       uint64
+
+	checkpoint      string // directory of the GoMLX checkpoints, "" for none
+	checkpointEvery int
 }
 
 func parseFlags(args []string, stderr io.Writer) (*options, error) {
@@ -81,6 +87,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.Float64Var(&o.lr, "lr", 1e-3, "learning rate")
 	fs.IntVar(&o.freezeStep, "freeze-step", 200, "exact warm-up steps of onebit-adam")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the shuffling and of rank 0's initial weights")
+	fs.StringVar(&o.checkpoint, "checkpoint", "", "directory of GoMLX checkpoints (with the lowbit state), one subdirectory per optimizer and rank; a run resumes from what it holds")
+	fs.IntVar(&o.checkpointEvery, "checkpoint-every", 100, "steps between checkpoints (with -checkpoint)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -95,8 +103,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
 	case o.backend != "local" && o.backend != "mpi":
 		return nil, fmt.Errorf("unknown -backend %q (want local or mpi)", o.backend)
-	case o.workers < 1 || o.steps < 1 || o.batch < 1 || o.freezeStep < 0:
-		return nil, errors.New("-workers, -steps and -batch must be at least 1, -freeze-step at least 0")
+	case o.workers < 1 || o.steps < 1 || o.batch < 1 || o.freezeStep < 0 || o.checkpointEvery < 1:
+		return nil, errors.New("-workers, -steps, -batch and -checkpoint-every must be at least 1, -freeze-step at least 0")
 	case !(o.lr > 0):
 		return nil, fmt.Errorf("-lr must be positive, got %v", o.lr)
 	}
@@ -157,13 +165,8 @@ func logits(scope *model.Scope, x *graph.Node) *graph.Node {
 	return layers.DenseWithBias(scope.In("out"), h, classes)
 }
 
-// meanLoss is the training loss: mean softmax cross-entropy of the batch.
-func meanLoss(scope *model.Scope, in []*graph.Node) *graph.Node {
-	return graph.ReduceAllMean(loss.SparseCategoricalCrossEntropyLogits(in[1:2], []*graph.Node{logits(scope, in[0])}))
-}
-
 // newOptimizer is the lowbit optimizer called name.
-func newOptimizer(name string, o *options) lbgomlx.NewOptimizer {
+func newOptimizer(name string, o *options) lbgomlx.Builder {
 	return func(ctx context.Context, c comm.Comm, params []*optim.Param) (optim.Optimizer, error) {
 		adam := optim.DefaultAdamConfig()
 		adam.LR = float32(o.lr)
@@ -174,6 +177,45 @@ func newOptimizer(name string, o *options) lbgomlx.NewOptimizer {
 		cfg.AdamConfig = adam
 		cfg.FreezeStep = o.freezeStep
 		return onebit.NewAdam(ctx, c, params, cfg)
+	}
+}
+
+// shards is a train.Dataset: this rank's shard of every global batch of
+// an endless shuffled pass over the training set, the same order on every
+// rank.
+type shards struct {
+	data   *dataset
+	lo, hi int // this rank's rows of a global batch
+	batch  int
+	seed   uint64
+	skip   int // global batches to pass over first: the steps a resumed run has done
+}
+
+func (s *shards) Name() string { return "mnist-train" }
+
+func (s *shards) Iter() iter.Seq2[train.Batch, error] {
+	return func(yield func(train.Batch, error) bool) {
+		perm := make([]int, len(s.data.labels))
+		for i := range perm {
+			perm[i] = i
+		}
+		rng := rand.New(rand.NewPCG(s.seed, 0)) // the same on every rank
+		pos := len(perm)
+		for step := 0; ; step++ {
+			if pos+s.batch > len(perm) {
+				rng.Shuffle(len(perm), func(i, j int) { perm[i], perm[j] = perm[j], perm[i] })
+				pos = 0
+			}
+			if step < s.skip {
+				pos += s.batch
+				continue
+			}
+			x, y := s.data.rows(perm[pos+s.lo : pos+s.hi])
+			pos += s.batch
+			if !yield(train.Batch{Inputs: []*tensors.Tensor{x}, Labels: []*tensors.Tensor{y}}, nil) {
+				return
+			}
+		}
 	}
 }
 
@@ -191,10 +233,10 @@ type result struct {
 }
 
 // trainRank is one rank's training run; every rank calls it together.
-func trainRank(ctx context.Context, c comm.Comm, name string, o *options, train, test *dataset) (*result, error) {
+func trainRank(ctx context.Context, c comm.Comm, name string, o *options, trainSet, test *dataset) (*result, error) {
 	w, rank := c.Size(), c.Rank()
-	if o.batch < w || o.batch > len(train.labels) {
-		return nil, fmt.Errorf("-batch %d must be between the %d ranks and the %d training examples", o.batch, w, len(train.labels))
+	if o.batch < w || o.batch > len(trainSet.labels) {
+		return nil, fmt.Errorf("-batch %d must be between the %d ranks and the %d training examples", o.batch, w, len(trainSet.labels))
 	}
 	backend, err := gobackend.New("")
 	if err != nil {
@@ -203,37 +245,38 @@ func trainRank(ctx context.Context, c comm.Comm, name string, o *options, train,
 	defer backend.Finalize()
 	store := model.NewStore()
 	// Rank 0's seed decides the initial weights; the other ranks' differ on
-	// purpose, and the Trainer broadcasts rank 0's.
+	// purpose, and the Optimizer broadcasts rank 0's.
 	store.RootScope().SetParam(model.ParamInitialSeed, int64(o.seed)+int64(rank))
-	tr, err := lbgomlx.New(c, backend, store, meanLoss, newOptimizer(name, o))
+
+	// An ordinary GoMLX training loop; the lowbit lines are marked.
+	opt, err := lbgomlx.New(ctx, c, newOptimizer(name, o)) // lowbit: the optimizer
 	if err != nil {
 		return nil, err
 	}
-	defer tr.Close()
-
-	lo, hi := rank*o.batch/w, (rank+1)*o.batch/w
-	perm := make([]int, len(train.labels))
-	for i := range perm {
-		perm[i] = i
-	}
-	rng := rand.New(rand.NewPCG(o.seed, 0)) // the same on every rank
-	start := time.Now()
+	defer opt.Close()
+	trainer := train.NewTrainer(backend, store, logits, loss.SparseCategoricalCrossEntropyLogits, opt, nil, nil)
+	loop := train.NewLoop(trainer)
+	opt.AttachToLoop(loop) // lowbit: the host step after every TrainStep
 	var last []float64
-	pos := len(perm)
-	for step := range o.steps {
-		if pos+o.batch > len(perm) {
-			rng.Shuffle(len(perm), func(i, j int) { perm[i], perm[j] = perm[j], perm[i] })
-			pos = 0
+	loop.OnStep("last losses", 0, func(l *train.Loop, metrics []*tensors.Tensor) error {
+		if o.steps-l.LoopStep <= 50 {
+			last = append(last, float64(tensors.ToScalar[float32](metrics[0])))
 		}
-		x, y := train.rows(perm[pos+lo : pos+hi])
-		pos += o.batch
-		l, err := tr.Step(ctx, x, y)
+		return nil
+	})
+	if o.checkpoint != "" {
+		// Each rank its own directory: the lowbit state is per rank.
+		h, err := checkpoint.Build(store).Dir(filepath.Join(o.checkpoint, fmt.Sprintf("%s-rank-%d", name, rank))).Keep(2).Done()
 		if err != nil {
-			return nil, fmt.Errorf("step %d: %w", step+1, err)
+			return nil, err
 		}
-		if o.steps-step <= 50 {
-			last = append(last, float64(l))
-		}
+		train.EveryNSteps(loop, o.checkpointEvery, "checkpoint", 100, opt.SaveOnStepFn(h)) // lowbit: instead of h.SaveOnStepFn
+	}
+	ds := &shards{data: trainSet, lo: rank * o.batch / w, hi: (rank + 1) * o.batch / w, batch: o.batch, seed: o.seed,
+		skip: int(trainer.GlobalStep())}
+	start := time.Now()
+	if _, err := loop.RunToGlobalStep(ds, o.steps); err != nil {
+		return nil, err
 	}
 	wall := time.Since(start)
 
@@ -264,14 +307,14 @@ func trainRank(ctx context.Context, c comm.Comm, name string, o *options, train,
 	for _, l := range last {
 		lastLoss += l / float64(len(last))
 	}
-	st := tr.Optimizer().Stats()
+	st := opt.Optimizer().Stats()
 	sums := []float32{float32(correct), float32(lastLoss), float32(wall.Seconds()), float32(st.BytesSent), float32(st.LastStepBytes)}
 	if err := c.AllReduce(ctx, sums, comm.Sum); err != nil {
 		return nil, err
 	}
 	fw := float64(w)
 	return &result{
-		optimizer: name, workers: w, trainCount: len(train.labels),
+		optimizer: name, workers: w, trainCount: len(trainSet.labels),
 		acc: float64(sums[0]) / float64(len(test.labels)), loss: float64(sums[1]) / fw,
 		wall: time.Duration(float64(sums[2]) / fw * float64(time.Second)), bytes: float64(sums[3]) / fw,
 		lastBytes: float64(sums[4]) / fw, stage: st.Stage, skipped: st.Skipped,

@@ -50,3 +50,22 @@ func TestRunErrors(t *testing.T) {
 		assert.Contains(t, err.Error(), c.want, "%v", c.args)
 	}
 }
+
+// TestRunCheckpoint: 20 steps straight and 10 + 10 resumed from the GoMLX
+// checkpoints (with the lowbit state) reach the same test accuracy and
+// sent bytes.
+func TestRunCheckpoint(t *testing.T) {
+	dir := t.TempDir()
+	args := []string{"-data", testdata, "-workers", "2", "-batch", "32", "-freeze-step", "5", "-lr", "2e-3",
+		"-optimizers", "onebit-adam", "-checkpoint-every", "10"}
+	row := func(extra ...string) string {
+		var out bytes.Buffer
+		require.NoError(t, run(context.Background(), append(args, extra...), &out, &bytes.Buffer{}))
+		m := regexp.MustCompile(`(?m)^\s*onebit-adam\s+([0-9.]+%)\s`).FindStringSubmatch(out.String())
+		require.NotNil(t, m, out.String())
+		return m[1]
+	}
+	whole := row("-steps", "20")
+	row("-steps", "10", "-checkpoint", dir)
+	assert.Equal(t, whole, row("-steps", "20", "-checkpoint", dir))
+}
