@@ -57,7 +57,7 @@ func BenchmarkStepVsGoMLXAdam(b *testing.B) {
 	}
 	backend, err := gobackend.New("")
 	require.NoError(b, err)
-	opt, err := New(context.Background(), nil, adam)
+	opt, err := New(context.Background(), nil, adam, WithManualStep())
 	require.NoError(b, err)
 	defer opt.Close()
 	lowbit := train.NewTrainer(backend, newStore(1), mnistMLP, loss.SparseCategoricalCrossEntropyLogits, opt, nil, nil)

@@ -143,6 +143,14 @@ func WithLogger(l *zap.Logger) Option {
 	}
 }
 
+// WithManualStep declares that the program calls Step itself after every
+// Trainer.TrainStep instead of attaching the Optimizer to a train.Loop.
+// Without it (or AttachToLoop) the first training graph is refused: the
+// variables would otherwise never change, without a word.
+func WithManualStep() Option {
+	return func(o *Optimizer) { o.manual = true }
+}
+
 // Optimizer is a GoMLX optimizer.Interface that trains the trainable
 // variables of one rank's model.Store with a lowbit optimizer. Give it to
 // train.NewTrainer and attach it to the train.Loop (AttachToLoop). It is
@@ -166,6 +174,8 @@ type Optimizer struct {
 	steps    int64 // Steps the hook ran (skipped included)
 	restored bool  // whether the lowbit state came from a checkpoint
 	closed   bool
+	attached bool // AttachToLoop was called
+	manual   bool // WithManualStep: the program calls Step itself
 }
 
 var _ optimizer.Interface = (*Optimizer)(nil)
@@ -218,8 +228,11 @@ func (o *Optimizer) Close() error {
 }
 
 // AttachToLoop adds the hook that runs the lowbit step after every training
-// step of loop, at HookPriority. Without it the variables never change.
+// step of loop, at HookPriority. Call it before the loop's first step: a
+// training graph built while the Optimizer is neither attached nor made
+// WithManualStep is refused.
 func (o *Optimizer) AttachToLoop(loop *train.Loop) {
+	o.attached = true
 	loop.OnStep("lowbit", HookPriority, func(_ *train.Loop, metrics []*tensors.Tensor) error {
 		if len(metrics) == 0 {
 			return errors.New("gomlx: the training step returned no metrics")
@@ -254,6 +267,10 @@ func (o *Optimizer) UpdateGraph(scope *model.Scope, g *graph.Graph, loss *graph.
 	}
 	if !loss.IsScalar() {
 		panic(fmt.Errorf("gomlx: the loss must be a scalar, got shape %s", loss.Shape()))
+	}
+	if !o.attached && !o.manual {
+		panic(errors.New("gomlx: the Optimizer runs no step: call opt.AttachToLoop(loop) before the loop runs " +
+			"(or make it with WithManualStep and call opt.Step after every TrainStep)"))
 	}
 	if o.store == nil {
 		if err := o.init(store, g.Backend()); err != nil {
@@ -308,8 +325,8 @@ func (o *Optimizer) Clear(scope *model.Scope) error {
 // it reads the gradients the graph handed out, agrees with the other ranks,
 // runs the lowbit optimizer and writes the new values into the variables,
 // then increments GoMLX's global step. AttachToLoop calls it after every
-// TrainStep; call it yourself after Trainer.TrainStep in a loop of your
-// own. Every rank calls it together.
+// TrainStep; in a loop of your own, make the Optimizer WithManualStep and
+// call it after every Trainer.TrainStep. Every rank calls it together.
 func (o *Optimizer) Step(loss float64) error {
 	if o.closed {
 		return fmt.Errorf("gomlx: %w", optim.ErrClosed)

@@ -510,6 +510,37 @@ func TestNewErrors(t *testing.T) {
 	}
 }
 
+// TestNotAttached: an Optimizer neither attached to the loop nor made
+// WithManualStep refuses the first training graph, instead of training
+// nothing without a word; WithManualStep and Step train.
+func TestNotAttached(t *testing.T) {
+	backend, err := gobackend.New("")
+	require.NoError(t, err)
+	for _, manual := range []bool{false, true} {
+		var opts []Option
+		if manual {
+			opts = append(opts, WithManualStep())
+		}
+		opt, err := New(context.Background(), nil, adam, opts...)
+		require.NoError(t, err)
+		store := newStore(1)
+		trainer := train.NewTrainer(backend, store, mlp(4), loss.MeanSquaredError, opt, nil, nil)
+		loop := train.NewLoop(trainer)
+		_, err = loop.RunSteps(&shard{rank: 0, world: 1}, 2)
+		if !manual {
+			require.Error(t, err)
+			assert.Contains(t, err.Error(), "AttachToLoop")
+			continue
+		}
+		require.NoError(t, err, "a manual Optimizer builds its graph")
+		before := variables(t, store)
+		require.NotEmpty(t, before)
+		require.NoError(t, opt.Step(1))
+		assert.NotEqual(t, before, variables(t, store), "Step trained")
+		require.NoError(t, opt.Close())
+	}
+}
+
 // resumeRank is one rank of a checkpointed run: steps steps with build,
 // saved every step to dir/rank-R with Optimizer.SaveOnStepFn (with
 // direct, with Handler.Save after the last step), starting from what dir

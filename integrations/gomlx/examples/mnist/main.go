@@ -41,6 +41,7 @@ import (
 	"github.com/gomlx/gomlx/ml/model/checkpoint"
 	"github.com/gomlx/gomlx/ml/train"
 	"github.com/gomlx/gomlx/ml/train/loss"
+	"github.com/gomlx/gomlx/ui/commandline"
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
@@ -71,6 +72,7 @@ type options struct {
 
 	checkpoint      string // directory of the GoMLX checkpoints, "" for none
 	checkpointEvery int
+	progress        bool
 }
 
 func parseFlags(args []string, stderr io.Writer) (*options, error) {
@@ -89,6 +91,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the shuffling and of rank 0's initial weights")
 	fs.StringVar(&o.checkpoint, "checkpoint", "", "directory of GoMLX checkpoints (with the lowbit state), one subdirectory per optimizer and rank; a run resumes from what it holds")
 	fs.IntVar(&o.checkpointEvery, "checkpoint-every", 100, "steps between checkpoints (with -checkpoint)")
+	fs.BoolVar(&o.progress, "progress", false, "show GoMLX's progress bar (commandline.AttachProgressBar) on rank 0")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -257,6 +260,9 @@ func trainRank(ctx context.Context, c comm.Comm, name string, o *options, trainS
 	trainer := train.NewTrainer(backend, store, logits, loss.SparseCategoricalCrossEntropyLogits, opt, nil, nil)
 	loop := train.NewLoop(trainer)
 	opt.AttachToLoop(loop) // lowbit: the host step after every TrainStep
+	if o.progress && rank == 0 {
+		commandline.AttachProgressBar(loop)
+	}
 	var last []float64
 	loop.OnStep("last losses", 0, func(l *train.Loop, metrics []*tensors.Tensor) error {
 		if o.steps-l.LoopStep <= 50 {
