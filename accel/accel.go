@@ -39,7 +39,7 @@
 // them. A Device is not safe for concurrent use unless its documentation
 // says so.
 //
-// CPU, in this package, is the implementation on host memory: the existing
+// CPU, in this package, is the implementation on host memory: the
 // errorfeedback and signpack code behind the interface. Packages accel/cuda
 // and accel/npu bind native libraries loaded at run time.
 package accel

@@ -1,9 +1,7 @@
-// Package onebit holds the error-compensated 1-bit compressed allreduce and
-// the optimizers built on it: 1-bit Adam, 1-bit LAMB and 0/1 Adam.
-//
-// This file is the collective. It follows the spec page onebit.md step by
-// step; the comments name the steps.
 package onebit
+
+// The 1-bit compressed allreduce on host buffers. It follows the spec page
+// onebit.md step by step; the comments name the steps.
 
 import (
 	"context"

@@ -30,6 +30,13 @@ const (
 // frame does not count the step.
 type StepFunc func(ctx context.Context, t int64, lr float32) error
 
+// ErrSkipStep is returned (wrapped or not) by a StepFunc that finds, on
+// every rank alike and before it has changed any state, that the step must
+// be skipped: for example an averaged gradient that overflowed the
+// reduction's 16-bit format. The Frame then counts the step as skipped and
+// returns nil.
+var ErrSkipStep = errors.New("optim: skip this step")
+
 // FrameConfig describes the optimizer a Frame runs.
 type FrameConfig struct {
 	// Name prefixes every error of Step, e.g. "optim: Adam" or

@@ -56,6 +56,7 @@ package optim
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"gorgonia.org/tensor"
@@ -178,6 +179,10 @@ type Stats struct {
 	BytesSent     int64 // bytes this rank put on the wire in Step, all steps
 	LastStepBytes int64 // bytes this rank put on the wire in the last Step
 }
+
+// ErrClosed is returned (wrapped) by the Step of an optimizer after its
+// Close.
+var ErrClosed = errors.New("optim: step after Close")
 
 // Optimizer updates a fixed list of parameters from their gradients. Every
 // rank of the communicator calls Step once per training step, after writing

@@ -2,7 +2,6 @@ package optim
 
 import (
 	"context"
-	"errors"
 	"fmt"
 
 	"github.com/lowbit-ml/lowbit/comm"
@@ -67,17 +66,6 @@ func ParseReduceMode(s string) (ReduceMode, error) {
 // IntGradReduce is the checkpoint name of the reduction mode (its
 // number). A checkpoint without it was made in ReduceFP32.
 const IntGradReduce = "grad_reduce"
-
-// ErrSkipStep is returned (wrapped or not) by a StepFunc that finds, on
-// every rank alike and before it has changed any state, that the step must
-// be skipped: for example an averaged gradient that overflowed the
-// reduction's 16-bit format. The Frame then counts the step as skipped and
-// returns nil.
-var ErrSkipStep = errors.New("optim: skip this step")
-
-// ErrClosed is returned (wrapped) by the Step of an optimizer after its
-// Close.
-var ErrClosed = errors.New("optim: step after Close")
 
 // GradAverager averages the gradients of a fixed list of parameters over
 // the ranks of a communicator in one ReduceMode, in place, so that every

@@ -9,9 +9,10 @@
 # comparison at the largest size without shaping (Open MPI's default
 # shared-memory transport), for the unshaped ratio.
 #
-# Needs root (for the namespace and the qdisc), Open MPI's mpirun, and ip
-# and tc from iproute2. The namespace is deleted on every exit, also on
-# failure or interruption.
+# Needs root (for the namespace and the qdisc), Open MPI (mpirun, and
+# libopenmpi-dev to build with -tags mpi), and ip and tc from iproute2.
+# scripts/lib/netns.sh makes the namespace and deletes it on every exit,
+# also on failure or interruption.
 #
 # A second shaped run, at QSIZE only, compares the quantized and down-cast
 # collectives of package quant with their float32 baselines in the same
@@ -33,9 +34,6 @@
 # allreduce takes about 3.2 s per call at 1 Gbit), QSIZE (END), QRPN (2)
 # for the quantized and down-cast run (about a minute at 64 MiB: the whole
 # script runs in about 2.5 minutes), ITERS_UNSHAPED (10), GO (go).
-#
-# Waiting ranks yield the CPU (mpi_yield_when_idle): with more ranks than
-# cores, spinning ranks would otherwise steal it from computing ones.
 set -euo pipefail
 
 RATE=${RATE:-1gbit}
@@ -51,79 +49,48 @@ QRPN=${QRPN:-2}
 TWOLEVEL=${TWOLEVEL:-1}
 GO=${GO:-go}
 
-die() { echo "bench-net: $*" >&2; exit 1; }
-
-[ "$(id -u)" -eq 0 ] || die "needs root: it creates a network namespace and a tc qdisc (run: sudo make bench-net)"
-command -v mpirun >/dev/null || die "mpirun not found: install Open MPI (Debian: apt-get install -y openmpi-bin libopenmpi-dev)"
-for tool in ip tc; do
-	command -v "$tool" >/dev/null || die "$tool not found: install iproute2 (Debian: apt-get install -y iproute2)"
-done
+. "$(dirname "$0")/lib/netns.sh"
+netns_init bench-net
+netns_require_root "it creates a network namespace and a tc qdisc (run: sudo make bench-net)"
+netns_require_mpi headers
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/lowbit-bench-net.XXXXXX")
-ns="lowbit-net-$$-$RANDOM"
-ns_made=
-cleanup() {
-	if [ -n "$ns_made" ]; then
-		ip netns del "$ns" 2>/dev/null || echo "bench-net: could not delete network namespace $ns" >&2
-	fi
-	rm -rf "$tmp"
-}
-# Long runs go to the background so that a signal is handled at once: the
-# handler stops the run, and the EXIT trap removes the namespace.
-child=
-on_signal() {
-	if [ -n "$child" ]; then
-		kill -TERM "$child" 2>/dev/null || true
-		wait "$child" 2>/dev/null || true
-	fi
-	exit "$1"
-}
-run() {
-	local rc=0
-	"$@" &
-	child=$!
-	wait "$child" || rc=$?
-	child=
-	return "$rc"
-}
-trap cleanup EXIT
-trap 'on_signal 130' INT
-trap 'on_signal 143' TERM
-
 echo "bench-net: building lowbit with -tags mpi"
-(cd "$root" && "$GO" build -tags mpi -o "$tmp/lowbit" ./cmd/lowbit)
+(cd "$root" && "$GO" build -tags mpi -o "$NETNS_TMP/lowbit" ./cmd/lowbit)
 
-mpi=(mpirun --allow-run-as-root --oversubscribe -np "$NP" --mca mpi_yield_when_idle 1)
-bench=("$tmp/lowbit" bench --backend mpi --ranks "$NP" --collective allreduce,onebit --csv)
+mpi=("${NETNS_MPIRUN[@]}" -np "$NP")
+bench=("$NETNS_TMP/lowbit" bench --backend mpi --ranks "$NP" --collective allreduce,onebit --csv)
 
-echo "bench-net: network namespace $ns, loopback shaped to $RATE (tbf burst 256kb latency 50ms)"
-ip netns add "$ns"
-ns_made=1
-ip netns exec "$ns" ip link set lo up
-ip netns exec "$ns" tc qdisc add dev lo root tbf rate "$RATE" burst 256kb latency 50ms
+netns_new ns net
+echo "bench-net: network namespace $ns, loopback shaped to $RATE (tbf $NETNS_TBF)"
+netns_shape "$ns" lo "$RATE"
 
 echo "bench-net: $NP ranks over TCP on the shaped loopback, sizes $BEGIN..$END x$FACTOR, $WARMUP warm-up + $ITERS timed iterations"
-run ip netns exec "$ns" "${mpi[@]}" --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo \
-	--mca oob_tcp_if_include lo \
-	"${bench[@]}" --b "$BEGIN" --e "$END" --f "$FACTOR" --w "$WARMUP" --n "$ITERS" >"$tmp/shaped.csv"
+netns_run ip netns exec "$ns" "${mpi[@]}" "${NETNS_MPI_LO[@]}" \
+	"${bench[@]}" --b "$BEGIN" --e "$END" --f "$FACTOR" --w "$WARMUP" --n "$ITERS" >"$NETNS_TMP/shaped.csv"
 
 echo "bench-net: $NP ranks ($QRPN per node) on the shaped loopback, $QSIZE: reducescatter vs qgz4, qgz8; allreduce vs fp16, bf16"
-run ip netns exec "$ns" "${mpi[@]}" --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo \
-	--mca oob_tcp_if_include lo \
-	"$tmp/lowbit" bench --backend mpi --ranks "$NP" --ranks-per-node "$QRPN" \
+netns_run ip netns exec "$ns" "${mpi[@]}" "${NETNS_MPI_LO[@]}" \
+	"$NETNS_TMP/lowbit" bench --backend mpi --ranks "$NP" --ranks-per-node "$QRPN" \
 	--collective reducescatter,qgz4,qgz8,allreduce,fp16,bf16 --check --csv \
-	--b "$QSIZE" --e "$QSIZE" --w "$WARMUP" --n "$ITERS" >"$tmp/quant.csv"
-ip netns del "$ns"
-ns_made=
+	--b "$QSIZE" --e "$QSIZE" --w "$WARMUP" --n "$ITERS" >"$NETNS_TMP/quant.csv"
+netns_del "$ns"
 
 echo "bench-net: $NP ranks unshaped (default transport), $END, $WARMUP warm-up + $ITERS_UNSHAPED timed iterations"
-run "${mpi[@]}" "${bench[@]}" --b "$END" --e "$END" --w "$WARMUP" --n "$ITERS_UNSHAPED" >"$tmp/unshaped.csv"
+netns_run "${mpi[@]}" "${bench[@]}" --b "$END" --e "$END" --w "$WARMUP" --n "$ITERS_UNSHAPED" >"$NETNS_TMP/unshaped.csv"
+
+# human X prints X bytes as 64M, 4K, 1G where it divides evenly (awk).
+human='function human(x) {
+	if (x % 1073741824 == 0) return x / 1073741824 "G"
+	if (x % 1048576 == 0) return x / 1048576 "M"
+	if (x % 1024 == 0) return x / 1024 "K"
+	return x
+}'
 
 # summary TITLE FILE prints one line per size of lowbit bench's CSV in FILE: exact and
 # compressed p50 time, speedup, bytes each rank sent.
 summary() {
-	awk -F, -v title="$1" '
+	awk -F, -v title="$1" "$human"'
 		NR == 1 {
 			for (i = 1; i <= NF; i++) col[$i] = i
 			if (!("time_p50_us" in col) || !("wire_bytes_per_rank" in col)) { print "bench-net: unexpected CSV header: " $0 > "/dev/stderr"; exit 1 }
@@ -135,13 +102,7 @@ summary() {
 			t[$col["collective"], b] = $col["time_p50_us"]
 			w[$col["collective"], b] = $col["wire_bytes_per_rank"]
 		}
-		function human(x) {
-			if (x % 1073741824 == 0) return x / 1073741824 "G"
-			if (x % 1048576 == 0) return x / 1048576 "M"
-			if (x % 1024 == 0) return x / 1024 "K"
-			return x
-		}
-		END {
+			END {
 			print title
 			printf "%6s %14s %14s %9s %14s %14s %8s\n", "size", "exact p50 ms", "1-bit p50 ms", "speedup", "exact B/rank", "1-bit B/rank", "B ratio"
 			for (i = 1; i <= n; i++) {
@@ -155,14 +116,14 @@ summary() {
 }
 
 echo
-summary "shaped ($RATE loopback, TCP), $NP ranks:" "$tmp/shaped.csv"
+summary "shaped ($RATE loopback, TCP), $NP ranks:" "$NETNS_TMP/shaped.csv"
 echo
-summary "unshaped (shared memory), $NP ranks:" "$tmp/unshaped.csv"
+summary "unshaped (shared memory), $NP ranks:" "$NETNS_TMP/unshaped.csv"
 
 # The quantized and down-cast rows: each against its float32 baseline of
 # the same run.
 echo
-awk -F, -v title="shaped ($RATE loopback, TCP), $NP ranks, $QRPN per node:" '
+awk -F, -v title="shaped ($RATE loopback, TCP), $NP ranks, $QRPN per node:" "$human"'
 	NR == 1 {
 		for (i = 1; i <= NF; i++) col[$i] = i
 		if (!("time_p50_us" in col) || !("rel_error" in col) || !("convert_us" in col) || !("cross_node_bytes_per_rank" in col)) {
@@ -174,12 +135,6 @@ awk -F, -v title="shaped ($RATE loopback, TCP), $NP ranks, $QRPN per node:" '
 		c = $col["collective"]; b = $col["bytes"]
 		t[c] = $col["time_p50_us"]; w[c] = $col["wire_bytes_per_rank"]; e[c] = $col["rel_error"]
 		x[c] = $col["cross_node_bytes_per_rank"]; cv[c] = $col["convert_us"]; cm[c] = $col["comm_us"]
-	}
-	function human(v) {
-		if (v % 1073741824 == 0) return v / 1073741824 "G"
-		if (v % 1048576 == 0) return v / 1048576 "M"
-		if (v % 1024 == 0) return v / 1024 "K"
-		return v
 	}
 	function line(c, base, extra) {
 		if (t[c] == "" || t[base] == "") return
@@ -193,10 +148,10 @@ awk -F, -v title="shaped ($RATE loopback, TCP), $NP ranks, $QRPN per node:" '
 		line("qgz8", "reducescatter", "cross-node " x["qgz8"] " B/rank")
 		line("fp16", "allreduce", sprintf("convert %.1f ms + comm %.1f ms per call (rank 0)", cv["fp16"] / 1000, cm["fp16"] / 1000))
 		line("bf16", "allreduce", sprintf("convert %.1f ms + comm %.1f ms per call (rank 0)", cv["bf16"] / 1000, cm["bf16"] / 1000))
-	}' "$tmp/quant.csv"
+	}' "$NETNS_TMP/quant.csv"
 
 if [ "$TWOLEVEL" != 0 ]; then
 	echo
-	run env RATE="$RATE" EAGER="${EAGER:-}" RPN="$QRPN" BEGIN="$QSIZE" END="$QSIZE" WARMUP="$WARMUP" ITERS="$ITERS" GO="$GO" \
+	netns_run env RATE="$RATE" EAGER="${EAGER:-}" RPN="$QRPN" BEGIN="$QSIZE" END="$QSIZE" WARMUP="$WARMUP" ITERS="$ITERS" GO="$GO" \
 		COLLECTIVES=allreduce,twolevel,fp16,bf16 "$root/scripts/bench-twolevel.sh"
 fi

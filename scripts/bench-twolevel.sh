@@ -31,9 +31,10 @@
 # FLAT_ALG; 0 leaves the choice to Open MPI). Per size it prints both p50
 # times, the speedup, and the bytes each rank sent across machines.
 #
-# Needs root (namespaces, a veth pair, qdiscs), Open MPI's mpirun, and ip
-# and tc from iproute2. The namespaces (and what still runs in them) are
-# removed on every exit, also on failure or interruption.
+# Needs root (namespaces, a veth pair, qdiscs), Open MPI (mpirun, and
+# libopenmpi-dev to build with -tags mpi), ip and tc from iproute2 and
+# unshare. scripts/lib/netns.sh makes the namespaces and removes them (and
+# what still runs in them) on every exit, also on failure or interruption.
 #
 # Settings (environment): RATE (1gbit), RPN (2, ranks per machine),
 # BEGIN (4Mi), END (64Mi), FACTOR (4), WARMUP (1), ITERS (5),
@@ -56,89 +57,28 @@ FLAT_ALG=${FLAT_ALG:-4}
 EAGER=${EAGER:-4194304}
 GO=${GO:-go}
 
-die() { echo "bench-twolevel: $*" >&2; exit 1; }
-
-[ "$(id -u)" -eq 0 ] || die "needs root: it creates network namespaces, a veth pair and tc qdiscs (run: sudo scripts/bench-twolevel.sh)"
-command -v mpirun >/dev/null || die "mpirun not found: install Open MPI (Debian: apt-get install -y openmpi-bin libopenmpi-dev)"
-for tool in ip tc; do
-	command -v "$tool" >/dev/null || die "$tool not found: install iproute2 (Debian: apt-get install -y iproute2)"
-done
+. "$(dirname "$0")/lib/netns.sh"
+netns_init bench-twolevel
+netns_require_root "it creates network namespaces, a veth pair and tc qdiscs (run: sudo scripts/bench-twolevel.sh)"
+netns_require_mpi headers
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/lowbit-bench-twolevel.XXXXXX")
-nsa="lowbit-tla-$$-$RANDOM"
-nsb="lowbit-tlb-$$-$RANDOM"
-ns_made=
-cleanup() {
-	if [ -n "$ns_made" ]; then
-		for ns in "$nsa" "$nsb"; do
-			# What still runs in a namespace is this script's (a daemon
-			# or rank that outlived an interrupted run).
-			pids=$(ip netns pids "$ns" 2>/dev/null || true)
-			[ -z "$pids" ] || kill $pids 2>/dev/null || true
-			ip netns del "$ns" 2>/dev/null || echo "bench-twolevel: could not delete network namespace $ns" >&2
-		done
-	fi
-	rm -rf "$tmp"
-}
-# Long runs go to the background so that a signal is handled at once: the
-# handler stops the run, and the EXIT trap removes the namespaces.
-child=
-on_signal() {
-	if [ -n "$child" ]; then
-		kill -TERM "$child" 2>/dev/null || true
-		wait "$child" 2>/dev/null || true
-	fi
-	exit "$1"
-}
-run() {
-	local rc=0
-	"$@" &
-	child=$!
-	wait "$child" || rc=$?
-	child=
-	return "$rc"
-}
-trap cleanup EXIT
-trap 'on_signal 130' INT
-trap 'on_signal 143' TERM
-
 echo "bench-twolevel: building lowbit with -tags mpi"
-(cd "$root" && "$GO" build -tags mpi -o "$tmp/lowbit" ./cmd/lowbit)
+(cd "$root" && "$GO" build -tags mpi -o "$NETNS_TMP/lowbit" ./cmd/lowbit)
 
-echo "bench-twolevel: machines A (namespace $nsa, 10.231.1.1) and B ($nsb, 10.231.2.1) joined by a veth pair shaped to $RATE each way (tbf burst 256kb latency 50ms)"
-ns_made=1
-ip netns add "$nsa"
-ip netns add "$nsb"
-ip -n "$nsa" link set lo up
-ip -n "$nsb" link set lo up
-ip -n "$nsa" link add lbtla type veth peer name lbtlb netns "$nsb"
-ip -n "$nsa" addr add 10.231.1.1/16 dev lbtla
-ip -n "$nsb" addr add 10.231.2.1/16 dev lbtlb
-ip -n "$nsa" link set lbtla up
-ip -n "$nsb" link set lbtlb up
-tc -n "$nsa" qdisc add dev lbtla root tbf rate "$RATE" burst 256kb latency 50ms
-tc -n "$nsb" qdisc add dev lbtlb root tbf rate "$RATE" burst 256kb latency 50ms
-
-# The rsh agent: "agent HOST COMMAND..." runs COMMAND in HOST's namespace.
-cat >"$tmp/agent" <<AGENT
-#!/bin/sh
-host=\$1
-shift
-case "\$host" in
-10.231.2.1) ns=$nsb ;;
-*) ns=$nsa ;;
-esac
-exec ip netns exec "\$ns" unshare --uts sh -c "hostname lowbit-\$ns; \$*"
-AGENT
-chmod +x "$tmp/agent"
-printf '10.231.1.1 slots=%d\n10.231.2.1 slots=%d\n' "$RPN" "$RPN" >"$tmp/hosts"
+netns_new nsa tla
+netns_new nsb tlb
+echo "bench-twolevel: machines A (namespace $nsa, 10.231.1.1) and B ($nsb, 10.231.2.1) joined by a veth pair shaped to $RATE each way (tbf $NETNS_TBF)"
+netns_join "$nsa" lbtla 10.231.1.1/16 "$nsb" lbtlb 10.231.2.1/16
+netns_shape "$nsa" lbtla "$RATE"
+netns_shape "$nsb" lbtlb "$RATE"
+netns_rsh_agent "$NETNS_TMP/agent" "$nsa" 10.231.2.1 "$nsb"
+printf '10.231.1.1 slots=%d\n10.231.2.1 slots=%d\n' "$RPN" "$RPN" >"$NETNS_TMP/hosts"
 
 np=$((2 * RPN))
-mpi=(mpirun --allow-run-as-root --oversubscribe --bind-to none --hostfile "$tmp/hosts" --map-by slot -np "$np"
-	--mca plm_rsh_agent "$tmp/agent" --mca oob_tcp_if_include 10.231.0.0/16
-	--mca pml ob1 --mca btl "${BTL:-vader,tcp,self}" --mca btl_tcp_if_include 10.231.0.0/16 --mca btl_tcp_disable_family 6
-	--mca mpi_yield_when_idle 1)
+mpi=("${NETNS_MPIRUN[@]}" --hostfile "$NETNS_TMP/hosts" --map-by slot -np "$np"
+	--mca plm_rsh_agent "$NETNS_TMP/agent" --mca oob_tcp_if_include 10.231.0.0/16
+	--mca pml ob1 --mca btl "${BTL:-vader,tcp,self}" --mca btl_tcp_if_include 10.231.0.0/16 --mca btl_tcp_disable_family 6)
 eager="Open MPI's default"
 if [ "$EAGER" != 0 ]; then
 	eager="$EAGER bytes"
@@ -147,17 +87,17 @@ fi
 if [ "$FLAT_ALG" != 0 ]; then
 	mpi+=(--mca coll_tuned_use_dynamic_rules 1 --mca coll_tuned_allreduce_algorithm "$FLAT_ALG")
 fi
-bench=("$tmp/lowbit" bench --backend mpi --ranks "$np" --ranks-per-node "$RPN" --collective "$COLLECTIVES"
+bench=("$NETNS_TMP/lowbit" bench --backend mpi --ranks "$np" --ranks-per-node "$RPN" --collective "$COLLECTIVES"
 	--b "$BEGIN" --e "$END" --f "$FACTOR" --w "$WARMUP" --n "$ITERS" --check --csv)
 
 echo "bench-twolevel: 2 machines x $RPN ranks, sizes $BEGIN..$END x$FACTOR, $WARMUP warm-up + $ITERS timed iterations, collectives $COLLECTIVES, TCP eager limit $eager"
-run ip netns exec "$nsa" unshare --uts sh -c 'hostname "lowbit-$0"; exec "$@"' "$nsa" "${mpi[@]}" ${MPIEXTRA:-} "${bench[@]}" >"$tmp/shaped.csv"
-[ -z "${CSV:-}" ] || cp "$tmp/shaped.csv" "$CSV"
+netns_host host_a "$nsa"
+# shellcheck disable=SC2086 # MPIEXTRA is a list of arguments
+netns_run "${host_a[@]}" "${mpi[@]}" ${MPIEXTRA:-} "${bench[@]}" >"$NETNS_TMP/shaped.csv"
+[ -z "${CSV:-}" ] || cp "$NETNS_TMP/shaped.csv" "$CSV"
 # The shaping really held: bytes through each token bucket.
-for end in "$nsa lbtla A->B" "$nsb lbtlb B->A"; do
-	read -r ns dev dir <<<"$end"
-	tc -n "$ns" -s qdisc show dev "$dev" | awk -v dir="$dir" '/^qdisc tbf/ { q = 1 } /Sent/ && q { print "bench-twolevel: tbf " dir " passed " $2 " bytes"; q = 0 }'
-done
+echo "bench-twolevel: tbf A->B passed $(netns_sent "$nsa" lbtla) bytes"
+echo "bench-twolevel: tbf B->A passed $(netns_sent "$nsb" lbtlb) bytes"
 
 echo
 awk -F, -v title="shaped cross-machine link ($RATE), 2 machines x $RPN ranks:" '
@@ -194,4 +134,4 @@ awk -F, -v title="shaped cross-machine link ($RATE), 2 machines x $RPN ranks:" '
 				printf "%s at %s: %.2f ms, %.2fx the flat allreduce\n", c, human(b), t[c, b] / 1000, t["allreduce", b] / t[c, b]
 		}
 		if (last != "") print last
-	}' "$tmp/shaped.csv"
+	}' "$NETNS_TMP/shaped.csv"

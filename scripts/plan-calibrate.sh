@@ -23,8 +23,8 @@
 # model to it and prints each point's prediction error.
 #
 # Needs root, Open MPI (mpirun, and libopenmpi-dev to build with -tags mpi),
-# ip and tc. The namespace is deleted on every exit, also on failure or
-# interruption. About 6 minutes with the defaults on a 2-core machine; the
+# ip and tc. scripts/lib/netns.sh makes the namespace and deletes it on
+# every exit, also on failure or interruption. About 6 minutes with the defaults on a 2-core machine; the
 # largest messages take 0.75 s each (4 MiB allreduce on 4 ranks at 250mbit).
 #
 # Settings (environment): RATES, RANKS, REPEATS (7), BURST_KB (256: the tbf
@@ -47,91 +47,50 @@ COMPUTE_END=${COMPUTE_END:-64Mi}
 COLLECTIVES=${COLLECTIVES:-allreduce,onebit}
 GO=${GO:-go}
 
-die() { echo "plan-calibrate: $*" >&2; exit 1; }
-
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-$root/costmodel/measured.json}
 
-[ "$(id -u)" -eq 0 ] || die "needs root: it creates a network namespace and a tc qdisc (run: sudo $0)"
-command -v mpirun >/dev/null || die "mpirun not found: install Open MPI (Debian: apt-get install -y openmpi-bin libopenmpi-dev)"
-pkg-config --exists ompi-c 2>/dev/null || die "Open MPI headers not found (pkg-config ompi-c): install libopenmpi-dev"
-for tool in ip tc; do
-	command -v "$tool" >/dev/null || die "$tool not found: install iproute2 (Debian: apt-get install -y iproute2)"
-done
-
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/lowbit-plan-calibrate.XXXXXX")
-ns="lowbit-plan-$$"
-ns_made=
-cleanup() {
-	if [ -n "$ns_made" ] && [ -e "/run/netns/$ns" ]; then
-		ip netns del "$ns" 2>/dev/null || echo "plan-calibrate: could not delete network namespace $ns (ip netns del $ns)" >&2
-	fi
-	rm -rf "$tmp"
-}
-child=
-on_signal() {
-	echo "plan-calibrate: interrupted; stopping the run and removing the namespace" >&2
-	if [ -n "$child" ]; then
-		kill -TERM "$child" 2>/dev/null || true
-		wait "$child" 2>/dev/null || true
-	fi
-	exit "$1"
-}
-# run CMD... runs CMD in the background so that a signal is handled at once.
-run() {
-	local rc=0
-	"$@" &
-	child=$!
-	wait "$child" || rc=$?
-	child=
-	return "$rc"
-}
-trap cleanup EXIT
-trap 'on_signal 130' INT
-trap 'on_signal 143' TERM
+. "$(dirname "$0")/lib/netns.sh"
+netns_init plan-calibrate
+netns_require_root "it creates a network namespace and a tc qdisc (run: sudo $0)"
+netns_require_mpi headers
+NETNS_TBF="burst ${BURST_KB}kb latency 50ms"
 
 echo "plan-calibrate: building lowbit with -tags mpi"
-(cd "$root" && "$GO" build -tags mpi -o "$tmp/lowbit" ./cmd/lowbit)
+(cd "$root" && "$GO" build -tags mpi -o "$NETNS_TMP/lowbit" ./cmd/lowbit)
 
-# ns_made is set first so that a signal between the two lines still
-# removes the namespace.
-ns_made=1
-ip netns add "$ns" || die "could not create network namespace $ns (ip netns add needs CAP_SYS_ADMIN)"
-ip netns exec "$ns" ip link set lo up
-
-mpi=(mpirun --allow-run-as-root --oversubscribe --bind-to none --mca mpi_yield_when_idle 1
-	--mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo)
-bench=("$tmp/lowbit" bench --backend mpi --collective "$COLLECTIVES" --json
+netns_new ns plan
+mpi=("${NETNS_MPIRUN[@]}" "${NETNS_MPI_LO[@]}")
+bench=("$NETNS_TMP/lowbit" bench --backend mpi --collective "$COLLECTIVES" --json
 	--b "$BEGIN" --e "$END" --f "$FACTOR" --w "$WARMUP" --n "$ITERS")
 
-runs="$tmp/runs.jsonl"
+runs="$NETNS_TMP/runs.jsonl"
 : >"$runs"
 start=$(date +%s)
 for rep in $(seq 1 "$REPEATS"); do
 	for rate in $RATES; do
-		ip netns exec "$ns" tc qdisc replace dev lo root tbf rate "$rate" burst "${BURST_KB}kb" latency 50ms
+		netns_shape "$ns" lo "$rate"
 		for np in $RANKS; do
 			echo "plan-calibrate: repeat $rep/$REPEATS, $rate, $np ranks ($(($(date +%s) - start)) s so far)"
-			run ip netns exec "$ns" "${mpi[@]}" -np "$np" "${bench[@]}" --ranks "$np" >"$tmp/bench.json"
+			netns_run ip netns exec "$ns" "${mpi[@]}" -np "$np" "${bench[@]}" --ranks "$np" >"$NETNS_TMP/bench.json"
 			{
 				printf '{"rate": "%s", "ranks": %d, "repeat": %d, "bench": ' "$rate" "$np" "$rep"
-				cat "$tmp/bench.json"
+				cat "$NETNS_TMP/bench.json"
 				printf '}\n'
 			} >>"$runs"
 		done
 	done
 done
-ip netns del "$ns"
-ns_made=
+netns_del "$ns"
 
-comp="$tmp/compute.jsonl"
+comp="$NETNS_TMP/compute.jsonl"
 : >"$comp"
 echo "plan-calibrate: 1-bit allreduce without network (local backend, 1 $RANKS ranks), $COMPUTE_REPEATS repeats"
 for rep in $(seq 1 "$COMPUTE_REPEATS"); do
 	for np in 1 $RANKS; do
 		end=$END
 		[ "$np" -eq 1 ] && end=$COMPUTE_END
-		run "$tmp/lowbit" bench --backend local --ranks "$np" --collective onebit --json \
+		netns_run "$NETNS_TMP/lowbit" bench --backend local --ranks "$np" --collective onebit --json \
 			--b "$BEGIN" --e "$end" --f "$FACTOR" --w "$WARMUP" --n "$ITERS" >>"$comp"
 	done
 done

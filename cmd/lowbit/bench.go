@@ -3,8 +3,6 @@ package main
 import (
 	"context"
 	"encoding/binary"
-	"encoding/csv"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -13,7 +11,6 @@ import (
 	"os"
 	"runtime/pprof"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
@@ -232,48 +229,6 @@ With --backend mpi start it under mpirun (a binary built with -tags mpi).
 		return nil, cliflag.Bad(fs, "device", "%s", err)
 	}
 	return cfg, nil
-}
-
-// benchRow is one collective at one size.
-type benchRow struct {
-	Collective       string   `json:"collective"`
-	Bytes            int64    `json:"bytes"`
-	ElementsPerRank  int      `json:"elements_per_rank"`
-	TimeP50us        float64  `json:"time_p50_us"`
-	TimeP95us        float64  `json:"time_p95_us"`
-	TimeMinus        float64  `json:"time_min_us"`
-	TimeMaxus        float64  `json:"time_max_us"`
-	AlgBWGBps        float64  `json:"algbw_gbps"`
-	BusBWGBps        float64  `json:"busbw_gbps"`
-	WireBytesPerRank int64    `json:"wire_bytes_per_rank"`
-	WireIntraPerRank *int64   `json:"wire_intra_node_bytes_per_rank,omitempty"` // qgz: rank 0's bytes inside its node
-	WireInterPerRank *int64   `json:"wire_cross_node_bytes_per_rank,omitempty"` // qgz: rank 0's bytes across nodes
-	Layout           string   `json:"layout,omitempty"`                         // qgz: nodes x ranks per node
-	WireFP16Ring     *int64   `json:"wire_fp16_ring_bytes_per_rank,omitempty"`  // qgz: an fp16 ring's bytes, 2(W-1)/W*2n
-	CompressionRatio float64  `json:"compression_ratio"`
-	RelError         *float64 `json:"rel_error,omitempty"` // with --check
-	tolerance        float64  // --check bound when not the default
-
-	// fp16, bf16 (bench_half.go): rank 0's conversion and communication
-	// time per call.
-	ConvertUs *float64 `json:"convert_us,omitempty"`
-	CommUs    *float64 `json:"comm_us,omitempty"`
-}
-
-// benchSpeedup compares onebit with allreduce at one size.
-type benchSpeedup struct {
-	Bytes   int64   `json:"bytes"`
-	Speedup float64 `json:"onebit_vs_allreduce"` // allreduce p50 / onebit p50
-}
-
-// benchResult is what one run measured, as --json writes it.
-type benchResult struct {
-	Backend    string         `json:"backend"`
-	Ranks      int            `json:"ranks"`
-	Warmup     int            `json:"warmup"`
-	Iterations int            `json:"iterations"`
-	Results    []benchRow     `json:"results"`
-	Speedups   []benchSpeedup `json:"speedups,omitempty"`
 }
 
 // runBench runs the benchmark described by cfg; rank 0 writes the report to
@@ -607,59 +562,6 @@ func sentBytes(s comm.Stats) int64 {
 	return n
 }
 
-// summarize turns the gathered payloads (per rank: iters times in ns, wire
-// bytes, two check sums) into a row; samples is scratch of w*iters.
-func summarize(name string, elems, w, iters int, gathered []byte, samples []int64) benchRow {
-	stride := 8 * (iters + 3)
-	var wire int64
-	for j := 0; j < w; j++ {
-		p := gathered[j*stride:]
-		for i := 0; i < iters; i++ {
-			samples[j*iters+i] = int64(binary.LittleEndian.Uint64(p[8*i:]))
-		}
-		wire = max(wire, int64(binary.LittleEndian.Uint64(p[8*iters:])))
-	}
-	slices.Sort(samples)
-	us := func(ns int64) float64 { return float64(ns) / 1e3 }
-	bytes := int64(elems) * 4
-	row := benchRow{
-		Collective:       name,
-		Bytes:            bytes,
-		ElementsPerRank:  elems,
-		TimeP50us:        us(percentile(samples, 0.50)),
-		TimeP95us:        us(percentile(samples, 0.95)),
-		TimeMinus:        us(samples[0]),
-		TimeMaxus:        us(samples[len(samples)-1]),
-		WireBytesPerRank: wire,
-	}
-	if row.TimeP50us > 0 {
-		row.AlgBWGBps = float64(bytes) / (row.TimeP50us * 1e3) // bytes/ns = GB/s
-	}
-	row.BusBWGBps = row.AlgBWGBps * busFactor(name, w)
-	exact := wire
-	if name == "onebit" {
-		exact = comm.RingAllReduceBytes(bytes, w)
-	}
-	if wire > 0 {
-		row.CompressionRatio = float64(exact) / float64(wire)
-	}
-	return row
-}
-
-// percentile is the nearest-rank percentile of sorted samples.
-func percentile(sorted []int64, p float64) int64 {
-	i := int(math.Ceil(p*float64(len(sorted)))) - 1
-	return sorted[max(0, min(i, len(sorted)-1))]
-}
-
-// busFactor converts algorithm bandwidth to bus bandwidth (nccl-tests).
-func busFactor(name string, w int) float64 {
-	if name == "allreduce" || name == "onebit" || isHalfBench(name) {
-		return 2 * float64(w-1) / float64(w)
-	}
-	return float64(w-1) / float64(w)
-}
-
 // inputValue is element i of rank's benchmark input: a deterministic
 // pseudo-random value in [-1, 1), so that any rank can recompute any
 // other rank's input for --check without communicating.
@@ -712,147 +614,4 @@ func sqDist(got []float32, want func(i int) float64) (errSq, refSq float64) {
 		refSq += x * x
 	}
 	return errSq, refSq
-}
-
-// benchReporter writes rank 0's report as rows arrive.
-type benchReporter struct {
-	w      io.Writer
-	cfg    *benchConfig
-	res    *benchResult
-	csv    *csv.Writer
-	size   []benchRow // rows of the current size
-	failed []string   // --check failures
-}
-
-func (r *benchReporter) begin() error {
-	switch r.cfg.format {
-	case "csv":
-		r.csv = csv.NewWriter(r.w)
-		h := strings.Split(csvHeader, ",")
-		if r.cfg.check {
-			h = append(h, "rel_error")
-		}
-		if halfInConfig(r.cfg) {
-			h = append(h, halfCSVHeader...)
-		}
-		r.csv.Write(h)
-		r.csv.Flush()
-		return r.csv.Error()
-	case "table":
-		_, err := fmt.Fprintf(r.w, "# lowbit bench: backend %s, %d ranks, %d warm-up and %d timed iterations; "+
-			"times over all ranks and timed iterations\n%s\n",
-			r.cfg.backend, r.res.Ranks, r.cfg.warmup, r.cfg.iters, tableHeader(r.cfg.check))
-		return err
-	}
-	return nil
-}
-
-func tableHeader(check bool) string {
-	h := fmt.Sprintf("%-13s %6s %11s %11s %11s %11s %11s %9s %9s %12s %7s",
-		"collective", "size", "elems/rank", "p50(us)", "p95(us)", "min(us)", "max(us)",
-		"algBW", "busBW", "wire B/rank", "ratio")
-	if check {
-		h += fmt.Sprintf(" %9s", "rel.err")
-	}
-	return h
-}
-
-// formatRow renders one row of the human table.
-func formatRow(row benchRow) string {
-	ratio := "-"
-	if row.CompressionRatio > 0 {
-		ratio = fmt.Sprintf("%.2fx", row.CompressionRatio)
-	}
-	s := fmt.Sprintf("%-13s %6s %11d %11.1f %11.1f %11.1f %11.1f %9.3f %9.3f %12d %7s",
-		row.Collective, size.Format(row.Bytes), row.ElementsPerRank,
-		row.TimeP50us, row.TimeP95us, row.TimeMinus, row.TimeMaxus,
-		row.AlgBWGBps, row.BusBWGBps, row.WireBytesPerRank, ratio)
-	if row.RelError != nil {
-		s += fmt.Sprintf(" %9.2e", *row.RelError)
-	}
-	if row.WireIntraPerRank != nil && row.WireInterPerRank != nil {
-		s += fmt.Sprintf("  [%s: intra-node %d B, cross-node %d B; fp16 ring %d B]",
-			row.Layout, *row.WireIntraPerRank, *row.WireInterPerRank, *row.WireFP16Ring)
-	}
-	return s + halfTableColumns(row)
-}
-
-// csvRecord renders one row as CSV fields, in csvHeader's order.
-func csvRecord(row benchRow) []string {
-	f := func(v float64) string { return strconv.FormatFloat(v, 'f', -1, 64) }
-	rec := []string{
-		row.Collective, strconv.FormatInt(row.Bytes, 10), strconv.Itoa(row.ElementsPerRank),
-		f(row.TimeP50us), f(row.TimeP95us), f(row.TimeMinus), f(row.TimeMaxus),
-		f(row.AlgBWGBps), f(row.BusBWGBps), strconv.FormatInt(row.WireBytesPerRank, 10), f(row.CompressionRatio),
-	}
-	if row.RelError != nil {
-		rec = append(rec, strconv.FormatFloat(*row.RelError, 'g', 6, 64))
-	}
-	return rec
-}
-
-func (r *benchReporter) row(row benchRow) error {
-	r.res.Results = append(r.res.Results, row)
-	r.size = append(r.size, row)
-	if row.RelError != nil {
-		tol := exactTolerance
-		if row.Collective == "onebit" {
-			tol = onebitTolerance
-		}
-		if row.tolerance > 0 {
-			tol = row.tolerance
-		}
-		if !(*row.RelError <= tol) { // NaN fails too
-			r.failed = append(r.failed, fmt.Sprintf("%s at %s: relative error %.3g above %g",
-				row.Collective, size.Format(row.Bytes), *row.RelError, tol))
-		}
-	}
-	switch r.cfg.format {
-	case "csv":
-		rec := csvRecord(row)
-		if halfInConfig(r.cfg) {
-			rec = append(rec, halfCSVFields(row)...)
-		}
-		r.csv.Write(rec)
-		r.csv.Flush()
-		return r.csv.Error()
-	case "table":
-		_, err := fmt.Fprintln(r.w, formatRow(row))
-		return err
-	}
-	return nil
-}
-
-// endSize closes a size: the speedup of onebit over allreduce, when both ran.
-func (r *benchReporter) endSize(sz int64) error {
-	rows := r.size
-	r.size = r.size[:0]
-	var exact, compressed float64
-	for _, row := range rows {
-		switch row.Collective {
-		case "allreduce":
-			exact = row.TimeP50us
-		case "onebit":
-			compressed = row.TimeP50us
-		}
-	}
-	if exact == 0 || compressed == 0 {
-		return nil
-	}
-	sp := benchSpeedup{Bytes: sz, Speedup: exact / compressed}
-	r.res.Speedups = append(r.res.Speedups, sp)
-	if r.cfg.format != "table" {
-		return nil
-	}
-	_, err := fmt.Fprintf(r.w, "%-13s %6s speedup onebit vs allreduce: %.2fx\n", "", size.Format(sz), sp.Speedup)
-	return err
-}
-
-func (r *benchReporter) end() error {
-	if r.cfg.format != "json" {
-		return nil
-	}
-	enc := json.NewEncoder(r.w)
-	enc.SetIndent("", "  ")
-	return enc.Encode(r.res)
 }

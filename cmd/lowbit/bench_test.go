@@ -67,7 +67,7 @@ func TestParseBenchFlags(t *testing.T) {
 func TestFormatting(t *testing.T) {
 	rel := 0.5
 	row := benchRow{Collective: "onebit", Bytes: 64 << 20, ElementsPerRank: 16 << 20,
-		TimeP50us: 1500, TimeP95us: 2000, TimeMinus: 1000, TimeMaxus: 2500,
+		TimeP50Us: 1500, TimeP95Us: 2000, TimeMinUs: 1000, TimeMaxUs: 2500,
 		AlgBWGBps: 44.7392426666, BusBWGBps: 67.1, WireBytesPerRank: 3145800, CompressionRatio: 31.99}
 	assert.Equal(t, []string{"onebit", "67108864", "16777216", "1500", "2000", "1000", "2500",
 		"44.7392426666", "67.1", "3145800", "31.99"}, csvRecord(row))
@@ -106,10 +106,10 @@ func TestSummarize(t *testing.T) {
 	put(1, 2, 1200)
 	row := summarize("allgather", 1000, w, iters, gathered, make([]int64, w*iters))
 	assert.Equal(t, int64(4000), row.Bytes)
-	assert.Equal(t, 2.0, row.TimeP50us)
-	assert.Equal(t, 4.0, row.TimeP95us)
-	assert.Equal(t, 1.0, row.TimeMinus)
-	assert.Equal(t, 4.0, row.TimeMaxus)
+	assert.Equal(t, 2.0, row.TimeP50Us)
+	assert.Equal(t, 4.0, row.TimeP95Us)
+	assert.Equal(t, 1.0, row.TimeMinUs)
+	assert.Equal(t, 4.0, row.TimeMaxUs)
 	assert.InDelta(t, 2.0, row.AlgBWGBps, 1e-12) // 4000 B / 2 µs
 	assert.InDelta(t, 1.0, row.BusBWGBps, 1e-12) // (W-1)/W
 	assert.Equal(t, int64(1200), row.WireBytesPerRank)
@@ -141,9 +141,9 @@ func TestBenchEndToEnd(t *testing.T) {
 			assert.Less(t, *row.RelError, 1e-6, "%s at %d", row.Collective, row.Bytes)
 			assert.Equal(t, 1.0, row.CompressionRatio)
 		}
-		assert.Positive(t, row.TimeP50us)
-		assert.LessOrEqual(t, row.TimeMinus, row.TimeP50us)
-		assert.LessOrEqual(t, row.TimeP95us, row.TimeMaxus)
+		assert.Positive(t, row.TimeP50Us)
+		assert.LessOrEqual(t, row.TimeMinUs, row.TimeP50Us)
+		assert.LessOrEqual(t, row.TimeP95Us, row.TimeMaxUs)
 		if row.Bytes == 64<<10 {
 			wire[row.Collective] = row.WireBytesPerRank
 		}

@@ -19,9 +19,13 @@
 #	netns_run ip netns exec "$ns" "${NETNS_MPIRUN[@]}" -np 4 "${NETNS_MPI_LO[@]}" prog
 #	netns_del "$ns"                      # or leave it to the exit trap
 #
+# Two machines: netns_new twice, netns_join them with a veth pair,
+# netns_shape each end; mpirun runs in one as its own host (netns_host) and starts the
+# other's ranks through netns_rsh_agent (scripts/bench-twolevel.sh).
+#
 # Every function reports a failure as "PREFIX: message" on stderr; the
 # netns_require_* functions and netns_new exit 1 on failure. Needs bash,
-# ip and tc from iproute2.
+# ip and tc from iproute2 (two machines: unshare from util-linux).
 
 # NETNS_MPIRUN is mpirun as every script starts it: as root, more ranks
 # than cores, not bound to cores, and waiting ranks yielding the CPU
@@ -147,6 +151,42 @@ netns_join() {
 	ip -n "$4" addr add "$6" dev "$5"
 	ip -n "$1" link set "$2" up
 	ip -n "$4" link set "$5" up
+}
+
+# netns_host VAR NS stores in the array VAR the command prefix that runs a
+# command in NS under a host name of its own (lowbit-NS, in a UTS
+# namespace), so that Open MPI takes NS for a machine of its own: its ranks
+# talk over shared memory inside it and over the network to other
+# machines. Every stage execs the next, so that netns_run's signal reaches
+# the command itself: netns_run "${VAR[@]}" mpirun ...
+netns_host() {
+	local -n _netns_host_var=$1
+	# shellcheck disable=SC2016 # $0 and $@ are the inner shell's
+	_netns_host_var=(ip netns exec "$2" unshare --uts sh -c 'hostname "lowbit-$0"; exec "$@"' "$2")
+}
+
+# netns_rsh_agent FILE NS [ADDR NSADDR]... writes to FILE an rsh agent for
+# mpirun (--mca plm_rsh_agent FILE), used in place of ssh to start Open
+# MPI's daemon of a host: "FILE HOST COMMAND..." runs COMMAND in the
+# namespace NSADDR listed for the address HOST (NS for a host not listed),
+# as a host of its own like netns_host.
+netns_rsh_agent() {
+	local file=$1 ns=$2 cases=""
+	shift 2
+	while [ $# -ge 2 ]; do
+		cases+="$1) ns=$2 ;;"$'\n'
+		shift 2
+	done
+	cat >"$file" <<AGENT
+#!/bin/sh
+host=\$1
+shift
+case "\$host" in
+${cases}*) ns=$ns ;;
+esac
+exec ip netns exec "\$ns" unshare --uts sh -c "hostname lowbit-\$ns; \$*"
+AGENT
+	chmod +x "$file"
 }
 
 # netns_sent NS DEV prints the bytes DEV's root qdisc in NS has passed.
