@@ -1,0 +1,191 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/onebit"
+	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/optim/zero"
+)
+
+// optimizerNames are the optimizers -optimizer takes, in the order -help
+// lists them.
+var optimizerNames = []string{"adam", "onebit-adam", "zeroone-adam", "lamb", "onebit-lamb", "zero-adam"}
+
+// baseline is the exact optimizer a compressed one is compared with.
+var baseline = map[string]string{
+	"onebit-adam":  "adam",
+	"zeroone-adam": "adam",
+	"onebit-lamb":  "lamb",
+	"zero-adam":    "adam",
+}
+
+// compressedOf is the compressed optimizer -compare pairs an exact one
+// with.
+var compressedOf = map[string]string{
+	"adam": "onebit-adam",
+	"lamb": "onebit-lamb",
+}
+
+// runSpec is one training run: an optimizer and its gradient reduction.
+type runSpec struct {
+	name string
+	// reduce is the gradient averaging of the exact optimizers and of the
+	// 1-bit optimizers' exact stage: fp32, fp16, bf16 or twolevel.
+	reduce optim.ReduceMode
+	// scatter is zero-adam's gradient reduce-scatter: fp32, coalesced,
+	// int8 or int4.
+	scatter zero.Reduce
+}
+
+// label names the run in tables: the optimizer, and its reduction unless
+// it is the default.
+func (r runSpec) label() string {
+	switch {
+	case r.name == "zero-adam":
+		return r.name + " " + r.scatter.String()
+	case r.reduce != optim.ReduceFP32:
+		return r.name + " " + r.reduce.String()
+	}
+	return r.name
+}
+
+// reduceName is the run's reduction as -reduce spells it.
+func (r runSpec) reduceName() string {
+	if r.name == "zero-adam" {
+		return r.scatter.String()
+	}
+	return r.reduce.String()
+}
+
+// parseRuns returns the runs -optimizer, -reduce and -compare ask for.
+// -optimizer is a comma-separated list of NAME or NAME:REDUCE (REDUCE
+// overrides -reduce for that run): "adam,adam:fp16,zero-adam:int4". With
+// -compare (one optimizer only) the exact optimizer runs first, then its
+// compressed counterpart, from the same seed; -reduce then applies to the
+// exact averaging of both, and to zero-adam's reduce-scatter.
+func parseRuns(list, reduce string, compare bool) ([]runSpec, error) {
+	entries := strings.Split(list, ",")
+	if compare {
+		if len(entries) != 1 {
+			return nil, fmt.Errorf("-compare takes one -optimizer, got %q", list)
+		}
+		name, red, _ := strings.Cut(entries[0], ":")
+		if red == "" {
+			red = reduce
+		}
+		pair := []string{name, compressedOf[name]}
+		if b, ok := baseline[name]; ok {
+			pair = []string{b, name}
+		}
+		if !slices.Contains(optimizerNames, name) {
+			return nil, fmt.Errorf("unknown -optimizer %q (want one of %s)", name, strings.Join(optimizerNames, ", "))
+		}
+		var runs []runSpec
+		for _, n := range pair {
+			r := n
+			if n != "zero-adam" && name == "zero-adam" {
+				// the exact baseline of zero-adam averages in fp32 unless
+				// -reduce names one of the exact modes
+				if _, err := optim.ParseReduceMode(red); err != nil {
+					r += ":fp32"
+				} else {
+					r += ":" + red
+				}
+			} else {
+				r += ":" + red
+			}
+			s, err := parseRun(r, reduce)
+			if err != nil {
+				return nil, err
+			}
+			runs = append(runs, s)
+		}
+		return runs, nil
+	}
+	var runs []runSpec
+	for _, e := range entries {
+		s, err := parseRun(e, reduce)
+		if err != nil {
+			return nil, err
+		}
+		runs = append(runs, s)
+	}
+	return runs, nil
+}
+
+// parseRun parses one NAME[:REDUCE] entry of -optimizer.
+func parseRun(entry, reduce string) (runSpec, error) {
+	name, red, _ := strings.Cut(strings.TrimSpace(entry), ":")
+	if red == "" {
+		red = reduce
+	}
+	if !slices.Contains(optimizerNames, name) {
+		return runSpec{}, fmt.Errorf("unknown -optimizer %q (want one of %s)", name, strings.Join(optimizerNames, ", "))
+	}
+	s := runSpec{name: name}
+	if name == "zero-adam" {
+		z, err := zero.ParseReduce(red)
+		if err != nil {
+			return runSpec{}, fmt.Errorf("unknown reduction %q for zero-adam (want fp32, coalesced, int8 or int4)", red)
+		}
+		s.scatter = z
+		return s, nil
+	}
+	m, err := optim.ParseReduceMode(red)
+	if err != nil {
+		return runSpec{}, fmt.Errorf("unknown reduction %q for %s (want fp32, fp16, bf16 or twolevel)", red, name)
+	}
+	s.reduce = m
+	return s, nil
+}
+
+// hyper are the optimizer settings the flags choose.
+type hyper struct {
+	lr float32
+	// freezeStep is the exact warm-up of the 1-bit optimizers: FreezeStep
+	// of onebit-adam and onebit-lamb, VarFreezeStep of zeroone-adam.
+	freezeStep int
+}
+
+// newOptimizer builds the optimizer of run r over params, communicating on
+// c. It is the one place the example chooses a lowbit optimizer.
+func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params []*optim.Param) (optim.Optimizer, error) {
+	adam := optim.DefaultAdamConfig()
+	adam.LR = h.lr
+	adam.Reduce = r.reduce
+	lamb := optim.DefaultLambConfig()
+	lamb.AdamConfig = adam
+	switch r.name {
+	case "adam":
+		return optim.NewAdam(ctx, c, params, adam)
+	case "lamb":
+		return optim.NewLamb(ctx, c, params, lamb)
+	case "onebit-adam":
+		cfg := onebit.DefaultAdamConfig()
+		cfg.AdamConfig = adam
+		cfg.FreezeStep = h.freezeStep
+		return onebit.NewAdam(ctx, c, params, cfg)
+	case "onebit-lamb":
+		cfg := onebit.DefaultLambConfig()
+		cfg.LambConfig = lamb
+		cfg.FreezeStep = h.freezeStep
+		return onebit.NewLamb(ctx, c, params, cfg)
+	case "zeroone-adam":
+		cfg := onebit.DefaultZeroOneAdamConfig()
+		cfg.AdamConfig = adam
+		cfg.VarFreezeStep = max(1, h.freezeStep)
+		return onebit.NewZeroOneAdam(ctx, c, params, cfg)
+	case "zero-adam":
+		cfg := zero.DefaultConfig()
+		cfg.AdamConfig = adam
+		cfg.AdamConfig.Reduce = optim.ReduceFP32 // zero-adam reduce-scatters instead
+		cfg.ReduceScatter = r.scatter
+		return zero.NewAdam(ctx, c, params, cfg)
+	}
+	return nil, fmt.Errorf("unknown optimizer %q", r.name)
+}

@@ -1,0 +1,113 @@
+package main
+
+import (
+	"fmt"
+	"html"
+	"math"
+	"strings"
+)
+
+// curveColors are the line colours of the runs, in order.
+var curveColors = []string{"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"}
+
+// writePlot draws the validation loss against the tokens trained on, one
+// curve per run, as an SVG file (no dependency: the plot is a few lines
+// and a grid). A dashed line marks the freeze step of the 1-bit
+// optimizers, a dotted one the target.
+func writePlot(path string, o *options, results []*result) error {
+	const (
+		width, height = 900, 520
+		left, right   = 70, 220 // the legend is on the right
+		top, bottom   = 40, 50
+	)
+	pw, ph := float64(width-left-right), float64(height-top-bottom)
+	xMax := 1.0
+	yMin, yMax := math.Inf(1), math.Inf(-1)
+	for _, r := range results {
+		for _, e := range r.evals {
+			if e.Step == 0 || math.IsNaN(e.ValLoss) || math.IsInf(e.ValLoss, 0) {
+				continue // the untrained model's loss squashes the axis
+			}
+			xMax = max(xMax, float64(e.Tokens))
+			yMin, yMax = min(yMin, e.ValLoss), max(yMax, e.ValLoss)
+		}
+	}
+	if math.IsInf(yMin, 0) {
+		yMin, yMax = 0, 1
+	}
+	if yMax-yMin < 1e-3 {
+		yMin, yMax = yMin-0.5, yMax+0.5
+	}
+	pad := (yMax - yMin) * 0.05
+	yMin, yMax = yMin-pad, yMax+pad
+	px := func(x float64) float64 { return float64(left) + pw*x/xMax }
+	py := func(y float64) float64 { return float64(top) + ph*(yMax-y)/(yMax-yMin) }
+
+	var b strings.Builder
+	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" font-family="sans-serif" font-size="12">`+"\n", width, height, width, height)
+	fmt.Fprintf(&b, `<rect width="%d" height="%d" fill="white"/>`+"\n", width, height)
+	fmt.Fprintf(&b, `<text x="%d" y="22" font-size="14">validation loss of a byte-level GPT (%s), %d ranks</text>`+"\n", left, html.EscapeString(o.model.String()), results[0].workers)
+	// Grid and ticks.
+	for i := 0; i <= 5; i++ {
+		y := yMin + (yMax-yMin)*float64(i)/5
+		fmt.Fprintf(&b, `<line x1="%d" x2="%.1f" y1="%.1f" y2="%.1f" stroke="#ddd"/>`+"\n", left, float64(left)+pw, py(y), py(y))
+		fmt.Fprintf(&b, `<text x="%d" y="%.1f" text-anchor="end">%.3f</text>`+"\n", left-6, py(y)+4, y)
+		x := xMax * float64(i) / 5
+		fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%d" y2="%.1f" stroke="#ddd"/>`+"\n", px(x), px(x), top, float64(top)+ph)
+		fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle">%s</text>`+"\n", px(x), float64(top)+ph+18, tokens(x))
+	}
+	fmt.Fprintf(&b, `<rect x="%d" y="%d" width="%.1f" height="%.1f" fill="none" stroke="black"/>`+"\n", left, top, pw, ph)
+	fmt.Fprintf(&b, `<text x="%.1f" y="%d" text-anchor="middle">tokens (bytes) trained on, all ranks</text>`+"\n", float64(left)+pw/2, height-12)
+	fmt.Fprintf(&b, `<text transform="translate(16 %.1f) rotate(-90)" text-anchor="middle">validation loss (nats per byte)</text>`+"\n", float64(top)+ph/2)
+
+	legend := 0
+	legendLine := func(style, label string) {
+		y := top + 10 + 20*legend
+		fmt.Fprintf(&b, `<line x1="%d" x2="%d" y1="%d" y2="%d" %s/>`+"\n", width-right+15, width-right+45, y, y, style)
+		fmt.Fprintf(&b, `<text x="%d" y="%d">%s</text>`+"\n", width-right+52, y+4, html.EscapeString(label))
+		legend++
+	}
+	compressed := false
+	for i, r := range results {
+		col := curveColors[i%len(curveColors)]
+		var pts []string
+		for _, e := range r.evals {
+			if e.Step == 0 || math.IsNaN(e.ValLoss) || math.IsInf(e.ValLoss, 0) {
+				continue
+			}
+			pts = append(pts, fmt.Sprintf("%.1f,%.1f", px(float64(e.Tokens)), py(e.ValLoss)))
+		}
+		style := fmt.Sprintf(`stroke="%s" stroke-width="2"`, col)
+		if len(pts) > 0 {
+			fmt.Fprintf(&b, `<polyline fill="none" %s points="%s"/>`+"\n", style, strings.Join(pts, " "))
+		}
+		legendLine(style, r.spec.label())
+		if _, ok := baseline[r.spec.name]; ok && r.spec.name != "zero-adam" {
+			compressed = true
+		}
+	}
+	if fs := o.hyper().freezeStep; compressed && fs <= o.steps {
+		x := px(float64(int64(fs) * int64(o.batch) * int64(o.model.context)))
+		style := `stroke="#808080" stroke-dasharray="6,4"`
+		fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%d" y2="%.1f" %s/>`+"\n", x, x, top, float64(top)+ph, style)
+		legendLine(style, fmt.Sprintf("freeze step %d", fs))
+	}
+	if o.target > yMin && o.target < yMax {
+		style := `stroke="#404040" stroke-dasharray="2,3"`
+		fmt.Fprintf(&b, `<line x1="%d" x2="%.1f" y1="%.1f" y2="%.1f" %s/>`+"\n", left, float64(left)+pw, py(o.target), py(o.target), style)
+		legendLine(style, fmt.Sprintf("target %.3g", o.target))
+	}
+	b.WriteString("</svg>\n")
+	return writeFile(path, []byte(b.String()))
+}
+
+// tokens formats a token count for an axis.
+func tokens(x float64) string {
+	switch {
+	case x >= 1e6:
+		return fmt.Sprintf("%.1fM", x/1e6)
+	case x >= 1e3:
+		return fmt.Sprintf("%.0fk", x/1e3)
+	}
+	return fmt.Sprintf("%.0f", x)
+}

@@ -1,0 +1,223 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"text/tabwriter"
+)
+
+// bitsPerByte converts a loss in nats per byte.
+func bitsPerByte(nats float64) float64 { return nats / math.Ln2 }
+
+func hasSuffixFold(s, suffix string) bool {
+	return len(s) >= len(suffix) && strings.EqualFold(s[len(s)-len(suffix):], suffix)
+}
+
+// printHeader says what is about to be trained.
+func printHeader(w io.Writer, o *options, data *corpus, workers int) {
+	labels := make([]string, len(o.runs))
+	for i, r := range o.runs {
+		labels[i] = r.label()
+	}
+	fmt.Fprintf(w, "GoMLX byte-level GPT (%s) on %d %s ranks (GoMLX pure-Go backend)\n", o.model, workers, o.backend)
+	fmt.Fprintf(w, "corpus %s: %d training files (%.1f MB), %d validation files (%.1f MB)",
+		data.desc, data.trainFiles, float64(len(data.train))/1e6, data.valFiles, float64(len(data.val))/1e6)
+	if data.skipped > 0 {
+		fmt.Fprintf(w, ", %d binary files skipped", data.skipped)
+	}
+	fmt.Fprintln(w)
+	h := o.hyper()
+	fmt.Fprintf(w, "runs: %s; %d steps of %d sequences (%d tokens), lr %g, freeze step %d, seed %d\n",
+		strings.Join(labels, ", "), o.steps, o.batch, o.batch*o.model.context, o.lr, h.freezeStep, o.seed)
+}
+
+// progressPrinter prints a line per validation unless quiet; the ranks of
+// the local backend share it, only rank 0 calls it.
+func progressPrinter(w io.Writer, quiet bool) progressFunc {
+	if quiet {
+		return nil
+	}
+	var mu sync.Mutex
+	return func(r runSpec, steps int, e evalPoint, trainLoss float64) {
+		mu.Lock()
+		defer mu.Unlock()
+		tl := "      -"
+		if !math.IsNaN(trainLoss) && e.Step > 0 {
+			tl = fmt.Sprintf("%7.4f", trainLoss)
+		}
+		fmt.Fprintf(w, "%-16s step %5d/%d  tokens %8d  train loss %s  val loss %.4f (%.3f bits/byte)  %6.1fs\n",
+			r.label(), e.Step, steps, e.Tokens, tl, e.ValLoss, bitsPerByte(e.ValLoss), e.TrainS)
+	}
+}
+
+// report prints the results table and, for each compressed run, how it
+// compares with its exact baseline in the same table.
+func report(w io.Writer, o *options, results []*result) {
+	fmt.Fprintln(w)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintf(tw, "optimizer\tval loss\tbits/byte\ttrain loss\tsteps\ttokens\ttrain time\tcomm\tto %.3g\tsent/rank\tlast step\tskipped\t\n", o.target)
+	for _, r := range results {
+		tt := "-"
+		if o.target <= 0 {
+			tt = "no target"
+		} else if r.reached() {
+			tt = fmt.Sprintf("%.1fs (step %d)", r.targetTime.Seconds(), r.targetStep)
+		} else {
+			tt = "not reached"
+		}
+		fmt.Fprintf(tw, "%s\t%.4f\t%.4f\t%.4f\t%d\t%d\t%.1fs\t%.0f%%\t%s\t%s\t%s\t%d\t\n",
+			r.spec.label(), r.valLoss, bitsPerByte(r.valLoss), r.trainLoss, r.steps, r.tokens,
+			r.wall.Seconds(), 100*r.commShare(), tt, human(r.bytes), human(r.lastBytes), r.skipped)
+	}
+	tw.Flush()
+	for _, r := range results {
+		b := findBaseline(results, r)
+		if b == nil {
+			continue
+		}
+		fmt.Fprintf(w, "%s vs %s: validation loss %+.2f%%, %.1fx fewer bytes sent per rank",
+			r.spec.label(), b.spec.label(), 100*(r.valLoss-b.valLoss)/b.valLoss, b.bytes/max(r.bytes, 1))
+		if r.reached() && b.reached() {
+			fmt.Fprintf(w, ", time to %.3g %.2fx", o.target, b.targetTime.Seconds()/r.targetTime.Seconds())
+		}
+		fmt.Fprintln(w)
+	}
+}
+
+// commShare is the share of the training time spent in collectives.
+func (r *result) commShare() float64 {
+	if r.wall <= 0 {
+		return 0
+	}
+	return r.commTime.Seconds() / r.wall.Seconds()
+}
+
+// findBaseline returns the run of r's exact counterpart with fp32
+// averaging in results, or nil (for an exact optimizer, or if it was not
+// run).
+func findBaseline(results []*result, r *result) *result {
+	b, ok := baseline[r.spec.name]
+	if !ok {
+		if r.spec.reduce == 0 {
+			return nil
+		}
+		b = r.spec.name // adam fp16 against adam fp32
+	}
+	for _, x := range results {
+		if x.spec.name == b && x.spec.reduce == 0 && x != r {
+			return x
+		}
+	}
+	return nil
+}
+
+// human formats a byte count.
+func human(b float64) string {
+	switch {
+	case b >= 1e9:
+		return fmt.Sprintf("%.2f GB", b/1e9)
+	case b >= 1e6:
+		return fmt.Sprintf("%.1f MB", b/1e6)
+	default:
+		return fmt.Sprintf("%.1f kB", b/1e3)
+	}
+}
+
+// jsonRun is one run in the -json file.
+type jsonRun struct {
+	Optimizer        string      `json:"optimizer"`
+	Reduce           string      `json:"reduce"`
+	ValLoss          float64     `json:"val_loss"`
+	ValBitsPerByte   float64     `json:"val_bits_per_byte"`
+	TrainLoss        float64     `json:"train_loss"`
+	Steps            int         `json:"steps"`
+	Tokens           int64       `json:"tokens"`
+	WallS            float64     `json:"wall_s"`
+	CommS            float64     `json:"comm_s"`
+	Target           float64     `json:"target"`
+	TimeToTargetS    *float64    `json:"time_to_target_s"` // null: not reached
+	StepsToTarget    *int        `json:"steps_to_target"`
+	BytesSentPerRank float64     `json:"bytes_sent_per_rank"`
+	LastStepBytes    float64     `json:"last_step_bytes"`
+	Skipped          int64       `json:"skipped"`
+	Workers          int         `json:"workers"`
+	Backend          string      `json:"backend"`
+	Model            jsonModel   `json:"model"`
+	Curve            []evalPoint `json:"curve"`
+}
+
+type jsonModel struct {
+	DModel  int `json:"d_model"`
+	Layers  int `json:"layers"`
+	Heads   int `json:"heads"`
+	FFN     int `json:"ffn"`
+	Context int `json:"context"`
+	Batch   int `json:"batch"`
+}
+
+func writeJSON(path string, o *options, results []*result) error {
+	runs := make([]jsonRun, len(results))
+	for i, r := range results {
+		j := jsonRun{
+			Optimizer: r.spec.name, Reduce: r.spec.reduceName(),
+			ValLoss: r.valLoss, ValBitsPerByte: bitsPerByte(r.valLoss), TrainLoss: r.trainLoss,
+			Steps: r.steps, Tokens: r.tokens, WallS: r.wall.Seconds(), CommS: r.commTime.Seconds(),
+			Target: o.target, BytesSentPerRank: r.bytes, LastStepBytes: r.lastBytes, Skipped: r.skipped,
+			Workers: r.workers, Backend: o.backend, Curve: r.evals,
+			Model: jsonModel{o.model.dModel, o.model.layers, o.model.heads, o.model.ffn, o.model.context, o.batch},
+		}
+		if r.reached() {
+			t, s := r.targetTime.Seconds(), r.targetStep
+			j.TimeToTargetS, j.StepsToTarget = &t, &s
+		}
+		if math.IsNaN(j.TrainLoss) {
+			j.TrainLoss = -1 // JSON has no NaN: every step was skipped
+		}
+		runs[i] = j
+	}
+	b, err := json.MarshalIndent(runs, "", "  ")
+	if err != nil {
+		return err
+	}
+	return writeFile(path, append(b, '\n'))
+}
+
+// writeMarkdown writes the results table as Markdown (the README's table).
+func writeMarkdown(path string, o *options, data *corpus, results []*result) error {
+	var b strings.Builder
+	fmt.Fprintf(&b, "%s; %d ranks (%s backend); %d steps of %d sequences of %d bytes (%d tokens per run); lr %g, freeze step %d, seed %d; corpus %d training files (%.1f MB), %d validation files.\n\n",
+		o.model, results[0].workers, o.backend, o.steps, o.batch, o.model.context, results[0].tokens, o.lr, o.hyper().freezeStep, o.seed,
+		data.trainFiles, float64(len(data.train))/1e6, data.valFiles)
+	fmt.Fprintln(&b, "| optimizer | val loss | bits/byte | vs exact | train loss | sent/rank | time to target | skipped |")
+	fmt.Fprintln(&b, "|---|---:|---:|---:|---:|---:|---:|---:|")
+	for _, r := range results {
+		vs := ""
+		if bl := findBaseline(results, r); bl != nil {
+			vs = fmt.Sprintf("%+.2f%%", 100*(r.valLoss-bl.valLoss)/bl.valLoss)
+		}
+		tt := "not reached"
+		if r.reached() {
+			tt = fmt.Sprintf("%.1fs (step %d)", r.targetTime.Seconds(), r.targetStep)
+		} else if o.target <= 0 {
+			tt = "-"
+		}
+		fmt.Fprintf(&b, "| %s | %.4f | %.4f | %s | %.4f | %s | %s | %d |\n",
+			r.spec.label(), r.valLoss, bitsPerByte(r.valLoss), vs, r.trainLoss, human(r.bytes), tt, r.skipped)
+	}
+	return writeFile(path, []byte(b.String()))
+}
+
+func writeFile(path string, b []byte) error {
+	if dir := filepath.Dir(path); dir != "" {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return err
+		}
+	}
+	return os.WriteFile(path, b, 0o644)
+}
