@@ -155,13 +155,13 @@ func (c *corpus) check(batch, context int) error {
 // seeded by the seed and the step, the same on every rank; a rank takes
 // its own shard, windows [lo, hi).
 type batcher struct {
-	text     []byte
-	context  int
-	batch    int
-	lo, hi   int
-	seed     uint64
-	x, y     []int32 // the shard, reused
-	offsets  []int
+	text    []byte
+	context int
+	batch   int
+	lo, hi  int
+	seed    uint64
+	x, y    []int32 // the shard, reused
+	offsets []int
 }
 
 func newBatcher(text []byte, context, batch, rank, workers int, seed uint64) *batcher {

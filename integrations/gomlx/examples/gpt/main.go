@@ -32,12 +32,15 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strings"
 	"sync"
 	"syscall"
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/comm/mpi"
+	"github.com/lowbit-ml/lowbit/internal/cliflag"
+	"github.com/lowbit-ml/lowbit/size"
 )
 
 type options struct {
@@ -64,6 +67,10 @@ type options struct {
 	plotPath   string
 	mdPath     string
 	quiet      bool
+	progress   bool
+
+	checkpoint      string // directory of the GoMLX checkpoints, "" for none
+	checkpointEvery int
 }
 
 func (o *options) hyper() hyper {
@@ -74,20 +81,28 @@ func (o *options) hyper() hyper {
 	return hyper{lr: float32(o.lr), freezeStep: fs}
 }
 
+// Bounds of the flags that size the run: beyond them a typo would start a
+// run of years or a million goroutines.
+const (
+	maxWorkers = 1024
+	maxSteps   = 10_000_000
+	maxWidth   = 1 << 16
+)
+
 func parseFlags(args []string, stderr io.Writer) (*options, error) {
-	o := &options{}
+	o := &options{maxBytes: 8 << 20, batch: 16}
 	fs := flag.NewFlagSet("gpt", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&o.corpus, "corpus", "", "directory of text files to learn (default: the non-test .go files under $(go env GOROOT)/src)")
-	fs.Int64Var(&o.maxBytes, "max-bytes", 8<<20, "read at most this many bytes of the corpus, files taken in the seeded order (0: all)")
+	fs.Var(&size.Value[int64]{P: &o.maxBytes, Min: 0, Max: 1 << 40}, "max-bytes", "read at most this `size` of the corpus in bytes, files taken in the seeded order (0: all; 8Mi, 100M)")
 	fs.Float64Var(&o.valFrac, "val-frac", 0.1, "share of the corpus files held out for validation")
-	fs.StringVar(&o.optimizer, "optimizer", "onebit-adam", "comma-separated runs NAME or NAME:REDUCE, trained one after the other from the same seed; NAME one of adam, onebit-adam, zeroone-adam, lamb, onebit-lamb, zero-adam")
+	fs.StringVar(&o.optimizer, "optimizer", "onebit-adam", "comma-separated runs NAME or NAME:REDUCE, trained one after the other from the same seed; NAME one of "+strings.Join(optimizerNames, ", "))
 	fs.StringVar(&o.reduce, "reduce", "fp32", "gradient averaging of the exact optimizers and the 1-bit ones' warm-up: fp32, fp16, bf16, twolevel; for zero-adam its reduce-scatter: fp32, coalesced, int8, int4")
 	fs.BoolVar(&o.compare, "compare", false, "train the exact optimizer, then its compressed counterpart (adam and onebit-adam, lamb and onebit-lamb, ...), from the same seed")
 	fs.IntVar(&o.steps, "steps", 300, "training steps per run")
 	fs.IntVar(&o.workers, "workers", 4, "in-process ranks (-backend local)")
 	fs.StringVar(&o.backend, "backend", "local", "local (goroutine ranks) or mpi (one rank of an mpirun job; build with -tags mpi)")
-	fs.IntVar(&o.batch, "batch", 16, "global batch in sequences, split over the ranks")
+	fs.Var(&size.Value[int]{P: &o.batch, Min: 1, Max: 1 << 20}, "batch", "global batch `size` in sequences, split over the ranks (16, 1Ki)")
 	fs.IntVar(&o.model.dModel, "d-model", 64, "embedding width")
 	fs.IntVar(&o.model.layers, "layers", 2, "transformer blocks")
 	fs.IntVar(&o.model.heads, "heads", 4, "attention heads")
@@ -103,31 +118,56 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.plotPath, "plot", "", "draw validation loss against tokens, one curve per run, into this SVG file")
 	fs.StringVar(&o.mdPath, "markdown", "", "write the results table as Markdown to this file")
 	fs.BoolVar(&o.quiet, "quiet", false, "print only the final table")
-	if err := fs.Parse(args); err != nil {
+	fs.BoolVar(&o.progress, "progress", false, "show GoMLX's progress bar (commandline.AttachProgressBar) on rank 0")
+	fs.StringVar(&o.checkpoint, "checkpoint", "", "directory of GoMLX checkpoints (with the lowbit state), one subdirectory per run and rank; a run resumes from what it holds")
+	fs.IntVar(&o.checkpointEvery, "checkpoint-every", 100, "steps between checkpoints (with -checkpoint)")
+	if err := cliflag.Parse(fs, args); err != nil {
 		return nil, err
 	}
+	if fs.NArg() > 0 {
+		return nil, cliflag.Usagef("unexpected arguments %q", fs.Args())
+	}
+	bad := func(name, format string, args ...any) (*options, error) {
+		return nil, cliflag.Bad(fs, name, format, args...)
+	}
+	m := o.model
 	switch {
-	case fs.NArg() > 0:
-		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
 	case o.backend != "local" && o.backend != "mpi":
-		return nil, fmt.Errorf("unknown -backend %q (want local or mpi)", o.backend)
-	case o.workers < 1 || o.steps < 1 || o.batch < 1 || o.valWindows < 1:
-		return nil, errors.New("-workers, -steps, -batch and -val-windows must be at least 1")
-	case !(o.lr > 0):
-		return nil, fmt.Errorf("-lr must be positive, got %v", o.lr)
+		return bad("backend", "want local or mpi")
+	case o.workers < 1 || o.workers > maxWorkers:
+		return bad("workers", "want 1 to %d", maxWorkers)
+	case o.steps < 1 || o.steps > maxSteps:
+		return bad("steps", "want 1 to %d", maxSteps)
+	case !(o.lr > 0) || o.lr > 10:
+		return bad("lr", "want a learning rate in (0, 10]")
 	case !(o.valFrac > 0 && o.valFrac < 1):
-		return nil, fmt.Errorf("-val-frac must be between 0 and 1, got %v", o.valFrac)
-	case o.target < 0 || o.maxBytes < 0:
-		return nil, errors.New("-target and -max-bytes must not be negative")
+		return bad("val-frac", "want a share between 0 and 1")
+	case !(o.target >= 0) || o.target > 1e6:
+		return bad("target", "want a validation loss in nats per byte, 0 for none")
+	case o.freezeStep < -1 || o.freezeStep > maxSteps:
+		return bad("freeze-step", "want -1 (a fifth of -steps) to %d", maxSteps)
+	case o.evalEvery < 0 || o.evalEvery > maxSteps:
+		return bad("eval-every", "want 0 (20 times per run) to %d", maxSteps)
+	case o.valWindows < 1 || o.valWindows > 1<<20:
+		return bad("val-windows", "want 1 to %d", 1<<20)
+	case o.checkpointEvery < 1 || o.checkpointEvery > maxSteps:
+		return bad("checkpoint-every", "want 1 to %d", maxSteps)
+	case m.dModel < 1 || m.dModel > maxWidth:
+		return bad("d-model", "want 1 to %d", maxWidth)
+	case m.layers < 1 || m.layers > 1024:
+		return bad("layers", "want 1 to 1024")
+	case m.heads < 1 || m.heads > m.dModel || m.dModel%m.heads != 0:
+		return bad("heads", "want a divisor of -d-model (%d)", m.dModel)
+	case m.ffn < 1 || m.ffn > maxWidth:
+		return bad("ffn", "want 1 to %d", maxWidth)
+	case m.context < 2 || m.context > maxWidth:
+		return bad("context", "want 2 to %d", maxWidth)
 	case o.plotPath != "" && !hasSuffixFold(o.plotPath, ".svg"):
-		return nil, fmt.Errorf("-plot %s: the plot is SVG; name a .svg file", o.plotPath)
-	}
-	if err := o.model.validate(); err != nil {
-		return nil, err
+		return bad("plot", "the plot is SVG; name a .svg file")
 	}
 	runs, err := parseRuns(o.optimizer, o.reduce, o.compare)
 	if err != nil {
-		return nil, err
+		return nil, &cliflag.Error{Reason: err.Error()}
 	}
 	o.runs = runs
 	return o, nil
@@ -136,7 +176,13 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil && !errors.Is(err, flag.ErrHelp) {
+	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	switch {
+	case err == nil || errors.Is(err, flag.ErrHelp):
+	case cliflag.IsUsage(err):
+		fmt.Fprintf(os.Stderr, "gpt: %v; see gpt -h\n", err)
+		os.Exit(2)
+	default:
 		fmt.Fprintln(os.Stderr, "gpt:", err)
 		os.Exit(1)
 	}

@@ -23,17 +23,6 @@ type modelConfig struct {
 	context int // tokens (bytes) per sequence
 }
 
-func (m modelConfig) validate() error {
-	switch {
-	case m.dModel < 1 || m.layers < 1 || m.heads < 1 || m.ffn < 1 || m.context < 2:
-		return fmt.Errorf("model size: -d-model, -layers, -heads and -ffn must be at least 1 and -context at least 2 (got %d, %d, %d, %d, %d)",
-			m.dModel, m.layers, m.heads, m.ffn, m.context)
-	case m.dModel%m.heads != 0:
-		return fmt.Errorf("model size: -d-model %d is not a multiple of -heads %d", m.dModel, m.heads)
-	}
-	return nil
-}
-
 func (m modelConfig) String() string {
 	return fmt.Sprintf("d_model %d, %d blocks, %d heads, ffn %d, context %d", m.dModel, m.layers, m.heads, m.ffn, m.context)
 }
@@ -49,7 +38,7 @@ func gpt(scope *model.Scope, m modelConfig) *transformer.Model {
 		WithEmbedDim(m.dModel).
 		WithNumLayers(m.layers).
 		WithNumHeads(m.heads).
-		WithHeadDim(m.dModel/m.heads).
+		WithHeadDim(m.dModel / m.heads).
 		WithFFNDim(m.ffn).
 		WithMaxPosEmbed(m.context).
 		WithPositionalEncoder(pos.NewLearned(scope, m.context, m.dModel)).
@@ -58,17 +47,18 @@ func gpt(scope *model.Scope, m modelConfig) *transformer.Model {
 		WithFinalNormalization(layers.NormalizationLayerNorm)
 }
 
-// lossFn returns the loss of a batch: in[0] are the input bytes
-// [batch, context] (int32), in[1] the next bytes [batch, context, 1]; the
-// loss is the mean cross-entropy, in nats per byte, over every position.
-func lossFn(m modelConfig) func(scope *model.Scope, in []*graph.Node) *graph.Node {
-	return func(scope *model.Scope, in []*graph.Node) *graph.Node {
-		logits := gpt(scope, m).Logits(in[0], transformer.CallOptions{})
-		return graph.ReduceAllMean(loss.SparseCategoricalCrossEntropyLogits(in[1:2], []*graph.Node{logits}))
+// logitsFn returns the model function of train.NewTrainer: x are the
+// input bytes [batch, context] (int32), the result the logits of the next
+// byte at every position [batch, context, 256]. The Trainer's loss is
+// loss.SparseCategoricalCrossEntropyLogits against the next bytes
+// [batch, context, 1], averaged over every position: nats per byte.
+func logitsFn(m modelConfig) func(scope *model.Scope, x *graph.Node) *graph.Node {
+	return func(scope *model.Scope, x *graph.Node) *graph.Node {
+		return gpt(scope, m).Logits(x, transformer.CallOptions{})
 	}
 }
 
-// sumLossFn is lossFn summed instead of averaged: the validation graph
+// sumLossFn is the training loss summed instead of averaged: the validation graph
 // returns the total, so that ranks with different numbers of windows can
 // add theirs.
 func sumLossFn(m modelConfig) func(scope *model.Scope, x, y *graph.Node) *graph.Node {

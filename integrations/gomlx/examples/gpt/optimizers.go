@@ -54,6 +54,10 @@ func (r runSpec) label() string {
 	return r.name
 }
 
+// dirName names the run's checkpoint directories: the optimizer and its
+// reduction.
+func (r runSpec) dirName() string { return r.name + "-" + r.reduceName() }
+
 // reduceName is the run's reduction as -reduce spells it.
 func (r runSpec) reduceName() string {
 	if r.name == "zero-adam" {

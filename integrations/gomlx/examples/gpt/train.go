@@ -3,13 +3,18 @@ package main
 import (
 	"context"
 	"fmt"
+	"iter"
 	"math"
+	"path/filepath"
 	"time"
 
-	"github.com/gomlx/compute"
 	"github.com/gomlx/compute/gobackend"
 	"github.com/gomlx/gomlx/core/tensors"
 	"github.com/gomlx/gomlx/ml/model"
+	"github.com/gomlx/gomlx/ml/model/checkpoint"
+	"github.com/gomlx/gomlx/ml/train"
+	"github.com/gomlx/gomlx/ml/train/loss"
+	"github.com/gomlx/gomlx/ui/commandline"
 
 	"github.com/lowbit-ml/lowbit/comm"
 	lbgomlx "github.com/lowbit-ml/lowbit/integrations/gomlx"
@@ -30,9 +35,10 @@ type result struct {
 	spec         runSpec
 	workers      int
 	steps        int
+	resumedAt    int // the step a checkpoint resumed the run at, 0 for none
 	tokens       int64
-	valLoss      float64 // nats per byte
-	trainLoss    float64 // mean of the last tenth of the steps
+	valLoss      float64       // nats per byte
+	trainLoss    float64       // mean of the last tenth of the steps
 	wall         time.Duration // training time: the steps, validations excluded
 	commTime     time.Duration // in collectives during the steps
 	bytes        float64       // sent per rank in the optimizer's Step, all steps
@@ -42,33 +48,47 @@ type result struct {
 	evals        []evalPoint
 	target       float64
 	targetStep   int
-	targetTime   time.Duration // training time to the first validation at or below target; 0 if none
+	targetTime   time.Duration // training time to the first validation at or below target
 	targetTokens int64
 }
 
 // reached reports whether the run reached the target validation loss.
 func (r *result) reached() bool { return r.targetStep > 0 }
 
-// trainer is the one place the lowbit integration plugs into the loop:
-// one data-parallel step on this rank's shard, the optimizer's statistics,
-// and the clean-up. It is integrations/gomlx's Trainer.
-type trainer interface {
-	Step(ctx context.Context, inputs ...any) (float32, error)
-	Optimizer() optim.Optimizer
-	Close() error
-}
-
-func newTrainer(c comm.Comm, backend compute.Backend, store *model.Store, m modelConfig, r runSpec, h hyper) (trainer, error) {
-	return lbgomlx.New(c, backend, store, lossFn(m), func(ctx context.Context, c comm.Comm, params []*optim.Param) (optim.Optimizer, error) {
-		return newOptimizer(ctx, r, h, c, params)
-	})
-}
+// modelParam is the store parameter that records the model's size.
+const modelParam = "gpt_model"
 
 // progressFunc reports a validation of a run as it happens (rank 0 only).
 type progressFunc func(r runSpec, steps int, e evalPoint, trainLoss float64)
 
+// batches is a train.Dataset: this rank's shard of the global batch of
+// every step from start on (the batch of a step depends on the seed and
+// the step only, so a resumed run reads what the uninterrupted one would).
+type batches struct {
+	b       *batcher
+	context int
+	start   int // the first step to yield, 1-based
+}
+
+func (d *batches) Name() string { return "gpt-train" }
+
+func (d *batches) Iter() iter.Seq2[train.Batch, error] {
+	return func(yield func(train.Batch, error) bool) {
+		shard := d.b.hi - d.b.lo
+		for step := d.start; ; step++ {
+			x, y := d.b.next(step)
+			xt := tensors.FromFlatDataAndDimensions(x, shard, d.context)
+			yt := tensors.FromFlatDataAndDimensions(y, shard, d.context, 1)
+			if !yield(train.Batch{Inputs: []*tensors.Tensor{xt}, Labels: []*tensors.Tensor{yt}}, nil) {
+				return
+			}
+		}
+	}
+}
+
 // trainRank is one rank's training run; every rank calls it together, with
-// the same corpus and options.
+// the same corpus and options. It is an ordinary GoMLX train.Loop: the
+// lines marked lowbit are all that make it data-parallel.
 func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *corpus, progress progressFunc) (*result, error) {
 	w, rank := c.Size(), c.Rank()
 	if o.batch < w {
@@ -77,21 +97,64 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 	if err := data.check(o.batch, o.model.context); err != nil {
 		return nil, err
 	}
-	backend, err := gobackend.New("")
+	// ops_sequential: GoMLX's parallel op scheduler shares one worker pool
+	// per backend; with several ranks in one process each rank gets its
+	// own backend and runs its ops in order (see the README).
+	backend, err := gobackend.New("ops_sequential")
 	if err != nil {
 		return nil, err
 	}
 	defer backend.Finalize()
 	store := model.NewStore()
 	// Rank 0's seed decides the initial weights; the other ranks' differ on
-	// purpose, and the Trainer broadcasts rank 0's.
+	// purpose, and the Optimizer broadcasts rank 0's.
 	store.RootScope().SetParam(model.ParamInitialSeed, int64(o.seed)+int64(rank))
 	tc := newTimedComm(c)
-	tr, err := newTrainer(tc, backend, store, o.model, r, o.hyper())
+	h := o.hyper()
+	opt, err := lbgomlx.New(ctx, tc, func(ctx context.Context, c comm.Comm, params []*optim.Param) (optim.Optimizer, error) { // lowbit
+		return newOptimizer(ctx, r, h, c, params)
+	})
 	if err != nil {
 		return nil, err
 	}
-	defer tr.Close()
+	defer opt.Close()
+	var ckpt *checkpoint.Handler
+	if o.checkpoint != "" {
+		// Each rank its own directory: the lowbit state is per rank.
+		dir := filepath.Join(o.checkpoint, fmt.Sprintf("%s-rank-%d", r.dirName(), rank))
+		if ckpt, err = checkpoint.Build(store).Dir(dir).Keep(2).Done(); err != nil {
+			return nil, fmt.Errorf("-checkpoint: %w", err)
+		}
+	}
+	// The model's size is a parameter of the store, saved with every
+	// checkpoint: one of another size is refused here, before anything
+	// is trained or written.
+	if v, ok := store.RootScope().GetParam(modelParam); ok && v != o.model.String() {
+		return nil, fmt.Errorf("-checkpoint %s holds a model of %v; this run asks for %s: name another -checkpoint directory or the same model size flags",
+			o.checkpoint, v, o.model)
+	}
+	store.RootScope().SetParam(modelParam, o.model.String())
+	trainer := train.NewTrainer(backend, store, logitsFn(o.model), loss.SparseCategoricalCrossEntropyLogits, opt, nil, nil)
+	loop := train.NewLoop(trainer)
+	opt.AttachToLoop(loop) // lowbit: the host step after every TrainStep
+	if o.progress && rank == 0 {
+		commandline.AttachProgressBar(loop)
+	}
+	if ckpt != nil {
+		// Every -checkpoint-every global steps and at the last one, so
+		// that runs resume at the same steps whenever they were started.
+		save := opt.SaveOnStepFn(ckpt) // lowbit: was ckpt.SaveOnStepFn
+		loop.OnStep("checkpoint", 100, func(l *train.Loop, metrics []*tensors.Tensor) error {
+			if step := l.LoopStep + 1; step%o.checkpointEvery == 0 || step == o.steps {
+				return save(l, metrics)
+			}
+			return nil
+		})
+	}
+	done := int(trainer.GlobalStep())
+	if done > o.steps {
+		return nil, fmt.Errorf("-checkpoint %s: the checkpoint is at step %d, past -steps %d", o.checkpoint, done, o.steps)
+	}
 
 	// The validation graph: the summed loss of this rank's windows.
 	eval, err := model.NewExec(backend, store, sumLossFn(o.model))
@@ -99,94 +162,89 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 		return nil, err
 	}
 	vx, vy, vn := valWindows(data.val, o.model.context, o.valWindows, rank, w)
-	var vxT, vyT *tensors.Tensor
-	if vn > 0 {
-		vxT = tensors.FromFlatDataAndDimensions(vx, vn, o.model.context)
-		vyT = tensors.FromFlatDataAndDimensions(vy, vn, o.model.context, 1)
-	}
-	totalWindows := float32(min(o.valWindows, len(data.val)-o.model.context))
-	sums := make([]float32, 2)
+	totalWindows := min(o.valWindows, len(data.val)-o.model.context)
+	sums := make([]float32, 1)
 	validate := func() (float64, error) {
-		sums[0], sums[1] = 0, 0
+		sums[0] = 0
 		if vn > 0 {
-			out, err := eval.Exec(vxT, vyT)
+			out, err := eval.Exec(tensors.FromFlatDataAndDimensions(vx, vn, o.model.context),
+				tensors.FromFlatDataAndDimensions(vy, vn, o.model.context, 1))
 			if err != nil {
 				return 0, fmt.Errorf("validation: %w", err)
 			}
 			sums[0] = tensors.ToScalar[float32](out[0])
-			for _, t := range out {
-				_ = t.FinalizeAll()
-			}
 		}
-		if err := c.AllReduce(ctx, sums[:1], comm.Sum); err != nil {
+		if err := c.AllReduce(ctx, sums, comm.Sum); err != nil {
 			return 0, err
 		}
-		return float64(sums[0]) / float64(totalWindows*float32(o.model.context)), nil
+		return float64(sums[0]) / float64(totalWindows*o.model.context), nil
 	}
 
-	res := &result{spec: r, workers: w, steps: o.steps, target: o.target}
-	bat := newBatcher(data.train, o.model.context, o.batch, rank, w, o.seed)
-	shard := bat.hi - bat.lo
+	res := &result{spec: r, workers: w, steps: o.steps, target: o.target, resumedAt: done}
 	tokensPerStep := int64(o.batch) * int64(o.model.context)
 	evalEvery := o.evalEvery
 	if evalEvery <= 0 {
 		evalEvery = max(1, o.steps/20)
 	}
 	lastN := max(1, o.steps/10)
-	var trainTime time.Duration
-	var lastLoss, recent float64
-	record := func(step int) error {
+	var window []float64
+	var evalTime time.Duration
+	var start time.Time
+	trainTime := func() time.Duration { return time.Since(start) - evalTime }
+	recent := math.NaN()
+	loop.OnStep("gpt validation", 200, func(l *train.Loop, metrics []*tensors.Tensor) error {
+		step := l.LoopStep + 1 // the steps done, this one included
+		if lv := float64(tensors.ToScalar[float32](metrics[0])); !math.IsNaN(lv) && !math.IsInf(lv, 0) {
+			window = append(window, lv)
+			if len(window) > lastN {
+				window = window[1:]
+			}
+			recent = mean(window)
+		}
+		if step%evalEvery != 0 && step != o.steps {
+			return nil
+		}
+		t0 := time.Now()
+		tt := trainTime()
 		vl, err := validate()
 		if err != nil {
 			return err
 		}
-		e := evalPoint{Step: step, Tokens: int64(step) * tokensPerStep, TrainS: trainTime.Seconds(), ValLoss: vl}
+		e := evalPoint{Step: step, Tokens: int64(step) * tokensPerStep, TrainS: tt.Seconds(), ValLoss: vl}
 		res.evals = append(res.evals, e)
-		if step > 0 && !res.reached() && o.target > 0 && vl <= o.target {
-			res.targetStep, res.targetTime, res.targetTokens = step, trainTime, e.Tokens
+		if !res.reached() && o.target > 0 && vl <= o.target {
+			res.targetStep, res.targetTime, res.targetTokens = step, tt, e.Tokens
 		}
 		if progress != nil && rank == 0 {
 			progress(r, o.steps, e, recent)
 		}
+		evalTime += time.Since(t0)
 		return nil
-	}
-	if err := record(0); err != nil {
-		return nil, err
-	}
-	var window []float64
-	for step := 1; step <= o.steps; step++ {
+	})
+	start = time.Now()
+	if done < o.steps {
 		if err := ctx.Err(); err != nil {
 			return nil, err
 		}
-		x, y := bat.next(step)
-		xt := tensors.FromFlatDataAndDimensions(x, shard, o.model.context)
-		yt := tensors.FromFlatDataAndDimensions(y, shard, o.model.context, 1)
-		t0 := time.Now()
-		l, err := tr.Step(ctx, xt, yt)
-		trainTime += time.Since(t0)
-		xt.FinalizeAll()
-		yt.FinalizeAll()
-		if err != nil {
-			return nil, fmt.Errorf("step %d: %w", step, err)
-		}
-		if !math.IsNaN(float64(l)) && !math.IsInf(float64(l), 0) {
-			window = append(window, float64(l))
-			if len(window) > lastN {
-				window = window[1:]
-			}
-		}
-		recent = mean(window)
-		if step == o.steps {
-			lastLoss = recent
-		}
-		if step%evalEvery == 0 || step == o.steps {
-			if err := record(step); err != nil {
-				return nil, err
-			}
+		if _, err := loop.RunToGlobalStep(&batches{b: newBatcher(data.train, o.model.context, o.batch, rank, w, o.seed),
+			context: o.model.context, start: done + 1}, o.steps); err != nil {
+			return nil, err
 		}
 	}
-	st := tr.Optimizer().Stats()
-	agg := []float32{float32(lastLoss), float32(trainTime.Seconds()), float32(tc.elapsed().Seconds()), float32(st.BytesSent), float32(st.LastStepBytes)}
+	wall := trainTime()
+	if len(res.evals) == 0 {
+		// Resumed at the last step: validate what the checkpoint holds.
+		vl, err := validate()
+		if err != nil {
+			return nil, err
+		}
+		res.evals = append(res.evals, evalPoint{Step: done, Tokens: int64(done) * tokensPerStep, ValLoss: vl})
+	}
+	var st optim.Stats
+	if lo := opt.Optimizer(); lo != nil {
+		st = lo.Stats()
+	}
+	agg := []float32{float32(mean(window)), float32(wall.Seconds()), float32(tc.elapsed().Seconds()), float32(st.BytesSent), float32(st.LastStepBytes)}
 	if err := c.AllReduce(ctx, agg, comm.Sum); err != nil {
 		return nil, err
 	}
