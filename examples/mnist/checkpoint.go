@@ -355,6 +355,9 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 		fmt.Fprintf(warn, "mnist: warning: -resume: %s falls back to step %d, the newest step every rank holds (newest file: step %d): %s\n",
 			k.name, res.step, max(newest>>16, int64(res.step)), why)
 	}
+	if k.rank == 0 {
+		fmt.Fprintf(warn, "mnist: -resume: %s continues from step %d of %d\n", k.name, res.step, total)
+	}
 	if res.fromWorld != w && k.rank == 0 {
 		fmt.Fprintf(warn, "mnist: warning: -resume: %s checkpoint of step %d was made on %d ranks, this run has %d: continuing with the error feedback reset\n",
 			k.name, res.step, res.fromWorld, w)

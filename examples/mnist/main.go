@@ -161,6 +161,12 @@ const stopGrace = 30 * time.Second
 // parent process (under mpirun: mpirun, which passes it on to every rank).
 const termAtEnv = "LOWBIT_MNIST_TERM_AT"
 
+// stepFileEnv is a testing hook for scripts/soak.sh: rank 0 of a run with
+// -checkpoint writes the number of steps done into this file (overwritten
+// in place) at every step boundary, so that a driver can interrupt the run
+// at a chosen step and count the steps an interruption cost.
+const stepFileEnv = "LOWBIT_MNIST_STEP_FILE"
+
 // preemption carries SIGTERM and SIGINT to the training: the first asks
 // the ranks to stop at the next step boundary with a checkpoint saved (when
 // -checkpoint is set; without it, and on a second signal, the context is
@@ -169,8 +175,9 @@ type preemption struct {
 	requested    atomic.Bool // a signal arrived
 	checkpointed atomic.Bool // the run can save: a signal stops it gently
 	cancel       context.CancelFunc
-	termAt       int  // termAtEnv's step, 0 for none
-	termParent   bool // termAtEnv's ":parent"
+	termAt       int      // termAtEnv's step, 0 for none
+	termParent   bool     // termAtEnv's ":parent"
+	stepFile     *os.File // stepFileEnv's file, nil for none
 }
 
 // watch handles the signals arriving on sigs until it is closed.
@@ -187,6 +194,9 @@ func (p *preemption) watch(sigs <-chan os.Signal) {
 // stop is the trainConfig.stop of a run: whether a signal arrived, after
 // firing the termAtEnv hook at its step.
 func (p *preemption) stop(rank, step int) bool {
+	if p.stepFile != nil && rank == 0 {
+		_, _ = p.stepFile.WriteAt([]byte(fmt.Sprintf("%10d\n", step)), 0)
+	}
 	if p.termAt > 0 && step == p.termAt && rank == 0 {
 		pid := os.Getpid()
 		if p.termParent {
@@ -214,6 +224,15 @@ func main() {
 			os.Exit(2)
 		}
 		p.termAt, p.termParent = n, parent
+	}
+	if name := os.Getenv(stepFileEnv); name != "" {
+		f, err := os.OpenFile(name, os.O_WRONLY|os.O_CREATE, 0o644)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "mnist: %s: %v\n", stepFileEnv, err)
+			os.Exit(2)
+		}
+		defer f.Close()
+		p.stepFile = f
 	}
 	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
