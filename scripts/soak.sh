@@ -99,7 +99,9 @@ fi
 
 t_start=$(date +%s)
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
-rnd() { echo $((RANDOM % $1)); } # 0..N-1 from SEED
+# rnd N sets R to 0..N-1, the next number of SEED's sequence (in this
+# shell: a $(...) subshell would not advance it).
+rnd() { R=$((RANDOM % $1)); }
 
 fail=0
 stepf=$NETNS_TMP/step
@@ -168,7 +170,8 @@ interrupt() {
 	t0=$(now_ms)
 	case $kind in
 	kill)
-		r=$(rnd "$cur_np")
+		rnd "$cur_np"
+		r=$R
 		p=$(echo "$list" | awk -v r="$r" '$1 == r { print $2 }')
 		[ -n "$p" ] && kill -KILL "$p"
 		;;
@@ -183,7 +186,8 @@ interrupt() {
 # newest checkpoint file.
 corrupt() {
 	local kind=$1 dir=$2 opt=$3 r f size off b
-	r=$(rnd "$cur_np")
+	rnd "$cur_np"
+	r=$R
 	f=$(ls -t "$dir/$opt.rank$r".*.ckpt 2>/dev/null | head -n 1)
 	[ -n "$f" ] || return 1
 	size=$(stat -c %s "$f")
@@ -225,16 +229,18 @@ trajectory() {
 			fi
 		fi
 		kind=none
-		if [ "$interrupts_left" -gt 0 ] && { [ "$SHORT" = 1 ] || [ "$(date +%s)" -lt "$deadline" ]; }; then
+		if [ "$interrupts_left" -gt 0 ] && { [ -n "${force:-}" ] || [ "$(date +%s)" -lt "$deadline" ]; }; then
 			# A random step ahead of where the run resumes.
-			target=$((${from:-0} + 1 + $(rnd $((total / 3)))))
+			rnd $((total / 3))
+			target=$((${from:-0} + 1 + R))
 			while kill -0 "$jobpid" 2>/dev/null && [ "$(step_now)" -lt "$target" ]; do sleep 0.01; done
 			if kill -0 "$jobpid" 2>/dev/null; then
 				if [ -n "${kinds_fixed:-}" ]; then
 					kind=${kinds_fixed%% *}
 					kinds_fixed=${kinds_fixed#* }
 				else
-					case $(rnd 4) in 0 | 1) kind=kill ;; 2) kind=term ;; 3) kind=term-mpirun ;; esac
+					rnd 4
+					case $R in 0 | 1) kind=kill ;; 2) kind=term ;; 3) kind=term-mpirun ;; esac
 				fi
 				interrupt "$kind"
 				count[$kind]=$((count[$kind] + 1))
@@ -254,9 +260,11 @@ trajectory() {
 				# Corruption only after a term: every rank then holds the
 				# stop step and the grid step before it, so a damaged
 				# newest file leaves a common step to fall back to.
-				if [ "$kind" = term ] && [ -z "${no_corrupt:-}" ] && { [ -n "${corrupt_next:-}" ] || [ "$(rnd 3)" = 0 ]; }; then
+				rnd 3
+				if [ "$kind" = term ] && [ -z "${no_corrupt:-}" ] && { [ -n "${corrupt_next:-}" ] || [ "$R" = 0 ]; }; then
 					local ck=flip
-					[ "$(rnd 2)" = 0 ] || ck=truncate
+					rnd 2
+					[ "$R" = 0 ] || ck=truncate
 					[ -z "${corrupt_next:-}" ] || ck=$corrupt_next
 					corrupt_next=
 					corrupt "$ck" "$dir" "$opt" && count[$ck]=$((count[$ck] + 1))
@@ -319,10 +327,12 @@ for i in "${!opts[@]}"; do
 	while :; do
 		if [ "$SHORT" = 1 ]; then
 			interrupts_left=2
+			force=1
 			kinds_fixed="kill term "
 			corrupt_next=flip
 		else
-			interrupts_left=$((1 + $(rnd 4)))
+			rnd 4
+			interrupts_left=$((1 + R))
 		fi
 		trajectory "$opt" "$NETNS_TMP/ck-$opt-$round" "$NP"
 		rounds=$((rounds + 1))
@@ -347,9 +357,11 @@ for i in "${!opts[@]}"; do
 		interrupts_left=2
 		kinds_fixed="term term "
 		no_corrupt=1
+		force=1
 		trajectory "$opt" "$NETNS_TMP/ck-$opt-shrink" "$NP" $((NP - 1)) "$NP"
 		kinds_fixed=""
 		no_corrupt=""
+		force=""
 		acc=$(acc_of "$last_log" "$opt")
 		ok=no
 		if grep -q "resumed on 4 ranks from a checkpoint of 3 ranks: error feedback reset" "$last_log" &&

@@ -170,8 +170,9 @@ func TestResumeTimeToTarget(t *testing.T) {
 	cfg.checkpoint.resume = true
 	r := trainLocal(t, 2, train, test, cfg)[0]
 	require.Equal(t, 30, r.resumedFrom)
-	for _, e := range r.evals[1:] {
+	for i, e := range r.evals[1:] {
 		assert.Positive(t, e.wall, "evaluation at step %d has a training time", e.step)
+		assert.GreaterOrEqual(t, e.wall, r.evals[i].wall, "training time grows from step %d to %d, across the resume", r.evals[i].step, e.step)
 	}
 	e, ok := timeToTarget(r, 0.5)
 	require.True(t, ok)
