@@ -256,6 +256,7 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 		return nil, nil
 	}
 	w := c.Size()
+	k.removeTemps(warn)
 	var own [2]*candidate
 	var problems []string
 	for slot := range 2 {
@@ -526,4 +527,19 @@ func holds(own [2]*candidate) []int64 {
 		}
 	}
 	return h
+}
+
+// removeTemps deletes this rank's temporary files that a process killed
+// during a save left behind (optim.SaveFile writes DIR/.NAME.tmp-* and
+// renames it over NAME; a SIGKILL before the rename leaves it), so that
+// repeated kills do not fill the directory.
+func (k *checkpointer) removeTemps(warn io.Writer) {
+	for slot := range 2 {
+		tmps, _ := filepath.Glob(filepath.Join(k.cfg.dir, "."+filepath.Base(k.path(slot))+".tmp-*"))
+		for _, t := range tmps {
+			if err := os.Remove(t); err == nil {
+				fmt.Fprintf(warn, "mnist: rank %d: -resume: removed %s, left by a save that did not finish\n", k.rank, t)
+			}
+		}
+	}
 }

@@ -98,8 +98,13 @@ func TestPreemptLocal(t *testing.T) {
 				assert.Equal(t, 17, res[r].preempted, "rank %d stops after the step the request came", r)
 				assert.FileExists(t, filepath.Join(cfg.checkpoint.dir, name+".rank"+string(rune('0'+r))+".0.ckpt"))
 			}
+			// A save killed before its rename leaves a temporary file;
+			// the resume removes it.
+			tmp := filepath.Join(cfg.checkpoint.dir, "."+name+".rank1.0.ckpt.tmp-123")
+			require.NoError(t, os.WriteFile(tmp, []byte("torn"), 0o644))
 			cfg.checkpoint.resume = true
 			res, errs = trainRanks(t, 3, train, test, cfg, nil)
+			assert.NoFileExists(t, tmp)
 			for r := range 3 {
 				require.NoError(t, errs[r], "rank %d", r)
 				assert.Equal(t, 17, res[r].resumedFrom, "rank %d resumes from the stop, not the grid step 15", r)
