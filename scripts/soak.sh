@@ -275,8 +275,22 @@ trajectory() {
 			fi
 		fi
 		finish
+		if [ "$rc" -ne 0 ] && [ "$k" -gt 0 ] && grep -q "^mnist: .*-resume: no checkpoint of $opt in .* that every rank holds" "$log"; then
+			# Killed before every rank held one checkpoint step (during
+			# the first save), or a damaged file was the only one of its
+			# rank: -resume refuses, as it must; start again from scratch.
+			echo "soak:   $opt round $round: no checkpoint step every rank holds; restarting from step 0 ($(grep -m1 '^mnist: ' "$log" | cut -c1-200))"
+			restarts=$((restarts + 1))
+			redone=$((redone + last))
+			rm -rf "$dir"
+			resumeflag=()
+			last=0
+			k=$((k + 1))
+			continue
+		fi
 		if [ "$rc" -ne 0 ] || [ -z "$(hash_of "$log")" ]; then
 			echo "soak: FAILED: $opt round $round: the last job exited $rc without a final hash:" >&2
+			grep '^mnist' "$log" | tail -n 8 >&2
 			tail -n 8 "$log" >&2
 			fail=1
 		fi
@@ -307,6 +321,7 @@ for i in "${!opts[@]}"; do
 	for kk in kill term term-mpirun flip truncate; do count[$kk]=0; done
 	times=()
 	redone=0
+	restarts=0
 	rounds=0
 	matched=0
 	# The uninterrupted reference.
@@ -347,9 +362,9 @@ for i in "${!opts[@]}"; do
 		[ "$SHORT" = 1 ] && break
 		[ "$(date +%s)" -lt "$deadline" ] || break
 	done
-	rows+=("$(printf '%-13s %6d %5d %5d %12d %5d %9d %13s %14s %4s %d/%d' "$opt" "$rounds" "${count[kill]}" "${count[term]}" \
-		"${count[term-mpirun]}" "${count[flip]}" "${count[truncate]}" "$redone" \
-		"$(median_max "${times[@]}" | awk '{ print $1 }')" "$(median_max "${times[@]}" | awk '{ print $2 }')" "$matched" "$rounds")")
+	rows+=("$(printf '%-13s %6d %5d %5d %12d %5d %9d %9d %13s %14s %6s %7s' "$opt" "$rounds" "${count[kill]}" "${count[term]}" \
+		"${count[term-mpirun]}" "${count[flip]}" "${count[truncate]}" "$restarts" "$redone" \
+		"$(median_max "${times[@]}" | awk '{ print $1 }')" "$(median_max "${times[@]}" | awk '{ print $2 }')" "$matched/$rounds")")
 
 	# Once: shrink 4 -> 3 and grow 3 -> 4.
 	if [ "$i" = 0 ] && [ "$SHORT" != 1 ]; then
@@ -390,7 +405,7 @@ fi
 
 echo
 echo "soak: seed $SEED; impairment: $impaired; $(($(date +%s) - t_start)) s"
-printf '%-13s %6s %5s %5s %12s %5s %9s %13s %14s %4s %s\n' optimizer rounds kill term term-mpirun flip truncate "steps redone" "exit (median)" max "hash match"
+printf '%-13s %6s %5s %5s %12s %5s %9s %9s %13s %14s %6s %7s\n' optimizer rounds kill term term-mpirun flip truncate restarts "steps redone" "exit (median)" max "hash ok"
 for r in "${rows[@]}"; do echo "$r"; done
 [ -z "$shrink_line" ] || echo "$shrink_line"
 echo "hangs: $hangs; rank processes left: ${left:-none}; namespaces left: $nsleft"
