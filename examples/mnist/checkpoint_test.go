@@ -153,9 +153,9 @@ func TestCheckpointFlags(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"-resume"}, "-resume and -kill-at need -checkpoint DIR"},
-		{[]string{"-checkpoint", "d", "-checkpoint-every", "0"}, "-checkpoint-every must be at least 1"},
-		{[]string{"-checkpoint", "d", "-checkpoint-every", "4", "-kill-at", "6"}, "-kill-at must be a multiple of -checkpoint-every (4)"},
+		{[]string{"-resume"}, "--resume: needs -checkpoint DIR"},
+		{[]string{"-checkpoint", "d", "-checkpoint-every", "0"}, `invalid value "0" for --checkpoint-every: want at least 1`},
+		{[]string{"-checkpoint", "d", "-checkpoint-every", "4", "-kill-at", "6"}, `invalid value "6" for --kill-at: want a multiple of -checkpoint-every (4)`},
 	} {
 		_, err := parseFlags(c.args, &bytes.Buffer{})
 		require.Error(t, err, "%v", c.args)

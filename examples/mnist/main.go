@@ -123,36 +123,49 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 			o.workersSet = true
 		}
 	})
+	bad := func(name, format string, args ...any) (*options, error) {
+		return nil, cliflag.Bad(fs, name, format, args...)
+	}
 	switch {
 	case o.backend != "local" && o.backend != "mpi":
-		return nil, fmt.Errorf("unknown -backend %q (want local or mpi)", o.backend)
-	case o.workers < 1:
-		return nil, fmt.Errorf("-workers must be at least 1, got %d", o.workers)
-	case o.epochs < 1:
-		return nil, fmt.Errorf("-epochs must be at least 1, got %d", o.epochs)
-	case o.batch < 1:
-		return nil, fmt.Errorf("-batch must be at least 1, got %d", o.batch)
+		return bad("backend", "want local or mpi")
+	case o.workers < 1 || o.workers > maxWorkers:
+		return bad("workers", "want 1 to %d", maxWorkers)
+	case o.epochs < 1 || o.epochs > maxEpochs:
+		return bad("epochs", "want 1 to %d", maxEpochs)
 	case !(o.lr > 0) || o.lr > 10:
-		return nil, fmt.Errorf("-lr must be in (0, 10], got %v", o.lr)
+		return bad("lr", "want a learning rate in (0, 10]")
 	case o.freezeStep < 0:
-		return nil, fmt.Errorf("-freeze-step must be at least 0, got %d", o.freezeStep)
-	case o.evals < 1:
-		return nil, fmt.Errorf("-evals must be at least 1, got %d", o.evals)
+		return bad("freeze-step", "want at least 0")
+	case o.evals < 1 || o.evals > maxEvals:
+		return bad("evals", "want 1 to %d", maxEvals)
+	case !(o.target >= 0 && o.target <= 1):
+		return bad("target", "want a test accuracy in [0, 1]")
 	case o.checkpoint.every < 1:
-		return nil, fmt.Errorf("-checkpoint-every must be at least 1, got %d", o.checkpoint.every)
-	case o.checkpoint.dir == "" && (o.checkpoint.resume || o.checkpoint.killAt != 0):
-		return nil, errors.New("-resume and -kill-at need -checkpoint DIR")
+		return bad("checkpoint-every", "want at least 1")
+	case o.checkpoint.dir == "" && o.checkpoint.resume:
+		return bad("resume", "needs -checkpoint DIR")
+	case o.checkpoint.dir == "" && o.checkpoint.killAt != 0:
+		return bad("kill-at", "needs -checkpoint DIR")
 	case o.checkpoint.killAt < 0 || o.checkpoint.killAt%o.checkpoint.every != 0:
-		return nil, fmt.Errorf("-kill-at must be a multiple of -checkpoint-every (%d), got %d", o.checkpoint.every, o.checkpoint.killAt)
+		return bad("kill-at", "want a multiple of -checkpoint-every (%d)", o.checkpoint.every)
 	}
 	if _, _, err := parseReduces(o.optimizer, o.reduce); err != nil {
-		return nil, err
+		return nil, &cliflag.Error{Reason: err.Error()}
 	}
 	if _, err := runOrder(o.optimizer, o.compare); err != nil {
-		return nil, err
+		return nil, &cliflag.Error{Reason: err.Error()}
 	}
 	return o, nil
 }
+
+// Bounds of the flags that size the run: beyond them a typo would start a
+// run of years or a million goroutines.
+const (
+	maxWorkers = 1024
+	maxEpochs  = 10000
+	maxEvals   = 10000
+)
 
 // stopGrace bounds a preemption: this long after the first SIGTERM or
 // SIGINT the collectives are cancelled, whatever the run is doing (a second
