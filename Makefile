@@ -2,7 +2,7 @@
 GO      ?= go
 FUZZTIME ?= 10s
 
-.PHONY: all build test test-unit test-race test-mpi test-integrations conformance bench bench-net lint fuzz demo demo-net mnist-data ptx
+.PHONY: all build test test-unit test-race test-mpi test-integrations conformance bench bench-net lint fuzz demo demo-net mnist-data ptx soak
 
 all: build
 
@@ -60,6 +60,14 @@ demo-net: mnist-data
 
 mnist-data:
 	./scripts/mnist-data.sh
+
+## soak: the chaos soak (scripts/soak.sh): MNIST under mpirun on 4 ranks in
+## a network namespace with an impaired loopback, killed, preempted and its
+## checkpoints damaged at random steps from SEED, resumed until done; every
+## final hash must match an uninterrupted run's. SOAK_S (600), SEED, NETEM.
+## Needs root and Open MPI. (make test runs its short form, test-mpi.)
+soak: mnist-data
+	./scripts/soak.sh
 
 ## ptx: rebuild the committed PTX of the CUDA kernels (accel/cuda) from
 ## their .cu sources with Debian's clang (apt-get install clang-14); no

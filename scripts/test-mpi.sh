@@ -119,6 +119,48 @@ else
 	fail=$((fail + 1))
 fi
 
+# The short chaos soak (scripts/soak.sh; make soak is the long one): the
+# MNIST run above under mpirun -np 4, killed (SIGKILL of one rank), then
+# preempted (SIGTERM of every rank: it saves and exits 0) with a byte of a
+# rank's newest checkpoint flipped, resumed each time; it must end with the
+# uninterrupted run's final parameters, bit for bit.
+if [ -x "$mnist" ]; then
+	run "$tmp/soak.log" timeout -k 10 120 env SOAK_SHORT=1 SEED=7 BIN="$mnist" GO="$GO" ./scripts/soak.sh
+	if [ "$rc" -eq 0 ]; then
+		echo "MPI tests: short soak (kill, term + flipped byte, -resume), np=4 ok (${ms} ms): $(grep '^onebit-adam ' "$tmp/soak.log" | tail -n 1)"
+		passed=$((passed + 1))
+	else
+		echo "MPI tests: short soak FAILED (exit $rc after ${ms} ms):"
+		tail -n 30 "$tmp/soak.log"
+		fail=$((fail + 1))
+	fi
+fi
+
+# SIGTERM to mpirun while MNIST trains (the termAtEnv hook: rank 0 sends it
+# to its parent, mpirun, after step 6; Open MPI passes it on to every rank
+# about a second later): every rank stops at the same step with its
+# checkpoint saved, and -resume ends bit-identical to the uninterrupted run.
+if [ -x "$mnist" ]; then
+	pargs=("${margs[@]}" -epochs 100)
+	run "$tmp/mnist-pwhole.log" timeout -k 10 120 "${mpirun[@]}" -np 2 "$mnist" "${pargs[@]}" -checkpoint "$tmp/ck-pwhole"
+	rc_whole=$rc
+	run "$tmp/mnist-term.log" timeout -k 10 120 env LOWBIT_MNIST_TERM_AT=6:parent "${mpirun[@]}" -np 2 "$mnist" "${pargs[@]}" -checkpoint "$tmp/ck-term"
+	rc_term=$rc
+	run "$tmp/mnist-tresume.log" timeout -k 10 120 "${mpirun[@]}" -np 2 "$mnist" "${pargs[@]}" -checkpoint "$tmp/ck-term" -resume
+	stop=$(sed -n 's/^onebit-adam preempted at step \([0-9]*\) of 1000: checkpoint saved in .*/\1/p' "$tmp/mnist-term.log")
+	if [ "$rc_whole" -eq 0 ] && [ "$rc_term" -ne 124 ] && [ -n "$stop" ] && [ "$rc" -eq 0 ] &&
+		grep -q "^onebit-adam resumed from step $stop of 1000$" "$tmp/mnist-tresume.log" &&
+		[ -n "$(hashes "$tmp/mnist-pwhole.log")" ] &&
+		[ "$(hashes "$tmp/mnist-pwhole.log")" = "$(hashes "$tmp/mnist-tresume.log")" ]; then
+		echo "MPI tests: mnist SIGTERM to mpirun and -resume, np=2 ok: preempted at step $stop, $(hashes "$tmp/mnist-tresume.log")"
+		passed=$((passed + 1))
+	else
+		echo "MPI tests: mnist SIGTERM to mpirun FAILED (exits: whole $rc_whole, terminated $rc_term, resumed $rc; stop step '${stop}'):"
+		tail -n 20 "$tmp/mnist-pwhole.log" "$tmp/mnist-term.log" "$tmp/mnist-tresume.log"
+		fail=$((fail + 1))
+	fi
+fi
+
 # Failure scenarios (see comm/mpi/scenario_test.go). Each must end with a
 # non-zero status, not by the timeout, well within it, and say why.
 watchdog='lowbit/mpi: rank [0-9]+: context deadline exceeded during allreduce; aborting the MPI job because MPI cannot cancel a collective'

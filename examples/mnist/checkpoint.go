@@ -2,16 +2,20 @@ package main
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"math"
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/optim/zero"
 )
 
 // checkpointConfig is what -checkpoint, -checkpoint-every, -resume and
@@ -29,13 +33,22 @@ type checkpointConfig struct {
 // Names of what the example stores in an optimizer checkpoint besides the
 // optimizer's own state. They are removed before the optimizer sees it.
 const (
-	ckptPrefix    = "mnist/"
-	ckptStep      = ckptPrefix + "step"  // steps done
-	ckptLoss      = ckptPrefix + "loss"  // per-step training loss so far
-	ckptEvals     = ckptPrefix + "evals" // (step, acc, loss) of each evaluation
-	ckptTotal     = ckptPrefix + "total" // steps of the whole run
-	ckptSetting   = ckptPrefix + "flag"  // + a flag's name: its value (see settings)
-	ckptEvalWidth = 3
+	ckptPrefix  = "mnist/"
+	ckptStep    = ckptPrefix + "step"  // steps done
+	ckptLoss    = ckptPrefix + "loss"  // per-step training loss so far
+	ckptEvals   = ckptPrefix + "evals" // (step, acc, loss, wall seconds) of each evaluation
+	ckptTotal   = ckptPrefix + "total" // steps of the whole run
+	ckptSetting = ckptPrefix + "flag"  // + a flag's name: its value (see settings)
+	// ckptElapsed is the training wall time up to the step, evaluations
+	// excluded, in nanoseconds, summed over the runs that made it.
+	ckptElapsed = ckptPrefix + "elapsed_ns"
+	// ckptGen is the run's generation: 0 from the start, one more after
+	// each resume on another number of ranks. Ranks resume together only
+	// from files of the same step and generation, so that files of two
+	// trajectories that reached the same step never mix.
+	ckptGen          = ckptPrefix + "generation"
+	ckptEvalWidth    = 4
+	ckptEvalWidthOld = 3 // files made before the wall column
 )
 
 // checkpointer saves and restores one rank's training state: the optimizer's
@@ -50,6 +63,7 @@ type checkpointer struct {
 	name     string // optimizer name
 	rank     int
 	settings []setting
+	gen      int64 // this run's generation (ckptGen)
 }
 
 // setting is one flag that decides the training trajectory, as a checkpoint
@@ -87,25 +101,30 @@ func newCheckpointer(cfg trainConfig, rank, world int) *checkpointer {
 }
 
 // mismatch describes the first setting of ck that differs from this run's,
-// "" when all agree.
+// "" when all agree. -workers may differ: restore handles that.
 func (k *checkpointer) mismatch(ck *optim.Checkpoint) string {
 	for _, s := range k.settings {
 		v, err := ck.Int(ckptSetting + s.flag)
 		if err != nil {
 			return fmt.Sprintf("records no %s", s.flag)
 		}
-		if v != s.value {
+		if v != s.value && s.flag != "-workers" {
 			return fmt.Sprintf("made by a run with other flags: %s differs (this run has %s %s)", s.flag, s.flag, s.show)
 		}
 	}
 	return ""
 }
 
-func (k *checkpointer) path(slot int) string {
-	return filepath.Join(k.cfg.dir, fmt.Sprintf("%s.rank%d.%d.ckpt", k.name, k.rank, slot))
+// path is this rank's file of slot (0 or 1).
+func (k *checkpointer) path(slot int) string { return k.pathOf(k.rank, slot) }
+
+// pathOf is rank's file of slot.
+func (k *checkpointer) pathOf(rank, slot int) string {
+	return filepath.Join(k.cfg.dir, fmt.Sprintf("%s.rank%d.%d.ckpt", k.name, rank, slot))
 }
 
-// due reports whether the state after step (1-based) is to be saved.
+// due reports whether the state after step (1-based) is to be saved on the
+// checkpoint grid (every -checkpoint-every steps, and the last).
 func (k *checkpointer) due(step, total int) bool {
 	return k != nil && (step%k.cfg.every == 0 || step == total)
 }
@@ -113,20 +132,24 @@ func (k *checkpointer) due(step, total int) bool {
 // save writes the state after step to the older of the two files, then,
 // if step is the -kill-at step, waits until every rank has saved and kills
 // this process.
-func (k *checkpointer) save(ctx context.Context, c comm.Comm, opt optim.Optimizer, step, total int, lossHist []float32, evals []evalPoint) error {
+//
+// elapsed is the training wall time up to step, evaluations excluded.
+func (k *checkpointer) save(ctx context.Context, c comm.Comm, opt optim.Optimizer, step, total int, lossHist []float32, evals []evalPoint, elapsed time.Duration) error {
 	ck, err := opt.State()
 	if err != nil {
 		return fmt.Errorf("checkpoint: %w", err)
 	}
 	ck.Ints[ckptStep] = int64(step)
 	ck.Ints[ckptTotal] = int64(total)
+	ck.Ints[ckptGen] = k.gen
+	ck.Ints[ckptElapsed] = int64(elapsed)
 	for _, s := range k.settings {
 		ck.Ints[ckptSetting+s.flag] = s.value
 	}
 	ck.AddTensor(ckptLoss, []int{step}, lossHist[:step])
 	ev := make([]float32, 0, ckptEvalWidth*len(evals))
 	for _, e := range evals {
-		ev = append(ev, float32(e.step), float32(e.acc), float32(e.loss))
+		ev = append(ev, float32(e.step), float32(e.acc), float32(e.loss), float32(e.wall.Seconds()))
 	}
 	ck.AddTensor(ckptEvals, []int{len(evals), ckptEvalWidth}, ev)
 	if err := os.MkdirAll(k.cfg.dir, 0o755); err != nil {
@@ -160,86 +183,325 @@ type restored struct {
 	step     int
 	lossHist []float32
 	evals    []evalPoint
+	elapsed  time.Duration // training wall time before step (evaluations excluded)
+	gen      int64         // the run's generation (see ckptGen)
+	// fromWorld is the number of ranks that made the checkpoint: another
+	// than this run's when it resumed on another number of ranks, with the
+	// error feedback reset.
+	fromWorld int
+}
+
+// candidate is one usable checkpoint file of a rank.
+type candidate struct {
+	path  string
+	ck    *optim.Checkpoint
+	step  int64
+	gen   int64
+	world int64 // the -workers it was made with
+}
+
+// key orders candidates: by step, then generation. -1 for none.
+func (c *candidate) key() int64 {
+	if c == nil {
+		return -1
+	}
+	return c.step<<16 | c.gen
+}
+
+// load reads and checks one file; a damaged, foreign or mismatched file is
+// returned as a problem, a missing one as neither.
+func (k *checkpointer) load(path string, total int) (*candidate, string) {
+	ck, err := optim.LoadFile(path)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil, ""
+		}
+		return nil, err.Error()
+	}
+	c := &candidate{path: path, ck: ck}
+	if c.step, err = ck.Int(ckptStep); err != nil {
+		return nil, fmt.Sprintf("%s: %v", path, err)
+	}
+	if tt, err := ck.Int(ckptTotal); err != nil || tt != int64(total) {
+		return nil, fmt.Sprintf("%s: made for a run of %d steps, this run has %d", path, tt, total)
+	}
+	if m := k.mismatch(ck); m != "" {
+		return nil, fmt.Sprintf("%s: %s", path, m)
+	}
+	c.world, _ = ck.Int(ckptSetting + "-workers") // mismatch checked it is there
+	c.gen, _ = ck.Int(ckptGen)                    // 0 in files made before generations
+	if c.step < 0 || c.step > int64(total) || c.gen < 0 || c.gen >= 1<<16 || c.world < 1 {
+		return nil, fmt.Sprintf("%s: step %d, generation %d or world %d out of range", path, c.step, c.gen, c.world)
+	}
+	return c, ""
 }
 
 // restore loads, on every rank, the newest checkpoint step that every rank
 // holds, into opt; it returns nil when -resume is off. Every rank calls it
-// together. Ranks that disagree (one has no checkpoint, another has) get
-// the same error.
-func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optimizer, total int) (*restored, error) {
+// together, and every rank gets the same answer or the same error.
+//
+// A rank's own two files are the candidates of a resume on the same number
+// of ranks. Rank 0 also looks for a complete set of another number of
+// ranks' files (every rank of that run holding the same step and
+// generation): a resume from those continues on this run's ranks with the
+// error feedback reset (optim.Checkpoint.ResetErrors; zero-adam re-shards
+// with zero.Consolidate), which needs a directory every rank sees. The
+// newest step wins; at equal steps the same number of ranks does.
+//
+// A file that fails its checksum (or is otherwise unusable) is named in a
+// warning on warn, by the rank that read it; rank 0 states the step the run
+// falls back to when that is older than some rank's newest file.
+func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optimizer, total int, warn io.Writer) (*restored, error) {
 	if k == nil || !k.cfg.resume {
 		return nil, nil
 	}
-	// Read both slots; a missing or damaged file is just not a candidate.
-	var cks [2]*optim.Checkpoint
-	var steps [2]int64
+	w := c.Size()
+	k.removeTemps(warn)
+	var own [2]*candidate
 	var problems []string
 	for slot := range 2 {
-		steps[slot] = -1
-		ck, err := optim.LoadFile(k.path(slot))
-		if err != nil {
-			if !errors.Is(err, fs.ErrNotExist) {
-				problems = append(problems, err.Error())
-			}
-			continue
+		cand, p := k.load(k.pathOf(k.rank, slot), total)
+		if p != "" {
+			problems = append(problems, p)
 		}
-		s, err := ck.Int(ckptStep)
-		if err != nil {
-			problems = append(problems, fmt.Sprintf("%s: %v", k.path(slot), err))
-			continue
+		if cand != nil && cand.world == int64(w) {
+			own[slot] = cand
 		}
-		if tt, err := ck.Int(ckptTotal); err != nil || tt != int64(total) {
-			problems = append(problems, fmt.Sprintf("%s: made for a run of %d steps, this run has %d", k.path(slot), tt, total))
-			continue
-		}
-		if m := k.mismatch(ck); m != "" {
-			problems = append(problems, fmt.Sprintf("%s: %s", k.path(slot), m))
-			continue
-		}
-		cks[slot], steps[slot] = ck, s
 	}
-	// The newest step every rank holds: the minimum over the ranks of each
-	// rank's newest, which every rank must then hold too.
-	newest := max(steps[0], steps[1])
-	agree := []float32{-float32(newest)} // Max of -newest is -min
-	if err := c.AllReduce(ctx, agree, comm.Max); err != nil {
+	for _, p := range problems {
+		fmt.Fprintf(warn, "mnist: warning: rank %d: -resume: unusable checkpoint: %s\n", k.rank, p)
+	}
+	// Every rank learns every rank's two keys and number of problems.
+	const fields = 3
+	mine := make([]byte, 8*fields)
+	binary.LittleEndian.PutUint64(mine[0:], uint64(own[0].key()))
+	binary.LittleEndian.PutUint64(mine[8:], uint64(own[1].key()))
+	binary.LittleEndian.PutUint64(mine[16:], uint64(len(problems)))
+	all := make([]byte, len(mine)*w)
+	if err := c.AllGatherBytes(ctx, mine, all); err != nil {
 		return nil, err
 	}
-	common := int64(-agree[0])
-	slot := -1
-	for s := range 2 {
-		if cks[s] != nil && steps[s] == common {
-			slot = s
+	field := func(r, f int) int64 { return int64(binary.LittleEndian.Uint64(all[8*(fields*r+f):])) }
+	// The newest key every rank holds on the same number of ranks.
+	same, newest, nproblems := int64(-1), int64(-1), int64(0)
+	for r := range w {
+		newest = max(newest, field(r, 0), field(r, 1))
+		nproblems += field(r, 2)
+	}
+	for _, key := range []int64{field(0, 0), field(0, 1)} {
+		held := key >= 0
+		for r := 1; r < w && held; r++ {
+			held = field(r, 0) == key || field(r, 1) == key
+		}
+		if held {
+			same = max(same, key)
 		}
 	}
-	missing := []float32{0}
-	if slot < 0 {
-		missing[0] = 1
+	// Rank 0 looks for a complete set made on another number of ranks.
+	other := make([]byte, 16)
+	if k.rank == 0 {
+		key, world := k.otherWorld(total, w)
+		binary.LittleEndian.PutUint64(other[0:], uint64(key))
+		binary.LittleEndian.PutUint64(other[8:], uint64(world))
 	}
-	if err := c.AllReduce(ctx, missing, comm.Max); err != nil {
+	if err := c.BroadcastBytes(ctx, other, 0); err != nil {
 		return nil, err
 	}
-	if missing[0] != 0 {
-		msg := fmt.Sprintf("-resume: no checkpoint of %s in %s that every rank holds (this rank holds steps %v)", k.name, k.cfg.dir, holds(steps))
+	otherKey, otherWorld := int64(binary.LittleEndian.Uint64(other[0:])), int(binary.LittleEndian.Uint64(other[8:]))
+	if same < 0 && otherKey < 0 {
+		msg := fmt.Sprintf("-resume: no checkpoint of %s in %s that every rank holds (this rank holds steps %v)", k.name, k.cfg.dir, holds(own))
 		if len(problems) > 0 {
 			msg += ": " + strings.Join(problems, "; ")
+		} else if nproblems > 0 {
+			msg += fmt.Sprintf(" (%d unusable files on other ranks, named in their warnings)", nproblems)
 		}
 		return nil, errors.New(msg)
 	}
-	ck := cks[slot]
-	res := &restored{step: int(common)}
+	var res *restored
 	var err error
+	if same>>16 >= otherKey>>16 {
+		var cand *candidate
+		for _, o := range own {
+			if o != nil && o.key() == same {
+				cand = o
+			}
+		}
+		res, err = k.apply(opt, cand.path, cand.ck)
+	} else {
+		res, err = k.reworld(opt, total, otherKey, otherWorld)
+	}
+	// Every rank fails together.
+	flag := []float32{0}
+	if err != nil {
+		flag[0] = 1
+	}
+	if aerr := c.AllReduce(ctx, flag, comm.Max); aerr != nil {
+		return nil, aerr
+	}
+	if err != nil {
+		return nil, err
+	}
+	if flag[0] != 0 {
+		return nil, fmt.Errorf("-resume: loading the checkpoint of step %d failed on another rank", res.step)
+	}
+	if k.rank == 0 && (nproblems > 0 || newest>>16 > int64(res.step)) {
+		why := fmt.Sprintf("%d unusable checkpoint files (named above", nproblems)
+		if w > 1 {
+			why += "; each rank warns about its own"
+		}
+		why += ")"
+		if nproblems == 0 {
+			why = "the newer files are not held by every rank"
+		}
+		fmt.Fprintf(warn, "mnist: warning: -resume: %s falls back to step %d, the newest step every rank holds (newest file: step %d): %s\n",
+			k.name, res.step, max(newest>>16, int64(res.step)), why)
+	}
+	if k.rank == 0 {
+		fmt.Fprintf(warn, "mnist: -resume: %s continues from step %d of %d\n", k.name, res.step, total)
+	}
+	if res.fromWorld != w && k.rank == 0 {
+		fmt.Fprintf(warn, "mnist: warning: -resume: %s checkpoint of step %d was made on %d ranks, this run has %d: continuing with the error feedback reset\n",
+			k.name, res.step, res.fromWorld, w)
+	}
+	return res, nil
+}
+
+// otherWorld is rank 0's search for the newest complete set of files made
+// on another number of ranks than w: it returns its key and world, or -1
+// and 0.
+func (k *checkpointer) otherWorld(total, w int) (key int64, world int) {
+	key = -1
+	paths, _ := filepath.Glob(filepath.Join(k.cfg.dir, k.name+".rank*.*.ckpt"))
+	type set struct {
+		key   int64
+		world int64
+	}
+	ranks := map[set]map[int64]bool{}
+	for _, p := range paths {
+		var r, slot int64
+		if _, err := fmt.Sscanf(strings.TrimPrefix(filepath.Base(p), k.name+".rank"), "%d.%d.ckpt", &r, &slot); err != nil {
+			continue
+		}
+		cand, _ := k.load(p, total)
+		if cand == nil || cand.world == int64(w) || r >= cand.world {
+			continue
+		}
+		s := set{cand.key(), cand.world}
+		if ranks[s] == nil {
+			ranks[s] = map[int64]bool{}
+		}
+		ranks[s][r] = true
+	}
+	for s, rs := range ranks {
+		if int64(len(rs)) == s.world && s.key > key {
+			key, world = s.key, int(s.world)
+		}
+	}
+	return key, world
+}
+
+// reworld loads the checkpoint of key made on world ranks into this run on
+// another number of ranks: every optimizer but zero-adam loads old rank
+// (rank mod world)'s checkpoint with its error buffers dropped
+// (ResetErrors); zero-adam loads the consolidation of every old rank's
+// shard (zero.Consolidate).
+func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world int) (*restored, error) {
+	find := func(r int) (*candidate, error) {
+		for slot := range 2 {
+			if cand, _ := k.load(k.pathOf(r, slot), total); cand != nil && cand.key() == key && cand.world == int64(world) {
+				return cand, nil
+			}
+		}
+		return nil, fmt.Errorf("-resume: rank %d's checkpoint of step %d (made on %d ranks) is not readable from rank %d: resuming on another number of ranks needs a directory every rank sees",
+			r, key>>16, world, k.rank)
+	}
+	var cand *candidate
+	var load *optim.Checkpoint
+	if k.name == "zero-adam" {
+		cks := make([]*optim.Checkpoint, world)
+		for r := range world {
+			cr, err := find(r)
+			if err != nil {
+				return nil, err
+			}
+			cks[r] = k.strip(cr.ck)
+			if r == 0 {
+				cand = cr
+			}
+		}
+		var err error
+		if load, err = zero.Consolidate(cks); err != nil {
+			return nil, fmt.Errorf("-resume: %w", err)
+		}
+	} else {
+		var err error
+		if cand, err = find(k.rank % world); err != nil {
+			return nil, err
+		}
+		load = k.strip(cand.ck).ResetErrors()
+	}
+	res, err := k.history(cand.path, cand.ck)
+	if err != nil {
+		return nil, err
+	}
+	if err := opt.Load(load); err != nil {
+		return nil, fmt.Errorf("-resume: %s (made on %d ranks): %w", cand.path, world, err)
+	}
+	res.gen = cand.gen + 1 // a new trajectory: its files must not mix with the old one's
+	res.fromWorld = world
+	return res, nil
+}
+
+// apply loads ck, read from path, into opt: the same number of ranks.
+func (k *checkpointer) apply(opt optim.Optimizer, path string, ck *optim.Checkpoint) (*restored, error) {
+	res, err := k.history(path, ck)
+	if err != nil {
+		return nil, err
+	}
+	if err := opt.Load(k.strip(ck)); err != nil {
+		return nil, fmt.Errorf("-resume: %s: %w", path, err)
+	}
+	res.gen, _ = ck.Int(ckptGen)
+	res.fromWorld = int(ck.Ints[ckptSetting+"-workers"])
+	return res, nil
+}
+
+// history reads the example's own part of ck: step, losses, evaluations and
+// elapsed time.
+func (k *checkpointer) history(path string, ck *optim.Checkpoint) (*restored, error) {
+	step, err := ck.Int(ckptStep)
+	if err != nil {
+		return nil, fmt.Errorf("-resume: %s: %w", path, err)
+	}
+	res := &restored{step: int(step)}
 	if res.lossHist, err = ck.TensorData(ckptLoss, res.step); err != nil {
-		return nil, fmt.Errorf("-resume: %s: %w", k.path(slot), err)
+		return nil, fmt.Errorf("-resume: %s: %w", path, err)
 	}
 	ev := ck.Tensor(ckptEvals)
-	if ev == nil || len(ev.Data)%ckptEvalWidth != 0 {
-		return nil, fmt.Errorf("-resume: %s: no valid %s", k.path(slot), ckptEvals)
+	width := 0
+	if ev != nil && len(ev.Shape) == 2 {
+		width = ev.Shape[1]
 	}
-	for i := 0; i < len(ev.Data); i += ckptEvalWidth {
-		res.evals = append(res.evals, evalPoint{step: int(ev.Data[i]), acc: float64(ev.Data[i+1]), loss: float64(ev.Data[i+2])})
+	if width != ckptEvalWidth && width != ckptEvalWidthOld || len(ev.Data)%width != 0 {
+		return nil, fmt.Errorf("-resume: %s: no valid %s", path, ckptEvals)
 	}
-	// The optimizer gets its own state only.
+	for i := 0; i < len(ev.Data); i += width {
+		e := evalPoint{step: int(ev.Data[i]), acc: float64(ev.Data[i+1]), loss: float64(ev.Data[i+2])}
+		e.wall = -1 // unknown
+		if width == ckptEvalWidth {
+			e.wall = time.Duration(float64(ev.Data[i+3]) * float64(time.Second))
+		}
+		res.evals = append(res.evals, e)
+	}
+	if ns, err := ck.Int(ckptElapsed); err == nil {
+		res.elapsed = time.Duration(ns)
+	}
+	return res, nil
+}
+
+// strip returns ck without the example's own entries: what the optimizer
+// loads.
+func (k *checkpointer) strip(ck *optim.Checkpoint) *optim.Checkpoint {
 	own := *ck
 	own.Ints = make(map[string]int64, len(ck.Ints))
 	for n, v := range ck.Ints {
@@ -253,19 +515,31 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 			own.Tensors = append(own.Tensors, t)
 		}
 	}
-	if err := opt.Load(&own); err != nil {
-		return nil, fmt.Errorf("-resume: %s: %w", k.path(slot), err)
-	}
-	return res, nil
+	return &own
 }
 
 // holds lists the steps a rank's two files hold.
-func holds(steps [2]int64) []int64 {
-	var h []int64
-	for _, s := range steps {
-		if s >= 0 {
-			h = append(h, s)
+func holds(own [2]*candidate) []int64 {
+	h := []int64{}
+	for _, c := range own {
+		if c != nil {
+			h = append(h, c.step)
 		}
 	}
 	return h
+}
+
+// removeTemps deletes this rank's temporary files that a process killed
+// during a save left behind (optim.SaveFile writes DIR/.NAME.tmp-* and
+// renames it over NAME; a SIGKILL before the rename leaves it), so that
+// repeated kills do not fill the directory.
+func (k *checkpointer) removeTemps(warn io.Writer) {
+	for slot := range 2 {
+		tmps, _ := filepath.Glob(filepath.Join(k.cfg.dir, "."+filepath.Base(k.path(slot))+".tmp-*"))
+		for _, t := range tmps {
+			if err := os.Remove(t); err == nil {
+				fmt.Fprintf(warn, "mnist: rank %d: -resume: removed %s, left by a save that did not finish\n", k.rank, t)
+			}
+		}
+	}
 }

@@ -35,9 +35,12 @@ import (
 	"os"
 	"os/signal"
 	"runtime/pprof"
+	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
+	"time"
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
@@ -120,41 +123,137 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 			o.workersSet = true
 		}
 	})
+	bad := func(name, format string, args ...any) (*options, error) {
+		return nil, cliflag.Bad(fs, name, format, args...)
+	}
 	switch {
 	case o.backend != "local" && o.backend != "mpi":
-		return nil, fmt.Errorf("unknown -backend %q (want local or mpi)", o.backend)
-	case o.workers < 1:
-		return nil, fmt.Errorf("-workers must be at least 1, got %d", o.workers)
-	case o.epochs < 1:
-		return nil, fmt.Errorf("-epochs must be at least 1, got %d", o.epochs)
-	case o.batch < 1:
-		return nil, fmt.Errorf("-batch must be at least 1, got %d", o.batch)
+		return bad("backend", "want local or mpi")
+	case o.workers < 1 || o.workers > maxWorkers:
+		return bad("workers", "want 1 to %d", maxWorkers)
+	case o.epochs < 1 || o.epochs > maxEpochs:
+		return bad("epochs", "want 1 to %d", maxEpochs)
 	case !(o.lr > 0) || o.lr > 10:
-		return nil, fmt.Errorf("-lr must be in (0, 10], got %v", o.lr)
+		return bad("lr", "want a learning rate in (0, 10]")
 	case o.freezeStep < 0:
-		return nil, fmt.Errorf("-freeze-step must be at least 0, got %d", o.freezeStep)
-	case o.evals < 1:
-		return nil, fmt.Errorf("-evals must be at least 1, got %d", o.evals)
+		return bad("freeze-step", "want at least 0")
+	case o.evals < 1 || o.evals > maxEvals:
+		return bad("evals", "want 1 to %d", maxEvals)
+	case !(o.target >= 0 && o.target <= 1):
+		return bad("target", "want a test accuracy in [0, 1]")
 	case o.checkpoint.every < 1:
-		return nil, fmt.Errorf("-checkpoint-every must be at least 1, got %d", o.checkpoint.every)
-	case o.checkpoint.dir == "" && (o.checkpoint.resume || o.checkpoint.killAt != 0):
-		return nil, errors.New("-resume and -kill-at need -checkpoint DIR")
+		return bad("checkpoint-every", "want at least 1")
+	case o.checkpoint.dir == "" && o.checkpoint.resume:
+		return bad("resume", "needs -checkpoint DIR")
+	case o.checkpoint.dir == "" && o.checkpoint.killAt != 0:
+		return bad("kill-at", "needs -checkpoint DIR")
 	case o.checkpoint.killAt < 0 || o.checkpoint.killAt%o.checkpoint.every != 0:
-		return nil, fmt.Errorf("-kill-at must be a multiple of -checkpoint-every (%d), got %d", o.checkpoint.every, o.checkpoint.killAt)
+		return bad("kill-at", "want a multiple of -checkpoint-every (%d)", o.checkpoint.every)
 	}
 	if _, _, err := parseReduces(o.optimizer, o.reduce); err != nil {
-		return nil, err
+		return nil, &cliflag.Error{Reason: err.Error()}
 	}
 	if _, err := runOrder(o.optimizer, o.compare); err != nil {
-		return nil, err
+		return nil, &cliflag.Error{Reason: err.Error()}
 	}
 	return o, nil
 }
 
+// Bounds of the flags that size the run: beyond them a typo would start a
+// run of years or a million goroutines.
+const (
+	maxWorkers = 1024
+	maxEpochs  = 10000
+	maxEvals   = 10000
+)
+
+// stopGrace bounds a preemption: this long after the first SIGTERM or
+// SIGINT the collectives are cancelled, whatever the run is doing (a second
+// signal cancels them at once).
+const stopGrace = 30 * time.Second
+
+// termAtEnv is a testing hook, like -kill-at: "STEP" makes rank 0 send
+// SIGTERM to its own process right after step STEP, "STEP:parent" to its
+// parent process (under mpirun: mpirun, which passes it on to every rank).
+const termAtEnv = "LOWBIT_MNIST_TERM_AT"
+
+// stepFileEnv is a testing hook for scripts/soak.sh: rank 0 of a run with
+// -checkpoint writes the number of steps done into this file (overwritten
+// in place) at every step boundary, so that a driver can interrupt the run
+// at a chosen step and count the steps an interruption cost.
+const stepFileEnv = "LOWBIT_MNIST_STEP_FILE"
+
+// preemption carries SIGTERM and SIGINT to the training: the first asks
+// the ranks to stop at the next step boundary with a checkpoint saved (when
+// -checkpoint is set; without it, and on a second signal, the context is
+// cancelled).
+type preemption struct {
+	requested    atomic.Bool // a signal arrived
+	checkpointed atomic.Bool // the run can save: a signal stops it gently
+	cancel       context.CancelFunc
+	termAt       int      // termAtEnv's step, 0 for none
+	termParent   bool     // termAtEnv's ":parent"
+	stepFile     *os.File // stepFileEnv's file, nil for none
+}
+
+// watch handles the signals arriving on sigs until it is closed.
+func (p *preemption) watch(sigs <-chan os.Signal) {
+	for range sigs {
+		if p.requested.Swap(true) || !p.checkpointed.Load() {
+			p.cancel()
+			continue
+		}
+		time.AfterFunc(stopGrace, p.cancel)
+	}
+}
+
+// stop is the trainConfig.stop of a run: whether a signal arrived, after
+// firing the termAtEnv hook at its step.
+func (p *preemption) stop(rank, step int) bool {
+	if p.stepFile != nil && rank == 0 {
+		_, _ = p.stepFile.WriteAt([]byte(fmt.Sprintf("%10d\n", step)), 0)
+	}
+	if p.termAt > 0 && step == p.termAt && rank == 0 {
+		pid := os.Getpid()
+		if p.termParent {
+			pid = os.Getppid()
+		}
+		if err := syscall.Kill(pid, syscall.SIGTERM); err == nil && !p.termParent {
+			// Deterministic: this step boundary sees its own signal.
+			for i := 0; i < 500 && !p.requested.Load(); i++ {
+				time.Sleep(10 * time.Millisecond)
+			}
+		}
+	}
+	return p.requested.Load()
+}
+
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	p := &preemption{cancel: cancel}
+	if v := os.Getenv(termAtEnv); v != "" {
+		at, parent := strings.CutSuffix(v, ":parent")
+		n, err := strconv.Atoi(at)
+		if err != nil || n < 1 {
+			fmt.Fprintf(os.Stderr, "mnist: %s=%q: want STEP or STEP:parent\n", termAtEnv, v)
+			os.Exit(2)
+		}
+		p.termAt, p.termParent = n, parent
+	}
+	if name := os.Getenv(stepFileEnv); name != "" {
+		f, err := os.OpenFile(name, os.O_WRONLY|os.O_CREATE, 0o644)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "mnist: %s: %v\n", stepFileEnv, err)
+			os.Exit(2)
+		}
+		defer f.Close()
+		p.stepFile = f
+	}
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	go p.watch(sigs)
+	err := runPreemptible(ctx, p, os.Args[1:], os.Stdout, os.Stderr)
 	if errors.Is(err, flag.ErrHelp) {
 		return
 	}
@@ -170,6 +269,11 @@ func main() {
 
 // run is the whole command: flags in, table (and plot) out.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	return runPreemptible(ctx, nil, args, stdout, stderr)
+}
+
+// runPreemptible is run whose training p can stop (nil: never).
+func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, stderr io.Writer) error {
 	o, err := parseFlags(args, stderr)
 	if err != nil {
 		return err
@@ -198,6 +302,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		seed:          o.seed,
 		evalsPerEpoch: o.evals,
 		checkpoint:    o.checkpoint,
+		warn:          stderr,
+	}
+	if p != nil && o.checkpoint.dir != "" {
+		cfg.stop = p.stop
+		p.checkpointed.Store(true)
 	}
 
 	var results []*result
@@ -213,8 +322,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		}
 		workers = c.Size()
 		if c.Rank() != 0 {
-			// Only rank 0 reports.
+			// Only rank 0 reports; every rank warns about its own files.
 			stdout, stderr = io.Discard, io.Discard
+			cfg.warn = os.Stderr
 		}
 		printHeader(stdout, o, names, workers, train.len())
 		for _, name := range names {
@@ -225,6 +335,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 				return fmt.Errorf("%s: rank %d: %w", name, c.Rank(), err)
 			}
 			results = append(results, res)
+			if res.preempted > 0 {
+				break
+			}
 		}
 		if c.Rank() != 0 {
 			return nil
@@ -254,15 +367,26 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 				return fmt.Errorf("%s: %w", name, err)
 			}
 			results = append(results, res0)
+			if res0.preempted > 0 {
+				break
+			}
 		}
 	}
 
+	if last := results[len(results)-1]; last.preempted > 0 {
+		fmt.Fprintf(stdout, "%s preempted at step %d of %d: checkpoint saved in %s; continue with -resume\n",
+			last.optimizer, last.preempted, last.steps, o.checkpoint.dir)
+		return nil
+	}
 	printTable(stdout, results, o.target)
 	if o.checkpoint.dir != "" {
 		// The resume test compares these between runs.
 		for _, r := range results {
 			if r.resumedFrom > 0 {
 				fmt.Fprintf(stdout, "%s resumed from step %d of %d\n", r.optimizer, r.resumedFrom, r.steps)
+			}
+			if r.resumedWorld > 0 && r.resumedWorld != r.workers {
+				fmt.Fprintf(stdout, "%s resumed on %d ranks from a checkpoint of %d ranks: error feedback reset\n", r.optimizer, r.workers, r.resumedWorld)
 			}
 			fmt.Fprintf(stdout, "%s final parameters: fnv64 %016x\n", r.optimizer, r.finalHash)
 		}

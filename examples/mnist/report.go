@@ -101,7 +101,11 @@ func printTable(w io.Writer, results []*result, target float64) {
 	for _, r := range results {
 		tt := "-"
 		if e, ok := timeToTarget(r, target); ok {
-			tt = fmt.Sprintf("%s (step %d)", secs(e.wall), e.step)
+			w := secs(e.wall)
+			if e.wall < 0 {
+				w = "?" // from a checkpoint made before walls were saved
+			}
+			tt = fmt.Sprintf("%s (step %d)", w, e.step)
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%.4f\t%s\t%s\t%s\t%s\t%s\t%s\t\n",
 			name(r.optimizer), pct(r.test.acc), r.trainLoss, tt, secs(r.wall), secs(r.compute), secs(r.comm),
@@ -123,6 +127,12 @@ func printTable(w io.Writer, results []*result, target float64) {
 	fmt.Fprintln(w, "\ntrain loss: mean over the last epoch. wall: training time, evaluations excluded (mean over workers).")
 	fmt.Fprintln(w, "compute: forward+backward. comm: inside collectives during Step, waiting for slower workers included.")
 	fmt.Fprintln(w, "compress: the rest of Step (compression and the update). sent: bytes a worker put on the wire in Step.")
+	for _, r := range results {
+		if r.resumedFrom > 0 {
+			fmt.Fprintf(w, "%s resumed from step %d: wall, compute, comm, compress and sent cover the resumed part only; to %s counts the training time of every part.\n",
+				r.optimizer, r.resumedFrom, pct(target))
+		}
+	}
 	byName := map[string]*result{}
 	for _, r := range results {
 		byName[r.optimizer] = r

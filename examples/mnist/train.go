@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"io"
 	"math"
 	"math/rand/v2"
 	"time"
@@ -23,6 +24,14 @@ type trainConfig struct {
 	seed          uint64
 	evalsPerEpoch int // test-set evaluations per epoch, for the curves
 	checkpoint    checkpointConfig
+	// stop, when not nil, is asked at every step boundary of a run with
+	// -checkpoint whether this process was asked to stop (SIGTERM, SIGINT).
+	// The ranks agree on it (any rank's yes stops all at the same step),
+	// save a checkpoint of that step and return a preempted result.
+	stop func(rank, step int) bool
+	// warn receives the warnings of this rank (a corrupt checkpoint, a
+	// fall-back, a resume on another number of ranks); nil discards them.
+	warn io.Writer
 }
 
 // evalPoint is one evaluation on the test set.
@@ -55,6 +64,13 @@ type result struct {
 	// step; training checks that they agree across ranks.
 	initHash, finalHash uint64
 	resumedFrom         int // the checkpoint step -resume continued from, 0 for none
+	// resumedWorld is the number of ranks that made the checkpoint -resume
+	// continued from (0 for none).
+	resumedWorld int
+	// preempted is the step after which the run stopped on request (stop),
+	// with its checkpoint saved; 0 for a run that finished. A preempted
+	// result holds nothing else.
+	preempted int
 }
 
 // progressFunc is told about every step of a run (on rank 0 only): the
@@ -115,7 +131,10 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 	tlo, thi := shard(test.len(), w, rank)
 
 	var evalTime, computeTime, stepTime time.Duration
+	// before is the training time of the runs this one resumed from.
+	var before time.Duration
 	start := time.Now()
+	elapsed := func() time.Duration { return before + time.Since(start) - evalTime }
 	evaluate := func(step int) error {
 		t0 := time.Now()
 		correct, loss := model.evaluate(test, tlo, thi, evalIdx)
@@ -126,7 +145,7 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 		n := float64(test.len())
 		res.evals = append(res.evals, evalPoint{
 			step: step,
-			wall: time.Since(start) - evalTime,
+			wall: elapsed(),
 			acc:  float64(buf[0]) / n,
 			loss: float64(buf[1]) / n,
 		})
@@ -134,14 +153,35 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 		return nil
 	}
 	ckpt := newCheckpointer(cfg, rank, w)
+	warn := cfg.warn
+	if warn == nil {
+		warn = io.Discard
+	}
 	step := 0
-	if back, err := ckpt.restore(ctx, c, opt, total); err != nil {
+	if back, err := ckpt.restore(ctx, c, opt, total, warn); err != nil {
 		return nil, err
 	} else if back != nil {
 		step = back.step
-		res.resumedFrom = back.step
+		res.resumedFrom, res.resumedWorld = back.step, back.fromWorld
 		copy(lossHist, back.lossHist)
 		res.evals = back.evals
+		before = back.elapsed
+		ckpt.gen = back.gen
+	}
+	stopFlag := []float32{0}
+	// stopped asks every rank whether any was asked to stop.
+	stopped := func() (bool, error) {
+		if ckpt == nil || cfg.stop == nil {
+			return false, nil
+		}
+		stopFlag[0] = 0
+		if cfg.stop(rank, step) {
+			stopFlag[0] = 1
+		}
+		if err := c.AllReduce(ctx, stopFlag, comm.Max); err != nil {
+			return false, fmt.Errorf("agreeing on a stop after step %d: %w", step, err)
+		}
+		return stopFlag[0] != 0, nil
 	}
 	if step == 0 {
 		if err := evaluate(0); err != nil {
@@ -185,9 +225,28 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 					return nil, err
 				}
 			}
-			if ckpt.due(step, total) {
-				if err := ckpt.save(ctx, c, opt, step, total, lossHist, res.evals); err != nil {
+			saved := ckpt.due(step, total)
+			if saved {
+				if err := ckpt.save(ctx, c, opt, step, total, lossHist, res.evals, elapsed()); err != nil {
 					return nil, err
+				}
+			}
+			if step < total {
+				stop, err := stopped()
+				if err != nil {
+					return nil, err
+				}
+				if stop {
+					if !saved {
+						if err := ckpt.save(ctx, c, opt, step, total, lossHist, res.evals, elapsed()); err != nil {
+							return nil, err
+						}
+					}
+					// Every rank's file is on disk before any rank reports.
+					if err := c.Barrier(ctx); err != nil {
+						return nil, err
+					}
+					return &result{optimizer: cfg.optimizer, workers: w, steps: total, preempted: step}, nil
 				}
 			}
 			if progress != nil {
@@ -195,7 +254,7 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 			}
 		}
 	}
-	wall := time.Since(start) - evalTime
+	wall := time.Since(start) - evalTime // this run's part only
 	if err := model.checkParams(); err != nil {
 		return nil, err
 	}

@@ -144,9 +144,9 @@ func TestRunErrors(t *testing.T) {
 		want string
 	}{
 		{[]string{"-optimizer", "sgd"}, `unknown -optimizer "sgd"`},
-		{[]string{"-backend", "tcp"}, `unknown -backend "tcp"`},
-		{[]string{"-workers", "0"}, "-workers must be at least 1"},
-		{[]string{"-lr", "-1"}, "-lr must be"},
+		{[]string{"-backend", "tcp"}, `invalid value "tcp" for --backend: want local or mpi`},
+		{[]string{"-workers", "0"}, `invalid value "0" for --workers: want 1 to 1024`},
+		{[]string{"-lr", "-1"}, `invalid value "-1" for --lr: want a learning rate in (0, 10]`},
 		{[]string{"-data", "no/such/dir"}, "run make mnist-data"},
 		{[]string{"-data", "testdata", "-batch", "1000"}, "larger than the 500 training examples"},
 		{[]string{"-data", "testdata", "-batch", "2", "-workers", "4"}, "smaller than the 4 workers"},

@@ -1,0 +1,238 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/optim/zero"
+)
+
+// syncBuffer is a bytes.Buffer the ranks of one process may share.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// trainRanks runs cfg on w in-process ranks, rank r with perRank(r, cfg)
+// applied, and returns every rank's result and error.
+func trainRanks(t *testing.T, w int, train, test *dataset, cfg trainConfig, perRank func(int, *trainConfig)) ([]*result, []error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	res := make([]*result, w)
+	errs := make([]error, w)
+	var mu sync.Mutex
+	_ = local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
+		rc := cfg
+		if perRank != nil {
+			perRank(c.Rank(), &rc)
+		}
+		r, err := trainRank(ctx, c, train, test, rc, nil)
+		mu.Lock()
+		res[c.Rank()], errs[c.Rank()] = r, err
+		mu.Unlock()
+		return err
+	})
+	return res, errs
+}
+
+// stopOn makes only rank `rank` see a stop request, from step `at` on: a
+// signal that reached one process first.
+func stopOn(rank, at int) func(int, *trainConfig) {
+	return func(r int, cfg *trainConfig) {
+		if r == rank {
+			cfg.stop = func(_, step int) bool { return step >= at }
+		} else {
+			cfg.stop = func(int, int) bool { return false }
+		}
+	}
+}
+
+func zeroInt4(name string, cfg *trainConfig) {
+	if name == "zero-adam" {
+		cfg.hyper.scatter = zero.ReduceInt4
+	}
+}
+
+// TestPreemptLocal: a stop request seen by one rank only stops every rank
+// after the same step, with that step's checkpoint saved (off the
+// -checkpoint-every grid), and the resumed run ends bit-identical to an
+// uninterrupted one: no step's work is lost.
+func TestPreemptLocal(t *testing.T) {
+	train, test := loadTestdata(t)
+	for _, name := range []string{"onebit-adam", "zero-adam"} {
+		t.Run(name, func(t *testing.T) {
+			cfg := smallConfig(name)
+			cfg.epochs = 2
+			zeroInt4(name, &cfg)
+			cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 5}
+			want := trainLocal(t, 3, train, test, cfg)[0].finalHash
+
+			cfg.checkpoint.dir = t.TempDir()
+			res, errs := trainRanks(t, 3, train, test, cfg, stopOn(2, 17))
+			for r := range 3 {
+				require.NoError(t, errs[r], "rank %d", r)
+				assert.Equal(t, 17, res[r].preempted, "rank %d stops after the step the request came", r)
+				assert.FileExists(t, filepath.Join(cfg.checkpoint.dir, name+".rank"+string(rune('0'+r))+".0.ckpt"))
+			}
+			// A save killed before its rename leaves a temporary file;
+			// the resume removes it.
+			tmp := filepath.Join(cfg.checkpoint.dir, "."+name+".rank1.0.ckpt.tmp-123")
+			require.NoError(t, os.WriteFile(tmp, []byte("torn"), 0o644))
+			cfg.checkpoint.resume = true
+			res, errs = trainRanks(t, 3, train, test, cfg, nil)
+			assert.NoFileExists(t, tmp)
+			for r := range 3 {
+				require.NoError(t, errs[r], "rank %d", r)
+				assert.Equal(t, 17, res[r].resumedFrom, "rank %d resumes from the stop, not the grid step 15", r)
+				assert.Equal(t, want, res[r].finalHash, "rank %d ends bit-identical", r)
+			}
+		})
+	}
+}
+
+// TestPreemptCommand sends the command a real SIGTERM (the termAtEnv hook:
+// rank 0 signals its own process after step 10): it saves and exits 0, and
+// -resume finishes with the uninterrupted run's parameters. Then rank 1's
+// newest file is damaged: a -quiet resume names it in a warning, states the
+// step it falls back to, and still ends bit-identical; with every file of
+// rank 1 damaged, -resume is a clear error.
+func TestPreemptCommand(t *testing.T) {
+	args := []string{
+		"-data", "testdata", "-workers", "2", "-epochs", "2", "-batch", "50", "-optimizer", "onebit-adam",
+		"-freeze-step", "4", "-lr", "2e-3", "-evals", "2", "-checkpoint-every", "4", "-quiet",
+	}
+	var whole bytes.Buffer
+	require.NoError(t, run(context.Background(), append(args, "-checkpoint", t.TempDir()), &whole, &bytes.Buffer{}))
+	want := finalHashes(t, whole.String())
+
+	dir := t.TempDir()
+	cmd := exec.Command(os.Args[0], append(args, "-checkpoint", dir)...)
+	cmd.Env = append(os.Environ(), asCommandEnv+"=1", termAtEnv+"=10")
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "a preempted run exits 0:\n%s", out)
+	assert.Contains(t, string(out), "onebit-adam preempted at step 10 of 20: checkpoint saved in "+dir)
+	assert.NotContains(t, string(out), "final parameters")
+
+	// Step 10 is in slot 1 (off the grid: the slot not holding step 8).
+	newest := filepath.Join(dir, "onebit-adam.rank1.1.ckpt")
+	b, err := os.ReadFile(newest)
+	require.NoError(t, err)
+	b[len(b)/2] ^= 0x40
+	require.NoError(t, os.WriteFile(newest, b, 0o644))
+
+	var resumed, warns bytes.Buffer
+	require.NoError(t, run(context.Background(), append(args, "-checkpoint", dir, "-resume"), &resumed, &warns))
+	assert.Contains(t, warns.String(), "rank 1: -resume: unusable checkpoint: optim: loading checkpoint "+newest)
+	assert.Contains(t, warns.String(), "checksum")
+	assert.Contains(t, warns.String(), "onebit-adam falls back to step 8, the newest step every rank holds (newest file: step 10)")
+	assert.Contains(t, resumed.String(), "onebit-adam resumed from step 8 of 20")
+	assert.Equal(t, want, finalHashes(t, resumed.String()))
+
+	// No usable common step: the error says so on every rank.
+	for _, slot := range []string{"0", "1"} {
+		p := filepath.Join(dir, "onebit-adam.rank1."+slot+".ckpt")
+		require.NoError(t, os.Truncate(p, 100))
+	}
+	err = run(context.Background(), append(args, "-checkpoint", dir, "-resume"), &bytes.Buffer{}, &bytes.Buffer{})
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "no checkpoint of onebit-adam in "+dir+" that every rank holds")
+	assert.Contains(t, err.Error(), "unusable files on other ranks")
+}
+
+// TestResumeTimeToTarget: after a resume the time to the target accuracy
+// counts the training time before the interruption too (it was 0.0s).
+func TestResumeTimeToTarget(t *testing.T) {
+	train, test := loadTestdata(t)
+	cfg := smallConfig("adam")
+	cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 5}
+	res, errs := trainRanks(t, 2, train, test, cfg, stopOn(0, 30))
+	require.NoError(t, errs[0])
+	require.Equal(t, 30, res[0].preempted)
+	cfg.checkpoint.resume = true
+	r := trainLocal(t, 2, train, test, cfg)[0]
+	require.Equal(t, 30, r.resumedFrom)
+	for i, e := range r.evals[1:] {
+		assert.Positive(t, e.wall, "evaluation at step %d has a training time", e.step)
+		assert.GreaterOrEqual(t, e.wall, r.evals[i].wall, "training time grows from step %d to %d, across the resume", r.evals[i].step, e.step)
+	}
+	e, ok := timeToTarget(r, 0.5)
+	require.True(t, ok)
+	assert.Less(t, e.step, 30, "the target was reached before the interruption")
+	var out bytes.Buffer
+	printTable(&out, []*result{r}, 0.5)
+	assert.Contains(t, out.String(), "adam resumed from step 30: wall, compute, comm, compress and sent cover the resumed part only")
+}
+
+// TestResumeOtherWorld resumes 4 ranks' checkpoint on 3 and 3 ranks' on 4:
+// the run continues from the stop step with the error feedback reset, says
+// so, and ends close to the uninterrupted run. Then 4 -> 3 -> 4: the last
+// resume takes the 3 ranks' newer step, not rank 3's stale file of the
+// first 4-rank run.
+func TestResumeOtherWorld(t *testing.T) {
+	train, test := loadTestdata(t)
+	for _, name := range []string{"onebit-adam", "zeroone-adam", "zero-adam"} {
+		for _, ws := range [][2]int{{4, 3}, {3, 4}} {
+			t.Run(name+"/"+string(rune('0'+ws[0]))+"to"+string(rune('0'+ws[1])), func(t *testing.T) {
+				cfg := smallConfig(name)
+				zeroInt4(name, &cfg)
+				cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 5}
+				whole := trainLocal(t, ws[0], train, test, cfg)[0]
+
+				cfg.checkpoint.dir = t.TempDir()
+				_, errs := trainRanks(t, ws[0], train, test, cfg, stopOn(0, 20))
+				require.NoError(t, errs[0])
+				cfg.checkpoint.resume = true
+				var warn syncBuffer
+				cfg.warn = &warn
+				res, errs := trainRanks(t, ws[1], train, test, cfg, nil)
+				for r := range ws[1] {
+					require.NoError(t, errs[r], "rank %d", r)
+					assert.Equal(t, 20, res[r].resumedFrom)
+					assert.Equal(t, ws[0], res[r].resumedWorld)
+				}
+				assert.Contains(t, warn.String(), "checkpoint of step 20 was made on "+string(rune('0'+ws[0]))+" ranks, this run has "+string(rune('0'+ws[1]))+": continuing with the error feedback reset")
+				assert.InDelta(t, whole.test.acc, res[0].test.acc, 0.05, "accuracy close to the uninterrupted run's")
+				assert.Equal(t, len(whole.loss), len(res[0].loss))
+			})
+		}
+	}
+	t.Run("4to3to4", func(t *testing.T) {
+		cfg := smallConfig("onebit-adam")
+		cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 5}
+		_, errs := trainRanks(t, 4, train, test, cfg, stopOn(0, 12))
+		require.NoError(t, errs[0])
+		cfg.checkpoint.resume = true
+		res, errs := trainRanks(t, 3, train, test, cfg, stopOn(1, 27))
+		require.NoError(t, errs[0])
+		require.Equal(t, 27, res[0].preempted)
+		res, errs = trainRanks(t, 4, train, test, cfg, nil)
+		require.NoError(t, errs[0])
+		assert.Equal(t, 27, res[0].resumedFrom)
+		assert.Equal(t, 3, res[0].resumedWorld)
+		assert.Greater(t, res[0].test.acc, 0.75)
+	})
+}

@@ -1,0 +1,419 @@
+#!/usr/bin/env bash
+# soak.sh: the chaos soak of checkpointed training (make soak).
+#
+# Trains the MNIST example (examples/mnist) under mpirun on 4 ranks inside a
+# network namespace whose loopback is impaired (NETEM, through
+# scripts/lib/netns.sh), and interrupts it again and again at random steps
+# drawn from SEED: SIGKILL of one random rank ("kill"), SIGTERM of every rank
+# as a scheduler preempting the job would ("term"), SIGTERM of mpirun
+# ("term-mpirun"); after a term, sometimes a byte of one rank's newest
+# checkpoint is flipped ("flip") or the file cut in half ("truncate") before
+# the resume. Each time it resumes with -resume, until the run completes,
+# and compares the final parameters (the example's fnv64 hash) with an
+# uninterrupted run of the same flags: they must be bit-identical. It does
+# this for 1-bit Adam, 0/1 Adam and zero-adam with int4, in rounds, until
+# the optimizer's share of SOAK_S is spent, and once resumes a run on 3
+# ranks (shrink) and back on 4 (grow), which must end within 1 point of the
+# uninterrupted run's test accuracy (bit-identity is not expected there:
+# the error feedback is reset).
+#
+# It prints a table per optimizer: interruptions by kind, steps redone
+# (done before an interruption and done again after it), the time from the
+# interruption to the job's exit (median and max; the goal is under 10 s),
+# and how many rounds ended with the uninterrupted hash. It checks that no
+# rank process and no namespace is left behind. It exits non-zero unless
+# every hash matches, every job ended in time, every SIGTERM-ed job saved
+# its checkpoint, and nothing was left behind.
+#
+# Settings (environment):
+#   SOAK_S      duration in seconds (default 600); interruptions stop then,
+#               and the runs under way finish
+#   SEED        the fault schedule (default: the time; printed)
+#   NETEM       the impairment (default "loss 1% delay 5ms 2ms reorder 10%";
+#               a kernel without sch_netem gets the loss only, and a line
+#               says so)
+#   OPTIMIZERS  default "onebit-adam zeroone-adam zero-adam"
+#   DATA        MNIST directory (default data/mnist; make mnist-data)
+#   EPOCHS      per run (default 1: 468 steps); EVERY: -checkpoint-every (25)
+#   BIN         a prebuilt examples/mnist binary with -tags mpi (else built)
+#   SOAK_SHORT=1  the short soak of make test: no namespace, no root, the
+#               small testdata set, one optimizer, one round of two
+#               interruptions (a kill, then a term with a flipped byte)
+set -u
+
+GO=${GO:-go}
+cd "$(dirname "$0")/.." || exit 1
+# shellcheck source=scripts/lib/netns.sh
+. scripts/lib/netns.sh
+netns_init soak
+
+SHORT=${SOAK_SHORT:-0}
+SOAK_S=${SOAK_S:-600}
+SEED=${SEED:-$(date +%s)}
+NETEM=${NETEM:-loss 1% delay 5ms 2ms reorder 10%}
+NP=4
+RANDOM=$SEED
+export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}
+
+if [ "$SHORT" = 1 ]; then
+	if ! command -v mpirun >/dev/null 2>&1 || ! pkg-config --exists ompi-c 2>/dev/null; then
+		echo "soak: skipped: Open MPI not installed"
+		exit 0
+	fi
+	OPTIMIZERS=${OPTIMIZERS:-onebit-adam}
+	DATA=${DATA:-examples/mnist/testdata}
+	EPOCHS=${EPOCHS:-30}
+	EVERY=${EVERY:-20}
+	common=(-batch 50 -lr 2e-3 -freeze-step 20)
+	JOB_TIMEOUT=60
+else
+	netns_require_root "it creates a network namespace and impairs its loopback"
+	netns_require_mpi headers
+	OPTIMIZERS=${OPTIMIZERS:-onebit-adam zeroone-adam zero-adam}
+	DATA=${DATA:-data/mnist}
+	EPOCHS=${EPOCHS:-1}
+	EVERY=${EVERY:-25}
+	common=(-freeze-step 100)
+	JOB_TIMEOUT=300
+fi
+[ -e "$DATA/train-images-idx3-ubyte.gz" ] || [ -e "$DATA/train-images-idx3-ubyte" ] ||
+	netns_die "cannot run: no MNIST files in $DATA (make mnist-data)"
+common+=(-backend mpi -data "$DATA" -epochs "$EPOCHS" -checkpoint-every "$EVERY" -evals 1 -quiet)
+
+bin=${BIN:-}
+if [ -z "$bin" ]; then
+	bin=$NETNS_TMP/mnist
+	"$GO" build -tags mpi -o "$bin" ./examples/mnist || netns_die "building examples/mnist with -tags mpi failed"
+fi
+
+prefix=()
+mpirun=("${NETNS_MPIRUN[@]}")
+impaired="none"
+if [ "$SHORT" != 1 ]; then
+	netns_new ns soak
+	netns_impair "$ns" lo $NETEM
+	impaired=$NETNS_IMPAIRED
+	prefix=(ip netns exec "$ns")
+	mpirun+=("${NETNS_MPI_LO[@]}")
+fi
+
+t_start=$(date +%s)
+now_ms() { echo $(($(date +%s%N) / 1000000)); }
+# rnd N sets R to 0..N-1, the next number of SEED's sequence (in this
+# shell: a $(...) subshell would not advance it).
+rnd() { R=$((RANDOM % $1)); }
+
+fail=0
+stepf=$NETNS_TMP/step
+seen_pids=()
+
+# optargs NAME: the flags of optimizer NAME.
+optargs() {
+	case $1 in
+	zero-adam) echo "-optimizer zero-adam -reduce int4" ;;
+	*) echo "-optimizer $1" ;;
+	esac
+}
+
+# start NP DIR LOG ARGS...: starts a job in the background (jobpid).
+start() {
+	local np=$1 dir=$2 log=$3
+	shift 3
+	printf '%10d\n' 0 >"$stepf"
+	"${prefix[@]}" env LOWBIT_MNIST_STEP_FILE="$stepf" "${mpirun[@]}" -np "$np" "$bin" "${common[@]}" -checkpoint "$dir" "$@" >"$log" 2>&1 &
+	jobpid=$!
+}
+
+step_now() {
+	local s
+	read -r s <"$stepf" 2>/dev/null
+	echo "${s:-0}"
+}
+
+# ranks: "RANK PID" of the job's rank processes.
+ranks() {
+	local p r
+	for p in $(pgrep -P "$jobpid" 2>/dev/null); do
+		r=$(tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | sed -n 's/^OMPI_COMM_WORLD_RANK=//p')
+		[ -n "$r" ] && echo "$r $p"
+	done
+}
+
+# finish: waits for the job, JOB_TIMEOUT at most (a hang is killed and
+# counted); sets rc.
+finish() {
+	local deadline=$(($(date +%s) + JOB_TIMEOUT)) p
+	while kill -0 "$jobpid" 2>/dev/null; do
+		if [ "$(date +%s)" -ge "$deadline" ]; then
+			echo "soak: HANG: job $jobpid still running after ${JOB_TIMEOUT}s; killing it" >&2
+			for p in $(pgrep -P "$jobpid"); do kill -KILL "$p" 2>/dev/null; done
+			kill -KILL "$jobpid" 2>/dev/null
+			hangs=$((hangs + 1))
+			fail=1
+			break
+		fi
+		sleep 0.02
+	done
+	wait "$jobpid"
+	rc=$?
+}
+
+hash_of() { sed -n 's/^[a-z-]* final parameters: fnv64 \([0-9a-f]\{16\}\)$/\1/p' "$1"; }
+acc_of() { awk -v o="$2" '$1 == o && $2 ~ /%$/ { sub("%", "", $2); print $2; exit }' "$1"; }
+resumed_of() { sed -n 's/^mnist: -resume: [a-z-]* continues from step \([0-9]*\) of .*/\1/p' "$1" | head -n 1; }
+
+# interrupt KIND: interrupts the running job; sets dt (ms to its exit).
+interrupt() {
+	local kind=$1 t0 r p list
+	list=$(ranks)
+	for p in $(echo "$list" | awk '{ print $2 }'); do seen_pids+=("$p"); done
+	t0=$(now_ms)
+	case $kind in
+	kill)
+		rnd "$cur_np"
+		r=$R
+		p=$(echo "$list" | awk -v r="$r" '$1 == r { print $2 }')
+		[ -n "$p" ] && kill -KILL "$p"
+		;;
+	term) for p in $(echo "$list" | awk '{ print $2 }'); do kill -TERM "$p"; done ;;
+	term-mpirun) kill -TERM "$jobpid" ;;
+	esac
+	finish
+	dt=$(($(now_ms) - t0))
+}
+
+# corrupt KIND DIR OPT: flips a byte in, or truncates, a random rank's
+# newest checkpoint file.
+corrupt() {
+	local kind=$1 dir=$2 opt=$3 r f size off b
+	rnd "$cur_np"
+	r=$R
+	f=$(ls -t "$dir/$opt.rank$r".*.ckpt 2>/dev/null | head -n 1)
+	[ -n "$f" ] || return 1
+	size=$(stat -c %s "$f")
+	if [ "$kind" = flip ]; then
+		off=$(((RANDOM * 32768 + RANDOM) % size))
+		b=$(od -An -tu1 -j "$off" -N1 "$f" | tr -d ' ')
+		printf "$(printf '\\%03o' $(((b ^ 0x5a) & 255)))" | dd of="$f" bs=1 seek="$off" conv=notrunc status=none
+	else
+		truncate -s $((size / 2)) "$f"
+	fi
+	echo "soak:   $kind $(basename "$f") (rank $r)"
+}
+
+# trajectory OPT DIR NPS...: one interrupted run of OPT, from scratch in
+# DIR, until it completes; the job k runs on NPS[k] ranks (the last for the
+# rest). Adds to the counters; sets last_log.
+trajectory() {
+	local opt=$1 dir=$2
+	shift 2
+	local nps=("$@") k=0 log resumeflag=() target kind last=0 from=0
+	# shellcheck disable=SC2206
+	local oargs=($(optargs "$opt"))
+	rm -rf "$dir"
+	while :; do
+		cur_np=${nps[$((k < ${#nps[@]} ? k : ${#nps[@]} - 1))]}
+		log=$NETNS_TMP/$opt.$round.$k.log
+		start "$cur_np" "$dir" "$log" "${oargs[@]}" "${resumeflag[@]}"
+		if [ "$k" -gt 0 ]; then
+			# Steps redone: where the last job stopped, less where this
+			# one continues.
+			from=""
+			while kill -0 "$jobpid" 2>/dev/null && [ -z "$from" ]; do
+				sleep 0.02
+				from=$(resumed_of "$log")
+			done
+			[ -n "$from" ] || from=$(resumed_of "$log")
+			if [ -n "$from" ] && [ "$last" -gt "$from" ]; then
+				redone=$((redone + last - from))
+			fi
+		fi
+		kind=none
+		if [ "$interrupts_left" -gt 0 ] && { [ -n "${force:-}" ] || [ "$(date +%s)" -lt "$deadline" ]; }; then
+			# A random step ahead of where the run resumes.
+			rnd $((total / 6))
+			target=$((${from:-0} + 1 + R))
+			while kill -0 "$jobpid" 2>/dev/null && [ "$(step_now)" -lt "$target" ]; do sleep 0.01; done
+			if kill -0 "$jobpid" 2>/dev/null; then
+				if [ -n "${kinds_fixed:-}" ]; then
+					kind=${kinds_fixed%% *}
+					kinds_fixed=${kinds_fixed#* }
+				else
+					rnd 4
+					case $R in 0 | 1) kind=kill ;; 2) kind=term ;; 3) kind=term-mpirun ;; esac
+				fi
+				interrupt "$kind"
+				count[$kind]=$((count[$kind] + 1))
+				interrupts_left=$((interrupts_left - 1))
+				times+=("$dt")
+				last=$(step_now)
+				echo "soak:   $opt round $round: $kind at step $last on $cur_np ranks; job exited $rc after ${dt} ms"
+				if [ "$kind" != kill ] && ! grep -q "preempted at step $last of" "$log"; then
+					echo "soak: FAILED: $kind at step $last: no checkpoint saved (want 'preempted at step $last'):" >&2
+					tail -n 5 "$log" >&2
+					fail=1
+				fi
+				if [ "$kind" = term ] && [ "$rc" -ne 0 ]; then
+					echo "soak: FAILED: SIGTERM to every rank: mpirun exited $rc, want 0" >&2
+					fail=1
+				fi
+				# Corruption only after a term: every rank then holds the
+				# stop step and the grid step before it, so a damaged
+				# newest file leaves a common step to fall back to.
+				rnd 3
+				if [ "$kind" = term ] && [ -z "${no_corrupt:-}" ] && { [ -n "${corrupt_next:-}" ] || [ "$R" = 0 ]; }; then
+					local ck=flip
+					rnd 2
+					[ "$R" = 0 ] || ck=truncate
+					[ -z "${corrupt_next:-}" ] || ck=$corrupt_next
+					corrupt_next=
+					corrupt "$ck" "$dir" "$opt" && count[$ck]=$((count[$ck] + 1))
+				fi
+				resumeflag=(-resume)
+				k=$((k + 1))
+				continue
+			fi
+		fi
+		finish
+		if [ "$rc" -ne 0 ] && [ "$k" -gt 0 ] && grep -q "^mnist: .*-resume: no checkpoint of $opt in .* that every rank holds" "$log"; then
+			# Killed before every rank held one checkpoint step (during
+			# the first save), or a damaged file was the only one of its
+			# rank: -resume refuses, as it must; start again from scratch.
+			echo "soak:   $opt round $round: no checkpoint step every rank holds; restarting from step 0 ($(grep -m1 '^mnist: ' "$log" | cut -c1-200))"
+			restarts=$((restarts + 1))
+			redone=$((redone + last))
+			rm -rf "$dir"
+			resumeflag=()
+			last=0
+			k=$((k + 1))
+			continue
+		fi
+		if [ "$rc" -ne 0 ] || [ -z "$(hash_of "$log")" ]; then
+			echo "soak: FAILED: $opt round $round: the last job exited $rc without a final hash:" >&2
+			grep '^mnist' "$log" | tail -n 8 >&2
+			tail -n 8 "$log" >&2
+			fail=1
+		fi
+		last_log=$log
+		break
+	done
+}
+
+median_max() {
+	if [ $# -eq 0 ]; then
+		echo "- -"
+		return
+	fi
+	printf '%s\n' "$@" | sort -n | awk '{ a[NR] = $1 } END { printf "%.2fs %.2fs\n", a[int((NR + 1) / 2)] / 1000, a[NR] / 1000 }'
+}
+
+read -ra opts <<<"$OPTIMIZERS"
+total=$(($( [ "$SHORT" = 1 ] && echo 10 || echo 468) * EPOCHS))
+echo "soak: seed $SEED, $NP ranks, $total steps per run, checkpoint every $EVERY; impairment: $impaired; ${SOAK_S}s; optimizers: ${opts[*]}"
+rows=()
+hangs=0
+shrink_line=""
+declare -A count
+for i in "${!opts[@]}"; do
+	opt=${opts[$i]}
+	# shellcheck disable=SC2207
+	oargs=($(optargs "$opt"))
+	for kk in kill term term-mpirun flip truncate; do count[$kk]=0; done
+	times=()
+	redone=0
+	restarts=0
+	rounds=0
+	matched=0
+	# The uninterrupted reference.
+	cur_np=$NP
+	start "$NP" "$NETNS_TMP/ref-$opt" "$NETNS_TMP/ref-$opt.log" "${oargs[@]}"
+	finish
+	want=$(hash_of "$NETNS_TMP/ref-$opt.log")
+	want_acc=$(acc_of "$NETNS_TMP/ref-$opt.log" "$opt")
+	if [ "$rc" -ne 0 ] || [ -z "$want" ]; then
+		echo "soak: FAILED: the uninterrupted $opt run exited $rc:" >&2
+		tail -n 8 "$NETNS_TMP/ref-$opt.log" >&2
+		fail=1
+		continue
+	fi
+	echo "soak: $opt uninterrupted: fnv64 $want, test acc $want_acc%"
+	deadline=$((t_start + SOAK_S * (i + 1) / ${#opts[@]}))
+	round=0
+	while :; do
+		if [ "$SHORT" = 1 ]; then
+			interrupts_left=2
+			force=1
+			kinds_fixed="kill term "
+			corrupt_next=flip
+		else
+			rnd 6
+			interrupts_left=$((2 + R))
+		fi
+		trajectory "$opt" "$NETNS_TMP/ck-$opt-$round" "$NP"
+		rounds=$((rounds + 1))
+		got=$(hash_of "$last_log")
+		if [ "$got" = "$want" ]; then
+			matched=$((matched + 1))
+		else
+			echo "soak: FAILED: $opt round $round ended with fnv64 ${got:-none}, the uninterrupted run with $want" >&2
+			fail=1
+		fi
+		round=$((round + 1))
+		[ "$SHORT" = 1 ] && break
+		[ "$(date +%s)" -lt "$deadline" ] || break
+	done
+	rows+=("$(printf '%-13s %6d %5d %5d %12d %5d %9d %9d %13s %14s %6s %7s' "$opt" "$rounds" "${count[kill]}" "${count[term]}" \
+		"${count[term-mpirun]}" "${count[flip]}" "${count[truncate]}" "$restarts" "$redone" \
+		"$(median_max "${times[@]}" | awk '{ print $1 }')" "$(median_max "${times[@]}" | awk '{ print $2 }')" "$matched/$rounds")")
+
+	# Once: shrink 4 -> 3 and grow 3 -> 4.
+	if [ "$i" = 0 ] && [ "$SHORT" != 1 ]; then
+		round=shrink
+		interrupts_left=2
+		kinds_fixed="term term "
+		no_corrupt=1
+		force=1
+		trajectory "$opt" "$NETNS_TMP/ck-$opt-shrink" "$NP" $((NP - 1)) "$NP"
+		kinds_fixed=""
+		no_corrupt=""
+		force=""
+		acc=$(acc_of "$last_log" "$opt")
+		ok=no
+		if grep -q "resumed on 4 ranks from a checkpoint of 3 ranks: error feedback reset" "$last_log" &&
+			grep -q "was made on 4 ranks, this run has 3: continuing with the error feedback reset" "$NETNS_TMP/$opt.shrink.1.log" &&
+			awk -v a="$acc" -v b="$want_acc" 'BEGIN { d = a - b; exit !(a != "" && d <= 1 && d >= -1) }'; then
+			ok=yes
+		else
+			fail=1
+		fi
+		shrink_line="shrink 4->3 and grow 3->4 ($opt): test acc ${acc:-none}% vs ${want_acc}% uninterrupted: within 1 point: $ok"
+	fi
+done
+
+# Nothing left behind: no rank process, no namespace.
+left=""
+for p in "${seen_pids[@]}"; do
+	if kill -0 "$p" 2>/dev/null && tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q "$bin"; then
+		left+=" $p"
+	fi
+done
+nsleft=0
+if [ "$SHORT" != 1 ]; then
+	netns_del "$ns"
+	nsleft=$(ip netns list | grep -c "^lowbit-soak-$$-" || true)
+fi
+
+echo
+echo "soak: seed $SEED; impairment: $impaired; $(($(date +%s) - t_start)) s"
+printf '%-13s %6s %5s %5s %12s %5s %9s %9s %13s %14s %6s %7s\n' optimizer rounds kill term term-mpirun flip truncate restarts "steps redone" "exit (median)" max "hash ok"
+for r in "${rows[@]}"; do echo "$r"; done
+[ -z "$shrink_line" ] || echo "$shrink_line"
+echo "hangs: $hangs; rank processes left: ${left:-none}; namespaces left: $nsleft"
+if [ -n "$left" ] || [ "$nsleft" != 0 ]; then
+	fail=1
+fi
+if [ "$fail" -ne 0 ]; then
+	echo "soak: FAILED"
+	exit 1
+fi
+echo "soak: ok"
