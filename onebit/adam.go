@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"math"
 
+	"go.uber.org/zap"
+
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/optim"
 )
@@ -82,6 +84,7 @@ type Adam struct {
 	cfg    optim.AdamConfig
 	freeze int64
 	mask   [][]float32 // per parameter, nil when unmasked
+	unseen unseen      // elements whose frozen v is zero, in compression
 
 	m, v  [][]float32 // per parameter: views into mflat and vflat
 	mflat []float32   // every parameter's momentum, in order
@@ -116,6 +119,7 @@ func NewAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg AdamCo
 		cfg:    cfg.AdamConfig,
 		freeze: int64(cfg.FreezeStep),
 		c2:     1,
+		unseen: newUnseen(len(params)),
 	}
 	sizes := make([]int, len(params))
 	for i, p := range params {
@@ -175,6 +179,7 @@ func (a *Adam) warmup(ctx context.Context, t int64, lr float32) error {
 		if cfg.BiasCorrection {
 			a.c2 = optim.BiasCorrection(cfg.Beta2, t)
 		}
+		a.findUnseen()
 		a.f.Enter(optim.StageCompression)
 	}
 	return nil
@@ -198,9 +203,27 @@ func (a *Adam) compressed(ctx context.Context, t int64, lr float32) error {
 		if a.mask[i] != nil {
 			optim.Mul(a.m[i], a.mask[i])
 		}
+		a.unseen.zero(i, a.m[i])
 		optim.AdamUpdate(p.Data(), a.m[i], a.v[i], lr, cfg.WeightDecay, c1, a.c2, cfg.Eps)
 	}
 	return nil
+}
+
+// findUnseen lists the elements whose frozen v is zero (see unseen). With
+// FreezeStep 0 there was no warm-up and v is zero everywhere: nothing is
+// listed, and the update divides by eps as the reference's does.
+func (a *Adam) findUnseen() {
+	if a.freeze == 0 {
+		a.unseen.clear()
+		return
+	}
+	for i := range a.params {
+		a.unseen.find(i, a.v[i])
+	}
+	if n := a.unseen.count(); n > 0 {
+		a.f.Logger().Info("onebit: Adam: elements with no gradient in the warm-up are held still in compression",
+			zap.Int("elements", n))
+	}
 }
 
 // SetLR fixes the learning rate of the following steps, replacing any
@@ -285,6 +308,10 @@ func (a *Adam) Load(ck *optim.Checkpoint) error {
 	}
 	a.c2 = float32(c2)
 	a.f.Restore(fs)
+	a.unseen.clear()
+	if a.f.Stage() == optim.StageCompression {
+		a.findUnseen()
+	}
 	return nil
 }
 

@@ -88,6 +88,7 @@ type Lamb struct {
 	cfg    LambConfig
 	params []*optim.Param
 	masks  [][]float32 // per parameter; nil where none
+	unseen unseen      // elements whose frozen v is zero, in compression
 
 	// offs[i] is parameter i's offset in the flat buffers; offs[len(params)]
 	// is their length.
@@ -160,6 +161,7 @@ func NewLamb(ctx context.Context, c comm.Comm, params []*optim.Param, cfg LambCo
 		cfg:         cfg,
 		params:      append([]*optim.Param(nil), params...),
 		masks:       masks,
+		unseen:      newUnseen(len(params)),
 		offs:        make([]int, len(params)+1),
 		coeffFreeze: make([]float64, len(params)),
 		lastFactor:  make([]float64, len(params)),
@@ -266,6 +268,7 @@ func (o *Lamb) warmup(ctx context.Context, t int64, lr float32) error {
 		// v_fresh starts as a copy of the v that is frozen now.
 		copy(o.vFresh, o.v)
 		o.frozenAt = t
+		o.findUnseen()
 		o.f.Enter(optim.StageCompression)
 	}
 	return nil
@@ -316,6 +319,7 @@ func (o *Lamb) compressed(ctx context.Context, t int64, lr float32) error {
 			optim.Mul(m, o.masks[i])
 			s = 1
 		}
+		o.unseen.zero(i, m)
 		upd := o.scratch[lo:hi] // m_last on entry, the update on return
 		ratio, preSq, updSq := lambFreshDirection(upd, p.Data(), m, o.v[lo:hi], o.vFresh[lo:hi],
 			s, cfg.Beta1, cfg.Beta2, cfg.WeightDecay, c1, c2, c2Fresh, cfg.Eps)
@@ -534,7 +538,22 @@ func (o *Lamb) load(ck *optim.Checkpoint) error {
 	}
 	o.frozenAt, o.scaled = ints[0], ints[1] != 0
 	o.f.Restore(fs)
+	o.unseen.clear()
+	if o.f.Stage() == optim.StageCompression {
+		o.findUnseen()
+	}
 	return nil
+}
+
+// findUnseen lists the elements whose frozen v is zero (see unseen).
+func (o *Lamb) findUnseen() {
+	for i := range o.params {
+		o.unseen.find(i, o.v[o.offs[i]:o.offs[i+1]])
+	}
+	if n := o.unseen.count(); n > 0 {
+		o.f.Logger().Info("onebit: 1-bit LAMB: elements with no gradient in the warm-up are held still in compression",
+			zap.Int("elements", n))
+	}
 }
 
 // compileMasks checks the exp_avg masks against params and returns them

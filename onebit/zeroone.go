@@ -107,6 +107,7 @@ type ZeroOneAdam struct {
 	cfg    ZeroOneAdamConfig
 	params []*optim.Param
 	masks  [][]float32
+	unseen unseen // elements whose v is zero, after the first variance update
 
 	m, v   [][]float32 // per parameter: momentum, variance
 	anchor [][]float32 // per parameter: its value at the last synchronization
@@ -169,6 +170,7 @@ func NewZeroOneAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg
 		cfg:           cfg,
 		params:        append([]*optim.Param(nil), params...),
 		masks:         masks,
+		unseen:        newUnseen(len(params)),
 		m:             make([][]float32, len(params)),
 		v:             make([][]float32, len(params)),
 		anchor:        make([][]float32, len(params)),
@@ -279,11 +281,13 @@ func (o *ZeroOneAdam) phaseA(ctx context.Context, t int64, lr float32) error {
 			if o.masks[i] != nil {
 				optim.Mul(g, o.masks[i])
 			}
+			o.unseen.zero(i, g)
 			optim.Momentum(o.m[i], g, cfg.Beta1)
 		}
 		optim.AdamUpdate(p.Data(), o.m[i], o.v[i], lr, cfg.WeightDecay, c1, c2, cfg.Eps)
 	}
 	if varStep {
+		o.findUnseen()
 		o.varCounter++
 		if o.varCounter == int64(cfg.VarUpdateScaler) {
 			o.varCounter = 0
@@ -339,6 +343,7 @@ func (o *ZeroOneAdam) phaseB(ctx context.Context, t int64, lr float32) error {
 			if o.masks[i] != nil {
 				optim.Mul(u, o.masks[i])
 			}
+			o.unseen.zero(i, u)
 			// m = -u/lrs; p = anchor + u/(sqrt(v)+eps), the new anchor.
 			zeroOneArrive(p.Data(), o.m[i], o.anchor[i], u, lrs)
 		}
@@ -518,10 +523,22 @@ func (o *ZeroOneAdam) load(ck *optim.Checkpoint) error {
 	o.localInterval, o.localCounter = ints[3], ints[4]
 	o.lrs = lrs
 	o.f.Restore(fs)
+	o.unseen.clear()
+	if o.varUpdates > 0 {
+		o.findUnseen()
+	}
 	return nil
 }
 
-// Close releases the communicators that oeduceZeroOneAdamwoLevel averaging split off
+// findUnseen lists the elements whose v is zero (see unseen): after every
+// variance update, since v changes only then.
+func (o *ZeroOneAdam) findUnseen() {
+	for i := range o.params {
+		o.unseen.find(i, o.v[i])
+	}
+}
+
+// Close releases the communicators that ReduceTwoLevel averaging split off
 // the group (none in the other modes); see optim.Optimizer.Close: not a
 // collective, idempotent, every rank calls it, Step fails after it.
 func (o *ZeroOneAdam) Close() error {

@@ -137,6 +137,7 @@ type jsonRun struct {
 	ValBitsPerByte   float64     `json:"val_bits_per_byte"`
 	TrainLoss        float64     `json:"train_loss"`
 	Steps            int         `json:"steps"`
+	ResumedAt        int         `json:"resumed_at"` // the checkpoint's step, 0: not resumed
 	Tokens           int64       `json:"tokens"`
 	WallS            float64     `json:"wall_s"`
 	CommS            float64     `json:"comm_s"`
@@ -167,7 +168,7 @@ func writeJSON(path string, o *options, results []*result) error {
 		j := jsonRun{
 			Optimizer: r.spec.name, Reduce: r.spec.reduceName(),
 			ValLoss: r.valLoss, ValBitsPerByte: bitsPerByte(r.valLoss), TrainLoss: r.trainLoss,
-			Steps: r.steps, Tokens: r.tokens, WallS: r.wall.Seconds(), CommS: r.commTime.Seconds(),
+			Steps: r.steps, ResumedAt: r.resumedAt, Tokens: r.tokens, WallS: r.wall.Seconds(), CommS: r.commTime.Seconds(),
 			Target: o.target, BytesSentPerRank: r.bytes, LastStepBytes: r.lastBytes, Skipped: r.skipped,
 			Workers: r.workers, Backend: o.backend, Curve: r.evals,
 			Model: jsonModel{o.model.dModel, o.model.layers, o.model.heads, o.model.ffn, o.model.context, o.batch},

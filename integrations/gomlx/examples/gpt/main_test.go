@@ -1,0 +1,162 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/internal/cliflag/flagtest"
+)
+
+// tiny are the flags of a model small enough for a test: 2 local ranks,
+// the first MiB of the default corpus.
+func tiny(extra ...string) []string {
+	return append([]string{"-workers", "2", "-d-model", "32", "-heads", "2", "-ffn", "64", "-context", "32",
+		"-batch", "8", "-max-bytes", "1Mi", "-quiet"}, extra...)
+}
+
+// runJSON runs the example with args and returns its -json runs.
+func runJSON(t *testing.T, args ...string) ([]jsonRun, string) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "runs.json")
+	var out bytes.Buffer
+	require.NoError(t, run(context.Background(), append(args, "-json", path), &out, io.Discard))
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	var runs []jsonRun
+	require.NoError(t, json.Unmarshal(b, &runs))
+	return runs, out.String()
+}
+
+// TestConvergence is the example's convergence test: the tiny transformer
+// on 2 local ranks, Adam and then 1-bit Adam from the same seed on the same
+// tokens. Both must learn (validation loss well below the 5.55 nats of a
+// uniform guess over 256 bytes), and 1-bit Adam must end within 3% of
+// Adam's validation loss while sending at least 3x fewer bytes.
+func TestConvergence(t *testing.T) {
+	if testing.Short() {
+		t.Skip("trains two models")
+	}
+	runs, _ := runJSON(t, tiny("-compare", "-optimizer", "onebit-adam", "-steps", "150", "-lr", "3e-3")...)
+	require.Len(t, runs, 2)
+	adam, onebit := runs[0], runs[1]
+	require.Equal(t, "adam", adam.Optimizer)
+	require.Equal(t, "onebit-adam", onebit.Optimizer)
+	t.Logf("validation loss: adam %.4f, onebit-adam %.4f (%+.2f%%); bytes per rank %.0f vs %.0f",
+		adam.ValLoss, onebit.ValLoss, 100*(onebit.ValLoss-adam.ValLoss)/adam.ValLoss, adam.BytesSentPerRank, onebit.BytesSentPerRank)
+	for _, r := range runs {
+		assert.Less(t, r.ValLoss, math.Log(256)-1.5, "%s learned", r.Optimizer)
+		assert.Equal(t, 150, r.Steps)
+		assert.Equal(t, int64(150*8*32), r.Tokens)
+		assert.Zero(t, r.Skipped)
+	}
+	assert.InEpsilon(t, adam.ValLoss, onebit.ValLoss, 0.03, "1-bit Adam within 3%% of Adam")
+	assert.Greater(t, adam.BytesSentPerRank, 3*onebit.BytesSentPerRank)
+}
+
+// TestResume: a run stopped at step 10 with -checkpoint and resumed to step
+// 20 ends with the validation loss of the run never stopped, to the bit.
+func TestResume(t *testing.T) {
+	dir := t.TempDir()
+	args := tiny("-optimizer", "onebit-adam", "-freeze-step", "5", "-checkpoint", dir, "-checkpoint-every", "5")
+	runJSON(t, append(args, "-steps", "10")...)
+	resumed, _ := runJSON(t, append(args, "-steps", "20")...)
+	whole, _ := runJSON(t, tiny("-optimizer", "onebit-adam", "-freeze-step", "5", "-steps", "20")...)
+	assert.Equal(t, 10, resumed[0].ResumedAt)
+	assert.Equal(t, whole[0].ValLoss, resumed[0].ValLoss)
+	assert.Equal(t, whole[0].TrainLoss, resumed[0].TrainLoss)
+}
+
+// TestCheckpointOfAnotherModel: a checkpoint of another model size is
+// refused before anything is trained, and its files stay as they were.
+func TestCheckpointOfAnotherModel(t *testing.T) {
+	dir := t.TempDir()
+	runJSON(t, tiny("-optimizer", "adam", "-steps", "5", "-checkpoint", dir)...)
+	before := snapshot(t, dir)
+	err := run(context.Background(), tiny("-optimizer", "adam", "-steps", "10", "-checkpoint", dir, "-d-model", "16"), io.Discard, io.Discard)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "holds a model of d_model 32")
+	assert.Contains(t, err.Error(), "this run asks for d_model 16")
+	assert.Equal(t, before, snapshot(t, dir), "the checkpoint is unchanged")
+}
+
+// snapshot maps every file under dir to its contents.
+func snapshot(t *testing.T, dir string) map[string]string {
+	files := map[string]string{}
+	require.NoError(t, filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		b, err := os.ReadFile(p)
+		files[p] = string(b)
+		return err
+	}))
+	require.NotEmpty(t, files)
+	return files
+}
+
+// TestTargetNotReached: a -target no run reaches is said in the table and
+// is null in the JSON, not a crash or a zero time.
+func TestTargetNotReached(t *testing.T) {
+	runs, out := runJSON(t, tiny("-optimizer", "adam", "-steps", "4", "-target", "0.01")...)
+	assert.Contains(t, out, "not reached")
+	assert.Nil(t, runs[0].TimeToTargetS)
+	assert.Nil(t, runs[0].StepsToTarget)
+	runs, out = runJSON(t, tiny("-optimizer", "adam", "-steps", "4", "-target", "100")...)
+	require.NotNil(t, runs[0].TimeToTargetS)
+	assert.Equal(t, 1, *runs[0].StepsToTarget)
+	assert.NotContains(t, out, "not reached")
+}
+
+// TestBadCorpus: a corpus that cannot be trained on is a clear error
+// before any rank starts.
+func TestBadCorpus(t *testing.T) {
+	write := func(dir string, files map[string][]byte) string {
+		for name, b := range files {
+			require.NoError(t, os.WriteFile(filepath.Join(dir, name), b, 0o644))
+		}
+		return dir
+	}
+	text := []byte(strings.Repeat("the quick brown fox jumps over the lazy dog\n", 200))
+	for _, tc := range []struct {
+		name, dir, want string
+	}{
+		{"missing", filepath.Join(t.TempDir(), "nosuch"), "no such file or directory"},
+		{"a file", write(t.TempDir(), map[string][]byte{"a.txt": text}) + "/a.txt", "is not a directory"},
+		{"empty", t.TempDir(), "holds no files"},
+		{"binary only", write(t.TempDir(), map[string][]byte{"a.bin": {0, 1, 2, 3}, "b.bin": {0xff, 0xfe, 0}}), "holds no text files (2 binary"},
+		{"one text file", write(t.TempDir(), map[string][]byte{"a.txt": text, "b.bin": {0}}), "needs at least 2"},
+		{"smaller than a batch", write(t.TempDir(), map[string][]byte{"a.txt": []byte("short\n"), "b.txt": []byte("tiny\n")}), "fewer than one global batch"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := run(context.Background(), tiny("-corpus", tc.dir, "-steps", "1"), io.Discard, io.Discard)
+			require.Error(t, err)
+			assert.Contains(t, err.Error(), tc.want)
+			assert.Contains(t, err.Error(), "corpus")
+		})
+	}
+}
+
+// TestBadFlagValues gives every flag an empty, a negative, a huge and a
+// misspelled value: one-line usage errors, no panic.
+func TestBadFlagValues(t *testing.T) {
+	flagtest.BadValues(t, func(args []string, stderr io.Writer) error {
+		_, err := parseFlags(args, stderr)
+		return err
+	}, 20, "corpus", "json", "plot", "markdown", "checkpoint", "optimizer", "reduce")
+}
+
+// TestBadFlagExit: the binary prints one line for a bad value and exits 2.
+func TestBadFlagExit(t *testing.T) {
+	flagtest.Exit(t, "gpt", []string{"-batch", "16Q"}, []string{"-heads", "5"}, []string{"-optimizer", "sgd"},
+		[]string{"-plot", "a.png"}, []string{"-nosuch"}, []string{"stray"})
+}
