@@ -2,7 +2,7 @@
 GO      ?= go
 FUZZTIME ?= 10s
 
-.PHONY: all build test test-unit test-race test-mpi test-integrations conformance bench bench-net lint fuzz demo demo-net mnist-data ptx soak
+.PHONY: all build test test-unit test-race test-mpi test-integrations conformance bench bench-net lint fuzz demo demo-net demo-gpt demo-gpt-net mnist-data ptx soak
 
 all: build
 
@@ -57,6 +57,21 @@ demo: mnist-data
 ## wall time of both. Needs root and Open MPI.
 demo-net: mnist-data
 	./scripts/demo-net.sh
+
+## demo-gpt: the GoMLX GPT example's convergence table (integrations/gomlx/
+## examples/gpt): Adam, 1-bit Adam, 0/1 Adam, LAMB, 1-bit LAMB, zero-adam
+## int8 and int4, Adam with fp16 and bf16 averaging, 4 in-process ranks, same
+## seed and tokens; out/gpt.md (the table), out/gpt.json, out/gpt.svg.
+demo-gpt:
+	cd integrations/gomlx && GOMLX_BACKEND=go $(GO) run ./examples/gpt \
+	  -optimizer adam,onebit-adam,zeroone-adam,lamb,onebit-lamb,zero-adam:int8,zero-adam:int4,adam:fp16,adam:bf16 \
+	  -json ../../out/gpt.json -plot ../../out/gpt.svg -markdown ../../out/gpt.md
+
+## demo-gpt-net: the GPT example on 4 MPI ranks over a loopback shaped to
+## RATE (40mbit): time to the target validation loss of Adam, 1-bit Adam and
+## 0/1 Adam. Needs root and Open MPI.
+demo-gpt-net:
+	./scripts/demo-gpt-net.sh
 
 mnist-data:
 	./scripts/mnist-data.sh

@@ -337,7 +337,9 @@ for i in "${!opts[@]}"; do
 		continue
 	fi
 	echo "soak: $opt uninterrupted: fnv64 $want, test acc $want_acc%"
-	deadline=$((t_start + SOAK_S * (i + 1) / ${#opts[@]}))
+	# The optimizer's share of the time left: an earlier optimizer's
+	# shrink round or slow reference run does not eat into it.
+	deadline=$(($(date +%s) + (t_start + SOAK_S - $(date +%s)) / (${#opts[@]} - i)))
 	round=0
 	while :; do
 		if [ "$SHORT" = 1 ]; then
@@ -346,8 +348,8 @@ for i in "${!opts[@]}"; do
 			kinds_fixed="kill term "
 			corrupt_next=flip
 		else
-			rnd 6
-			interrupts_left=$((2 + R))
+			rnd 8
+			interrupts_left=$((4 + R))
 		fi
 		trajectory "$opt" "$NETNS_TMP/ck-$opt-$round" "$NP"
 		rounds=$((rounds + 1))

@@ -3,7 +3,7 @@
 # test-integrations), each a Go module of its own under integrations/:
 # gofmt, go vet and go test in integrations/gomlx (GoMLX, pure-Go backend)
 # and integrations/gorgonia (a Gorgonia Solver). When Open MPI is installed,
-# it also runs the GoMLX MNIST example under mpirun on 2 ranks.
+# it also runs the GoMLX MNIST and GPT examples under mpirun on 2 ranks.
 #
 # GoMLX runs on its pure-Go backend only: the tests import
 # github.com/gomlx/compute/gobackend directly and never load XLA, so nothing
@@ -63,6 +63,25 @@ if command -v mpicc >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1 &&
 		fi
 	else
 		echo "integrations: building the GoMLX mnist example with -tags mpi failed"
+		fail=$((fail + 1))
+	fi
+	# The GPT example: a tiny model, Adam then 1-bit Adam, 2 ranks.
+	if (cd integrations/gomlx && "$GO" build -tags mpi -o "$tmp/gpt" ./examples/gpt); then
+		t0=$(date +%s%N)
+		GOROOT=$("$GO" env GOROOT) timeout -k 10 120 mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 \
+			"$tmp/gpt" -backend mpi -compare -optimizer onebit-adam -steps 20 -d-model 32 -heads 2 -ffn 64 \
+			-context 32 -batch 8 -max-bytes 1Mi -quiet -json "$tmp/gpt.json" >"$tmp/gpt.log" 2>&1
+		rc=$?
+		if [ "$rc" -eq 0 ] && grep -q "onebit-adam vs adam" "$tmp/gpt.log" && [ "$(grep -c '"optimizer"' "$tmp/gpt.json")" = 2 ]; then
+			echo "integrations: GoMLX gpt example under mpirun -np 2 ok ($(( ($(date +%s%N) - t0) / 1000000 )) ms)"
+			passed=$((passed + 1))
+		else
+			echo "integrations: GoMLX gpt example under mpirun -np 2 FAILED (exit $rc):"
+			tail -n 30 "$tmp/gpt.log"
+			fail=$((fail + 1))
+		fi
+	else
+		echo "integrations: building the GoMLX gpt example with -tags mpi failed"
 		fail=$((fail + 1))
 	fi
 else

@@ -25,12 +25,16 @@ type corpus struct {
 }
 
 // defaultCorpus is the directory the default corpus is read from: the Go
-// standard library's source, $(go env GOROOT)/src.
+// standard library's source, $GOROOT/src, where GOROOT is the environment
+// variable if set, else what go env GOROOT says.
 func defaultCorpus() (string, error) {
-	out, err := exec.Command("go", "env", "GOROOT").Output()
-	root := strings.TrimSpace(string(out))
-	if err != nil || root == "" {
-		return "", fmt.Errorf("finding the default corpus: go env GOROOT failed (%v); pass -corpus DIR", err)
+	root := os.Getenv("GOROOT")
+	if root == "" {
+		out, err := exec.Command("go", "env", "GOROOT").Output()
+		root = strings.TrimSpace(string(out))
+		if err != nil || root == "" {
+			return "", fmt.Errorf("finding the default corpus: go env GOROOT failed (%v); set GOROOT or pass -corpus DIR", err)
+		}
 	}
 	return filepath.Join(root, "src"), nil
 }

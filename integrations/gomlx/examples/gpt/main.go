@@ -3,10 +3,12 @@
 // position embeddings, causal multi-head self-attention, layer norm, two
 // blocks by default), run by GoMLX's pure-Go backend, its gradients
 // averaged over the ranks by a lowbit optimizer through package
-// github.com/lowbit-ml/lowbit/integrations/gomlx.
+// github.com/lowbit-ml/lowbit/integrations/gomlx. The training loop is
+// GoMLX's own train.Loop (with its progress bar under -progress and its
+// checkpoints under -checkpoint); see trainRank for the lines lowbit adds.
 //
-// The text is the Go standard library's source ($(go env GOROOT)/src,
-// non-test .go files) unless -corpus names another directory; the files are
+// The text is the Go standard library's source ($GOROOT/src or that of go
+// env GOROOT, non-test .go files) unless -corpus names another directory; the files are
 // split into training and validation files by a shuffle seeded by -seed,
 // the same on every rank, and every rank trains on its own shard of each
 // global batch. Each run is validated on the same windows of the
@@ -14,13 +16,14 @@
 // byte and bits per byte), the bytes each rank sent, and the time to the
 // -target validation loss.
 //
-// From integrations/gomlx (GOMLX_BACKEND=go, build tag noxla):
+// From integrations/gomlx (nothing is downloaded: the pure-Go backend is
+// linked in):
 //
-//	go run -tags noxla ./examples/gpt -compare -optimizer onebit-adam -workers 4
+//	go run ./examples/gpt -compare -optimizer onebit-adam -workers 4
 //
 // With -backend mpi this process is one rank of an mpirun job:
 //
-//	go build -tags noxla,mpi -o gpt ./examples/gpt
+//	go build -tags mpi -o gpt ./examples/gpt
 //	mpirun -np 4 ./gpt -backend mpi -compare -optimizer onebit-adam
 package main
 
@@ -99,7 +102,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.optimizer, "optimizer", "onebit-adam", "comma-separated runs NAME or NAME:REDUCE, trained one after the other from the same seed; NAME one of "+strings.Join(optimizerNames, ", "))
 	fs.StringVar(&o.reduce, "reduce", "fp32", "gradient averaging of the exact optimizers and the 1-bit ones' warm-up: fp32, fp16, bf16, twolevel; for zero-adam its reduce-scatter: fp32, coalesced, int8, int4")
 	fs.BoolVar(&o.compare, "compare", false, "train the exact optimizer, then its compressed counterpart (adam and onebit-adam, lamb and onebit-lamb, ...), from the same seed")
-	fs.IntVar(&o.steps, "steps", 300, "training steps per run")
+	fs.IntVar(&o.steps, "steps", 600, "training steps per run")
 	fs.IntVar(&o.workers, "workers", 4, "in-process ranks (-backend local)")
 	fs.StringVar(&o.backend, "backend", "local", "local (goroutine ranks) or mpi (one rank of an mpirun job; build with -tags mpi)")
 	fs.Var(&size.Value[int]{P: &o.batch, Min: 1, Max: 1 << 20}, "batch", "global batch `size` in sequences, split over the ranks (16, 1Ki)")

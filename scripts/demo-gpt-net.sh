@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# demo-gpt-net.sh: the GoMLX GPT example (integrations/gomlx/examples/gpt)
+# on NP MPI ranks that talk over a slow link (make demo-gpt-net): Adam,
+# 1-bit Adam and 0/1 Adam from the same seed, each to the same number of
+# steps; it prints each one's time to the TARGET validation loss, Adam's
+# share of its step spent in communication, and the speedups.
+#
+# The slow link is a network namespace whose loopback is shaped by a token
+# bucket (scripts/lib/netns.sh, as make demo-net does for MNIST): every rank
+# runs inside it and talks over TCP on lo, so the qdisc caps the traffic of
+# all ranks together at RATE. RATE is chosen so that Adam spends at least
+# three quarters of its step in communication (the line "adam: ...% of the
+# training time in collectives" says what it was).
+#
+# Needs root (the namespace and the qdisc), Open MPI (mpirun and the headers
+# of libopenmpi-dev: the example is built with -tags mpi), ip and tc.
+#
+# Settings (environment): RATE (40mbit), NP (4), TARGET (validation loss in
+# nats per byte, 2.9), GPT_FLAGS (extra flags for the example, e.g. "-steps
+# 600"), TIMEOUT (2400 s), GO (go). It takes about 12 minutes on a 2-core
+# machine, Adam's run most of it.
+set -euo pipefail
+
+RATE=${RATE:-40mbit}
+NP=${NP:-4}
+TARGET=${TARGET:-2.9}
+GPT_FLAGS=${GPT_FLAGS:-}
+TIMEOUT=${TIMEOUT:-2400}
+GO=${GO:-go}
+
+. "$(dirname "$0")/lib/netns.sh"
+netns_init demo-gpt-net
+netns_require_root "it creates a network namespace and a tc qdisc (run: sudo make demo-gpt-net)"
+netns_require_mpi headers
+command -v timeout >/dev/null || netns_die "cannot run: timeout not found (coreutils)"
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+echo "demo-gpt-net: building integrations/gomlx/examples/gpt with -tags mpi"
+(cd "$root/integrations/gomlx" && "$GO" build -tags mpi -o "$NETNS_TMP/gpt" ./examples/gpt)
+# The default corpus is $GOROOT/src: found here, so the ranks need no go
+# command.
+GOROOT=$("$GO" env GOROOT)
+export GOROOT
+
+netns_new ns gpt
+echo "demo-gpt-net: network namespace $ns, loopback shaped to $RATE (tbf $NETNS_TBF)"
+netns_shape "$ns" lo "$RATE"
+
+echo "demo-gpt-net: $NP MPI ranks over TCP on the shaped loopback: Adam, 1-bit Adam, 0/1 Adam from the same seed"
+rc=0
+# shellcheck disable=SC2086 # GPT_FLAGS is a list of flags
+netns_run ip netns exec "$ns" timeout --kill-after=30 "$TIMEOUT" "${NETNS_MPIRUN[@]}" -np "$NP" "${NETNS_MPI_LO[@]}" \
+	"$NETNS_TMP/gpt" -backend mpi -optimizer adam,onebit-adam,zeroone-adam -target "$TARGET" \
+	-json "$NETNS_TMP/gpt.json" $GPT_FLAGS >"$NETNS_TMP/gpt.out" 2>&1 || rc=$?
+netns_del "$ns"
+cat "$NETNS_TMP/gpt.out"
+[ "$rc" -ne 124 ] || netns_die "the GPT run took more than TIMEOUT=$TIMEOUT s and was stopped"
+[ "$rc" -eq 0 ] || netns_die "the GPT run failed (exit $rc)"
+
+# The -json file: one object per run, its fields one per line at an indent
+# of four spaces (the curve's points are deeper).
+awk -v rate="$RATE" -v np="$NP" -v target="$TARGET" '
+	function val(line) { sub(/^ *"[a-z_]+": */, "", line); sub(/,$/, "", line); gsub(/"/, "", line); return line }
+	/^    "optimizer":/ { n = val($0); names[++count] = n }
+	/^    "wall_s":/ { wall[n] = val($0) + 0 }
+	/^    "comm_s":/ { comm[n] = val($0) + 0 }
+	/^    "val_loss":/ { vl[n] = val($0) + 0 }
+	/^    "time_to_target_s":/ { tt[n] = val($0) }
+	/^    "steps_to_target":/ { st[n] = val($0) }
+	/^    "bytes_sent_per_rank":/ { sent[n] = val($0) / 1e6 }
+	END {
+		if (!("adam" in wall) || !("onebit-adam" in wall) || !("zeroone-adam" in wall)) {
+			print "demo-gpt-net: could not read the -json file" > "/dev/stderr"; exit 1
+		}
+		printf "\ndemo-gpt-net: GPT, %d MPI ranks, loopback shaped to %s (all ranks share it); target validation loss %s\n", np, rate, target
+		printf "%-13s %9s %11s %7s %15s %12s %14s\n", "optimizer", "val loss", "train time", "comm", "to target", "step", "sent/rank"
+		for (k = 1; k <= count; k++) {
+			m = names[k]
+			t = tt[m] == "null" ? "not reached" : sprintf("%.1fs", tt[m])
+			printf "%-13s %9.4f %10.1fs %6.0f%% %15s %12s %11.1f MB\n", m, vl[m], wall[m], 100 * comm[m] / wall[m], t, st[m] == "null" ? "-" : st[m], sent[m]
+		}
+		share = comm["adam"] / wall["adam"]
+		printf "adam: %.0f%% of the training time in collectives (want at least 75%%: %s)\n", 100 * share, share >= 0.75 ? "yes" : "NO, lower RATE"
+		if (tt["adam"] == "null" || tt["onebit-adam"] == "null" || tt["zeroone-adam"] == "null") {
+			print "time to target: not reached by every run, no ratio (raise -steps in GPT_FLAGS or TARGET)"
+			exit 0
+		}
+		s1 = tt["adam"] / tt["onebit-adam"]; s2 = tt["onebit-adam"] / tt["zeroone-adam"]
+		printf "1-bit Adam vs Adam: time to target %.2fx sooner (goal 2.5x: %s)\n", s1, s1 >= 2.5 ? "met" : "MISSED"
+		printf "0/1 Adam vs 1-bit Adam: time to target %.2fx sooner (goal: sooner, %s)\n", s2, s2 > 1 ? "met" : "MISSED"
+	}' "$NETNS_TMP/gpt.json"
