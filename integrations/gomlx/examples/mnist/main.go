@@ -48,8 +48,10 @@ import (
 	"github.com/lowbit-ml/lowbit/comm/mpi"
 	"github.com/lowbit-ml/lowbit/examples/mnist/idx"
 	lbgomlx "github.com/lowbit-ml/lowbit/integrations/gomlx"
+	"github.com/lowbit-ml/lowbit/internal/cliflag"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/size"
 )
 
 const (
@@ -76,7 +78,7 @@ type options struct {
 }
 
 func parseFlags(args []string, stderr io.Writer) (*options, error) {
-	o := &options{}
+	o := &options{batch: 128}
 	var opts string
 	fs := flag.NewFlagSet("mnist", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -85,31 +87,41 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&opts, "optimizers", "adam,onebit-adam", "comma-separated lowbit optimizers to train with, one after the other: adam, onebit-adam")
 	fs.StringVar(&o.data, "data", "../../data/mnist", "directory of the four MNIST IDX files")
 	fs.IntVar(&o.steps, "steps", 600, "training steps")
-	fs.IntVar(&o.batch, "batch", 128, "global batch size, split over the ranks")
+	fs.Var(&size.Value[int]{P: &o.batch, Min: 1, Max: 1 << 20}, "batch", "global batch `size`, split over the ranks (128, 1Ki)")
 	fs.Float64Var(&o.lr, "lr", 1e-3, "learning rate")
 	fs.IntVar(&o.freezeStep, "freeze-step", 200, "exact warm-up steps of onebit-adam")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the shuffling and of rank 0's initial weights")
 	fs.StringVar(&o.checkpoint, "checkpoint", "", "directory of GoMLX checkpoints (with the lowbit state), one subdirectory per optimizer and rank; a run resumes from what it holds")
 	fs.IntVar(&o.checkpointEvery, "checkpoint-every", 100, "steps between checkpoints (with -checkpoint)")
 	fs.BoolVar(&o.progress, "progress", false, "show GoMLX's progress bar (commandline.AttachProgressBar) on rank 0")
-	if err := fs.Parse(args); err != nil {
+	if err := cliflag.Parse(fs, args); err != nil {
 		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, cliflag.Usagef("unexpected arguments %q", fs.Args())
 	}
 	o.optimizers = strings.Split(opts, ",")
 	for _, n := range o.optimizers {
 		if n != "adam" && n != "onebit-adam" {
-			return nil, fmt.Errorf("unknown optimizer %q in -optimizers (want adam, onebit-adam)", n)
+			return nil, cliflag.Bad(fs, "optimizers", "unknown optimizer %q (want adam, onebit-adam)", n)
 		}
 	}
+	bad := func(name, format string, args ...any) (*options, error) {
+		return nil, cliflag.Bad(fs, name, format, args...)
+	}
 	switch {
-	case fs.NArg() > 0:
-		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
 	case o.backend != "local" && o.backend != "mpi":
-		return nil, fmt.Errorf("unknown -backend %q (want local or mpi)", o.backend)
-	case o.workers < 1 || o.steps < 1 || o.batch < 1 || o.freezeStep < 0 || o.checkpointEvery < 1:
-		return nil, errors.New("-workers, -steps, -batch and -checkpoint-every must be at least 1, -freeze-step at least 0")
-	case !(o.lr > 0):
-		return nil, fmt.Errorf("-lr must be positive, got %v", o.lr)
+		return bad("backend", "want local or mpi")
+	case o.workers < 1 || o.workers > 1024:
+		return bad("workers", "want 1 to 1024")
+	case o.steps < 1 || o.steps > 10_000_000:
+		return bad("steps", "want 1 to 10000000")
+	case o.freezeStep < 0 || o.freezeStep > 10_000_000:
+		return bad("freeze-step", "want 0 to 10000000")
+	case o.checkpointEvery < 1 || o.checkpointEvery > 10_000_000:
+		return bad("checkpoint-every", "want 1 to 10000000")
+	case !(o.lr > 0) || o.lr > 10:
+		return bad("lr", "want a learning rate in (0, 10]")
 	}
 	return o, nil
 }
@@ -117,7 +129,13 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil && !errors.Is(err, flag.ErrHelp) {
+	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	switch {
+	case err == nil || errors.Is(err, flag.ErrHelp):
+	case cliflag.IsUsage(err):
+		fmt.Fprintf(os.Stderr, "mnist: %v; see mnist -h\n", err)
+		os.Exit(2)
+	default:
 		fmt.Fprintln(os.Stderr, "mnist:", err)
 		os.Exit(1)
 	}

@@ -3,12 +3,15 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
 	"regexp"
 	"strconv"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/internal/cliflag/flagtest"
 )
 
 // testdata is the real 500-example MNIST subset of lowbit's own example.
@@ -68,4 +71,18 @@ func TestRunCheckpoint(t *testing.T) {
 	whole := row("-steps", "20")
 	row("-steps", "10", "-checkpoint", dir)
 	assert.Equal(t, whole, row("-steps", "20", "-checkpoint", dir))
+}
+
+// TestBadFlagValues gives every flag an empty, a negative, a huge and a
+// misspelled value: one-line usage errors, no panic.
+func TestBadFlagValues(t *testing.T) {
+	flagtest.BadValues(t, func(args []string, stderr io.Writer) error {
+		_, err := parseFlags(args, stderr)
+		return err
+	}, 12, "data", "checkpoint", "optimizers")
+}
+
+// TestBadFlagExit: the binary prints one line for a bad value and exits 2.
+func TestBadFlagExit(t *testing.T) {
+	flagtest.Exit(t, "mnist", []string{"-batch", "12Q"}, []string{"-optimizers", "sgd"}, []string{"-nosuch"}, []string{"stray"})
 }
