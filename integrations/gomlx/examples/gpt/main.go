@@ -114,7 +114,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.Float64Var(&o.lr, "lr", 2e-3, "learning rate")
 	fs.IntVar(&o.freezeStep, "freeze-step", -1, "exact warm-up steps of the 1-bit optimizers (-1: a fifth of -steps)")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the split, the batches and rank 0's initial weights")
-	fs.Float64Var(&o.target, "target", 2.0, "validation loss (nats per byte) for the time-to-target column (0: none)")
+	fs.Float64Var(&o.target, "target", 2.75, "validation loss (nats per byte) for the time-to-target column (0: none)")
 	fs.IntVar(&o.evalEvery, "eval-every", 0, "validate every this many steps (0: 20 times per run)")
 	fs.IntVar(&o.valWindows, "val-windows", 64, "validation sequences, evenly spaced over the validation text")
 	fs.StringVar(&o.jsonPath, "json", "", "write the results as JSON to this file")
