@@ -79,15 +79,19 @@ awk -v rate="$RATE" -v np="$NP" -v target="$TARGET" '
 		for (k = 1; k <= count; k++) {
 			m = names[k]
 			t = tt[m] == "null" ? "not reached" : sprintf("%.1fs", tt[m])
-			printf "%-13s %9.4f %10.1fs %6.0f%% %15s %12s %11.1f MB\n", m, vl[m], wall[m], 100 * comm[m] / wall[m], t, st[m] == "null" ? "-" : st[m], sent[m]
+			step = st[m] == "null" ? "-" : st[m]
+			printf "%-13s %9.4f %10.1fs %6.0f%% %15s %12s %11.1f MB\n", m, vl[m], wall[m], 100 * comm[m] / wall[m], t, step, sent[m]
 		}
 		share = comm["adam"] / wall["adam"]
-		printf "adam: %.0f%% of the training time in collectives (want at least 75%%: %s)\n", 100 * share, share >= 0.75 ? "yes" : "NO, lower RATE"
+		ok = share >= 0.75 ? "yes" : "NO, lower RATE"
+		printf "adam: %.0f%% of the training time in collectives (want at least 75%%: %s)\n", 100 * share, ok
 		if (tt["adam"] == "null" || tt["onebit-adam"] == "null" || tt["zeroone-adam"] == "null") {
 			print "time to target: not reached by every run, no ratio (raise -steps in GPT_FLAGS or TARGET)"
 			exit 0
 		}
 		s1 = tt["adam"] / tt["onebit-adam"]; s2 = tt["onebit-adam"] / tt["zeroone-adam"]
-		printf "1-bit Adam vs Adam: time to target %.2fx sooner (goal 2.5x: %s)\n", s1, s1 >= 2.5 ? "met" : "MISSED"
-		printf "0/1 Adam vs 1-bit Adam: time to target %.2fx sooner (goal: sooner, %s)\n", s2, s2 > 1 ? "met" : "MISSED"
+		v1 = s1 >= 2.5 ? "met" : "MISSED"
+		v2 = s2 > 1 ? "met" : "MISSED"
+		printf "1-bit Adam vs Adam: time to target %.2fx sooner (goal 2.5x: %s)\n", s1, v1
+		printf "0/1 Adam vs 1-bit Adam: time to target %.2fx sooner (goal: sooner, %s)\n", s2, v2
 	}' "$NETNS_TMP/gpt.json"
