@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/timed"
 	"github.com/lowbit-ml/lowbit/optim"
 )
 
@@ -108,7 +109,7 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 	if !same {
 		return nil, errors.New("ranks start from different parameters")
 	}
-	tc := newTimedComm(c)
+	tc := timed.New(c)
 	opt, err := newOptimizer(ctx, cfg.optimizer, tc, model.params(), cfg.hyper)
 	if err != nil {
 		return nil, err
@@ -273,7 +274,7 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 		return nil, err
 	}
 	st := opt.Stats()
-	commTime := tc.elapsed()
+	commTime := tc.Elapsed()
 	sums := []float32{
 		float32(wall.Seconds()), float32(computeTime.Seconds()),
 		float32(commTime.Seconds()), float32((stepTime - commTime).Seconds()),

@@ -17,6 +17,7 @@ import (
 	"github.com/gomlx/gomlx/ui/commandline"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/timed"
 	lbgomlx "github.com/lowbit-ml/lowbit/integrations/gomlx"
 	"github.com/lowbit-ml/lowbit/optim"
 )
@@ -109,7 +110,7 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 	// Rank 0's seed decides the initial weights; the other ranks' differ on
 	// purpose, and the Optimizer broadcasts rank 0's.
 	store.RootScope().SetParam(model.ParamInitialSeed, int64(o.seed)+int64(rank))
-	tc := newTimedComm(c)
+	tc := timed.New(c)
 	h := o.hyper()
 	opt, err := lbgomlx.New(ctx, tc, func(ctx context.Context, c comm.Comm, params []*optim.Param) (optim.Optimizer, error) { // lowbit
 		return newOptimizer(ctx, r, h, c, params)
@@ -244,7 +245,7 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 	if lo := opt.Optimizer(); lo != nil {
 		st = lo.Stats()
 	}
-	agg := []float32{float32(mean(window)), float32(wall.Seconds()), float32(tc.elapsed().Seconds()), float32(st.BytesSent), float32(st.LastStepBytes)}
+	agg := []float32{float32(mean(window)), float32(wall.Seconds()), float32(tc.Elapsed().Seconds()), float32(st.BytesSent), float32(st.LastStepBytes)}
 	if err := c.AllReduce(ctx, agg, comm.Sum); err != nil {
 		return nil, err
 	}

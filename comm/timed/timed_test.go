@@ -1,4 +1,4 @@
-package main
+package timed_test
 
 import (
 	"context"
@@ -10,6 +10,7 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/comm/timed"
 )
 
 // skipRecorder stands in for comm/mpi's argument check (comm/local has
@@ -23,17 +24,16 @@ func (s *skipRecorder) SkipChecks(n int) { s.got = append(s.got, n) }
 
 func (s *skipRecorder) Unwrap() comm.Comm { return s.Comm }
 
-// TestTimedCommKeepsCapabilities: the timing wrapper the example puts
-// around every communicator keeps what the communicator can do: the 1-bit
-// allreduce's skipped argument check reaches it, collectives may overlap,
+// TestKeepsCapabilities: the wrapper keeps what the communicator can do:
+// the 1-bit allreduce's skipped argument check reaches it, collectives may overlap,
 // and the node layout is the backend's (2 x 2), with the node
 // communicator's time counted too.
-func TestTimedCommKeepsCapabilities(t *testing.T) {
+func TestKeepsCapabilities(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	err := local.Run(ctx, 4, func(ctx context.Context, c comm.Comm) error {
 		rec := &skipRecorder{Comm: c}
-		tc := newTimedComm(rec)
+		tc := timed.New(rec)
 		comm.SkipChecks(tc, 2)
 		assert.Equal(t, []int{2}, rec.got, "SkipChecks reaches the wrapped communicator")
 		assert.True(t, comm.CanOverlap(tc), "Concurrent kept")
@@ -45,24 +45,24 @@ func TestTimedCommKeepsCapabilities(t *testing.T) {
 		defer l.Close()
 		assert.Equal(t, 2, l.Nodes)
 		assert.Equal(t, 2, l.RanksPerNode)
-		require.IsType(t, &timedComm{}, l.Intra, "the node communicator is timed too")
-		before := tc.elapsed()
+		require.IsType(t, &timed.Comm{}, l.Intra, "the node communicator is timed too")
+		before := tc.Elapsed()
 		if err := l.Intra.Barrier(ctx); err != nil {
 			return err
 		}
-		assert.Greater(t, tc.elapsed(), before, "the node communicator shares the counter")
+		assert.Greater(t, tc.Elapsed(), before, "the node communicator shares the counter")
 		return nil
 	}, local.WithRanksPerNode(2))
 	require.NoError(t, err)
 }
 
-// TestTimedCommWithoutNodes: over a communicator that cannot tell nodes
+// TestWithoutNodes: over a communicator that cannot tell nodes
 // apart, the layout is one rank per node, as without the wrapper.
-func TestTimedCommWithoutNodes(t *testing.T) {
+func TestWithoutNodes(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	err := local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		l, err := comm.NewLayout(ctx, newTimedComm(struct{ comm.Comm }{c}), 0)
+		l, err := comm.NewLayout(ctx, timed.New(struct{ comm.Comm }{c}), 0)
 		if err != nil {
 			return err
 		}
