@@ -249,6 +249,14 @@ trajectory() {
 				last=$(step_now)
 				echo "soak:   $opt round $round: $kind at step $last on $cur_np ranks; job exited $rc after ${dt} ms"
 				if [ "$kind" != kill ] && ! grep -q "preempted at step $last of" "$log"; then
+					if [ -n "$(hash_of "$log")" ]; then
+						# The signal came after the last step: the job had
+						# finished training and printed its final hash; there
+						# was no step boundary left to stop at.
+						echo "soak:   $opt round $round: the $kind came after the last step; the run had completed"
+						last_log=$log
+						break
+					fi
 					echo "soak: FAILED: $kind at step $last: no checkpoint saved (want 'preempted at step $last'):" >&2
 					tail -n 5 "$log" >&2
 					fail=1
