@@ -43,7 +43,7 @@ func TestRunErrors(t *testing.T) {
 		want string
 	}{
 		{[]string{"-optimizers", "sgd"}, `unknown optimizer "sgd"`},
-		{[]string{"-backend", "tcp"}, `unknown -backend "tcp"`},
+		{[]string{"-backend", "tcp"}, `invalid value "tcp" for --backend`},
 		{[]string{"-data", "no/such/dir"}, "make mnist-data"},
 		{[]string{"-data", testdata, "-batch", "2", "-workers", "4"}, "must be between the 4 ranks"},
 		{[]string{"-data", testdata, "-backend", "mpi"}, "-backend mpi"},
