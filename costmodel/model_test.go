@@ -124,7 +124,7 @@ func TestOnebitStepsFollowAlgorithm(t *testing.T) {
 			if got := s.PerCollective[comm.CAllGather].Calls; got != int64(1+tc.pieces) {
 				return fmt.Errorf("%d all-gathers, want %d", got, 1+tc.pieces)
 			}
-			if got, want := sentBytes(s), onebitWireBytes(int64(tc.elems), tc.ranks); got != want {
+			if got, want := s.Total().BytesSent, onebitWireBytes(int64(tc.elems), tc.ranks); got != want {
 				return fmt.Errorf("sent %d bytes, want %d", got, want)
 			}
 			return nil
@@ -360,18 +360,6 @@ func TestFitErrors(t *testing.T) {
 		_, err := ParseMeasurements([]byte(bad))
 		assert.Error(t, err, bad)
 	}
-}
-
-// sentBytes is the bytes a rank sent in s, barriers left out (as lowbit
-// bench counts them).
-func sentBytes(s comm.Stats) int64 {
-	var n int64
-	for k, t := range s.PerCollective {
-		if comm.Collective(k) != comm.CBarrier {
-			n += t.BytesSent
-		}
-	}
-	return n
 }
 
 // The model's copy of onebit.PaddedLen is onebit's.

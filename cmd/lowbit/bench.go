@@ -548,18 +548,7 @@ func timeCase(ctx context.Context, c comm.Comm, bc *benchCase, warmup int, times
 		bc.wireInter = (inter - inter0) / int64(len(times))
 		return bc.wireIntra + bc.wireInter, nil
 	}
-	return sentBytes(c.Stats().Sub(before)) / int64(len(times)), nil
-}
-
-// sentBytes is the bytes sent over every kind of collective but barriers.
-func sentBytes(s comm.Stats) int64 {
-	var n int64
-	for k, t := range s.PerCollective {
-		if comm.Collective(k) != comm.CBarrier {
-			n += t.BytesSent
-		}
-	}
-	return n
+	return c.Stats().Sub(before).Total().BytesSent / int64(len(times)), nil
 }
 
 // inputValue is element i of rank's benchmark input: a deterministic

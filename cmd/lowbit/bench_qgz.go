@@ -60,7 +60,7 @@ func newQuantBenchCase(ctx context.Context, name string, c comm.Comm, rpn, elems
 				return sqDist(valid, func(i int) float64 { return meanInput(w, rank*p+i) })
 			},
 			traffic: func() (intra, inter int64) {
-				return sentBytes(l.Intra.Stats()), sentBytes(l.Inter.Stats())
+				return l.Intra.Stats().Total().BytesSent, l.Inter.Stats().Total().BytesSent
 			},
 			exactWire: int64(w-1) * 4 * int64(p),
 			tolerance: tol,

@@ -10,6 +10,8 @@ import (
 	"strings"
 	"sync"
 	"text/tabwriter"
+
+	"github.com/lowbit-ml/lowbit/optim"
 )
 
 // bitsPerByte converts a loss in nats per byte.
@@ -104,13 +106,13 @@ func (r *result) commShare() float64 {
 func findBaseline(results []*result, r *result) *result {
 	b, ok := baseline[r.spec.name]
 	if !ok {
-		if r.spec.reduce == 0 {
+		if r.spec.reduce == optim.ReduceFP32 {
 			return nil
 		}
 		b = r.spec.name // adam fp16 against adam fp32
 	}
 	for _, x := range results {
-		if x.spec.name == b && x.spec.reduce == 0 && x != r {
+		if x.spec.name == b && x.spec.reduce == optim.ReduceFP32 && x != r {
 			return x
 		}
 	}

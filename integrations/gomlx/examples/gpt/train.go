@@ -33,24 +33,22 @@ type evalPoint struct {
 // result is one run, as every rank agrees on it (averaged over the ranks
 // where they differ).
 type result struct {
-	spec         runSpec
-	workers      int
-	steps        int
-	resumedAt    int // the step a checkpoint resumed the run at, 0 for none
-	tokens       int64
-	valLoss      float64       // nats per byte
-	trainLoss    float64       // mean of the last tenth of the steps
-	wall         time.Duration // training time: the steps, validations excluded
-	commTime     time.Duration // in collectives during the steps
-	bytes        float64       // sent per rank in the optimizer's Step, all steps
-	lastBytes    float64       // in the last step
-	stage        optim.Stage
-	skipped      int64
-	evals        []evalPoint
-	target       float64
-	targetStep   int
-	targetTime   time.Duration // training time to the first validation at or below target
-	targetTokens int64
+	spec       runSpec
+	workers    int
+	steps      int
+	resumedAt  int // the step a checkpoint resumed the run at, 0 for none
+	tokens     int64
+	valLoss    float64       // nats per byte
+	trainLoss  float64       // mean of the last tenth of the steps
+	wall       time.Duration // training time: the steps, validations excluded
+	commTime   time.Duration // in collectives during the steps
+	bytes      float64       // sent per rank in the optimizer's Step, all steps
+	lastBytes  float64       // in the last step
+	skipped    int64
+	evals      []evalPoint
+	target     float64
+	targetStep int
+	targetTime time.Duration // training time to the first validation at or below target
 }
 
 // reached reports whether the run reached the target validation loss.
@@ -88,15 +86,13 @@ func (d *batches) Iter() iter.Seq2[train.Batch, error] {
 }
 
 // trainRank is one rank's training run; every rank calls it together, with
-// the same corpus and options. It is an ordinary GoMLX train.Loop: the
-// lines marked lowbit are all that make it data-parallel.
+// the same corpus and options (run has checked the corpus fills a batch).
+// It is an ordinary GoMLX train.Loop: the lines marked lowbit are all that
+// make it data-parallel.
 func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *corpus, progress progressFunc) (*result, error) {
 	w, rank := c.Size(), c.Rank()
 	if o.batch < w {
 		return nil, fmt.Errorf("-batch %d is smaller than the %d ranks", o.batch, w)
-	}
-	if err := data.check(o.batch, o.model.context); err != nil {
-		return nil, err
 	}
 	// ops_sequential: GoMLX's parallel op scheduler shares one worker pool
 	// per backend; with several ranks in one process each rank gets its
@@ -214,7 +210,7 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 		e := evalPoint{Step: step, Tokens: int64(step) * tokensPerStep, TrainS: tt.Seconds(), ValLoss: vl}
 		res.evals = append(res.evals, e)
 		if !res.reached() && o.target > 0 && vl <= o.target {
-			res.targetStep, res.targetTime, res.targetTokens = step, tt, e.Tokens
+			res.targetStep, res.targetTime = step, tt
 		}
 		if progress != nil && rank == 0 {
 			progress(r, o.steps, e, recent)
@@ -257,7 +253,7 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 	res.wall = time.Duration(float64(agg[1]) / fw * float64(time.Second))
 	res.commTime = time.Duration(float64(agg[2]) / fw * float64(time.Second))
 	res.bytes, res.lastBytes = float64(agg[3])/fw, float64(agg[4])/fw
-	res.stage, res.skipped = st.Stage, st.Skipped
+	res.skipped = st.Skipped
 	return res, nil
 }
 
