@@ -2,6 +2,7 @@ package optim
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -97,7 +98,9 @@ const (
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
-// Tensor returns the tensor called name, or nil.
+// Tensor returns the first tensor called name, or nil. It scans
+// ck.Tensors: code that looks up every parameter's tensors uses Restore,
+// which indexes them once.
 func (ck *Checkpoint) Tensor(name string) *Tensor {
 	for i := range ck.Tensors {
 		if ck.Tensors[i].Name == name {
@@ -105,6 +108,35 @@ func (ck *Checkpoint) Tensor(name string) *Tensor {
 		}
 	}
 	return nil
+}
+
+// tensorIndex finds the tensors of one checkpoint by name in constant
+// time. It is built on first use, from ck.Tensors as they are then, and
+// belongs to one operation (a Restore, a CheckCompatible): the checkpoint
+// itself holds no index, so that it stays a plain value that goroutines
+// may read, and copy, concurrently. A hit is checked against the tensor's
+// name and anything else falls back to Checkpoint.Tensor, so an index
+// made stale by a caller changing ck.Tensors still finds what a scan
+// finds.
+type tensorIndex struct {
+	ck  *Checkpoint
+	pos map[string]int // first position of each name
+}
+
+func (x *tensorIndex) find(name string) *Tensor {
+	if x.pos == nil {
+		x.pos = make(map[string]int, len(x.ck.Tensors))
+		for i, t := range x.ck.Tensors {
+			if _, dup := x.pos[t.Name]; !dup {
+				x.pos[t.Name] = i
+			}
+		}
+	}
+	ts := x.ck.Tensors
+	if i, ok := x.pos[name]; ok && i < len(ts) && ts[i].Name == name {
+		return &ts[i]
+	}
+	return x.ck.Tensor(name)
 }
 
 // AddTensor appends a tensor holding copies of shape and data.
@@ -118,7 +150,12 @@ func (ck *Checkpoint) AddTensor(name string, shape []int, data []float32) {
 // TensorData returns the data of the tensor called name, checking that it
 // holds n elements. The slice is the checkpoint's own: copy from it.
 func (ck *Checkpoint) TensorData(name string, n int) ([]float32, error) {
-	t := ck.Tensor(name)
+	return tensorData(name, ck.Tensor(name), n)
+}
+
+// tensorData is TensorData for the tensor t found under name (nil when
+// there is none).
+func tensorData(name string, t *Tensor, n int) ([]float32, error) {
 	if t == nil {
 		return nil, fmt.Errorf("%w: tensor %q is missing", ErrIncompatibleCheckpoint, name)
 	}
@@ -132,8 +169,11 @@ func (ck *Checkpoint) TensorData(name string, n int) ([]float32, error) {
 // buffers, so that Load checks every tensor before it changes anything:
 // Tensor stages one copy, Apply performs all of them or, if any tensor was
 // missing or of the wrong size, none.
+//
+// A Restore indexes the checkpoint's tensors by name once, so that staging
+// every tensor of a checkpoint costs time linear in their number.
 type Restore struct {
-	ck  *Checkpoint
+	idx tensorIndex
 	ops []restoreCopy
 	err error
 }
@@ -141,7 +181,7 @@ type Restore struct {
 type restoreCopy struct{ dst, src []float32 }
 
 // Restore starts staging copies out of ck.
-func (ck *Checkpoint) Restore() *Restore { return &Restore{ck: ck} }
+func (ck *Checkpoint) Restore() *Restore { return &Restore{idx: tensorIndex{ck: ck}} }
 
 // Tensor stages copying the tensor called name, which must hold len(dst)
 // elements, into dst. After the first error it does nothing.
@@ -149,7 +189,7 @@ func (r *Restore) Tensor(name string, dst []float32) {
 	if r.err != nil {
 		return
 	}
-	src, err := r.ck.TensorData(name, len(dst))
+	src, err := tensorData(name, r.idx.find(name), len(dst))
 	if err != nil {
 		r.err = err
 		return
@@ -217,8 +257,9 @@ func (ck *Checkpoint) CheckCompatible(algorithm string, world int, params []*Par
 			}
 		}
 	}
+	idx := tensorIndex{ck: ck}
 	for _, p := range params {
-		t := ck.Tensor(ParamTensorName(p.Name))
+		t := idx.find(ParamTensorName(p.Name))
 		if t == nil {
 			return fmt.Errorf("%w: parameter %q is not in the checkpoint", ErrIncompatibleCheckpoint, p.Name)
 		}
@@ -486,38 +527,225 @@ func sortedKeys[V any](m map[string]V) []string {
 // unchanged. It never panics and never allocates more than the input
 // can describe.
 func (ck *Checkpoint) UnmarshalBinary(b []byte) error {
-	if len(b) < ckHeaderLen {
-		if len(b) >= 8 && string(b[:8]) != ckMagic || len(b) < 8 && string(b) != ckMagic[:len(b)] {
-			return fmt.Errorf("%w: not a lowbit checkpoint (bad magic)", ErrCorruptCheckpoint)
-		}
-		return fmt.Errorf("%w: truncated header (%d bytes, want %d)", ErrCorruptCheckpoint, len(b), ckHeaderLen)
+	h, err := checkHeader(b[:min(len(b), ckHeaderLen)], uint64(max(len(b)-ckHeaderLen, 0)))
+	if err != nil {
+		return err
 	}
-	if string(b[:8]) != ckMagic {
-		return fmt.Errorf("%w: not a lowbit checkpoint (bad magic %q)", ErrCorruptCheckpoint, b[:8])
-	}
-	version := binary.LittleEndian.Uint32(b[8:12])
-	if version < 1 || version > ckVersion {
-		return fmt.Errorf("%w: format version %d, this build reads versions 1 to %d", ErrCorruptCheckpoint, version, ckVersion)
-	}
-	n := binary.LittleEndian.Uint64(b[12:20])
 	payload := b[ckHeaderLen:]
-	if n != uint64(len(payload)) {
-		if n > uint64(len(payload)) {
-			return fmt.Errorf("%w: truncated: header announces %d payload bytes, file holds %d", ErrCorruptCheckpoint, n, len(payload))
+	if got := crc32.Checksum(payload, castagnoli); got != h.crc {
+		return checksumError(got, h.crc)
+	}
+	out, err := decodePayload(bytes.NewReader(payload), h, false)
+	if err != nil {
+		return err
+	}
+	*ck = out
+	return nil
+}
+
+// ckHeader is what a valid header says.
+type ckHeader struct {
+	version uint32
+	size    uint64 // payload bytes
+	crc     uint32
+}
+
+// checkHeader checks the header h of an encoding whose payload, the bytes
+// after the header, is avail bytes long. h is shorter than ckHeaderLen
+// only when the whole encoding is.
+func checkHeader(h []byte, avail uint64) (ckHeader, error) {
+	if len(h) < ckHeaderLen {
+		if len(h) >= 8 && string(h[:8]) != ckMagic || len(h) < 8 && string(h) != ckMagic[:len(h)] {
+			return ckHeader{}, fmt.Errorf("%w: not a lowbit checkpoint (bad magic)", ErrCorruptCheckpoint)
 		}
-		return fmt.Errorf("%w: %d bytes after the %d-byte payload", ErrCorruptCheckpoint, uint64(len(payload))-n, n)
+		return ckHeader{}, fmt.Errorf("%w: truncated header (%d bytes, want %d)", ErrCorruptCheckpoint, len(h), ckHeaderLen)
 	}
-	if got, want := crc32.Checksum(payload, castagnoli), binary.LittleEndian.Uint32(b[20:24]); got != want {
-		return fmt.Errorf("%w: checksum mismatch (CRC-32C %08x, header says %08x)", ErrCorruptCheckpoint, got, want)
+	if string(h[:8]) != ckMagic {
+		return ckHeader{}, fmt.Errorf("%w: not a lowbit checkpoint (bad magic %q)", ErrCorruptCheckpoint, h[:8])
 	}
-	d := decoder{b: payload}
+	version := binary.LittleEndian.Uint32(h[8:12])
+	if version < 1 || version > ckVersion {
+		return ckHeader{}, fmt.Errorf("%w: format version %d, this build reads versions 1 to %d", ErrCorruptCheckpoint, version, ckVersion)
+	}
+	n := binary.LittleEndian.Uint64(h[12:20])
+	if n != avail {
+		if n > avail {
+			return ckHeader{}, fmt.Errorf("%w: truncated: header announces %d payload bytes, file holds %d", ErrCorruptCheckpoint, n, avail)
+		}
+		return ckHeader{}, fmt.Errorf("%w: %d bytes after the %d-byte payload", ErrCorruptCheckpoint, avail-n, n)
+	}
+	return ckHeader{version: version, size: n, crc: binary.LittleEndian.Uint32(h[20:24])}, nil
+}
+
+func checksumError(got, want uint32) error {
+	return fmt.Errorf("%w: checksum mismatch (CRC-32C %08x, header says %08x)", ErrCorruptCheckpoint, got, want)
+}
+
+// decodePayload decodes the payload that h describes from r, which holds
+// at least h.size bytes. With verify it computes the checksum of what it
+// reads and refuses a mismatch; a payload that is damaged in a way the
+// decoder notices first is still reported as a checksum mismatch, as
+// UnmarshalBinary, which checks the checksum before decoding, reports it.
+// Every allocation is bounded by the payload bytes not yet read.
+func decodePayload(r io.Reader, h ckHeader, verify bool) (Checkpoint, error) {
+	d := decoder{r: r, left: h.size, sum: verify, chunk: int(min(h.size, 4*ckChunk))}
+	out := d.checkpoint(h.version)
+	if d.err == nil && d.left != 0 {
+		d.fail("%d unread bytes at the end of the payload", d.left)
+	}
+	if !verify || d.readErr != nil {
+		if d.err != nil {
+			return Checkpoint{}, d.err
+		}
+		return out, nil
+	}
+	if d.err != nil {
+		out = Checkpoint{} // garbage: let the collector have it while the rest is read
+		for d.left > 0 && d.readErr == nil {
+			d.read(d.buf()[:min(d.left, uint64(len(d.buf())))])
+		}
+		if d.readErr != nil {
+			return Checkpoint{}, d.readErr
+		}
+	}
+	if d.crc != h.crc {
+		return Checkpoint{}, checksumError(d.crc, h.crc)
+	}
+	if d.err != nil {
+		return Checkpoint{}, d.err
+	}
+	return out, nil
+}
+
+// decoder reads a payload from r: left is how many of its bytes remain,
+// and bounds every allocation. The first error sticks and every later read
+// returns zero values; readErr is set, to the same error, when reading
+// failed rather than the bytes read being invalid.
+type decoder struct {
+	r       io.Reader
+	left    uint64
+	sum     bool   // compute crc
+	crc     uint32 // CRC-32C of the bytes read
+	err     error
+	readErr error
+	small   [8]byte
+	chunk   int    // size of scratch
+	scratch []byte // for tensor data and long strings
+}
+
+func (d *decoder) fail(format string, args ...any) {
+	if d.err == nil {
+		d.err = fmt.Errorf("%w: %s", ErrCorruptCheckpoint, fmt.Sprintf(format, args...))
+	}
+}
+
+// buf returns the scratch buffer, a multiple of 4 bytes long.
+func (d *decoder) buf() []byte {
+	if d.scratch == nil {
+		d.scratch = make([]byte, max(d.chunk&^3, 8))
+	}
+	return d.scratch
+}
+
+// read fills p, which is no longer than d.left, from r.
+func (d *decoder) read(p []byte) bool {
+	n, err := io.ReadFull(d.r, p)
+	if d.sum {
+		d.crc = crc32.Update(d.crc, castagnoli, p[:n])
+	}
+	d.left -= uint64(n)
+	if err == nil {
+		return true
+	}
+	d.readErr = readError(err, d.left)
+	if d.err == nil {
+		d.err = d.readErr
+	}
+	return false
+}
+
+// readError is the error of a read that failed with err, missing bytes
+// that the size of the input promised.
+func readError(err error, missing uint64) error {
+	if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) {
+		return fmt.Errorf("%w: truncated: the input ends %d bytes early (did the file change while it was read?)", ErrCorruptCheckpoint, missing)
+	}
+	return fmt.Errorf("reading the checkpoint: %w", err)
+}
+
+// need reports whether n more bytes, for what (followed by suffix), can be
+// read, failing when they cannot.
+func (d *decoder) need(n uint64, what, suffix string) bool {
+	if d.err != nil {
+		return false
+	}
+	if n > d.left {
+		d.fail("%s%s needs %d bytes, %d remain", what, suffix, n, d.left)
+		return false
+	}
+	return true
+}
+
+func (d *decoder) u32(what, suffix string) uint32 {
+	if !d.need(4, what, suffix) || !d.read(d.small[:4]) {
+		return 0
+	}
+	return binary.LittleEndian.Uint32(d.small[:4])
+}
+
+func (d *decoder) u64(what string) uint64 {
+	if !d.need(8, what, "") || !d.read(d.small[:]) {
+		return 0
+	}
+	return binary.LittleEndian.Uint64(d.small[:])
+}
+
+func (d *decoder) str(what string) string {
+	n := uint64(d.u32(what, " length"))
+	if !d.need(n, what, "") || n == 0 {
+		return ""
+	}
+	var sb strings.Builder
+	sb.Grow(int(n))
+	for n > 0 {
+		p := d.buf()[:min(n, uint64(len(d.buf())))]
+		if !d.read(p) {
+			return ""
+		}
+		sb.Write(p)
+		n -= uint64(len(p))
+	}
+	return sb.String()
+}
+
+func (d *decoder) int(what string) int {
+	v := int64(d.u64(what))
+	if d.err == nil && (v < 0 || v > math.MaxInt32) {
+		d.fail("%s %d out of range", what, v)
+	}
+	return int(v)
+}
+
+// count reads an entry count and checks that the remaining bytes could
+// hold that many entries of at least minSize bytes each.
+func (d *decoder) count(what string, minSize uint64) int {
+	n := uint64(d.u32(what, " count"))
+	if d.err == nil && n*minSize > d.left {
+		d.fail("%d entries of %s cannot fit in %d bytes", n, what, d.left)
+		return 0
+	}
+	return int(n)
+}
+
+// checkpoint decodes a payload of the given format version.
+func (d *decoder) checkpoint(version uint32) Checkpoint {
 	var out Checkpoint
 	out.Algorithm = d.str("algorithm")
 	out.World = d.int("world size")
 	out.Rank = d.int("rank")
 	out.Stage = Stage(d.str("stage"))
 	if version >= 2 {
-		flags := d.u32("flags")
+		flags := d.u32("flags", "")
 		if d.err == nil && flags&^flagErrorsReset != 0 {
 			d.fail("unknown flags %#x", flags&^flagErrorsReset)
 		}
@@ -547,86 +775,13 @@ func (ck *Checkpoint) UnmarshalBinary(b []byte) error {
 			out.Tensors = append(out.Tensors, t)
 		}
 	}
-	if d.err == nil && len(d.b) != 0 {
-		d.fail("%d unread bytes at the end of the payload", len(d.b))
-	}
-	if d.err != nil {
-		return d.err
-	}
-	*ck = out
-	return nil
-}
-
-// decoder reads the payload; the first error sticks and every later read
-// returns zero values.
-type decoder struct {
-	b   []byte
-	err error
-}
-
-func (d *decoder) fail(format string, args ...any) {
-	if d.err == nil {
-		d.err = fmt.Errorf("%w: %s", ErrCorruptCheckpoint, fmt.Sprintf(format, args...))
-	}
-}
-
-func (d *decoder) take(n uint64, what string) []byte {
-	if d.err != nil {
-		return nil
-	}
-	if n > uint64(len(d.b)) {
-		d.fail("%s needs %d bytes, %d remain", what, n, len(d.b))
-		return nil
-	}
-	s := d.b[:n]
-	d.b = d.b[n:]
-	return s
-}
-
-func (d *decoder) u32(what string) uint32 {
-	s := d.take(4, what)
-	if s == nil {
-		return 0
-	}
-	return binary.LittleEndian.Uint32(s)
-}
-
-func (d *decoder) u64(what string) uint64 {
-	s := d.take(8, what)
-	if s == nil {
-		return 0
-	}
-	return binary.LittleEndian.Uint64(s)
-}
-
-func (d *decoder) str(what string) string {
-	n := d.u32(what + " length")
-	return string(d.take(uint64(n), what))
-}
-
-func (d *decoder) int(what string) int {
-	v := int64(d.u64(what))
-	if d.err == nil && (v < 0 || v > math.MaxInt32) {
-		d.fail("%s %d out of range", what, v)
-	}
-	return int(v)
-}
-
-// count reads an entry count and checks that the remaining bytes could
-// hold that many entries of at least minSize bytes each.
-func (d *decoder) count(what string, minSize uint64) int {
-	n := uint64(d.u32(what + " count"))
-	if d.err == nil && n*minSize > uint64(len(d.b)) {
-		d.fail("%d entries of %s cannot fit in %d bytes", n, what, len(d.b))
-		return 0
-	}
-	return int(n)
+	return out
 }
 
 func (d *decoder) tensor() Tensor {
 	var t Tensor
 	t.Name = d.str("tensor name")
-	dims := d.u32("tensor rank")
+	dims := d.u32("tensor rank", "")
 	if d.err == nil && dims > maxDims {
 		d.fail("tensor %q has %d dimensions, at most %d are supported", t.Name, dims, maxDims)
 	}
@@ -660,14 +815,21 @@ func (d *decoder) tensor() Tensor {
 		d.fail("tensor %q: shape %v holds %d elements, length field says %d", t.Name, t.Shape, numel, n)
 		return t
 	}
-	if n > uint64(len(d.b))/4 {
-		d.fail("tensor %q needs %d bytes of data, %d remain", t.Name, 4*n, len(d.b))
+	if n > d.left/4 {
+		d.fail("tensor %q needs %d bytes of data, %d remain", t.Name, 4*n, d.left)
 		return t
 	}
-	raw := d.take(4*n, "tensor data")
 	t.Data = make([]float32, n)
-	for i := range t.Data {
-		t.Data[i] = math.Float32frombits(binary.LittleEndian.Uint32(raw[4*i:]))
+	for x := t.Data; len(x) > 0; {
+		p := d.buf()
+		k := min(len(x), len(p)/4)
+		if !d.read(p[:4*k]) {
+			return t
+		}
+		for i := range x[:k] {
+			x[i] = math.Float32frombits(binary.LittleEndian.Uint32(p[4*i:]))
+		}
+		x = x[k:]
 	}
 	return t
 }
@@ -759,14 +921,75 @@ func writeSynced(f *os.File, ck *Checkpoint, l ckLayout, wrap func(io.Writer) io
 // LoadFile reads a checkpoint written by SaveFile. A missing, truncated,
 // corrupted or foreign file is refused with an error naming the file (and
 // wrapping ErrCorruptCheckpoint when the bytes are at fault).
+//
+// It decodes the file as it reads it, through a small buffer, checking the
+// checksum at the end: its memory peaks at the checkpoint it returns plus
+// that buffer, not at twice the checkpoint. A file that is not a regular
+// file (a pipe, say), whose size is unknown until it is read, is read
+// whole first.
 func LoadFile(path string) (*Checkpoint, error) {
-	b, err := os.ReadFile(path)
+	f, err := os.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("optim: loading checkpoint: %w", err)
 	}
-	ck := new(Checkpoint)
-	if err := ck.UnmarshalBinary(b); err != nil {
+	defer f.Close()
+	ck, err := readCheckpoint(f)
+	if err != nil {
 		return nil, fmt.Errorf("optim: loading checkpoint %s: %w", path, err)
+	}
+	return ck, nil
+}
+
+// loadBufferSize is the size of LoadFile's read buffer.
+const loadBufferSize = 64 << 10
+
+// readCheckpoint decodes the checkpoint in f, streaming it when f is a
+// regular file, whose size then bounds every allocation as the length of
+// the input does UnmarshalBinary's.
+func readCheckpoint(f *os.File) (*Checkpoint, error) {
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if !fi.Mode().IsRegular() {
+		b, err := io.ReadAll(f)
+		if err != nil {
+			return nil, err
+		}
+		ck := new(Checkpoint)
+		if err := ck.UnmarshalBinary(b); err != nil {
+			return nil, err
+		}
+		return ck, nil
+	}
+	return decodeStream(bufio.NewReaderSize(f, loadBufferSize), fi.Size())
+}
+
+// decodeStream decodes a checkpoint from r, which holds size bytes: it
+// accepts and refuses what UnmarshalBinary does, with the same errors,
+// and also refuses, with an error wrapping ErrCorruptCheckpoint, an r
+// that ends early or holds more (a file that changed while it was read).
+// An error of r is returned wrapped.
+func decodeStream(r io.Reader, size int64) (*Checkpoint, error) {
+	var hb [ckHeaderLen]byte
+	want := int(min(max(size, 0), ckHeaderLen))
+	n, err := io.ReadFull(r, hb[:want])
+	if err != nil {
+		return nil, readError(err, uint64(want-n))
+	}
+	h, err := checkHeader(hb[:n], uint64(max(size-ckHeaderLen, 0)))
+	if err != nil {
+		return nil, err
+	}
+	ck := new(Checkpoint)
+	if *ck, err = decodePayload(r, h, true); err != nil {
+		return nil, err
+	}
+	switch _, err := io.ReadFull(r, hb[:1]); {
+	case err == nil:
+		return nil, fmt.Errorf("%w: bytes after the %d-byte payload (did the file change while it was read?)", ErrCorruptCheckpoint, h.size)
+	case !errors.Is(err, io.EOF):
+		return nil, fmt.Errorf("reading the checkpoint: %w", err)
 	}
 	return ck, nil
 }

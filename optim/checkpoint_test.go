@@ -1,6 +1,8 @@
 package optim
 
 import (
+	"bufio"
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -11,6 +13,7 @@ import (
 	"path/filepath"
 	"sync"
 	"testing"
+	"testing/iotest"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -85,13 +88,16 @@ func TestCheckpointDecodeRefusesDamage(t *testing.T) {
 		var ck Checkpoint
 		err := ck.UnmarshalBinary(b[:n])
 		require.ErrorIs(t, err, ErrCorruptCheckpoint, "truncated to %d bytes", n)
+		streamAgrees(t, b[:n], &ck, err)
 	}
 	for i := 0; i < len(b); i++ {
 		for bit := 0; bit < 8; bit++ {
 			c := append([]byte(nil), b...)
 			c[i] ^= 1 << bit
 			var ck Checkpoint
-			require.ErrorIs(t, ck.UnmarshalBinary(c), ErrCorruptCheckpoint, "bit %d of byte %d flipped", bit, i)
+			err := ck.UnmarshalBinary(c)
+			require.ErrorIs(t, err, ErrCorruptCheckpoint, "bit %d of byte %d flipped", bit, i)
+			streamAgrees(t, c, &ck, err)
 		}
 	}
 	var ck Checkpoint
@@ -122,7 +128,9 @@ func TestCheckpointDecodeRefusesBadPayload(t *testing.T) {
 		patch(c)
 		fixCRC(c)
 		var got Checkpoint
-		assert.ErrorIs(t, got.UnmarshalBinary(c), ErrCorruptCheckpoint)
+		err := got.UnmarshalBinary(c)
+		assert.ErrorIs(t, err, ErrCorruptCheckpoint)
+		streamAgrees(t, c, &got, err)
 	}
 }
 
@@ -142,14 +150,17 @@ func FuzzCheckpointDecode(f *testing.F) {
 	}}))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var ck Checkpoint
-		if ck.UnmarshalBinary(b) != nil {
+		err := ck.UnmarshalBinary(b)
+		streamAgrees(t, b, &ck, err)
+		if err != nil {
 			// Also try with the checksum repaired, to reach the payload
 			// parser with arbitrary contents.
 			if len(b) >= ckHeaderLen {
 				c := append([]byte(nil), b...)
 				fixCRC(c)
 				c[12], c[13], c[14], c[15], c[16], c[17], c[18], c[19] = lenBytes(len(c) - ckHeaderLen)
-				_ = ck.UnmarshalBinary(c)
+				err := ck.UnmarshalBinary(c)
+				streamAgrees(t, c, &ck, err)
 			}
 			return
 		}
@@ -163,6 +174,26 @@ func FuzzCheckpointDecode(f *testing.F) {
 			t.Fatalf("re-encoded checkpoint does not decode: %v", err)
 		}
 	})
+}
+
+// streamAgrees checks that decoding b as LoadFile does, streaming it
+// through a reader that returns short reads, gives what UnmarshalBinary
+// gave: want, or the same error as wantErr.
+func streamAgrees(t *testing.T, b []byte, want *Checkpoint, wantErr error) {
+	t.Helper()
+	got, err := decodeStream(bufio.NewReaderSize(iotest.HalfReader(bytes.NewReader(b)), 16), int64(len(b)))
+	if wantErr != nil {
+		require.Error(t, err, "UnmarshalBinary refused what the stream decoder accepted: %v", wantErr)
+		require.Equal(t, wantErr.Error(), err.Error())
+		require.ErrorIs(t, err, ErrCorruptCheckpoint)
+		return
+	}
+	require.NoError(t, err)
+	wb, err := want.MarshalBinary()
+	require.NoError(t, err)
+	gb, err := got.MarshalBinary()
+	require.NoError(t, err)
+	require.Equal(t, wb, gb)
 }
 
 func lenBytes(n int) (a, b, c, d, e, f, g, h byte) {
@@ -503,4 +534,140 @@ func TestSaveFileStreamsTheEncoding(t *testing.T) {
 	ck.Ints["added"] = 1
 	_, err = ck.writePayload(io.Discard, l)
 	assert.ErrorContains(t, err, "changed while")
+}
+
+// The stream decoder refuses, as damage, input that ends before the size
+// it was promised or goes on after it (a file that changed while LoadFile
+// read it), and passes on an error of the reader, unwrapped from
+// ErrCorruptCheckpoint.
+func TestDecodeStreamRefusesChangedInput(t *testing.T) {
+	ck := sampleCheckpoint()
+	ck.AddTensor("param/big", []int{3*ckChunk + 5}, make([]float32, 3*ckChunk+5))
+	b := encode(t, ck)
+	size := int64(len(b))
+	for _, cut := range []int{1, 10, len(b) / 2, len(b) - 10, len(b)} {
+		_, err := decodeStream(bytes.NewReader(b[:len(b)-cut]), size)
+		require.ErrorIs(t, err, ErrCorruptCheckpoint, "cut %d", cut)
+		assert.ErrorContains(t, err, fmt.Sprintf("ends %d bytes early", cutMissing(len(b), cut)), "cut %d", cut)
+	}
+	_, err := decodeStream(bytes.NewReader(append(append([]byte(nil), b...), 0)), size)
+	require.ErrorIs(t, err, ErrCorruptCheckpoint)
+	assert.ErrorContains(t, err, "bytes after the")
+
+	boom := errors.New("device gone")
+	for _, at := range []int{0, 5, ckHeaderLen + 3, len(b) / 2, len(b) - 1} {
+		r := io.MultiReader(bytes.NewReader(b[:at]), iotest.ErrReader(boom))
+		_, err := decodeStream(r, size)
+		require.ErrorIs(t, err, boom, "failing after %d bytes", at)
+		assert.NotErrorIs(t, err, ErrCorruptCheckpoint, "failing after %d bytes", at)
+	}
+
+	got, err := decodeStream(iotest.OneByteReader(bytes.NewReader(b)), size)
+	require.NoError(t, err)
+	assert.Equal(t, b, encode(t, got))
+}
+
+// cutMissing is how many bytes the stream decoder misses when an input of
+// n bytes is cut short by cut: those of the header it then reads, or of the
+// payload.
+func cutMissing(n, cut int) int {
+	if n-cut < ckHeaderLen {
+		return ckHeaderLen - (n - cut)
+	}
+	return cut
+}
+
+// Damage found by the decoder before the checksum is reported as a
+// checksum mismatch, whether the bytes are decoded in memory or streamed
+// from a file.
+func TestLoadFileReportsDamageAsChecksumMismatch(t *testing.T) {
+	b := encode(t, sampleCheckpoint())
+	path := filepath.Join(t.TempDir(), "ck")
+	// The stage string's length, early in the payload, made huge.
+	b[ckHeaderLen+4+len("onebit-adam")+8+8+3] = 0x7f
+	require.NoError(t, os.WriteFile(path, b, 0o644))
+	_, err := LoadFile(path)
+	require.ErrorIs(t, err, ErrCorruptCheckpoint)
+	var ck Checkpoint
+	want := ck.UnmarshalBinary(b)
+	assert.ErrorContains(t, want, "checksum mismatch")
+	assert.Equal(t, fmt.Sprintf("optim: loading checkpoint %s: %v", path, want), err.Error())
+}
+
+// LoadFile reads what is not a regular file, a pipe here, whole.
+func TestLoadFileFromPipe(t *testing.T) {
+	r, w, err := os.Pipe()
+	require.NoError(t, err)
+	defer r.Close()
+	want := encode(t, sampleCheckpoint())
+	go func() {
+		w.Write(want)
+		w.Close()
+	}()
+	ck, err := readCheckpoint(r)
+	require.NoError(t, err)
+	assert.Equal(t, want, encode(t, ck))
+}
+
+// Restore and CheckCompatible index the tensors once; the index finds what
+// a scan of ck.Tensors finds even after the caller changed them, and the
+// first of two tensors of one name, as Tensor does.
+func TestRestoreIndexFollowsChangedTensors(t *testing.T) {
+	ck := sampleCheckpoint()
+	rs := ck.Restore()
+	w := make([]float32, 6)
+	rs.Tensor("param/w", w) // indexes
+	ck.Tensors[0], ck.Tensors[3] = ck.Tensors[3], ck.Tensors[0]
+	ck.Tensors[1].Name = "param/renamed"
+	errs := make([]float32, 32)
+	errs[0] = 1
+	ck.Tensors[0].Data = errs
+	got := make([]float32, 32)
+	rs.Tensor("worker_error/w", got) // moved
+	s := make([]float32, 1)
+	rs.Tensor("param/renamed", s) // renamed
+	require.NoError(t, rs.Apply())
+	assert.Equal(t, []float32{1, -2, 3.5}, w[:3])
+	assert.Equal(t, errs, got)
+	assert.Equal(t, []float32{7}, s)
+
+	rs = ck.Restore()
+	rs.Tensor("param/renamed", s)
+	ck.Tensors = ck.Tensors[:1]
+	rs.Tensor("param/renamed", s) // removed
+	assert.ErrorContains(t, rs.Apply(), `tensor "param/renamed" is missing`)
+
+	dup := &Checkpoint{Tensors: []Tensor{{Name: "x", Shape: []int{1}, Data: []float32{1}}, {Name: "x", Shape: []int{1}, Data: []float32{2}}}}
+	rs = dup.Restore()
+	x := make([]float32, 1)
+	rs.Tensor("x", x)
+	require.NoError(t, rs.Apply())
+	assert.Equal(t, dup.Tensor("x").Data, x)
+	assert.Equal(t, []float32{1}, x)
+}
+
+// Goroutines may load one checkpoint at once (every rank loading the same
+// consolidated checkpoint): looking tensors up changes nothing in it, so
+// the race detector finds nothing here.
+func TestCheckpointConcurrentLoads(t *testing.T) {
+	ps := testParams(t, 1, []int{2, 3}, []int{4}, []int{5})
+	opt, err := NewAdam(context.Background(), nil, ps, DefaultAdamConfig())
+	require.NoError(t, err)
+	ck, err := opt.State()
+	require.NoError(t, err)
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			mine := testParams(t, 2, []int{2, 3}, []int{4}, []int{5})
+			o, err := NewAdam(context.Background(), nil, mine, DefaultAdamConfig())
+			assert.NoError(t, err)
+			assert.NoError(t, o.Load(ck))
+			assert.Equal(t, snapshot(ps), snapshot(mine))
+			own := *ck // a copy read beside the others' loads
+			assert.NotNil(t, own.Tensor(ParamTensorName(ps[0].Name)))
+		}()
+	}
+	wg.Wait()
 }

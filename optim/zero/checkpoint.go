@@ -93,8 +93,9 @@ func (a *Adam) load(ck *optim.Checkpoint) error {
 	}
 	type cp struct{ dst, src []float32 }
 	ops := make([]cp, 0, 3*len(a.params))
+	ts := tensorsOf(ck)
 	for i, p := range a.params {
-		src, err := ck.TensorData(optim.ParamTensorName(p.Name), p.Numel())
+		src, err := tensorData(ts, optim.ParamTensorName(p.Name), p.Numel())
 		if err != nil {
 			return err
 		}
@@ -107,14 +108,14 @@ func (a *Adam) load(ck *optim.Checkpoint) error {
 		}{{optim.ExpAvgPrefix, a.m}, {optim.ExpAvgSqPrefix, a.v}} {
 			dst := mv.dst[s.off : s.off+k]
 			if consolidated {
-				src, err := ck.TensorData(mv.prefix+p.Name, p.Numel())
+				src, err := tensorData(ts, mv.prefix+p.Name, p.Numel())
 				if err != nil {
 					return err
 				}
 				ops = append(ops, cp{dst, src[s.lo:s.hi]})
 				continue
 			}
-			src, err := ck.TensorData(mv.prefix+p.Name, k)
+			src, err := tensorData(ts, mv.prefix+p.Name, k)
 			if err != nil {
 				return err
 			}
@@ -143,7 +144,7 @@ func (a *Adam) load(ck *optim.Checkpoint) error {
 // reduce mode: this is how training moves to another world size. cks may
 // come in any order; every rank's must be there exactly once. World and
 // Rank of the result say which group made it (Rank 0); IntConsolidated is
-// 1.
+// 1. It takes time linear in the size of cks.
 func Consolidate(cks []*optim.Checkpoint) (*optim.Checkpoint, error) {
 	if len(cks) == 0 {
 		return nil, fmt.Errorf("zero: consolidate: no checkpoints")
@@ -198,45 +199,77 @@ func Consolidate(cks []*optim.Checkpoint) (*optim.Checkpoint, error) {
 		}
 		out.Floats[name] = v
 	}
+	ts := make([]map[string]*optim.Tensor, w)
+	for r, ck := range byRank {
+		ts[r] = tensorsOf(ck)
+	}
 	prefix := optim.ParamTensorName("")
 	for _, t := range first.Tensors {
 		name, ok := strings.CutPrefix(t.Name, prefix)
 		if !ok {
 			continue
 		}
-		for r, ck := range byRank {
-			u := ck.Tensor(t.Name)
+		for r := range byRank {
+			u := ts[r][t.Name]
 			if u == nil || !slices.Equal(u.Shape, t.Shape) || !sameBits(u.Data, t.Data) {
 				return nil, fmt.Errorf("zero: consolidate: %w: parameter %q differs between rank 0 and rank %d (checkpoints of different steps?)",
 					optim.ErrIncompatibleCheckpoint, name, r)
 			}
 		}
 		out.AddTensor(t.Name, t.Shape, t.Data)
+		offName := ShardOffsetPrefix + name
 		for _, mp := range []string{optim.ExpAvgPrefix, optim.ExpAvgSqPrefix} {
+			mname := mp + name
 			full := make([]float32, 0, len(t.Data))
 			for r, ck := range byRank {
-				off, err := ck.Int(ShardOffsetPrefix + name)
+				off, err := ck.Int(offName)
 				if err != nil {
 					return nil, fmt.Errorf("zero: consolidate: rank %d: %w", r, err)
 				}
-				u := ck.Tensor(mp + name)
+				u := ts[r][mname]
 				if u == nil {
-					return nil, fmt.Errorf("zero: consolidate: %w: rank %d lacks %q", optim.ErrIncompatibleCheckpoint, r, mp+name)
+					return nil, fmt.Errorf("zero: consolidate: %w: rank %d lacks %q", optim.ErrIncompatibleCheckpoint, r, mname)
 				}
 				if len(u.Data) > 0 && off != int64(len(full)) || len(full)+len(u.Data) > len(t.Data) {
 					return nil, fmt.Errorf("zero: consolidate: %w: rank %d's shard of %q (%d elements from %d) does not follow the shards of the ranks before it (%d elements)",
-						optim.ErrIncompatibleCheckpoint, r, mp+name, len(u.Data), off, len(full))
+						optim.ErrIncompatibleCheckpoint, r, mname, len(u.Data), off, len(full))
 				}
 				full = append(full, u.Data...)
 			}
 			if len(full) != len(t.Data) {
 				return nil, fmt.Errorf("zero: consolidate: %w: the shards of %q hold %d elements, the parameter %d",
-					optim.ErrIncompatibleCheckpoint, mp+name, len(full), len(t.Data))
+					optim.ErrIncompatibleCheckpoint, mname, len(full), len(t.Data))
 			}
-			out.AddTensor(mp+name, t.Shape, full)
+			// full is the result's own: no copy, as AddTensor would make.
+			out.Tensors = append(out.Tensors, optim.Tensor{Name: mname, Shape: slices.Clone(t.Shape), Data: full})
 		}
 	}
 	return out, nil
+}
+
+// tensorsOf indexes the tensors of ck by name, the first of each name as
+// ck.Tensor finds it, so that looking up every parameter's tensors takes
+// time linear in their number rather than a scan of ck.Tensors each.
+func tensorsOf(ck *optim.Checkpoint) map[string]*optim.Tensor {
+	ts := make(map[string]*optim.Tensor, len(ck.Tensors))
+	for i := range ck.Tensors {
+		if t := &ck.Tensors[i]; ts[t.Name] == nil {
+			ts[t.Name] = t
+		}
+	}
+	return ts
+}
+
+// tensorData is optim.Checkpoint.TensorData for the tensors ts indexes.
+func tensorData(ts map[string]*optim.Tensor, name string, n int) ([]float32, error) {
+	t := ts[name]
+	if t == nil {
+		return nil, fmt.Errorf("%w: tensor %q is missing", optim.ErrIncompatibleCheckpoint, name)
+	}
+	if len(t.Data) != n {
+		return nil, fmt.Errorf("%w: tensor %q holds %d elements, want %d", optim.ErrIncompatibleCheckpoint, name, len(t.Data), n)
+	}
+	return t.Data, nil
 }
 
 func sameBits(x, y []float32) bool {
