@@ -26,8 +26,9 @@ type Adam struct {
 }
 
 var (
-	_ Optimizer = (*Adam)(nil)
-	_ LRSetter  = (*Adam)(nil)
+	_ Optimizer   = (*Adam)(nil)
+	_ LRSetter    = (*Adam)(nil)
+	_ FlagCarrier = (*Adam)(nil)
 )
 
 // NewAdam returns Adam over params, averaging gradients over c (nil for a
@@ -70,6 +71,10 @@ func (a *Adam) Load(ck *Checkpoint) error { return a.e.Load(ck) }
 // SetLR fixes the learning rate of the following steps, replacing any
 // schedule; see LRSetter.
 func (a *Adam) SetLR(lr float32) error { return a.e.SetLR(lr) }
+
+// CarryFlags makes every following Step carry sf in its per-step
+// agreement; see FlagCarrier.
+func (a *Adam) CarryFlags(sf *StepFlags) error { return a.e.CarryFlags(sf) }
 
 // SetSchedule makes s choose the learning rate of every following step
 // (nil: back to the fixed one); see LRSetter.

@@ -98,6 +98,7 @@ type Frame struct {
 	avg             *GradAverager
 	closed          bool // Close was called: every later Step is refused
 	hypers          []Hyper
+	flags           *StepFlags // carried by every Step's agreement; nil: none
 
 	lr    float32  // the fixed learning rate
 	sched Schedule // overrides lr when not nil
@@ -163,11 +164,19 @@ func (f *Frame) Handle(s Stage, fn StepFunc) {
 // own, the others one naming it) and none waits for it. This costs
 // nothing on the wire: the agreement runs every step anyway. Nothing is
 // changed or counted on any rank.
+//
+// With StepFlags set (CarryFlags), the agreement also carries them: a
+// StepFlags.Refuse is a refusal as above, returned as it is on this rank;
+// StepFlags.Veto runs on every rank right after the agreement, and its
+// error is returned as it is, with nothing changed or counted.
 func (f *Frame) Step(ctx context.Context) error {
 	before := f.bytesSent()
 	t := f.step + 1
 	lr, i, refusal := f.prepare(t)
-	ok, by, err := f.guard.check(ctx, f.c, f.params, refusal != nil)
+	if refusal == nil && f.flags != nil && f.flags.Refuse != nil {
+		refusal = f.flags.Refuse
+	}
+	ok, by, err := f.guard.check(ctx, f.c, f.params, refusal != nil, f.flags)
 	switch {
 	case refusal != nil && err != nil:
 		return errors.Join(refusal, fmt.Errorf("%s step %d: telling the other ranks: %w", f.name, t, err))
@@ -177,6 +186,11 @@ func (f *Frame) Step(ctx context.Context) error {
 		return fmt.Errorf("%s step %d: %w", f.name, t, err)
 	case by >= 0:
 		return fmt.Errorf("%s step %d: rank %d refused the step (its error says why)", f.name, t, by)
+	}
+	if f.flags != nil && f.flags.Veto != nil {
+		if err := f.flags.Veto(f.flags.Agreed); err != nil {
+			return err
+		}
 	}
 	if !ok {
 		f.skip(before, t, nil)
@@ -218,6 +232,63 @@ func (f *Frame) prepare(t int64) (lr float32, i int, refusal error) {
 		return 0, 0, fmt.Errorf("%w (%s)", ErrClosed, f.name)
 	}
 	return lr, i, nil
+}
+
+// StepFlags are values that a training loop has every rank agree on at
+// each step (a stop request, a failure to get the gradients, a non-finite
+// loss), carried by the optimizer's own per-step agreement, the
+// finite-gradient allreduce that every Step runs, instead of a collective
+// of their own: a step then pays one latency-bound allreduce for all of
+// them. Set them with CarryFlags. The optimizer reads Local, Refuse and
+// Veto during Step and writes Agreed; the caller must not change them
+// while a Step runs. Every rank must carry flags of the same length.
+type StepFlags struct {
+	// Local holds this rank's values for the next Step; the caller sets
+	// them before each Step. Its length is fixed when CarryFlags is
+	// called.
+	Local []float32
+	// Agreed receives, in each Step whose agreement succeeds, the maximum
+	// of Local over the ranks (Local itself on one rank), whatever Step
+	// returns after the agreement. A Step that fails before or in the
+	// agreement leaves it unchanged. CarryFlags allocates it.
+	Agreed []float32
+	// Refuse, when not nil at a Step, makes this rank refuse that step:
+	// it takes part in the agreement, nothing changes or is counted on any
+	// rank, this rank's Step returns Refuse and every other rank's an
+	// error naming this rank. Agreed is still written.
+	Refuse error
+	// Veto, when not nil, is called on every rank with Agreed right after
+	// a successful agreement in which no rank refused, before anything
+	// changes. A non-nil result makes Step return it with nothing changed
+	// or counted. Agreed is the same on every rank, so a Veto that decides
+	// from Agreed alone vetoes on every rank alike.
+	Veto func(agreed []float32) error
+}
+
+// FlagCarrier is implemented by the optimizers whose Step runs a per-step
+// agreement (all of lowbit's: see Frame.Step).
+type FlagCarrier interface {
+	// CarryFlags makes every following Step carry sf in its agreement
+	// (see StepFlags); nil stops carrying. It allocates sf.Agreed to the
+	// length of sf.Local, and the agreement's buffer, so that Step still
+	// allocates nothing. It communicates nothing; every rank calls it
+	// before the same step, with flags of the same length (a difference is
+	// an error of the next Step's agreement on every rank).
+	CarryFlags(sf *StepFlags) error
+}
+
+// CarryFlags implements FlagCarrier.
+func (f *Frame) CarryFlags(sf *StepFlags) error {
+	if sf != nil {
+		if len(sf.Agreed) != len(sf.Local) {
+			sf.Agreed = make([]float32, len(sf.Local))
+		}
+		if f.world > 1 {
+			f.guard.flag = make([]float32, 1+len(sf.Local))
+		}
+	}
+	f.flags = sf
+	return nil
 }
 
 // skip counts step t as skipped; why is nil for a non-finite gradient.
@@ -375,7 +446,11 @@ type FrameState struct {
 // Learning rate: a checkpoint made with a schedule (IntLRSchedule not 0)
 // loads only into an optimizer with a schedule of the same fingerprint,
 // and one made with a fixed learning rate (IntLRSchedule 0) only into an
-// optimizer without a schedule, which then takes its FloatLR. A checkpoint
+// optimizer without a schedule, which then takes its FloatLR, as
+// PyTorch's load_state_dict restores a param group's lr: the checkpoint's
+// value wins, Restore logs a warning when it differs from the optimizer's
+// own, and a caller that wants its configured learning rate (lower on
+// resume, say) calls SetLR after Load. A checkpoint
 // without these entries (made before they existed) loads into any
 // optimizer, which keeps its own learning rate or schedule (the config's
 // LR unless SetLR or SetSchedule changed it). To change the schedule on
@@ -442,6 +517,10 @@ func (f *Frame) Restore(st FrameState) {
 	f.stats.LastStepBytes = 0
 	f.stage = st.Stage
 	if st.hasLR {
+		if st.lr != f.lr {
+			f.log.Warn("loaded a checkpoint with another learning rate: the checkpoint's replaces this optimizer's (call SetLR after Load to keep yours)",
+				zap.String("algorithm", f.algorithm), zap.Float32("checkpoint_lr", st.lr), zap.Float32("replaced_lr", f.lr))
+		}
 		f.lr = st.lr
 	}
 	f.log.Info("loaded checkpoint", zap.String("algorithm", f.algorithm),

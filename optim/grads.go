@@ -32,7 +32,7 @@ type FiniteGuard struct {
 
 // Check is AllFinite (see there) using g's buffer.
 func (g *FiniteGuard) Check(ctx context.Context, c comm.Comm, params []*Param) (bool, error) {
-	ok, _, err := g.check(ctx, c, params, false)
+	ok, _, err := g.check(ctx, c, params, false, nil)
 	if err != nil {
 		return false, fmt.Errorf("optim: %w", err)
 	}
@@ -44,12 +44,16 @@ func (g *FiniteGuard) Check(ctx context.Context, c comm.Comm, params []*Param) (
 // the maximum names the lowest refusing rank.
 const refusedFlag = 2
 
-// check is Check that also carries a refusal: a rank that cannot take the
-// step (refuse) still takes part in the allreduce, and every rank learns,
-// in by, the lowest rank that refused (-1 when none did). It allocates
-// nothing after the first call and adds nothing to the wire. Its errors
-// carry no package prefix: Check and the Frame add theirs.
-func (g *FiniteGuard) check(ctx context.Context, c comm.Comm, params []*Param, refuse bool) (ok bool, by int, err error) {
+// check is Check that also carries a refusal and the caller's flags: a
+// rank that cannot take the step (refuse) still takes part in the
+// allreduce, and every rank learns, in by, the lowest rank that refused
+// (-1 when none did). When flags is not nil, its Local values travel in
+// the same allreduce and their maximum over the ranks is written to
+// flags.Agreed once it succeeded. It allocates nothing after the first
+// call with flags of a given length and adds nothing to the wire but the
+// flags. Its errors carry no package prefix: Check and the Frame add
+// theirs.
+func (g *FiniteGuard) check(ctx context.Context, c comm.Comm, params []*Param, refuse bool, flags *StepFlags) (ok bool, by int, err error) {
 	bad := false
 	if !refuse {
 		for _, p := range params {
@@ -60,13 +64,20 @@ func (g *FiniteGuard) check(ctx context.Context, c comm.Comm, params []*Param, r
 		}
 	}
 	if c == nil || c.Size() <= 1 {
+		if flags != nil {
+			copy(flags.Agreed, flags.Local)
+		}
 		if refuse {
 			return false, 0, nil
 		}
 		return !bad, -1, nil
 	}
-	if g.flag == nil {
-		g.flag = make([]float32, 1)
+	n := 1
+	if flags != nil {
+		n += len(flags.Local)
+	}
+	if len(g.flag) != n {
+		g.flag = make([]float32, n)
 	}
 	w := c.Size()
 	switch {
@@ -77,8 +88,14 @@ func (g *FiniteGuard) check(ctx context.Context, c comm.Comm, params []*Param, r
 	default:
 		g.flag[0] = 0
 	}
+	if flags != nil {
+		copy(g.flag[1:], flags.Local)
+	}
 	if err := c.AllReduce(ctx, g.flag, comm.Max); err != nil {
 		return false, -1, fmt.Errorf("agreeing on finite gradients: %w", err)
+	}
+	if flags != nil {
+		copy(flags.Agreed, g.flag[1:])
 	}
 	if f := int(g.flag[0]); f >= refusedFlag {
 		return false, w - 1 - (f - refusedFlag), nil

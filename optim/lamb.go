@@ -25,8 +25,9 @@ type Lamb struct {
 }
 
 var (
-	_ Optimizer = (*Lamb)(nil)
-	_ LRSetter  = (*Lamb)(nil)
+	_ Optimizer   = (*Lamb)(nil)
+	_ LRSetter    = (*Lamb)(nil)
+	_ FlagCarrier = (*Lamb)(nil)
 )
 
 // NewLamb returns LAMB over params, averaging gradients over c (nil for a
@@ -69,6 +70,10 @@ func (l *Lamb) Load(ck *Checkpoint) error { return l.e.Load(ck) }
 // SetLR fixes the learning rate of the following steps, replacing any
 // schedule; see LRSetter.
 func (l *Lamb) SetLR(lr float32) error { return l.e.SetLR(lr) }
+
+// CarryFlags makes every following Step carry sf in its per-step
+// agreement; see FlagCarrier.
+func (l *Lamb) CarryFlags(sf *StepFlags) error { return l.e.CarryFlags(sf) }
 
 // SetSchedule makes s choose the learning rate of every following step
 // (nil: back to the fixed one); see LRSetter.

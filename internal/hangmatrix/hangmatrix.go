@@ -178,6 +178,26 @@ func Cases(ranksPerNode int) []Case {
 			cfg.ReduceScatter, cfg.RanksPerNode = zero.ReduceInt8, ranksPerNode
 			return zero.NewAdam(ctx, c, ps, cfg)
 		}),
+		{"onebit.Adam.Step: StepFlags.Refuse on one rank", func(ctx context.Context, c comm.Comm, bad bool) (func(context.Context) error, error) {
+			o, err := onebit.NewAdam(ctx, c, params(false), onebit.DefaultAdamConfig())
+			if err != nil {
+				return nil, err
+			}
+			if err := o.Step(ctx); err != nil {
+				return nil, fmt.Errorf("first step: %w", err)
+			}
+			sf := &optim.StepFlags{Local: make([]float32, 2)}
+			if err := o.CarryFlags(sf); err != nil {
+				return nil, err
+			}
+			if bad {
+				sf.Refuse = errors.New("this rank cannot take the step")
+			}
+			return func(ctx context.Context) error { return o.Step(ctx) }, nil
+		}},
+		optimizer("optim.Adam.Step: StepFlags on one rank only", carryFlags, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+			return optim.NewAdam(ctx, c, ps, optim.DefaultAdamConfig())
+		}),
 		{"zero.NewAdam: invalid configuration", func(ctx context.Context, c comm.Comm, bad bool) (func(context.Context) error, error) {
 			cfg := zero.DefaultConfig()
 			if bad {
@@ -242,6 +262,16 @@ func closeIt(o optim.Optimizer) error {
 		return errors.New("no Close")
 	}
 	return cl.Close()
+}
+
+// carryFlags makes the optimizer carry step flags that the other ranks do
+// not: its agreement is longer than theirs.
+func carryFlags(o optim.Optimizer) error {
+	fc, ok := o.(optim.FlagCarrier)
+	if !ok {
+		return errors.New("not an optim.FlagCarrier")
+	}
+	return fc.CarryFlags(&optim.StepFlags{Local: make([]float32, 3)})
 }
 
 // optimizer is the case of an optimizer's Step: built on every rank, one

@@ -94,8 +94,9 @@ type Adam struct {
 }
 
 var (
-	_ optim.Optimizer = (*Adam)(nil)
-	_ optim.LRSetter  = (*Adam)(nil)
+	_ optim.Optimizer   = (*Adam)(nil)
+	_ optim.LRSetter    = (*Adam)(nil)
+	_ optim.FlagCarrier = (*Adam)(nil)
 )
 
 // segment is the part of one parameter this rank owns: elements [lo, hi)
@@ -347,6 +348,10 @@ func (a *Adam) Stats() optim.Stats {
 
 // SetLR implements optim.LRSetter.
 func (a *Adam) SetLR(lr float32) error { return a.f.SetLR(lr) }
+
+// CarryFlags makes every following Step carry sf in its per-step
+// agreement; see optim.FlagCarrier.
+func (a *Adam) CarryFlags(sf *optim.StepFlags) error { return a.f.CarryFlags(sf) }
 
 // SetSchedule implements optim.LRSetter.
 func (a *Adam) SetSchedule(s optim.Schedule) error { return a.f.SetSchedule(s) }
