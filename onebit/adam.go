@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"math"
 
-	"go.uber.org/zap"
-
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/optim"
 )
@@ -21,7 +19,11 @@ type AdamConfig struct {
 	// FreezeStep is the number of warm-up steps, in which 1-bit Adam is
 	// exact Adam; from step FreezeStep+1 on the variance is frozen and the
 	// momentum is communicated compressed; >= 0. Default 100. 0
-	// compresses from the first step with v = 0 (rarely what you want).
+	// compresses from the first step with v = 0 (rarely what you want:
+	// every step is then a sign step of lr*optim.AdamRatioBound). An
+	// element whose frozen v is zero or tiny (first given gradient after
+	// the warm-up) steps by at most lr*optim.AdamRatioBound, the most
+	// exact Adam could step it: see the package doc.
 	FreezeStep int
 	// ExpAvgMask optionally maps a parameter name to a mask as long as the
 	// parameter, multiplied into its momentum after every compressed
@@ -69,8 +71,10 @@ const (
 // = 1) in fused buckets (all momenta form one flat buffer, cut into buckets
 // of BucketBytes, one allreduce and one error feedback state each), then
 // the mask; then the same update as in warm-up,
-// p -= lr * (m_hat/(sqrt(v_hat)+eps) + wd*p), with the frozen v_hat. There is
-// no discarded first compression step.
+// p -= lr * (m_hat/(sqrt(v_hat)+eps) + wd*p), with the frozen v_hat and the
+// ratio m_hat/(sqrt(v_hat)+eps) clipped to the largest exact Adam can reach
+// (optim.AdamRatioBound; see the package doc on late and tiny-variance
+// elements). There is no discarded first compression step.
 //
 // A step in which some rank's gradient is not finite is skipped on every
 // rank (one tiny allreduce of a flag before anything changes). A checkpoint
@@ -84,7 +88,6 @@ type Adam struct {
 	cfg    optim.AdamConfig
 	freeze int64
 	mask   [][]float32 // per parameter, nil when unmasked
-	unseen unseen      // elements whose frozen v is zero, in compression
 
 	m, v  [][]float32 // per parameter: views into mflat and vflat
 	mflat []float32   // every parameter's momentum, in order
@@ -95,8 +98,9 @@ type Adam struct {
 }
 
 var (
-	_ optim.Optimizer = (*Adam)(nil)
-	_ optim.LRSetter  = (*Adam)(nil)
+	_ optim.Optimizer   = (*Adam)(nil)
+	_ optim.LRSetter    = (*Adam)(nil)
+	_ optim.FlagCarrier = (*Adam)(nil)
 )
 
 // NewAdam returns 1-bit Adam over params on the ranks of c (nil for a
@@ -119,7 +123,6 @@ func NewAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg AdamCo
 		cfg:    cfg.AdamConfig,
 		freeze: int64(cfg.FreezeStep),
 		c2:     1,
-		unseen: newUnseen(len(params)),
 	}
 	sizes := make([]int, len(params))
 	for i, p := range params {
@@ -179,20 +182,21 @@ func (a *Adam) warmup(ctx context.Context, t int64, lr float32) error {
 		if cfg.BiasCorrection {
 			a.c2 = optim.BiasCorrection(cfg.Beta2, t)
 		}
-		a.findUnseen()
 		a.f.Enter(optim.StageCompression)
 	}
 	return nil
 }
 
 // compressed is a compression-stage step: local momentum, compressed
-// allreduce, mask, update with the frozen v.
+// allreduce, mask, update with the frozen v, its ratio bounded as exact
+// Adam's (see the package doc).
 func (a *Adam) compressed(ctx context.Context, t int64, lr float32) error {
 	cfg := a.cfg
 	c1 := float32(1)
 	if cfg.BiasCorrection {
 		c1 = optim.BiasCorrection(cfg.Beta1, t)
 	}
+	bound := ratioBound(cfg.Beta1, cfg.Beta2)
 	for i, p := range a.params {
 		optim.Momentum(a.m[i], p.GradData(), cfg.Beta1)
 	}
@@ -203,32 +207,18 @@ func (a *Adam) compressed(ctx context.Context, t int64, lr float32) error {
 		if a.mask[i] != nil {
 			optim.Mul(a.m[i], a.mask[i])
 		}
-		a.unseen.zero(i, a.m[i])
-		optim.AdamUpdate(p.Data(), a.m[i], a.v[i], lr, cfg.WeightDecay, c1, a.c2, cfg.Eps)
+		optim.AdamUpdateBounded(p.Data(), a.m[i], a.v[i], lr, cfg.WeightDecay, c1, a.c2, cfg.Eps, bound)
 	}
 	return nil
-}
-
-// findUnseen lists the elements whose frozen v is zero (see unseen). With
-// FreezeStep 0 there was no warm-up and v is zero everywhere: nothing is
-// listed, and the update divides by eps as the reference's does.
-func (a *Adam) findUnseen() {
-	if a.freeze == 0 {
-		a.unseen.clear()
-		return
-	}
-	for i := range a.params {
-		a.unseen.find(i, a.v[i])
-	}
-	if n := a.unseen.count(); n > 0 {
-		a.f.Logger().Info("onebit: Adam: elements with no gradient in the warm-up are held still in compression",
-			zap.Int("elements", n))
-	}
 }
 
 // SetLR fixes the learning rate of the following steps, replacing any
 // schedule; see optim.LRSetter. The variance stays frozen as it was.
 func (a *Adam) SetLR(lr float32) error { return a.f.SetLR(lr) }
+
+// CarryFlags makes every following Step carry sf in its per-step
+// agreement; see optim.FlagCarrier.
+func (a *Adam) CarryFlags(sf *optim.StepFlags) error { return a.f.CarryFlags(sf) }
 
 // SetSchedule makes s choose the learning rate of every following step
 // (nil: back to the fixed one); see optim.LRSetter.
@@ -308,10 +298,6 @@ func (a *Adam) Load(ck *optim.Checkpoint) error {
 	}
 	a.c2 = float32(c2)
 	a.f.Restore(fs)
-	a.unseen.clear()
-	if a.f.Stage() == optim.StageCompression {
-		a.findUnseen()
-	}
 	return nil
 }
 

@@ -17,16 +17,35 @@
 // BucketServerErrorName(k) in checkpoints; Lamb compresses the momenta of
 // the whole model as one buffer.
 //
-// Deliberately differs from the reference: elements whose second moment v
-// is exactly zero when the optimizer starts compressing (no rank gave them
-// a nonzero gradient in the warm-up, such as the embedding rows of tokens
-// that never occurred) are held still, as exact Adam holds them: their
-// compressed momentum (0/1 Adam: their compressed gradient or accumulator)
-// is zeroed before the update, as an exp_avg mask of zero would. The
-// reference divides the compression's noise there by eps and takes steps
-// of about lr*scale/1e-8; a byte-level GPT's loss jumps when such a token
-// first shows up. Such an element stays still until v changes: for the
-// rest of training in 1-bit Adam and 1-bit LAMB (v is frozen), until the
-// next variance update in 0/1 Adam. Adam with FreezeStep 0 (no warm-up, v
-// zero everywhere) is left as the reference has it.
+// # Elements with no variance
+//
+// Deliberately differs from the reference: the ratio
+// r = m_hat/(sqrt(v_hat)+eps) of every compression-stage update (1-bit Adam
+// and 1-bit LAMB after FreezeStep, every step of 0/1 Adam: phase A, its
+// local steps and its synchronizations) is bounded element by element
+// (optim.RatioBound, ratioBound in late.go):
+//
+//   - |r| up to the cap, CapFactor times the largest ratio exact Adam ever
+//     reaches (optim.AdamRatioBound: 7.27 at betas 0.9 and 0.999, so a cap
+//     of 72.7), is left alone: every ordinary element, and the DeepSpeed
+//     step runs and the conformance vectors, are untouched;
+//   - beyond the cap, up to KneeRatio (1000), r is clipped to the cap: no
+//     element steps farther than CapFactor times what exact Adam could;
+//   - beyond the knee, where v_hat is a millionth of the square of the
+//     compressed momentum or less, v no longer tells the element's scale,
+//     and the bound falls continuously as cap*KneeRatio/|r| down to 1, the
+//     ratio exact Adam takes under a steady gradient.
+//
+// An element first given gradient after the warm-up (v frozen at zero: the
+// embedding row of a token first seen then), or whose v is tiny or
+// underflowed, thus steps by lr in the direction of its compressed
+// momentum: it trains at about exact Adam's rate (on the probe of
+// TestLateElementsTrain, 1.95 against exact Adam's 1.99 in 200 steps for
+// 1-bit Adam, 0.66 for 1-bit LAMB, 3.4 for 0/1 Adam), and while it gets no
+// gradient it only jitters by about lr, the error feedback cancelling its
+// compression noise. The reference divides that noise by eps instead, and
+// takes steps of about lr*scale/1e-8 (a byte-level GPT's loss jumps when
+// such a token first shows up). The rule is a function of the step's
+// values alone: nothing is added to the state or to checkpoints. Adam
+// with FreezeStep 0 (v zero everywhere) thus takes sign steps of lr.
 package onebit

@@ -31,7 +31,10 @@ type LambConfig struct {
 	// FreezeStep is the number of warm-up steps (plain LAMB with exactly
 	// averaged gradients) before the compression stage; at least 1, since
 	// the compression stage scales every update by the trust ratios
-	// averaged over the warm-up. Default 100000.
+	// averaged over the warm-up. Default 100000. An element whose frozen
+	// v is zero or tiny (first given gradient after the warm-up) has its
+	// update's ratio bounded, so that it trains at about exact Adam's
+	// rate instead of stepping by lr*scale/eps: see the package doc.
 	FreezeStep int
 	// CoeffBeta is the decay of the running average of the warm-up trust
 	// ratios (coeff_freeze) that scales every compression-stage update;
@@ -88,7 +91,6 @@ type Lamb struct {
 	cfg    LambConfig
 	params []*optim.Param
 	masks  [][]float32 // per parameter; nil where none
-	unseen unseen      // elements whose frozen v is zero, in compression
 
 	// offs[i] is parameter i's offset in the flat buffers; offs[len(params)]
 	// is their length.
@@ -113,8 +115,9 @@ type Lamb struct {
 }
 
 var (
-	_ optim.Optimizer = (*Lamb)(nil)
-	_ optim.LRSetter  = (*Lamb)(nil)
+	_ optim.Optimizer   = (*Lamb)(nil)
+	_ optim.LRSetter    = (*Lamb)(nil)
+	_ optim.FlagCarrier = (*Lamb)(nil)
 )
 
 // Checkpoint names of 1-bit LAMB's state beyond optim's common ones. The
@@ -161,7 +164,6 @@ func NewLamb(ctx context.Context, c comm.Comm, params []*optim.Param, cfg LambCo
 		cfg:         cfg,
 		params:      append([]*optim.Param(nil), params...),
 		masks:       masks,
-		unseen:      newUnseen(len(params)),
 		offs:        make([]int, len(params)+1),
 		coeffFreeze: make([]float64, len(params)),
 		lastFactor:  make([]float64, len(params)),
@@ -222,6 +224,10 @@ func (o *Lamb) Step(ctx context.Context) error {
 // factors are not touched.
 func (o *Lamb) SetLR(lr float32) error { return o.f.SetLR(lr) }
 
+// CarryFlags makes every following Step carry sf in its per-step
+// agreement; see optim.FlagCarrier.
+func (o *Lamb) CarryFlags(sf *optim.StepFlags) error { return o.f.CarryFlags(sf) }
+
 // SetSchedule makes s choose the learning rate of every following step
 // (nil: back to the fixed one); see optim.LRSetter.
 func (o *Lamb) SetSchedule(s optim.Schedule) error { return o.f.SetSchedule(s) }
@@ -268,7 +274,6 @@ func (o *Lamb) warmup(ctx context.Context, t int64, lr float32) error {
 		// v_fresh starts as a copy of the v that is frozen now.
 		copy(o.vFresh, o.v)
 		o.frozenAt = t
-		o.findUnseen()
 		o.f.Enter(optim.StageCompression)
 	}
 	return nil
@@ -297,7 +302,9 @@ func (o *Lamb) compressed(ctx context.Context, t int64, lr float32) error {
 			return fmt.Errorf("momentum: %w", samePackage{err})
 		}
 	}
-	// 5. Per parameter: unscale, mask, v_fresh, factor, update.
+	// 5. Per parameter: unscale, mask, v_fresh, factor, update (its
+	// ratio bounded as exact Adam's, see the package doc).
+	bound := ratioBound(cfg.Beta1, cfg.Beta2)
 	var c1, c2, c2Fresh float32 = 1, 1, 1
 	if cfg.BiasCorrection {
 		c1 = optim.BiasCorrection(cfg.Beta1, t)
@@ -319,10 +326,9 @@ func (o *Lamb) compressed(ctx context.Context, t int64, lr float32) error {
 			optim.Mul(m, o.masks[i])
 			s = 1
 		}
-		o.unseen.zero(i, m)
 		upd := o.scratch[lo:hi] // m_last on entry, the update on return
 		ratio, preSq, updSq := lambFreshDirection(upd, p.Data(), m, o.v[lo:hi], o.vFresh[lo:hi],
-			s, cfg.Beta1, cfg.Beta2, cfg.WeightDecay, c1, c2, c2Fresh, cfg.Eps)
+			s, cfg.Beta1, cfg.Beta2, cfg.WeightDecay, c1, c2, c2Fresh, cfg.Eps, bound)
 		f := o.factor(i, ratio, preSq, updSq)
 		optim.Descend(p.Data(), upd, float32(float64(lr)*o.coeffFreeze[i]*f))
 	}
@@ -404,12 +410,12 @@ func lambMomentum(mLast, m, g []float32, b1, s float32) {
 //	g_rec   = (m - b1*m_last)/(1-b1)
 //	v_fresh = b2*v_fresh + (1-b2)*g_rec^2
 //	denom   = sqrt(v*c2) + eps
-//	upd_pre = m*c1/denom
+//	upd_pre = b.Clip(m*c1/denom)
 //	u       = upd_pre + wd*p
 //
 // It returns the largest denom/(sqrt(v_fresh*c2Fresh)+eps) (0 if none is
 // larger) and the float64 sums of squares of upd_pre and of u.
-func lambFreshDirection(u, p, m, v, vFresh []float32, s, b1, b2, wd, c1, c2, c2Fresh, eps float32) (ratio float32, preSq, updSq float64) {
+func lambFreshDirection(u, p, m, v, vFresh []float32, s, b1, b2, wd, c1, c2, c2Fresh, eps float32, b optim.RatioBound) (ratio float32, preSq, updSq float64) {
 	a1, a2 := optim.OneMinus(b1), optim.OneMinus(b2)
 	p, m, v, vFresh = p[:len(u)], m[:len(u)], v[:len(u)], vFresh[:len(u)]
 	for i := range u {
@@ -426,7 +432,7 @@ func lambFreshDirection(u, p, m, v, vFresh []float32, s, b1, b2, wd, c1, c2, c2F
 		if r := d / dr; r > ratio {
 			ratio = r
 		}
-		pre := float32(mi*c1) / d
+		pre := b.Clip(float32(mi*c1) / d)
 		up := pre + float32(wd*p[i])
 		u[i] = up
 		preSq += float64(pre) * float64(pre)
@@ -538,22 +544,7 @@ func (o *Lamb) load(ck *optim.Checkpoint) error {
 	}
 	o.frozenAt, o.scaled = ints[0], ints[1] != 0
 	o.f.Restore(fs)
-	o.unseen.clear()
-	if o.f.Stage() == optim.StageCompression {
-		o.findUnseen()
-	}
 	return nil
-}
-
-// findUnseen lists the elements whose frozen v is zero (see unseen).
-func (o *Lamb) findUnseen() {
-	for i := range o.params {
-		o.unseen.find(i, o.v[o.offs[i]:o.offs[i+1]])
-	}
-	if n := o.unseen.count(); n > 0 {
-		o.f.Logger().Info("onebit: 1-bit LAMB: elements with no gradient in the warm-up are held still in compression",
-			zap.Int("elements", n))
-	}
 }
 
 // compileMasks checks the exp_avg masks against params and returns them

@@ -44,6 +44,23 @@ const pinTol = 1e-5
 // 10; the mutation m = 0 is off by the whole of m.
 const pinTolZeroOneM = 1e-4
 
+// pinClip is the spec's bound on the ratio m_hat/(sqrt(v_hat)+eps) of a
+// compression-stage update (onebit's package doc), in float64: left alone
+// up to the cap CapFactor*(1-b1)/sqrt((1-b2)*(1-b1^2/b2)), clipped to it up to the
+// knee 1000, beyond which it falls as cap*1000/|r| down to 1.
+func pinClip(r, b1, b2 float64) float64 {
+	const knee = 1000
+	c := min(onebit.CapFactor*(1-b1)/math.Sqrt((1-b2)*(1-b1*b1/b2)), knee)
+	a := math.Abs(r)
+	if !(a > c) {
+		return r
+	}
+	if a > knee {
+		c = max(1, c*knee/a)
+	}
+	return math.Copysign(c, r)
+}
+
 // pinCompare checks rank r's checkpoint of step s against the reference:
 // parameters, m and v of every parameter.
 func pinCompare(t *testing.T, ck *optim.Checkpoint, s, r int, p, m, v pinState, mTol float64) {
@@ -89,10 +106,14 @@ func TestPinAdam(t *testing.T) {
 			}
 			pc := newPinComm(w, tc.fused)
 			c2Frozen := 1.0
-			update := func(r int, c1, c2 float64) {
+			update := func(r int, c1, c2 float64, bounded bool) {
 				for i := range pinModel {
 					for k := range p[r][i] {
-						upd := m[r][i][k]*c1/(math.Sqrt(v[r][i][k]*c2)+eps) + wd*p[r][i][k]
+						ratio := m[r][i][k] * c1 / (math.Sqrt(v[r][i][k]*c2) + eps)
+						if bounded {
+							ratio = pinClip(ratio, b1, b2)
+						}
+						upd := ratio + wd*p[r][i][k]
 						p[r][i][k] -= lr * upd
 					}
 				}
@@ -109,7 +130,7 @@ func TestPinAdam(t *testing.T) {
 								v[r][i][k] = b2*v[r][i][k] + (1-b2)*gk*gk
 							}
 						}
-						update(r, c1, c2)
+						update(r, c1, c2, false)
 					}
 					if s == freeze {
 						c2Frozen = c2
@@ -125,7 +146,7 @@ func TestPinAdam(t *testing.T) {
 					pc.allReduce(pinStates(m))
 					for r := range w {
 						pinApplyMask(m[r])
-						update(r, c1, c2Frozen)
+						update(r, c1, c2Frozen, true)
 					}
 				}
 				for r := range w {
@@ -323,7 +344,7 @@ func pinLamb(t *testing.T, tc pinLambCase, freeze, steps int) {
 						grec := (m[r][i][k] - b1*mLast[r][i][k]) / (1 - b1)
 						vf[r][i][k] = b2*vf[r][i][k] + (1-b2)*grec*grec
 						denom := math.Sqrt(v[r][i][k]*c2) + eps
-						pre[k] = m[r][i][k] * c1 / denom
+						pre[k] = pinClip(m[r][i][k]*c1/denom, b1, b2)
 						upd[k] = pre[k] + wd*p[r][i][k]
 						factor = max(factor, denom/(math.Sqrt(vf[r][i][k]*c2Fresh)+eps))
 					}
@@ -449,7 +470,7 @@ func pinZeroOne(t *testing.T, cks [][]*optim.Checkpoint, w int, bc, fused bool, 
 						} else {
 							m[r][i][k] = b1*m[r][i][k] + (1-b1)*g[r][i][k]
 						}
-						p[r][i][k] -= lr * (m[r][i][k]*c1/(math.Sqrt(v[r][i][k]*c2)+eps) + wd*p[r][i][k])
+						p[r][i][k] -= lr * (pinClip(m[r][i][k]*c1/(math.Sqrt(v[r][i][k]*c2)+eps), b1, b2) + wd*p[r][i][k])
 					}
 				}
 			}
@@ -470,7 +491,7 @@ func pinZeroOne(t *testing.T, cks [][]*optim.Checkpoint, w int, bc, fused bool, 
 				for i := range pinModel {
 					for k := range p[r][i] {
 						m[r][i][k] = b1*m[r][i][k] + (1-b1)*g[r][i][k]
-						upd := m[r][i][k]*c1/(math.Sqrt(v[r][i][k]*c2)+eps) + wd*p[r][i][k]
+						upd := pinClip(m[r][i][k]*c1/(math.Sqrt(v[r][i][k]*c2)+eps), b1, b2) + wd*p[r][i][k]
 						p[r][i][k] -= lr * upd
 						u[r][i][k] -= lr * upd
 					}
@@ -492,7 +513,7 @@ func pinZeroOne(t *testing.T, cks [][]*optim.Checkpoint, w int, bc, fused bool, 
 					for i := range pinModel {
 						for k := range p[r][i] {
 							m[r][i][k] = -u[r][i][k] / lrs
-							p[r][i][k] += u[r][i][k] / (math.Sqrt(v[r][i][k]*c2) + eps)
+							p[r][i][k] += lrs * pinClip(u[r][i][k]/(math.Sqrt(v[r][i][k]*c2)+eps)/lrs, b1, b2)
 							u[r][i][k] = 0
 						}
 					}

@@ -27,7 +27,12 @@ type ZeroOneAdamConfig struct {
 	// stays an average of uncorrected momenta.
 	optim.AdamConfig
 	// VarFreezeStep is the last step of phase A, after which the variance
-	// is frozen and local steps begin; at least 1. Default 100000.
+	// is frozen and local steps begin; at least 1. Default 100000. In
+	// every step, local steps and synchronizations included, the ratio
+	// m_hat/(sqrt(v_hat)+eps) of an element whose v is zero or tiny (no
+	// gradient at the variance updates so far) is bounded, so that it
+	// trains at about exact Adam's rate instead of stepping by lr*m/eps:
+	// see the package doc.
 	VarFreezeStep int
 	// VarUpdateScaler (kappa) is the number of variance updates after
 	// which the interval between them doubles; at least 1. Default 16.
@@ -107,7 +112,6 @@ type ZeroOneAdam struct {
 	cfg    ZeroOneAdamConfig
 	params []*optim.Param
 	masks  [][]float32
-	unseen unseen // elements whose v is zero, after the first variance update
 
 	m, v   [][]float32 // per parameter: momentum, variance
 	anchor [][]float32 // per parameter: its value at the last synchronization
@@ -125,8 +129,9 @@ type ZeroOneAdam struct {
 }
 
 var (
-	_ optim.Optimizer = (*ZeroOneAdam)(nil)
-	_ optim.LRSetter  = (*ZeroOneAdam)(nil)
+	_ optim.Optimizer   = (*ZeroOneAdam)(nil)
+	_ optim.LRSetter    = (*ZeroOneAdam)(nil)
+	_ optim.FlagCarrier = (*ZeroOneAdam)(nil)
 )
 
 // Checkpoint names of 0/1 Adam's state beyond optim's common ones and
@@ -170,7 +175,6 @@ func NewZeroOneAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg
 		cfg:           cfg,
 		params:        append([]*optim.Param(nil), params...),
 		masks:         masks,
-		unseen:        newUnseen(len(params)),
 		m:             make([][]float32, len(params)),
 		v:             make([][]float32, len(params)),
 		anchor:        make([][]float32, len(params)),
@@ -217,6 +221,10 @@ func (o *ZeroOneAdam) Stats() optim.Stats { return o.f.Stats() }
 // schedule; see optim.LRSetter. lrs sums the step sizes actually applied,
 // so the momentum recovered at the next synchronization stays an average.
 func (o *ZeroOneAdam) SetLR(lr float32) error { return o.f.SetLR(lr) }
+
+// CarryFlags makes every following Step carry sf in its per-step
+// agreement; see optim.FlagCarrier.
+func (o *ZeroOneAdam) CarryFlags(sf *optim.StepFlags) error { return o.f.CarryFlags(sf) }
 
 // SetSchedule makes s choose the learning rate of every following step
 // (nil: back to the fixed one); see optim.LRSetter.
@@ -265,6 +273,7 @@ func (o *ZeroOneAdam) phaseA(ctx context.Context, t int64, lr float32) error {
 		o.varUpdates++
 	}
 	c1, c2 := o.corrections(t)
+	bound := ratioBound(cfg.Beta1, cfg.Beta2)
 	if !varStep {
 		if err := o.allReduceGrads(ctx); err != nil {
 			return err
@@ -281,13 +290,11 @@ func (o *ZeroOneAdam) phaseA(ctx context.Context, t int64, lr float32) error {
 			if o.masks[i] != nil {
 				optim.Mul(g, o.masks[i])
 			}
-			o.unseen.zero(i, g)
 			optim.Momentum(o.m[i], g, cfg.Beta1)
 		}
-		optim.AdamUpdate(p.Data(), o.m[i], o.v[i], lr, cfg.WeightDecay, c1, c2, cfg.Eps)
+		optim.AdamUpdateBounded(p.Data(), o.m[i], o.v[i], lr, cfg.WeightDecay, c1, c2, cfg.Eps, bound)
 	}
 	if varStep {
-		o.findUnseen()
 		o.varCounter++
 		if o.varCounter == int64(cfg.VarUpdateScaler) {
 			o.varCounter = 0
@@ -315,6 +322,7 @@ func (o *ZeroOneAdam) phaseB(ctx context.Context, t int64, lr float32) error {
 	o.lrs += float64(float32(lr * c1))
 	sync := t%o.localInterval == 0
 	lrs := float32(o.lrs)
+	bound := ratioBound(cfg.Beta1, cfg.Beta2)
 	for i, p := range o.params {
 		g := p.GradData()
 		if len(g) == 0 {
@@ -322,12 +330,12 @@ func (o *ZeroOneAdam) phaseB(ctx context.Context, t int64, lr float32) error {
 		}
 		m, v := o.m[i], o.v[i]
 		if !sync {
-			zeroOneLocalStep(p.Data(), m, v, g, nil, cfg.Beta1, lr, cfg.WeightDecay, c1, c2, cfg.Eps)
+			zeroOneLocalStep(p.Data(), m, v, g, nil, cfg.Beta1, lr, cfg.WeightDecay, c1, c2, cfg.Eps, bound)
 			continue
 		}
 		// The local step, then u = p - anchor (in the gradient's buffer,
 		// used up); p -= u, which is p = anchor; u *= sqrt(v)+eps.
-		zeroOneLocalStep(p.Data(), m, v, g, o.anchor[i], cfg.Beta1, lr, cfg.WeightDecay, c1, c2, cfg.Eps)
+		zeroOneLocalStep(p.Data(), m, v, g, o.anchor[i], cfg.Beta1, lr, cfg.WeightDecay, c1, c2, cfg.Eps, bound)
 	}
 	if sync {
 		// The accumulators u, in the gradients' buffers, go through the
@@ -343,9 +351,9 @@ func (o *ZeroOneAdam) phaseB(ctx context.Context, t int64, lr float32) error {
 			if o.masks[i] != nil {
 				optim.Mul(u, o.masks[i])
 			}
-			o.unseen.zero(i, u)
-			// m = -u/lrs; p = anchor + u/(sqrt(v)+eps), the new anchor.
-			zeroOneArrive(p.Data(), o.m[i], o.anchor[i], u, lrs)
+			// m = -u/lrs; p = anchor + u/(sqrt(v)+eps), the new anchor,
+			// moved by at most lrs times its ratio bound.
+			zeroOneArrive(p.Data(), o.m[i], o.anchor[i], u, lrs, bound)
 		}
 	}
 	if sync {
@@ -391,7 +399,7 @@ func (o *ZeroOneAdam) allReduceGrads(ctx context.Context) error {
 // last synchronization, weighted by the step sizes; and m, which
 // zeroOneArrive replaces, with the denominator sqrt(v*c2)+eps, for
 // zeroOneArrive to use.
-func zeroOneLocalStep(p, m, v, g, anchor []float32, b1, lr, wd, c1, c2, eps float32) {
+func zeroOneLocalStep(p, m, v, g, anchor []float32, b1, lr, wd, c1, c2, eps float32, b optim.RatioBound) {
 	a1 := optim.OneMinus(b1)
 	m, v, g = m[:len(p)], v[:len(p)], g[:len(p)]
 	if anchor == nil {
@@ -399,7 +407,7 @@ func zeroOneLocalStep(p, m, v, g, anchor []float32, b1, lr, wd, c1, c2, eps floa
 			mi := float32(b1*m[i]) + float32(a1*g[i])
 			m[i] = mi
 			d := float32(math.Sqrt(float64(float32(v[i]*c2)))) + eps
-			upd := float32(mi*c1)/d + float32(wd*p[i])
+			upd := b.Clip(float32(mi*c1)/d) + float32(wd*p[i])
 			p[i] -= float32(lr * upd)
 		}
 		return
@@ -409,7 +417,7 @@ func zeroOneLocalStep(p, m, v, g, anchor []float32, b1, lr, wd, c1, c2, eps floa
 		mi := float32(b1*m[i]) + float32(a1*g[i])
 		m[i] = mi
 		d := float32(math.Sqrt(float64(float32(v[i]*c2)))) + eps
-		upd := float32(mi*c1)/d + float32(wd*p[i])
+		upd := b.Clip(float32(mi*c1)/d) + float32(wd*p[i])
 		pi := p[i] - float32(lr*upd)
 		p[i] = pi
 		g[i] = (pi - anchor[i]) * d
@@ -418,13 +426,20 @@ func zeroOneLocalStep(p, m, v, g, anchor []float32, b1, lr, wd, c1, c2, eps floa
 }
 
 // zeroOneArrive sets, with m holding the denominators sqrt(v*c2)+eps on
-// entry (see zeroOneLocalStep), p = anchor + u/(sqrt(v*c2)+eps) and
-// m = -u/lrs, and makes p the new anchor.
-func zeroOneArrive(p, m, anchor, u []float32, lrs float32) {
+// entry (see zeroOneLocalStep), p = anchor + lrs*b.Clip(u/(d*lrs)) with
+// d = sqrt(v*c2)+eps, and m = -u/lrs, and makes p the new anchor: the
+// synchronization moves p from the anchor as far as steps of ratio u/(d*lrs)
+// would, bounded as every step's ratio is. Where that ratio is within
+// b.Cap, p = anchor + u/d exactly as without the bound.
+func zeroOneArrive(p, m, anchor, u []float32, lrs float32, b optim.RatioBound) {
 	m, anchor, u = m[:len(p)], anchor[:len(p)], u[:len(p)]
 	for i := range p {
 		ui := u[i]
-		pi := anchor[i] + ui/m[i]
+		du := ui / m[i]
+		if r := du / lrs; !(r <= b.Cap && r >= -b.Cap) && r == r {
+			du = lrs * b.Clip(r)
+		}
+		pi := anchor[i] + du
 		m[i] = -ui / lrs
 		p[i] = pi
 		anchor[i] = pi
@@ -523,19 +538,7 @@ func (o *ZeroOneAdam) load(ck *optim.Checkpoint) error {
 	o.localInterval, o.localCounter = ints[3], ints[4]
 	o.lrs = lrs
 	o.f.Restore(fs)
-	o.unseen.clear()
-	if o.varUpdates > 0 {
-		o.findUnseen()
-	}
 	return nil
-}
-
-// findUnseen lists the elements whose v is zero (see unseen): after every
-// variance update, since v changes only then.
-func (o *ZeroOneAdam) findUnseen() {
-	for i := range o.params {
-		o.unseen.find(i, o.v[i])
-	}
 }
 
 // Close releases the communicators that ReduceTwoLevel averaging split off

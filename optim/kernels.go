@@ -73,6 +73,80 @@ func AdamUpdate(p, m, v []float32, lr, wd, c1, c2, eps float32) {
 	}
 }
 
+// AdamRatioBound returns the largest |m|/sqrt(v) that exact Adam's moments
+// reach at any step, for any gradient sequence: by Cauchy-Schwarz on
+// m = (1-beta1)*sum beta1^k g_k and v = (1-beta2)*sum beta2^k g_k^2,
+//
+//	|m|/sqrt(v) <= (1-beta1)/sqrt((1-beta2)*(1-r)),  r = beta1^2/beta2 < 1,
+//
+// approached by a gradient proportional to (beta1/beta2)^k over many
+// steps: 7.27 for betas 0.9 and 0.999, 2.35 for 0.9 and 0.99. Bias
+// correction only lowers the ratio of the corrected moments early on, so it
+// bounds m_hat/sqrt(v_hat) too. It is +Inf where r >= 1 (exact Adam's own
+// ratio is then unbounded) and computed in float64, rounded once.
+func AdamRatioBound(beta1, beta2 float32) float32 {
+	b1, b2 := float64(beta1), float64(beta2)
+	r := b1 * b1 / b2
+	if !(r < 1) || b2 >= 1 {
+		return float32(math.Inf(1))
+	}
+	return float32((1 - b1) / math.Sqrt((1-b2)*(1-r)))
+}
+
+// RatioBound bounds the ratio r = m_hat/(sqrt(v_hat)+eps) of an
+// Adam-style update whose momentum is not the exact one (a compressed
+// momentum) or whose v is frozen: package onebit's rule for elements first
+// given gradient after the warm-up, or with a tiny v (see its package
+// doc). A ratio within Cap is left alone. Beyond Cap it is clipped to Cap,
+// up to Knee, where the variance is so small next to the momentum that it
+// no longer tells the element's scale: there the bound falls as Cap*Knee/|r|
+// down to 1, the ratio of exact Adam under a steady gradient, which an
+// element with v zero takes. The bound is continuous in r.
+type RatioBound struct {
+	// Cap is the largest ratio left to any element, >= 1.
+	Cap float32
+	// Knee is the ratio beyond which the bound falls, >= Cap.
+	Knee float32
+}
+
+// Clip returns r bounded as the type's doc says; a NaN r is returned as
+// it is.
+func (b RatioBound) Clip(r float32) float32 {
+	a := r
+	if a < 0 {
+		a = -a
+	}
+	if !(a > b.Cap) {
+		return r
+	}
+	c := b.Cap
+	if a > b.Knee {
+		c = max(1, b.Cap*(b.Knee/a))
+	}
+	if r < 0 {
+		return -c
+	}
+	return c
+}
+
+// AdamUpdateBounded is AdamUpdate with the per-element ratio
+// (m*c1)/(sqrt(v*c2)+eps) bounded by b before the weight decay is added:
+//
+//	update = b.Clip((m*c1) / (sqrt(v*c2) + eps)) + wd*p
+//	p     -= lr * update
+//
+// Where the ratio is within b.Cap (NaN included) the result is bit for bit
+// AdamUpdate's.
+func AdamUpdateBounded(p, m, v []float32, lr, wd, c1, c2, eps float32, b RatioBound) {
+	m = m[:len(p)]
+	v = v[:len(p)]
+	for i := range p {
+		d := sqrt32(float32(v[i]*c2)) + eps
+		u := b.Clip(float32(m[i]*c1)/d) + float32(wd*p[i])
+		p[i] -= float32(lr * u)
+	}
+}
+
 // AdamStep is AdamMoments followed by AdamUpdate, fused into one pass over
 // memory; the result is bit-identical to calling the two in turn.
 func AdamStep(p, m, v, g []float32, beta1, beta2, lr, wd, c1, c2, eps float32) {
