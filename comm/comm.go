@@ -160,9 +160,11 @@ type Concurrent interface {
 }
 
 // CanOverlap reports whether collectives on every one of cs may run at the
-// same time as collectives on the others: each implements Concurrent, or
-// wraps one that does (see As), and says so. A communicator that does not
-// may not.
+// same time as collectives on the others: each implements Concurrent
+// itself and says so. A communicator that does not may not, a wrapper
+// included: the wrapped communicator's Concurrent is not the wrapper's
+// (see Wrapper), so a goroutine-safe wrapper implements Concurrent,
+// typically as CanOverlap(wrapped).
 func CanOverlap(cs ...Comm) bool {
 	for _, c := range cs {
 		k, ok := As[Concurrent](c)

@@ -19,10 +19,10 @@ var builtinMeasurements []byte
 // BuiltinSource names the built-in calibration in output.
 const BuiltinSource = "built-in (costmodel/measured.json)"
 
-// Measurements are what scripts/plan-calibrate.sh records: lowbit bench
+// measurements are what scripts/plan-calibrate.sh records: lowbit bench
 // --json sweeps on a shaped link at several rates and rank counts, and
 // runs of the 1-bit allreduce without a network.
-type Measurements struct {
+type measurements struct {
 	Machine struct {
 		CPUs     int    `json:"cpus"`
 		Model    string `json:"model"`
@@ -32,40 +32,40 @@ type Measurements struct {
 	// BurstBytes is the token bucket's burst (tbf burst): bytes that pass
 	// at once after the link was idle long enough to refill it.
 	BurstBytes int64         `json:"burst_bytes"`
-	Runs       []MeasuredRun `json:"runs"`
+	Runs       []measuredRun `json:"runs"`
 	// Compute are lowbit bench runs of onebit on the local backend:
 	// compression without a network, on 1 rank and on each rank count of
 	// the runs.
-	Compute []BenchRun `json:"compute"`
+	Compute []benchRun `json:"compute"`
 }
 
-// MeasuredRun is one lowbit bench --json sweep on a link shaped to Rate.
-type MeasuredRun struct {
+// measuredRun is one lowbit bench --json sweep on a link shaped to Rate.
+type measuredRun struct {
 	Rate   string   `json:"rate"` // tc units, as ParseRate reads them
 	Ranks  int      `json:"ranks"`
 	Repeat int      `json:"repeat"`
-	Bench  BenchRun `json:"bench"`
+	Bench  benchRun `json:"bench"`
 }
 
-// BenchRun is the part of lowbit bench's --json output the model reads.
-type BenchRun struct {
+// benchRun is the part of lowbit bench's --json output the model reads.
+type benchRun struct {
 	Ranks      int        `json:"ranks"`
 	Warmup     int        `json:"warmup"`
 	Iterations int        `json:"iterations"`
-	Results    []BenchRow `json:"results"`
+	Results    []benchRow `json:"results"`
 }
 
-// BenchRow is one collective at one size of a BenchRun.
-type BenchRow struct {
+// benchRow is one collective at one size of a benchRun.
+type benchRow struct {
 	Collective       string  `json:"collective"`
 	Bytes            int64   `json:"bytes"` // float32 bytes per rank
 	TimeP50us        float64 `json:"time_p50_us"`
 	WireBytesPerRank int64   `json:"wire_bytes_per_rank"`
 }
 
-// ParseMeasurements decodes and checks a file of scripts/plan-calibrate.sh.
-func ParseMeasurements(data []byte) (*Measurements, error) {
-	var m Measurements
+// parseMeasurements decodes and checks a file of scripts/plan-calibrate.sh.
+func parseMeasurements(data []byte) (*measurements, error) {
+	var m measurements
 	if err := json.Unmarshal(data, &m); err != nil {
 		return nil, fmt.Errorf("measurements: %w", err)
 	}
@@ -112,8 +112,8 @@ type BenchedCase struct {
 	Bytes      int64 // float32 bytes per rank
 }
 
-// Points groups m's rows by setting and takes the median over repeats.
-func (m *Measurements) Points() ([]Point, error) {
+// points groups m's rows by setting and takes the median over repeats.
+func (m *measurements) points() ([]Point, error) {
 	type key struct {
 		coll  string
 		rate  string
@@ -164,10 +164,10 @@ type ComputePoint struct {
 	Seconds float64 `json:"seconds"`
 }
 
-// ComputeCurves is the onebit rows of the compute runs (local backend, no
+// computeCurves is the onebit rows of the compute runs (local backend, no
 // network) by rank count: the median per size, by ascending size. It needs
 // a 1-rank curve.
-func (m *Measurements) ComputeCurves() (map[int][]ComputePoint, error) {
+func (m *measurements) computeCurves() (map[int][]ComputePoint, error) {
 	times := map[int]map[int64][]float64{}
 	for _, r := range m.Compute {
 		if r.Ranks < 1 {
@@ -239,15 +239,15 @@ func LoadFile(path string) (*Calibration, error) {
 // scripts/plan-calibrate.sh writes); source names them in errors and
 // output.
 func Load(data []byte, source string) (*Calibration, error) {
-	meas, err := ParseMeasurements(data)
+	meas, err := parseMeasurements(data)
 	if err != nil {
 		return nil, fmt.Errorf("costmodel: %s: %w", source, err)
 	}
-	pts, err := meas.Points()
+	pts, err := meas.points()
 	if err != nil {
 		return nil, fmt.Errorf("costmodel: %s: %w", source, err)
 	}
-	curve, err := meas.ComputeCurves()
+	curve, err := meas.computeCurves()
 	if err != nil {
 		return nil, fmt.Errorf("costmodel: %s: %w", source, err)
 	}

@@ -116,7 +116,7 @@ type setup struct {
 // per rank. On the calibration's shared link, with a compute run of that
 // rank count, it is that run's time (the ranks' real contention for the
 // machine's CPUs). Otherwise one rank alone on the padded buffer (the
-// 1-rank curve or --compress-rate), times (4+1/W)/5, the share of its
+// 1-rank curve or Job.CompressBps), times (4+1/W)/5, the share of its
 // passes each of W ranks makes (onebitSteps), on a CPU of its own; on the
 // shared machine W ranks take turns on its CPUs.
 func (m *Model) computeSeconds(c collective, n int64, s setup) float64 {

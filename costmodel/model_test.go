@@ -47,11 +47,11 @@ func TestParseRate(t *testing.T) {
 }
 
 // builtinModel fits the model to the recorded measurements.
-func builtinModel(t *testing.T) (*Model, *Measurements, []Point) {
+func builtinModel(t *testing.T) (*Model, *measurements, []Point) {
 	t.Helper()
 	c, err := Builtin()
 	require.NoError(t, err)
-	meas, err := ParseMeasurements(builtinMeasurements)
+	meas, err := parseMeasurements(builtinMeasurements)
 	require.NoError(t, err)
 	return c.Model, meas, c.Points
 }
@@ -249,11 +249,11 @@ func TestPlanPredictsPipelined(t *testing.T) {
 	m, _, _ := builtinModel(t)
 	data, err := os.ReadFile("testdata/pipelined.json")
 	require.NoError(t, err)
-	meas, err := ParseMeasurements(data)
+	meas, err := parseMeasurements(data)
 	require.NoError(t, err)
-	pts, err := meas.Points()
+	pts, err := meas.points()
 	require.NoError(t, err)
-	curves, err := meas.ComputeCurves()
+	curves, err := meas.computeCurves()
 	require.NoError(t, err)
 	for w, cv := range curves {
 		for _, p := range cv {
@@ -357,7 +357,7 @@ func TestFitErrors(t *testing.T) {
 		`{"link_sharing": "both", "machine": {"cpus": 2}, "runs": [{}]}`,
 		`{"link_sharing": "shared", "machine": {"cpus": 0}, "runs": [{}]}`,
 		`{"link_sharing": "shared", "machine": {"cpus": 2}, "burst_bytes": -1, "runs": [{}]}`} {
-		_, err := ParseMeasurements([]byte(bad))
+		_, err := parseMeasurements([]byte(bad))
 		assert.Error(t, err, bad)
 	}
 }

@@ -54,7 +54,8 @@ type Row struct {
 }
 
 // Assumptions is what a plan's numbers rest on, each with where it comes
-// from.
+// from: the calibration (a sentence saying which part of it), or the Job
+// field that replaced it ("Job.Alpha", "Job.Ineff", "Job.CompressBps").
 type Assumptions struct {
 	Alpha        float64 `json:"alpha_s"`
 	AlphaFrom    string  `json:"alpha_from"`
@@ -78,14 +79,6 @@ type Plan struct {
 	Model *Model `json:"model"`
 	Rows  []Row  `json:"collectives"`
 }
-
-// Overrides of a Job's fitted figures name themselves in Assumptions with
-// these.
-const (
-	AlphaFromJob    = "--alpha"
-	IneffFromJob    = "--ineff"
-	CompressFromJob = "--compress-rate"
-)
 
 // Plan predicts the gradient exchange of one step of j: the gradient goes
 // in buckets of j.BucketBytes, each bucket one call of each collective.
@@ -115,10 +108,10 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 		a.IneffFrom = fmt.Sprintf("line rate: the %s loopback fit (%.2f) is below 1, which a real link does not do", f.RateName, f.Ineff)
 	}
 	if j.Alpha > 0 {
-		a.Alpha, a.AlphaFrom = j.Alpha, AlphaFromJob
+		a.Alpha, a.AlphaFrom = j.Alpha, "Job.Alpha"
 	}
 	if j.Ineff > 0 {
-		a.Ineff, a.IneffFrom = j.Ineff, IneffFromJob
+		a.Ineff, a.IneffFrom = j.Ineff, "Job.Ineff"
 	}
 	f.Alpha, f.Ineff = a.Alpha, a.Ineff
 	if j.Sharing == Shared {
@@ -136,9 +129,9 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 	if c1 := m.computeSeconds(one, min(n, per), setup{Ranks: 1, Sharing: PerRank}); c1 > 0 {
 		a.CompressBps = float64(4*onebitPaddedLen(min(n, per), 1)) / c1
 	}
-	a.CompressFrom = "measured on the calibration machine, 1 rank, at the bucket size; set --compress-rate to your hardware's"
+	a.CompressFrom = "measured on the calibration machine, 1 rank, at the bucket size; set Job.CompressBps to your hardware's"
 	if m.CompressBps > 0 {
-		a.CompressFrom = CompressFromJob
+		a.CompressFrom = "Job.CompressBps"
 	}
 	predictStep := func(c collective) prediction {
 		var p prediction

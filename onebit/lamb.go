@@ -621,7 +621,7 @@ func boolInt(b bool) int64 {
 	return 0
 }
 
-// Close releases the communicators that oeduceLambwoLevel averaging split off
+// Close releases the communicators that ReduceTwoLevel averaging split off
 // the group (none in the other modes); see optim.Optimizer.Close: not a
 // collective, idempotent, every rank calls it, Step fails after it.
 func (o *Lamb) Close() error {

@@ -305,10 +305,8 @@ func (q *QGZ) encode(dst []byte, src []float32, res []float32) {
 	if len(src) < q.part || res != nil {
 		k := copy(q.tmp, src)
 		clear(q.tmp[k:])
-		if res != nil {
-			for i, r := range res {
-				q.tmp[i] += r
-			}
+		for i, r := range res {
+			q.tmp[i] += r
 		}
 		x = q.tmp
 	}

@@ -29,14 +29,6 @@ var fast = func() kernels {
 	}
 }()
 
-// quantPath names the quantizer kernels this CPU uses.
-func quantPath() string {
-	if quantAVX2 {
-		return "avx2"
-	}
-	return "generic"
-}
-
 func amaxFast(x []float32) float32 {
 	var m float32
 	if nb := len(x) / quantBlock; nb > 0 {

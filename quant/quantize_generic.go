@@ -4,6 +4,3 @@ package quant
 
 // fast is the portable path on builds without assembly.
 var fast = generic
-
-// quantPath names the quantizer kernels of this build.
-func quantPath() string { return "generic" }

@@ -47,6 +47,9 @@ if command -v mpicc >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1 &&
 	tmp=$(mktemp -d)
 	trap 'rm -rf "$tmp"' EXIT
 	export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}
+	# How long mpirun waits before it passes a SIGTERM (or a rank's death) on
+	# to the ranks, and again before SIGKILL, as in scripts/lib/netns.sh.
+	export OMPI_MCA_odls_base_sigkill_timeout=${OMPI_MCA_odls_base_sigkill_timeout:-3}
 	if (cd integrations/gomlx && "$GO" build -tags mpi -o "$tmp/mnist-gomlx" ./examples/mnist); then
 		t0=$(date +%s%N)
 		timeout -k 10 120 mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 \

@@ -24,7 +24,13 @@ bin=$tmp/mpi.test
 # Containers often forbid the cross-process memory attach vader uses by
 # default; copying through shared memory works everywhere.
 export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}
-mpirun=(mpirun --allow-run-as-root --oversubscribe --bind-to none)
+# Open MPI's odls_base_sigkill_timeout (its default is 1 s): when mpirun
+# gets SIGTERM, or a rank dies, it waits this long, sends the ranks
+# SIGTERM, waits this long again and SIGKILLs them (scripts/lib/netns.sh,
+# NETNS_MPI_STOP_S). 3 s leaves the SIGTERM test below a stop of a few
+# hundred steps and the early-exit scenarios well within 30 s.
+stop_s=${OMPI_MCA_odls_base_sigkill_timeout:-3}
+mpirun=(mpirun --allow-run-as-root --oversubscribe --bind-to none --mca odls_base_sigkill_timeout "$stop_s")
 
 start=$(date +%s%N)
 if ! "$GO" test -c -tags mpi -o "$bin" ./comm/mpi; then
@@ -138,8 +144,9 @@ fi
 
 # SIGTERM to mpirun while MNIST trains (the termAtEnv hook: rank 0 sends it
 # to its parent, mpirun, after step 6; Open MPI passes it on to every rank
-# about a second later): every rank stops at the same step with its
-# checkpoint saved, and -resume ends bit-identical to the uninterrupted run.
+# stop_s later and SIGKILLs them stop_s after that): every rank stops at
+# the same step with its checkpoint saved, and -resume ends bit-identical
+# to the uninterrupted run. The run's 1000 steps must outlast stop_s.
 if [ -x "$mnist" ]; then
 	pargs=("${margs[@]}" -epochs 100)
 	run "$tmp/mnist-pwhole.log" timeout -k 10 120 "${mpirun[@]}" -np 2 "$mnist" "${pargs[@]}" -checkpoint "$tmp/ck-pwhole"
@@ -156,6 +163,9 @@ if [ -x "$mnist" ]; then
 		passed=$((passed + 1))
 	else
 		echo "MPI tests: mnist SIGTERM to mpirun FAILED (exits: whole $rc_whole, terminated $rc_term, resumed $rc; stop step '${stop}'):"
+		if [ -z "$stop" ] && [ -n "$(hashes "$tmp/mnist-term.log")" ]; then
+			echo "  the run completed before the SIGTERM reached its ranks ${stop_s} s after mpirun got it (odls_base_sigkill_timeout): lower it or raise -epochs"
+		fi
 		tail -n 20 "$tmp/mnist-pwhole.log" "$tmp/mnist-term.log" "$tmp/mnist-tresume.log"
 		fail=$((fail + 1))
 	fi

@@ -140,11 +140,6 @@ func openStub(t *testing.T, s *stub) *cuda.Device {
 	return d
 }
 
-func closeFloats(t *testing.T, what string, want, got []float32, exact bool) {
-	t.Helper()
-	require.NoError(t, acceltest.Compare(what, want, got, exact))
-}
-
 // TestStubKernels drives every kernel launch through the stand-in driver,
 // which runs C versions of the kernels on host memory: the parameters the
 // package passes (pointers, offsets, lengths, scales, grid) must give the

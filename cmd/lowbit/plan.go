@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -147,7 +148,24 @@ func planMain(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	a := &p.Assumptions
+	a.AlphaFrom, a.IneffFrom, a.CompressFrom = flagNames(a.AlphaFrom), flagNames(a.IneffFrom), flagNames(a.CompressFrom)
 	return writePlan(stdout, p, cfg, cal.Source)
+}
+
+// jobField is a costmodel.Job field as costmodel's Assumptions name the
+// one that replaced a fitted figure ("Job.Alpha").
+var jobField = regexp.MustCompile(`\bJob\.([A-Z][A-Za-z]*)\b`)
+
+// flagNames rewrites the costmodel.Job fields that s names as the flags
+// that set them (Job.Alpha: --alpha), so that the plan says what to type.
+func flagNames(s string) string {
+	return jobField.ReplaceAllStringFunc(s, func(m string) string {
+		if f, ok := planFlags[strings.TrimPrefix(m, "Job.")]; ok {
+			return "--" + f
+		}
+		return m
+	})
 }
 
 func writeFit(w io.Writer, m *costmodel.Model, checks []costmodel.Check, source string, holdout, asJSON bool) error {

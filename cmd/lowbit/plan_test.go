@@ -117,6 +117,29 @@ func TestPlanCommandJSONUnchanged(t *testing.T) {
 	assert.Equal(t, string(want), out.String())
 }
 
+// costmodel names the Job fields that replaced a fitted figure; the
+// command names its flags instead, in the text and in the JSON.
+func TestPlanNamesFlags(t *testing.T) {
+	args := strings.Fields("--params 340M --ranks 8 --link 10gbit --compress-rate 2e10 --alpha 1e-5 --ineff 1.2")
+	var out bytes.Buffer
+	require.NoError(t, planMain(args, &out, io.Discard))
+	s := out.String()
+	assert.Contains(t, s, "(--alpha)")
+	assert.Contains(t, s, "(--ineff)")
+	assert.Contains(t, s, "(--compress-rate)")
+	assert.NotContains(t, s, "Job.")
+	out.Reset()
+	require.NoError(t, planMain(append(args, "--json"), &out, io.Discard))
+	var res struct{ Assumptions costmodel.Assumptions }
+	require.NoError(t, json.Unmarshal(out.Bytes(), &res))
+	assert.Equal(t, "--alpha", res.Assumptions.AlphaFrom)
+	assert.Equal(t, "--ineff", res.Assumptions.IneffFrom)
+	assert.Equal(t, "--compress-rate", res.Assumptions.CompressFrom)
+
+	assert.Equal(t, "set --compress-rate to yours", flagNames("set Job.CompressBps to yours"))
+	assert.Equal(t, "Job.Unknown and --ranks", flagNames("Job.Unknown and Job.Ranks"))
+}
+
 func TestParsePlanFlagsErrors(t *testing.T) {
 	for _, args := range [][]string{
 		{"--params", "0"}, {"--params", "-5"}, {"--params", "NaN"}, {"--ranks", "1"}, {"--link", "fast"},

@@ -20,9 +20,10 @@ import (
 // counter. Its methods may be called concurrently, as the wrapped
 // communicator's may.
 //
-// It keeps the capabilities of the communicator it wraps (the argument
-// check the 1-bit allreduce skips, the node layout, overlapping
-// collectives) by implementing comm.Wrapper: comm.As finds them through it.
+// It keeps the capabilities of the communicator it wraps: the argument
+// check the 1-bit allreduce skips by implementing comm.Wrapper (comm.As
+// finds it through it), the node layout and overlapping collectives by
+// implementing SplitNode and Concurrent itself.
 type Comm struct {
 	comm.Comm
 	ns *atomic.Int64
@@ -126,8 +127,14 @@ func (t *Comm) SplitNode(ctx context.Context) (comm.Comm, error) {
 	return &Comm{Comm: c, ns: t.ns}, nil
 }
 
+// Concurrent reports whether the wrapped communicator's collectives may
+// overlap (comm.CanOverlap): the counter is atomic, so Comm adds no limit
+// of its own.
+func (t *Comm) Concurrent() bool { return comm.CanOverlap(t.Comm) }
+
 var (
 	_ comm.Comm         = (*Comm)(nil)
 	_ comm.Wrapper      = (*Comm)(nil)
 	_ comm.NodeSplitter = (*Comm)(nil)
+	_ comm.Concurrent   = (*Comm)(nil)
 )

@@ -36,7 +36,8 @@ func TestKeepsCapabilities(t *testing.T) {
 		tc := timed.New(rec)
 		comm.SkipChecks(tc, 2)
 		assert.Equal(t, []int{2}, rec.got, "SkipChecks reaches the wrapped communicator")
-		assert.True(t, comm.CanOverlap(tc), "Concurrent kept")
+		assert.True(t, comm.CanOverlap(timed.New(c)), "Concurrent kept")
+		assert.False(t, comm.CanOverlap(tc), "not over a wrapper that does not say so itself")
 
 		l, err := comm.NewLayout(ctx, tc, 0)
 		if err != nil {

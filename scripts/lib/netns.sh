@@ -27,11 +27,25 @@
 # netns_require_* functions and netns_new exit 1 on failure. Needs bash,
 # ip and tc from iproute2 (two machines: unshare from util-linux).
 
+# NETNS_MPI_STOP_S is Open MPI's odls_base_sigkill_timeout, in seconds
+# (default: $OMPI_MCA_odls_base_sigkill_timeout, else 3; Open MPI's own
+# default is 1). When mpirun gets SIGTERM or SIGINT, or a rank dies, it
+# waits this long, sends SIGTERM to the ranks (it cannot forward SIGTERM at
+# once), waits this long again and SIGKILLs them. So it is both how late
+# the ranks hear of a SIGTERM sent to mpirun and how long they then have to
+# stop at a step boundary, save and exit; and a job whose rank died ends
+# within twice this. 3 s covers the MNIST example's stop (0.15 s) on a
+# loaded machine, and keeps the soak's interrupted jobs ending within its
+# 10 s goal; a model whose step plus save takes longer needs more (see
+# examples/mnist/README.md, Preemption).
+NETNS_MPI_STOP_S=${OMPI_MCA_odls_base_sigkill_timeout:-3}
+
 # NETNS_MPIRUN is mpirun as every script starts it: as root, more ranks
-# than cores, not bound to cores, and waiting ranks yielding the CPU
+# than cores, not bound to cores, waiting ranks yielding the CPU
 # (mpi_yield_when_idle), since spinning ranks would otherwise steal it from
-# computing ones on a small machine.
-NETNS_MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
+# computing ones on a small machine, and NETNS_MPI_STOP_S to stop.
+NETNS_MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none --mca mpi_yield_when_idle 1
+	--mca odls_base_sigkill_timeout "$NETNS_MPI_STOP_S")
 
 # NETNS_MPI_LO makes Open MPI's ranks talk over TCP on the loopback only,
 # so that a qdisc on lo sees (and shapes) all of their traffic.
