@@ -4,12 +4,15 @@ import (
 	"context"
 	"fmt"
 	"iter"
+	"os"
+	"path/filepath"
 
 	"github.com/gomlx/compute/gobackend"
 	"github.com/gomlx/gomlx/core/graph"
 	"github.com/gomlx/gomlx/core/tensors"
 	"github.com/gomlx/gomlx/ml/layers"
 	"github.com/gomlx/gomlx/ml/model"
+	"github.com/gomlx/gomlx/ml/model/checkpoint"
 	"github.com/gomlx/gomlx/ml/train"
 	"github.com/gomlx/gomlx/ml/train/loss"
 
@@ -81,4 +84,62 @@ func Example() {
 	// Output:
 	// error: <nil>
 	// loss below 0.01 on both ranks: true
+}
+
+// Checkpoints on 2 ranks, each in its own directory, saved every step: a
+// second run resumes every rank from the newest step they all hold. Before
+// it, rank 1's newest checkpoint is removed, as a crash between the ranks'
+// last saves would leave it: both ranks resume from step 3, rank 0's step
+// 4 is set aside.
+func ExampleOptimizer_Checkpoint() {
+	dir, err := os.MkdirTemp("", "lowbit-gomlx-example-")
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer os.RemoveAll(dir)
+	linear := func(scope *model.Scope, x *graph.Node) *graph.Node {
+		return layers.DenseWithBias(scope.In("linear"), x, 1)
+	}
+	run := func(steps int) ([]int64, error) {
+		start := make([]int64, 2)
+		err := local.Run(context.Background(), 2, func(ctx context.Context, c comm.Comm) error {
+			backend, err := gobackend.New("")
+			if err != nil {
+				return err
+			}
+			opt, err := gomlx.New(ctx, c, func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+				return optim.NewAdam(ctx, c, p, optim.DefaultAdamConfig())
+			})
+			if err != nil {
+				return err
+			}
+			defer opt.Close()
+			store := model.NewStore()
+			// Instead of checkpoint.Build(store).Dir(rankDir).Keep(2).Done():
+			ckpt, err := opt.Checkpoint(checkpoint.Build(store).Keep(2), filepath.Join(dir, fmt.Sprintf("rank-%d", c.Rank())))
+			if err != nil {
+				return err
+			}
+			trainer := train.NewTrainer(backend, store, linear, loss.MeanSquaredError, opt, nil, nil)
+			loop := train.NewLoop(trainer)
+			opt.AttachToLoop(loop)
+			train.EveryNSteps(loop, 1, "checkpoint", 100, opt.SaveOnStepFn(ckpt))
+			start[c.Rank()] = trainer.GlobalStep()
+			_, err = loop.RunSteps(half{rank: c.Rank()}, steps)
+			return err
+		})
+		return start, err
+	}
+	start, err := run(4)
+	fmt.Println("first run starts at", start, "error:", err)
+	lost, _ := filepath.Glob(filepath.Join(dir, "rank-1", "*step-00000004*"))
+	for _, f := range lost {
+		os.Remove(f)
+	}
+	start, err = run(2)
+	fmt.Println("rank 1 lost", len(lost), "files of step 4; the second run starts at", start, "error:", err)
+	// Output:
+	// first run starts at [0 0] error: <nil>
+	// rank 1 lost 3 files of step 4; the second run starts at [3 3] error: <nil>
 }

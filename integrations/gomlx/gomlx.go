@@ -19,6 +19,7 @@
 //		return onebit.NewAdam(ctx, c, p, onebit.DefaultAdamConfig())
 //	})
 //	defer opt.Close()
+//	ckpt, err := opt.Checkpoint(checkpoint.Build(store).Keep(2), rankDir) // instead of checkpoint.Build(store).Dir(rankDir).Keep(2).Done()
 //	trainer := train.NewTrainer(backend, store, modelFn, lossFn, opt, trainMetrics, evalMetrics) // opt instead of optimizer.Adam()...
 //	loop := train.NewLoop(trainer)
 //	opt.AttachToLoop(loop)                                           // new line
@@ -38,17 +39,24 @@
 // computed: every rank starts from rank 0's initial values whatever its
 // initializers' seeds. Every rank builds its first training graph together.
 //
-// Each step's hook agrees with the other ranks, in one two-element
-// allreduce, on whether every rank got its gradients and whether every
-// rank's loss is finite. An error on one rank (a trainable variable added
-// or reshaped since the first graph, a gradient that cannot be read) is
-// returned on every rank and changes nothing on any rank. A step whose loss
-// is not finite on some rank changes nothing and stops the loop on every
-// rank with an error (GoMLX's train.Loop stops on a non-finite loss; this
-// makes every rank stop, not only the one that saw it). A step whose
-// gradient is not finite on some rank while every loss is finite is skipped
-// on every rank by the lowbit optimizer (optim.Stats.Skipped counts it) and
-// the loop goes on.
+// Each step's hook agrees with the other ranks on whether every rank got
+// its gradients and whether every rank's loss is finite. Those two flags
+// ride in the lowbit optimizer's own per-step agreement, the allreduce of a
+// few bytes in which the ranks agree that every gradient is finite
+// (optim.FlagCarrier, which every lowbit optimizer implements): a step pays
+// one latency-bound agreement for all of it, not one of the hook's and one
+// of the optimizer's. (With an optimizer that does not implement
+// optim.FlagCarrier the hook agrees in an allreduce of its own first.) An
+// error on one rank (a trainable variable added or reshaped since the first
+// graph, a gradient that cannot be read) is returned on every rank and
+// changes nothing on any rank: that rank refuses the step in the agreement
+// (optim.StepFlags.Refuse) before any update, so no rank updates with what
+// it failed to read. A step whose loss is not finite on some rank changes
+// nothing and stops the loop on every rank with an error naming the step
+// (GoMLX's train.Loop stops on a non-finite loss; this makes every rank
+// stop, not only the one that saw it). A step whose gradient is not finite
+// on some rank while every loss is finite is skipped on every rank by the
+// lowbit optimizer (optim.Stats.Skipped counts it) and the loop goes on.
 //
 // An error inside GoMLX's own TrainStep (a graph that fails to build or to
 // run on one rank) never reaches the hook on that rank: train.Loop returns
@@ -60,20 +68,44 @@
 //
 // # Checkpoints
 //
-// The lowbit optimizer's state (moments, error buffers, counters: an
-// optim.Checkpoint) is saved in the GoMLX checkpoint, as the non-trainable
-// uint8 variable /lowbit/optimizer_state, by Save or SaveOnStepFn, which
-// write the state into that variable and then call checkpoint.Handler.Save.
-// The gradient variables are excluded from the checkpoint. Loading needs
-// nothing new: checkpoint.Build(store).Dir(dir).Done() before the first
-// step, as usual; the first training graph restores the lowbit state from
-// the loaded variable, and the run continues bit-identically. The state is
-// per rank (1-bit error buffers, sharded moments), so every rank saves to
-// and loads from its own directory. A checkpoint made by another optimizer,
-// another number of ranks, another rank or another model is refused on
-// every rank with an error, and the lowbit optimizer is not changed. A
-// checkpoint saved with Handler.Save directly (whose lowbit state, if any,
-// is from another step) is refused too.
+// Each rank saves its own checkpoints, to its own directory: the lowbit
+// state is per rank (1-bit error buffers, sharded moments). Save (or
+// SaveOnStepFn) writes the lowbit optimizer's state (moments, error
+// buffers, counters, the parameters: an optim.Checkpoint) of global step S
+// to the file StateFilePrefix+S+StateFileSuffix next to GoMLX's checkpoint
+// files, atomically (optim.SaveFile: a temporary file synced and renamed),
+// and then calls checkpoint.Handler.Save, which writes the model and, last,
+// the .json that makes GoMLX list the checkpoint; after it, the state files
+// of steps GoMLX no longer keeps (checkpoint.Config.Keep) are removed. A
+// save costs one copy of the lowbit state on the heap (optim.Optimizer's
+// State) while it is streamed to the file, and nothing of it stays
+// resident afterwards. The gradient variables are excluded from the
+// checkpoint.
+//
+// The ranks must resume from the same step. A crash between two ranks'
+// saves leaves one rank's newest checkpoint a step ahead of another's, so
+// build each rank's Handler with Checkpoint, a collective, instead of
+// checkpoint.Config.Done: the ranks exchange the steps their directories
+// hold and every rank loads the newest step they all hold. A rank's newer
+// checkpoints are moved into the subdirectory SetAsideDir (so that GoMLX
+// loads the common one) and a warning names the step chosen. When the
+// ranks hold checkpoints but none in common, every rank fails with an
+// error naming each rank's steps. Ranks whose Handlers were built
+// otherwise and loaded different global steps fail at the first training
+// step, on every rank, with an error naming the ranks and their steps:
+// they never train on from different steps.
+//
+// The first training graph restores the lowbit state of the loaded
+// model's global step, and the run continues bit-identically. A
+// checkpoint made by another optimizer, another number of ranks, another
+// rank or another model is refused on every rank with an error, and the
+// lowbit optimizer is not changed. So is a checkpoint saved with
+// Handler.Save directly after Save (its lowbit state is from an older
+// step). A GoMLX checkpoint without lowbit state (made with one of GoMLX's
+// optimizers, say) starts the lowbit optimizer afresh, with a warning.
+// Checkpoints written before the state had a file of its own (in the
+// variable StateVariable) still load; the variable is then removed from
+// the store.
 //
 // The package is a module of its own (github.com/lowbit-ml/lowbit/integrations/gomlx),
 // so that lowbit's core keeps its small set of dependencies. It is pinned to
@@ -86,7 +118,11 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"io/fs"
 	"math"
+	"os"
+	"path/filepath"
+	"strings"
 
 	"github.com/gomlx/compute"
 	"github.com/gomlx/compute/dtypes"
@@ -108,11 +144,23 @@ const (
 	// which the gradients leave the graph: the gradient of the variable at
 	// path P is the variable GradientScope+P.
 	GradientScope = "/lowbit/gradients"
-	// StateVariable is the path of the non-trainable uint8 variable that
-	// holds the lowbit optimizer's state in a GoMLX checkpoint: the global
-	// step (8 bytes, little-endian) followed by the optim.Checkpoint in its
-	// binary form.
+	// StateVariable is the path of the non-trainable uint8 variable in
+	// which earlier versions saved the lowbit optimizer's state inside the
+	// GoMLX checkpoint: the global step (8 bytes, little-endian) followed
+	// by the optim.Checkpoint in its binary form. Such checkpoints still
+	// load; Save writes the state to its own file (StateFilePrefix).
 	StateVariable = "/lowbit/optimizer_state"
+	// StateFilePrefix and StateFileSuffix name the file, in a Handler's
+	// directory, that holds the lowbit optimizer's state of a global step
+	// (optim.SaveFile's format): StateFilePrefix, the step in at least 8
+	// digits, StateFileSuffix; e.g. lowbit-state-step-00000012.ckpt.
+	StateFilePrefix = "lowbit-state-step-"
+	StateFileSuffix = ".ckpt"
+	// SetAsideDir is the subdirectory of a rank's checkpoint directory
+	// into which Checkpoint moves the checkpoints newer than the newest
+	// step every rank holds. Nothing reads it again: delete it, or move
+	// its files back by hand.
+	SetAsideDir = "lowbit-set-aside"
 	// HookPriority is the priority of the OnStep hook AttachToLoop adds:
 	// lower than any hook GoMLX or a user normally adds, so that the
 	// variables are updated before the progress bar, evaluations or
@@ -161,15 +209,22 @@ type Optimizer struct {
 	build Builder
 	log   *zap.Logger
 
-	store    *model.Store
-	opt      optim.Optimizer
-	vars     []*model.Variable // trainable variables, in store order
-	shapes   []shapes.Shape    // their shapes at the first graph
-	params   []*optim.Param    // one per variable, named by its path
-	grads    []*model.Variable // the gradient variables, one per trainable variable
-	failed   error             // set when the first graph failed: Optimizer unusable
-	pending  error             // a local error found while building a later graph
-	flags    []float32         // the per-step agreement, allocated once
+	store   *model.Store
+	opt     optim.Optimizer
+	vars    []*model.Variable // trainable variables, in store order
+	shapes  []shapes.Shape    // their shapes at the first graph
+	params  []*optim.Param    // one per variable, named by its path
+	grads   []*model.Variable // the gradient variables, one per trainable variable
+	failed  error             // set when the first graph failed: Optimizer unusable
+	pending error             // a local error found while building a later graph
+	// sf carries the step's flags (flagFailed, flagLoss) in the lowbit
+	// optimizer's own agreement; nil when the optimizer is not an
+	// optim.FlagCarrier, and then flags is agreed on in an allreduce of
+	// its own. Both are allocated once.
+	sf       *optim.StepFlags
+	flags    []float32
+	loss     float64 // the loss of the step in progress, for the veto's error
+	vetoed   bool    // the veto stopped the step in progress
 	skipped  int64
 	steps    int64 // Steps the hook ran (skipped included)
 	restored bool  // whether the lowbit state came from a checkpoint
@@ -179,6 +234,14 @@ type Optimizer struct {
 }
 
 var _ optimizer.Interface = (*Optimizer)(nil)
+
+// The flags of the per-step agreement: 1 when this rank failed to get its
+// gradients (it refuses the step), 1 when its loss is not finite.
+const (
+	flagFailed = iota
+	flagLoss
+	numFlags
+)
 
 // New returns an Optimizer that averages over c (nil or a communicator of
 // size 1 for a single process) with the lowbit optimizer build returns.
@@ -192,7 +255,7 @@ func New(ctx context.Context, c comm.Comm, build Builder, opts ...Option) (*Opti
 	case build == nil:
 		return nil, errors.New("gomlx: nil optimizer builder")
 	}
-	o := &Optimizer{ctx: ctx, c: c, build: build, log: zap.NewNop(), flags: make([]float32, 2)}
+	o := &Optimizer{ctx: ctx, c: c, build: build, log: zap.NewNop(), flags: make([]float32, numFlags)}
 	for _, opt := range opts {
 		opt(o)
 	}
@@ -322,11 +385,13 @@ func (o *Optimizer) Clear(scope *model.Scope) error {
 }
 
 // Step runs the lowbit step of one training step, with this rank's loss:
-// it reads the gradients the graph handed out, agrees with the other ranks,
-// runs the lowbit optimizer and writes the new values into the variables,
-// then increments GoMLX's global step. AttachToLoop calls it after every
-// TrainStep; in a loop of your own, make the Optimizer WithManualStep and
-// call it after every Trainer.TrainStep. Every rank calls it together.
+// it reads the gradients the graph handed out, agrees with the other ranks
+// (in the lowbit optimizer's own per-step agreement, see the package
+// documentation), runs the lowbit optimizer and writes the new values into
+// the variables, then increments GoMLX's global step. AttachToLoop calls it
+// after every TrainStep; in a loop of your own, make the Optimizer
+// WithManualStep and call it after every Trainer.TrainStep. Every rank
+// calls it together.
 func (o *Optimizer) Step(loss float64) error {
 	if o.closed {
 		return fmt.Errorf("gomlx: %w", optim.ErrClosed)
@@ -344,28 +409,15 @@ func (o *Optimizer) Step(loss float64) error {
 	if localErr == nil {
 		localErr = o.readGradients()
 	}
-	o.flags[0], o.flags[1] = 0, 0
-	if localErr != nil {
-		o.flags[0] = 1
+	o.loss = loss
+	var err error
+	if o.sf != nil {
+		err = o.carriedStep(localErr)
+	} else {
+		err = o.ownStep(localErr)
 	}
-	if math.IsNaN(loss) || math.IsInf(loss, 0) {
-		o.flags[1] = 1
-	}
-	if o.c != nil && o.c.Size() > 1 {
-		if err := o.c.AllReduce(o.ctx, o.flags, comm.Max); err != nil {
-			return fmt.Errorf("gomlx: %w", err)
-		}
-	}
-	switch {
-	case localErr != nil:
-		return localErr
-	case o.flags[0] != 0:
-		return errors.New("gomlx: another rank failed to get its gradients; no variable changed")
-	case o.flags[1] != 0:
-		return fmt.Errorf("gomlx: step %d: the loss is not finite on some rank (here %g); the step is skipped on every rank and no variable changed", o.globalStep(), loss)
-	}
-	if err := o.opt.Step(o.ctx); err != nil {
-		return fmt.Errorf("gomlx: %w", err)
+	if err != nil {
+		return err
 	}
 	o.steps++
 	if s := o.opt.Stats().Skipped; s != o.skipped {
@@ -374,6 +426,81 @@ func (o *Optimizer) Step(loss float64) error {
 		return err
 	}
 	return o.setGlobalStep(o.globalStep() + 1)
+}
+
+// setFlags writes this rank's flags into f.
+func (o *Optimizer) setFlags(f []float32, localErr error) {
+	f[flagFailed], f[flagLoss] = 0, 0
+	if localErr != nil {
+		f[flagFailed] = 1
+	}
+	if math.IsNaN(o.loss) || math.IsInf(o.loss, 0) {
+		f[flagLoss] = 1
+	}
+}
+
+// carriedStep runs the lowbit optimizer's Step with the flags carried in
+// its agreement: a rank with localErr refuses the step there, and veto
+// stops it on every rank when some loss is not finite, before anything
+// changes.
+func (o *Optimizer) carriedStep(localErr error) error {
+	sf := o.sf
+	o.setFlags(sf.Local, localErr)
+	sf.Agreed[flagFailed], sf.Agreed[flagLoss] = 0, 0
+	sf.Refuse = localErr
+	o.vetoed = false
+	err := o.opt.Step(o.ctx)
+	sf.Refuse = nil
+	switch {
+	case err == nil:
+		return nil
+	case localErr != nil, o.vetoed:
+		// This rank's own error (joined with the agreement's, if that
+		// failed too), or the veto's.
+		return err
+	case sf.Agreed[flagFailed] != 0:
+		return fmt.Errorf("gomlx: another rank failed to get its gradients; no variable changed: %w", err)
+	}
+	return fmt.Errorf("gomlx: %w", err)
+}
+
+// veto is the StepFlags.Veto of the carried flags: it stops the step on
+// every rank when some rank's loss is not finite.
+func (o *Optimizer) veto(agreed []float32) error {
+	if agreed[flagLoss] == 0 {
+		return nil
+	}
+	o.vetoed = true
+	return o.lossError()
+}
+
+func (o *Optimizer) lossError() error {
+	return fmt.Errorf("gomlx: step %d: the loss is not finite on some rank (here %g); the step is skipped on every rank and no variable changed",
+		o.globalStep(), o.loss)
+}
+
+// ownStep agrees on the flags in an allreduce of its own, then runs the
+// lowbit optimizer's Step: the path of an optimizer that cannot carry
+// them.
+func (o *Optimizer) ownStep(localErr error) error {
+	o.setFlags(o.flags, localErr)
+	if o.size() > 1 {
+		if err := o.c.AllReduce(o.ctx, o.flags, comm.Max); err != nil {
+			return errors.Join(localErr, fmt.Errorf("gomlx: %w", err))
+		}
+	}
+	switch {
+	case localErr != nil:
+		return localErr
+	case o.flags[flagFailed] != 0:
+		return errors.New("gomlx: another rank failed to get its gradients; no variable changed")
+	case o.flags[flagLoss] != 0:
+		return o.lossError()
+	}
+	if err := o.opt.Step(o.ctx); err != nil {
+		return fmt.Errorf("gomlx: %w", err)
+	}
+	return nil
 }
 
 // readGradients copies the gradient variables into the parameters'
@@ -463,34 +590,41 @@ func (o *Optimizer) rank() int {
 }
 
 // init runs in the first training graph: it collects and initializes the
-// variables, agrees on them with the other ranks, broadcasts rank 0's
-// values, builds the lowbit optimizer and restores its state.
+// variables, agrees on them and on the global step with the other ranks,
+// broadcasts rank 0's values, builds the lowbit optimizer and restores its
+// state.
 func (o *Optimizer) init(store *model.Store, backend compute.Backend) error {
 	localErr := o.collect(store, backend)
 	// Every rank sends the fingerprint of its variables (0 after a local
-	// failure), so that a mismatch or a failure stops every rank.
-	fp := make([]byte, 8)
+	// failure) and its global step, so that a mismatch or a failure stops
+	// every rank.
+	const rec = 16
+	mine := make([]byte, rec)
 	if localErr == nil {
-		binary.LittleEndian.PutUint64(fp, o.fingerprint())
+		binary.LittleEndian.PutUint64(mine, o.fingerprint())
+		binary.LittleEndian.PutUint64(mine[8:], uint64(o.globalStep()))
 	}
 	size := o.size()
-	all := make([]byte, 8*size)
-	copy(all, fp)
+	all := make([]byte, rec*size)
+	copy(all, mine)
 	if size > 1 {
-		if err := o.c.AllGatherBytes(o.ctx, fp, all); err != nil {
-			return fmt.Errorf("gomlx: %w", err)
+		if err := o.c.AllGatherBytes(o.ctx, mine, all); err != nil {
+			return errors.Join(localErr, fmt.Errorf("gomlx: %w", err))
 		}
 	}
 	if localErr != nil {
 		return localErr
 	}
 	for r := range size {
-		switch got := binary.LittleEndian.Uint64(all[8*r:]); {
+		switch got := binary.LittleEndian.Uint64(all[rec*r:]); {
 		case got == 0:
 			return fmt.Errorf("gomlx: rank %d failed to build the model", r)
-		case got != binary.LittleEndian.Uint64(fp):
+		case got != binary.LittleEndian.Uint64(mine):
 			return fmt.Errorf("gomlx: rank %d has other trainable variables (paths, shapes) than rank %d", r, o.rank())
 		}
+	}
+	if err := checkSteps(all, rec, size); err != nil {
+		return err
 	}
 	if size > 1 {
 		for _, p := range o.params {
@@ -511,18 +645,63 @@ func (o *Optimizer) init(store *model.Store, backend compute.Backend) error {
 	}
 	o.opt = opt
 	o.skipped = opt.Stats().Skipped
-	if err := o.restore(); err != nil {
+	err = o.carryFlags()
+	if err == nil {
+		err = o.restore()
+	}
+	if err != nil {
 		_ = opt.Close()
-		o.opt = nil
+		o.opt, o.sf = nil, nil
 		return err
 	}
 	o.log.Info("lowbit optimizer ready", zap.Int("rank", o.rank()), zap.Int("ranks", size),
-		zap.Int("variables", len(o.vars)), zap.Bool("restored", o.restored))
+		zap.Int("variables", len(o.vars)), zap.Bool("restored", o.restored),
+		zap.Int64("global_step", o.globalStep()), zap.Bool("flags_carried", o.sf != nil))
 	return nil
 }
 
-// restore loads the lowbit state from the state variable a GoMLX
-// checkpoint brought, if any; the ranks agree on the outcome.
+// checkSteps refuses ranks whose models are at different global steps:
+// every rank loaded its own newest checkpoint, and they are not of the
+// same step. all holds each rank's record of rec bytes, the step at 8.
+func checkSteps(all []byte, rec, size int) error {
+	steps := make([]int64, size)
+	same := true
+	for r := range size {
+		steps[r] = int64(binary.LittleEndian.Uint64(all[rec*r+8:]))
+		same = same && steps[r] == steps[0]
+	}
+	if same {
+		return nil
+	}
+	var b strings.Builder
+	for r, s := range steps {
+		if r > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprintf(&b, "rank %d at %d", r, s)
+	}
+	return fmt.Errorf("gomlx: the ranks' models are at different global steps (%s): each rank loaded its own newest checkpoint. "+
+		"Build every rank's checkpoint.Handler with Optimizer.Checkpoint, which resumes every rank from the newest step they all hold, "+
+		"or delete every rank's checkpoints to start afresh", b.String())
+}
+
+// carryFlags makes the lowbit optimizer carry the step's flags in its own
+// agreement, when it can.
+func (o *Optimizer) carryFlags() error {
+	fc, ok := o.opt.(optim.FlagCarrier)
+	if !ok {
+		return nil
+	}
+	sf := &optim.StepFlags{Local: make([]float32, numFlags), Veto: o.veto}
+	if err := fc.CarryFlags(sf); err != nil {
+		return fmt.Errorf("gomlx: %w", err)
+	}
+	o.sf = sf
+	return nil
+}
+
+// restore loads the lowbit state that came with the loaded checkpoint,
+// if any; the ranks agree on the outcome.
 func (o *Optimizer) restore() error {
 	localErr := o.restoreLocal()
 	o.flags[0] = 0
@@ -531,7 +710,7 @@ func (o *Optimizer) restore() error {
 	}
 	if o.size() > 1 {
 		if err := o.c.AllReduce(o.ctx, o.flags[:1], comm.Max); err != nil {
-			return fmt.Errorf("gomlx: %w", err)
+			return errors.Join(localErr, fmt.Errorf("gomlx: %w", err))
 		}
 	}
 	if localErr != nil {
@@ -543,34 +722,27 @@ func (o *Optimizer) restore() error {
 	return nil
 }
 
+// restoreLocal loads into the lowbit optimizer the state of the model's
+// global step: from the StateVariable of an older checkpoint (which it
+// then removes from the store, so that it neither stays resident nor is
+// saved again), or from the state file of that step.
 func (o *Optimizer) restoreLocal() error {
-	sv := o.store.GetVariable(StateVariable) // a loaded checkpoint's value, if any
-	if sv == nil {
-		if s := o.globalStep(); s > 0 {
-			o.log.Warn("the model is at a global step > 0 but holds no lowbit state: the lowbit optimizer starts afresh", zap.Int64("global_step", s))
+	gs := o.globalStep()
+	var ck *optim.Checkpoint
+	if sv := o.store.GetVariable(StateVariable); sv != nil {
+		var err error
+		ck, err = o.legacyState(sv, gs)
+		if derr := o.store.DeleteVariable(StateVariable); err == nil && derr != nil {
+			err = fmt.Errorf("gomlx: removing %s: %w", StateVariable, derr)
 		}
-		return nil
-	}
-	sv.SetTrainable(false)
-	val, err := sv.Value()
-	if err != nil {
-		return fmt.Errorf("gomlx: %s: %w", StateVariable, err)
-	}
-	var b []byte
-	if err := tensors.ConstFlatData(val, func(f []uint8) { b = append([]byte(nil), f...) }); err != nil {
-		return fmt.Errorf("gomlx: %s: %w", StateVariable, err)
-	}
-	if len(b) < 8 {
-		return fmt.Errorf("gomlx: %s holds %d bytes: %w", StateVariable, len(b), optim.ErrCorruptCheckpoint)
-	}
-	step := int64(binary.LittleEndian.Uint64(b))
-	if gs := o.globalStep(); gs != step {
-		return fmt.Errorf("gomlx: the checkpoint's lowbit state is from global step %d, its model from step %d (save with Optimizer.Save, not Handler.Save): %w",
-			step, gs, optim.ErrIncompatibleCheckpoint)
-	}
-	ck := new(optim.Checkpoint)
-	if err := ck.UnmarshalBinary(b[8:]); err != nil {
-		return fmt.Errorf("gomlx: %s: %w", StateVariable, err)
+		if err != nil {
+			return err
+		}
+	} else {
+		var err error
+		if ck, err = o.stateFile(gs); err != nil || ck == nil {
+			return err
+		}
 	}
 	if err := o.opt.Load(ck); err != nil {
 		return fmt.Errorf("gomlx: restoring the lowbit state: %w", err)
@@ -578,6 +750,74 @@ func (o *Optimizer) restoreLocal() error {
 	o.skipped = o.opt.Stats().Skipped
 	o.restored = true
 	return o.writeBack()
+}
+
+// legacyState decodes the state an older checkpoint held in sv, in place.
+func (o *Optimizer) legacyState(sv *model.Variable, gs int64) (*optim.Checkpoint, error) {
+	val, err := sv.Value()
+	if err != nil {
+		return nil, fmt.Errorf("gomlx: %s: %w", StateVariable, err)
+	}
+	ck := new(optim.Checkpoint)
+	var derr error
+	if err := tensors.ConstFlatData(val, func(b []uint8) {
+		if len(b) < 8 {
+			derr = fmt.Errorf("gomlx: %s holds %d bytes: %w", StateVariable, len(b), optim.ErrCorruptCheckpoint)
+			return
+		}
+		if step := int64(binary.LittleEndian.Uint64(b)); step != gs {
+			derr = fmt.Errorf("gomlx: the checkpoint's lowbit state is from global step %d, its model from step %d (save with Optimizer.Save, not Handler.Save): %w",
+				step, gs, optim.ErrIncompatibleCheckpoint)
+			return
+		}
+		if err := ck.UnmarshalBinary(b[8:]); err != nil {
+			derr = fmt.Errorf("gomlx: %s: %w", StateVariable, err)
+		}
+	}); err != nil {
+		return nil, fmt.Errorf("gomlx: %s: %w", StateVariable, err)
+	}
+	if derr != nil {
+		return nil, derr
+	}
+	return ck, nil
+}
+
+// stateFile reads the state file of global step gs from the directory of
+// the store's checkpoint.Handler. It returns nil, with no error, when no
+// checkpoint was loaded (a fresh start, whatever state files the
+// directory holds) or when the loaded checkpoint has no lowbit state at
+// all (a warning says the lowbit optimizer starts afresh).
+func (o *Optimizer) stateFile(gs int64) (*optim.Checkpoint, error) {
+	h, _ := o.store.Loader().(*checkpoint.Handler)
+	dir := h.Dir()
+	if dir == "" {
+		if gs > 0 {
+			o.log.Warn("the model is at a global step > 0 but no checkpoint directory holds its lowbit state: the lowbit optimizer starts afresh",
+				zap.Int64("global_step", gs))
+		}
+		return nil, nil
+	}
+	path := filepath.Join(dir, stateFileName(gs))
+	ck, err := optim.LoadFile(path)
+	if err == nil {
+		return ck, nil
+	}
+	if !errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("gomlx: %w", err)
+	}
+	if list, err := h.ListCheckpoints(); err != nil || len(list) == 0 {
+		return nil, nil // nothing was loaded: a fresh start
+	}
+	steps, err := stateSteps(dir)
+	if err != nil {
+		return nil, fmt.Errorf("gomlx: %w", err)
+	}
+	if len(steps) > 0 {
+		return nil, fmt.Errorf("gomlx: the checkpoint's lowbit state is from global step %d, its model from step %d (save with Optimizer.Save, not Handler.Save; %s holds no %s): %w",
+			steps[len(steps)-1], gs, dir, stateFileName(gs), optim.ErrIncompatibleCheckpoint)
+	}
+	o.log.Warn("the model's checkpoint holds no lowbit state: the lowbit optimizer starts afresh", zap.Int64("global_step", gs), zap.String("dir", dir))
+	return nil, nil
 }
 
 // collect initializes the variables and makes one parameter and one
@@ -655,10 +895,15 @@ func (o *Optimizer) fingerprint() uint64 {
 	return s
 }
 
-// Save writes the lowbit optimizer's state into the store's StateVariable
-// and saves a GoMLX checkpoint with h (checkpoint.Handler.Save), without
-// the gradient variables. It is not a collective: each rank saves its own
-// state, to its own directory.
+// Save saves a checkpoint of this rank with h: the lowbit optimizer's
+// state of the current global step to its state file in h's directory
+// (written atomically, see StateFilePrefix), then the model with
+// checkpoint.Handler.Save, without the gradient variables; then it removes
+// the state files of the steps whose GoMLX checkpoint h no longer keeps.
+// The state is streamed to its file: beyond the optimizer it costs one
+// copy of the state (optim.Optimizer's State) while Save runs, and nothing
+// afterwards. It is not a collective: each rank saves its own state, to
+// its own directory.
 func (o *Optimizer) Save(h *checkpoint.Handler) error {
 	if h == nil {
 		return errors.New("gomlx: nil checkpoint.Handler")
@@ -666,35 +911,60 @@ func (o *Optimizer) Save(h *checkpoint.Handler) error {
 	if o.opt == nil {
 		return errors.New("gomlx: Save before the first training graph was built")
 	}
-	ck, err := o.opt.State()
-	if err != nil {
-		return fmt.Errorf("gomlx: %w", err)
+	dir := h.Dir()
+	if dir == "" {
+		return fmt.Errorf("gomlx: %s has no directory to save the lowbit state to", h)
 	}
-	b, err := ck.MarshalBinary()
-	if err != nil {
-		return fmt.Errorf("gomlx: %w", err)
-	}
-	buf := make([]byte, 8+len(b))
-	binary.LittleEndian.PutUint64(buf, uint64(o.globalStep()))
-	copy(buf[8:], b)
-	t := tensors.FromFlatDataAndDimensions(buf, len(buf))
-	if sv := o.store.GetVariable(StateVariable); sv != nil {
-		if err := sv.SetValue(t); err != nil {
-			return fmt.Errorf("gomlx: %w", err)
-		}
-		sv.SetTrainable(false)
-	} else {
-		sv, err := o.store.CreateVariable(StateVariable, t)
-		if err != nil {
-			return fmt.Errorf("gomlx: %w", err)
-		}
-		sv.SetTrainable(false)
+	if err := o.saveState(filepath.Join(dir, stateFileName(o.globalStep()))); err != nil {
+		return err
 	}
 	h.ExcludeVarsFromSaving(o.grads...)
 	if err := h.Save(); err != nil {
 		return fmt.Errorf("gomlx: %w", err)
 	}
+	o.pruneStates(h)
 	return nil
+}
+
+// saveState writes the lowbit state to path; the checkpoint State returns
+// is garbage once it returns.
+func (o *Optimizer) saveState(path string) error {
+	ck, err := o.opt.State()
+	if err != nil {
+		return fmt.Errorf("gomlx: %w", err)
+	}
+	if err := optim.SaveFile(path, ck); err != nil {
+		return fmt.Errorf("gomlx: %w", err)
+	}
+	return nil
+}
+
+// pruneStates removes the state files of the steps of which h's directory
+// holds no GoMLX checkpoint any more (checkpoint.Config.Keep removed
+// them). A failure is logged, not returned: the checkpoint is saved.
+func (o *Optimizer) pruneStates(h *checkpoint.Handler) {
+	list, err := h.ListCheckpoints()
+	if err == nil {
+		kept := map[int64]bool{}
+		for _, base := range list {
+			if s, ok := checkpointStep(base); ok {
+				kept[s] = true
+			}
+		}
+		var steps []int64
+		if steps, err = stateSteps(h.Dir()); err == nil {
+			for _, s := range steps {
+				if !kept[s] {
+					if rerr := os.Remove(filepath.Join(h.Dir(), stateFileName(s))); rerr != nil && !errors.Is(rerr, fs.ErrNotExist) {
+						err = rerr
+					}
+				}
+			}
+		}
+	}
+	if err != nil {
+		o.log.Warn("removing lowbit state files of checkpoints no longer kept", zap.String("dir", h.Dir()), zap.Error(err))
+	}
 }
 
 // SaveOnStepFn returns a train.OnStepFn that calls Save(h): use it where a

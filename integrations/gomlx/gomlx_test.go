@@ -3,6 +3,7 @@ package gomlx
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io/fs"
 	"iter"
@@ -10,6 +11,8 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -27,6 +30,7 @@ import (
 	"github.com/gomlx/gomlx/ml/train/loss"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
@@ -135,6 +139,41 @@ func zeroOneAdam(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Opti
 	return onebit.NewZeroOneAdam(ctx, c, p, cfg)
 }
 
+// withFreeze is onebitAdam with freeze step f.
+func withFreeze(f int) Builder {
+	return func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+		cfg := onebit.DefaultAdamConfig()
+		cfg.LR = 1e-2
+		cfg.FreezeStep = f
+		return onebit.NewAdam(ctx, c, p, cfg)
+	}
+}
+
+// withLambFreeze is onebitLamb with freeze step f.
+func withLambFreeze(f int) Builder {
+	return func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+		cfg := onebit.DefaultLambConfig()
+		cfg.LR = 1e-2
+		cfg.FreezeStep = f
+		return onebit.NewLamb(ctx, c, p, cfg)
+	}
+}
+
+// zeroOneAdamLocal is 0/1 Adam with a schedule that reaches every part of
+// the algorithm within a few steps (the defaults take 16 exact steps
+// first): variance updates at steps 1 and 2, a compressed step at 3 (the
+// end of phase A), then phase B's synchronizations at steps 4, 8, 12, ...
+// with local steps in between.
+func zeroOneAdamLocal(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+	cfg := onebit.DefaultZeroOneAdamConfig()
+	cfg.LR = 1e-2
+	cfg.VarFreezeStep = 3
+	cfg.VarUpdateScaler = 1
+	cfg.LocalStepScaler = 1
+	cfg.LocalStepClipper = 4
+	return onebit.NewZeroOneAdam(ctx, c, p, cfg)
+}
+
 func zeroAdam(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
 	cfg := zero.DefaultConfig()
 	cfg.LR = 1e-2
@@ -203,6 +242,23 @@ type rankRun struct {
 	final  map[string][]byte
 	stats  optim.Stats
 	err    error
+	// After every step: the trainable variables, and whether the
+	// algorithm guarantees that they are the same on every rank (always
+	// but after 0/1 Adam's local steps).
+	vars   [][][]float32
+	synced []bool
+}
+
+// synchronizes reports whether the next step of opt leaves every rank
+// with the same parameters: every step does, except 0/1 Adam's phase-B
+// steps that are not a synchronization.
+func synchronizes(opt optim.Optimizer) bool {
+	z, ok := opt.(*onebit.ZeroOneAdam)
+	if !ok || z.Stage() != optim.StagePhaseB {
+		return true
+	}
+	_, _, interval, _ := z.Intervals()
+	return (z.Stats().Steps+1)%interval == 0
 }
 
 // runLoop trains steps on w in-process ranks with train.Loop, each with a
@@ -221,8 +277,18 @@ func runLoop(t *testing.T, w, steps int, build Builder, edit func(rank, step int
 		if edit != nil {
 			ds.edit = func(step int, b train.Batch) train.Batch { return edit(r, step, b) }
 		}
+		run := &rankRun{}
+		// Before and after the Optimizer's hook.
+		m.loop.OnStep("before lowbit", HookPriority-1, func(*train.Loop, []*tensors.Tensor) error {
+			run.synced = append(run.synced, synchronizes(m.opt.Optimizer()))
+			return nil
+		})
+		m.loop.OnStep("after lowbit", HookPriority+1, func(*train.Loop, []*tensors.Tensor) error {
+			run.vars = append(run.vars, trainable(t, m.store))
+			return nil
+		})
 		_, err := m.loop.RunSteps(ds, steps)
-		run := &rankRun{losses: m.losses, err: err}
+		run.losses, run.err = m.losses, err
 		if err == nil {
 			run.final = variables(t, m.store)
 			run.stats = m.opt.Optimizer().Stats()
@@ -237,15 +303,18 @@ func runLoop(t *testing.T, w, steps int, build Builder, edit func(rank, step int
 
 // TestLoopEveryOptimizer trains on 2 ranks whose initializers are seeded
 // differently, with every lowbit optimizer inside train.Loop: the loss
-// falls, the ranks end bit-identical (0/1 Adam at a synchronization) and
+// falls, the ranks are bit-identical after every step that the algorithm
+// synchronizes (every step but 0/1 Adam's local steps; 0/1 Adam once with
+// its defaults, all phase A, and once with local steps from step 5), and
 // GoMLX's global step counts the steps.
 func TestLoopEveryOptimizer(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
 		build Builder
+		local bool // the run takes local steps, on which the ranks differ
 	}{
-		{"adam", adam}, {"lamb", lamb}, {"onebit-adam", onebitAdam}, {"onebit-lamb", onebitLamb},
-		{"zeroone-adam", zeroOneAdam}, {"zero-adam", zeroAdam},
+		{"adam", adam, false}, {"lamb", lamb, false}, {"onebit-adam", onebitAdam, false}, {"onebit-lamb", onebitLamb, false},
+		{"zeroone-adam", zeroOneAdam, false}, {"zeroone-adam-local", zeroOneAdamLocal, true}, {"zero-adam", zeroAdam, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			const steps = 30
@@ -256,8 +325,25 @@ func TestLoopEveryOptimizer(t *testing.T) {
 				assert.Less(t, run.losses[steps-1], run.losses[0]/2, "rank %d: %v", r, run.losses)
 				assert.Equal(t, int64(steps), run.stats.Steps)
 				assert.Zero(t, run.stats.Skipped)
+				require.Len(t, run.vars, steps)
+				require.Len(t, run.synced, steps)
 			}
-			if tc.name != "zeroone-adam" {
+			assert.Equal(t, runs[0].synced, runs[1].synced)
+			apart := 0
+			for s := range steps {
+				if runs[0].synced[s] {
+					require.Equal(t, runs[0].vars[s], runs[1].vars[s], "ranks differ after step %d", s+1)
+				} else if !assert.ObjectsAreEqual(runs[0].vars[s], runs[1].vars[s]) {
+					apart++
+				}
+			}
+			if tc.local {
+				assert.Positive(t, apart, "no local step left the ranks apart")
+				assert.Contains(t, runs[0].synced[4:], true, "no synchronization in phase B")
+			} else {
+				assert.NotContains(t, runs[0].synced, false)
+			}
+			if !slices.Contains(runs[0].synced[steps-1:], false) {
 				assert.Equal(t, runs[0].final, runs[1].final, "ranks differ")
 			}
 			for r, run := range runs {
@@ -541,72 +627,228 @@ func TestNotAttached(t *testing.T) {
 	}
 }
 
-// resumeRank is one rank of a checkpointed run: steps steps with build,
-// saved every step to dir/rank-R with Optimizer.SaveOnStepFn (with
-// direct, with Handler.Save after the last step), starting from what dir
-// holds. It returns the run's variables at the end, or the error.
-func resumeRank(t *testing.T, ctx context.Context, c comm.Comm, dir string, hidden, steps int, build Builder, direct bool) (map[string][]byte, *Optimizer, error) {
+// resumeConfig describes one rank's part of a checkpointed run.
+type resumeConfig struct {
+	hidden, steps int
+	build         Builder
+	// plain builds the Handler with checkpoint.Config.Done, each rank
+	// loading its own newest checkpoint, instead of Optimizer.Checkpoint.
+	plain bool
+	// log, when not nil, is the Optimizer's logger.
+	log *zap.Logger
+	// legacy saves as before the state had a file of its own (legacySave).
+	legacy bool
+}
+
+// resumeRun is what one rank of a checkpointed run reports.
+type resumeRun struct {
+	final map[string][]byte // the variables and the global step at the end
+	opt   *Optimizer
+	state *optim.Checkpoint // the lowbit state at the end: what the last save wrote
+	start int64             // the global step the run started from
+	err   error
+}
+
+// resumeRank is one rank of a checkpointed run: rc.steps steps with
+// rc.build, saved every step to dir/rank-R with Optimizer.SaveOnStepFn
+// (Keep(2)), starting from what dir holds.
+func resumeRank(t *testing.T, ctx context.Context, c comm.Comm, dir string, rc resumeConfig) *resumeRun {
 	t.Helper()
 	r := c.Rank()
+	rankDir := filepath.Join(dir, fmt.Sprintf("rank-%d", r))
 	// Initial values that differ by rank and by checkpoint directory state:
 	// a resumed run must take its values from the checkpoint.
 	seed := int64(7 + r)
-	if entries, _ := os.ReadDir(filepath.Join(dir, fmt.Sprintf("rank-%d", r))); len(entries) > 0 {
+	if entries, _ := os.ReadDir(rankDir); len(entries) > 0 {
 		seed += 1000
 	}
 	store := newStore(seed)
-	h, err := checkpoint.Build(store).Dir(filepath.Join(dir, fmt.Sprintf("rank-%d", r))).Keep(2).Done()
+	m := newRankModel(t, ctx, c, store, rc.hidden, rc.build)
+	if rc.log != nil {
+		WithLogger(rc.log)(m.opt)
+	}
+	run := &resumeRun{opt: m.opt}
+	var h *checkpoint.Handler
+	if rc.plain {
+		var err error
+		h, err = checkpoint.Build(store).Dir(rankDir).Keep(2).Done()
+		require.NoError(t, err)
+	} else if h, run.err = m.opt.Checkpoint(checkpoint.Build(store).Keep(2), rankDir); run.err != nil {
+		return run
+	}
+	run.start = optimizerGlobalStep(store)
+	save := m.opt.SaveOnStepFn(h)
+	if rc.legacy {
+		save = func(*train.Loop, []*tensors.Tensor) error { return legacySave(m.opt, h) }
+	}
+	train.EveryNSteps(m.loop, 1, "checkpoint", 100, save)
+	if _, run.err = m.loop.RunSteps(&shard{rank: r, world: c.Size()}, rc.steps); run.err != nil {
+		return run
+	}
+	run.final = variables(t, store)
+	var err error
+	run.state, err = m.opt.Optimizer().State()
 	require.NoError(t, err)
-	m := newRankModel(t, ctx, c, store, hidden, build)
-	train.EveryNSteps(m.loop, 1, "checkpoint", 100, m.opt.SaveOnStepFn(h))
-	if direct {
-		train.EveryNSteps(m.loop, steps, "direct", 200, h.SaveOnStepFn)
-	}
-	_, err = m.loop.RunSteps(&shard{rank: r, world: c.Size()}, steps)
-	if err != nil {
-		return nil, m.opt, err
-	}
-	return variables(t, store), m.opt, m.opt.Close()
+	require.NoError(t, m.opt.Close())
+	return run
 }
 
-// TestResumeBitIdentical: N steps straight against N/2, a GoMLX checkpoint
-// with the lowbit state, a restore into fresh objects (other initial
-// values), N/2: every trainable variable and the global step are
-// bit-identical, on every rank, with every optimizer that has state worth
-// the name (1-bit Adam crosses its freeze step after the restore).
-func TestResumeBitIdentical(t *testing.T) {
-	const steps = 12
-	for _, tc := range []struct {
-		name  string
-		build Builder
-	}{
-		{"adam", adam}, {"lamb", lamb}, {"onebit-adam", onebitAdam}, {"onebit-lamb", onebitLamb},
-		{"zeroone-adam", zeroOneAdam}, {"zero-adam", zeroAdam},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
-			whole := make([]map[string][]byte, 2)
-			resumed := make([]map[string][]byte, 2)
-			dirWhole, dirCut := t.TempDir(), t.TempDir()
-			err := local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-				var err error
-				whole[c.Rank()], _, err = resumeRank(t, ctx, c, dirWhole, 16, steps, tc.build, false)
-				require.NoError(t, err)
-				_, _, err = resumeRank(t, ctx, c, dirCut, 16, steps/2, tc.build, false)
-				require.NoError(t, err)
-				var opt *Optimizer
-				resumed[c.Rank()], opt, err = resumeRank(t, ctx, c, dirCut, 16, steps/2, tc.build, false)
-				require.NoError(t, err)
-				assert.True(t, opt.Restored())
-				return nil
-			})
-			require.NoError(t, err)
-			for r := range 2 {
-				require.NotEmpty(t, whole[r])
-				assert.Equal(t, whole[r], resumed[r], "rank %d", r)
+// nonZeroErrors counts the non-zero elements of ck's error buffers.
+func nonZeroErrors(ck *optim.Checkpoint) int {
+	n := 0
+	for _, tn := range ck.Tensors {
+		if optim.IsErrorBuffer(tn.Name) {
+			for _, x := range tn.Data {
+				if x != 0 {
+					n++
+				}
 			}
-		})
+		}
+	}
+	return n
+}
+
+// resumeCase is a run of TestResumeBitIdentical or TestResumeFromWarmup:
+// steps straight against cut, a save and a restore, steps-cut.
+type resumeCase struct {
+	name       string
+	build      Builder
+	steps, cut int
+	// atCut and atEnd, when not empty, are the stage of the lowbit state
+	// saved at the cut and at the end; compressed, that some error buffer
+	// is not zero at the cut; apart, that the ranks' parameters differ at
+	// the cut (0/1 Adam between two synchronizations).
+	atCut, atEnd      optim.Stage
+	compressed, apart bool
+}
+
+// checkResume runs tc on 2 ranks: tc.steps steps straight against tc.cut,
+// a GoMLX checkpoint with the lowbit state, a restore into fresh objects
+// (other initial values), tc.steps-tc.cut: every trainable variable and
+// the global step are bit-identical, on every rank.
+func checkResume(t *testing.T, tc resumeCase) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var whole, cut, resumed [2]*resumeRun
+	dirWhole, dirCut := t.TempDir(), t.TempDir()
+	rc := resumeConfig{hidden: 16, build: tc.build}
+	err := local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
+		r := c.Rank()
+		rc := rc
+		rc.steps = tc.steps
+		whole[r] = resumeRank(t, ctx, c, dirWhole, rc)
+		rc.steps = tc.cut
+		cut[r] = resumeRank(t, ctx, c, dirCut, rc)
+		rc.steps = tc.steps - tc.cut
+		resumed[r] = resumeRank(t, ctx, c, dirCut, rc)
+		return errors.Join(whole[r].err, cut[r].err, resumed[r].err)
+	})
+	require.NoError(t, err)
+	for r := range 2 {
+		assert.True(t, resumed[r].opt.Restored(), "rank %d", r)
+		assert.Equal(t, int64(tc.cut), resumed[r].start, "rank %d", r)
+		require.NotEmpty(t, whole[r].final)
+		assert.Equal(t, whole[r].final, resumed[r].final, "rank %d", r)
+		if tc.atCut != "" {
+			assert.Equal(t, tc.atCut, cut[r].state.Stage, "rank %d: stage of the saved state", r)
+			assert.Equal(t, tc.atEnd, resumed[r].state.Stage, "rank %d: stage at the end", r)
+		}
+		if tc.compressed {
+			assert.Positive(t, nonZeroErrors(cut[r].state), "rank %d: the saved error buffers are all zero: nothing was compressed before the save", r)
+		}
+	}
+	if tc.apart {
+		assert.NotEqual(t, paramTensors(cut[0].state), paramTensors(cut[1].state), "the ranks' parameters are equal at the cut: no local step before the save")
+	}
+	assert.Equal(t, paramTensors(resumed[0].state), paramTensors(resumed[1].state), "the ranks' parameters differ at the end")
+}
+
+// paramTensors returns the parameters a lowbit state holds, by name.
+func paramTensors(ck *optim.Checkpoint) map[string][]float32 {
+	out := map[string][]float32{}
+	for _, tn := range ck.Tensors {
+		if strings.HasPrefix(tn.Name, optim.ParamTensorName("")) {
+			out[tn.Name] = tn.Data
+		}
+	}
+	return out
+}
+
+// TestResumeBitIdentical: 12 steps straight against a save and a restore
+// in the middle, with every optimizer that has state worth the name, with
+// settings under which the compressed optimizers compress before the save
+// (their error buffers are not zero when saved): 1-bit Adam and LAMB
+// freeze at step 3 and save at 6; 0/1 Adam reaches phase B at step 4 and
+// saves at step 7, a local step between the synchronizations of steps 4
+// and 8, when the ranks' parameters differ.
+func TestResumeBitIdentical(t *testing.T) {
+	for _, tc := range []resumeCase{
+		{name: "adam", build: adam, steps: 12, cut: 6},
+		{name: "lamb", build: lamb, steps: 12, cut: 6},
+		{name: "onebit-adam", build: withFreeze(3), steps: 12, cut: 6,
+			atCut: optim.StageCompression, atEnd: optim.StageCompression, compressed: true},
+		{name: "onebit-lamb", build: withLambFreeze(3), steps: 12, cut: 6,
+			atCut: optim.StageCompression, atEnd: optim.StageCompression, compressed: true},
+		{name: "zeroone-adam", build: zeroOneAdamLocal, steps: 12, cut: 7,
+			atCut: optim.StagePhaseB, atEnd: optim.StagePhaseB, compressed: true, apart: true},
+		{name: "zero-adam", build: zeroAdam, steps: 12, cut: 6},
+	} {
+		t.Run(tc.name, func(t *testing.T) { checkResume(t, tc) })
+	}
+}
+
+// TestResumeFromWarmup: a checkpoint saved in the warm-up (1-bit Adam and
+// LAMB, freeze step 5; 0/1 Adam's phase A, before its first compressed
+// step), resumed past the freeze into compression (and 0/1 Adam's local
+// steps), ends bit-identical to the uninterrupted run.
+func TestResumeFromWarmup(t *testing.T) {
+	for _, tc := range []resumeCase{
+		{name: "onebit-adam", build: withFreeze(5), steps: 10, cut: 3,
+			atCut: optim.StageWarmup, atEnd: optim.StageCompression},
+		{name: "onebit-lamb", build: withLambFreeze(5), steps: 10, cut: 3,
+			atCut: optim.StageWarmup, atEnd: optim.StageCompression},
+		{name: "zeroone-adam", build: zeroOneAdamLocal, steps: 12, cut: 2,
+			atCut: optim.StagePhaseA, atEnd: optim.StagePhaseB},
+	} {
+		t.Run(tc.name, func(t *testing.T) { checkResume(t, tc) })
+	}
+}
+
+// TestResumeLegacyState: a checkpoint whose lowbit state is in
+// StateVariable, as Save wrote it before the state had a file of its own,
+// resumes bit-identically (1-bit Adam, compressing before the save), and
+// the checkpoints saved after it no longer hold that variable.
+func TestResumeLegacyState(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var whole, resumed [2]*resumeRun
+	dirWhole, dirCut := t.TempDir(), t.TempDir()
+	rc := resumeConfig{hidden: 16, build: withFreeze(3)}
+	require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
+		r := c.Rank()
+		rc := rc
+		rc.steps = 10
+		whole[r] = resumeRank(t, ctx, c, dirWhole, rc)
+		rc.steps, rc.legacy = 5, true
+		cut := resumeRank(t, ctx, c, dirCut, rc)
+		rc.legacy = false
+		resumed[r] = resumeRank(t, ctx, c, dirCut, rc)
+		return errors.Join(whole[r].err, cut.err, resumed[r].err)
+	}))
+	for r := range 2 {
+		assert.True(t, resumed[r].opt.Restored(), "rank %d", r)
+		assert.Equal(t, whole[r].final, resumed[r].final, "rank %d", r)
+		rankDir := filepath.Join(dirCut, fmt.Sprintf("rank-%d", r))
+		held, err := listCheckpoints(rankDir)
+		require.NoError(t, err)
+		require.Len(t, held, 2)
+		for _, c := range held {
+			js, err := os.ReadFile(filepath.Join(rankDir, c.base+gomlxJSON))
+			require.NoError(t, err)
+			assert.NotContains(t, string(js), StateVariable, "rank %d: %s", r, c.base)
+			_, err = os.Stat(filepath.Join(rankDir, stateFileName(c.step)))
+			assert.NoError(t, err, "rank %d: the state file of step %d", r, c.step)
+		}
 	}
 }
 
@@ -619,20 +861,19 @@ func TestResumeRefused(t *testing.T) {
 	defer cancel()
 	dir := t.TempDir()
 	require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		_, _, err := resumeRank(t, ctx, c, dir, 16, 4, onebitAdam, false)
-		return err
+		return resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 4, build: onebitAdam}).err
 	}))
 	files := snapshot(t, dir)
 	try := func(w, hidden int, build Builder, want string) {
 		t.Helper()
 		errs := make([]error, w)
 		_ = local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
-			_, opt, err := resumeRank(t, ctx, c, dir, hidden, 2, build, false)
-			errs[c.Rank()] = err
-			if opt.Optimizer() != nil {
+			run := resumeRank(t, ctx, c, dir, resumeConfig{hidden: hidden, steps: 2, build: build})
+			errs[c.Rank()] = run.err
+			if run.opt.Optimizer() != nil {
 				t.Errorf("rank %d: the optimizer was kept", c.Rank())
 			}
-			return err
+			return run.err
 		})
 		for r, err := range errs {
 			require.Error(t, err, "rank %d", r)
@@ -659,7 +900,7 @@ func TestResumeRefused(t *testing.T) {
 	}))
 	errs := make([]error, 2)
 	_ = local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		_, _, errs[c.Rank()] = resumeRank(t, ctx, c, dir2, 16, 2, adam, false)
+		errs[c.Rank()] = resumeRank(t, ctx, c, dir2, resumeConfig{hidden: 16, steps: 2, build: adam}).err
 		return errs[c.Rank()]
 	})
 	for r, err := range errs {
