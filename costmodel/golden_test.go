@@ -141,4 +141,8 @@ func TestJobValidate(t *testing.T) {
 		require.ErrorAs(t, err, &je, field)
 		assert.Equal(t, field, je.Field)
 	}
+	j := good
+	j.Params = 7000e12
+	_, err = cal.Model.Plan(j)
+	require.EqualError(t, err, "Params: must be in [1, 1000T] parameters, got 7000T", "a parameter count is written as counts are (size.FormatCount)")
 }

@@ -5,6 +5,8 @@ import (
 	"math"
 	"strings"
 	"time"
+
+	"github.com/lowbit-ml/lowbit/size"
 )
 
 // Job describes a data-parallel training job whose gradient exchange Plan
@@ -193,7 +195,7 @@ func (j Job) Validate() error {
 	}
 	switch {
 	case j.Params < 1 || j.Params > MaxParams:
-		return fail("Params", "must be in [1, %g], got %d", float64(MaxParams), j.Params)
+		return fail("Params", "must be in [1, %s] parameters, got %s", size.FormatCount(MaxParams), size.FormatCount(j.Params))
 	case j.Ranks < 2 || j.Ranks > MaxRanks:
 		return fail("Ranks", "must be in [2, %d], got %d", MaxRanks, j.Ranks)
 	case !(j.Link > 0) || math.IsInf(j.Link, 0):

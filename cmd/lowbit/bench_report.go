@@ -162,8 +162,8 @@ func formatRow(row benchRow) string {
 	if row.CompressionRatio > 0 {
 		ratio = fmt.Sprintf("%.2fx", row.CompressionRatio)
 	}
-	s := fmt.Sprintf("%-13s %6s %11d %11.1f %11.1f %11.1f %11.1f %9.3f %9.3f %12d %7s",
-		row.Collective, size.Format(row.Bytes), row.ElementsPerRank,
+	s := fmt.Sprintf("%-13s %6s %11s %11.1f %11.1f %11.1f %11.1f %9.3f %9.3f %12d %7s",
+		row.Collective, size.Format(row.Bytes), size.FormatCount(int64(row.ElementsPerRank)),
 		row.TimeP50Us, row.TimeP95Us, row.TimeMinUs, row.TimeMaxUs,
 		row.AlgBWGBps, row.BusBWGBps, row.WireBytesPerRank, ratio)
 	if row.RelError != nil {

@@ -11,6 +11,7 @@ import (
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/internal/cliflag"
 	"github.com/lowbit-ml/lowbit/internal/conformance"
+	"github.com/lowbit-ml/lowbit/size"
 )
 
 func init() {
@@ -113,20 +114,20 @@ func (t *conformanceTally) report(w io.Writer, c *conformance.Case, r caseResult
 func describe(c *conformance.Case) string {
 	switch c.Kind {
 	case "onebit":
-		return fmt.Sprintf("%d ranks, %d elements, %d steps", c.World, c.Numel, len(c.Steps))
+		return fmt.Sprintf("%d ranks, %s elements, %d steps", c.World, size.FormatCount(int64(c.Numel)), len(c.Steps))
 	case "signpack":
-		return fmt.Sprintf("%d elements", len(c.Input))
+		return fmt.Sprintf("%s elements", size.FormatCount(int64(len(c.Input))))
 	case "quant":
 		if q, err := c.Quant(); err == nil {
-			return fmt.Sprintf("int%d, groups of %d, %d elements", q.Bits, q.GroupSize, len(q.Input))
+			return fmt.Sprintf("int%d, groups of %d, %s elements", q.Bits, q.GroupSize, size.FormatCount(int64(len(q.Input))))
 		}
 	case "qgz":
 		if q, err := c.QGZ(); err == nil {
-			return fmt.Sprintf("%d nodes x %d ranks, int%d, groups of %d, %d elements", q.Nodes, q.RanksPerNode, q.Bits, q.GroupSize, q.Numel)
+			return fmt.Sprintf("%d nodes x %d ranks, int%d, groups of %d, %s elements", q.Nodes, q.RanksPerNode, q.Bits, q.GroupSize, size.FormatCount(int64(q.Numel)))
 		}
 	case "rsc":
 		if q, err := c.RSC(); err == nil {
-			return fmt.Sprintf("%d ranks, %d tensors", q.World, len(q.Shapes))
+			return fmt.Sprintf("%d ranks, %s tensors", q.World, size.FormatCount(int64(len(q.Shapes))))
 		}
 	}
 	return ""

@@ -50,7 +50,7 @@ func demoMain(args []string, stdout, stderr io.Writer) error {
 	}
 	n := int(nbytes / 4)
 	w := *ranks
-	fmt.Fprintf(stdout, "lowbit demo: %d in-process ranks, %d float32 per rank (%s)\n\n", w, n, human(int64(n)*4))
+	fmt.Fprintf(stdout, "lowbit demo: %d in-process ranks, %s float32 per rank (%s)\n\n", w, size.FormatCount(int64(n)), human(int64(n)*4))
 
 	exact := make([]float32, n)
 	var (

@@ -3,12 +3,16 @@ package main
 import (
 	"bytes"
 	"fmt"
+	"io"
 	"regexp"
 	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/costmodel"
+	"github.com/lowbit-ml/lowbit/internal/cliflag/flagtest"
 )
 
 // commandFlags lists the flags "lowbit CMD -h" prints.
@@ -72,11 +76,11 @@ func TestBadFlagValues(t *testing.T) {
 }
 
 // A bad value names a good one: a size flag's error reads like
-// "lowbit plan: invalid value "34OM" for --params: ... (e.g. --params 1.3G); see lowbit plan -h".
+// "lowbit plan: invalid value "34OM" for --params: ... (e.g. --params 1.3B); see lowbit plan -h".
 func TestBadFlagValueExample(t *testing.T) {
 	var out, errOut bytes.Buffer
 	assert.Equal(t, 2, run([]string{"plan", "--params", "34OM"}, &out, &errOut))
-	assert.Regexp(t, `^lowbit plan: invalid value "34OM" for --params: .*\(e\.g\. --params 1\.3G\); see lowbit plan -h\n$`, errOut.String())
+	assert.Regexp(t, `^lowbit plan: invalid value "34OM" for --params: .*\(e\.g\. --params 1\.3B\); see lowbit plan -h\n$`, errOut.String())
 	errOut.Reset()
 	assert.Equal(t, 2, run([]string{"bench", "--ranks", "x"}, &out, &errOut))
 	assert.Equal(t, "lowbit bench: invalid value \"x\" for --ranks: not a whole number (e.g. --ranks 4); see lowbit bench -h\n", errOut.String())
@@ -86,4 +90,88 @@ func TestBadFlagValueExample(t *testing.T) {
 	errOut.Reset()
 	assert.Equal(t, 2, run([]string{"nope"}, &out, &errOut))
 	assert.Contains(t, errOut.String(), "usage: lowbit COMMAND")
+}
+
+// parsers are the flag parsing of each command, for package flagtest;
+// demo and conformance parse inside their run, which a refused value or -h
+// stops before anything runs.
+var parsers = map[string]func(args []string, stderr io.Writer) error{
+	"bench": func(args []string, stderr io.Writer) error {
+		_, err := parseBenchFlags(args, stderr)
+		return err
+	},
+	"conformance": func(args []string, stderr io.Writer) error { return conformanceMain(args, io.Discard, stderr) },
+	"demo":        func(args []string, stderr io.Writer) error { return demoMain(args, io.Discard, stderr) },
+	"plan": func(args []string, stderr io.Writer) error {
+		_, err := parsePlanFlags(args, stderr)
+		return err
+	},
+}
+
+// Every count flag of every command (--params) takes counts as the field
+// writes them (7B, 1.3B, 70B, 340M, 137k) and refuses sizes in bytes,
+// fractions and the rest with one line; a command without count flags
+// has none whose help says `count`. Every size flag in bytes (--bucket,
+// -b, -e, --size) refuses 1.3B, 1.3 bytes.
+func TestCountFlags(t *testing.T) {
+	counts := map[string]map[string]flagtest.CountFlag{
+		"plan": {"params": {Min: 1, Max: costmodel.MaxParams, Value: func(args []string) (int64, error) {
+			cfg, err := parsePlanFlags(args, io.Discard)
+			if err != nil {
+				return 0, err
+			}
+			return cfg.job.Params, nil
+		}}},
+	}
+	for _, c := range commands {
+		parse, ok := parsers[c.name]
+		require.True(t, ok, "no parser for lowbit %s", c.name)
+		t.Run(c.name, func(t *testing.T) {
+			flagtest.Counts(t, parse, counts[c.name])
+			flagtest.Sizes(t, parse)
+		})
+	}
+}
+
+// What lowbit prints for counts and sizes given one for the other: the
+// whole line, for each input.
+func TestCountFlagLines(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		line string // stderr, or the first line of stdout where it ran
+	}{
+		{[]string{"plan", "--params", "7B", "--ranks", "8"}, "# lowbit plan: 7B parameters (28.00 GB float32 gradient), 8 ranks, 10 Gbit/s links (per-rank)"},
+		{[]string{"plan", "--params", "1.3B"}, "# lowbit plan: 1.3B parameters (5.20 GB float32 gradient), 64 ranks, 10 Gbit/s links (per-rank)"},
+		{[]string{"plan", "--params", "70B"}, "# lowbit plan: 70B parameters (280.00 GB float32 gradient), 64 ranks, 10 Gbit/s links (per-rank)"},
+		{[]string{"plan", "--params", "340M"}, "# lowbit plan: 340M parameters (1.36 GB float32 gradient), 64 ranks, 10 Gbit/s links (per-rank)"},
+		{[]string{"plan", "--params", "137k"}, "# lowbit plan: 137k parameters (548.0 kB float32 gradient), 64 ranks, 10 Gbit/s links (per-rank)"},
+		{[]string{"plan", "--params", "6.7b"}, "# lowbit plan: 6.7B parameters (26.80 GB float32 gradient), 64 ranks, 10 Gbit/s links (per-rank)"},
+		{[]string{"plan", "--params", "1.3e9"}, "# lowbit plan: 1.3B parameters (5.20 GB float32 gradient), 64 ranks, 10 Gbit/s links (per-rank)"},
+		{[]string{"plan", "--params", "1Mi"}, "# lowbit plan: 1048576 parameters (4.2 MB float32 gradient), 64 ranks, 10 Gbit/s links (per-rank)"},
+		{[]string{"plan", "--params", "123456789"}, "# lowbit plan: 123456789 parameters (493.8 MB float32 gradient), 64 ranks, 10 Gbit/s links (per-rank)"},
+		{[]string{"plan", "--params", "64MiB"}, `lowbit plan: invalid value "64MiB" for --params: invalid count "64MiB": MiB is a size in bytes, and a count is meant here (B alone is billion: 7B, 1.3B, 340M or 137k) (e.g. --params 1.3B); see lowbit plan -h`},
+		{[]string{"plan", "--params", "28GB"}, `lowbit plan: invalid value "28GB" for --params: invalid count "28GB": GB is a size in bytes, and a count is meant here (B alone is billion: 7B, 1.3B, 340M or 137k) (e.g. --params 1.3B); see lowbit plan -h`},
+		{[]string{"plan", "--params", "64Mb"}, `lowbit plan: invalid value "64Mb" for --params: invalid count "64Mb": Mb is a size in bits, and a count is meant here (B alone is billion: 7B, 1.3B, 340M or 137k) (e.g. --params 1.3B); see lowbit plan -h`},
+		{[]string{"plan", "--params", "1.5"}, `lowbit plan: invalid value "1.5" for --params: invalid count "1.5": not a whole number (e.g. --params 1.3B); see lowbit plan -h`},
+		{[]string{"plan", "--params", "-7B"}, `lowbit plan: invalid value "-7B" for --params: invalid count "-7B": must not be negative (e.g. --params 1.3B); see lowbit plan -h`},
+		{[]string{"plan", "--params", "7 B"}, `lowbit plan: invalid value "7 B" for --params: invalid count "7 B": want a count such as 7B, 1.3B, 340M or 137k (e.g. --params 1.3B); see lowbit plan -h`},
+		{[]string{"plan", "--params", "2000T"}, `lowbit plan: invalid value "2000T" for --params: 2000T is out of range [1, 1000T] (e.g. --params 1.3B); see lowbit plan -h`},
+		{[]string{"plan", "--params", "4096000B"}, `lowbit plan: invalid value "4096000B" for --params: 4096000B is out of range [1, 1000T] (B is billion in a count) (e.g. --params 1.3B); see lowbit plan -h`},
+		{[]string{"plan", "--params", "0"}, `lowbit plan: invalid value "0" for --params: 0 is out of range [1, 1000T] (e.g. --params 1.3B); see lowbit plan -h`},
+		{[]string{"plan", "--bucket", "1.3B"}, `lowbit plan: invalid value "1.3B" for --bucket: invalid size "1.3B": B means bytes in a size, and 1.3 bytes is not a whole number (1.3 billion bytes is 1.3G) (e.g. --bucket 25Mi); see lowbit plan -h`},
+		{[]string{"bench", "--b", "1.3B"}, `lowbit bench: invalid value "1.3B" for --b: invalid size "1.3B": B means bytes in a size, and 1.3 bytes is not a whole number (1.3 billion bytes is 1.3G) (e.g. --b 1Ki); see lowbit bench -h`},
+		{[]string{"demo", "--size", "0.5B"}, `lowbit demo: invalid value "0.5B" for --size: invalid size "0.5B": B means bytes in a size, and 0.5 bytes is not a whole number (0.5 billion bytes is 0.5G) (e.g. --size 64Mi); see lowbit demo -h`},
+	} {
+		var out, errOut bytes.Buffer
+		code := run(c.args, &out, &errOut)
+		if strings.HasPrefix(c.line, "#") {
+			require.Equal(t, 0, code, "%q: %s", c.args, errOut.String())
+			first, _, _ := strings.Cut(out.String(), "\n")
+			assert.Equal(t, c.line, first, "%q", c.args)
+			continue
+		}
+		assert.Equal(t, 2, code, "%q", c.args)
+		assert.Equal(t, c.line+"\n", errOut.String(), "%q", c.args)
+		assert.Empty(t, out.String(), "%q", c.args)
+	}
 }

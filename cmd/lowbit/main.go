@@ -5,12 +5,13 @@
 //	lowbit demo                                    exact vs compressed allreduce
 //	lowbit plan [flags]                            predicted collective and step times (alpha-beta model)
 //
-// Run "lowbit COMMAND -h" for a command's flags. Sizes (--bucket, --params,
-// -b, --size, ...) take SI or binary units: 340M, 64Mi, 1.5G (package
-// size). A bad command line prints one line and exits with status 2; a
-// command that fails exits with 1. With --backend mpi, start the tool
-// under mpirun; a binary built without the mpi tag says how to build one
-// that has it.
+// Run "lowbit COMMAND -h" for a command's flags. Sizes in bytes (--bucket,
+// -b, --size, ...) take SI or binary units: 340M, 64Mi, 1.5G, 4096B.
+// Counts (--params) are written as model sizes are: 7B, 1.3B, 340M, 137k,
+// where B is billion (package size). A bad command line prints one line
+// and exits with status 2; a command that fails exits with 1. With
+// --backend mpi, start the tool under mpirun; a binary built without the
+// mpi tag says how to build one that has it.
 package main
 
 import (

@@ -53,7 +53,7 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	j.Params, j.BucketBytes = 1.3e9, optim.DefaultBucketBytes
 	fs := flag.NewFlagSet("plan", flag.ContinueOnError)
 	fs.SetOutput(out)
-	fs.Var(&size.Value[int64]{P: &j.Params, Min: 1, Max: costmodel.MaxParams}, "params", "model parameters: float32 gradient elements (`size`: 340M, 1.3e9, 1.3G)")
+	fs.Var(&size.CountValue[int64]{P: &j.Params, Min: 1, Max: costmodel.MaxParams}, "params", "model parameters: float32 gradient elements (`count`: 7B, 1.3B, 340M, 137k; B is billion)")
 	fs.IntVar(&j.Ranks, "ranks", 64, "data-parallel ranks W (at least 2)")
 	fs.StringVar(&j.LinkName, "link", "10gbit", "link rate, tc units: 10gbit, 250mbit, 1.25gbps (bytes/s)")
 	sharing := fs.String("sharing", string(costmodel.PerRank), "per-rank: each rank has a link of this rate (a cluster); shared: one shaped link carries all ranks' traffic and the ranks share the calibration machine's CPUs (the calibration's loopback)")
@@ -231,8 +231,8 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 		described[c.Name] = c
 	}
 	a := p.Assumptions
-	fmt.Fprintf(w, "# lowbit plan: %.4g parameters (%s float32 gradient), %d ranks, %s links (%s)\n",
-		float64(p.Params), bytesDecimal(float64(4*p.Params)), p.Ranks, formatRate(p.LinkBps), p.Sharing)
+	fmt.Fprintf(w, "# lowbit plan: %s parameters (%s float32 gradient), %d ranks, %s links (%s)\n",
+		size.FormatCount(p.Params), bytesDecimal(float64(4*p.Params)), p.Ranks, formatRate(p.LinkBps), p.Sharing)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintf(tw, "collective\tcalls\tsent/rank\tlatency\ttransfer\tcompress\tstep comm\tspeedup vs exact\t\n")
 	for _, r := range p.Rows {

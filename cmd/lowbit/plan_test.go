@@ -23,7 +23,7 @@ func TestPlanCommand(t *testing.T) {
 	require.NoError(t, planMain([]string{"--params", "1.3e9", "--ranks", "64", "--link", "10gbit"}, &out, &errOut))
 	s := out.String()
 	t.Logf("\n%s", s)
-	assert.Contains(t, s, "1.3e+09 parameters (5.20 GB float32 gradient), 64 ranks, 10 Gbit/s links (per-rank)")
+	assert.Contains(t, s, "1.3B parameters (5.20 GB float32 gradient), 64 ranks, 10 Gbit/s links (per-rank)")
 	assert.Contains(t, s, "set --compress-rate")
 	assert.Contains(t, s, "assumptions:")
 	assert.Contains(t, s, "buckets: 199 of 25Mi")
