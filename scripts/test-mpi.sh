@@ -172,20 +172,28 @@ if [ -x "$mnist" ]; then
 fi
 
 # Failure scenarios (see comm/mpi/scenario_test.go). Each must end with a
-# non-zero status, not by the timeout, well within it, and say why.
+# non-zero status, not by the timeout, well within it, and say why: the
+# watchdog names the ranks that had not reached the collective (rank 2).
+# In skip, a rank runs one allreduce fewer under context.Background(), and
+# the others' 2 s collective timeout (mpi.WithCollectiveTimeout) must end
+# the job within 15 s (2 s, the 1 s roll call, the stagger, mpirun's exit).
 watchdog='lowbit/mpi: rank [0-9]+: context deadline exceeded during allreduce; aborting the MPI job because MPI cannot cancel a collective'
-for s in exit close stall; do
+missing='ranks that had not reached it: \[2\]; ranks waiting in it: \[0 1\]'
+timeout='lowbit/mpi: rank [01]: collective timeout of 2s \(mpi\.WithCollectiveTimeout\) exceeded during allreduce; aborting the MPI job because MPI cannot cancel a collective: rank [01] waited [23](\.[0-9]+)?s in allreduce #3 of its communicator of 3 ranks; '$missing'$'
+for s in exit close stall skip; do
+	limit=30000
 	case $s in
 	exit) want="exiting improperly|$watchdog" ;;
-	*) want=$watchdog ;;
+	skip) want=$timeout limit=15000 ;;
+	*) want="$watchdog: .*; $missing\$" ;;
 	esac
 	log=$tmp/scenario-$s.log
 	run "$log" timeout -k 10 60 env LOWBIT_MPI_SCENARIO=$s "${mpirun[@]}" -np 3 "$bin"
-	if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ] && [ "$ms" -lt 30000 ] && grep -Eq "$want" "$log"; then
-		echo "MPI tests: early-$s check ok (job ended with exit $rc after ${ms} ms)"
+	if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ] && [ "$ms" -lt "$limit" ] && grep -Eq "$want" "$log"; then
+		echo "MPI tests: early-$s check ok (job ended with exit $rc after ${ms} ms): $(grep -Eo 'lowbit/mpi: rank [0-9]+: .*' "$log" | head -n 1)"
 		passed=$((passed + 1))
 	else
-		echo "MPI tests: early-$s check FAILED (exit $rc after ${ms} ms; want a non-zero exit within 30 s and /$want/):"
+		echo "MPI tests: early-$s check FAILED (exit $rc after ${ms} ms; want a non-zero exit within $((limit / 1000)) s and /$want/):"
 		tail -n 40 "$log"
 		fail=$((fail + 1))
 	fi

@@ -1,7 +1,6 @@
 package mpi
 
 import (
-	"context"
 	"errors"
 	"testing"
 
@@ -106,35 +105,6 @@ func TestChunk(t *testing.T) {
 	lo, hi := chunk(2, 4, 3)
 	assert.Equal(t, 2, lo)
 	assert.Equal(t, 2, hi)
-}
-
-func TestWatchdog(t *testing.T) {
-	fired := make(chan string, 1)
-	w := newWatchdog(5, func(msg string) { fired <- msg })
-	defer w.stop()
-
-	// A context that can never end is not watched.
-	assert.False(t, w.arm(context.Background(), comm.CAllReduce))
-
-	// A call that returns before its context ends is not aborted.
-	ctx, cancel := context.WithCancel(context.Background())
-	armed := w.arm(ctx, comm.CAllReduce)
-	require.True(t, armed)
-	w.disarm(armed)
-	cancel()
-
-	// A context that ends while the call is in flight aborts.
-	ctx, cancel = context.WithCancel(context.Background())
-	armed = w.arm(ctx, comm.CAllToAll)
-	cancel()
-	msg := <-fired
-	w.disarm(armed)
-	assert.Equal(t, "lowbit/mpi: rank 5: context canceled during alltoall; aborting the MPI job because MPI cannot cancel a collective", msg)
-	select {
-	case msg := <-fired:
-		t.Fatalf("second abort: %s", msg)
-	default:
-	}
 }
 
 func TestError(t *testing.T) {

@@ -4,6 +4,7 @@ package mpi
 
 /*
 #cgo pkg-config: ompi-c
+#include <stdint.h>
 #include <stdlib.h>
 #include <mpi.h>
 
@@ -89,6 +90,165 @@ static void lb_error_string(int code, char *out, int cap) {
 }
 
 static void lb_abort(int code) { MPI_Abort(MPI_COMM_WORLD, code); }
+
+// lb_world_ranks writes the rank in MPI_COMM_WORLD of each of the n ranks
+// of c to out.
+static int lb_world_ranks(MPI_Comm c, int n, int *out) {
+	MPI_Group g, w;
+	int rc = MPI_Comm_group(c, &g);
+	if (rc != MPI_SUCCESS) return rc;
+	rc = MPI_Comm_group(MPI_COMM_WORLD, &w);
+	if (rc == MPI_SUCCESS) {
+		int *in = malloc(n * sizeof *in);
+		if (in == NULL) {
+			rc = MPI_ERR_NO_MEM;
+		} else {
+			for (int i = 0; i < n; i++) in[i] = i;
+			rc = MPI_Group_translate_ranks(g, n, in, w, out);
+			free(in);
+		}
+		MPI_Group_free(&w);
+	}
+	MPI_Group_free(&g);
+	return rc;
+}
+
+// lb_state is a communicator's memory that MPI uses after a call returns:
+// the agreement vector and request of the non-blocking argument agreement,
+// and the roll call's side communicator (a duplicate, so that its messages
+// never match the collectives'), its message buffers and requests, one per
+// peer.
+enum { lbTagAsk = 1, lbTagAnswer = 2 };
+enum { lbMsgLen = 3 }; // asked call; answering rank's call; its kind
+
+typedef struct {
+	MPI_Comm side;
+	int rank, size;
+	MPI_Request agree_req;
+	int agree_done; // set by lb_agree_test (a Go variable would escape)
+	int64_t *agree;
+	int64_t *ask, *ans;             // size * lbMsgLen each
+	MPI_Request *ask_req, *ans_req; // size each
+	int64_t in_ask[lbMsgLen], in_ans[lbMsgLen];
+} lb_state;
+
+static void lb_state_release(lb_state *s) {
+	free(s->agree);
+	free(s->ask);
+	free(s->ans);
+	free(s->ask_req);
+	free(s->ans_req);
+	free(s);
+}
+
+static int lb_state_new(MPI_Comm c, int n, lb_state **out) {
+	lb_state *s = calloc(1, sizeof *s);
+	if (s == NULL) return MPI_ERR_NO_MEM;
+	int rc = MPI_Comm_dup(c, &s->side);
+	if (rc != MPI_SUCCESS) {
+		free(s);
+		return rc;
+	}
+	MPI_Comm_set_errhandler(s->side, MPI_ERRORS_RETURN);
+	MPI_Comm_rank(s->side, &s->rank);
+	MPI_Comm_size(s->side, &s->size);
+	s->agree_req = MPI_REQUEST_NULL;
+	s->agree = calloc(n, sizeof *s->agree);
+	s->ask = calloc((size_t)s->size * lbMsgLen, sizeof *s->ask);
+	s->ans = calloc((size_t)s->size * lbMsgLen, sizeof *s->ans);
+	s->ask_req = malloc(s->size * sizeof *s->ask_req);
+	s->ans_req = malloc(s->size * sizeof *s->ans_req);
+	if (!s->agree || !s->ask || !s->ans || !s->ask_req || !s->ans_req) {
+		MPI_Comm_free(&s->side);
+		lb_state_release(s);
+		return MPI_ERR_NO_MEM;
+	}
+	for (int i = 0; i < s->size; i++) s->ask_req[i] = s->ans_req[i] = MPI_REQUEST_NULL;
+	*out = s;
+	return MPI_SUCCESS;
+}
+
+// lb_settle reports whether *r is done (MPI_REQUEST_NULL) or completes now.
+static int lb_settle(MPI_Request *r) {
+	int done = 1;
+	if (*r != MPI_REQUEST_NULL && MPI_Test(r, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) done = 1;
+	return done;
+}
+
+// lb_state_free frees s, except its side communicator, which stays
+// allocated until MPI is finalized: a roll-call message can reach this
+// rank after any moment it could free it (a peer's watchdog may ask at
+// any time), and Open MPI 4.1 delivers a message for a freed communicator
+// to the next one that reuses its context id (it crashed when that one was
+// smaller than the sender's rank). A roll-call message still in flight
+// from this rank keeps its buffer: s is then left allocated too.
+static void lb_state_free(lb_state *s) {
+	int leak = 0;
+	for (int i = 0; i < s->size; i++) {
+		if (!lb_settle(&s->ask_req[i])) { MPI_Request_free(&s->ask_req[i]); leak = 1; }
+		if (!lb_settle(&s->ans_req[i])) { MPI_Request_free(&s->ans_req[i]); leak = 1; }
+	}
+	if (!lb_settle(&s->agree_req)) { MPI_Request_free(&s->agree_req); leak = 1; }
+	if (!leak) lb_state_release(s);
+}
+
+static int lb_agree_start(MPI_Comm c, lb_state *s, int n) {
+	return MPI_Iallreduce(MPI_IN_PLACE, s->agree, n, MPI_INT64_T, MPI_MAX, c, &s->agree_req);
+}
+static int lb_agree_test(lb_state *s) {
+	s->agree_done = 0;
+	return MPI_Test(&s->agree_req, &s->agree_done, MPI_STATUS_IGNORE);
+}
+
+// lb_answer answers the roll calls that have come in: the rank is waiting
+// in call seq, of kind.
+static int lb_answer(lb_state *s, int64_t seq, int64_t kind) {
+	for (int k = 0; k < s->size; k++) {
+		int flag = 0;
+		MPI_Status st;
+		int rc = MPI_Iprobe(MPI_ANY_SOURCE, lbTagAsk, s->side, &flag, &st);
+		if (rc != MPI_SUCCESS || !flag) return rc;
+		int j = st.MPI_SOURCE;
+		rc = MPI_Recv(s->in_ask, lbMsgLen, MPI_INT64_T, j, lbTagAsk, s->side, MPI_STATUS_IGNORE);
+		if (rc != MPI_SUCCESS) return rc;
+		if (!lb_settle(&s->ans_req[j])) continue; // the last answer to j is still on its way
+		int64_t *m = s->ans + (size_t)j * lbMsgLen;
+		m[0] = s->in_ask[0];
+		m[1] = seq;
+		m[2] = kind;
+		rc = MPI_Isend(m, lbMsgLen, MPI_INT64_T, j, lbTagAnswer, s->side, &s->ans_req[j]);
+		if (rc != MPI_SUCCESS) return rc;
+	}
+	return MPI_SUCCESS;
+}
+
+// lb_ask asks every other rank which call it is waiting in, for call seq.
+static int lb_ask(lb_state *s, int64_t seq) {
+	for (int j = 0; j < s->size; j++) {
+		if (j == s->rank || !lb_settle(&s->ask_req[j])) continue;
+		int64_t *m = s->ask + (size_t)j * lbMsgLen;
+		m[0] = seq;
+		int rc = MPI_Isend(m, lbMsgLen, MPI_INT64_T, j, lbTagAsk, s->side, &s->ask_req[j]);
+		if (rc != MPI_SUCCESS) return rc;
+	}
+	return MPI_SUCCESS;
+}
+
+// lb_collect copies each answer to the roll call for call seq received so
+// far into got[j*lbMsgLen...] for its rank j, dropping stale answers.
+static int lb_collect(lb_state *s, int64_t seq, int64_t *got) {
+	for (;;) {
+		int flag = 0;
+		MPI_Status st;
+		int rc = MPI_Iprobe(MPI_ANY_SOURCE, lbTagAnswer, s->side, &flag, &st);
+		if (rc != MPI_SUCCESS || !flag) return rc;
+		int j = st.MPI_SOURCE;
+		rc = MPI_Recv(s->in_ans, lbMsgLen, MPI_INT64_T, j, lbTagAnswer, s->side, MPI_STATUS_IGNORE);
+		if (rc != MPI_SUCCESS) return rc;
+		if (s->in_ans[0] != seq) continue;
+		for (int i = 0; i < lbMsgLen; i++) got[(size_t)j * lbMsgLen + i] = s->in_ans[i];
+	}
+}
 */
 import "C"
 
@@ -270,4 +430,99 @@ func cSplitShared(h handle, key int) (nh handle, err error) {
 // lock: another goroutine may be blocked in a collective.
 func abortJob(code int) {
 	C.lb_abort(C.int(code))
+}
+
+// cWorldRanks returns the rank in MPI_COMM_WORLD of each of the n ranks of
+// h.
+func cWorldRanks(h handle, n int) ([]int, error) {
+	out := make([]int32, n)
+	lock()
+	rc := C.lb_world_ranks(h, C.int(n), cints(out))
+	unlock()
+	if err := mpiError("MPI_Group_translate_ranks", rc); err != nil {
+		return nil, err
+	}
+	ranks := make([]int, n)
+	for i, r := range out {
+		ranks[i] = int(r)
+	}
+	return ranks, nil
+}
+
+// cstate is a communicator's C-allocated state (see lb_state).
+type cstate = *C.lb_state
+
+// msgLen is the length of a roll-call message.
+const msgLen = C.lbMsgLen
+
+// cStateNew duplicates h for the roll call and allocates the state, with an
+// agreement vector of n elements.
+func cStateNew(h handle, n int) (cstate, error) {
+	var s cstate
+	lock()
+	rc := C.lb_state_new(h, C.int(n), &s)
+	unlock()
+	return s, mpiError("MPI_Comm_dup", rc)
+}
+
+// agreeVec returns the agreement vector of s, in C memory.
+func agreeVec(s cstate, n int) []int64 {
+	return unsafe.Slice((*int64)(unsafe.Pointer(s.agree)), n)
+}
+
+// cStateFree frees s, except what MPI may still use (see lb_state_free).
+func cStateFree(s cstate) {
+	lock()
+	C.lb_state_free(s)
+	unlock()
+}
+
+// cAgreeStart starts the MPI_MAX allreduce of the agreement vector of s (n
+// elements) over h.
+func cAgreeStart(h handle, s cstate, n int) error {
+	lock()
+	rc := C.lb_agree_start(h, s, C.int(n))
+	unlock()
+	return mpiError("MPI_Iallreduce", rc)
+}
+
+// cAgreeTest reports whether the agreement cAgreeStart started is done.
+func cAgreeTest(s cstate) (bool, error) {
+	lock()
+	rc := C.lb_agree_test(s)
+	done := s.agree_done != 0
+	unlock()
+	return done, mpiError("MPI_Test", rc)
+}
+
+// cAnswer answers the roll calls that have come in with the call this rank
+// is waiting in.
+func cAnswer(s cstate, seq int64, kind int) error {
+	lock()
+	rc := C.lb_answer(s, C.int64_t(seq), C.int64_t(kind))
+	unlock()
+	return mpiError("MPI_Iprobe", rc)
+}
+
+// cAsk starts a roll call for call seq. It runs on the watchdog's
+// goroutine, which must not wait for the serialization lock behind a
+// collective that hangs.
+func cAsk(s cstate, seq int64) error {
+	if !tryLock(rollCallLockWait) {
+		return errLockBusy
+	}
+	rc := C.lb_ask(s, C.int64_t(seq))
+	unlock()
+	return mpiError("MPI_Isend", rc)
+}
+
+// cCollect copies the answers to the roll call for call seq received so
+// far into got (msgLen elements per rank).
+func cCollect(s cstate, seq int64, got []int64) error {
+	if !tryLock(rollCallLockWait) {
+		return errLockBusy
+	}
+	rc := C.lb_collect(s, C.int64_t(seq), (*C.int64_t)(unsafe.Pointer(unsafe.SliceData(got))))
+	unlock()
+	return mpiError("MPI_Iprobe", rc)
 }

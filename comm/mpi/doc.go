@@ -33,7 +33,7 @@
 // # Argument agreement
 //
 // Before each collective, the ranks agree on its arguments with one tiny
-// MPI_Allreduce of a few integers (the collective's kind, buffer lengths,
+// MPI_Iallreduce of a few integers (the collective's kind, buffer lengths,
 // operator and root, and whether each rank's arguments are valid). The data
 // collective runs only when all agree; otherwise every rank returns an error
 // (a *comm.MismatchError naming the first rank that differs from rank 0 and
@@ -41,24 +41,57 @@
 // the communicator stays usable. Ranks never hang or truncate on a mismatch.
 // The agreement is not counted in Stats.
 //
+// The agreement is where a rank waits for late peers, and it waits without
+// keeping a core busy: it polls the MPI_Iallreduce with MPI_Test, for the
+// first millisecond without pause, then with naps of a sixteenth of the
+// time waited so far (at most 10ms), so that it wakes within a sixteenth of
+// its wait. A blocking MPI call, by contrast, spins in Open MPI's progress
+// loop at full speed for as long as it waits (Open MPI's mpi_yield_when_idle
+// only adds sched_yield to that loop: the core stays busy). The data
+// collectives themselves are blocking MPI calls, which run once every rank
+// has arrived; a call under comm.SkipChecks has no agreement, so it waits
+// for late peers in the data collective.
+//
 // # Contexts and aborts
 //
 // MPI cannot cancel a collective. A context that is already done when a call
 // starts makes it return an error wrapping ctx.Err() and comm.ErrAborted,
 // without communicating; the communicator is broken afterwards, like every
 // comm backend after a cancellation. A context that ends while a collective
-// is in flight aborts the whole MPI job: a watchdog goroutine (one per
-// communicator, fed through channels, so a call allocates nothing) prints
+// is in flight aborts the whole MPI job, and so does a collective that is
+// still in flight after the collective timeout, with any context: 30
+// minutes by default (DefaultCollectiveTimeout, the default of PyTorch's
+// Gloo process groups), set with WithCollectiveTimeout, and off with a
+// timeout of 0. Whichever of the context's deadline and the timeout comes
+// first ends the wait. The timeout is what ends a job in which a rank will
+// never reach a collective that its peers wait in (a rank that ran one
+// training step fewer and went on to close, or hangs elsewhere) when the
+// calls have no deadline.
 //
-//	lowbit/mpi: rank R: context deadline exceeded during allreduce; aborting the MPI job because MPI cannot cancel a collective
+// A watchdog goroutine (one per communicator, fed through channels for a
+// context that can end and through atomics otherwise, so a call allocates
+// nothing) then finds out which ranks had reached the collective: in its
+// argument agreement, it asks every other rank, on a duplicate of the
+// communicator, and the ranks waiting in the agreement answer within
+// milliseconds; the ranks that have not answered within a second had not
+// reached it. It prints, on stderr, for example
 //
-// on stderr and ends the job with status 3: under Open MPI's mpirun by
-// exiting without finalizing, which makes mpirun kill every rank (MPI_Abort
-// after a peer has finalized can leave Open MPI 4.1's mpirun hanging),
-// elsewhere by MPI_Abort(MPI_COMM_WORLD, 3). This is also what bounds the wait of ranks
-// whose peer exited or hangs: give every collective a context with a
-// deadline. Contexts that can never end (context.Background) skip the
-// watchdog entirely.
+//	lowbit/mpi: rank 0: collective timeout of 2s (mpi.WithCollectiveTimeout) exceeded during allreduce; aborting the MPI job because MPI cannot cancel a collective: rank 0 waited 2.001s in allreduce #3 of its communicator of 3 ranks; ranks that had not reached it: [2]; ranks waiting in it: [0 1]
+//
+// or, for a context, "context deadline exceeded during allreduce; ...". The
+// number after the collective counts the collectives this rank started on
+// the communicator; ranks are those of MPI_COMM_WORLD. A collective past its
+// agreement was reached by every rank ("every rank had reached it"); one
+// under comm.SkipChecks has no agreement, and then which ranks had reached
+// it is unknown. The watchdog then ends the job with status 3: under Open
+// MPI's mpirun by exiting without finalizing, which makes mpirun kill every
+// rank (MPI_Abort after a peer has finalized can leave Open MPI 4.1's
+// mpirun hanging), elsewhere by MPI_Abort(MPI_COMM_WORLD, 3).
+//
+// Closing a communicator leaves the duplicate allocated until MPI is
+// finalized: a peer's question can arrive at any time, and Open MPI
+// delivers a message for a freed communicator to the next one that reuses
+// its context id.
 //
 // # Reductions
 //
@@ -81,6 +114,7 @@ package mpi
 import (
 	"errors"
 	"fmt"
+	"time"
 
 	"go.uber.org/zap"
 )
@@ -107,10 +141,11 @@ type Option func(*options)
 type options struct {
 	log     *zap.Logger
 	ordered bool
+	timeout time.Duration // collective timeout; 0: none
 }
 
 func newOptions(opts []Option) options {
-	o := options{log: zap.NewNop()}
+	o := options{log: zap.NewNop(), timeout: DefaultCollectiveTimeout}
 	for _, f := range opts {
 		if f != nil {
 			f(&o)
@@ -136,4 +171,24 @@ func WithLogger(l *zap.Logger) Option {
 // inherit the setting.
 func WithOrderedReduce() Option {
 	return func(o *options) { o.ordered = true }
+}
+
+// DefaultCollectiveTimeout is how long a collective may wait before the
+// job is aborted when Open is not given WithCollectiveTimeout: 30 minutes,
+// the default of PyTorch's CPU process groups (Gloo). It only has to end a
+// job whose ranks will never meet again, so it is far longer than any real
+// collective, including one that waits while a peer loads or saves a large
+// checkpoint.
+const DefaultCollectiveTimeout = 30 * time.Minute
+
+// WithCollectiveTimeout sets how long any one collective may wait, with the
+// caller's context or without one, before this rank aborts the whole MPI
+// job, naming the collective and the ranks that had not reached it (see
+// the package documentation). A context with an earlier deadline still
+// ends the wait first. d <= 0 turns the timeout off: a collective under a
+// context that can never end (context.Background) then waits forever for
+// a rank that never arrives. The default is DefaultCollectiveTimeout.
+// Communicators split from this one inherit the setting.
+func WithCollectiveTimeout(d time.Duration) Option {
+	return func(o *options) { o.timeout = max(d, 0) }
 }

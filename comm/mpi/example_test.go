@@ -30,3 +30,22 @@ func Example() {
 	}
 	fmt.Printf("rank %d of %d: sum of ranks = %g\n", c.Rank(), c.Size(), buf[0])
 }
+
+// A job whose collectives may rightly wait longer than
+// DefaultCollectiveTimeout, say while one rank writes a very large
+// checkpoint and the others wait in the next collective, raises the
+// timeout; a test lowers it.
+func ExampleWithCollectiveTimeout() {
+	c, err := mpi.Open(mpi.WithCollectiveTimeout(2 * time.Hour))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer c.Close()
+
+	// Even without a deadline, if a rank never reaches this allreduce,
+	// the job is aborted after two hours with a message that names it.
+	buf := []float32{float32(c.Rank())}
+	if err := c.AllReduce(context.Background(), buf, comm.Sum); err != nil {
+		log.Fatal(err)
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"go.uber.org/zap"
@@ -44,6 +45,28 @@ func unlock() {
 	if env.serialize {
 		env.lock.Unlock()
 	}
+}
+
+// rollCallLockWait is how long the watchdog waits for the serialization
+// lock in a roll call; a rank waiting in an agreement takes it only for a
+// moment at a time.
+const rollCallLockWait = 100 * time.Millisecond
+
+var errLockBusy = errors.New("another MPI call held the serialization lock (MPI_THREAD_SERIALIZED)")
+
+// tryLock takes the serialization lock like lock, giving up after d.
+func tryLock(d time.Duration) bool {
+	if !env.serialize {
+		return true
+	}
+	deadline := time.Now().Add(d)
+	for !env.lock.TryLock() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return true
 }
 
 // Open initializes MPI on its first call and returns a new communicator
@@ -119,7 +142,9 @@ type mpiComm struct {
 	closed     bool
 	err        error // set once the communicator is broken
 	wd         *watchdog
-	agree      []int64 // the agreement vector
+	st         cstate  // memory MPI uses after a call returns
+	agree      []int64 // the agreement vector, in st
+	seq        int64   // collectives started on c
 	skip       int     // collectives left that skip the agreement (SkipChecks)
 
 	// WithOrderedReduce's buffers.
@@ -134,7 +159,17 @@ var (
 )
 
 func newComm(h handle, o options, fromOpen bool) (*mpiComm, error) {
-	r, s, world, err := cSetup(h)
+	r, s, _, err := cSetup(h)
+	if err != nil {
+		cFree(&h)
+		return nil, err
+	}
+	ranks, err := cWorldRanks(h, s)
+	if err != nil {
+		cFree(&h)
+		return nil, err
+	}
+	st, err := cStateNew(h, agreeLen)
 	if err != nil {
 		cFree(&h)
 		return nil, err
@@ -145,7 +180,8 @@ func newComm(h handle, o options, fromOpen bool) (*mpiComm, error) {
 		size:     s,
 		fromOpen: fromOpen,
 		opts:     o,
-		agree:    make([]int64, agreeLen),
+		st:       st,
+		agree:    agreeVec(st, agreeLen),
 	}
 	if o.ordered {
 		c.cnt = make([]int32, c.size)
@@ -154,7 +190,7 @@ func newComm(h handle, o options, fromOpen bool) (*mpiComm, error) {
 		c.rdsp = make([]int32, c.size)
 	}
 	log := o.log
-	c.wd = newWatchdog(world, func(msg string) {
+	c.wd = newWatchdog(ranks, r, o.timeout, &rollCaller{st: st, got: make([]int64, s*msgLen)}, func(msg string) {
 		log.Error(msg)
 		fmt.Fprintln(os.Stderr, msg)
 		endJob(abortCode)
@@ -199,6 +235,7 @@ func (c *mpiComm) Close() error {
 	if env.finalized.Load() {
 		return nil
 	}
+	cStateFree(c.st)
 	h := c.h // cgo refuses a pointer into c, which holds Go pointers
 	err := cFree(&h)
 	c.h = h
@@ -244,47 +281,110 @@ func (c *mpiComm) fail(kind comm.Collective, err error) error {
 // begin checks the communicator and ctx, arms the watchdog and agrees on
 // the call's arguments with every rank. On success the caller runs the
 // data collective and then calls end with armed.
-func (c *mpiComm) begin(ctx context.Context, a *args) (armed bool, err error) {
+func (c *mpiComm) begin(ctx context.Context, a *args) (armed guard, err error) {
 	if err := c.usable(a.kind); err != nil {
-		return false, err
+		return unguarded, err
 	}
 	if ctx == nil {
 		ctx = context.Background() // the comm package's rule for a nil context
 	}
 	if err := ctx.Err(); err != nil {
-		return false, c.giveUp(a.kind, err)
+		return unguarded, c.giveUp(a.kind, err)
 	}
-	armed = c.wd.arm(ctx, a.kind)
+	c.seq++
 	if c.skip > 0 {
+		armed = c.wd.arm(ctx, a.kind, c.seq, phaseUnchecked)
 		// The caller promised agreeing arguments (SkipChecks): every rank
 		// computes the same validity, so a local error is every rank's.
 		c.skip--
 		if a.invalid != nil {
 			c.skip = 0
 			c.wd.disarm(armed)
-			return false, a.invalid
+			return unguarded, a.invalid
 		}
 		return armed, nil
 	}
+	armed = c.wd.arm(ctx, a.kind, c.seq, phaseAgree)
 	a.encode(c.agree, c.rank, c.size)
-	if err := cAllReduce(c.h, ptr(c.agree), agreeLen, tInt64, opMax); err != nil {
+	if err := c.agreeRound(a.kind); err != nil {
 		c.wd.disarm(armed)
-		return false, c.fail(a.kind, err)
+		return unguarded, c.fail(a.kind, err)
 	}
+	c.wd.phase.Store(phaseData) // every rank has reached the call
 	agree, invalid := decode(c.agree)
 	switch {
 	case invalid < c.size:
 		c.wd.disarm(armed)
 		if a.invalid != nil {
-			return false, a.invalid
+			return unguarded, a.invalid
 		}
-		return false, invalidError(a.kind, invalid)
+		return unguarded, invalidError(a.kind, invalid)
 	case !agree:
 		err := c.mismatch(a)
 		c.wd.disarm(armed)
-		return false, err
+		return unguarded, err
 	}
 	return armed, nil
+}
+
+// The agreement is non-blocking, polled: for spinFor with MPI_Test alone,
+// then with naps of a 16th of the time waited so far, up to maxNap, between
+// tests, so that a rank waiting for a late peer does not keep a core busy
+// as a blocking MPI collective does, and wakes within a 16th of its wait.
+const (
+	spinFor = time.Millisecond
+	maxNap  = 10 * time.Millisecond
+)
+
+// agreeRound runs the MPI_MAX allreduce of the agreement vector. While it
+// waits for late ranks, it answers the roll calls of ranks whose watchdog
+// fired.
+func (c *mpiComm) agreeRound(kind comm.Collective) error {
+	if err := cAgreeStart(c.h, c.st, agreeLen); err != nil {
+		return err
+	}
+	var start time.Time
+	for {
+		done, err := cAgreeTest(c.st)
+		if done || err != nil {
+			return err
+		}
+		if start.IsZero() {
+			start = time.Now()
+			continue
+		}
+		waited := time.Since(start)
+		if waited < spinFor {
+			continue
+		}
+		if err := cAnswer(c.st, c.seq, int(kind)); err != nil {
+			// The roll call is best effort: finish the agreement.
+			c.opts.log.Warn("mpi: answering a roll call failed", zap.Int("rank", c.rank), zap.Error(err))
+		}
+		time.Sleep(min(waited/16, maxNap))
+	}
+}
+
+// rollCaller runs the watchdog's roll calls on a communicator's state.
+type rollCaller struct {
+	st  cstate
+	got []int64 // msgLen per rank
+}
+
+func (p *rollCaller) ask(seq int64) error {
+	clear(p.got)
+	return cAsk(p.st, seq)
+}
+
+func (p *rollCaller) collect(seq int64, got []answer) error {
+	err := cCollect(p.st, seq, p.got)
+	for j := range got {
+		m := p.got[j*msgLen : (j+1)*msgLen]
+		if m[0] == seq {
+			got[j] = answer{ok: true, seq: m[1], kind: comm.Collective(m[2])}
+		}
+	}
+	return err
 }
 
 // mismatch gathers every rank's arguments and returns the error every
@@ -300,7 +400,7 @@ func (c *mpiComm) mismatch(a *args) error {
 
 // end disarms the watchdog and reports the data collective's error, which
 // breaks the communicator.
-func (c *mpiComm) end(kind comm.Collective, armed bool, err error) error {
+func (c *mpiComm) end(kind comm.Collective, armed guard, err error) error {
 	c.wd.disarm(armed)
 	if err != nil {
 		return c.fail(kind, err)

@@ -721,3 +721,22 @@ func TestGoPanicsAfterOpen(t *testing.T) {
 	}()
 	assert.True(t, panicked)
 }
+
+// BenchmarkBarrier measures one collective's fixed cost: a barrier is only
+// the argument agreement (and the watchdog's arming, with a deadline).
+func BenchmarkBarrier(b *testing.B) {
+	deadline, cancel := context.WithTimeout(context.Background(), time.Hour)
+	defer cancel()
+	for _, ctx := range []struct {
+		name string
+		ctx  context.Context
+	}{{"background", context.Background()}, {"deadline", deadline}} {
+		b.Run(ctx.name, func(b *testing.B) {
+			for b.Loop() {
+				if err := world.Barrier(ctx.ctx); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

@@ -23,12 +23,21 @@ import (
 //     hang.
 //   - stall: the last rank never enters the collective; the others' 2s
 //     deadline must abort the job with the watchdog's message.
+//   - skip: the last rank runs one allreduce fewer than the others, under
+//     context.Background(), then closes its communicator and exits with
+//     status 0, as a training loop that runs one step fewer does; the
+//     others' 2s collective timeout (WithCollectiveTimeout) must abort the
+//     job with a message that names the allreduce and the last rank.
 //
 // A rank returning from the collective is a failure of the scenario.
 const scenarioEnv = "LOWBIT_MPI_SCENARIO"
 
 func runScenario(name string) int {
-	c, err := mpi.Open()
+	var opts []mpi.Option
+	if name == "skip" {
+		opts = append(opts, mpi.WithCollectiveTimeout(2*time.Second))
+	}
+	c, err := mpi.Open(opts...)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
@@ -58,6 +67,27 @@ func runScenario(name string) int {
 			time.Sleep(time.Minute)
 			return 0
 		}
+	case "skip":
+		steps := 3
+		if last {
+			steps--
+		}
+		buf := make([]float32, 1<<10)
+		for range steps {
+			if err := c.AllReduce(context.Background(), buf, comm.Sum); err != nil {
+				fmt.Fprintf(os.Stderr, "scenario skip: rank %d: %v\n", c.Rank(), err)
+				return 1
+			}
+		}
+		if last {
+			fmt.Fprintf(os.Stderr, "scenario skip: rank %d ran one allreduce fewer on purpose and closes\n", c.Rank())
+			if err := c.Close(); err != nil {
+				fmt.Fprintln(os.Stderr, err)
+			}
+			return 0
+		}
+		fmt.Fprintf(os.Stderr, "scenario skip: rank %d: its last allreduce returned instead of aborting\n", c.Rank())
+		return 1
 	default:
 		fmt.Fprintf(os.Stderr, "unknown scenario %q\n", name)
 		return 2

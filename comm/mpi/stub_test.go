@@ -4,6 +4,7 @@ package mpi_test
 
 import (
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -13,7 +14,7 @@ import (
 
 func TestOpenWithoutMPI(t *testing.T) {
 	assert.False(t, mpi.Built)
-	c, err := mpi.Open(mpi.WithLogger(nil), mpi.WithOrderedReduce())
+	c, err := mpi.Open(mpi.WithLogger(nil), mpi.WithOrderedReduce(), mpi.WithCollectiveTimeout(time.Minute))
 	require.ErrorIs(t, err, mpi.ErrNotBuilt)
 	assert.Nil(t, c)
 	assert.Contains(t, err.Error(), "go build -tags mpi")

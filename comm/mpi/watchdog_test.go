@@ -1,0 +1,231 @@
+package mpi
+
+import (
+	"context"
+	"errors"
+	"regexp"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+)
+
+func TestCollectiveTimeoutOption(t *testing.T) {
+	assert.Equal(t, 30*time.Minute, DefaultCollectiveTimeout)
+	assert.Equal(t, DefaultCollectiveTimeout, newOptions(nil).timeout)
+	for _, c := range []struct {
+		set, want time.Duration
+	}{
+		{2 * time.Second, 2 * time.Second},
+		{time.Nanosecond, time.Nanosecond},
+		{0, 0},
+		{-time.Second, 0},
+	} {
+		o := newOptions([]Option{WithLogger(nil), WithCollectiveTimeout(c.set), WithOrderedReduce()})
+		assert.Equal(t, c.want, o.timeout, "WithCollectiveTimeout(%v)", c.set)
+	}
+	// The last option wins.
+	o := newOptions([]Option{WithCollectiveTimeout(0), WithCollectiveTimeout(time.Minute)})
+	assert.Equal(t, time.Minute, o.timeout)
+}
+
+// fakePeers answers roll calls as the ranks in answers would.
+type fakePeers struct {
+	answers map[int]answer // by rank; missing ranks never answer
+	asked   atomic.Int64   // the call last asked about
+	err     error
+}
+
+func (p *fakePeers) ask(seq int64) error {
+	p.asked.Store(seq)
+	return p.err
+}
+
+func (p *fakePeers) collect(seq int64, got []answer) error {
+	for j, a := range p.answers {
+		got[j] = a
+	}
+	return nil
+}
+
+// abortRecorder stands for the job's end: it records the messages.
+type abortRecorder chan string
+
+func (r abortRecorder) abort(msg string) { r <- msg }
+
+// next returns the next abort message, failing after d.
+func (r abortRecorder) next(t *testing.T, d time.Duration) string {
+	t.Helper()
+	select {
+	case msg := <-r:
+		return msg
+	case <-time.After(d):
+		t.Fatalf("no abort within %v", d)
+		return ""
+	}
+}
+
+func (r abortRecorder) none(t *testing.T) {
+	t.Helper()
+	select {
+	case msg := <-r:
+		t.Fatalf("unexpected abort: %s", msg)
+	default:
+	}
+}
+
+func TestWatchdog(t *testing.T) {
+	fired := make(abortRecorder, 1)
+	w := newWatchdog([]int{0, 1, 2, 3, 4, 5}, 5, 0, nil, fired.abort)
+	defer w.stop()
+
+	// Without a collective timeout, a context that can never end is not
+	// watched.
+	assert.Equal(t, unguarded, w.arm(context.Background(), comm.CAllReduce, 1, phaseAgree))
+
+	// A call that returns before its context ends is not aborted.
+	ctx, cancel := context.WithCancel(context.Background())
+	armed := w.arm(ctx, comm.CAllReduce, 2, phaseAgree)
+	require.NotEqual(t, unguarded, armed)
+	w.disarm(armed)
+	cancel()
+
+	// A context that ends while the call is in flight aborts.
+	ctx, cancel = context.WithCancel(context.Background())
+	armed = w.arm(ctx, comm.CAllToAll, 3, phaseData)
+	cancel()
+	msg := fired.next(t, 5*time.Second)
+	w.disarm(armed)
+	assert.Regexp(t, "^"+regexp.QuoteMeta("lowbit/mpi: rank 5: context canceled during alltoall; aborting the MPI job because MPI cannot cancel a collective: rank 5 waited ")+
+		"[0-9.]+[mµn]?s"+regexp.QuoteMeta(" in alltoall #3 of its communicator of 6 ranks; every rank had reached it (its argument agreement completed), so a rank stalled or died inside it")+"$", msg)
+	fired.none(t)
+}
+
+func TestWatchdogTimeout(t *testing.T) {
+	fired := make(abortRecorder, 1)
+	// Rank 1 of a communicator of world ranks 4, 2, 7, 9: 2 answers the
+	// roll call, 4 waits in another call, 9 does not answer.
+	p := &fakePeers{answers: map[int]answer{
+		0: {ok: true, seq: 6, kind: comm.CBarrier},
+		2: {ok: true, seq: 7, kind: comm.CAllReduce},
+	}}
+	w := newWatchdog([]int{4, 2, 7, 9}, 1, 50*time.Millisecond, p, fired.abort)
+	defer w.stop()
+
+	// With a collective timeout, every call is watched, and one that
+	// returns in time is not aborted.
+	armed := w.arm(context.Background(), comm.CAllReduce, 6, phaseAgree)
+	require.NotEqual(t, unguarded, armed)
+	w.disarm(armed)
+	fired.none(t)
+
+	start := time.Now()
+	armed = w.arm(context.Background(), comm.CAllReduce, 7, phaseAgree)
+	require.NotEqual(t, unguarded, armed)
+	msg := fired.next(t, 5*time.Second)
+	w.disarm(armed)
+	took := time.Since(start)
+	assert.Equal(t, int64(7), p.asked.Load())
+	assert.Regexp(t, "^"+regexp.QuoteMeta("lowbit/mpi: rank 2: collective timeout of 50ms (mpi.WithCollectiveTimeout) exceeded during allreduce; "+
+		"aborting the MPI job because MPI cannot cancel a collective: rank 2 waited ")+"[0-9.]+m?s"+
+		regexp.QuoteMeta(" in allreduce #7 of its communicator of 4 ranks; ranks that had not reached it: [9]; ranks waiting in it: [2 7]; rank 4 is waiting in barrier #6")+"$", msg)
+	// The timeout, the roll call's wait for rank 9 and rank 2's stagger.
+	assert.GreaterOrEqual(t, took, 50*time.Millisecond+rollCallWait)
+	assert.Less(t, took, 50*time.Millisecond+rollCallWait+2*abortStagger+time.Second)
+	fired.none(t)
+}
+
+func TestWatchdogTimeoutPhases(t *testing.T) {
+	for _, c := range []struct {
+		phase int32
+		peers roller
+		want  string
+	}{
+		{phaseData, &fakePeers{}, "every rank had reached it (its argument agreement completed), so a rank stalled or died inside it"},
+		{phaseUnchecked, &fakePeers{}, "which ranks had reached it is unknown: it skipped the argument agreement (comm.SkipChecks)"},
+		{phaseAgree, nil, "which ranks had reached it is unknown"},
+		{phaseAgree, &fakePeers{err: errors.New("no")}, "which ranks had reached it is unknown: the roll call failed: no"},
+	} {
+		fired := make(abortRecorder, 1)
+		w := newWatchdog([]int{0, 1}, 0, 20*time.Millisecond, c.peers, fired.abort)
+		armed := w.arm(context.Background(), comm.CBroadcast, 1, c.phase)
+		msg := fired.next(t, 5*time.Second)
+		w.disarm(armed)
+		w.stop()
+		assert.Contains(t, msg, "during broadcast; aborting the MPI job")
+		assert.True(t, strings.HasSuffix(msg, "; "+c.want), "%q does not end with %q", msg, c.want)
+	}
+}
+
+// The shorter of the context's deadline and the collective timeout ends
+// the wait.
+func TestWatchdogShorterWins(t *testing.T) {
+	fired := make(abortRecorder, 1)
+	w := newWatchdog([]int{0, 1}, 0, time.Hour, &fakePeers{}, fired.abort)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	armed := w.arm(ctx, comm.CAllGather, 1, phaseData)
+	assert.Contains(t, fired.next(t, 5*time.Second), "rank 0: context deadline exceeded during allgather")
+	w.disarm(armed)
+	w.stop()
+
+	w = newWatchdog([]int{0, 1}, 0, 20*time.Millisecond, &fakePeers{}, fired.abort)
+	defer w.stop()
+	ctx, cancel = context.WithTimeout(context.Background(), time.Hour)
+	defer cancel()
+	armed = w.arm(ctx, comm.CAllGather, 1, phaseData)
+	assert.Contains(t, fired.next(t, 5*time.Second), "rank 0: collective timeout of 20ms (mpi.WithCollectiveTimeout) exceeded during allgather")
+	w.disarm(armed)
+}
+
+// A call that returns during the roll call is not aborted.
+func TestWatchdogReturnsDuringRollCall(t *testing.T) {
+	fired := make(abortRecorder, 1)
+	p := &fakePeers{}
+	w := newWatchdog([]int{0, 1}, 0, 10*time.Millisecond, p, fired.abort)
+	defer w.stop()
+	armed := w.arm(context.Background(), comm.CAllReduce, 3, phaseAgree)
+	require.Eventually(t, func() bool { return p.asked.Load() == 3 }, 5*time.Second, time.Millisecond)
+	w.disarm(armed)
+	time.Sleep(rollCallWait + 100*time.Millisecond)
+	fired.none(t)
+	// The watchdog still serves calls.
+	armed = w.arm(context.Background(), comm.CAllReduce, 4, phaseData)
+	assert.Contains(t, fired.next(t, 5*time.Second), "allreduce #4")
+	w.disarm(armed)
+}
+
+// Calls that return around the timeout, under both guards, either return
+// unaborted or are aborted once, and the watchdog never blocks a call.
+func TestWatchdogRace(t *testing.T) {
+	var aborts atomic.Int64
+	w := newWatchdog([]int{0, 1}, 0, 2*time.Millisecond, &fakePeers{}, func(string) { aborts.Add(1) })
+	defer w.stop()
+	deadline, cancel := context.WithTimeout(context.Background(), time.Hour)
+	defer cancel()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := range 300 {
+			ctx := context.Background()
+			if i%3 == 0 {
+				ctx = deadline
+			}
+			g := w.arm(ctx, comm.CAllReduce, int64(i+1), phaseData)
+			time.Sleep(time.Duration(i%5) * time.Millisecond)
+			w.disarm(g)
+		}
+	}()
+	select {
+	case <-done:
+	case <-time.After(time.Minute):
+		t.Fatal("arm or disarm blocked")
+	}
+	t.Logf("%d of 300 calls aborted", aborts.Load())
+	assert.Equal(t, int64(0), w.lazy.Load())
+}
