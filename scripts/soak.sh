@@ -17,22 +17,42 @@
 # uninterrupted run's test accuracy (bit-identity is not expected there:
 # the error feedback is reset).
 #
-# It prints a table per optimizer: interruptions by kind, steps redone
-# (done before an interruption and done again after it), the time from the
-# interruption to the job's exit (median and max; the goal is under 10 s),
-# and how many rounds ended with the uninterrupted hash. It checks that no
-# rank process and no namespace is left behind. It exits non-zero unless
-# every hash matches, every job ended in time, every SIGTERM-ed job saved
-# its checkpoint, and nothing was left behind.
+# Every resume is checked against what was saved: before each job started
+# with -resume the script reads, from the checkpoint directory, the newest
+# step every rank holds (the files it damaged itself excluded). The job must
+# continue from exactly that step; a job that refuses to resume although
+# such a step exists fails the round (a refusal is a restart from step 0
+# only where no step was held by every rank). The first interruption of a
+# run from step 0 comes after its first checkpoint is on every rank, so
+# that every round resumes at least once; a round without a resume fails.
+# 0/1 Adam runs with -freeze-step 50 and -local-step-scaler 16, so that
+# its phase B takes local steps and resumes land between two
+# synchronizations (the example says so on the resume; the table counts
+# them).
+#
+# It prints a table per optimizer: rounds, resumes (and of them those
+# between two synchronizations of 0/1 Adam), interruptions by kind,
+# restarts from step 0, steps redone (done before an interruption and done
+# again after it), the time from the interruption to the job's exit
+# (median and max; the goal is under 10 s), and how many rounds ended with
+# the uninterrupted hash. It checks that no rank process and no namespace
+# is left behind. It exits non-zero unless every hash matches, every round
+# resumed at least once and every resume continued from the newest step
+# every rank held, every job ended in time, every SIGTERM-ed job saved its
+# checkpoint, and nothing was left behind.
 #
 # Settings (environment):
-#   SOAK_S      duration in seconds (default 600); interruptions stop then,
-#               and the runs under way finish
+#   SOAK_S      duration in seconds (default 600); interruptions stop then
+#               (but the first of each round), and the runs under way finish
 #   SEED        the fault schedule (default: the time; printed)
 #   NETEM       the impairment (default "loss 1% delay 5ms 2ms reorder 10%";
 #               a kernel without sch_netem gets the loss only, and a line
 #               says so)
 #   OPTIMIZERS  default "onebit-adam zeroone-adam zero-adam"
+#   LOCAL_STEP_SCALER, ZO_FREEZE_STEP  0/1 Adam's -local-step-scaler
+#               (default 16) and -freeze-step (its VarFreezeStep, default 50):
+#               phase B from step 51, its synchronizations 16 steps apart
+#               from step 115, so that most resumes fall between two
 #   DATA        MNIST directory (default data/mnist; make mnist-data)
 #   EPOCHS      per run (default 1: 468 steps); EVERY: -checkpoint-every (25)
 #   BIN         a prebuilt examples/mnist binary with -tags mpi (else built)
@@ -111,8 +131,73 @@ seen_pids=()
 optargs() {
 	case $1 in
 	zero-adam) echo "-optimizer zero-adam -reduce int4" ;;
+	zeroone-adam) echo "-optimizer zeroone-adam -freeze-step ${ZO_FREEZE_STEP:-50} -local-step-scaler ${LOCAL_STEP_SCALER:-16}" ;;
 	*) echo "-optimizer $1" ;;
 	esac
+}
+
+# ckpt_int FILE NAME: the int64 entry NAME of the optim checkpoint FILE
+# (in its header: the name, then the value in 8 bytes, little-endian);
+# empty when FILE does not record it.
+ckpt_int() {
+	local off
+	off=$(head -c 65536 "$1" 2>/dev/null | grep -obaF "$2" | head -n 1 | cut -d: -f1)
+	[ -n "$off" ] && od -An -td8 -j $((off + ${#2})) -N8 "$1" | tr -d ' '
+}
+
+# damaged: "FILE|MTIME" of every file corrupt damaged in this trajectory;
+# a file rewritten since (another mtime) is whole again.
+damaged=()
+is_damaged() {
+	local d
+	for d in "${damaged[@]}"; do
+		[ "${d%%|*}" = "$1" ] && [ "${d#*|}" = "$(stat -c %y "$1" 2>/dev/null)" ] && return 0
+	done
+	return 1
+}
+
+# held_step DIR OPT NP: the newest step of which every one of NP ranks
+# holds a whole checkpoint file made on NP ranks (of the same generation),
+# empty when there is none: where -resume on NP ranks must continue.
+held_step() {
+	local dir=$1 opt=$2 np=$3 r f keys common="" kept k
+	for ((r = 0; r < np; r++)); do
+		keys=""
+		for f in "$dir/$opt.rank$r.0.ckpt" "$dir/$opt.rank$r.1.ckpt"; do
+			[ -f "$f" ] && ! is_damaged "$f" || continue
+			[ "$(ckpt_int "$f" mnist/flag-workers)" = "$np" ] || continue
+			keys+=" $(ckpt_int "$f" mnist/step):$(ckpt_int "$f" mnist/generation)"
+		done
+		if [ "$r" = 0 ]; then
+			common=$keys
+			continue
+		fi
+		kept=""
+		for k in $common; do
+			case " $keys " in *" $k "*) kept+=" $k" ;; esac
+		done
+		common=$kept
+	done
+	for k in $common; do echo "${k%%:*}"; done | sort -n | tail -n 1
+}
+
+# check_resume LOG: after a job started with -resume (held: the newest
+# step every rank held before it started): counts its resume, and fails
+# the round if it continued from another step than held (in the shrink
+# round, where other worlds' files compete: an older one).
+check_resume() {
+	local f
+	f=$(resumed_of "$1")
+	[ -n "$f" ] || return 0
+	resumes=$((resumes + 1))
+	round_resumes=$((round_resumes + 1))
+	if grep -q "^mnist: -resume: $opt continues between two synchronizations" "$1"; then
+		between=$((between + 1))
+	fi
+	if [ -n "$held" ] && { [ "$f" -lt "$held" ] || { [ "$round" != shrink ] && [ "$f" != "$held" ]; }; }; then
+		echo "soak: FAILED: $opt round $round: -resume continued from step $f, but every rank held step $held" >&2
+		fail=1
+	fi
 }
 
 # start NP DIR LOG ARGS...: starts a job in the background (jobpid).
@@ -198,6 +283,7 @@ corrupt() {
 	else
 		truncate -s $((size / 2)) "$f"
 	fi
+	damaged+=("$f|$(stat -c %y "$f")")
 	echo "soak:   $kind $(basename "$f") (rank $r)"
 }
 
@@ -211,9 +297,16 @@ trajectory() {
 	# shellcheck disable=SC2206
 	local oargs=($(optargs "$opt"))
 	rm -rf "$dir"
+	damaged=()
+	round_resumes=0
+	local interrupted=0
 	while :; do
 		cur_np=${nps[$((k < ${#nps[@]} ? k : ${#nps[@]} - 1))]}
 		log=$NETNS_TMP/$opt.$round.$k.log
+		held=""
+		if [ ${#resumeflag[@]} -gt 0 ]; then
+			held=$(held_step "$dir" "$opt" "$cur_np")
+		fi
 		start "$cur_np" "$dir" "$log" "${oargs[@]}" "${resumeflag[@]}"
 		if [ "$k" -gt 0 ]; then
 			# Steps redone: where the last job stopped, less where this
@@ -229,10 +322,20 @@ trajectory() {
 			fi
 		fi
 		kind=none
-		if [ "$interrupts_left" -gt 0 ] && { [ -n "${force:-}" ] || [ "$(date +%s)" -lt "$deadline" ]; }; then
-			# A random step ahead of where the run resumes.
+		# The first interruption of a round comes even when SOAK_S is
+		# spent: every round resumes.
+		if [ "$interrupts_left" -gt 0 ] && { [ -n "${force:-}" ] || [ "$interrupted" = 0 ] || [ "$(date +%s)" -lt "$deadline" ]; }; then
+			# A random step ahead of where the run resumes; in a run from
+			# step 0, after its first checkpoint is on every rank (rank 0
+			# writes step S+1 to the step file once every rank has entered
+			# step S+1, so after every rank's save of step S), so that the
+			# round resumes at least once.
 			rnd $((total / 6))
-			target=$((${from:-0} + 1 + R))
+			if [ ${#resumeflag[@]} -eq 0 ]; then
+				target=$((EVERY + 1 + R))
+			else
+				target=$((${from:-0} + 1 + R))
+			fi
 			while kill -0 "$jobpid" 2>/dev/null && [ "$(step_now)" -lt "$target" ]; do sleep 0.01; done
 			if kill -0 "$jobpid" 2>/dev/null; then
 				if [ -n "${kinds_fixed:-}" ]; then
@@ -243,6 +346,8 @@ trajectory() {
 					case $R in 0 | 1) kind=kill ;; 2) kind=term ;; 3) kind=term-mpirun ;; esac
 				fi
 				interrupt "$kind"
+				interrupted=$((interrupted + 1))
+				[ ${#resumeflag[@]} -eq 0 ] || check_resume "$log"
 				count[$kind]=$((count[$kind] + 1))
 				interrupts_left=$((interrupts_left - 1))
 				times+=("$dt")
@@ -283,10 +388,16 @@ trajectory() {
 			fi
 		fi
 		finish
+		[ ${#resumeflag[@]} -eq 0 ] || check_resume "$log"
 		if [ "$rc" -ne 0 ] && [ "$k" -gt 0 ] && grep -q "^mnist: .*-resume: no checkpoint of $opt in .* that every rank holds" "$log"; then
-			# Killed before every rank held one checkpoint step (during
-			# the first save), or a damaged file was the only one of its
-			# rank: -resume refuses, as it must; start again from scratch.
+			# -resume refuses where no step is held by every rank (a damaged
+			# file was the only one of its rank, say), as it must: start
+			# again from scratch. Where every rank held one, the refusal is
+			# the resume's failure.
+			if [ -n "$held" ]; then
+				echo "soak: FAILED: $opt round $round: -resume found no step every rank holds, but every rank held step $held: $(grep -m1 '^mnist: .*no checkpoint' "$log" | cut -c1-200)" >&2
+				fail=1
+			fi
 			echo "soak:   $opt round $round: no checkpoint step every rank holds; restarting from step 0 ($(grep -m1 '^mnist: ' "$log" | cut -c1-200))"
 			restarts=$((restarts + 1))
 			redone=$((redone + last))
@@ -330,6 +441,8 @@ for i in "${!opts[@]}"; do
 	times=()
 	redone=0
 	restarts=0
+	resumes=0
+	between=0
 	rounds=0
 	matched=0
 	# The uninterrupted reference.
@@ -361,6 +474,10 @@ for i in "${!opts[@]}"; do
 		fi
 		trajectory "$opt" "$NETNS_TMP/ck-$opt-$round" "$NP"
 		rounds=$((rounds + 1))
+		if [ "$round_resumes" -eq 0 ]; then
+			echo "soak: FAILED: $opt round $round resumed not once" >&2
+			fail=1
+		fi
 		got=$(hash_of "$last_log")
 		if [ "$got" = "$want" ]; then
 			matched=$((matched + 1))
@@ -372,7 +489,7 @@ for i in "${!opts[@]}"; do
 		[ "$SHORT" = 1 ] && break
 		[ "$(date +%s)" -lt "$deadline" ] || break
 	done
-	rows+=("$(printf '%-13s %6d %5d %5d %12d %5d %9d %9d %13s %14s %6s %7s' "$opt" "$rounds" "${count[kill]}" "${count[term]}" \
+	rows+=("$(printf '%-13s %6d %7d %13d %5d %5d %12d %5d %9d %9d %13s %14s %6s %7s' "$opt" "$rounds" "$resumes" "$between" "${count[kill]}" "${count[term]}" \
 		"${count[term-mpirun]}" "${count[flip]}" "${count[truncate]}" "$restarts" "$redone" \
 		"$(median_max "${times[@]}" | awk '{ print $1 }')" "$(median_max "${times[@]}" | awk '{ print $2 }')" "$matched/$rounds")")
 
@@ -415,7 +532,7 @@ fi
 
 echo
 echo "soak: seed $SEED; impairment: $impaired; $(($(date +%s) - t_start)) s"
-printf '%-13s %6s %5s %5s %12s %5s %9s %9s %13s %14s %6s %7s\n' optimizer rounds kill term term-mpirun flip truncate restarts "steps redone" "exit (median)" max "hash ok"
+printf '%-13s %6s %7s %13s %5s %5s %12s %5s %9s %9s %13s %14s %6s %7s\n' optimizer rounds resumes "between syncs" kill term term-mpirun flip truncate restarts "steps redone" "exit (median)" max "hash ok"
 for r in "${rows[@]}"; do echo "$r"; done
 [ -z "$shrink_line" ] || echo "$shrink_line"
 echo "hangs: $hangs; rank processes left: ${left:-none}; namespaces left: $nsleft"

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
-	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -24,6 +23,11 @@ type checkpointConfig struct {
 	dir    string // "" for no checkpoints
 	every  int    // save after every this many steps (and after the last)
 	resume bool   // continue from the newest checkpoint every rank holds
+	// freshIfNone makes a resume that finds no file of the optimizer on
+	// any rank start it from step 0 instead of failing: set for the
+	// optimizer of -compare that follows a finished one, which the
+	// interrupted run may not have saved a step of yet.
+	freshIfNone bool
 	// killAt, when positive, makes every rank kill its own process with
 	// SIGKILL right after the checkpoint of step killAt is on disk on every
 	// rank: the crash the resume test recovers from.
@@ -33,12 +37,16 @@ type checkpointConfig struct {
 // Names of what the example stores in an optimizer checkpoint besides the
 // optimizer's own state. They are removed before the optimizer sees it.
 const (
-	ckptPrefix  = "mnist/"
-	ckptStep    = ckptPrefix + "step"  // steps done
-	ckptLoss    = ckptPrefix + "loss"  // per-step training loss so far
-	ckptEvals   = ckptPrefix + "evals" // (step, acc, loss, wall seconds) of each evaluation
-	ckptTotal   = ckptPrefix + "total" // steps of the whole run
-	ckptSetting = ckptPrefix + "flag"  // + a flag's name: its value (see settings)
+	ckptPrefix = "mnist/"
+	ckptStep   = ckptPrefix + "step" // steps done
+	ckptLoss   = ckptPrefix + "loss" // per-step training loss so far, of this rank's shards
+	// ckptLossMean is the per-step training loss so far averaged over the
+	// ranks (of the global batch): what a resume on another number of
+	// ranks restores on every rank, as it cannot recombine the shards.
+	ckptLossMean = ckptPrefix + "loss_mean"
+	ckptEvals    = ckptPrefix + "evals" // (step, acc, loss, wall seconds) of each evaluation
+	ckptTotal    = ckptPrefix + "total" // steps of the whole run
+	ckptSetting  = ckptPrefix + "flag"  // + a flag's name: its value (see settings)
 	// ckptElapsed is the training wall time up to the step, evaluations
 	// excluded, in nanoseconds, summed over the runs that made it.
 	ckptElapsed = ckptPrefix + "elapsed_ns"
@@ -76,14 +84,15 @@ type setting struct {
 
 // settings lists the flags besides -optimizer (in the file name) and
 // -epochs (the run's step count, checked apart) that a resumed run must
-// share with the run that saved the checkpoint.
+// share with the run that saved the checkpoint. -lr is not among them: the
+// learning rate is part of the optimizer's checkpoint, and a resume keeps
+// it unless -lr is given (see resumeLR).
 func settings(cfg trainConfig, world int) []setting {
 	h := cfg.hyper
 	return []setting{
 		{"-workers", int64(world), fmt.Sprint(world)},
 		{"-batch", int64(cfg.batch), fmt.Sprint(cfg.batch)},
 		{"-seed", int64(cfg.seed), fmt.Sprint(cfg.seed)},
-		{"-lr", int64(math.Float32bits(h.lr)), fmt.Sprint(h.lr)},
 		{"-freeze-step", int64(h.freezeStep), fmt.Sprint(h.freezeStep)},
 		{"-reduce", int64(h.reduce), h.reduce.String()},
 		{"-reduce (zero-adam)", int64(h.scatter), h.scatter.String()},
@@ -147,6 +156,12 @@ func (k *checkpointer) save(ctx context.Context, c comm.Comm, opt optim.Optimize
 		ck.Ints[ckptSetting+s.flag] = s.value
 	}
 	ck.AddTensor(ckptLoss, []int{step}, lossHist[:step])
+	mean := make([]float32, step)
+	copy(mean, lossHist[:step])
+	if err := c.AllReduce(ctx, mean, comm.Mean); err != nil {
+		return fmt.Errorf("checkpoint: averaging the loss history: %w", err)
+	}
+	ck.AddTensor(ckptLossMean, []int{step}, mean)
 	ev := make([]float32, 0, ckptEvalWidth*len(evals))
 	for _, e := range evals {
 		ev = append(ev, float32(e.step), float32(e.acc), float32(e.loss), float32(e.wall.Seconds()))
@@ -189,6 +204,10 @@ type restored struct {
 	// than this run's when it resumed on another number of ranks, with the
 	// error feedback reset.
 	fromWorld int
+	// lr is the fixed learning rate the loaded checkpoint records
+	// (optim.FloatLR); hasLR is false for a checkpoint that records none.
+	lr    float32
+	hasLR bool
 }
 
 // candidate is one usable checkpoint file of a rank.
@@ -237,8 +256,10 @@ func (k *checkpointer) load(path string, total int) (*candidate, string) {
 }
 
 // restore loads, on every rank, the newest checkpoint step that every rank
-// holds, into opt; it returns nil when -resume is off. Every rank calls it
-// together, and every rank gets the same answer or the same error.
+// holds, into opt; it returns nil when -resume is off, and with
+// freshIfNone when no rank sees any file of the optimizer (it starts from
+// step 0). Every rank calls it together, and every rank gets the same
+// answer or the same error.
 //
 // A rank's own two files are the candidates of a resume on the same number
 // of ranks. Rank 0 also looks for a complete set of another number of
@@ -271,22 +292,25 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 	for _, p := range problems {
 		fmt.Fprintf(warn, "mnist: warning: rank %d: -resume: unusable checkpoint: %s\n", k.rank, p)
 	}
-	// Every rank learns every rank's two keys and number of problems.
-	const fields = 3
+	// Every rank learns every rank's two keys, number of problems and
+	// number of files of the optimizer (of any number of ranks).
+	const fields = 4
 	mine := make([]byte, 8*fields)
 	binary.LittleEndian.PutUint64(mine[0:], uint64(own[0].key()))
 	binary.LittleEndian.PutUint64(mine[8:], uint64(own[1].key()))
 	binary.LittleEndian.PutUint64(mine[16:], uint64(len(problems)))
+	binary.LittleEndian.PutUint64(mine[24:], uint64(k.files()))
 	all := make([]byte, len(mine)*w)
 	if err := c.AllGatherBytes(ctx, mine, all); err != nil {
 		return nil, err
 	}
 	field := func(r, f int) int64 { return int64(binary.LittleEndian.Uint64(all[8*(fields*r+f):])) }
 	// The newest key every rank holds on the same number of ranks.
-	same, newest, nproblems := int64(-1), int64(-1), int64(0)
+	same, newest, nproblems, nfiles := int64(-1), int64(-1), int64(0), int64(0)
 	for r := range w {
 		newest = max(newest, field(r, 0), field(r, 1))
 		nproblems += field(r, 2)
+		nfiles += field(r, 3)
 	}
 	for _, key := range []int64{field(0, 0), field(0, 1)} {
 		held := key >= 0
@@ -308,6 +332,12 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 		return nil, err
 	}
 	otherKey, otherWorld := int64(binary.LittleEndian.Uint64(other[0:])), int(binary.LittleEndian.Uint64(other[8:]))
+	if nfiles == 0 && k.cfg.freshIfNone {
+		if k.rank == 0 {
+			fmt.Fprintf(warn, "mnist: -resume: %s had not saved a checkpoint: it starts from step 0\n", k.name)
+		}
+		return nil, nil
+	}
 	if same < 0 && otherKey < 0 {
 		msg := fmt.Sprintf("-resume: no checkpoint of %s in %s that every rank holds (this rank holds steps %v)", k.name, k.cfg.dir, holds(own))
 		if len(problems) > 0 {
@@ -440,13 +470,14 @@ func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world 
 		}
 		load = k.strip(cand.ck).ResetErrors()
 	}
-	res, err := k.history(cand.path, cand.ck)
+	res, err := k.history(cand.path, cand.ck, true)
 	if err != nil {
 		return nil, err
 	}
 	if err := opt.Load(load); err != nil {
 		return nil, fmt.Errorf("-resume: %s (made on %d ranks): %w", cand.path, world, err)
 	}
+	res.lr, res.hasLR = checkpointLR(load)
 	res.gen = cand.gen + 1 // a new trajectory: its files must not mix with the old one's
 	res.fromWorld = world
 	return res, nil
@@ -454,27 +485,69 @@ func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world 
 
 // apply loads ck, read from path, into opt: the same number of ranks.
 func (k *checkpointer) apply(opt optim.Optimizer, path string, ck *optim.Checkpoint) (*restored, error) {
-	res, err := k.history(path, ck)
+	res, err := k.history(path, ck, false)
 	if err != nil {
 		return nil, err
 	}
-	if err := opt.Load(k.strip(ck)); err != nil {
+	load := k.strip(ck)
+	if err := opt.Load(load); err != nil {
 		return nil, fmt.Errorf("-resume: %s: %w", path, err)
 	}
+	res.lr, res.hasLR = checkpointLR(load)
 	res.gen, _ = ck.Int(ckptGen)
 	res.fromWorld = int(ck.Ints[ckptSetting+"-workers"])
 	return res, nil
 }
 
+// checkpointLR returns the fixed learning rate ck records, if any.
+func checkpointLR(ck *optim.Checkpoint) (float32, bool) {
+	lr, ok := ck.Floats[optim.FloatLR]
+	return float32(lr), ok
+}
+
+// resumeLR applies the examples' learning-rate rule to opt, which has just
+// loaded a checkpoint recording back.lr (if back.hasLR): Load restored the
+// checkpoint's learning rate, as PyTorch's load_state_dict does; when -lr
+// was given on the command line (explicit) its value lr wins and is set
+// with SetLR. It returns the line that says which learning rate the run
+// continues with and where it came from.
+func resumeLR(opt optim.Optimizer, back *restored, lr float32, explicit bool) (string, error) {
+	had := "the checkpoint records none"
+	if back.hasLR {
+		had = fmt.Sprintf("the checkpoint had %v", back.lr)
+	}
+	ls, ok := opt.(optim.LRSetter)
+	if explicit {
+		if !ok {
+			return "", fmt.Errorf("-lr %v: the optimizer cannot change its learning rate (not an optim.LRSetter)", lr)
+		}
+		if err := ls.SetLR(lr); err != nil {
+			return "", fmt.Errorf("-lr: %w", err)
+		}
+		return fmt.Sprintf("lr %v from -lr (%s)", lr, had), nil
+	}
+	if !back.hasLR {
+		// Load kept the optimizer's own: the default of -lr.
+		return fmt.Sprintf("lr %v, the default of -lr (%s)", lr, had), nil
+	}
+	return fmt.Sprintf("lr %v from the checkpoint", back.lr), nil
+}
+
 // history reads the example's own part of ck: step, losses, evaluations and
-// elapsed time.
-func (k *checkpointer) history(path string, ck *optim.Checkpoint) (*restored, error) {
+// elapsed time. The losses are this rank's, or with mean (a resume on
+// another number of ranks) those averaged over the ranks that saved ck,
+// where ck records them (files made before ckptLossMean do not).
+func (k *checkpointer) history(path string, ck *optim.Checkpoint, mean bool) (*restored, error) {
 	step, err := ck.Int(ckptStep)
 	if err != nil {
 		return nil, fmt.Errorf("-resume: %s: %w", path, err)
 	}
 	res := &restored{step: int(step)}
-	if res.lossHist, err = ck.TensorData(ckptLoss, res.step); err != nil {
+	loss := ckptLoss
+	if mean && ck.Tensor(ckptLossMean) != nil {
+		loss = ckptLossMean
+	}
+	if res.lossHist, err = ck.TensorData(loss, res.step); err != nil {
 		return nil, fmt.Errorf("-resume: %s: %w", path, err)
 	}
 	ev := ck.Tensor(ckptEvals)
@@ -516,6 +589,13 @@ func (k *checkpointer) strip(ck *optim.Checkpoint) *optim.Checkpoint {
 		}
 	}
 	return &own
+}
+
+// files counts the checkpoint files of the optimizer this rank sees in the
+// directory, of any rank and number of ranks.
+func (k *checkpointer) files() int {
+	paths, _ := filepath.Glob(filepath.Join(k.cfg.dir, k.name+".rank*.*.ckpt"))
+	return len(paths)
 }
 
 // holds lists the steps a rank's two files hold.

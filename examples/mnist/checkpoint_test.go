@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -82,11 +83,12 @@ func TestResumeAfterKill(t *testing.T) {
 			assert.NotContains(t, whole.String(), "resumed from")
 			assert.Equal(t, want, finalHashes(t, resumed.String()), "resumed run ends bit-identical to the uninterrupted one")
 
-			// Resuming a finished run trains nothing and reports the same end.
-			var again bytes.Buffer
-			require.NoError(t, run(context.Background(), append(args, "-checkpoint", dir, "-resume"), &again, &bytes.Buffer{}))
-			assert.Contains(t, again.String(), name+" resumed from step 20 of 20")
-			assert.Equal(t, want, finalHashes(t, again.String()))
+			// Resuming a finished run trains nothing and prints the same
+			// report, from the result kept next to the checkpoints.
+			var again, warns bytes.Buffer
+			require.NoError(t, run(context.Background(), append(args, "-checkpoint", dir, "-resume"), &again, &warns))
+			assert.Equal(t, resumed.String(), again.String())
+			assert.Contains(t, warns.String(), "mnist: -resume: "+name+" had finished: its result is kept from "+filepath.Join(dir, name+".result"))
 		})
 	}
 }
@@ -119,7 +121,8 @@ func TestResumeDisagreement(t *testing.T) {
 }
 
 // TestResumeOtherFlags: checkpoints made with other training flags (here
-// -lr, -seed; -workers is TestResumeOtherWorld's) are refused on every rank, with the flag named, and
+// -freeze-step, -seed; -workers is TestResumeOtherWorld's, -lr
+// TestResumeLR's) are refused on every rank, with the flag named, and
 // change nothing.
 func TestResumeOtherFlags(t *testing.T) {
 	train, test := loadTestdata(t)
@@ -131,10 +134,10 @@ func TestResumeOtherFlags(t *testing.T) {
 	cfg.checkpoint.resume = true
 
 	other := cfg
-	other.hyper.lr = 1e-3
+	other.hyper.freezeStep = 4
 	for r, err := range resumeErrors(t, 2, train, test, other) {
 		require.Error(t, err, "rank %d", r)
-		assert.Contains(t, err.Error(), "made by a run with other flags: -lr differs (this run has -lr 0.001)", "rank %d", r)
+		assert.Contains(t, err.Error(), "made by a run with other flags: -freeze-step differs (this run has -freeze-step 4)", "rank %d", r)
 	}
 	other = cfg
 	other.seed++
@@ -145,6 +148,59 @@ func TestResumeOtherFlags(t *testing.T) {
 	// The same flags still resume.
 	for r, err := range resumeErrors(t, 2, train, test, cfg) {
 		require.NoError(t, err, "rank %d", r)
+	}
+}
+
+// TestResumeLR: a resume continues with the checkpoint's learning rate
+// unless -lr was given on the command line, whose value then wins (SetLR
+// after Load); either way rank 0 says which learning rate it uses and
+// where it came from, in one line. The checkpoint's learning rate
+// continues bit-identically to the uninterrupted run; another -lr does
+// not.
+func TestResumeLR(t *testing.T) {
+	train, test := loadTestdata(t)
+	cfg := smallConfig("onebit-adam") // lr 2e-3
+	cfg.epochs = 2
+	cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 5}
+	want := trainLocal(t, 2, train, test, cfg)[0].finalHash
+
+	stopped := t.TempDir()
+	cfg.checkpoint.dir = stopped
+	res, errs := trainRanks(t, 2, train, test, cfg, stopOn(1, 17))
+	require.NoError(t, errs[0])
+	require.Equal(t, 17, res[0].preempted)
+	for _, c := range []struct {
+		name     string
+		lr       float32
+		explicit bool
+		line     string
+		same     bool // ends bit-identical to the uninterrupted run
+	}{
+		{"checkpoint", 1e-3, false, "lr 0.002 from the checkpoint", true},
+		{"explicit", 1e-5, true, "lr 1e-05 from -lr (the checkpoint had 0.002)", false},
+		{"explicit same", 2e-3, true, "lr 0.002 from -lr (the checkpoint had 0.002)", true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			rc := cfg
+			rc.checkpoint.dir = t.TempDir()
+			require.NoError(t, os.CopyFS(rc.checkpoint.dir, os.DirFS(stopped)))
+			rc.checkpoint.resume = true
+			rc.hyper.lr, rc.lrSet = c.lr, c.explicit
+			var warn syncBuffer
+			rc.warn = &warn
+			res, errs := trainRanks(t, 2, train, test, rc, nil)
+			for r := range 2 {
+				require.NoError(t, errs[r], "rank %d", r)
+				assert.Equal(t, 17, res[r].resumedFrom, "rank %d", r)
+			}
+			assert.Contains(t, warn.String(), "mnist: -resume: onebit-adam: "+c.line+"\n")
+			assert.Equal(t, 1, strings.Count(warn.String(), ": lr "), "one line, from rank 0:\n%s", warn.String())
+			if c.same {
+				assert.Equal(t, want, res[0].finalHash, "the checkpoint's learning rate: bit-identical to the uninterrupted run")
+			} else {
+				assert.NotEqual(t, want, res[0].finalHash, "-lr %v changed the learning rate", c.lr)
+			}
+		})
 	}
 }
 

@@ -45,6 +45,7 @@ import (
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/internal/cliflag"
+	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/size"
 )
 
@@ -70,6 +71,7 @@ type options struct {
 	optimizer  string
 	compare    bool
 	freezeStep int
+	localSteps int // -local-step-scaler
 	epochs     int
 	batch      int
 	lr         float64
@@ -84,6 +86,7 @@ type options struct {
 	reduce     string
 
 	workersSet bool // -workers was given explicitly
+	lrSet      bool // -lr was given explicitly: it wins over a checkpoint's
 }
 
 func parseFlags(args []string, stderr io.Writer) (*options, error) {
@@ -95,10 +98,12 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.optimizer, "optimizer", "onebit-adam", "optimizer: "+strings.Join(optimizerNames, ", "))
 	fs.BoolVar(&o.compare, "compare", false, "train the exact and the compressed optimizer one after the other from the same seed (adam vs onebit-adam, lamb vs onebit-lamb, adam vs zeroone-adam, adam vs zero-adam)")
 	fs.IntVar(&o.freezeStep, "freeze-step", defaultFreezeStep, "warm-up steps of onebit-adam, onebit-lamb and zeroone-adam (exact steps before compression starts)")
+	fs.IntVar(&o.localSteps, "local-step-scaler", onebit.DefaultZeroOneAdamConfig().LocalStepScaler,
+		"zeroone-adam: phase-B steps after which the interval between synchronizations doubles (up to 16); with the default, every step of a shorter run synchronizes (no local steps)")
 	fs.IntVar(&o.epochs, "epochs", defaultEpochs, "passes over the training set")
 	o.batch = defaultBatch
-	fs.Var(&size.Value[int]{P: &o.batch, Min: 1, Max: 1 << 20}, "batch", "global batch `size` in examples, split over the workers (1Ki, 4096)")
-	fs.Float64Var(&o.lr, "lr", defaultLR, "learning rate")
+	fs.Var(&size.CountValue[int]{P: &o.batch, Min: 1, Max: 1 << 20}, "batch", "global batch: `count` of examples, split over the workers (128, 4096, 4k, 1Ki)")
+	fs.Float64Var(&o.lr, "lr", defaultLR, "learning rate; with -resume, given explicitly, it replaces the checkpoint's (otherwise the checkpoint's is kept)")
 	fs.Uint64Var(&o.seed, "seed", defaultSeed, "seed of the initial weights and of the shuffling")
 	fs.StringVar(&o.plot, "plot", "", "write training loss and test accuracy curves to this PNG file")
 	fs.StringVar(&o.data, "data", "data/mnist", "directory holding the four MNIST IDX files")
@@ -119,8 +124,11 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, cliflag.Usagef("unexpected arguments %q", fs.Args())
 	}
 	fs.Visit(func(f *flag.Flag) {
-		if f.Name == "workers" {
+		switch f.Name {
+		case "workers":
 			o.workersSet = true
+		case "lr":
+			o.lrSet = true
 		}
 	})
 	bad := func(name, format string, args ...any) (*options, error) {
@@ -137,6 +145,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("lr", "want a learning rate in (0, 10]")
 	case o.freezeStep < 0:
 		return bad("freeze-step", "want at least 0")
+	case o.localSteps < 1:
+		return bad("local-step-scaler", "want at least 1")
 	case o.evals < 1 || o.evals > maxEvals:
 		return bad("evals", "want 1 to %d", maxEvals)
 	case !(o.target >= 0 && o.target <= 1):
@@ -296,12 +306,13 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 	}
 	reduce, scatter, _ := parseReduces(o.optimizer, o.reduce) // checked by parseFlags
 	cfg := trainConfig{
-		hyper:         hyper{lr: float32(o.lr), freezeStep: o.freezeStep, reduce: reduce, scatter: scatter},
+		hyper:         hyper{lr: float32(o.lr), freezeStep: o.freezeStep, reduce: reduce, scatter: scatter, localStepScaler: o.localSteps},
 		epochs:        o.epochs,
 		batch:         o.batch,
 		seed:          o.seed,
 		evalsPerEpoch: o.evals,
 		checkpoint:    o.checkpoint,
+		lrSet:         o.lrSet,
 		warn:          stderr,
 	}
 	if p != nil && o.checkpoint.dir != "" {
@@ -309,8 +320,13 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 		p.checkpointed.Store(true)
 	}
 
-	var results []*result
+	// trainOne trains one optimizer on every rank and returns this rank's
+	// result (rank 0's with the local backend, whose ranks are goroutines
+	// of this call); agree gives every rank rank 0's answer.
+	var trainOne func(cfg trainConfig, bar *progress) (*result, error)
+	var agree func(yes bool) (bool, error)
 	var workers int
+	rank0 := true
 	if o.backend == "mpi" {
 		c, err := openMPI()
 		if err != nil {
@@ -325,29 +341,28 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 			// Only rank 0 reports; every rank warns about its own files.
 			stdout, stderr = io.Discard, io.Discard
 			cfg.warn = os.Stderr
+			rank0 = false
 		}
-		printHeader(stdout, o, names, workers, train.len())
-		for _, name := range names {
-			cfg.optimizer = name
-			bar := newProgress(stderr, name, o.epochs, o.quiet)
+		trainOne = func(cfg trainConfig, bar *progress) (*result, error) {
 			res, err := trainRank(ctx, c, train, test, cfg, bar.update)
 			if err != nil {
-				return fmt.Errorf("%s: rank %d: %w", name, c.Rank(), err)
+				return nil, fmt.Errorf("%s: rank %d: %w", cfg.optimizer, c.Rank(), err)
 			}
-			results = append(results, res)
-			if res.preempted > 0 {
-				break
-			}
+			return res, nil
 		}
-		if c.Rank() != 0 {
-			return nil
+		agree = func(yes bool) (bool, error) {
+			b := []byte{0}
+			if yes {
+				b[0] = 1
+			}
+			if err := c.BroadcastBytes(ctx, b, 0); err != nil {
+				return false, err
+			}
+			return b[0] != 0, nil
 		}
 	} else {
 		workers = o.workers
-		printHeader(stdout, o, names, workers, train.len())
-		for _, name := range names {
-			cfg.optimizer = name
-			bar := newProgress(stderr, name, o.epochs, o.quiet)
+		trainOne = func(cfg trainConfig, bar *progress) (*result, error) {
 			var mu sync.Mutex
 			var res0 *result
 			err := local.Run(ctx, workers, func(ctx context.Context, c comm.Comm) error {
@@ -364,13 +379,79 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 				return err
 			})
 			if err != nil {
-				return fmt.Errorf("%s: %w", name, err)
+				return nil, fmt.Errorf("%s: %w", cfg.optimizer, err)
 			}
-			results = append(results, res0)
-			if res0.preempted > 0 {
-				break
+			return res0, nil
+		}
+		agree = func(yes bool) (bool, error) { return yes, nil }
+	}
+	printHeader(stdout, o, names, workers, train.len())
+	// With -checkpoint, rank 0 keeps each finished optimizer's result in
+	// DIR/OPT.result next to its checkpoints. A -resume reuses the results
+	// of the optimizers that had finished (in -compare order), resumes the
+	// first one that had not, and trains the ones after it from the start:
+	// the interrupted run never reached them.
+	resuming := o.checkpoint.resume
+	if o.checkpoint.dir != "" && rank0 && !resuming {
+		// A run from the start makes every older result stale, also those
+		// of the optimizers it will not reach if it is interrupted.
+		for _, name := range names {
+			if err := removeResult(o.checkpoint.dir, name); err != nil {
+				return err
 			}
 		}
+	}
+	var results []*result
+	for i, name := range names {
+		cfg.optimizer = name
+		var kept *result
+		if o.checkpoint.dir != "" && rank0 {
+			if resuming {
+				if kept, err = loadResult(o.checkpoint.dir, cfg, workers); err != nil {
+					fmt.Fprintf(stderr, "mnist: warning: -resume: %v: resuming %s from its checkpoints instead\n", err, name)
+				}
+			} else if err := removeResult(o.checkpoint.dir, name); err != nil {
+				return err // trained from the start below
+			}
+		}
+		have, err := agree(kept != nil)
+		if err != nil {
+			return err
+		}
+		if have {
+			if rank0 {
+				fmt.Fprintf(stderr, "mnist: -resume: %s had finished: its result is kept from %s\n", name, resultPath(o.checkpoint.dir, name))
+			}
+			results = append(results, kept)
+			continue
+		}
+		cfg.checkpoint.resume = resuming
+		// A later optimizer of -compare that the interrupted run had not
+		// saved a step of yet starts from the beginning.
+		cfg.checkpoint.freshIfNone = resuming && i > 0
+		res, err := trainOne(cfg, newProgress(stderr, name, o.epochs, o.quiet))
+		if err != nil {
+			return err
+		}
+		resuming = false
+		if res.preempted > 0 { // on every rank alike
+			if rank0 {
+				results = append(results, res)
+			}
+			break
+		}
+		if !rank0 {
+			continue
+		}
+		results = append(results, res)
+		if o.checkpoint.dir != "" {
+			if err := saveResult(o.checkpoint.dir, cfg, res); err != nil {
+				return err
+			}
+		}
+	}
+	if !rank0 {
+		return nil
 	}
 
 	if last := results[len(results)-1]; last.preempted > 0 {

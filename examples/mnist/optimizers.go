@@ -55,6 +55,9 @@ type hyper struct {
 	reduce optim.ReduceMode
 	// scatter is zero-adam's gradient reduce-scatter (-reduce).
 	scatter zero.Reduce
+	// localStepScaler is zeroone-adam's LocalStepScaler
+	// (-local-step-scaler); 0 for the library's default.
+	localStepScaler int
 }
 
 // reduceNames are the values of -reduce.
@@ -118,6 +121,9 @@ func newOptimizer(ctx context.Context, name string, c comm.Comm, params []*optim
 		cfg := onebit.DefaultZeroOneAdamConfig()
 		cfg.AdamConfig = adam
 		cfg.VarFreezeStep = max(1, h.freezeStep)
+		if h.localStepScaler > 0 {
+			cfg.LocalStepScaler = h.localStepScaler
+		}
 		return onebit.NewZeroOneAdam(ctx, c, params, cfg)
 	case "zero-adam":
 		cfg := zero.DefaultConfig()

@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -15,6 +17,7 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/optim/zero"
 )
 
@@ -152,7 +155,9 @@ func TestPreemptCommand(t *testing.T) {
 	assert.Contains(t, resumed.String(), "onebit-adam resumed from step 8 of 20")
 	assert.Equal(t, want, finalHashes(t, resumed.String()))
 
-	// No usable common step: the error says so on every rank.
+	// No usable common step: the error says so on every rank. (Without
+	// the finished run's result, which a resume would otherwise report.)
+	require.NoError(t, os.Remove(filepath.Join(dir, "onebit-adam.result")))
 	for _, slot := range []string{"0", "1"} {
 		p := filepath.Join(dir, "onebit-adam.rank1."+slot+".ckpt")
 		require.NoError(t, os.Truncate(p, 100))
@@ -188,10 +193,16 @@ func TestResumeTimeToTarget(t *testing.T) {
 }
 
 // TestResumeOtherWorld resumes 4 ranks' checkpoint on 3 and 3 ranks' on 4:
-// the run continues from the stop step with the error feedback reset, says
-// so, and ends close to the uninterrupted run. Then 4 -> 3 -> 4: the last
-// resume takes the 3 ranks' newer step, not rank 3's stale file of the
-// first 4-rank run.
+// the run continues from the stop step with the error feedback reset and
+// says so. What it loaded is checked, not only where it ended: right after
+// the load every new rank holds the parameters, moments and counters of
+// the checkpoint it was given (old rank r mod W's, error buffers zero;
+// zero-adam: the consolidation of every old shard, re-sharded), and the
+// first resumed step's loss is the uninterrupted run's (the same
+// parameters on the same global batch, summed in another order), as are
+// the losses of the steps before it, which the checkpoint brought. Then 4 ->
+// 3 -> 4: the last resume takes the 3 ranks' newer step, not rank 3's
+// stale file of the first 4-rank run.
 func TestResumeOtherWorld(t *testing.T) {
 	train, test := loadTestdata(t)
 	for _, name := range []string{"onebit-adam", "zeroone-adam", "zero-adam"} {
@@ -205,9 +216,12 @@ func TestResumeOtherWorld(t *testing.T) {
 				cfg.checkpoint.dir = t.TempDir()
 				_, errs := trainRanks(t, ws[0], train, test, cfg, stopOn(0, 20))
 				require.NoError(t, errs[0])
+				saved := savedStates(t, cfg.checkpoint.dir, name, ws[0], 20)
 				cfg.checkpoint.resume = true
 				var warn syncBuffer
 				cfg.warn = &warn
+				loaded := make([]*optim.Checkpoint, ws[1])
+				cfg.resumed = loadedStates(t, loaded)
 				res, errs := trainRanks(t, ws[1], train, test, cfg, nil)
 				for r := range ws[1] {
 					require.NoError(t, errs[r], "rank %d", r)
@@ -215,8 +229,13 @@ func TestResumeOtherWorld(t *testing.T) {
 					assert.Equal(t, ws[0], res[r].resumedWorld)
 				}
 				assert.Contains(t, warn.String(), "checkpoint of step 20 was made on "+string(rune('0'+ws[0]))+" ranks, this run has "+string(rune('0'+ws[1]))+": continuing with the error feedback reset")
+				assertLoaded(t, name, saved, loaded)
+				require.Equal(t, len(whole.loss), len(res[0].loss))
+				assert.InEpsilon(t, whole.loss[20], res[0].loss[20], 1e-5, "step 21's loss: the uninterrupted run's parameters at step 20")
+				for i := range 20 {
+					assert.InEpsilon(t, whole.loss[i], res[0].loss[i], 1e-5, "step %d's loss, from the checkpoint: the mean over the old ranks", i+1)
+				}
 				assert.InDelta(t, whole.test.acc, res[0].test.acc, 0.05, "accuracy close to the uninterrupted run's")
-				assert.Equal(t, len(whole.loss), len(res[0].loss))
 			})
 		}
 	}
@@ -229,10 +248,139 @@ func TestResumeOtherWorld(t *testing.T) {
 		res, errs := trainRanks(t, 3, train, test, cfg, stopOn(1, 27))
 		require.NoError(t, errs[0])
 		require.Equal(t, 27, res[0].preempted)
+		saved := savedStates(t, cfg.checkpoint.dir, "onebit-adam", 3, 27)
+		loaded := make([]*optim.Checkpoint, 4)
+		cfg.resumed = loadedStates(t, loaded)
 		res, errs = trainRanks(t, 4, train, test, cfg, nil)
 		require.NoError(t, errs[0])
 		assert.Equal(t, 27, res[0].resumedFrom)
 		assert.Equal(t, 3, res[0].resumedWorld)
+		assertLoaded(t, "onebit-adam", saved, loaded)
 		assert.Greater(t, res[0].test.acc, 0.75)
 	})
+}
+
+// savedStates returns the optimizer part of the checkpoints of step that
+// a run on world ranks saved in dir, by rank.
+func savedStates(t *testing.T, dir, name string, world, step int) []*optim.Checkpoint {
+	t.Helper()
+	k := &checkpointer{cfg: checkpointConfig{dir: dir}, name: name}
+	cks := make([]*optim.Checkpoint, world)
+	for r := range world {
+		for slot := range 2 {
+			ck, err := optim.LoadFile(k.pathOf(r, slot))
+			if err != nil {
+				continue
+			}
+			if s, _ := ck.Int(ckptStep); s == int64(step) && ck.Ints[ckptSetting+"-workers"] == int64(world) {
+				cks[r] = k.strip(ck)
+			}
+		}
+		require.NotNil(t, cks[r], "rank %d's checkpoint of step %d", r, step)
+	}
+	return cks
+}
+
+// loadedStates is a trainConfig.resumed that stores every rank's state
+// right after the load in states.
+func loadedStates(t *testing.T, states []*optim.Checkpoint) func(int, optim.Optimizer) {
+	var mu sync.Mutex
+	return func(rank int, opt optim.Optimizer) {
+		ck, err := opt.State()
+		assert.NoError(t, err)
+		mu.Lock()
+		states[rank] = ck
+		mu.Unlock()
+	}
+}
+
+// assertLoaded checks that the states the new ranks held right after the
+// load (loaded) are what the old ranks saved (saved): for zero-adam the
+// consolidation of the old shards equals that of the new ones; for the
+// others new rank r holds old rank r mod W's tensors, bit for bit, and
+// error buffers of zeros.
+func assertLoaded(t *testing.T, name string, saved, loaded []*optim.Checkpoint) {
+	t.Helper()
+	for r, ck := range loaded {
+		require.NotNil(t, ck, "rank %d loaded nothing", r)
+	}
+	if name == "zero-adam" {
+		want, err := zero.Consolidate(saved)
+		require.NoError(t, err)
+		got, err := zero.Consolidate(loaded)
+		require.NoError(t, err)
+		assertSameTensors(t, "consolidated", want, got)
+		assert.Equal(t, want.Ints[optim.IntStep], got.Ints[optim.IntStep])
+		return
+	}
+	for r, ck := range loaded {
+		src := saved[r%len(saved)]
+		assertSameTensors(t, fmt.Sprintf("rank %d (from old rank %d)", r, r%len(saved)), src, ck)
+		assert.Equal(t, src.Ints[optim.IntStep], ck.Ints[optim.IntStep], "rank %d's step counter", r)
+		assert.Equal(t, src.Stage, ck.Stage, "rank %d's stage", r)
+	}
+}
+
+// assertSameTensors checks that got holds want's tensors bit for bit,
+// error buffers aside, and that got's error buffers are zero.
+func assertSameTensors(t *testing.T, what string, want, got *optim.Checkpoint) {
+	t.Helper()
+	n := 0
+	for _, wt := range want.Tensors {
+		if optim.IsErrorBuffer(wt.Name) {
+			continue
+		}
+		n++
+		gt := got.Tensor(wt.Name)
+		if !assert.NotNil(t, gt, "%s: tensor %q", what, wt.Name) || !assert.Equal(t, len(wt.Data), len(gt.Data), "%s: tensor %q", what, wt.Name) {
+			continue
+		}
+		diff := 0
+		for i, v := range wt.Data {
+			if math.Float32bits(v) != math.Float32bits(gt.Data[i]) {
+				diff++
+			}
+		}
+		assert.Zero(t, diff, "%s: tensor %q: %d of %d elements differ from the checkpoint's", what, wt.Name, diff, len(wt.Data))
+	}
+	assert.Positive(t, n, "%s: the checkpoint holds tensors", what)
+	for _, gt := range got.Tensors {
+		if !optim.IsErrorBuffer(gt.Name) {
+			continue
+		}
+		nonzero := 0
+		for _, v := range gt.Data {
+			if v != 0 {
+				nonzero++
+			}
+		}
+		assert.Zero(t, nonzero, "%s: error buffer %q reset", what, gt.Name)
+	}
+}
+
+// TestResumeBetweenSyncs: 0/1 Adam with local steps (-local-step-scaler 2:
+// the interval between synchronizations doubles every 2 phase-B steps),
+// stopped between two synchronizations, when the ranks' parameters differ,
+// says so on the resume and ends bit-identical to the uninterrupted run.
+func TestResumeBetweenSyncs(t *testing.T) {
+	train, test := loadTestdata(t)
+	cfg := smallConfig("zeroone-adam") // phase B from step 11
+	cfg.hyper.localStepScaler = 2
+	cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 5}
+	want := trainLocal(t, 3, train, test, cfg)[0].finalHash
+
+	cfg.checkpoint.dir = t.TempDir()
+	res, errs := trainRanks(t, 3, train, test, cfg, stopOn(1, 19))
+	require.NoError(t, errs[1])
+	require.Equal(t, 19, res[1].preempted)
+	cfg.checkpoint.resume = true
+	var warn syncBuffer
+	cfg.warn = &warn
+	res, errs = trainRanks(t, 3, train, test, cfg, nil)
+	for r := range 3 {
+		require.NoError(t, errs[r], "rank %d", r)
+		assert.Equal(t, 19, res[r].resumedFrom)
+	}
+	assert.Contains(t, warn.String(), "mnist: -resume: zeroone-adam continues between two synchronizations")
+	assert.Equal(t, want, res[0].finalHash, "bit-identical to the uninterrupted run")
 }

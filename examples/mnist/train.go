@@ -25,11 +25,19 @@ type trainConfig struct {
 	seed          uint64
 	evalsPerEpoch int // test-set evaluations per epoch, for the curves
 	checkpoint    checkpointConfig
+	// lrSet is whether -lr was given on the command line: a resumed run
+	// then continues with hyper.lr, otherwise with the checkpoint's
+	// learning rate (see resumeLR).
+	lrSet bool
 	// stop, when not nil, is asked at every step boundary of a run with
-	// -checkpoint whether this process was asked to stop (SIGTERM, SIGINT).
-	// The ranks agree on it (any rank's yes stops all at the same step),
-	// save a checkpoint of that step and return a preempted result.
+	// -checkpoint (but the one it starts at and the last) whether this
+	// process was asked to stop (SIGTERM, SIGINT). The ranks agree on it in
+	// the next step's agreement (any rank's yes stops all at the same
+	// step), save a checkpoint of that step and return a preempted result.
 	stop func(rank, step int) bool
+	// resumed, when not nil, is called on every rank right after -resume
+	// loaded a checkpoint into opt, before the first step (testing).
+	resumed func(rank int, opt optim.Optimizer)
 	// warn receives the warnings of this rank (a corrupt checkpoint, a
 	// fall-back, a resume on another number of ranks); nil discards them.
 	warn io.Writer
@@ -73,6 +81,10 @@ type result struct {
 	// result holds nothing else.
 	preempted int
 }
+
+// errStopRequested is the Veto of a step that some rank was asked to stop
+// before: Step returns it on every rank with nothing changed.
+var errStopRequested = errors.New("mnist: stop requested")
 
 // progressFunc is told about every step of a run (on rank 0 only): the
 // epoch, the step in it, the mean loss of this rank's shards in the epoch so
@@ -168,22 +180,50 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 		res.evals = back.evals
 		before = back.elapsed
 		ckpt.gen = back.gen
+		line, err := resumeLR(opt, back, cfg.hyper.lr, cfg.lrSet)
+		if err != nil {
+			return nil, err
+		}
+		if rank == 0 {
+			fmt.Fprintf(warn, "mnist: -resume: %s: %s\n", cfg.optimizer, line)
+		}
+		if opt.Stats().Stage == optim.StagePhaseB {
+			// 0/1 Adam's local steps: say whether the run resumes between
+			// two synchronizations (the ranks' parameters then differ).
+			if _, same, err := paramsHash(ctx, c, model.params()); err != nil {
+				return nil, err
+			} else if !same && rank == 0 {
+				fmt.Fprintf(warn, "mnist: -resume: %s continues between two synchronizations (local steps: the ranks' parameters differ)\n", cfg.optimizer)
+			}
+		}
+		if cfg.resumed != nil {
+			cfg.resumed(rank, opt)
+		}
 	}
-	stopFlag := []float32{0}
-	// stopped asks every rank whether any was asked to stop.
-	stopped := func() (bool, error) {
-		if ckpt == nil || cfg.stop == nil {
-			return false, nil
+	// The stop request rides in every Step's own agreement (the optimizer's
+	// per-step allreduce, optim.StepFlags): one latency-bound collective
+	// per step, not two. A rank asked to stop at the boundary after step s
+	// says so in step s+1's agreement; the Veto then refuses step s+1 on
+	// every rank alike, before anything changes, and every rank saves the
+	// state after step s.
+	var flags *optim.StepFlags
+	if ckpt != nil && cfg.stop != nil {
+		fc, ok := opt.(optim.FlagCarrier)
+		if !ok {
+			return nil, fmt.Errorf("%s cannot carry the stop request in its step agreement (not an optim.FlagCarrier)", cfg.optimizer)
 		}
-		stopFlag[0] = 0
-		if cfg.stop(rank, step) {
-			stopFlag[0] = 1
+		flags = &optim.StepFlags{Local: []float32{0}, Veto: func(agreed []float32) error {
+			if agreed[0] != 0 {
+				return errStopRequested
+			}
+			return nil
+		}}
+		if err := fc.CarryFlags(flags); err != nil {
+			return nil, fmt.Errorf("carrying the stop request: %w", err)
 		}
-		if err := c.AllReduce(ctx, stopFlag, comm.Max); err != nil {
-			return false, fmt.Errorf("agreeing on a stop after step %d: %w", step, err)
-		}
-		return stopFlag[0] != 0, nil
 	}
+	first := step // the boundary this run starts at: no stop is asked there
+	savedAt := -1 // the step of this run's last save
 	if step == 0 {
 		if err := evaluate(0); err != nil {
 			return nil, err
@@ -209,11 +249,29 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 			for i, j := range idx {
 				labels[i] = train.labels[j]
 			}
+			if flags != nil {
+				flags.Local[0] = 0
+				if step > first && cfg.stop(rank, step) {
+					flags.Local[0] = 1
+				}
+			}
 			t0 := time.Now()
 			n := model.load(train, idx)
 			loss := model.lossGrad(n, labels, scale)
 			t1 := time.Now()
-			if err := opt.Step(ctx); err != nil {
+			if err := opt.Step(ctx); errors.Is(err, errStopRequested) {
+				// Every rank refused step+1 alike: stop after step.
+				if savedAt != step {
+					if err := ckpt.save(ctx, c, opt, step, total, lossHist, res.evals, elapsed()); err != nil {
+						return nil, err
+					}
+				}
+				// Every rank's file is on disk before any rank reports.
+				if err := c.Barrier(ctx); err != nil {
+					return nil, err
+				}
+				return &result{optimizer: cfg.optimizer, workers: w, steps: total, preempted: step}, nil
+			} else if err != nil {
 				return nil, fmt.Errorf("step %d: %w", step+1, err)
 			}
 			computeTime += t1.Sub(t0)
@@ -226,29 +284,11 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 					return nil, err
 				}
 			}
-			saved := ckpt.due(step, total)
-			if saved {
+			if ckpt.due(step, total) {
 				if err := ckpt.save(ctx, c, opt, step, total, lossHist, res.evals, elapsed()); err != nil {
 					return nil, err
 				}
-			}
-			if step < total {
-				stop, err := stopped()
-				if err != nil {
-					return nil, err
-				}
-				if stop {
-					if !saved {
-						if err := ckpt.save(ctx, c, opt, step, total, lossHist, res.evals, elapsed()); err != nil {
-							return nil, err
-						}
-					}
-					// Every rank's file is on disk before any rank reports.
-					if err := c.Barrier(ctx); err != nil {
-						return nil, err
-					}
-					return &result{optimizer: cfg.optimizer, workers: w, steps: total, preempted: step}, nil
-				}
+				savedAt = step
 			}
 			if progress != nil {
 				progress(epoch, s+1, stepsPerEpoch, epochLoss/float64(s+1), &res.evals[len(res.evals)-1])
