@@ -32,8 +32,9 @@ import (
 // whose directory holds newer checkpoints (its own last save, when the
 // ranks stopped between their saves) first moves them, with their lowbit
 // state files, into the subdirectory SetAsideDir, so that GoMLX loads the
-// common step; the Optimizer's logger warns, on rank 0 with every rank's
-// newest step and on each rank that moved files with their names. When no
+// common step; a warning (see Optimizer.Warnings) says so, on rank 0 with
+// every rank's newest step and on each rank that moved files with their
+// names. When no
 // rank holds a checkpoint, every rank starts afresh. When the ranks hold
 // checkpoints but none of the same step, every rank returns an error
 // naming each rank's steps and moves nothing. An error on one rank (its
@@ -44,13 +45,13 @@ func (o *Optimizer) Checkpoint(cfg *checkpoint.Config, dir string) (*checkpoint.
 	var held []heldCheckpoint
 	switch {
 	case cfg == nil:
-		localErr = errors.New("gomlx: Checkpoint: nil checkpoint.Config")
+		localErr = errors.New("lbgomlx: Checkpoint: nil checkpoint.Config")
 	case dir == "":
-		localErr = errors.New("gomlx: Checkpoint: empty checkpoint directory")
+		localErr = errors.New("lbgomlx: Checkpoint: empty checkpoint directory")
 	case o.closed:
-		localErr = fmt.Errorf("gomlx: Checkpoint: %w", optim.ErrClosed)
+		localErr = fmt.Errorf("lbgomlx: Checkpoint: %w", optim.ErrClosed)
 	case o.store != nil:
-		localErr = errors.New("gomlx: Checkpoint after the first training graph: build the Handler before the first step")
+		localErr = errors.New("lbgomlx: Checkpoint after the first training graph: build the Handler before the first step")
 	default:
 		held, localErr = listCheckpoints(dir)
 	}
@@ -63,7 +64,7 @@ func (o *Optimizer) Checkpoint(cfg *checkpoint.Config, dir string) (*checkpoint.
 	}
 	for r, steps := range all {
 		if steps == nil {
-			return nil, fmt.Errorf("gomlx: Checkpoint: rank %d could not list its checkpoints (its error says why)", r)
+			return nil, fmt.Errorf("lbgomlx: Checkpoint: rank %d could not list its checkpoints (its error says why)", r)
 		}
 	}
 	common, err := commonStep(all)
@@ -77,7 +78,7 @@ func (o *Optimizer) Checkpoint(cfg *checkpoint.Config, dir string) (*checkpoint.
 	var h *checkpoint.Handler
 	if localErr == nil {
 		if h, err = cfg.Dir(dir).Done(); err != nil {
-			localErr = fmt.Errorf("gomlx: loading the checkpoint of global step %d from %s: %w", common, dir, err)
+			localErr = fmt.Errorf("lbgomlx: loading the checkpoint of global step %d from %s: %w", common, dir, err)
 		}
 	}
 	by, err := o.firstFailed(localErr != nil)
@@ -87,18 +88,20 @@ func (o *Optimizer) Checkpoint(cfg *checkpoint.Config, dir string) (*checkpoint.
 	case localErr != nil:
 		return nil, localErr
 	case by >= 0:
-		return nil, fmt.Errorf("gomlx: Checkpoint: rank %d failed to load its checkpoint of global step %d (its error says why)", by, common)
+		return nil, fmt.Errorf("lbgomlx: Checkpoint: rank %d failed to load its checkpoint of global step %d (its error says why)", by, common)
 	}
 	o.logResume(all, common, dir, moved)
+	o.loadedDir, o.loadedStep = dir, common
 	return h, nil
 }
 
 // logResume says which step the ranks resume from.
 func (o *Optimizer) logResume(all [][]int64, common int64, dir string, moved []string) {
 	if len(moved) > 0 {
-		o.log.Warn("moved this rank's checkpoints newer than the newest step every rank holds aside",
-			zap.Int("rank", o.rank()), zap.Int64("global_step", common),
-			zap.String("to", filepath.Join(dir, SetAsideDir)), zap.Strings("files", moved))
+		to := filepath.Join(dir, SetAsideDir)
+		o.warn(fmt.Sprintf("rank %d moved its checkpoints newer than global step %d, the newest step every rank holds, into %s: %s",
+			o.rank(), common, to, strings.Join(moved, ", ")),
+			zap.Int("rank", o.rank()), zap.Int64("global_step", common), zap.String("to", to), zap.Strings("files", moved))
 	}
 	if o.rank() != 0 {
 		return
@@ -116,7 +119,7 @@ func (o *Optimizer) logResume(all [][]int64, common int64, dir string, moved []s
 	case common < 0:
 		o.log.Info("no rank holds a checkpoint: starting afresh")
 	case older:
-		o.log.Warn("resuming from an older checkpoint: the newest global step every rank holds (the newer ones are not held by every rank)",
+		o.warn(fmt.Sprintf("resuming from an older checkpoint: global step %d, the newest step every rank holds (the ranks' newest: %v)", common, newest),
 			zap.Int64("global_step", common), zap.Int64s("newest_step_by_rank", newest))
 	default:
 		o.log.Info("resuming from the newest checkpoint, held by every rank", zap.Int64("global_step", common))
@@ -140,7 +143,7 @@ func (o *Optimizer) exchangeSteps(steps []int64, failed bool) ([][]int64, error)
 	}
 	counts := make([]byte, 8*size)
 	if err := o.c.AllGatherBytes(o.ctx, binary.LittleEndian.AppendUint64(nil, uint64(n)), counts); err != nil {
-		return nil, fmt.Errorf("gomlx: Checkpoint: exchanging the checkpoint steps: %w", err)
+		return nil, fmt.Errorf("lbgomlx: Checkpoint: exchanging the checkpoint steps: %w", err)
 	}
 	most := 0
 	for r := range size {
@@ -155,7 +158,7 @@ func (o *Optimizer) exchangeSteps(steps []int64, failed bool) ([][]int64, error)
 	recv := make([]byte, len(mine)*size)
 	if most > 0 {
 		if err := o.c.AllGatherBytes(o.ctx, mine, recv); err != nil {
-			return nil, fmt.Errorf("gomlx: Checkpoint: exchanging the checkpoint steps: %w", err)
+			return nil, fmt.Errorf("lbgomlx: Checkpoint: exchanging the checkpoint steps: %w", err)
 		}
 	}
 	all := make([][]int64, size)
@@ -184,7 +187,7 @@ func (o *Optimizer) firstFailed(failed bool) (int, error) {
 	if size > 1 {
 		all = make([]byte, size)
 		if err := o.c.AllGatherBytes(o.ctx, mine, all); err != nil {
-			return -1, fmt.Errorf("gomlx: Checkpoint: agreeing on the load: %w", err)
+			return -1, fmt.Errorf("lbgomlx: Checkpoint: agreeing on the load: %w", err)
 		}
 	}
 	return slices.Index(all, 1), nil
@@ -215,15 +218,22 @@ func commonStep(all [][]int64) (int64, error) {
 		}
 	}
 	var b strings.Builder
+	someNone := false
 	for r, steps := range all {
 		if r > 0 {
 			b.WriteString("; ")
 		}
 		fmt.Fprintf(&b, "rank %d: %s", r, formatSteps(steps))
+		someNone = someNone || len(steps) == 0
 	}
-	return -1, fmt.Errorf("gomlx: no checkpoint of a global step that every rank holds (%s), so the ranks cannot resume together: "+
-		"delete every rank's checkpoint directory (or move its %s* and %s* files away) to start afresh, or put back the missing ranks' checkpoints",
-		b.String(), gomlxPrefix, StateFilePrefix)
+	more := ""
+	if someNone {
+		more = " (to resume on more ranks than made the checkpoints, give each new rank a copy of rank 0's directory " +
+			"with its lowbit state's error buffers reset: the README's \"Changing the number of ranks\")"
+	}
+	return -1, fmt.Errorf("lbgomlx: no checkpoint of a global step that every rank holds (%s), so the ranks cannot resume together: "+
+		"delete every rank's checkpoint directory (or move its %s* and %s* files away) to start afresh, or put back the missing ranks' checkpoints%s",
+		b.String(), gomlxPrefix, StateFilePrefix, more)
 }
 
 // formatSteps writes steps for an error message: "none", "steps 5, 6", or
@@ -288,7 +298,7 @@ func listCheckpoints(dir string) ([]heldCheckpoint, error) {
 		return nil, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("gomlx: listing the checkpoints of %s: %w", dir, err)
+		return nil, fmt.Errorf("lbgomlx: listing the checkpoints of %s: %w", dir, err)
 	}
 	var out []heldCheckpoint
 	for _, e := range entries {
@@ -341,7 +351,7 @@ func setAside(dir string, held []heldCheckpoint, step int64) ([]string, error) {
 	}
 	states, err := stateSteps(dir)
 	if err != nil {
-		return nil, fmt.Errorf("gomlx: %w", err)
+		return nil, fmt.Errorf("lbgomlx: %w", err)
 	}
 	for _, s := range states {
 		if s > step {
@@ -353,11 +363,11 @@ func setAside(dir string, held []heldCheckpoint, step int64) ([]string, error) {
 	}
 	to := filepath.Join(dir, SetAsideDir)
 	if err := os.MkdirAll(to, 0o770); err != nil {
-		return nil, fmt.Errorf("gomlx: setting checkpoints aside: %w", err)
+		return nil, fmt.Errorf("lbgomlx: setting checkpoints aside: %w", err)
 	}
 	for i, name := range names {
 		if err := os.Rename(filepath.Join(dir, name), filepath.Join(to, name)); err != nil {
-			return names[:i], fmt.Errorf("gomlx: setting checkpoints newer than global step %d aside: %w", step, err)
+			return names[:i], fmt.Errorf("lbgomlx: setting checkpoints newer than global step %d aside: %w", step, err)
 		}
 	}
 	return names, nil

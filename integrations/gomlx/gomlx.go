@@ -2,6 +2,10 @@
 // (exact Adam or LAMB, 1-bit Adam, 1-bit LAMB, 0/1 Adam, sharded Adam)
 // inside GoMLX's own training loop: train.NewTrainer, train.Loop, the
 // progress bar, the metrics and the checkpoint package stay as they are.
+// Its errors and warnings start "lbgomlx:", the name the README imports it
+// as; the README holds a complete program, the table of GoMLX settings and
+// their lowbit equivalents, and the recipes to resume, change the number
+// of ranks and run on several machines.
 //
 // An Optimizer is a GoMLX optimizer.Interface. Its UpdateGraph does not
 // update a variable: it hands the gradient of every trainable variable out
@@ -15,9 +19,9 @@
 //
 // What a GoMLX user changes to go data-parallel:
 //
-//	opt, err := gomlx.New(ctx, c, func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+//	opt, err := lbgomlx.New(ctx, c, func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
 //		return onebit.NewAdam(ctx, c, p, onebit.DefaultAdamConfig())
-//	})
+//	}, lbgomlx.WithWarnings(os.Stderr), lbgomlx.WithMeanMetrics())
 //	defer opt.Close()
 //	ckpt, err := opt.Checkpoint(checkpoint.Build(store).Keep(2), rankDir) // instead of checkpoint.Build(store).Dir(rankDir).Keep(2).Done()
 //	trainer := train.NewTrainer(backend, store, modelFn, lossFn, opt, trainMetrics, evalMetrics) // opt instead of optimizer.Adam()...
@@ -25,22 +29,59 @@
 //	opt.AttachToLoop(loop)                                           // new line
 //	commandline.AttachProgressBar(loop)
 //	train.EveryNSteps(loop, 100, "checkpoint", 100, opt.SaveOnStepFn(ckpt)) // instead of ckpt.SaveOnStepFn
+//	_, err = loop.RunToGlobalStep(lbgomlx.Shard(globalBatches, c, trainer.GlobalStep), steps)
+//	err = opt.Save(ckpt)                                             // the last step
 //
 // and each rank runs that code: a goroutine of local.Run, or a process of
-// mpirun with mpi.Open, each with its own shard of every global batch and,
-// for checkpoints, its own checkpoint directory.
+// mpirun with mpi.Open, each with its own backend, its shard of every
+// global batch (Shard) and, for checkpoints, its own checkpoint directory.
+//
+// # Learning rate
+//
+// GoMLX's learning rate, when the store sets it (the learning_rate
+// parameter, optimizer.ParamLearningRate) or the training graph computes it
+// (GoMLX's cosineschedule), decides every step's: after each TrainStep the
+// hook reads the value GoMLX's own optimizer would have used in that step
+// (the variable /optimizers/learning_rate) and hands it to the lowbit
+// optimizer (optim.LRSetter.SetLR) before its step; the lowbit config's LR
+// is then not used. Otherwise the lowbit optimizer's own learning rate
+// applies: its config's LR, its schedule (SetSchedule in the Builder), or,
+// after a resume, the checkpoint's fixed learning rate (lowbit's rule, with
+// a warning). A lowbit schedule together with GoMLX's setting is refused at
+// the first step. A learning rate of 0 from GoMLX (the first step of its
+// cosine warm-up) updates the lowbit optimizer's moments and moves no
+// parameter. The ranks' learning rates are compared at every step, in the
+// per-step agreement.
+//
+// # Warnings
+//
+// What a user must know although training goes on (a resume from an older
+// checkpoint than a rank's newest, the checkpoint's learning rate replacing
+// the config's, error feedback reset, a checkpoint without lowbit state,
+// GoMLX optimizer settings the lowbit optimizer does not use) is kept by
+// Warnings, written where WithWarnings says as it happens, and logged with
+// WithLogger's logger. By default nothing is printed: a program's main
+// passes WithWarnings(os.Stderr).
 //
 // # Guarantees
 //
 // The first training graph built (the first TrainStep) initializes the
 // variables, checks with one allgather that every rank has the same
-// trainable variables (paths, shapes), broadcasts rank 0's values to every
-// rank, and builds the lowbit optimizer, all before the first gradient is
-// computed: every rank starts from rank 0's initial values whatever its
-// initializers' seeds. Every rank builds its first training graph together.
+// trainable variables (paths, shapes) at the same global step, broadcasts
+// rank 0's values to every rank, builds the lowbit optimizer and restores
+// its state, and checks with a second allgather that every rank agrees on
+// what decides training: whether a lowbit state was restored, the
+// optimizer, its stage and counters, the learning rate and its source,
+// every hyperparameter its state records, WithMeanMetrics, and the
+// trainable variables' values (but in 0/1 Adam's phase B, whose local
+// steps leave the ranks apart). A difference fails every rank, before any
+// gradient is computed, with an error naming each rank's value. Every rank
+// starts from rank 0's initial values whatever its initializers' seeds.
+// Every rank builds its first training graph together.
 //
 // Each step's hook agrees with the other ranks on whether every rank got
-// its gradients and whether every rank's loss is finite. Those two flags
+// its gradients, whether every rank's loss is finite and whether the
+// ranks' learning rates are the same. Those flags
 // ride in the lowbit optimizer's own per-step agreement, the allreduce of a
 // few bytes in which the ranks agree that every gradient is finite
 // (optim.FlagCarrier, which every lowbit optimizer implements): a step pays
@@ -95,6 +136,9 @@
 // step, on every rank, with an error naming the ranks and their steps:
 // they never train on from different steps.
 //
+// Save works before the first step of a process too, as GoMLX's
+// Handler.Save does (see Save).
+//
 // The first training graph restores the lowbit state of the loaded
 // model's global step, and the run continues bit-identically. A
 // checkpoint made by another optimizer, another number of ranks, another
@@ -117,12 +161,12 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"hash/fnv"
+	"io"
 	"io/fs"
 	"math"
 	"os"
 	"path/filepath"
-	"strings"
+	"slices"
 
 	"github.com/gomlx/compute"
 	"github.com/gomlx/compute/dtypes"
@@ -171,7 +215,8 @@ const (
 // Builder builds the lowbit optimizer over the trainable variables'
 // parameters, one per variable in the store's order, named by the
 // variable's path; every rank calls it together, on c, while the first
-// training graph is built. For example:
+// training graph is built. New also calls it once, alone, to check the
+// optimizer's config (see New). For example:
 //
 //	func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
 //		return onebit.NewAdam(ctx, c, p, onebit.DefaultAdamConfig())
@@ -182,7 +227,9 @@ type Builder func(ctx context.Context, c comm.Comm, params []*optim.Param) (opti
 type Option func(*Optimizer)
 
 // WithLogger logs what the Optimizer does once (initialization, a restored
-// or a missing lowbit state) to l. The default is zap.NewNop().
+// or a missing lowbit state) and every warning (see Warnings) to l. The
+// default is zap.NewNop(). It does not reach the lowbit optimizer, whose
+// own logger is an option of its constructor (optim.WithLogger).
 func WithLogger(l *zap.Logger) Option {
 	return func(o *Optimizer) {
 		if l != nil {
@@ -191,12 +238,32 @@ func WithLogger(l *zap.Logger) Option {
 	}
 }
 
+// WithWarnings writes every warning a user must see (see Warnings) to w as
+// it happens, one line each, starting "lbgomlx: warning: ". The default is
+// to write them nowhere: read them with Warnings, or give a logger
+// (WithLogger). A program's main usually passes os.Stderr.
+func WithWarnings(w io.Writer) Option {
+	return func(o *Optimizer) { o.warnOut = w }
+}
+
 // WithManualStep declares that the program calls Step itself after every
 // Trainer.TrainStep instead of attaching the Optimizer to a train.Loop.
 // Without it (or AttachToLoop) the first training graph is refused: the
 // variables would otherwise never change, without a word.
 func WithManualStep() Option {
 	return func(o *Optimizer) { o.manual = true }
+}
+
+// WithMeanMetrics makes the hook of AttachToLoop replace, after every step,
+// each scalar training metric GoMLX's TrainStep returned (the batch loss,
+// its moving average, the program's train metrics) with its mean over the
+// ranks, in place: GoMLX's progress bar, every later hook and the metrics
+// train.Loop.RunSteps returns then show the mean over all ranks instead of
+// this rank's own. It costs one allreduce of a few floats per step, beside
+// the lowbit optimizer's own. Every rank sets it or none (checked at the
+// first step).
+func WithMeanMetrics() Option {
+	return func(o *Optimizer) { o.meanMetrics = true }
 }
 
 // Optimizer is a GoMLX optimizer.Interface that trains the trainable
@@ -217,13 +284,14 @@ type Optimizer struct {
 	grads   []*model.Variable // the gradient variables, one per trainable variable
 	failed  error             // set when the first graph failed: Optimizer unusable
 	pending error             // a local error found while building a later graph
-	// sf carries the step's flags (flagFailed, flagLoss) in the lowbit
+	// sf carries the step's flags (see flagFailed) in the lowbit
 	// optimizer's own agreement; nil when the optimizer is not an
 	// optim.FlagCarrier, and then flags is agreed on in an allreduce of
 	// its own. Both are allocated once.
 	sf       *optim.StepFlags
 	flags    []float32
 	loss     float64 // the loss of the step in progress, for the veto's error
+	lr       float32 // the learning rate of the step in progress
 	vetoed   bool    // the veto stopped the step in progress
 	skipped  int64
 	steps    int64 // Steps the hook ran (skipped included)
@@ -231,35 +299,113 @@ type Optimizer struct {
 	closed   bool
 	attached bool // AttachToLoop was called
 	manual   bool // WithManualStep: the program calls Step itself
+
+	// The learning rate (see lr.go): its source, GoMLX's variable that
+	// holds it for lrStore and lrGraph, and the lowbit optimizer as an
+	// optim.LRSetter (nil when it is not one).
+	lrSrc   lrSource
+	lrVar   *model.Variable
+	lrParam float64
+	lrs     optim.LRSetter
+	// lrZero is set for a step whose GoMLX learning rate is 0: the lowbit
+	// optimizer runs it at the smallest positive one and the parameters
+	// are then put back from held, exactly as they were.
+	lrZero bool
+	held   [][]float32
+
+	meanMetrics bool
+	meanBuf     []float32
+
+	warnOut  io.Writer
+	warnings []string
+
+	// loadedDir and loadedStep are the directory and the global step
+	// (-1: none) Checkpoint loaded, for Save before the first step.
+	loadedDir  string
+	loadedStep int64
+	// saved is, per Handler, the global step and the count of steps of
+	// the last Save: a Save with nothing trained since writes nothing.
+	saved map[*checkpoint.Handler][2]int64
 }
 
 var _ optimizer.Interface = (*Optimizer)(nil)
 
 // The flags of the per-step agreement: 1 when this rank failed to get its
-// gradients (it refuses the step), 1 when its loss is not finite.
+// gradients (it refuses the step), 1 when its loss is not finite, and the
+// step's learning rate and its negation (their maxima over the ranks are
+// the largest and minus the smallest learning rate: equal when every rank
+// uses the same).
 const (
 	flagFailed = iota
 	flagLoss
+	flagLR
+	flagNegLR
 	numFlags
 )
+
+// ProbeParam is the name of the one-element parameter New builds the
+// lowbit optimizer over, alone, to check its config.
+const ProbeParam = "lbgomlx-config-probe"
 
 // New returns an Optimizer that averages over c (nil or a communicator of
 // size 1 for a single process) with the lowbit optimizer build returns.
 // ctx is the context of every collective the Optimizer runs (GoMLX's
 // interfaces carry none): give it a deadline or cancel it to bound a wait
 // for a rank that is gone.
+//
+// New checks the optimizer's config at once: it calls build with a nil
+// communicator (one process) and one parameter of one element named
+// ProbeParam, and returns the *optim.ConfigError of an invalid config
+// (every lowbit constructor returns its config's Validate error as it is),
+// so that LR = 0 fails here and not at the first TrainStep. The optimizer
+// so built is closed at once; any other error (or panic) of that call is
+// left to the real build, over the model's parameters, in the first
+// training graph. New communicates nothing.
 func New(ctx context.Context, c comm.Comm, build Builder, opts ...Option) (*Optimizer, error) {
 	switch {
 	case ctx == nil:
-		return nil, errors.New("gomlx: nil context")
+		return nil, errors.New("lbgomlx: New: nil context")
 	case build == nil:
-		return nil, errors.New("gomlx: nil optimizer builder")
+		return nil, errors.New("lbgomlx: New: nil optimizer builder")
 	}
-	o := &Optimizer{ctx: ctx, c: c, build: build, log: zap.NewNop(), flags: make([]float32, numFlags)}
+	o := &Optimizer{ctx: ctx, c: c, build: build, log: zap.NewNop(), flags: make([]float32, numFlags), loadedStep: -1}
 	for _, opt := range opts {
-		opt(o)
+		if opt != nil {
+			opt(o)
+		}
+	}
+	if err := probe(ctx, build); err != nil {
+		return nil, fmt.Errorf("lbgomlx: New: the optimizer's config: %w", err)
 	}
 	return o, nil
+}
+
+// probe builds the optimizer over one parameter of one element, alone,
+// and returns the *optim.ConfigError it fails with, if any.
+func probe(ctx context.Context, build Builder) error {
+	p, err := optim.NewParamFrom(ProbeParam, []float32{0}, 1)
+	if err != nil {
+		return nil
+	}
+	var opt optim.Optimizer
+	func() {
+		defer func() {
+			if recover() != nil {
+				opt, err = nil, nil // a builder that needs the real communicator
+			}
+		}()
+		opt, err = build(ctx, nil, []*optim.Param{p})
+	}()
+	if ce := (*optim.ConfigError)(nil); errors.As(err, &ce) {
+		return err
+	}
+	if err == nil && opt != nil {
+		func() {
+			defer func() { _ = recover() }()
+			_ = opt.Close()
+		}()
+	}
+	return nil
 }
 
 // Optimizer returns the lowbit optimizer, nil before the first training
@@ -275,6 +421,30 @@ func (o *Optimizer) Params() []*optim.Param { return o.params }
 // Restored reports whether the lowbit optimizer's state was restored from a
 // GoMLX checkpoint when the first training graph was built.
 func (o *Optimizer) Restored() bool { return o.restored }
+
+// LR returns the learning rate of the last step the hook ran (0 before
+// the first): GoMLX's, when the store sets it, or the lowbit optimizer's
+// (see the package documentation, "Learning rate").
+func (o *Optimizer) LR() float32 { return o.lr }
+
+// Warnings returns the warnings of this rank so far, oldest first: what a
+// user must know although training goes on (a resume from an older
+// checkpoint than a rank's newest, the checkpoint's learning rate replacing
+// the config's, error feedback reset, a GoMLX checkpoint without lowbit
+// state, GoMLX optimizer settings of the store that the lowbit optimizer
+// does not use). Each is also logged (WithLogger) and written where
+// WithWarnings says, when it happens.
+func (o *Optimizer) Warnings() []string { return slices.Clone(o.warnings) }
+
+// warn records a warning: text is the whole sentence, fields repeat its
+// values for the log.
+func (o *Optimizer) warn(text string, fields ...zap.Field) {
+	o.warnings = append(o.warnings, text)
+	o.log.Warn(text, fields...)
+	if o.warnOut != nil {
+		fmt.Fprintf(o.warnOut, "lbgomlx: warning: %s\n", text)
+	}
+}
 
 // Close releases what the lowbit optimizer made for itself (see
 // optim.Optimizer.Close); it does not close the communicator. Every rank
@@ -298,50 +468,110 @@ func (o *Optimizer) AttachToLoop(loop *train.Loop) {
 	o.attached = true
 	loop.OnStep("lowbit", HookPriority, func(_ *train.Loop, metrics []*tensors.Tensor) error {
 		if len(metrics) == 0 {
-			return errors.New("gomlx: the training step returned no metrics")
+			return errors.New("lbgomlx: the training step returned no metrics")
 		}
 		loss := math.NaN()
 		if err := tensors.ConstFlatData(metrics[0], func(f []float32) { loss = float64(f[0]) }); err != nil {
 			// A loss of another dtype.
 			v, ok := metrics[0].Value().(float64)
 			if !ok {
-				return fmt.Errorf("gomlx: reading the loss: %w", err)
+				return fmt.Errorf("lbgomlx: reading the loss: %w", err)
 			}
 			loss = v
 		}
-		return o.Step(loss)
+		if err := o.Step(loss); err != nil {
+			return err
+		}
+		if o.meanMetrics {
+			return o.meanOverRanks(metrics)
+		}
+		return nil
 	})
+}
+
+// meanOverRanks replaces every scalar float32 or float64 metric with its
+// mean over the ranks, in one allreduce.
+func (o *Optimizer) meanOverRanks(metrics []*tensors.Tensor) error {
+	w := o.size()
+	if w == 1 {
+		return nil
+	}
+	if cap(o.meanBuf) < len(metrics) {
+		o.meanBuf = make([]float32, len(metrics))
+	}
+	buf := o.meanBuf[:len(metrics)]
+	for i, m := range metrics {
+		buf[i] = 0
+		if m != nil && m.Shape().IsScalar() {
+			switch v := m.Value().(type) {
+			case float32:
+				buf[i] = v
+			case float64:
+				buf[i] = float32(v)
+			}
+		}
+	}
+	if err := o.c.AllReduce(o.ctx, buf, comm.Sum); err != nil {
+		return fmt.Errorf("lbgomlx: the mean of the metrics over the ranks: %w", err)
+	}
+	for i, m := range metrics {
+		if m == nil || !m.Shape().IsScalar() {
+			continue
+		}
+		mean := buf[i] / float32(w)
+		var err error
+		switch m.Shape().DType {
+		case dtypes.Float32:
+			err = tensors.MutableFlatData(m, func(f []float32) { f[0] = mean })
+		case dtypes.Float64:
+			err = tensors.MutableFlatData(m, func(f []float64) { f[0] = float64(mean) })
+		}
+		if err != nil {
+			return fmt.Errorf("lbgomlx: writing the mean of metric %d: %w", i, err)
+		}
+	}
+	return nil
 }
 
 // UpdateGraph implements optimizer.Interface: it hands the gradient of
 // every trainable variable out of the graph (a variable the loss does not
 // use gets zeros). The first call also initializes the variables,
 // broadcasts rank 0's values, builds the lowbit optimizer and restores its
-// state from a loaded checkpoint, communicating with the other ranks, which
-// build their first training graph at the same time. Like every GoMLX graph
-// building function it panics on error.
+// state from a loaded checkpoint, and agrees with the other ranks on what
+// decides training (see the package documentation), communicating with
+// the other ranks, which build their first training graph at the same
+// time. Like every GoMLX graph building function it panics on error.
 func (o *Optimizer) UpdateGraph(scope *model.Scope, g *graph.Graph, loss *graph.Node) {
 	store := scope.Store()
 	if o.failed != nil {
 		panic(o.failed)
 	}
 	if o.closed {
-		panic(fmt.Errorf("gomlx: %w", optim.ErrClosed))
+		panic(fmt.Errorf("lbgomlx: %w", optim.ErrClosed))
 	}
 	if !loss.IsScalar() {
-		panic(fmt.Errorf("gomlx: the loss must be a scalar, got shape %s", loss.Shape()))
+		panic(fmt.Errorf("lbgomlx: the loss must be a scalar, got shape %s", loss.Shape()))
 	}
 	if !o.attached && !o.manual {
-		panic(errors.New("gomlx: the Optimizer runs no step: call opt.AttachToLoop(loop) before the loop runs " +
+		panic(errors.New("lbgomlx: the Optimizer runs no step: call opt.AttachToLoop(loop) before the loop runs " +
 			"(or make it with WithManualStep and call opt.Step after every TrainStep)"))
 	}
+	src, lrVar, param, lrErr := gomlxLR(scope, g)
 	if o.store == nil {
-		if err := o.init(store, g.Backend()); err != nil {
+		o.lrSrc, o.lrVar, o.lrParam = src, lrVar, param
+		if err := o.init(store, g.Backend(), lrErr); err != nil {
 			o.failed = err
 			panic(err)
 		}
 	} else if store != o.store {
-		panic(errors.New("gomlx: the Optimizer is used with a second model.Store"))
+		panic(errors.New("lbgomlx: the Optimizer is used with a second model.Store"))
+	} else if lrErr != nil {
+		o.pending = lrErr
+		return
+	} else if src != o.lrSrc || lrVar != o.lrVar {
+		// Reported on every rank by the next step's agreement.
+		o.pending = fmt.Errorf("lbgomlx: this training graph takes its learning rate from %s, the first one from %s; no variable changed", src, o.lrSrc)
+		return
 	}
 	if err := o.checkVars(); err != nil {
 		// Reported on every rank by the next step's agreement.
@@ -376,17 +606,18 @@ func (o *Optimizer) UpdateGraph(scope *model.Scope, g *graph.Graph, loss *graph.
 func (o *Optimizer) Clear(scope *model.Scope) error {
 	store := scope.Store()
 	if err := store.DeleteVariablesInScope(GradientScope); err != nil {
-		return fmt.Errorf("gomlx: %w", err)
+		return fmt.Errorf("lbgomlx: %w", err)
 	}
 	if err := store.DeleteVariable(StateVariable); err != nil {
-		return fmt.Errorf("gomlx: %w", err)
+		return fmt.Errorf("lbgomlx: %w", err)
 	}
 	return nil
 }
 
 // Step runs the lowbit step of one training step, with this rank's loss:
-// it reads the gradients the graph handed out, agrees with the other ranks
-// (in the lowbit optimizer's own per-step agreement, see the package
+// it reads the gradients the graph handed out and the step's learning rate
+// (see the package documentation, "Learning rate"), agrees with the other
+// ranks (in the lowbit optimizer's own per-step agreement, see the package
 // documentation), runs the lowbit optimizer and writes the new values into
 // the variables, then increments GoMLX's global step. AttachToLoop calls it
 // after every TrainStep; in a loop of your own, make the Optimizer
@@ -394,13 +625,13 @@ func (o *Optimizer) Clear(scope *model.Scope) error {
 // calls it together.
 func (o *Optimizer) Step(loss float64) error {
 	if o.closed {
-		return fmt.Errorf("gomlx: %w", optim.ErrClosed)
+		return fmt.Errorf("lbgomlx: %w", optim.ErrClosed)
 	}
 	if o.failed != nil {
 		return o.failed
 	}
 	if o.opt == nil {
-		return errors.New("gomlx: Step before the first training graph was built")
+		return errors.New("lbgomlx: Step before the first training graph was built")
 	}
 	localErr := o.pending
 	if localErr == nil {
@@ -409,7 +640,13 @@ func (o *Optimizer) Step(loss float64) error {
 	if localErr == nil {
 		localErr = o.readGradients()
 	}
+	if localErr == nil {
+		localErr = o.stepLR()
+	}
 	o.loss = loss
+	if localErr == nil && o.lrZero {
+		o.holdParams()
+	}
 	var err error
 	if o.sf != nil {
 		err = o.carriedStep(localErr)
@@ -419,6 +656,11 @@ func (o *Optimizer) Step(loss float64) error {
 	if err != nil {
 		return err
 	}
+	if o.lrZero {
+		for i, p := range o.params {
+			copy(p.Data(), o.held[i])
+		}
+	}
 	o.steps++
 	if s := o.opt.Stats().Skipped; s != o.skipped {
 		o.skipped = s
@@ -426,6 +668,41 @@ func (o *Optimizer) Step(loss float64) error {
 		return err
 	}
 	return o.setGlobalStep(o.globalStep() + 1)
+}
+
+// holdParams copies the parameters' values into o.held.
+func (o *Optimizer) holdParams() {
+	if o.held == nil {
+		o.held = make([][]float32, len(o.params))
+		for i, p := range o.params {
+			o.held[i] = make([]float32, len(p.Data()))
+		}
+	}
+	for i, p := range o.params {
+		copy(o.held[i], p.Data())
+	}
+}
+
+// stepLR sets o.lr to the learning rate of the step in progress: GoMLX's,
+// which it hands to the lowbit optimizer, or the lowbit optimizer's own.
+func (o *Optimizer) stepLR() error {
+	o.lr, o.lrZero = 0, false
+	if o.lrSrc == lrLowbit {
+		if o.lrs != nil {
+			o.lr = o.lrs.LR()
+		}
+		return nil
+	}
+	lr, err := storeLR(o.lrVar)
+	if err != nil {
+		return err
+	}
+	o.lrZero = lr == math.SmallestNonzeroFloat32
+	if err := o.lrs.SetLR(lr); err != nil {
+		return fmt.Errorf("lbgomlx: GoMLX's learning rate: %w", err)
+	}
+	o.lr = lr
+	return nil
 }
 
 // setFlags writes this rank's flags into f.
@@ -437,16 +714,17 @@ func (o *Optimizer) setFlags(f []float32, localErr error) {
 	if math.IsNaN(o.loss) || math.IsInf(o.loss, 0) {
 		f[flagLoss] = 1
 	}
+	f[flagLR], f[flagNegLR] = o.lr, -o.lr
 }
 
 // carriedStep runs the lowbit optimizer's Step with the flags carried in
 // its agreement: a rank with localErr refuses the step there, and veto
-// stops it on every rank when some loss is not finite, before anything
-// changes.
+// stops it on every rank when some loss is not finite or the ranks'
+// learning rates differ, before anything changes.
 func (o *Optimizer) carriedStep(localErr error) error {
 	sf := o.sf
 	o.setFlags(sf.Local, localErr)
-	sf.Agreed[flagFailed], sf.Agreed[flagLoss] = 0, 0
+	clear(sf.Agreed)
 	sf.Refuse = localErr
 	o.vetoed = false
 	err := o.opt.Step(o.ctx)
@@ -459,24 +737,33 @@ func (o *Optimizer) carriedStep(localErr error) error {
 		// failed too), or the veto's.
 		return err
 	case sf.Agreed[flagFailed] != 0:
-		return fmt.Errorf("gomlx: another rank failed to get its gradients; no variable changed: %w", err)
+		return fmt.Errorf("lbgomlx: another rank failed to get its gradients; no variable changed: %w", err)
 	}
-	return fmt.Errorf("gomlx: %w", err)
+	return fmt.Errorf("lbgomlx: %w", err)
 }
 
 // veto is the StepFlags.Veto of the carried flags: it stops the step on
-// every rank when some rank's loss is not finite.
+// every rank when some rank's loss is not finite or the ranks' learning
+// rates differ.
 func (o *Optimizer) veto(agreed []float32) error {
-	if agreed[flagLoss] == 0 {
-		return nil
+	if err := o.agreedError(agreed); err != nil {
+		o.vetoed = true
+		return err
 	}
-	o.vetoed = true
-	return o.lossError()
+	return nil
 }
 
-func (o *Optimizer) lossError() error {
-	return fmt.Errorf("gomlx: step %d: the loss is not finite on some rank (here %g); the step is skipped on every rank and no variable changed",
-		o.globalStep(), o.loss)
+// agreedError is the error of agreed flags in which no rank failed.
+func (o *Optimizer) agreedError(agreed []float32) error {
+	if agreed[flagLoss] != 0 {
+		return fmt.Errorf("lbgomlx: global step %d: the loss is not finite on some rank (here %g); the step is skipped on every rank and no variable changed",
+			o.globalStep()+1, o.loss)
+	}
+	if hi, lo := agreed[flagLR], -agreed[flagNegLR]; hi != lo {
+		return fmt.Errorf("lbgomlx: global step %d: the ranks' learning rates differ, from %v to %v (here %v, from %s): "+
+			"every rank must set the same; no variable changed", o.globalStep()+1, lo, hi, o.lr, o.lrSrc)
+	}
+	return nil
 }
 
 // ownStep agrees on the flags in an allreduce of its own, then runs the
@@ -486,19 +773,20 @@ func (o *Optimizer) ownStep(localErr error) error {
 	o.setFlags(o.flags, localErr)
 	if o.size() > 1 {
 		if err := o.c.AllReduce(o.ctx, o.flags, comm.Max); err != nil {
-			return errors.Join(localErr, fmt.Errorf("gomlx: %w", err))
+			return errors.Join(localErr, fmt.Errorf("lbgomlx: %w", err))
 		}
 	}
 	switch {
 	case localErr != nil:
 		return localErr
 	case o.flags[flagFailed] != 0:
-		return errors.New("gomlx: another rank failed to get its gradients; no variable changed")
-	case o.flags[flagLoss] != 0:
-		return o.lossError()
+		return errors.New("lbgomlx: another rank failed to get its gradients; no variable changed")
+	}
+	if err := o.agreedError(o.flags); err != nil {
+		return err
 	}
 	if err := o.opt.Step(o.ctx); err != nil {
-		return fmt.Errorf("gomlx: %w", err)
+		return fmt.Errorf("lbgomlx: %w", err)
 	}
 	return nil
 }
@@ -509,14 +797,14 @@ func (o *Optimizer) readGradients() error {
 	for i, p := range o.params {
 		val, err := o.grads[i].Value()
 		if err != nil {
-			return fmt.Errorf("gomlx: gradient of %q: %w; no variable changed", p.Name, err)
+			return fmt.Errorf("lbgomlx: gradient of %q: %w; no variable changed", p.Name, err)
 		}
 		if s := val.Shape(); !s.Equal(o.shapes[i]) {
-			return fmt.Errorf("gomlx: gradient of %q has shape %s, the variable %s; no variable changed", p.Name, s, o.shapes[i])
+			return fmt.Errorf("lbgomlx: gradient of %q has shape %s, the variable %s; no variable changed", p.Name, s, o.shapes[i])
 		}
 		g := p.GradData()
 		if err := tensors.ConstFlatData(val, func(f []float32) { copy(g, f) }); err != nil {
-			return fmt.Errorf("gomlx: gradient of %q: %w; no variable changed", p.Name, err)
+			return fmt.Errorf("lbgomlx: gradient of %q: %w; no variable changed", p.Name, err)
 		}
 	}
 	return nil
@@ -531,15 +819,15 @@ func (o *Optimizer) checkVars() error {
 			continue
 		}
 		if i >= len(o.vars) || v != o.vars[i] {
-			return fmt.Errorf("gomlx: the trainable variables changed since the first training graph (%q is new or moved); no variable changed", v.Path())
+			return fmt.Errorf("lbgomlx: the trainable variables changed since the first training graph (%q is new or moved); no variable changed", v.Path())
 		}
 		if s := v.Shape(); !s.Equal(o.shapes[i]) {
-			return fmt.Errorf("gomlx: variable %q changed shape from %s to %s since the first training graph; no variable changed", v.Path(), o.shapes[i], s)
+			return fmt.Errorf("lbgomlx: variable %q changed shape from %s to %s since the first training graph; no variable changed", v.Path(), o.shapes[i], s)
 		}
 		i++
 	}
 	if i != len(o.vars) {
-		return fmt.Errorf("gomlx: %d trainable variables, %d at the first training graph; no variable changed", i, len(o.vars))
+		return fmt.Errorf("lbgomlx: %d trainable variables, %d at the first training graph; no variable changed", i, len(o.vars))
 	}
 	return nil
 }
@@ -552,14 +840,14 @@ func (o *Optimizer) writeBack() error {
 			err = tensors.AssignFlatData(val, o.params[i].Data())
 		}
 		if err != nil {
-			return fmt.Errorf("gomlx: writing %q back: %w", v.Path(), err)
+			return fmt.Errorf("lbgomlx: writing %q back: %w", v.Path(), err)
 		}
 	}
 	return nil
 }
 
-func (o *Optimizer) globalStep() int64 {
-	v := optimizer.GetGlobalStepVar(o.store)
+func globalStepOf(store *model.Store) int64 {
+	v := optimizer.GetGlobalStepVar(store)
 	val, err := v.Value()
 	if err != nil {
 		return 0
@@ -568,9 +856,11 @@ func (o *Optimizer) globalStep() int64 {
 	return s
 }
 
+func (o *Optimizer) globalStep() int64 { return globalStepOf(o.store) }
+
 func (o *Optimizer) setGlobalStep(s int64) error {
 	if err := optimizer.GetGlobalStepVar(o.store).SetValue(tensors.FromScalar(s)); err != nil {
-		return fmt.Errorf("gomlx: global step: %w", err)
+		return fmt.Errorf("lbgomlx: global step: %w", err)
 	}
 	return nil
 }
@@ -591,45 +881,21 @@ func (o *Optimizer) rank() int {
 
 // init runs in the first training graph: it collects and initializes the
 // variables, agrees on them and on the global step with the other ranks,
-// broadcasts rank 0's values, builds the lowbit optimizer and restores its
-// state.
-func (o *Optimizer) init(store *model.Store, backend compute.Backend) error {
+// broadcasts rank 0's values, builds the lowbit optimizer, restores its
+// state and agrees on what decides training (see agree.go). lrErr is this
+// rank's error reading GoMLX's learning-rate setting.
+func (o *Optimizer) init(store *model.Store, backend compute.Backend, lrErr error) error {
 	localErr := o.collect(store, backend)
-	// Every rank sends the fingerprint of its variables (0 after a local
-	// failure) and its global step, so that a mismatch or a failure stops
-	// every rank.
-	const rec = 16
-	mine := make([]byte, rec)
 	if localErr == nil {
-		binary.LittleEndian.PutUint64(mine, o.fingerprint())
-		binary.LittleEndian.PutUint64(mine[8:], uint64(o.globalStep()))
+		localErr = lrErr
 	}
-	size := o.size()
-	all := make([]byte, rec*size)
-	copy(all, mine)
-	if size > 1 {
-		if err := o.c.AllGatherBytes(o.ctx, mine, all); err != nil {
-			return errors.Join(localErr, fmt.Errorf("gomlx: %w", err))
-		}
-	}
-	if localErr != nil {
-		return localErr
-	}
-	for r := range size {
-		switch got := binary.LittleEndian.Uint64(all[rec*r:]); {
-		case got == 0:
-			return fmt.Errorf("gomlx: rank %d failed to build the model", r)
-		case got != binary.LittleEndian.Uint64(mine):
-			return fmt.Errorf("gomlx: rank %d has other trainable variables (paths, shapes) than rank %d", r, o.rank())
-		}
-	}
-	if err := checkSteps(all, rec, size); err != nil {
+	if err := o.agreeOnModel(localErr); err != nil {
 		return err
 	}
-	if size > 1 {
+	if o.size() > 1 {
 		for _, p := range o.params {
 			if err := o.c.Broadcast(o.ctx, p.Data(), 0); err != nil {
-				return fmt.Errorf("gomlx: broadcasting %q: %w", p.Name, err)
+				return fmt.Errorf("lbgomlx: broadcasting %q: %w", p.Name, err)
 			}
 		}
 		if err := o.writeBack(); err != nil {
@@ -638,51 +904,35 @@ func (o *Optimizer) init(store *model.Store, backend compute.Backend) error {
 	}
 	opt, err := o.build(o.ctx, o.c, o.params)
 	if err != nil {
-		return fmt.Errorf("gomlx: building the optimizer: %w", err)
+		return fmt.Errorf("lbgomlx: building the optimizer: %w", err)
 	}
 	if opt == nil {
-		return errors.New("gomlx: the optimizer builder returned nil")
+		return errors.New("lbgomlx: the optimizer builder returned nil")
 	}
 	o.opt = opt
+	o.lrs, _ = opt.(optim.LRSetter)
 	o.skipped = opt.Stats().Skipped
-	err = o.carryFlags()
-	if err == nil {
-		err = o.restore()
+	localErr = o.carryFlags()
+	var ck *optim.Checkpoint
+	if localErr == nil {
+		ck, localErr = o.restoreLocal()
 	}
-	if err != nil {
+	var set *settings
+	if localErr == nil {
+		set, localErr = o.settings(ck)
+	}
+	ck = nil
+	if err := o.agreeOnSettings(set, localErr); err != nil {
 		_ = opt.Close()
-		o.opt, o.sf = nil, nil
+		o.opt, o.sf, o.lrs, o.restored = nil, nil, nil, false
 		return err
 	}
-	o.log.Info("lowbit optimizer ready", zap.Int("rank", o.rank()), zap.Int("ranks", size),
+	o.warnUnusedSettings()
+	o.log.Info("lowbit optimizer ready", zap.Int("rank", o.rank()), zap.Int("ranks", o.size()),
 		zap.Int("variables", len(o.vars)), zap.Bool("restored", o.restored),
-		zap.Int64("global_step", o.globalStep()), zap.Bool("flags_carried", o.sf != nil))
+		zap.Int64("global_step", o.globalStep()), zap.Bool("flags_carried", o.sf != nil),
+		zap.Stringer("learning_rate", o.lrSrc))
 	return nil
-}
-
-// checkSteps refuses ranks whose models are at different global steps:
-// every rank loaded its own newest checkpoint, and they are not of the
-// same step. all holds each rank's record of rec bytes, the step at 8.
-func checkSteps(all []byte, rec, size int) error {
-	steps := make([]int64, size)
-	same := true
-	for r := range size {
-		steps[r] = int64(binary.LittleEndian.Uint64(all[rec*r+8:]))
-		same = same && steps[r] == steps[0]
-	}
-	if same {
-		return nil
-	}
-	var b strings.Builder
-	for r, s := range steps {
-		if r > 0 {
-			b.WriteString(", ")
-		}
-		fmt.Fprintf(&b, "rank %d at %d", r, s)
-	}
-	return fmt.Errorf("gomlx: the ranks' models are at different global steps (%s): each rank loaded its own newest checkpoint. "+
-		"Build every rank's checkpoint.Handler with Optimizer.Checkpoint, which resumes every rank from the newest step they all hold, "+
-		"or delete every rank's checkpoints to start afresh", b.String())
 }
 
 // carryFlags makes the lowbit optimizer carry the step's flags in its own
@@ -694,87 +944,92 @@ func (o *Optimizer) carryFlags() error {
 	}
 	sf := &optim.StepFlags{Local: make([]float32, numFlags), Veto: o.veto}
 	if err := fc.CarryFlags(sf); err != nil {
-		return fmt.Errorf("gomlx: %w", err)
+		return fmt.Errorf("lbgomlx: %w", err)
 	}
 	o.sf = sf
-	return nil
-}
-
-// restore loads the lowbit state that came with the loaded checkpoint,
-// if any; the ranks agree on the outcome.
-func (o *Optimizer) restore() error {
-	localErr := o.restoreLocal()
-	o.flags[0] = 0
-	if localErr != nil {
-		o.flags[0] = 1
-	}
-	if o.size() > 1 {
-		if err := o.c.AllReduce(o.ctx, o.flags[:1], comm.Max); err != nil {
-			return errors.Join(localErr, fmt.Errorf("gomlx: %w", err))
-		}
-	}
-	if localErr != nil {
-		return localErr
-	}
-	if o.flags[0] != 0 {
-		return errors.New("gomlx: another rank refused its checkpoint's lowbit state")
-	}
 	return nil
 }
 
 // restoreLocal loads into the lowbit optimizer the state of the model's
 // global step: from the StateVariable of an older checkpoint (which it
 // then removes from the store, so that it neither stays resident nor is
-// saved again), or from the state file of that step.
-func (o *Optimizer) restoreLocal() error {
+// saved again), or from the state file of that step. It returns the
+// checkpoint loaded, nil when none was.
+func (o *Optimizer) restoreLocal() (*optim.Checkpoint, error) {
 	gs := o.globalStep()
 	var ck *optim.Checkpoint
 	if sv := o.store.GetVariable(StateVariable); sv != nil {
 		var err error
 		ck, err = o.legacyState(sv, gs)
 		if derr := o.store.DeleteVariable(StateVariable); err == nil && derr != nil {
-			err = fmt.Errorf("gomlx: removing %s: %w", StateVariable, derr)
+			err = fmt.Errorf("lbgomlx: removing %s: %w", StateVariable, derr)
 		}
 		if err != nil {
-			return err
+			return nil, err
 		}
 	} else {
 		var err error
 		if ck, err = o.stateFile(gs); err != nil || ck == nil {
-			return err
+			return nil, err
 		}
 	}
+	lrBefore := float32(0)
+	if o.lrs != nil {
+		lrBefore = o.lrs.LR()
+	}
 	if err := o.opt.Load(ck); err != nil {
-		return fmt.Errorf("gomlx: restoring the lowbit state: %w", err)
+		return nil, fmt.Errorf("lbgomlx: restoring the lowbit state of global step %d: %w", gs, err)
 	}
 	o.skipped = o.opt.Stats().Skipped
 	o.restored = true
-	return o.writeBack()
+	o.warnLoaded(ck, gs, lrBefore)
+	return ck, o.writeBack()
+}
+
+// warnLoaded warns, on rank 0, about what the load of ck changed that a
+// user must know: the checkpoint's learning rate replaced the optimizer's
+// own (lowbit's rule, as PyTorch's), or its error feedback was reset.
+func (o *Optimizer) warnLoaded(ck *optim.Checkpoint, gs int64, lrBefore float32) {
+	if o.rank() != 0 {
+		return
+	}
+	if lr, ok := ck.Floats[optim.FloatLR]; ok && o.lrSrc == lrLowbit && ck.Ints[optim.IntLRSchedule] == 0 && float32(lr) != lrBefore {
+		o.warn(fmt.Sprintf("resumed at global step %d with the checkpoint's learning rate %v instead of the optimizer's %v (its config's LR): "+
+			"the lowbit optimizer's Load restores it, as PyTorch's load_state_dict does. To train on with another, set it in the store "+
+			"(store.SetParam(optimizer.ParamLearningRate, lr)): the hook hands GoMLX's learning rate to the optimizer every step",
+			gs, float32(lr), lrBefore),
+			zap.Int64("global_step", gs), zap.Float64("checkpoint_lr", lr), zap.Float32("replaced_lr", lrBefore))
+	}
+	if ck.ErrorsReset {
+		o.warn(fmt.Sprintf("resumed at global step %d from a checkpoint whose error buffers were reset (made on %d ranks, by rank %d): "+
+			"error feedback starts again from zero", gs, ck.World, ck.Rank),
+			zap.Int64("global_step", gs), zap.Int("made_on_world", ck.World), zap.Int("made_by_rank", ck.Rank))
+	}
 }
 
 // legacyState decodes the state an older checkpoint held in sv, in place.
 func (o *Optimizer) legacyState(sv *model.Variable, gs int64) (*optim.Checkpoint, error) {
 	val, err := sv.Value()
 	if err != nil {
-		return nil, fmt.Errorf("gomlx: %s: %w", StateVariable, err)
+		return nil, fmt.Errorf("lbgomlx: %s: %w", StateVariable, err)
 	}
 	ck := new(optim.Checkpoint)
 	var derr error
 	if err := tensors.ConstFlatData(val, func(b []uint8) {
 		if len(b) < 8 {
-			derr = fmt.Errorf("gomlx: %s holds %d bytes: %w", StateVariable, len(b), optim.ErrCorruptCheckpoint)
+			derr = fmt.Errorf("lbgomlx: %s holds %d bytes: %w", StateVariable, len(b), optim.ErrCorruptCheckpoint)
 			return
 		}
 		if step := int64(binary.LittleEndian.Uint64(b)); step != gs {
-			derr = fmt.Errorf("gomlx: the checkpoint's lowbit state is from global step %d, its model from step %d (save with Optimizer.Save, not Handler.Save): %w",
+			derr = fmt.Errorf("lbgomlx: the checkpoint's lowbit state is from global step %d, its model from step %d (save with Optimizer.Save, not Handler.Save): %w",
 				step, gs, optim.ErrIncompatibleCheckpoint)
 			return
 		}
 		if err := ck.UnmarshalBinary(b[8:]); err != nil {
-			derr = fmt.Errorf("gomlx: %s: %w", StateVariable, err)
+			derr = fmt.Errorf("lbgomlx: %s: %w", StateVariable, err)
 		}
 	}); err != nil {
-		return nil, fmt.Errorf("gomlx: %s: %w", StateVariable, err)
+		return nil, fmt.Errorf("lbgomlx: %s: %w", StateVariable, err)
 	}
 	if derr != nil {
 		return nil, derr
@@ -791,8 +1046,8 @@ func (o *Optimizer) stateFile(gs int64) (*optim.Checkpoint, error) {
 	h, _ := o.store.Loader().(*checkpoint.Handler)
 	dir := h.Dir()
 	if dir == "" {
-		if gs > 0 {
-			o.log.Warn("the model is at a global step > 0 but no checkpoint directory holds its lowbit state: the lowbit optimizer starts afresh",
+		if gs > 0 && o.rank() == 0 {
+			o.warn(fmt.Sprintf("the model is at global step %d but no checkpoint directory holds its lowbit state: the lowbit optimizer starts afresh", gs),
 				zap.Int64("global_step", gs))
 		}
 		return nil, nil
@@ -803,20 +1058,23 @@ func (o *Optimizer) stateFile(gs int64) (*optim.Checkpoint, error) {
 		return ck, nil
 	}
 	if !errors.Is(err, fs.ErrNotExist) {
-		return nil, fmt.Errorf("gomlx: %w", err)
+		return nil, fmt.Errorf("lbgomlx: %w", err)
 	}
 	if list, err := h.ListCheckpoints(); err != nil || len(list) == 0 {
 		return nil, nil // nothing was loaded: a fresh start
 	}
 	steps, err := stateSteps(dir)
 	if err != nil {
-		return nil, fmt.Errorf("gomlx: %w", err)
+		return nil, fmt.Errorf("lbgomlx: %w", err)
 	}
 	if len(steps) > 0 {
-		return nil, fmt.Errorf("gomlx: the checkpoint's lowbit state is from global step %d, its model from step %d (save with Optimizer.Save, not Handler.Save; %s holds no %s): %w",
+		return nil, fmt.Errorf("lbgomlx: the checkpoint's lowbit state is from global step %d, its model from step %d (save with Optimizer.Save, not Handler.Save; %s holds no %s): %w",
 			steps[len(steps)-1], gs, dir, stateFileName(gs), optim.ErrIncompatibleCheckpoint)
 	}
-	o.log.Warn("the model's checkpoint holds no lowbit state: the lowbit optimizer starts afresh", zap.Int64("global_step", gs), zap.String("dir", dir))
+	if gs > 0 {
+		o.warn(fmt.Sprintf("the model's checkpoint of global step %d in %s holds no lowbit state (%s): the lowbit optimizer starts afresh",
+			gs, dir, stateFileName(gs)), zap.Int64("global_step", gs), zap.String("dir", dir))
+	}
 	return nil, nil
 }
 
@@ -825,7 +1083,7 @@ func (o *Optimizer) stateFile(gs int64) (*optim.Checkpoint, error) {
 func (o *Optimizer) collect(store *model.Store, backend compute.Backend) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			err = fmt.Errorf("gomlx: initializing the variables: %v", r)
+			err = fmt.Errorf("lbgomlx: initializing the variables: %v", r)
 		}
 	}()
 	o.store = store
@@ -833,7 +1091,7 @@ func (o *Optimizer) collect(store *model.Store, backend compute.Backend) (err er
 		sv.SetTrainable(false) // a loaded variable starts trainable
 	}
 	if err := store.InitializeVariables(backend, nil); err != nil {
-		return fmt.Errorf("gomlx: initializing the variables: %w", err)
+		return fmt.Errorf("lbgomlx: initializing the variables: %w", err)
 	}
 	var vars, grads []*model.Variable
 	var shp []shapes.Shape
@@ -844,15 +1102,15 @@ func (o *Optimizer) collect(store *model.Store, backend compute.Backend) (err er
 		}
 		s := v.Shape()
 		if s.DType != dtypes.Float32 {
-			return fmt.Errorf("gomlx: trainable variable %q is %s; lowbit trains float32 variables", v.Path(), s.DType)
+			return fmt.Errorf("lbgomlx: trainable variable %q is %s; lowbit trains float32 variables", v.Path(), s.DType)
 		}
 		val, err := v.Value()
 		if err != nil {
-			return fmt.Errorf("gomlx: %w", err)
+			return fmt.Errorf("lbgomlx: %w", err)
 		}
 		var data []float32
 		if err := tensors.ConstFlatData(val, func(f []float32) { data = append([]float32(nil), f...) }); err != nil {
-			return fmt.Errorf("gomlx: %q: %w", v.Path(), err)
+			return fmt.Errorf("lbgomlx: %q: %w", v.Path(), err)
 		}
 		dims := s.Dimensions
 		if len(dims) == 0 {
@@ -860,17 +1118,17 @@ func (o *Optimizer) collect(store *model.Store, backend compute.Backend) (err er
 		}
 		p, err := optim.NewParamFrom(v.Path(), data, dims...)
 		if err != nil {
-			return fmt.Errorf("gomlx: %q: %w", v.Path(), err)
+			return fmt.Errorf("lbgomlx: %q: %w", v.Path(), err)
 		}
 		vars, shp, params = append(vars, v), append(shp, s.Clone()), append(params, p)
 	}
 	if len(params) == 0 {
-		return errors.New("gomlx: the model has no trainable variables")
+		return errors.New("lbgomlx: the model has no trainable variables")
 	}
 	for i, v := range vars {
 		gv, err := store.CreateVariable(GradientScope+v.Path(), tensors.FromShape(shp[i]))
 		if err != nil {
-			return fmt.Errorf("gomlx: %w", err)
+			return fmt.Errorf("lbgomlx: %w", err)
 		}
 		gv.SetTrainable(false)
 		grads = append(grads, gv)
@@ -882,19 +1140,6 @@ func (o *Optimizer) collect(store *model.Store, backend compute.Backend) (err er
 	return nil
 }
 
-// fingerprint hashes the paths and shapes of the trainable variables.
-func (o *Optimizer) fingerprint() uint64 {
-	h := fnv.New64a()
-	for i, v := range o.vars {
-		fmt.Fprintf(h, "%s|%s;", v.Path(), o.shapes[i])
-	}
-	s := h.Sum64()
-	if s == 0 {
-		s = 1 // 0 means a failed rank
-	}
-	return s
-}
-
 // Save saves a checkpoint of this rank with h: the lowbit optimizer's
 // state of the current global step to its state file in h's directory
 // (written atomically, see StateFilePrefix), then the model with
@@ -903,27 +1148,104 @@ func (o *Optimizer) fingerprint() uint64 {
 // The state is streamed to its file: beyond the optimizer it costs one
 // copy of the state (optim.Optimizer's State) while Save runs, and nothing
 // afterwards. It is not a collective: each rank saves its own state, to
-// its own directory.
+// its own directory. A Save to h at the global step of the last Save to h,
+// with no step since, writes nothing: a last Save after a RunSteps whose
+// train.EveryNSteps already saved its last step adds no second checkpoint.
+//
+// Before the first training step of this process (no lowbit optimizer
+// yet) Save works as GoMLX's Handler.Save does then: it saves the
+// variables there are. When the store's variables came from a checkpoint
+// with a lowbit state (its state file, of the loaded global step, in the
+// directory of the Handler Checkpoint returned or of the store's loader),
+// that state is saved with them: it is already in h's directory when h
+// loaded it, or it is copied there. Otherwise (a fresh start) no lowbit
+// state is saved: there is none yet, and a run resumed from that
+// checkpoint starts the lowbit optimizer afresh.
 func (o *Optimizer) Save(h *checkpoint.Handler) error {
 	if h == nil {
-		return errors.New("gomlx: nil checkpoint.Handler")
-	}
-	if o.opt == nil {
-		return errors.New("gomlx: Save before the first training graph was built")
+		return errors.New("lbgomlx: Save: nil checkpoint.Handler")
 	}
 	dir := h.Dir()
 	if dir == "" {
-		return fmt.Errorf("gomlx: %s has no directory to save the lowbit state to", h)
+		return fmt.Errorf("lbgomlx: Save: %s has no directory to save the lowbit state to", h)
 	}
-	if err := o.saveState(filepath.Join(dir, stateFileName(o.globalStep()))); err != nil {
+	if o.opt == nil {
+		return o.saveUnbuilt(h)
+	}
+	at := [2]int64{o.globalStep(), o.steps}
+	if last, ok := o.saved[h]; ok && last == at {
+		return nil // saved already, nothing trained since
+	}
+	if err := o.saveState(filepath.Join(dir, stateFileName(at[0]))); err != nil {
 		return err
 	}
 	h.ExcludeVarsFromSaving(o.grads...)
 	if err := h.Save(); err != nil {
-		return fmt.Errorf("gomlx: %w", err)
+		return fmt.Errorf("lbgomlx: Save: %w", err)
+	}
+	if o.saved == nil {
+		o.saved = map[*checkpoint.Handler][2]int64{}
+	}
+	o.saved[h] = at
+	o.pruneStates(h)
+	return nil
+}
+
+// saveUnbuilt is Save before the lowbit optimizer is built.
+func (o *Optimizer) saveUnbuilt(h *checkpoint.Handler) error {
+	if o.failed != nil {
+		return fmt.Errorf("lbgomlx: Save after the first training graph failed: %w", o.failed)
+	}
+	srcDir, step := o.loadedDir, o.loadedStep
+	if o.store != nil {
+		src, _ := o.store.Loader().(*checkpoint.Handler)
+		srcDir, step = src.Dir(), globalStepOf(o.store)
+	}
+	if srcDir != "" && srcDir != h.Dir() && step >= 0 {
+		name := stateFileName(step)
+		if err := copyFile(filepath.Join(srcDir, name), filepath.Join(h.Dir(), name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("lbgomlx: Save: copying the loaded lowbit state: %w", err)
+		}
+	}
+	h.ExcludeVarsFromSaving(o.grads...)
+	if err := h.Save(); err != nil {
+		return fmt.Errorf("lbgomlx: Save: %w", err)
 	}
 	o.pruneStates(h)
 	return nil
+}
+
+// copyFile copies src to dst atomically (a temporary file, synced, then
+// renamed).
+func copyFile(src, dst string) (err error) {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	if err := os.MkdirAll(filepath.Dir(dst), 0o770); err != nil {
+		return err
+	}
+	tmp, err := os.CreateTemp(filepath.Dir(dst), filepath.Base(dst)+".tmp-*")
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if err != nil {
+			tmp.Close()
+			os.Remove(tmp.Name())
+		}
+	}()
+	if _, err = io.Copy(tmp, in); err != nil {
+		return err
+	}
+	if err = tmp.Sync(); err != nil {
+		return err
+	}
+	if err = tmp.Close(); err != nil {
+		return err
+	}
+	return os.Rename(tmp.Name(), dst)
 }
 
 // saveState writes the lowbit state to path; the checkpoint State returns
@@ -931,10 +1253,10 @@ func (o *Optimizer) Save(h *checkpoint.Handler) error {
 func (o *Optimizer) saveState(path string) error {
 	ck, err := o.opt.State()
 	if err != nil {
-		return fmt.Errorf("gomlx: %w", err)
+		return fmt.Errorf("lbgomlx: Save: %w", err)
 	}
 	if err := optim.SaveFile(path, ck); err != nil {
-		return fmt.Errorf("gomlx: %w", err)
+		return fmt.Errorf("lbgomlx: Save: %w", err)
 	}
 	return nil
 }
@@ -968,7 +1290,10 @@ func (o *Optimizer) pruneStates(h *checkpoint.Handler) {
 }
 
 // SaveOnStepFn returns a train.OnStepFn that calls Save(h): use it where a
-// GoMLX program uses h.SaveOnStepFn, e.g. with train.EveryNSteps.
+// GoMLX program uses h.SaveOnStepFn, e.g. with train.EveryNSteps (which
+// runs at the last step of a RunSteps only when it is a multiple of N:
+// call Save(h) once more after the loop, which writes nothing when that
+// step is saved already).
 func (o *Optimizer) SaveOnStepFn(h *checkpoint.Handler) train.OnStepFn {
 	return func(*train.Loop, []*tensors.Tensor) error { return o.Save(h) }
 }

@@ -581,7 +581,8 @@ func TestLoopDifferentModels(t *testing.T) {
 }
 
 func TestNewErrors(t *testing.T) {
-	_, err := New(nil, nil, adam) //nolint:staticcheck // a nil context is the bad input
+	//lint:ignore SA1012 a nil context is the bad input
+	_, err := New(nil, nil, adam)
 	assert.Error(t, err)
 	_, err = New(context.Background(), nil, nil)
 	assert.Error(t, err)

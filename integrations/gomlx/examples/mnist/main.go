@@ -87,7 +87,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&opts, "optimizers", "adam,onebit-adam", "comma-separated lowbit optimizers to train with, one after the other: adam, onebit-adam")
 	fs.StringVar(&o.data, "data", "../../data/mnist", "directory of the four MNIST IDX files")
 	fs.IntVar(&o.steps, "steps", 600, "training steps")
-	fs.Var(&size.Value[int]{P: &o.batch, Min: 1, Max: 1 << 20}, "batch", "global batch `size`, split over the ranks (128, 1Ki)")
+	fs.Var(&size.CountValue[int]{P: &o.batch, Min: 1, Max: 1 << 20}, "batch", "global batch: `count` of examples, split over the ranks (128, 1k, 1Ki)")
 	fs.Float64Var(&o.lr, "lr", 1e-3, "learning rate")
 	fs.IntVar(&o.freezeStep, "freeze-step", 200, "exact warm-up steps of onebit-adam")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the shuffling and of rank 0's initial weights")
@@ -270,11 +270,24 @@ func trainRank(ctx context.Context, c comm.Comm, name string, o *options, trainS
 	store.RootScope().SetParam(model.ParamInitialSeed, int64(o.seed)+int64(rank))
 
 	// An ordinary GoMLX training loop; the lowbit lines are marked.
-	opt, err := lbgomlx.New(ctx, c, newOptimizer(name, o)) // lowbit: the optimizer
+	opts := []lbgomlx.Option{lbgomlx.WithWarnings(os.Stderr)} // lowbit: print what a user must know
+	if o.progress {
+		opts = append(opts, lbgomlx.WithMeanMetrics()) // lowbit: the progress bar shows the mean loss over the ranks
+	}
+	opt, err := lbgomlx.New(ctx, c, newOptimizer(name, o), opts...) // lowbit: the optimizer
 	if err != nil {
 		return nil, err
 	}
 	defer opt.Close()
+	var h *checkpoint.Handler
+	if o.checkpoint != "" {
+		// Each rank its own directory: the lowbit state is per rank. A
+		// collective: every rank resumes from the newest step all hold.
+		dir := filepath.Join(o.checkpoint, fmt.Sprintf("%s-rank-%d", name, rank))
+		if h, err = opt.Checkpoint(checkpoint.Build(store).Keep(2), dir); err != nil { // lowbit: instead of Dir(dir)...Done()
+			return nil, err
+		}
+	}
 	trainer := train.NewTrainer(backend, store, logits, loss.SparseCategoricalCrossEntropyLogits, opt, nil, nil)
 	loop := train.NewLoop(trainer)
 	opt.AttachToLoop(loop) // lowbit: the host step after every TrainStep
@@ -288,12 +301,7 @@ func trainRank(ctx context.Context, c comm.Comm, name string, o *options, trainS
 		}
 		return nil
 	})
-	if o.checkpoint != "" {
-		// Each rank its own directory: the lowbit state is per rank.
-		h, err := checkpoint.Build(store).Dir(filepath.Join(o.checkpoint, fmt.Sprintf("%s-rank-%d", name, rank))).Keep(2).Done()
-		if err != nil {
-			return nil, err
-		}
+	if h != nil {
 		train.EveryNSteps(loop, o.checkpointEvery, "checkpoint", 100, opt.SaveOnStepFn(h)) // lowbit: instead of h.SaveOnStepFn
 	}
 	ds := &shards{data: trainSet, lo: rank * o.batch / w, hi: (rank + 1) * o.batch / w, batch: o.batch, seed: o.seed,
@@ -303,6 +311,13 @@ func trainRank(ctx context.Context, c comm.Comm, name string, o *options, trainS
 		return nil, err
 	}
 	wall := time.Since(start)
+	if h != nil {
+		// The last step: EveryNSteps saves it only if it is a multiple of
+		// -checkpoint-every (Save then writes nothing more).
+		if err := opt.Save(h); err != nil {
+			return nil, err
+		}
+	}
 
 	// Test accuracy: each rank scores its share of the test set with the
 	// trained variables, through a GoMLX graph of its own.

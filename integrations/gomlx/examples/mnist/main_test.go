@@ -82,6 +82,26 @@ func TestBadFlagValues(t *testing.T) {
 	}, 12, "data", "checkpoint", "optimizers")
 }
 
+// TestCountFlags: -batch, a count of examples, takes counts as the field
+// writes them where they are in its bounds (137k; 7B is refused as out of
+// range) and refuses sizes in bytes (64MiB) with one line.
+func TestCountFlags(t *testing.T) {
+	parse := func(args []string, stderr io.Writer) error {
+		_, err := parseFlags(args, stderr)
+		return err
+	}
+	flagtest.Counts(t, parse, map[string]flagtest.CountFlag{
+		"batch": {Min: 1, Max: 1 << 20, Value: func(args []string) (int64, error) {
+			o, err := parseFlags(args, io.Discard)
+			if err != nil {
+				return 0, err
+			}
+			return int64(o.batch), nil
+		}},
+	})
+	flagtest.Sizes(t, parse)
+}
+
 // TestBadFlagExit: the binary prints one line for a bad value and exits 2.
 func TestBadFlagExit(t *testing.T) {
 	flagtest.Exit(t, "mnist", []string{"-batch", "12Q"}, []string{"-optimizers", "sgd"}, []string{"-nosuch"}, []string{"stray"})

@@ -1,0 +1,54 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// trainTo runs the program on n in-process ranks to global step to, from
+// the checkpoints in ckpt.
+func trainTo(t *testing.T, n, to int, ckpt string) {
+	t.Helper()
+	*ranks, *steps, *dir, *progress = n, to, ckpt, false
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	require.NoError(t, run(ctx))
+}
+
+// TestMinimal runs the README's program on 2 ranks: to step 90 (past
+// 1-bit Adam's warm-up of 80), then from its checkpoints on to step 120 at
+// once, and, from a copy of them, to 105 and then 120: the lowbit states
+// saved at step 120 are byte-identical, rank by rank (the dataset restarts
+// at the global step). The last Save adds no second checkpoint of a step
+// EveryNSteps saved, and a run asked for a step the checkpoint is at
+// already trains nothing.
+func TestMinimal(t *testing.T) {
+	once, twice := t.TempDir(), t.TempDir()
+	trainTo(t, 2, 90, once)
+	require.NoError(t, os.CopyFS(twice, os.DirFS(once)))
+	trainTo(t, 2, 120, once)
+	trainTo(t, 2, 105, twice)
+	trainTo(t, 2, 120, twice)
+	for r := range 2 {
+		state := fmt.Sprintf("rank-%d/lowbit-state-step-00000120.ckpt", r)
+		want, err := os.ReadFile(filepath.Join(once, state))
+		require.NoError(t, err)
+		got, err := os.ReadFile(filepath.Join(twice, state))
+		require.NoError(t, err)
+		assert.Equal(t, want, got, "rank %d: the lowbit state at step 120", r)
+	}
+	trainTo(t, 2, 100, once)
+	trainTo(t, 2, 200, once)
+	files, err := filepath.Glob(filepath.Join(once, "rank-0", "checkpoint-*.json"))
+	require.NoError(t, err)
+	require.Len(t, files, 2, "Keep(2)")
+	assert.Contains(t, files[0], "-step-00000120.json", "Keep(2): steps 120 and 200, once each")
+	assert.Contains(t, files[1], "-step-00000200.json")
+}

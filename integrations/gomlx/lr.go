@@ -1,0 +1,155 @@
+package gomlx
+
+import (
+	"fmt"
+	"math"
+	"strconv"
+
+	"github.com/gomlx/compute/dtypes"
+	"github.com/gomlx/gomlx/core/graph"
+	"github.com/gomlx/gomlx/ml/model"
+	"github.com/gomlx/gomlx/ml/train/optimizer"
+)
+
+// lrSource is where the learning rate of every step comes from (see the
+// package documentation, "Learning rate").
+type lrSource int
+
+const (
+	// lrLowbit: the lowbit optimizer's own (its config's LR, its
+	// optim.Schedule, or the fixed learning rate its checkpoint restored).
+	lrLowbit lrSource = iota
+	// lrStore: GoMLX's learning_rate parameter of the store
+	// (optimizer.ParamLearningRate), as GoMLX's own optimizers read it
+	// into the variable /optimizers/learning_rate.
+	lrStore
+	// lrGraph: the training graph computes each step's learning rate into
+	// that variable (GoMLX's cosineschedule).
+	lrGraph
+)
+
+func (s lrSource) String() string {
+	switch s {
+	case lrStore:
+		return "GoMLX's learning_rate of the store"
+	case lrGraph:
+		return "GoMLX's schedule in the training graph"
+	default:
+		return "the lowbit optimizer (its config's LR, its schedule, or its checkpoint's)"
+	}
+}
+
+// gomlxLR finds GoMLX's learning-rate setting for the training graph g,
+// the way GoMLX's own optimizers do: the variable learning_rate of the
+// scope optimizer.Scope under scope, which GoMLX's cosine schedule
+// computes in the graph, or else the store's learning_rate parameter,
+// from which that variable is created as GoMLX's Adam creates it. It
+// returns lrLowbit (and no variable) when the store sets neither. param
+// is the parameter's value, NaN when it is not set.
+func gomlxLR(scope *model.Scope, g *graph.Graph) (src lrSource, v *model.Variable, param float64, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("lbgomlx: GoMLX's learning rate (%s): %v", optimizer.ParamLearningRate, r)
+		}
+	}()
+	param = math.NaN()
+	if raw, ok := scope.GetParam(optimizer.ParamLearningRate); ok && raw != nil {
+		if param, err = paramFloat(raw); err != nil {
+			return lrLowbit, nil, param, err
+		}
+	}
+	lrScope := scope.At(optimizer.Scope)
+	v = lrScope.GetVariable(optimizer.ParamLearningRate)
+	switch {
+	case v != nil && v.ChangedInGraph(g):
+		return lrGraph, v, param, nil
+	case v != nil:
+		// Made by an earlier graph from the parameter, or by the program:
+		// GoMLX's optimizers would read it as it is.
+		return lrStore, v, param, nil
+	case !math.IsNaN(param):
+		return lrStore, optimizer.LearningRateVar(scope, dtypes.Float32, param), param, nil
+	}
+	return lrLowbit, nil, param, nil
+}
+
+// paramFloat converts a learning_rate parameter to a float64.
+func paramFloat(raw any) (float64, error) {
+	switch x := raw.(type) {
+	case float64:
+		return x, nil
+	case float32:
+		return float64(x), nil
+	case int:
+		return float64(x), nil
+	case int64:
+		return float64(x), nil
+	case string:
+		f, err := strconv.ParseFloat(x, 64)
+		if err != nil {
+			return 0, fmt.Errorf("lbgomlx: GoMLX's %s parameter %q is not a number", optimizer.ParamLearningRate, x)
+		}
+		return f, nil
+	}
+	return 0, fmt.Errorf("lbgomlx: GoMLX's %s parameter is a %T, want a float64", optimizer.ParamLearningRate, raw)
+}
+
+// storeLR reads GoMLX's learning rate of the step that just ran from v
+// (the value GoMLX's own optimizer would have used in it) as a learning
+// rate for the lowbit optimizer. 0 (where GoMLX's cosine schedule starts
+// its warm-up) becomes the smallest positive float32: lowbit's optimizers
+// refuse a learning rate of 0; Step runs such a step at that one, which
+// updates the moments as GoMLX's Adam does at 0, and then puts every
+// parameter back as it was.
+func storeLR(v *model.Variable) (float32, error) {
+	val, err := v.Value()
+	if err != nil {
+		return 0, fmt.Errorf("lbgomlx: reading GoMLX's learning rate %s: %w", v.Path(), err)
+	}
+	var f float64
+	switch x := val.Value().(type) {
+	case float32:
+		f = float64(x)
+	case float64:
+		f = x
+	default:
+		return 0, fmt.Errorf("lbgomlx: GoMLX's learning rate %s is a %s scalar, want float32 or float64", v.Path(), val.Shape())
+	}
+	switch lr := float32(f); {
+	case math.IsNaN(f) || f < 0 || math.IsInf(float64(lr), 0):
+		return 0, fmt.Errorf("lbgomlx: GoMLX's learning rate %s is %v, want finite and >= 0", v.Path(), f)
+	case lr == 0:
+		return math.SmallestNonzeroFloat32, nil
+	default:
+		return lr, nil
+	}
+}
+
+// lrConflict returns the error of a lowbit optimizer that has its own
+// schedule while GoMLX's learning rate (src) is set too, or that cannot
+// take a learning rate (not an optim.LRSetter).
+func lrConflict(src lrSource, param float64, hasSchedule, isSetter bool) error {
+	if src == lrLowbit {
+		return nil
+	}
+	what := fmt.Sprintf("the store sets GoMLX's learning rate (%s = %s)", optimizer.ParamLearningRate, formatParam(param))
+	if src == lrGraph {
+		what = "the training graph computes GoMLX's learning rate (cosineschedule, in the model function)"
+	}
+	switch {
+	case !isSetter:
+		return fmt.Errorf("lbgomlx: %s, but the lowbit optimizer cannot take a learning rate (it is not an optim.LRSetter): "+
+			"remove GoMLX's setting and set the optimizer's own in its config", what)
+	case hasSchedule:
+		return fmt.Errorf("lbgomlx: %s and the lowbit optimizer has a schedule of its own (SetSchedule in the Builder): "+
+			"two learning-rate settings; keep one: remove the store's %s (and the cosine schedule), or the lowbit schedule", what, optimizer.ParamLearningRate)
+	}
+	return nil
+}
+
+func formatParam(f float64) string {
+	if math.IsNaN(f) {
+		return "not set"
+	}
+	return strconv.FormatFloat(f, 'g', -1, 64)
+}
