@@ -10,75 +10,9 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/internal/commtest"
 )
-
-// latencyComm sleeps latency before every collective, as a round trip on
-// a slow link takes, and counts the collectives and, among them, the
-// agreements (AllReduce with comm.Max: the optimizer's per-step agreement
-// and any flag of the training loop's own; the optimizers average with Sum
-// or Mean). It implements no Unwrap: every collective goes through it.
-type latencyComm struct {
-	comm.Comm
-	latency           time.Duration
-	calls, agreements *atomic.Int64
-}
-
-func (c *latencyComm) call() {
-	c.calls.Add(1)
-	if c.latency > 0 {
-		time.Sleep(c.latency)
-	}
-}
-
-func (c *latencyComm) AllReduce(ctx context.Context, buf []float32, op comm.Op) error {
-	if op == comm.Max {
-		c.agreements.Add(1)
-	}
-	c.call()
-	return c.Comm.AllReduce(ctx, buf, op)
-}
-
-func (c *latencyComm) ReduceScatter(ctx context.Context, send, recv []float32, op comm.Op) error {
-	c.call()
-	return c.Comm.ReduceScatter(ctx, send, recv, op)
-}
-
-func (c *latencyComm) AllGather(ctx context.Context, send, recv []float32) error {
-	c.call()
-	return c.Comm.AllGather(ctx, send, recv)
-}
-
-func (c *latencyComm) AllGatherBytes(ctx context.Context, send, recv []byte) error {
-	c.call()
-	return c.Comm.AllGatherBytes(ctx, send, recv)
-}
-
-func (c *latencyComm) AllToAll(ctx context.Context, send, recv []float32) error {
-	c.call()
-	return c.Comm.AllToAll(ctx, send, recv)
-}
-
-func (c *latencyComm) AllToAllBytes(ctx context.Context, send, recv []byte) error {
-	c.call()
-	return c.Comm.AllToAllBytes(ctx, send, recv)
-}
-
-func (c *latencyComm) Broadcast(ctx context.Context, buf []float32, root int) error {
-	c.call()
-	return c.Comm.Broadcast(ctx, buf, root)
-}
-
-func (c *latencyComm) BroadcastBytes(ctx context.Context, buf []byte, root int) error {
-	c.call()
-	return c.Comm.BroadcastBytes(ctx, buf, root)
-}
-
-func (c *latencyComm) Barrier(ctx context.Context) error {
-	c.call()
-	return c.Comm.Barrier(ctx)
-}
 
 // BenchmarkStepLatency times the training steps of this example with
 // -checkpoint, and so with its stop request, on 4 in-process ranks whose
@@ -111,9 +45,10 @@ func BenchmarkStepLatency(b *testing.B) {
 				var wg sync.WaitGroup
 				errs := make([]error, len(comms))
 				for r, c := range comms {
-					lc := &latencyComm{Comm: c, latency: lat, calls: new(atomic.Int64), agreements: new(atomic.Int64)}
+					// Every collective goes through lc (no Unwrap).
+					lc := commtest.New(c, lat)
 					if r == 0 {
-						lc.calls, lc.agreements = &c0, &a0
+						lc.Calls, lc.Agreements = &c0, &a0
 					}
 					wg.Add(1)
 					go func() {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/internal/commtest"
 	"github.com/lowbit-ml/lowbit/optim"
 )
 
@@ -37,20 +38,20 @@ func TestOneAgreementPerStep(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			var mu sync.Mutex
-			hooks, bares := make([][]callCount, 2), make([][]callCount, 2)
+			hooks, bares := make([][]commtest.Count, 2), make([][]commtest.Count, 2)
 			err := local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
 				r := c.Rank()
 				cc := newCountingComm(c, 0)
 				m := newRankModel(t, ctx, cc, newStore(int64(r)), 16, tc.build)
 				defer m.opt.Close()
-				var pre callCount
-				var hook []callCount
+				var pre commtest.Count
+				var hook []commtest.Count
 				m.loop.OnStep("before lowbit", HookPriority-1, func(*train.Loop, []*tensors.Tensor) error {
-					pre = cc.count()
+					pre = cc.Count()
 					return nil
 				})
 				m.loop.OnStep("after lowbit", HookPriority+1, func(*train.Loop, []*tensors.Tensor) error {
-					hook = append(hook, cc.count().sub(pre))
+					hook = append(hook, cc.Count().Sub(pre))
 					return nil
 				})
 				if _, err := m.loop.RunSteps(&shard{rank: r, world: 2}, steps); err != nil {
@@ -70,7 +71,7 @@ func TestOneAgreementPerStep(t *testing.T) {
 				bare, err := tc.build(ctx, cc, params)
 				require.NoError(t, err)
 				defer bare.Close()
-				var counts []callCount
+				var counts []commtest.Count
 				for s := range steps {
 					for i, p := range params {
 						g := p.GradData()
@@ -78,9 +79,9 @@ func TestOneAgreementPerStep(t *testing.T) {
 							g[j] = float32(0.1 * math.Sin(float64(j+7*i+11*s+13*r)))
 						}
 					}
-					pre := cc.count()
+					pre := cc.Count()
 					require.NoError(t, bare.Step(ctx))
-					counts = append(counts, cc.count().sub(pre))
+					counts = append(counts, cc.Count().Sub(pre))
 				}
 				mu.Lock()
 				hooks[r], bares[r] = hook, counts
@@ -91,7 +92,7 @@ func TestOneAgreementPerStep(t *testing.T) {
 			for r := range 2 {
 				require.Len(t, hooks[r], steps, "rank %d", r)
 				for s := range steps {
-					assert.Equal(t, int64(1), hooks[r][s].agreements, "rank %d, step %d: agreements", r, s+1)
+					assert.Equal(t, int64(1), hooks[r][s].Agreements, "rank %d, step %d: agreements", r, s+1)
 					assert.Equal(t, bares[r][s], hooks[r][s], "rank %d, step %d: the hook's collectives against the bare optimizer's", r, s+1)
 				}
 			}

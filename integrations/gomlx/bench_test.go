@@ -20,6 +20,7 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/internal/commtest"
 	"github.com/lowbit-ml/lowbit/internal/samerun"
 	"github.com/lowbit-ml/lowbit/optim"
 )
@@ -182,7 +183,7 @@ func benchAgreement(b *testing.B, build Builder, warm int, latency time.Duration
 	ctx := context.Background()
 	comms, err := local.New(2)
 	require.NoError(b, err)
-	cc := []*countingComm{newCountingComm(comms[0], latency), newCountingComm(comms[1], latency)}
+	cc := []commtest.Transparent{newCountingComm(comms[0], latency), newCountingComm(comms[1], latency)}
 	// Rank 1 mirrors rank 0's passes, which it receives on next.
 	next := make(chan int)
 	ready := make(chan *agreementRank, 1)
@@ -219,12 +220,12 @@ func benchAgreement(b *testing.B, build Builder, warm int, latency time.Duration
 	// Agreements and collectives per step of each way, counted on rank 0.
 	var perStep, callsPerStep [2]float64
 	for v := range 2 {
-		before, calls := cc[0].agreements.Load(), cc[0].calls.Load()
+		before, calls := cc[0].Agreements.Load(), cc[0].Calls.Load()
 		for range 4 {
 			pass(v)()
 		}
-		perStep[v] = float64(cc[0].agreements.Load()-before) / 4
-		callsPerStep[v] = float64(cc[0].calls.Load()-calls) / 4
+		perStep[v] = float64(cc[0].Agreements.Load()-before) / 4
+		callsPerStep[v] = float64(cc[0].Calls.Load()-calls) / 4
 	}
 	med := samerun.Medians(b, pass(0), pass(1))
 	close(next)
