@@ -22,6 +22,9 @@ type corpus struct {
 	trainFiles int
 	valFiles   int
 	skipped    int // binary files left out
+	// late are the training windows free of -late-bytes (late.go), nil
+	// without it.
+	late *lateWindows
 }
 
 // defaultCorpus is the directory the default corpus is read from: the Go
@@ -166,6 +169,7 @@ type batcher struct {
 	seed    uint64
 	x, y    []int32 // the shard, reused
 	offsets []int
+	late    *lateWindows // windows drawn before late.from, nil for any
 }
 
 func newBatcher(text []byte, context, batch, rank, workers int, seed uint64) *batcher {
@@ -179,12 +183,17 @@ func newBatcher(text []byte, context, batch, rank, workers int, seed uint64) *ba
 
 // next returns this rank's shard of the global batch of step: inputs and
 // next bytes, both (hi-lo) x context. The slices are reused by the next
-// call.
+// call. Before step late.from the windows are drawn from those free of the
+// late bytes only.
 func (b *batcher) next(step int) (x, y []int32) {
 	rng := rand.New(rand.NewPCG(b.seed, uint64(step)+1))
 	span := len(b.text) - b.context
 	for i := range b.offsets {
-		b.offsets[i] = rng.IntN(span)
+		if b.late != nil && step < b.late.from {
+			b.offsets[i] = b.late.draw(rng)
+		} else {
+			b.offsets[i] = rng.IntN(span)
+		}
 	}
 	for i, off := range b.offsets[b.lo:b.hi] {
 		w := b.text[off : off+b.context+1]

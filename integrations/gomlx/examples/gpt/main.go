@@ -74,6 +74,10 @@ type options struct {
 
 	checkpoint      string // directory of the GoMLX checkpoints, "" for none
 	checkpointEvery int
+	lrSet           bool      // -lr was given: on a resume it wins over the checkpoint's
+	out             io.Writer // rank 0's notes (the resume's learning rate); nil: none
+
+	late lateOptions // -late-bytes, -late-from (late.go)
 }
 
 func (o *options) hyper() hyper {
@@ -105,13 +109,13 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.steps, "steps", 600, "training steps per run")
 	fs.IntVar(&o.workers, "workers", 4, "in-process ranks (-backend local)")
 	fs.StringVar(&o.backend, "backend", "local", "local (goroutine ranks) or mpi (one rank of an mpirun job; build with -tags mpi)")
-	fs.Var(&size.Value[int]{P: &o.batch, Min: 1, Max: 1 << 20}, "batch", "global batch `size` in sequences, split over the ranks (16, 1Ki)")
+	fs.Var(&size.CountValue[int]{P: &o.batch, Min: 1, Max: 1 << 20}, "batch", "global batch: `count` of sequences, split over the ranks (16, 1k, 1Ki)")
 	fs.IntVar(&o.model.dModel, "d-model", 64, "embedding width")
 	fs.IntVar(&o.model.layers, "layers", 2, "transformer blocks")
 	fs.IntVar(&o.model.heads, "heads", 4, "attention heads")
 	fs.IntVar(&o.model.ffn, "ffn", 256, "feed-forward width")
 	fs.IntVar(&o.model.context, "context", 64, "sequence length in bytes")
-	fs.Float64Var(&o.lr, "lr", 2e-3, "learning rate")
+	fs.Float64Var(&o.lr, "lr", 2e-3, "learning rate; on a resume, given explicitly, it replaces the checkpoint's (otherwise the checkpoint's is kept)")
 	fs.IntVar(&o.freezeStep, "freeze-step", -1, "exact warm-up steps of the 1-bit optimizers (-1: a fifth of -steps)")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the split, the batches and rank 0's initial weights")
 	fs.Float64Var(&o.target, "target", 2.75, "validation loss (nats per byte) for the time-to-target column (0: none)")
@@ -124,12 +128,14 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.progress, "progress", false, "show GoMLX's progress bar (commandline.AttachProgressBar) on rank 0")
 	fs.StringVar(&o.checkpoint, "checkpoint", "", "directory of GoMLX checkpoints (with the lowbit state), one subdirectory per run and rank; a run resumes from what it holds")
 	fs.IntVar(&o.checkpointEvery, "checkpoint-every", 100, "steps between checkpoints (with -checkpoint)")
+	o.late.flags(fs)
 	if err := cliflag.Parse(fs, args); err != nil {
 		return nil, err
 	}
 	if fs.NArg() > 0 {
 		return nil, cliflag.Usagef("unexpected arguments %q", fs.Args())
 	}
+	fs.Visit(func(f *flag.Flag) { o.lrSet = o.lrSet || f.Name == "lr" })
 	bad := func(name, format string, args ...any) (*options, error) {
 		return nil, cliflag.Bad(fs, name, format, args...)
 	}
@@ -168,6 +174,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	case o.plotPath != "" && !hasSuffixFold(o.plotPath, ".svg"):
 		return bad("plot", "the plot is SVG; name a .svg file")
 	}
+	if err := o.late.check(fs); err != nil {
+		return nil, err
+	}
 	runs, err := parseRuns(o.optimizer, o.reduce, o.compare)
 	if err != nil {
 		return nil, &cliflag.Error{Reason: err.Error()}
@@ -196,6 +205,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	o.out = stdout
 	if o.corpus == "" {
 		if o.corpus, err = defaultCorpus(); err != nil {
 			return err
@@ -207,6 +217,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	if err := data.check(o.batch, o.model.context); err != nil {
+		return err
+	}
+	if data.late, err = o.lateWindows(data); err != nil {
 		return err
 	}
 	var results []*result

@@ -152,11 +152,68 @@ func TestBadFlagValues(t *testing.T) {
 	flagtest.BadValues(t, func(args []string, stderr io.Writer) error {
 		_, err := parseFlags(args, stderr)
 		return err
-	}, 20, "corpus", "json", "plot", "markdown", "checkpoint", "optimizer", "reduce")
+	}, 20, "corpus", "json", "plot", "markdown", "checkpoint", "optimizer", "reduce", "late-bytes")
+}
+
+// TestCountFlags: -batch, a count of sequences, takes counts as the field
+// writes them where they are in its bounds (137k; 7B is refused as out of
+// range) and refuses sizes in bytes (64MiB) with one line.
+func TestCountFlags(t *testing.T) {
+	parse := func(args []string, stderr io.Writer) error {
+		_, err := parseFlags(args, stderr)
+		return err
+	}
+	flagtest.Counts(t, parse, map[string]flagtest.CountFlag{
+		"batch": {Min: 1, Max: 1 << 20, Value: func(args []string) (int64, error) {
+			o, err := parseFlags(args, io.Discard)
+			if err != nil {
+				return 0, err
+			}
+			return int64(o.batch), nil
+		}},
+	})
+	flagtest.Sizes(t, parse)
 }
 
 // TestBadFlagExit: the binary prints one line for a bad value and exits 2.
 func TestBadFlagExit(t *testing.T) {
 	flagtest.Exit(t, "gpt", []string{"-batch", "16Q"}, []string{"-heads", "5"}, []string{"-optimizer", "sgd"},
 		[]string{"-plot", "a.png"}, []string{"-nosuch"}, []string{"stray"})
+}
+
+// TestResumeLR: a resumed run continues with the checkpoint's learning
+// rate unless -lr is given, whose value then wins (SetLR after Load, before
+// the first resumed step); either way it says which in one line. The
+// checkpoint's learning rate continues bit-identically to the run never
+// stopped; another -lr does not, from the one step resumed on.
+func TestResumeLR(t *testing.T) {
+	if testing.Short() {
+		t.Skip("trains four models")
+	}
+	base := tiny("-optimizer", "adam", "-checkpoint-every", "5")
+	stopped := t.TempDir()
+	runJSON(t, append(base, "-checkpoint", stopped, "-steps", "10", "-lr", "3e-3")...)
+	whole, _ := runJSON(t, append(base, "-steps", "11", "-lr", "3e-3")...)
+	for _, c := range []struct {
+		name, line string
+		flags      []string
+		same       bool
+	}{
+		{"checkpoint", "adam: resumed at step 10: lr 0.003 from the checkpoint\n", nil, true},
+		{"explicit", "adam: resumed at step 10: lr 0.0005 from -lr (the checkpoint had 0.003)\n", []string{"-lr", "5e-4"}, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dir := t.TempDir()
+			require.NoError(t, os.CopyFS(dir, os.DirFS(stopped)))
+			resumed, out := runJSON(t, append(append(base, "-checkpoint", dir, "-steps", "11"), c.flags...)...)
+			assert.Equal(t, 10, resumed[0].ResumedAt)
+			assert.Contains(t, out, c.line)
+			assert.Equal(t, 1, strings.Count(out, "resumed at step"), out)
+			if c.same {
+				assert.Equal(t, whole[0].ValLoss, resumed[0].ValLoss, "the checkpoint's learning rate: bit-identical")
+			} else {
+				assert.NotEqual(t, whole[0].ValLoss, resumed[0].ValLoss, "-lr's learning rate from the first resumed step on")
+			}
+		})
+	}
 }

@@ -37,6 +37,9 @@ func printHeader(w io.Writer, o *options, data *corpus, workers int) {
 	h := o.hyper()
 	fmt.Fprintf(w, "runs: %s; %d steps of %d sequences (%d tokens), lr %g, freeze step %d, seed %d\n",
 		strings.Join(labels, ", "), o.steps, o.batch, o.batch*o.model.context, o.lr, h.freezeStep, o.seed)
+	if d := lateDesc(o, data); d != "" {
+		fmt.Fprintln(w, d)
+	}
 }
 
 // progressPrinter prints a line per validation unless quiet; the ranks of
@@ -53,8 +56,12 @@ func progressPrinter(w io.Writer, quiet bool) progressFunc {
 		if !math.IsNaN(trainLoss) && e.Step > 0 {
 			tl = fmt.Sprintf("%7.4f", trainLoss)
 		}
-		fmt.Fprintf(w, "%-16s step %5d/%d  tokens %8d  train loss %s  val loss %.4f (%.3f bits/byte)  %6.1fs\n",
-			r.label(), e.Step, steps, e.Tokens, tl, e.ValLoss, bitsPerByte(e.ValLoss), e.TrainS)
+		late := ""
+		if e.LateLoss != nil {
+			late = fmt.Sprintf("  late-byte loss %.4f", *e.LateLoss)
+		}
+		fmt.Fprintf(w, "%-16s step %5d/%d  tokens %8d  train loss %s  val loss %.4f (%.3f bits/byte)%s  %6.1fs\n",
+			r.label(), e.Step, steps, e.Tokens, tl, e.ValLoss, bitsPerByte(e.ValLoss), late, e.TrainS)
 	}
 }
 
@@ -63,7 +70,7 @@ func progressPrinter(w io.Writer, quiet bool) progressFunc {
 func report(w io.Writer, o *options, results []*result) {
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintf(tw, "optimizer\tval loss\tbits/byte\ttrain loss\tsteps\ttokens\ttrain time\tcomm\tto %.3g\tsent/rank\tlast step\tskipped\t\n", o.target)
+	fmt.Fprintf(tw, "optimizer\tval loss\t%sbits/byte\ttrain loss\tsteps\ttokens\ttrain time\tcomm\tto %.3g\tsent/rank\tlast step\tskipped\t\n", lateHeader(o), o.target)
 	for _, r := range results {
 		tt := "-"
 		if o.target <= 0 {
@@ -73,8 +80,8 @@ func report(w io.Writer, o *options, results []*result) {
 		} else {
 			tt = "not reached"
 		}
-		fmt.Fprintf(tw, "%s\t%.4f\t%.4f\t%.4f\t%d\t%d\t%.1fs\t%.0f%%\t%s\t%s\t%s\t%d\t\n",
-			r.spec.label(), r.valLoss, bitsPerByte(r.valLoss), r.trainLoss, r.steps, r.tokens,
+		fmt.Fprintf(tw, "%s\t%.4f\t%s%.4f\t%.4f\t%d\t%d\t%.1fs\t%.0f%%\t%s\t%s\t%s\t%d\t\n",
+			r.spec.label(), r.valLoss, lateCell(o, r), bitsPerByte(r.valLoss), r.trainLoss, r.steps, r.tokens,
 			r.wall.Seconds(), 100*r.commShare(), tt, human(r.bytes), human(r.lastBytes), r.skipped)
 	}
 	tw.Flush()
@@ -85,6 +92,9 @@ func report(w io.Writer, o *options, results []*result) {
 		}
 		fmt.Fprintf(w, "%s vs %s: validation loss %+.2f%%, %.1fx fewer bytes sent per rank",
 			r.spec.label(), b.spec.label(), 100*(r.valLoss-b.valLoss)/b.valLoss, b.bytes/max(r.bytes, 1))
+		if rl, bl := r.lateLoss(), b.lateLoss(); rl != nil && bl != nil {
+			fmt.Fprintf(w, ", late-byte loss %+.2f%%", 100*(*rl-*bl) / *bl)
+		}
 		if r.reached() && b.reached() {
 			fmt.Fprintf(w, ", time to %.3g %.2fx", o.target, b.targetTime.Seconds()/r.targetTime.Seconds())
 		}
@@ -153,6 +163,13 @@ type jsonRun struct {
 	Backend          string      `json:"backend"`
 	Model            jsonModel   `json:"model"`
 	Curve            []evalPoint `json:"curve"`
+
+	// LateBytes, LateFrom and LateValLoss: -late-bytes, the step they first
+	// occur in training and the last late-byte validation loss (absent: no
+	// late byte in the validation windows); all absent without -late-bytes.
+	LateBytes   string   `json:"late_bytes,omitempty"`
+	LateFrom    int      `json:"late_from,omitempty"`
+	LateValLoss *float64 `json:"late_val_loss,omitempty"`
 }
 
 type jsonModel struct {
@@ -179,6 +196,9 @@ func writeJSON(path string, o *options, results []*result) error {
 			t, s := r.targetTime.Seconds(), r.targetStep
 			j.TimeToTargetS, j.StepsToTarget = &t, &s
 		}
+		if o.late.chars != "" {
+			j.LateBytes, j.LateFrom, j.LateValLoss = o.late.chars, o.lateFrom(), r.lateLoss()
+		}
 		if math.IsNaN(j.TrainLoss) {
 			j.TrainLoss = -1 // JSON has no NaN: every step was skipped
 		}
@@ -197,8 +217,13 @@ func writeMarkdown(path string, o *options, data *corpus, results []*result) err
 	fmt.Fprintf(&b, "%s; %d ranks (%s backend); %d steps of %d sequences of %d bytes (%d tokens per run); lr %g, freeze step %d, seed %d; corpus %d training files (%.1f MB), %d validation files.\n\n",
 		o.model, results[0].workers, o.backend, o.steps, o.batch, o.model.context, results[0].tokens, o.lr, o.hyper().freezeStep, o.seed,
 		data.trainFiles, float64(len(data.train))/1e6, data.valFiles)
-	fmt.Fprintln(&b, "| optimizer | val loss | bits/byte | vs exact | train loss | sent/rank | time to target | skipped |")
-	fmt.Fprintln(&b, "|---|---:|---:|---:|---:|---:|---:|---:|")
+	lateCol, lateSep := "", ""
+	if d := lateDesc(o, data); d != "" {
+		fmt.Fprintf(&b, "%s; the late-byte loss is the validation loss on the positions whose next byte is one of them.\n\n", strings.ToUpper(d[:1])+d[1:])
+		lateCol, lateSep = " late-byte loss |", "---:|"
+	}
+	fmt.Fprintf(&b, "| optimizer | val loss |%s bits/byte | vs exact | train loss | sent/rank | time to target | skipped |\n", lateCol)
+	fmt.Fprintf(&b, "|---|---:|%s---:|---:|---:|---:|---:|---:|\n", lateSep)
 	for _, r := range results {
 		vs := ""
 		if bl := findBaseline(results, r); bl != nil {
@@ -210,8 +235,12 @@ func writeMarkdown(path string, o *options, data *corpus, results []*result) err
 		} else if o.target <= 0 {
 			tt = "-"
 		}
-		fmt.Fprintf(&b, "| %s | %.4f | %.4f | %s | %.4f | %s | %s | %d |\n",
-			r.spec.label(), r.valLoss, bitsPerByte(r.valLoss), vs, r.trainLoss, human(r.bytes), tt, r.skipped)
+		late := ""
+		if lateCol != "" {
+			late = " " + formatLate(r.lateLoss()) + " |"
+		}
+		fmt.Fprintf(&b, "| %s | %.4f |%s %.4f | %s | %.4f | %s | %s | %d |\n",
+			r.spec.label(), r.valLoss, late, bitsPerByte(r.valLoss), vs, r.trainLoss, human(r.bytes), tt, r.skipped)
 	}
 	return writeFile(path, []byte(b.String()))
 }

@@ -28,6 +28,9 @@ type evalPoint struct {
 	Tokens  int64   `json:"tokens"`
 	TrainS  float64 `json:"train_s"` // training time so far, validations excluded
 	ValLoss float64 `json:"val_loss"`
+	// LateLoss is the validation loss on the positions whose next byte is
+	// one of -late-bytes (late.go), nil without them.
+	LateLoss *float64 `json:"late_val_loss,omitempty"`
 }
 
 // result is one run, as every rank agrees on it (averaged over the ranks
@@ -134,6 +137,7 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 	trainer := train.NewTrainer(backend, store, logitsFn(o.model), loss.SparseCategoricalCrossEntropyLogits, opt, nil, nil)
 	loop := train.NewLoop(trainer)
 	opt.AttachToLoop(loop) // lowbit: the host step after every TrainStep
+	loop.OnStep("gpt resume lr", lbgomlx.HookPriority-1, resumeLR(opt, r, o, rank))
 	if o.progress && rank == 0 {
 		commandline.AttachProgressBar(loop)
 	}
@@ -159,6 +163,10 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 		return nil, err
 	}
 	vx, vy, vn := valWindows(data.val, o.model.context, o.valWindows, rank, w)
+	late, err := newLateEval(backend, store, o.model, data.late, vx, vy, vn) // nil without -late-bytes
+	if err != nil {
+		return nil, err
+	}
 	totalWindows := min(o.valWindows, len(data.val)-o.model.context)
 	sums := make([]float32, 1)
 	validate := func() (float64, error) {
@@ -208,6 +216,9 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 			return err
 		}
 		e := evalPoint{Step: step, Tokens: int64(step) * tokensPerStep, TrainS: tt.Seconds(), ValLoss: vl}
+		if e.LateLoss, err = late.loss(ctx, c); err != nil {
+			return err
+		}
 		res.evals = append(res.evals, e)
 		if !res.reached() && o.target > 0 && vl <= o.target {
 			res.targetStep, res.targetTime = step, tt
@@ -223,7 +234,7 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 		if err := ctx.Err(); err != nil {
 			return nil, err
 		}
-		if _, err := loop.RunToGlobalStep(&batches{b: newBatcher(data.train, o.model.context, o.batch, rank, w, o.seed),
+		if _, err := loop.RunToGlobalStep(&batches{b: data.batcher(o.model.context, o.batch, rank, w, o.seed),
 			context: o.model.context, start: done + 1}, o.steps); err != nil {
 			return nil, err
 		}
@@ -235,7 +246,11 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 		if err != nil {
 			return nil, err
 		}
-		res.evals = append(res.evals, evalPoint{Step: done, Tokens: int64(done) * tokensPerStep, ValLoss: vl})
+		e := evalPoint{Step: done, Tokens: int64(done) * tokensPerStep, ValLoss: vl}
+		if e.LateLoss, err = late.loss(ctx, c); err != nil {
+			return nil, err
+		}
+		res.evals = append(res.evals, e)
 	}
 	var st optim.Stats
 	if lo := opt.Optimizer(); lo != nil {
@@ -266,4 +281,38 @@ func mean(v []float64) float64 {
 		s += x
 	}
 	return s / float64(len(v))
+}
+
+// resumeLR returns the hook that applies the examples' learning-rate rule
+// to a run resumed from a checkpoint, before its first lowbit step (it
+// runs just before the lowbit hook, once the first training graph has
+// loaded the state): Load restored the checkpoint's fixed learning rate,
+// as PyTorch's load_state_dict does; -lr given on the command line wins and
+// is set with SetLR. Either way rank 0 prints which learning rate the run
+// continues with and where it came from.
+func resumeLR(opt *lbgomlx.Optimizer, r runSpec, o *options, rank int) train.OnStepFn {
+	first := true
+	return func(l *train.Loop, _ []*tensors.Tensor) error {
+		if !first || !opt.Restored() {
+			first = false
+			return nil
+		}
+		first = false
+		ls, ok := opt.Optimizer().(optim.LRSetter)
+		if !ok {
+			return fmt.Errorf("%s cannot change its learning rate (not an optim.LRSetter)", r.label())
+		}
+		line := fmt.Sprintf("lr %v from the checkpoint", ls.LR())
+		if o.lrSet {
+			lr := o.hyper().lr
+			line = fmt.Sprintf("lr %v from -lr (the checkpoint had %v)", lr, ls.LR())
+			if err := ls.SetLR(lr); err != nil {
+				return fmt.Errorf("-lr: %w", err)
+			}
+		}
+		if rank == 0 && o.out != nil {
+			fmt.Fprintf(o.out, "%s: resumed at step %d: %s\n", r.label(), l.LoopStep, line)
+		}
+		return nil
+	}
 }
