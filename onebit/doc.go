@@ -42,8 +42,14 @@
 // momentum: it trains at about exact Adam's rate (on the probe of
 // TestLateElementsTrain, 1.95 against exact Adam's 1.99 in 200 steps for
 // 1-bit Adam, 0.66 for 1-bit LAMB, 3.4 for 0/1 Adam), and while it gets no
-// gradient it only jitters by about lr, the error feedback cancelling its
-// compression noise. The reference divides that noise by eps instead, and
+// gradient it only jitters, the error feedback cancelling its compression
+// noise: by about lr in 1-bit Adam and 1-bit LAMB, and in 0/1 Adam by about
+// the learning rates summed over a local interval (up to LocalStepClipper
+// steps of lr: the momentum a synchronization hands it keeps its sign
+// through the local steps). On the GPT example (integrations/gomlx/
+// examples/gpt, -late-bytes) the rows of bytes that never occur moved by
+// 0.0017 RMS in 300 steps under 1-bit Adam and 0.040 under 0/1 Adam (lr
+// 0.002), against initial values of 0.089 RMS. The reference divides that noise by eps instead, and
 // takes steps of about lr*scale/1e-8 (a byte-level GPT's loss jumps when
 // such a token first shows up). The rule is a function of the step's
 // values alone: nothing is added to the state or to checkpoints. Adam

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"iter"
 	"math"
+	"os"
 	"path/filepath"
 	"time"
 
@@ -111,9 +112,13 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 	store.RootScope().SetParam(model.ParamInitialSeed, int64(o.seed)+int64(rank))
 	tc := timed.New(c)
 	h := o.hyper()
+	var opts []lbgomlx.Option
+	if !o.quiet {
+		opts = append(opts, lbgomlx.WithWarnings(os.Stderr)) // lowbit: print what a user must know
+	}
 	opt, err := lbgomlx.New(ctx, tc, func(ctx context.Context, c comm.Comm, params []*optim.Param) (optim.Optimizer, error) { // lowbit
 		return newOptimizer(ctx, r, h, c, params)
-	})
+	}, opts...)
 	if err != nil {
 		return nil, err
 	}
@@ -122,7 +127,8 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 	if o.checkpoint != "" {
 		// Each rank its own directory: the lowbit state is per rank.
 		dir := filepath.Join(o.checkpoint, fmt.Sprintf("%s-rank-%d", r.dirName(), rank))
-		if ckpt, err = checkpoint.Build(store).Dir(dir).Keep(2).Done(); err != nil {
+		// A collective: every rank resumes from the newest step all hold.
+		if ckpt, err = opt.Checkpoint(checkpoint.Build(store).Keep(2), dir); err != nil {
 			return nil, fmt.Errorf("-checkpoint: %w", err)
 		}
 	}
