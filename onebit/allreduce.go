@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"time"
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/errorfeedback"
@@ -83,6 +84,9 @@ type State struct {
 	communicator func()
 	ctx          context.Context
 	comm         comm.Comm
+
+	// tracer, if not nil, receives the phases of every call (trace.go).
+	tracer Tracer
 }
 
 // headerLen is the bytes each rank contributes to the header all-gather:
@@ -240,11 +244,13 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 		// Worker side, steps 1-2: x = pad(buf) + worker_error (kept in the
 		// worker error buffer until step 3) and worker_scale = ||x|| /
 		// sqrt(N).
+		t := st.start()
 		for j := range w {
 			lo, hi := j*chunkLen, (j+1)*chunkLen
 			st.norms[j].Compensate(st.WorkerError[lo:hi], inputPart(buf, lo, hi))
 		}
 		workerScale = st.normScale()
+		st.span(PhaseCompress, 0, t)
 
 		// Phase 1, first half: all-gather of the W worker scales with
 		// every rank's numel, checked before any tensor data moves. From
@@ -258,11 +264,15 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 		// Worker side, steps 3-4: worker_error = x - worker_scale * sgn(x)
 		// and pack sgn(x); then phase 1, second half: all-to-all of the
 		// packed chunks (chunk j to rank j).
+		t = st.start()
 		signpack.PackResidual(st.sendSigns, st.WorkerError, workerScale)
+		st.span(PhaseWorkerError, 0, t)
+		t = st.start()
 		send, recv := st.phase1(0)
 		if err := c.AllToAllBytes(ctx, send, recv); err != nil {
 			return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))
 		}
+		st.span(PhaseAllToAll, 0, t)
 
 		// Server side, steps 5-6: c = sum over j, ascending, of
 		// (worker_scale_j / W) * unpack(chunk received from j), then c =
@@ -288,11 +298,13 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 		// mid-1 is on it.)
 		arrived := 0 // all-to-alls already waited for
 		for p := range k {
+			t := st.start()
 			for j := range w {
 				lo := j*chunkLen + p*st.pieceBytes*8
 				hi := lo + st.pieceLen(p)*8
 				st.packX(st.sendPiece(p, j), j, buf, lo, hi)
 			}
+			st.span(PhaseCompress, p, t)
 			if p >= st.mid {
 				continue
 			}
@@ -318,12 +330,14 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 		// Step 3 while the pieces are on the wire: worker_error = x -
 		// worker_scale * sgn(x). (PackResidual packs sgn(x) again, into
 		// scratch: the bytes sent may still be in use.)
+		t := st.start()
 		for p := range k {
 			for j := range w {
 				lo := j*chunkLen + p*st.pieceBytes*8
 				signpack.PackResidual(st.scratch, st.WorkerError[lo:lo+st.pieceLen(p)*8], workerScale)
 			}
 		}
+		st.span(PhaseWorkerError, -1, t)
 
 		// Server side, steps 5-6, piece by piece as they arrive (the first
 		// mid+1 pieces once piece mid has brought the scales): c = sum over
@@ -356,18 +370,22 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 	// same pieces (the scale rides in piece 0).
 	binary.LittleEndian.PutUint32(st.serverMsg[:4], math.Float32bits(serverScale))
 	for p := range k {
+		t := st.start()
 		lo := p * st.pieceBytes * 8
 		signpack.PackResidual(st.serverMsg[4+p*st.pieceBytes:4+p*st.pieceBytes+st.pieceLen(p)],
 			st.ServerError[lo:lo+st.pieceLen(p)*8], serverScale)
+		st.span(PhaseServerCompress, p, t)
 		if k > 1 {
 			st.ready <- struct{}{}
 		}
 	}
 	if k == 1 {
+		t := st.start()
 		send, recv := st.phase2(0)
 		if err := c.AllGatherBytes(ctx, send, recv); err != nil {
 			return st.fail(c, fmt.Errorf("onebit: phase 2 all-gather: %w", err))
 		}
+		st.span(PhaseAllGather, 0, t)
 	}
 
 	// Output, piece by piece as they arrive: element i of chunk j is
@@ -376,6 +394,7 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 		if err := st.wait(); err != nil {
 			return st.fail(c, fmt.Errorf("onebit: phase 2 all-gather: %w", err))
 		}
+		t := st.start()
 		for j := range w {
 			signs := st.msgPiece(p, j)
 			if p == 0 {
@@ -389,6 +408,7 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 			hi := min(lo+len(signs)*8, len(buf))
 			signpack.UnpackScale(buf[lo:hi], signs, st.scales[j])
 		}
+		st.span(PhaseDecompress, p, t)
 	}
 	return nil
 }
@@ -428,6 +448,8 @@ func (st *State) packX(dst []byte, j int, buf []float32, lo, hi int) {
 // It works in blocks of sumBlock elements, so that c stays in the cache
 // from its first sum to its last use.
 func (st *State) sumPiece(p int) {
+	t := st.start()
+	defer st.span(PhaseServerReduce, p, t)
 	w := st.world
 	lo := p * st.pieceBytes * 8
 	hi := lo + st.pieceLen(p)*8
@@ -534,7 +556,13 @@ func (st *State) wait() error {
 	if st.pieces == 1 {
 		return nil
 	}
-	return <-st.done
+	if st.tracer == nil {
+		return <-st.done
+	}
+	t := time.Now()
+	err := <-st.done
+	st.span(PhaseWait, -1, t)
+	return err
 }
 
 // communicate is the goroutine of a pipelined call: the header (the
@@ -553,8 +581,10 @@ func (st *State) communicate() {
 	}
 	for p := range st.pieces {
 		<-st.ready
+		t := st.start()
 		send, recv := st.phase1(p)
 		err := c.AllToAllBytes(ctx, send, recv)
+		st.span(PhaseAllToAll, p, t)
 		st.done <- err
 		if err != nil {
 			return
@@ -562,8 +592,10 @@ func (st *State) communicate() {
 	}
 	for p := range st.pieces {
 		<-st.ready
+		t := st.start()
 		send, recv := st.phase2(p)
 		err := c.AllGatherBytes(ctx, send, recv)
+		st.span(PhaseAllGather, p, t)
 		st.done <- err
 		if err != nil {
 			return
@@ -616,9 +648,11 @@ func refuse(ctx context.Context, c comm.Comm, bad error) error {
 func (st *State) exchangeHeader(ctx context.Context, c comm.Comm, scale float32) error {
 	binary.LittleEndian.PutUint32(st.header[0:4], math.Float32bits(scale))
 	binary.LittleEndian.PutUint64(st.header[4:12], uint64(st.numel))
+	t := st.start()
 	if err := c.AllGatherBytes(ctx, st.header, st.headers); err != nil {
 		return err
 	}
+	st.span(PhaseHeader, 0, t)
 	for j := range st.world {
 		if binary.LittleEndian.Uint64(st.headers[j*headerLen+4:]) == refusedLen {
 			return fmt.Errorf("onebit: rank %d refused the call (bad arguments or a failure of its own; its error says which)", j)

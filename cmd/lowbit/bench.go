@@ -84,6 +84,7 @@ type benchConfig struct {
 	cpuProfile  string // write a CPU profile here (mpi: one per rank, suffixed .rankN)
 	rpn         int    // qgz4, qgz8: ranks per node of the layout (0: the backend's nodes)
 	device      string // onebit on device-resident buffers (bench_device.go); "" for host buffers
+	trace       string // write a Chrome trace of the onebit calls here (bench_trace.go); "" for none
 }
 
 // sizeSweep returns begin, begin*factor, ... up to end.
@@ -126,6 +127,7 @@ func parseBenchFlags(args []string, out io.Writer) (*benchConfig, error) {
 	asCSV := fs.Bool("csv", false, "write CSV")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the run to `file` (mpi backend: file.rankN per rank)")
 	device := fs.String("device", "", deviceFlagHelp)
+	trace := fs.String("trace", "", "write a per-phase timeline of every timed onebit call on every rank to `file` (Chrome trace-event JSON) and print a per-phase summary")
 	rpn := fs.Int("ranks-per-node", 0, "qgz4, qgz8, twolevel: ranks per node of the node-major layout (0: the ranks that share a machine; local backend: all)")
 	fs.Usage = func() {
 		fmt.Fprint(out, `usage: lowbit bench [flags]
@@ -149,6 +151,20 @@ more than 1e-5 relative, or onebit by more than 0.15. onebit is checked on
 the mean of 64 extra calls with the same input from zeroed error buffers:
 with error feedback, only the running sum of its outputs tracks the inputs'
 (one call alone is 0.6 to 0.9 off by design).
+
+Beside each onebit row (host buffers) the table prints a memory bound: the
+bytes each rank must read and write in memory for one call (8n + 16N + 16C
++ 6N/8 + 2C/8 for n elements padded to N, C = N/W), the time they take at
+the streaming bandwidth each rank measured just before (each rank
+updating 128 MiB in place, all ranks at once, best of 10 passes; ranks on
+one machine), and the share of that bound the p50 reached.
+
+--trace FILE records the phases of every timed onebit call on every rank
+(compress, header, worker error, all-to-all, server reduce and compress,
+all-gather, decompress, and the waits) and writes them to FILE as Chrome
+trace-event JSON (chrome://tracing or ui.perfetto.dev open it), one
+process per rank; the table adds, per size and rank, the p50 over calls of
+each phase's total time in a call.
 
 qgz4 and qgz8 are the hierarchical quantized reduce-scatter (int4, int8) on
 a node-major layout of --ranks-per-node ranks per node; their rows add the
@@ -202,7 +218,7 @@ With --backend mpi start it under mpirun (a binary built with -tags mpi).
 		return nil, cliflag.Usagef("%s", err)
 	}
 	cfg := &benchConfig{sizes: sizes, warmup: *warmup, iters: *iters, backend: *backend,
-		ranks: *ranks, check: *check, format: "table", cpuProfile: *cpuProfile, rpn: *rpn, device: *device}
+		ranks: *ranks, check: *check, format: "table", cpuProfile: *cpuProfile, rpn: *rpn, device: *device, trace: *trace}
 	for name := range strings.SplitSeq(*list, ",") {
 		name = strings.TrimSpace(name)
 		if !slices.Contains(benchCollectives, name) {
@@ -298,6 +314,7 @@ func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchRep
 	payload := make([]byte, 8*(cfg.iters+3))
 	gathered := make([]byte, w*len(payload))
 	samples := make([]int64, w*cfg.iters)
+	var probe streamProbe // the memory bound's bandwidth, measured before each onebit case
 	for _, sz := range cfg.sizes {
 		for _, name := range cfg.collectives {
 			var bc *benchCase
@@ -314,9 +331,31 @@ func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchRep
 			if err != nil {
 				return fmt.Errorf("%s at %s: %w", name, size.Format(sz), err)
 			}
+			var streamBW float64 // bytes/s per rank, all streaming at once; 0: not measured
+			if bc.state != nil {
+				if streamBW, err = probe.measure(ctx, c); err != nil {
+					return fmt.Errorf("%s at %s: measuring the streaming bandwidth: %w", name, size.Format(sz), err)
+				}
+			}
+			if cfg.trace != "" && bc.state != nil {
+				bc.tracer = newBenchTracer()
+				bc.state.SetTracer(bc.tracer)
+			}
 			wire, err := timeCase(ctx, c, bc, cfg.warmup, times)
 			if err != nil {
 				return fmt.Errorf("%s at %s: %w", name, size.Format(sz), err)
+			}
+			var traced *tracedSize
+			if bc.tracer != nil {
+				bc.state.SetTracer(nil)
+				ranks, err := gatherTrace(ctx, c, bc.tracer.events)
+				if err != nil {
+					return fmt.Errorf("%s at %s: gathering the trace: %w", name, size.Format(sz), err)
+				}
+				traced = &tracedSize{bytes: sz, ranks: ranks}
+				for _, e := range ranks[0] {
+					traced.pipelined = traced.pipelined || e.piece > 0
+				}
 			}
 			var errSq, refSq float64
 			if cfg.check {
@@ -348,6 +387,9 @@ func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchRep
 			}
 			row := summarize(name, bc.elems, w, cfg.iters, gathered, samples)
 			bc.annotate(&row)
+			if bc.state != nil && streamBW > 0 {
+				setMemBound(&row, w, streamBW)
+			}
 			if cfg.check {
 				var e, r float64
 				for j := 0; j < w; j++ {
@@ -360,6 +402,14 @@ func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchRep
 			}
 			if err := rep.row(row); err != nil {
 				return err
+			}
+			if traced != nil {
+				rep.traced = append(rep.traced, traced)
+				if cfg.format == "table" {
+					if err := writeTraceSummary(rep.w, traced, cfg.iters); err != nil {
+						return err
+					}
+				}
 			}
 		}
 		if rep != nil {
@@ -400,6 +450,11 @@ type benchCase struct {
 	// extraCols, set by bench_half.go, adds ConvertUs and CommUs to rank
 	// 0's row.
 	extraCols func(row *benchRow)
+
+	// state is onebit's on host buffers (nil for the other cases), and
+	// tracer, with --trace, its tracer during the timed calls.
+	state  *onebit.State
+	tracer *benchTracer
 }
 
 // annotate adds what the case knows beyond summarize to rank 0's row.
@@ -443,7 +498,7 @@ func newBenchCase(name string, c comm.Comm, elems int) (*benchCase, error) {
 			return nil, err
 		}
 		bc.run = func(ctx context.Context) error { return onebit.AllReduce(ctx, c, buf, st) }
-		bc.result = buf
+		bc.result, bc.state = buf, st
 		// With error feedback one call's output is not an estimate of the
 		// mean, only the running sum of outputs is (the residual carries
 		// the rest): check the mean of onebitCheckCalls calls made with
@@ -511,7 +566,7 @@ func newBenchCase(name string, c comm.Comm, elems int) (*benchCase, error) {
 // timeCase runs warmup untimed and len(times) timed iterations of bc, each
 // after a barrier, and stores each timed call's duration in nanoseconds.
 // It returns the bytes this rank sent per timed iteration, from comm.Stats.
-// The loop allocates nothing.
+// The loop allocates nothing but what a --trace tracer records.
 func timeCase(ctx context.Context, c comm.Comm, bc *benchCase, warmup int, times []int64) (int64, error) {
 	for i := 0; i < warmup; i++ {
 		if bc.prepare != nil {
@@ -536,11 +591,21 @@ func timeCase(ctx context.Context, c comm.Comm, bc *benchCase, warmup int, times
 		if err := c.Barrier(ctx); err != nil {
 			return 0, err
 		}
+		if bc.tracer != nil {
+			bc.tracer.begin(i)
+		}
 		t0 := time.Now()
 		if err := bc.run(ctx); err != nil {
 			return 0, err
 		}
-		times[i] = int64(time.Since(t0))
+		t1 := time.Now()
+		times[i] = int64(t1.Sub(t0))
+		if bc.tracer != nil {
+			bc.tracer.end(i, t0, t1)
+		}
+	}
+	if bc.tracer != nil {
+		bc.tracer.begin(-1) // record no more calls (--check's)
 	}
 	if bc.traffic != nil {
 		intra, inter := bc.traffic()

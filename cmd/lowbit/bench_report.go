@@ -42,6 +42,15 @@ type benchRow struct {
 	// time per call.
 	ConvertUs *float64 `json:"convert_us,omitempty"`
 	CommUs    *float64 `json:"comm_us,omitempty"`
+
+	// onebit on host buffers (bench_bound.go): the bytes each rank reads
+	// and writes in memory per call, the streaming bandwidth each rank
+	// measured with all streaming at once, the time the bytes take at it,
+	// and that time over the p50.
+	MemBytesPerRank *int64   `json:"mem_bytes_per_rank,omitempty"`
+	StreamGBps      *float64 `json:"stream_gbps,omitempty"`
+	MemBoundUs      *float64 `json:"mem_bound_us,omitempty"`
+	MemBoundShare   *float64 `json:"mem_bound_share,omitempty"`
 }
 
 // benchSpeedup compares onebit with allreduce at one size.
@@ -121,6 +130,7 @@ type benchReporter struct {
 	csv    *csv.Writer
 	size   []benchRow // rows of the current size
 	failed []string   // --check failures
+	traced []*tracedSize
 }
 
 func (r *benchReporter) begin() error {
@@ -173,7 +183,7 @@ func formatRow(row benchRow) string {
 		s += fmt.Sprintf("  [%s: intra-node %d B, cross-node %d B; fp16 ring %d B]",
 			row.Layout, *row.WireIntraPerRank, *row.WireInterPerRank, *row.WireFP16Ring)
 	}
-	return s + halfTableColumns(row)
+	return s + halfTableColumns(row) + memBoundColumns(row)
 }
 
 // csvRecord renders one row as CSV fields, in csvHeader's order.
@@ -248,6 +258,11 @@ func (r *benchReporter) endSize(sz int64) error {
 }
 
 func (r *benchReporter) end() error {
+	if r.cfg.trace != "" {
+		if err := writeChromeTrace(r.cfg.trace, r.traced); err != nil {
+			return err
+		}
+	}
 	if r.cfg.format != "json" {
 		return nil
 	}

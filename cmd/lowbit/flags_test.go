@@ -45,6 +45,7 @@ func TestBadFlagValues(t *testing.T) {
 	// nothing to refuse.
 	accepted := map[string][]string{
 		"bench/cpuprofile":  {"", "-1", huge, "1O"},
+		"bench/trace":       {"", "-1", huge, "1O"},
 		"bench/device":      {""},
 		"plan/measurements": {"", "-1", huge, "1O"},
 	}
