@@ -36,6 +36,7 @@ type planConfig struct {
 	measurements string // file; "" for the built-in ones
 	asJSON       bool
 	job          costmodel.Job
+	memory       int64 // --memory: bytes per rank for state, parameters and gradients; 0: not given
 }
 
 // planFlags maps the fields of costmodel.Job to the flags that set them.
@@ -64,6 +65,7 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	fs.Float64Var(&j.Ineff, "ineff", 0, "time per byte over the line rate's, 1 = line rate (default: fitted on the calibration link nearest in rate, at least 1 for an uncalibrated link)")
 	fs.Var(&size.Value[int64]{P: &j.BucketBytes, Min: 4, Max: 1 << 40}, "bucket", "fused bucket `size` in bytes: the gradient goes in calls of this many bytes (optim.DefaultBucketBytes, like DDP)")
 	fs.DurationVar(&j.StepCompute, "step-compute", 0, "forward and backward time of one step, added to each step time (no overlap with communication)")
+	fs.Var(&optionalSize{size.Value[int64]{P: &cfg.memory, Min: 1, Max: 1 << 60}}, "memory", "memory of one rank, `size` in bytes (24Gi, 80G): say which optimizers' state, parameters and gradients (fp32) fit in it")
 	fs.BoolVar(&cfg.holdout, "holdout", false, "with fit: predict each rank count of each link from a fit to the other rank counts of that link")
 	fs.BoolVar(&cfg.asJSON, "json", false, "write JSON")
 	fs.Usage = func() {
@@ -84,6 +86,11 @@ the local work of the 1-bit allreduce is its time without a network,
 measured on the calibration machine, which differs per machine
 (--compress-rate). See docs/plan.md.
 
+It then prints the optimizer state each rank holds for each optimizer
+(bytes per parameter as measured by their StateBytes), and with --memory
+which optimizers fit, with fp32 parameters and gradients, in a rank's
+memory.
+
 "lowbit plan fit" prints the fitted model and, for each measured point,
 the prediction and its relative error; with --holdout each rank count is
 predicted by a fit that has not seen it.
@@ -96,6 +103,9 @@ predicted by a fit that has not seen it.
 	}
 	if fs.NArg() > 0 {
 		return nil, cliflag.Usagef("unexpected arguments: %q", fs.Args())
+	}
+	if cfg.memory > 0 && cfg.fit {
+		return nil, cliflag.Usagef("--memory goes with lowbit plan, not lowbit plan fit")
 	}
 	if cfg.holdout && !cfg.fit {
 		return nil, cliflag.Usagef("--holdout goes with lowbit plan fit")
@@ -121,6 +131,17 @@ predicted by a fit that has not seen it.
 		return nil, err
 	}
 	return cfg, nil
+}
+
+// optionalSize is a size flag without a default: unset (0) it prints
+// nothing, so that neither -h nor an error offers 0 as a value.
+type optionalSize struct{ size.Value[int64] }
+
+func (v *optionalSize) String() string {
+	if v.P == nil || *v.P == 0 {
+		return ""
+	}
+	return v.Value.String()
 }
 
 func planMain(args []string, stdout, stderr io.Writer) error {
@@ -273,7 +294,47 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 		}
 		fmt.Fprintf(w, "%s*: %s\n", r.Collective, described[r.Collective].Uncalibrated)
 	}
-	return nil
+	return writeMemory(w, p.Params, p.Ranks, cfg)
+}
+
+// writeMemory prints the optimizer state per rank of every optimizer
+// (costmodel.StateBytes) and, with --memory, whether it fits.
+func writeMemory(w io.Writer, params int64, ranks int, cfg *planConfig) error {
+	fmt.Fprintf(w, "\noptimizer state per rank (rank 0, fp32, default configs, buckets of %s):\n", size.Format(cfg.job.BucketBytes))
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	head := "optimizer\tbytes/param\tstate\twith params and grads\t"
+	if cfg.memory > 0 {
+		head += "fits in " + size.Format(cfg.memory) + "\t"
+	}
+	fmt.Fprintln(tw, head)
+	for _, name := range costmodel.StateOptimizers() {
+		state, err := costmodel.StateBytes(name, []int64{params}, ranks, cfg.job.BucketBytes)
+		if err != nil {
+			// Padding of a huge number of tiny buckets: more bytes than
+			// an int64 counts.
+			line := name + "\ttoo large\t\t\t"
+			if cfg.memory > 0 {
+				line += "no\t"
+			}
+			fmt.Fprintln(tw, line)
+			continue
+		}
+		total := state + 8*params
+		line := fmt.Sprintf("%s\t%.2f\t%s\t%s\t", name, float64(state)/float64(params), bytesDecimal(float64(state)), bytesDecimal(float64(total)))
+		if cfg.memory > 0 {
+			fits := "no"
+			if total <= cfg.memory {
+				fits = "yes"
+			}
+			line += fits + "\t"
+		}
+		fmt.Fprintln(tw, line)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	_, err := fmt.Fprintln(w, "state: every buffer the optimizer owns at its peak (moments, error buffers, staging and packing buffers); params and grads: 8 bytes per parameter; activations and the framework's own memory not included. zeroone-adam counts the model as one tensor (one bucket per parameter adds a little per tensor).")
+	return err
 }
 
 // formatRate writes bytes per second as bits per second.

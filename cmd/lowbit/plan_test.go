@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"io"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -158,4 +159,86 @@ func TestParsePlanFlagsErrors(t *testing.T) {
 	err = planMain([]string{"--measurements", "testdata/plan/does-not-exist.json"}, &out, &errOut)
 	assert.Error(t, err)
 	assert.False(t, cliflag.IsUsage(err), "a missing file is not a usage error")
+}
+
+// The plan prints every optimizer's state per rank from
+// costmodel.StateBytes, and with --memory which ones fit with fp32
+// parameters and gradients.
+func TestPlanMemory(t *testing.T) {
+	plan := func(args string) map[string][]string {
+		t.Helper()
+		var out bytes.Buffer
+		require.NoError(t, planMain(strings.Fields(args), &out, io.Discard))
+		s := out.String()
+		require.Contains(t, s, "optimizer state per rank")
+		rows := map[string][]string{}
+		for _, l := range strings.Split(s[strings.Index(s, "optimizer state per rank"):], "\n") {
+			if f := strings.Fields(l); len(f) > 0 && slices.Contains(costmodel.StateOptimizers(), f[0]) {
+				rows[f[0]] = f[1:]
+			}
+		}
+		require.Len(t, rows, len(costmodel.StateOptimizers()), s)
+		return rows
+	}
+	rows := plan("--params 7B --ranks 4")
+	assert.Equal(t, []string{"8.00", "56.00", "GB", "112.00", "GB"}, rows[costmodel.OptAdam])
+	for name, r := range rows {
+		b, err := costmodel.StateBytes(name, []int64{7e9}, 4, optim.DefaultBucketBytes)
+		require.NoError(t, err)
+		assert.Equal(t, strconv.FormatFloat(float64(b)/7e9, 'f', 2, 64), r[0], name)
+		assert.Len(t, r, 5, "%s: no fits column without --memory", name)
+	}
+
+	// 7B on 4 ranks: 112 GB with exact Adam, 70 GB with ZeRO-1 Adam,
+	// more with the 1-bit optimizers.
+	for _, c := range []struct {
+		memory string
+		fit    []string
+	}{
+		{"80G", []string{costmodel.OptZeroAdam}},
+		{"74.5Gi", []string{costmodel.OptZeroAdam}},
+		{"112G", []string{costmodel.OptAdam, costmodel.OptZeroAdam}},
+		{"24Gi", nil},
+		{"1Ti", costmodel.StateOptimizers()},
+	} {
+		var fit []string
+		for name, r := range plan("--params 7B --ranks 4 --memory " + c.memory) {
+			require.Len(t, r, 6, c.memory)
+			require.Contains(t, []string{"yes", "no"}, r[5])
+			if r[5] == "yes" {
+				fit = append(fit, name)
+			}
+		}
+		assert.ElementsMatch(t, c.fit, fit, "--memory %s", c.memory)
+	}
+
+	// Past what an int64 counts: the row says so, the rest is printed.
+	rows = plan("--params 1000T --ranks 1048576 --bucket 4 --memory 1Ti")
+	assert.Equal(t, []string{"too", "large", "no"}, rows[costmodel.OptOnebitAdam])
+	assert.Equal(t, "8.00", rows[costmodel.OptAdam][0])
+}
+
+// --memory takes a size in bytes by package size's rules and nothing else; it goes with a plan,
+// not with plan fit. Every refusal is one line naming the flag.
+func TestPlanMemoryFlag(t *testing.T) {
+	for in, want := range map[string]int64{"24Gi": 24 << 30, "80G": 80e9, "512Mi": 512 << 20, "1": 1, "1024Pi": 1 << 60, "1.5Gi": 3 << 29, "24GB": 24e9} {
+		cfg, err := parsePlanFlags([]string{"--memory", in}, io.Discard)
+		require.NoError(t, err, in)
+		assert.Equal(t, want, cfg.memory, in)
+	}
+	cfg, err := parsePlanFlags(nil, io.Discard)
+	require.NoError(t, err)
+	assert.Zero(t, cfg.memory, "not given")
+	for _, in := range []string{"0", "-1", "1.3B", "24Gb", "1025Pi", "lots", ""} {
+		_, err := parsePlanFlags([]string{"--memory", in}, io.Discard)
+		if assert.Error(t, err, in) {
+			assert.True(t, cliflag.IsUsage(err), "%s: %v", in, err)
+			assert.NotContains(t, err.Error(), "\n", in)
+			assert.Contains(t, err.Error(), "--memory", in)
+		}
+	}
+	var out, errOut bytes.Buffer
+	assert.Equal(t, 2, run([]string{"plan", "fit", "--memory", "24Gi"}, &out, &errOut))
+	assert.Equal(t, "lowbit plan: --memory goes with lowbit plan, not lowbit plan fit; see lowbit plan -h\n", errOut.String())
+	assert.Empty(t, out.String())
 }

@@ -1,0 +1,69 @@
+package onebit
+
+import (
+	"unsafe"
+
+	"github.com/lowbit-ml/lowbit/errorfeedback"
+	"github.com/lowbit-ml/lowbit/optim"
+)
+
+var (
+	_ optim.MemoryReporter = (*Adam)(nil)
+	_ optim.MemoryReporter = (*Lamb)(nil)
+	_ optim.MemoryReporter = (*ZeroOneAdam)(nil)
+	_ optim.MemoryReporter = (*State)(nil)
+)
+
+// StateBytes returns the bytes of the buffers st holds: both error
+// buffers, the server accumulator, and the packing and wire buffers of the
+// collective (signs, messages, headers, scales, the pipelined pieces).
+func (st *State) StateBytes() int64 {
+	if st == nil {
+		return 0
+	}
+	n := optim.Float32Bytes(st.WorkerError, st.ServerError, st.server, st.wscales, st.scales)
+	for _, b := range [][]byte{st.sendSigns, st.recvSigns, st.serverMsg, st.gathered, st.header, st.headers, st.scratch, st.midSend, st.midRecv} {
+		n += int64(cap(b))
+	}
+	n += int64(cap(st.norms)) * int64(unsafe.Sizeof(errorfeedback.Norm{}))
+	return n
+}
+
+// stateBytes is the sum of every bucket's State.StateBytes.
+func (b *buckets) stateBytes() int64 {
+	if b == nil {
+		return 0
+	}
+	var n int64
+	for _, st := range b.states {
+		n += st.StateBytes()
+	}
+	return n
+}
+
+// StateBytes returns the bytes of every buffer a allocated and keeps: both
+// moments, the exp_avg masks, every bucket's State and the gradient
+// averager's buffers; see optim.MemoryReporter.
+func (a *Adam) StateBytes() int64 {
+	return optim.Float32Bytes(a.mflat, a.vflat) + optim.Float32Bytes(a.mask...) +
+		a.bkt.stateBytes() + a.avg.StateBytes()
+}
+
+// StateBytes returns the bytes of every buffer o allocated and keeps: m, v,
+// v_fresh, the scratch buffer, the exp_avg masks, the fused State and the
+// gradient averager's buffers (not the few scalars kept per parameter);
+// see optim.MemoryReporter.
+func (o *Lamb) StateBytes() int64 {
+	n := optim.Float32Bytes(o.m, o.v, o.vFresh, o.scratch) + optim.Float32Bytes(o.masks...)
+	return n + o.ef.StateBytes() + o.avg.StateBytes()
+}
+
+// StateBytes returns the bytes of every buffer o allocated and keeps: m, v,
+// the anchors, the fused buffer of the compressed allreduce, the exp_avg
+// masks, every bucket's State and the gradient averager's buffers; see
+// optim.MemoryReporter.
+func (o *ZeroOneAdam) StateBytes() int64 {
+	n := optim.Float32Bytes(o.m...) + optim.Float32Bytes(o.v...) + optim.Float32Bytes(o.anchor...)
+	n += optim.Float32Bytes(o.flat) + optim.Float32Bytes(o.masks...)
+	return n + o.bkt.stateBytes() + o.avg.StateBytes()
+}
