@@ -60,7 +60,7 @@ func New(size int, opts ...Option) ([]comm.Comm, error) {
 	w := newWorld(size)
 	cs := make([]comm.Comm, size)
 	for r := range cs {
-		cs[r] = &Comm{w: w, rank: r, node: r / o.ranksPerNode}
+		cs[r] = &Comm{w: w, rank: r, node: r / o.ranksPerNode, fam: new(sync.Mutex)}
 	}
 	return cs, nil
 }
@@ -119,7 +119,10 @@ func rankOfAbort(err error) int {
 // abort names the rank and, when there is one, its error.
 // The communicators split off c on this rank leave with it.
 func (c *Comm) leave(err error) {
-	for _, s := range c.splits {
+	c.fam.Lock()
+	splits := slices.Clone(c.splits)
+	c.fam.Unlock()
+	for _, s := range splits {
 		s.leave(err)
 	}
 	if c.closed {
@@ -293,9 +296,17 @@ type Comm struct {
 	node   int // the pretended machine this rank runs on (WithRanksPerNode)
 	closed bool
 	stats  comm.Counter
-	// splits are the communicators Split made for this rank: a rank that
-	// leaves (see Run) leaves them too.
+	// splits are the live communicators Split made for this rank: a rank
+	// that leaves (see Run) leaves them too. A split that is closed leaves
+	// its parent's list (see detach), so that the parent does not keep it,
+	// and the memory it holds, for the parent's whole life.
 	splits []*Comm
+	parent *Comm // the communicator this one was split off; nil for New's
+	// fam guards splits and parent of every communicator of this rank's
+	// family (New's and all split off it, at any depth): a split may be
+	// closed by another goroutine than the one using its parent (see
+	// Concurrent).
+	fam *sync.Mutex
 }
 
 var (
@@ -324,10 +335,32 @@ func (c *Comm) Close() error {
 		return nil
 	}
 	c.closed = true
+	c.detach()
 	if c.w.size > 1 {
 		c.w.abort(c.rank, fmt.Errorf("%w by rank %d", comm.ErrClosed, c.rank))
 	}
 	return nil
+}
+
+// detach removes the closed split c from its parent's list and hands the
+// communicators split off c to the parent, so that a rank leaving (Run)
+// still reaches them while nothing keeps c. New's communicators have no
+// parent and keep their lists: Run leaves them, and so their splits.
+func (c *Comm) detach() {
+	c.fam.Lock()
+	defer c.fam.Unlock()
+	p := c.parent
+	if p == nil {
+		return
+	}
+	if i := slices.Index(p.splits, c); i >= 0 {
+		p.splits = slices.Delete(p.splits, i, i+1)
+	}
+	for _, s := range c.splits {
+		s.parent = p
+	}
+	p.splits = append(p.splits, c.splits...)
+	c.splits, c.parent = nil, nil
 }
 
 // begin publishes s and waits for every rank; it then checks that all ranks
@@ -339,15 +372,18 @@ func (c *Comm) begin(ctx context.Context, s slot) (err error) {
 	}
 	c.w.slots[c.rank] = s
 	if err := c.w.wait(ctx, c.rank, opens); err != nil {
+		c.unpublish(err)
 		return fmt.Errorf("local: %s: %w", s.kind, err)
 	}
 	return nil
 }
 
-// end closes the data phase. err is the caller's validation result, which
-// every rank computes alike; it wins over a barrier error.
+// end closes the data phase and unpublishes the rank's slot. err is the
+// caller's validation result, which every rank computes alike; it wins over
+// a barrier error.
 func (c *Comm) end(ctx context.Context, kind comm.Collective, err error) error {
 	werr := c.w.wait(ctx, c.rank, closes)
+	c.unpublish(werr)
 	if err != nil {
 		return err
 	}
@@ -355,6 +391,22 @@ func (c *Comm) end(ctx context.Context, kind comm.Collective, err error) error {
 		return fmt.Errorf("local: %s: %w", kind, werr)
 	}
 	return nil
+}
+
+// unpublish clears the rank's slot once its collective is over, so that
+// the group keeps no reference to the caller's buffers (nor to a Split's
+// result) after the call returns. werr is the result of the barrier that
+// ended the rank's part. When it passed, every rank has left the data
+// phase and no peer reads the slot any more. When it failed, peers may
+// still be reading it in a data phase the failure cut short: the group is
+// broken, so busy only drains, and the rank waits for it as abort does.
+func (c *Comm) unpublish(werr error) {
+	if werr != nil {
+		for c.w.busy.Load() > 0 {
+			runtime.Gosched()
+		}
+	}
+	c.w.slots[c.rank] = slot{}
 }
 
 // check compares every rank's published slot with rank 0's. bad is this
@@ -417,6 +469,7 @@ func (c *Comm) AllReduce(ctx context.Context, buf []float32, op comm.Op) error {
 	c.reduce(c.w.scratch[lo:hi], lo, op, sendOf)
 	// The scratch is complete once every rank has passed this barrier.
 	if err := c.w.wait(ctx, c.rank, closes|opens); err != nil {
+		c.unpublish(err)
 		return fmt.Errorf("local: allreduce: %w", err)
 	}
 	copy(buf, c.w.scratch[:len(buf)])
@@ -632,15 +685,25 @@ func (c *Comm) Split(ctx context.Context, color, key int) (comm.Comm, error) {
 	if err == nil && c.rank == 0 {
 		c.w.split()
 	}
-	if err := c.end(ctx, comm.CSplit, err); err != nil {
+	// end, reading this rank's result before the slot is unpublished.
+	werr := c.w.wait(ctx, c.rank, closes)
+	s := c.w.slots[c.rank].split
+	c.unpublish(werr)
+	if err != nil {
 		return nil, err
 	}
-	c.stats.Add(comm.CSplit, 0, 0)
-	if s := c.w.slots[c.rank].split; s != nil {
-		c.splits = append(c.splits, s)
-		return s, nil
+	if werr != nil {
+		return nil, fmt.Errorf("local: %s: %w", comm.CSplit, werr)
 	}
-	return nil, nil
+	c.stats.Add(comm.CSplit, 0, 0)
+	if s == nil {
+		return nil, nil
+	}
+	s.fam, s.parent = c.fam, c
+	c.fam.Lock()
+	c.splits = append(c.splits, s)
+	c.fam.Unlock()
+	return s, nil
 }
 
 // SplitNode returns the ranks of this rank's node (see WithRanksPerNode),
