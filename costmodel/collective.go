@@ -103,12 +103,18 @@ func onebitPaddedLen(n int64, w int) int64 {
 	if n <= 0 {
 		return 0
 	}
+	m := onebitPadUnit(w)
+	return (n + m - 1) / m * m
+}
+
+// onebitPadUnit is what onebit pads a tensor on w ranks to a multiple of:
+// w*lcm(w, 8).
+func onebitPadUnit(w int) int64 {
 	g, h := w, 8
 	for h != 0 {
 		g, h = h, g%h
 	}
-	m := int64(w) * int64(w/g*8)
-	return (n + m - 1) / m * m
+	return int64(w) * int64(w/g*8)
 }
 
 // The pipelining of onebit.AllReduce (onebit/allreduce.go: pieceTarget,
@@ -123,16 +129,23 @@ const (
 // onebitPieces is K, the pieces each chunk of a call on n elements and w
 // ranks travels in (1: not pipelined), as onebit.NewState picks it.
 func onebitPieces(n int64, w int) int {
+	k, _ := onebitPiecing(n, w)
+	return k
+}
+
+// onebitPiecing is onebitPieces and the packed bytes per destination of
+// each piece (0 when not pipelined on one rank).
+func onebitPiecing(n int64, w int) (pieces int, pieceBytes int64) {
 	if w < 2 {
-		return 1
+		return 1, 0
 	}
 	chunkBytes := onebitPaddedLen(n, w) / int64(w) / 8
 	k := max(1, min(chunkBytes/onebitPieceTarget, onebitMaxPieces, chunkBytes))
-	pieceBytes := (chunkBytes + k - 1) / k
+	pieceBytes = (chunkBytes + k - 1) / k
 	if pieceBytes == 0 {
-		return 1
+		return 1, 0
 	}
-	return int((chunkBytes + pieceBytes - 1) / pieceBytes)
+	return int((chunkBytes + pieceBytes - 1) / pieceBytes), pieceBytes
 }
 
 // onebitWireBytes is what each rank sends in onebit.AllReduce: with N the

@@ -110,7 +110,7 @@ var errTooLarge = errors.New("costmodel: optimizer state too large to count in b
 // padded element, plus 40*world bytes of messages and norms.
 func fits(n int64, world int, per int64) bool {
 	w := float64(world)
-	pad := w * float64(lcm(int64(world), 8))
+	pad := float64(onebitPadUnit(world))
 	buckets := math.Ceil(float64(n) / float64(max(per, 1)))
 	padded := float64(n) + buckets*pad
 	return 30*float64(n)+8*padded+buckets*300*w < 1<<62
@@ -129,11 +129,9 @@ func bucketStates(n int64, world int, bucketBytes int64) int64 {
 // Constants of onebit's compressed allreduce (onebit/allreduce.go) and
 // errorfeedback.Norm.
 const (
-	sumBlock    = 16 << 10 // server accumulator block
-	pieceTarget = 64 << 10 // packed bytes per destination of a piece
-	maxPieces   = 16
-	headerLen   = 4 + 8
-	normBytes   = 32*8 + 8 // errorfeedback.Norm: 32 float64 lanes and a count
+	sumBlock  = 16 << 10 // server accumulator block
+	headerLen = 4 + 8
+	normBytes = 32*8 + 8 // errorfeedback.Norm: 32 float64 lanes and a count
 )
 
 // onebitState is the bytes of one onebit.State of numel elements on w
@@ -145,8 +143,7 @@ func onebitState(numel, w int64) int64 {
 	if numel <= 0 {
 		return 0
 	}
-	m := w * lcm(w, 8)
-	n := (numel + m - 1) / m * m
+	n := onebitPaddedLen(numel, int(w))
 	c := n / w
 	cb := c / 8
 	s := 4*n + 4*c + 4*min(c, sumBlock) // worker error, server error, accumulator
@@ -155,20 +152,10 @@ func onebitState(numel, w int64) int64 {
 	s += (1 + w) * headerLen            // header, headers
 	s += 2 * 4 * w                      // worker and server scales
 	s += w * normBytes                  // norms
-	k := max(1, min(cb/pieceTarget, maxPieces, cb))
-	pb := (cb + k - 1) / max(k, 1)
-	if pieces := (cb + pb - 1) / pb; pb > 0 && pieces > 1 && w > 1 {
-		mid := pieces / 2
+	if pieces, pb := onebitPiecing(numel, int(w)); pieces > 1 {
+		mid := int64(pieces) / 2
 		midLen := min(pb, cb-mid*pb)
 		s += pb + 2*w*(midLen+4) // scratch, midSend, midRecv
 	}
 	return s
-}
-
-func lcm(a, b int64) int64 {
-	g, h := a, b
-	for h != 0 {
-		g, h = h, g%h
-	}
-	return a / g * b
 }

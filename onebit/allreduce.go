@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"time"
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/errorfeedback"
@@ -556,10 +555,7 @@ func (st *State) wait() error {
 	if st.pieces == 1 {
 		return nil
 	}
-	if st.tracer == nil {
-		return <-st.done
-	}
-	t := time.Now()
+	t := st.start()
 	err := <-st.done
 	st.span(PhaseWait, -1, t)
 	return err

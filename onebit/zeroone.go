@@ -436,7 +436,7 @@ func zeroOneArrive(p, m, anchor, u []float32, lrs float32, b optim.RatioBound) {
 	for i := range p {
 		ui := u[i]
 		du := ui / m[i]
-		if r := du / lrs; !(r <= b.Cap && r >= -b.Cap) && r == r {
+		if r := du / lrs; r > b.Cap || r < -b.Cap {
 			du = lrs * b.Clip(r)
 		}
 		pi := anchor[i] + du

@@ -12,21 +12,9 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/internal/commtest"
 	"github.com/lowbit-ml/lowbit/optim"
 )
-
-// countingComm counts the AllReduce calls made through it.
-type countingComm struct {
-	comm.Comm
-	allReduces int
-}
-
-func (c *countingComm) AllReduce(ctx context.Context, x []float32, op comm.Op) error {
-	c.allReduces++
-	return c.Comm.AllReduce(ctx, x, op)
-}
-
-func (c *countingComm) Unwrap() comm.Comm { return c.Comm }
 
 // TestStepFlags: flags carried by an optimizer's Step are agreed (the
 // maximum over ranks) in the step's own agreement, with no collective of
@@ -39,7 +27,7 @@ func TestStepFlags(t *testing.T) {
 	errLocal := errors.New("rank 1 cannot read its gradients")
 	errVeto := errors.New("vetoed")
 	err := local.Run(ctx, w, func(ctx context.Context, c0 comm.Comm) error {
-		c := &countingComm{Comm: c0}
+		c := commtest.Transparent{Counting: commtest.New(c0, 0)}
 		p := optim.NewParam("w", 4)
 		opt, err := optim.NewAdam(ctx, c, []*optim.Param{p}, optim.DefaultAdamConfig())
 		if err != nil {
@@ -62,10 +50,10 @@ func TestStepFlags(t *testing.T) {
 		if c.Rank() == 2 {
 			sf.Local[1] = 7
 		}
-		before := c.allReduces
+		before := c.Count()
 		require.NoError(t, opt.Step(ctx))
 		assert.Equal(t, []float32{2, 7}, sf.Agreed, "rank %d", c.Rank())
-		assert.Equal(t, 2, c.allReduces-before, "rank %d: the flags cost no collective of their own", c.Rank())
+		assert.Equal(t, commtest.Count{Calls: 2, Agreements: 1}, c.Count().Sub(before), "rank %d: the flags cost no collective of their own", c.Rank())
 		require.EqualValues(t, 1, opt.Stats().Steps)
 
 		// Step 2: rank 1 refuses.

@@ -76,9 +76,10 @@ func (g *FiniteGuard) check(ctx context.Context, c comm.Comm, params []*Param, r
 	if flags != nil {
 		n += len(flags.Local)
 	}
-	if len(g.flag) != n {
+	if cap(g.flag) < n {
 		g.flag = make([]float32, n)
 	}
+	g.flag = g.flag[:n]
 	w := c.Size()
 	switch {
 	case refuse:

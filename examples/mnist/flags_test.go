@@ -29,18 +29,7 @@ func TestBadFlagExit(t *testing.T) {
 // writes them where they are in its bounds (137k; 7B is refused as out of
 // range) and refuses sizes in bytes (64MiB) with one line.
 func TestCountFlags(t *testing.T) {
-	parse := func(args []string, stderr io.Writer) error {
-		_, err := parseFlags(args, stderr)
-		return err
-	}
-	flagtest.Counts(t, parse, map[string]flagtest.CountFlag{
-		"batch": {Min: 1, Max: 1 << 20, Value: func(args []string) (int64, error) {
-			o, err := parseFlags(args, io.Discard)
-			if err != nil {
-				return 0, err
-			}
-			return int64(o.batch), nil
-		}},
+	flagtest.Options(t, parseFlags, map[string]flagtest.OptionCount[*options]{
+		"batch": {Min: 1, Max: 1 << 20, Get: func(o *options) int64 { return int64(o.batch) }},
 	})
-	flagtest.Sizes(t, parse)
 }

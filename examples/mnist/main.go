@@ -410,8 +410,12 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 				if kept, err = loadResult(o.checkpoint.dir, cfg, workers); err != nil {
 					fmt.Fprintf(stderr, "mnist: warning: -resume: %v: resuming %s from its checkpoints instead\n", err, name)
 				}
-			} else if err := removeResult(o.checkpoint.dir, name); err != nil {
-				return err // trained from the start below
+			} else if o.checkpoint.resume {
+				// After the resumed optimizer: trained from the start below
+				// (a run without -resume removed every result above).
+				if err := removeResult(o.checkpoint.dir, name); err != nil {
+					return err
+				}
 			}
 		}
 		have, err := agree(kept != nil)

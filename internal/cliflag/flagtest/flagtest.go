@@ -212,3 +212,33 @@ func Sizes(t *testing.T, parse func(args []string, stderr io.Writer) error) {
 		}
 	}
 }
+
+// OptionCount is a count flag of a command whose parser returns its
+// options (see Options): its bounds, as in CountFlag, and Get reads its
+// value from the parsed options.
+type OptionCount[O any] struct {
+	Min, Max int64
+	Get      func(O) int64
+}
+
+// Options is Counts followed by Sizes for a command whose parser returns
+// its options, as every example's parseFlags does.
+func Options[O any](t *testing.T, parse func(args []string, stderr io.Writer) (O, error), counts map[string]OptionCount[O]) {
+	t.Helper()
+	plain := func(args []string, stderr io.Writer) error {
+		_, err := parse(args, stderr)
+		return err
+	}
+	flags := make(map[string]CountFlag, len(counts))
+	for name, c := range counts {
+		flags[name] = CountFlag{Min: c.Min, Max: c.Max, Value: func(args []string) (int64, error) {
+			o, err := parse(args, io.Discard)
+			if err != nil {
+				return 0, err
+			}
+			return c.Get(o), nil
+		}}
+	}
+	Counts(t, plain, flags)
+	Sizes(t, plain)
+}

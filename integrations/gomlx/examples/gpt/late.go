@@ -128,12 +128,6 @@ func (l *lateWindows) draw(rng *rand.Rand) int {
 	return l.starts[k] + u - before
 }
 
-// holds reports whether the window of context+1 bytes at off holds a late
-// byte.
-func (l *lateWindows) holds(text []byte, off, context int) bool {
-	return slices.ContainsFunc(text[off:off+context+1], func(c byte) bool { return l.set[c] })
-}
-
 // lateWindows returns the free windows of -late-bytes in the training text
 // (nil without it), or an error if none is free or none holds one.
 func (o *options) lateWindows(data *corpus) (*lateWindows, error) {

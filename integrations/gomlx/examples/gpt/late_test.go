@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -347,4 +348,10 @@ func TestLateRun(t *testing.T) {
 	b, err = os.ReadFile(md)
 	require.NoError(t, err)
 	assert.NotContains(t, string(b), "late")
+}
+
+// holds reports whether the window of context+1 bytes at off holds a late
+// byte.
+func (l *lateWindows) holds(text []byte, off, context int) bool {
+	return slices.ContainsFunc(text[off:off+context+1], func(c byte) bool { return l.set[c] })
 }
