@@ -15,13 +15,29 @@ const (
 	OptOnebitAdam  = "onebit-adam"  // onebit.Adam
 	OptOnebitLamb  = "onebit-lamb"  // onebit.Lamb
 	OptZeroOneAdam = "zeroone-adam" // onebit.ZeroOneAdam
+	// OptOnebitAdamSharded is onebit.Adam with StateMode
+	// onebit.StateSharded (docs/sharded.md): the moments of the rank's
+	// own chunk of every bucket, the error buffers and wire buffers of
+	// every bucket's State.
+	OptOnebitAdamSharded = "onebit-adam-sharded"
+	// OptOnebitAdamCompact is onebit.Adam with StateMode
+	// onebit.StateCompact: StateFull's steps, bit for bit, with the
+	// momentum kept as the packed signs the compressed allreduce gathers
+	// (in the wire buffers of every bucket's State) and, in the warm-up,
+	// in the worker error buffers: no float32 m.
+	OptOnebitAdamCompact = "onebit-adam-compact"
+	// OptOnebitAdamShardedBF16 is OptOnebitAdamSharded with AdamConfig.BF16
+	// = onebit.BF16WorkerError|onebit.BF16Variance: the worker errors and
+	// the frozen v in bfloat16 in the compression stage (none and float32
+	// in the warm-up), and a float32 staging block for the warm-up.
+	OptOnebitAdamShardedBF16 = "onebit-adam-sharded-bf16"
 )
 
 // StateOptimizers lists the optimizers lowbit plan prints, in its order:
 // those StateBytes knows but OptLamb, whose state depends on the largest
 // tensor, which a plan does not know.
 func StateOptimizers() []string {
-	return []string{OptAdam, OptZeroAdam, OptOnebitAdam, OptOnebitLamb, OptZeroOneAdam}
+	return []string{OptAdam, OptZeroAdam, OptOnebitAdam, OptOnebitAdamCompact, OptOnebitAdamSharded, OptOnebitAdamShardedBF16, OptOnebitLamb, OptZeroOneAdam}
 }
 
 // StateBytes returns the bytes of optimizer state that rank 0 of world
@@ -29,8 +45,13 @@ func StateOptimizers() []string {
 // given numbers of float32 elements, with fused buckets of bucketBytes (0:
 // optim.DefaultBucketBytes), in each optimizer's default configuration (no
 // exp_avg masks, float32 gradient averaging; 0/1 Adam's buckets one per
-// parameter, its default): what the optimizer's StateBytes method
-// (optim.MemoryReporter) reports after its first compression step. The
+// parameter, its default; the sharded 1-bit Adam's buffers all float32
+// unless the name says bf16): what the optimizer's StateBytes method
+// (optim.MemoryReporter) reports after its first compression step (the
+// sharded and compact 1-bit Adam report it from construction on). The
+// sharded 1-bit Adam with bfloat16 buffers has two layouts, the warm-up's
+// and the compression stage's: its figure is the larger of the two, its
+// peak over a run (the compression stage's on more than one rank). The
 // figures follow the allocations of each optimizer's code; onebit's
 // memory test checks them against StateBytes. Rank 0 holds the most:
 // ZeRO's last rank may own fewer elements.
@@ -72,6 +93,38 @@ func StateBytes(optimizer string, tensors []int64, world int, bucketBytes int64)
 			return 0, errTooLarge
 		}
 		return 8*n + bucketStates(n, world, bucketBytes), nil
+	case OptOnebitAdamSharded:
+		if !fits(n, world, max(bucketBytes/4, 1)) {
+			return 0, errTooLarge
+		}
+		if world == 1 {
+			// Nothing to shard: it runs as OptOnebitAdam does.
+			return 8 * n, nil
+		}
+		return shardedStates(n, world, bucketBytes), nil
+	case OptOnebitAdamShardedBF16:
+		if !fits(n, world, max(bucketBytes/4, 1)) {
+			return 0, errTooLarge
+		}
+		if world == 1 {
+			// Nothing to shard: it runs as OptOnebitAdam does, in float32.
+			return 8 * n, nil
+		}
+		warm, comp := shardedBF16States(n, world, bucketBytes)
+		return max(warm, comp), nil
+	case OptOnebitAdamCompact:
+		if !fits(n, world, max(bucketBytes/4, 1)) {
+			return 0, errTooLarge
+		}
+		if world == 1 {
+			// It runs as OptOnebitAdam does.
+			return 8 * n, nil
+		}
+		// v; the buffer shared by the warm-up's m and every bucket's
+		// worker error (each bucket's padded length, as a State's worker
+		// error buffer: counted once, in the States); the rest of every
+		// bucket's State, whose gathered signs keep m.
+		return 4*n + bucketStates(n, world, bucketBytes), nil
 	case OptOnebitLamb:
 		if !fits(n, world, n) {
 			return 0, errTooLarge
@@ -126,19 +179,75 @@ func bucketStates(n int64, world int, bucketBytes int64) int64 {
 	return n/per*onebitState(per, int64(world)) + onebitState(n%per, int64(world))
 }
 
+// shardedStates is the bytes the sharded mode of 1-bit Adam keeps per
+// bucket of a flat buffer of n elements cut in buckets of bucketBytes on
+// world > 1 ranks (onebit/sharded.go, newSharded): the bucket's
+// onebit.State and the rank's shards of m and v, C = N/world floats each.
+func shardedStates(n int64, world int, bucketBytes int64) int64 {
+	w := int64(world)
+	per := max(bucketBytes/4, 1)
+	bucket := func(k int64) int64 {
+		if k <= 0 {
+			return 0
+		}
+		return onebitState(k, w) + 2*4*(onebitPaddedLen(k, world)/w)
+	}
+	return n/per*bucket(per) + bucket(n%per)
+}
+
+// shardedBF16States is the bytes the sharded mode of 1-bit Adam with
+// BF16WorkerError|BF16Variance keeps on world > 1 ranks (onebit/sharded.go,
+// newSharded and setCompressing) in the warm-up and in the compression
+// stage. Per bucket of N padded elements, C = N/world: the bucket's
+// onebit.State without its worker error buffer and the rank's shard of m
+// (C floats), then v, C floats in the warm-up and C bfloat16 in the
+// compression stage, and the worker error, N bfloat16 in the compression
+// stage only. Both add the float32 staging block of the warm-up's
+// exchanges, as long as the largest bucket's padded length but at most
+// stagingBlock elements per rank.
+func shardedBF16States(n int64, world int, bucketBytes int64) (warm, comp int64) {
+	if n <= 0 {
+		return 0, 0
+	}
+	w := int64(world)
+	per := max(bucketBytes/4, 1)
+	bucket := func(k int64) (warm, comp int64) {
+		if k <= 0 {
+			return 0, 0
+		}
+		padded := onebitPaddedLen(k, world)
+		c := padded / w
+		rest := onebitState(k, w) - 4*padded + 4*c
+		return rest + 4*c, rest + 2*c + 2*padded
+	}
+	fullWarm, fullComp := bucket(per)
+	lastWarm, lastComp := bucket(n % per)
+	largest := per // the padded length grows with the length
+	if n < per {
+		largest = n
+	}
+	block := 4 * min(onebitPaddedLen(largest, world), stagingBlock*w)
+	return n/per*fullWarm + lastWarm + block, n/per*fullComp + lastComp + block
+}
+
 // Constants of onebit's compressed allreduce (onebit/allreduce.go) and
 // errorfeedback.Norm.
 const (
 	sumBlock  = 16 << 10 // server accumulator block
 	headerLen = 4 + 8
 	normBytes = 32*8 + 8 // errorfeedback.Norm: 32 float64 lanes and a count
+	// stagingBlock is the elements per rank of the float32 block that
+	// stages the sharded mode's warm-up exchanges when its worker errors
+	// are bfloat16 (onebit/sharded.go).
+	stagingBlock = 16 << 10
 )
 
 // onebitState is the bytes of one onebit.State of numel elements on w
 // ranks: the worker error (N floats, N = onebit.PaddedLen(numel, w)), the
-// server error (N/w), the server accumulator, the packed signs sent and
-// received (N/8 each), the phase 2 messages, headers, scales and norms,
-// and the pieces of a pipelined call.
+// server error (N/w), the server accumulator, the packed signs sent (N/8
+// bytes, which the phase 2 message reuses) and received (which the
+// gathered phase 2 messages reuse: w*(4+C/8) bytes), headers, scales and
+// norms, and the pieces of a pipelined call.
 func onebitState(numel, w int64) int64 {
 	if numel <= 0 {
 		return 0
@@ -147,11 +256,14 @@ func onebitState(numel, w int64) int64 {
 	c := n / w
 	cb := c / 8
 	s := 4*n + 4*c + 4*min(c, sumBlock) // worker error, server error, accumulator
-	s += 2 * n / 8                      // signs sent and received
-	s += (1 + w) * (4 + cb)             // server message, gathered messages
-	s += (1 + w) * headerLen            // header, headers
-	s += 2 * 4 * w                      // worker and server scales
-	s += w * normBytes                  // norms
+	s += n / 8                          // signs sent, the server message in them
+	if n/8 < 4+cb {
+		s += 4 + cb // one rank: the server message apart
+	}
+	s += w * (4 + cb)        // signs received, the gathered messages in them
+	s += (1 + w) * headerLen // header, headers
+	s += 2 * 4 * w           // worker and server scales
+	s += w * normBytes       // norms
 	if pieces, pb := onebitPiecing(numel, int(w)); pieces > 1 {
 		mid := int64(pieces) / 2
 		midLen := min(pb, cb-mid*pb)

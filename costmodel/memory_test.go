@@ -25,11 +25,47 @@ func TestStateBytesLeadingTerms(t *testing.T) {
 		// at most DefaultBucketBytes/(4W) elements each.
 		assert.Greater(t, per(costmodel.OptZeroAdam), 8/fw)
 		assert.LessOrEqual(t, per(costmodel.OptZeroAdam), 8/fw+(fw+1)*float64(costmodel.DefaultBucketBytes/w)/n)
-		// m, v, worker error, server error, then the packed signs (2/8),
-		// the gathered messages ((W+1)/(8W)), the server blocks and the pipelined pieces.
-		assert.InDelta(t, 12+4/fw+0.25+(fw+1)/(8*fw), per(costmodel.OptOnebitAdam), 0.1)
-		assert.InDelta(t, 20+4/fw+0.25+(fw+1)/(8*fw), per(costmodel.OptOnebitLamb), 0.1)
-		assert.InDelta(t, 20+4/fw+0.25+(fw+1)/(8*fw), per(costmodel.OptZeroOneAdam), 0.1)
+		// m, v, worker error, server error, then the packed signs sent
+		// and received (2/8, the server messages and the gathered ones in
+		// them), the server blocks and the pipelined pieces.
+		assert.InDelta(t, 12+4/fw+0.25, per(costmodel.OptOnebitAdam), 0.1)
+		assert.InDelta(t, 20+4/fw+0.25, per(costmodel.OptOnebitLamb), 0.1)
+		assert.InDelta(t, 20+4/fw+0.25, per(costmodel.OptZeroOneAdam), 0.1)
+		// Sharded: the worker error, and m, v and the update error of
+		// the own chunk; then the same wire buffers, blocks and pieces.
+		assert.InDelta(t, 4+12/fw+0.25, per(costmodel.OptOnebitAdamSharded), 0.1)
+		full, err := costmodel.StateBytes(costmodel.OptOnebitAdam, []int64{n}, w, 0)
+		require.NoError(t, err)
+		sharded, err := costmodel.StateBytes(costmodel.OptOnebitAdamSharded, []int64{n}, w, 0)
+		require.NoError(t, err)
+		assert.Equal(t, 8*n*(fw-1)/fw, float64(full-sharded), "the full mode keeps m and v whole")
+		// Compact: the full mode without its float32 m.
+		compact, err := costmodel.StateBytes(costmodel.OptOnebitAdamCompact, []int64{n}, w, 0)
+		require.NoError(t, err)
+		assert.Equal(t, int64(4*n), full-compact, "the compact mode keeps m in the packed signs")
+		assert.InDelta(t, 8+4/fw+0.25, per(costmodel.OptOnebitAdamCompact), 0.1)
+		// Sharded in bfloat16, at its peak (the compression stage): the
+		// worker error 2, m and the update error of the own chunk 8/W, v
+		// 2/W; the same wire buffers, and one staging block of 16Ki
+		// floats per rank. Against the float32 one (every bucket's
+		// length here is a multiple of the padding unit: N = n): 2N of
+		// the worker error and 2N/W of v less, the block more.
+		block := int64(4 * (16 << 10) * w)
+		bf16, err := costmodel.StateBytes(costmodel.OptOnebitAdamShardedBF16, []int64{n}, w, 0)
+		require.NoError(t, err)
+		assert.InDelta(t, 2+10/fw+0.25+float64(block)/n, per(costmodel.OptOnebitAdamShardedBF16), 0.1)
+		assert.Equal(t, 2*n+2*n/int64(w)-block, sharded-bf16, "bfloat16 worker error and v, the staging block")
+	}
+	// On one rank the sharded and compact modes run as the full one.
+	for _, n := range []int64{0, 1, n} {
+		full, err := costmodel.StateBytes(costmodel.OptOnebitAdam, []int64{n}, 1, 0)
+		require.NoError(t, err)
+		for _, o := range []string{costmodel.OptOnebitAdamSharded, costmodel.OptOnebitAdamShardedBF16, costmodel.OptOnebitAdamCompact} {
+			b, err := costmodel.StateBytes(o, []int64{n}, 1, 0)
+			require.NoError(t, err)
+			assert.Equal(t, 8*n, b, o)
+			assert.Equal(t, full, b, o)
+		}
 	}
 }
 
@@ -42,8 +78,15 @@ func TestStateBytesLargeAndBad(t *testing.T) {
 		require.NoError(t, err, o)
 		assert.Zero(t, b, o)
 	}
-	_, err = costmodel.StateBytes(costmodel.OptOnebitAdam, []int64{costmodel.MaxParams}, 1<<20, 4)
-	assert.EqualError(t, err, "costmodel: optimizer state too large to count in bytes")
+	for _, o := range []string{costmodel.OptOnebitAdamSharded, costmodel.OptOnebitAdamShardedBF16, costmodel.OptOnebitAdamCompact} {
+		b, err = costmodel.StateBytes(o, []int64{costmodel.MaxParams}, 4, 4)
+		require.NoError(t, err, "%s, one bucket per float: closed form too", o)
+		assert.Greater(t, b, int64(2*costmodel.MaxParams), o)
+	}
+	for _, o := range []string{costmodel.OptOnebitAdam, costmodel.OptOnebitAdamSharded, costmodel.OptOnebitAdamShardedBF16, costmodel.OptOnebitAdamCompact} {
+		_, err = costmodel.StateBytes(o, []int64{costmodel.MaxParams}, 1<<20, 4)
+		assert.EqualError(t, err, "costmodel: optimizer state too large to count in bytes", o)
+	}
 	_, err = costmodel.StateBytes("sgd", []int64{1}, 4, 0)
 	assert.EqualError(t, err, `costmodel: unknown optimizer "sgd"`)
 	_, err = costmodel.StateBytes(costmodel.OptAdam, []int64{-1}, 4, 0)

@@ -39,6 +39,15 @@ type AdamConfig struct {
 	// compresses each parameter on its own (one collective and one scale
 	// per parameter, as lowbit did before buckets).
 	BucketBytes int
+	// StateMode chooses how the optimizer state is kept: StateFull (the
+	// zero value, the default) or StateSharded, the moments sharded over
+	// the ranks (docs/sharded.md). Checkpoints record it; a checkpoint of
+	// the other mode is refused.
+	StateMode StateMode
+	// BF16 keeps some of StateSharded's buffers in bfloat16 (see
+	// BF16State); only with StateSharded. Checkpoints record it; a
+	// checkpoint made with other flags is refused. Default 0: float32.
+	BF16 BF16State
 }
 
 // DefaultAdamConfig returns optim.DefaultAdamConfig with FreezeStep 100,
@@ -95,6 +104,10 @@ type Adam struct {
 	bkt   *buckets // the fused buckets of mflat (none when world == 1)
 	c2    float32  // frozen variance bias correction, valid in compression
 	avg   *optim.GradAverager
+	mode  StateMode
+	bf16  BF16State
+	sh    *sharded // StateSharded on more than one rank: m, v, bkt and avg are nil
+	cp    *compact // StateCompact on more than one rank: m and mflat are nil
 }
 
 var (
@@ -123,13 +136,9 @@ func NewAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg AdamCo
 		cfg:    cfg.AdamConfig,
 		freeze: int64(cfg.FreezeStep),
 		c2:     1,
+		mode:   cfg.StateMode,
+		bf16:   cfg.BF16,
 	}
-	sizes := make([]int, len(params))
-	for i, p := range params {
-		sizes[i] = p.Numel()
-	}
-	a.mflat, a.m = flatten(sizes)
-	a.vflat, a.v = flatten(sizes)
 	masks, err := compileMasks(params, cfg.ExpAvgMask)
 	if err != nil {
 		return nil, fmt.Errorf("onebit: Adam: %w", err)
@@ -140,15 +149,53 @@ func NewAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg AdamCo
 		// Compression from the first step, with v = 0 and c2 = 1.
 		start = optim.StageCompression
 	}
-	if a.avg, err = optim.NewGradAverager(c, a.params, cfg.Reduce, cfg.RanksPerNode); err != nil {
-		return nil, fmt.Errorf("onebit: Adam: %w", err)
+	world, rank := 1, 0
+	if c != nil {
+		world, rank = c.Size(), c.Rank()
+	}
+	sizes := make([]int, len(params))
+	for i, p := range params {
+		sizes[i] = p.Numel()
+	}
+	frameSizes := make([][]float32, len(params))
+	if a.mode == StateSharded && world > 1 {
+		if a.sh, err = newSharded(a.params, masks, world, rank, cfg.BucketBytes, cfg.BF16); err != nil {
+			return nil, fmt.Errorf("onebit: Adam: %w", err)
+		}
+		for i, p := range a.params {
+			frameSizes[i] = p.Data()
+		}
+		if start == optim.StageCompression {
+			a.sh.setCompressing(true)
+		}
+	} else {
+		if a.mode == StateCompact && world > 1 {
+			if a.cp, err = newCompact(a.params, masks, world, cfg.BucketBytes); err != nil {
+				return nil, fmt.Errorf("onebit: Adam: %w", err)
+			}
+		} else {
+			a.mflat, a.m = flatten(sizes)
+		}
+		a.vflat, a.v = flatten(sizes)
+		frameSizes = a.v
+		if a.avg, err = optim.NewGradAverager(c, a.params, cfg.Reduce, cfg.RanksPerNode); err != nil {
+			return nil, fmt.Errorf("onebit: Adam: %w", err)
+		}
 	}
 	a.f = optim.NewFrame(optim.FrameConfig{
 		Name: "onebit: Adam", Algorithm: optim.AlgorithmOnebitAdam, Comm: c,
-		Params: a.params, Sizes: a.m, LR: cfg.LR, Stage: start,
+		Params: a.params, Sizes: frameSizes, LR: cfg.LR, Stage: start,
 		Logger: optim.ApplyOptions(opts).Logger, Averager: a.avg, Hypers: cfg.hypers(masks),
 	})
-	if a.bkt, err = newBuckets(a.params, a.f.World(), cfg.BucketBytes); err != nil {
+	switch {
+	case a.sh != nil:
+		a.bkt = a.sh.bkt
+	case a.cp != nil:
+		a.bkt = a.cp.bkt
+	default:
+		a.bkt, err = newBuckets(a.params, a.f.World(), cfg.BucketBytes)
+	}
+	if err != nil {
 		return nil, fmt.Errorf("onebit: Adam: %w", err)
 	}
 	a.f.Handle(optim.StageWarmup, a.warmup)
@@ -165,19 +212,32 @@ func (a *Adam) Step(ctx context.Context) error {
 // warmup is exact Adam; after step FreezeStep it freezes v's bias
 // correction and enters the compression stage.
 func (a *Adam) warmup(ctx context.Context, t int64, lr float32) error {
-	if err := a.avg.Average(ctx); err != nil {
-		return err
-	}
 	cfg := a.cfg
 	c1, c2 := float32(1), float32(1)
 	if cfg.BiasCorrection {
 		c1, c2 = optim.BiasCorrection(cfg.Beta1, t), optim.BiasCorrection(cfg.Beta2, t)
 	}
-	for i, p := range a.params {
-		optim.AdamMoments(a.m[i], a.v[i], p.GradData(), cfg.Beta1, cfg.Beta2)
-		optim.AdamUpdate(p.Data(), a.m[i], a.v[i], lr, cfg.WeightDecay, c1, c2, cfg.Eps)
+	if a.sh != nil {
+		if err := a.sh.warmup(ctx, a.f.Comm(), cfg, lr, c1, c2); err != nil {
+			return err
+		}
+	} else {
+		if err := a.avg.Average(ctx); err != nil {
+			return err
+		}
+		if a.cp != nil {
+			a.cp.warmup(cfg, a.v, lr, c1, c2)
+		} else {
+			for i, p := range a.params {
+				optim.AdamMoments(a.m[i], a.v[i], p.GradData(), cfg.Beta1, cfg.Beta2)
+				optim.AdamUpdate(p.Data(), a.m[i], a.v[i], lr, cfg.WeightDecay, c1, c2, cfg.Eps)
+			}
+		}
 	}
 	if t >= a.freeze {
+		if a.sh != nil {
+			a.sh.freeze()
+		}
 		a.c2 = 1
 		if cfg.BiasCorrection {
 			a.c2 = optim.BiasCorrection(cfg.Beta2, t)
@@ -195,6 +255,12 @@ func (a *Adam) compressed(ctx context.Context, t int64, lr float32) error {
 	c1 := float32(1)
 	if cfg.BiasCorrection {
 		c1 = optim.BiasCorrection(cfg.Beta1, t)
+	}
+	if a.sh != nil {
+		return a.sh.compressed(ctx, a.f.Comm(), cfg, lr, c1, a.c2)
+	}
+	if a.cp != nil {
+		return a.cp.compressed(ctx, a.f.Comm(), cfg, a.v, lr, c1, a.c2)
 	}
 	bound := ratioBound(cfg.Beta1, cfg.Beta2)
 	for i, p := range a.params {
@@ -244,13 +310,29 @@ func (a *Adam) Stage() optim.Stage { return a.f.Stage() }
 func (a *Adam) State() (*optim.Checkpoint, error) {
 	ck := a.f.Checkpoint()
 	ck.Floats[FloatFrozenBiasCorrection2] = float64(a.c2)
+	if a.mode != StateFull {
+		ck.Ints[IntStateMode] = int64(a.mode)
+	}
+	if a.bf16 != 0 {
+		ck.Ints[IntBF16] = int64(a.bf16)
+	}
+	m, we := a.m, [][]float32(nil)
+	if a.cp != nil {
+		m, we = a.cp.moments()
+	}
 	for i, p := range a.params {
 		shape := p.Shape()
 		ck.AddTensor(optim.ParamTensorName(p.Name), shape, p.Data())
-		ck.AddTensor(optim.ExpAvgPrefix+p.Name, shape, a.m[i])
-		ck.AddTensor(optim.ExpAvgSqPrefix+p.Name, shape, a.v[i])
+		if a.sh == nil {
+			ck.AddTensor(optim.ExpAvgPrefix+p.Name, shape, m[i])
+			ck.AddTensor(optim.ExpAvgSqPrefix+p.Name, shape, a.v[i])
+		}
 	}
-	a.bkt.save(ck)
+	if a.sh != nil {
+		a.sh.save(ck)
+	} else {
+		a.bkt.save(ck, we)
+	}
 	return ck, nil
 }
 
@@ -268,11 +350,18 @@ func (a *Adam) Load(ck *optim.Checkpoint) error {
 	if err != nil {
 		return fmt.Errorf("onebit: Adam: %w", err)
 	}
+	if err := checkMode(ck, a.mode, a.bf16); err != nil {
+		return fmt.Errorf("onebit: Adam: %w", err)
+	}
 	if a.f.World() > 1 && ck.Rank != a.f.Rank() && !ck.ErrorsReset {
 		return fmt.Errorf("onebit: Adam: %w: made by rank %d, this is rank %d (error buffers are per rank)",
 			optim.ErrIncompatibleCheckpoint, ck.Rank, a.f.Rank())
 	}
-	if err := a.bkt.check(ck); err != nil {
+	if a.sh != nil {
+		if err := a.sh.check(ck, a.f.World()); err != nil {
+			return fmt.Errorf("onebit: Adam: %w", err)
+		}
+	} else if err := a.bkt.check(ck); err != nil {
 		return fmt.Errorf("onebit: Adam: %w", err)
 	}
 	c2, err := ck.Float(FloatFrozenBiasCorrection2)
@@ -282,18 +371,52 @@ func (a *Adam) Load(ck *optim.Checkpoint) error {
 	if float64(float32(c2)) != c2 || math.IsNaN(c2) || math.IsInf(c2, 0) {
 		return fmt.Errorf("onebit: Adam: %w: frozen bias correction %v is not a finite float32", optim.ErrIncompatibleCheckpoint, c2)
 	}
+	var commit func()
+	if a.cp != nil {
+		if commit, err = a.loadCompact(ck, fs.Stage); err != nil {
+			return fmt.Errorf("onebit: Adam: %w", err)
+		}
+	}
 	rs := ck.Restore()
 	for i, p := range a.params {
 		rs.Tensor(optim.ParamTensorName(p.Name), p.Data())
-		rs.Tensor(optim.ExpAvgPrefix+p.Name, a.m[i])
-		rs.Tensor(optim.ExpAvgSqPrefix+p.Name, a.v[i])
+		if a.m != nil {
+			rs.Tensor(optim.ExpAvgPrefix+p.Name, a.m[i])
+		}
+		if a.v != nil {
+			rs.Tensor(optim.ExpAvgSqPrefix+p.Name, a.v[i])
+		}
 	}
-	a.bkt.restore(ck, rs)
+	var finish func(compressing bool)
+	switch {
+	case a.sh != nil:
+		finish = a.sh.restore(ck, rs)
+	case a.cp != nil:
+		for k, st := range a.bkt.states {
+			if _, sn := a.bkt.errorNames(k); !ck.ErrorsReset {
+				rs.Tensor(sn, st.ServerError)
+			}
+		}
+	default:
+		a.bkt.restore(ck, rs)
+	}
 	if err := rs.Apply(); err != nil {
 		return fmt.Errorf("onebit: Adam: %w", err)
 	}
+	if finish != nil {
+		finish(fs.Stage == optim.StageCompression)
+	}
+	if commit != nil {
+		commit()
+	}
 	if ck.ErrorsReset {
-		a.bkt.reset()
+		if a.cp != nil {
+			for _, st := range a.bkt.states {
+				st.ServerError.Reset()
+			}
+		} else {
+			a.bkt.reset()
+		}
 		warnErrorsReset(a.f.Logger(), ck, a.f.World(), a.f.Rank())
 	}
 	a.c2 = float32(c2)
@@ -301,10 +424,37 @@ func (a *Adam) Load(ck *optim.Checkpoint) error {
 	return nil
 }
 
+// loadCompact reads the momentum and worker errors of ck for StateCompact
+// and returns what takes them (see compact.load); nothing changes before.
+func (a *Adam) loadCompact(ck *optim.Checkpoint, stage optim.Stage) (func(), error) {
+	m := make([][]float32, len(a.params))
+	for i, p := range a.params {
+		var err error
+		if m[i], err = ck.TensorData(optim.ExpAvgPrefix+p.Name, p.Numel()); err != nil {
+			return nil, err
+		}
+	}
+	we := make([][]float32, len(a.bkt.states))
+	for k, st := range a.bkt.states {
+		if ck.ErrorsReset {
+			continue
+		}
+		var err error
+		wn, _ := a.bkt.errorNames(k)
+		if we[k], err = ck.TensorData(wn, len(st.WorkerError)); err != nil {
+			return nil, err
+		}
+	}
+	return a.cp.load(m, we, stage == optim.StageCompression)
+}
+
 // Close releases the communicators that ReduceTwoLevel averaging split off
 // the group (none in the other modes); see optim.Optimizer.Close: not a
 // collective, idempotent, every rank calls it, Step fails after it.
 func (a *Adam) Close() error {
 	a.f.Close()
+	if a.avg == nil {
+		return nil
+	}
 	return a.avg.Close()
 }

@@ -197,6 +197,14 @@ func adamConfigForResume(freeze int) onebit.AdamConfig {
 // the end when save is set, and returns every rank's parameters.
 func adamRun(t *testing.T, w int, cfg onebit.AdamConfig, dir string, from, to int, load, save bool) [][][]uint32 {
 	t.Helper()
+	out, err := tryAdamRun(t, w, cfg, dir, from, to, load, save)
+	require.NoError(t, err)
+	return out
+}
+
+// tryAdamRun is adamRun returning the run's error.
+func tryAdamRun(t *testing.T, w int, cfg onebit.AdamConfig, dir string, from, to int, load, save bool) ([][][]uint32, error) {
+	t.Helper()
 	var mu sync.Mutex
 	out := make([][][]uint32, w)
 	err := local.Run(adamCtx(t), w, func(ctx context.Context, c comm.Comm) error {
@@ -235,8 +243,7 @@ func adamRun(t *testing.T, w int, cfg onebit.AdamConfig, dir string, from, to in
 		mu.Unlock()
 		return nil
 	})
-	require.NoError(t, err)
-	return out
+	return out, err
 }
 
 // Stopping at step k and resuming from per-rank checkpoint files gives
@@ -594,18 +601,27 @@ func TestAdamStepAllocatesNothing(t *testing.T) {
 }
 
 // On more than one rank the whole step, collectives included, allocates
-// nothing once running (measured over both ranks' goroutines).
+// nothing once running (measured over both ranks' goroutines), in both
+// state modes.
 func TestAdamStepAllocatesNothingOnTwoRanks(t *testing.T) {
+	for _, mode := range []onebit.StateMode{onebit.StateFull, onebit.StateSharded, onebit.StateCompact} {
+		t.Run(mode.String(), func(t *testing.T) { adamAllocsOnTwoRanks(t, mode) })
+	}
+}
+
+func adamAllocsOnTwoRanks(t *testing.T, mode onebit.StateMode) {
 	const runs = 20
 	cs, err := local.New(2)
 	require.NoError(t, err)
 	ctx := adamCtx(t)
 	opts := make([]*onebit.Adam, 2)
 	for r := range cs {
-		ps := adamParams(t, []int{256})
+		ps := adamParams(t, []int{256}, []int{3, 5})
 		adamGrads(ps, r, 1)
 		cfg := onebit.DefaultAdamConfig()
 		cfg.FreezeStep = 1
+		cfg.StateMode = mode
+		cfg.ExpAvgMask = map[string][]float32{"w1": {1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1}}
 		opts[r], err = onebit.NewAdam(ctx, cs[r], ps, cfg)
 		require.NoError(t, err)
 	}

@@ -86,6 +86,30 @@ type State struct {
 
 	// tracer, if not nil, receives the phases of every call (trace.go).
 	tracer Tracer
+
+	// The sharded mode of 1-bit Adam (sharded.go) runs the collective
+	// with two changes. owner, when not nil, is called on every block of
+	// the server's c (its offset in the chunk, then the block) after step
+	// 5 and before step 6, and replaces c in place with what phase 2 is to
+	// carry. keep leaves the output in gathered (read with outputPiece)
+	// instead of unpacking it into buf.
+	owner func(off int, c []float32)
+	keep  bool
+	// worker, when not nil, keeps the worker error outside WorkerError
+	// (which is then empty): the call forms x a block at a time with it,
+	// in the summing block, and hands it each block's new residual.
+	worker workerSource
+}
+
+// workerSource forms x = pad(input) + worker_error for a State whose
+// worker error it keeps itself (the sharded mode's bfloat16 one): the
+// call asks for x twice, once to pack its signs and sum its squares, once
+// for the residual, and both times it must get the same x.
+type workerSource interface {
+	// form writes x of elements [lo, lo+len(x)) of the padded tensor.
+	form(x []float32, lo int)
+	// keep stores the new worker error of elements [lo, lo+len(r)).
+	keep(r []float32, lo int)
 }
 
 // headerLen is the bytes each rank contributes to the header all-gather:
@@ -117,7 +141,24 @@ func NewState(numel, world int) (*State, error) {
 		server:      make([]float32, min(n/world, sumBlock)),
 	}
 	st.initWire(numel, world)
+	st.shareWire()
 	return st, nil
+}
+
+// shareWire lets the buffers of the host collective whose lives do not
+// overlap share memory: the phase 2 message is packed once every phase 1
+// all-to-all is over (so into the send buffer of phase 1), and the
+// gathered messages arrive once the server has summed every received
+// chunk (so into the receive buffer of phase 1). It saves N/8 + C/8 bytes
+// per call; nothing a call leaves in them is read by the next.
+func (st *State) shareWire() {
+	c := len(st.ServerError)
+	if len(st.sendSigns) >= 4+c/8 {
+		st.serverMsg = st.sendSigns[:4+c/8]
+	}
+	recv := make([]byte, len(st.gathered))
+	st.recvSigns = recv[:len(st.recvSigns)]
+	st.gathered = recv
 }
 
 // initWire sets the sizes and makes the host buffers of the collective
@@ -230,8 +271,15 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 		}
 		return nil
 	}
-	n := len(st.WorkerError)
-	chunkLen := n / w
+	return st.allReduce(ctx, c, buf)
+}
+
+// allReduce is AllReduce once its arguments are known to be good and buf
+// not empty; with buf nil, x is taken as the worker error buffer holds it
+// (the sharded mode adds its input there itself).
+func (st *State) allReduce(ctx context.Context, c comm.Comm, buf []float32) error {
+	w := st.world
+	chunkLen := len(st.ServerError)
 	k := st.pieces
 	for j := range st.norms {
 		st.norms[j].Reset()
@@ -246,6 +294,10 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 		t := st.start()
 		for j := range w {
 			lo, hi := j*chunkLen, (j+1)*chunkLen
+			if st.worker != nil {
+				st.packSource(st.sendSigns[lo/8:hi/8], j, lo, hi)
+				continue
+			}
 			st.norms[j].Compensate(st.WorkerError[lo:hi], inputPart(buf, lo, hi))
 		}
 		workerScale = st.normScale()
@@ -264,7 +316,13 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 		// and pack sgn(x); then phase 1, second half: all-to-all of the
 		// packed chunks (chunk j to rank j).
 		t = st.start()
-		signpack.PackResidual(st.sendSigns, st.WorkerError, workerScale)
+		if st.worker != nil {
+			// The signs are in sendSigns already; recvSigns, not in use
+			// yet, takes them again.
+			st.residualSource(st.recvSigns, 0, w*chunkLen, workerScale)
+		} else {
+			signpack.PackResidual(st.sendSigns, st.WorkerError, workerScale)
+		}
 		st.span(PhaseWorkerError, 0, t)
 		t = st.start()
 		send, recv := st.phase1(0)
@@ -333,6 +391,10 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 		for p := range k {
 			for j := range w {
 				lo := j*chunkLen + p*st.pieceBytes*8
+				if st.worker != nil {
+					st.residualSource(st.scratch, lo, lo+st.pieceLen(p)*8, workerScale)
+					continue
+				}
 				signpack.PackResidual(st.scratch, st.WorkerError[lo:lo+st.pieceLen(p)*8], workerScale)
 			}
 		}
@@ -401,8 +463,8 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 				signs = signs[4:]
 			}
 			lo := j*chunkLen + p*st.pieceBytes*8
-			if lo >= len(buf) {
-				break
+			if st.keep || lo >= len(buf) {
+				continue
 			}
 			hi := min(lo+len(signs)*8, len(buf))
 			signpack.UnpackScale(buf[lo:hi], signs, st.scales[j])
@@ -424,7 +486,7 @@ func (st *State) normScale() float32 {
 	for j := range st.norms {
 		ss += st.norms[j].Sum()
 	}
-	return errorfeedback.ScaleOf(ss, len(st.WorkerError))
+	return errorfeedback.ScaleOf(ss, len(st.ServerError)*st.world)
 }
 
 // sumBlock is the elements sumPiece sums at a time: small enough that c
@@ -435,7 +497,37 @@ const sumBlock = 16 << 10
 // (in chunk j), leaves it in the worker error buffer, adds its squares to
 // chunk j's norm and packs sgn(x) into dst, in one pass.
 func (st *State) packX(dst []byte, j int, buf []float32, lo, hi int) {
+	if st.worker != nil {
+		st.packSource(dst, j, lo, hi)
+		return
+	}
 	st.norms[j].CompensatePack(dst, st.WorkerError[lo:hi], inputPart(buf, lo, hi))
+}
+
+// packSource is packX for a State with a workerSource: x formed a block
+// at a time in the summing block (free while the worker side runs), its
+// squares added to chunk j's norm and its signs packed into dst.
+func (st *State) packSource(dst []byte, j, lo, hi int) {
+	blk := st.server
+	for b := lo; b < hi; b += len(blk) {
+		x := blk[:min(len(blk), hi-b)]
+		st.worker.form(x, b)
+		st.norms[j].CompensatePack(dst[(b-lo)/8:], x, nil)
+	}
+}
+
+// residualSource is step 3 on [lo, hi) for a State with a workerSource:
+// x formed again, worker_error = x - scale*sgn(x) handed back to it; the
+// signs are packed again into dst, a buffer nobody reads that holds at
+// least a block's.
+func (st *State) residualSource(dst []byte, lo, hi int, scale float32) {
+	blk := st.server
+	for b := lo; b < hi; b += len(blk) {
+		x := blk[:min(len(blk), hi-b)]
+		st.worker.form(x, b)
+		signpack.PackResidual(dst[:len(x)/8], x, scale)
+		st.worker.keep(x, b)
+	}
 }
 
 // sumPiece is the server side, steps 5-6, on piece p of the chunks
@@ -459,6 +551,9 @@ func (st *State) sumPiece(p int) {
 		signpack.UnpackScale(acc, bytes(0), st.wscales[0]/float32(w))
 		for j := 1; j < w; j++ {
 			signpack.UnpackScaleAdd(acc, bytes(j), st.wscales[j]/float32(w))
+		}
+		if st.owner != nil {
+			st.owner(b, acc)
 		}
 		st.serverNorm.Compensate(st.ServerError[b:e], acc)
 	}

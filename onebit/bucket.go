@@ -109,13 +109,18 @@ func (b *buckets) reset() {
 	}
 }
 
-// save adds the buckets and their error buffers to ck.
-func (b *buckets) save(ck *optim.Checkpoint) {
+// save adds the buckets and their error buffers to ck; we, if not nil,
+// holds the worker errors to save in place of the States' own.
+func (b *buckets) save(ck *optim.Checkpoint, we [][]float32) {
 	ck.Ints[IntBucketBytes] = int64(b.bytes)
 	ck.Ints[IntBuckets] = int64(len(b.states))
 	for k, st := range b.states {
 		wn, sn := b.errorNames(k)
-		ck.AddTensor(wn, []int{len(st.WorkerError)}, st.WorkerError)
+		w := []float32(st.WorkerError)
+		if we != nil {
+			w = we[k]
+		}
+		ck.AddTensor(wn, []int{len(w)}, w)
 		ck.AddTensor(sn, []int{len(st.ServerError)}, st.ServerError)
 	}
 }

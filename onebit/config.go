@@ -76,6 +76,17 @@ func (c AdamConfig) Validate() error {
 	if err := checkMasks(cfg, c.ExpAvgMask); err != nil {
 		return err
 	}
+	switch {
+	case c.StateMode != StateFull && c.StateMode != StateSharded && c.StateMode != StateCompact:
+		return &optim.ConfigError{Config: cfg, Field: "StateMode", Value: c.StateMode, Want: "StateFull, StateSharded or StateCompact"}
+	case c.StateMode == StateSharded && c.Reduce != optim.ReduceFP32:
+		return &optim.ConfigError{Config: cfg, Field: "Reduce", Value: c.Reduce,
+			Want: "ReduceFP32 with StateSharded (its warm-up reduce-scatters float32 gradients)"}
+	case c.BF16&^(BF16WorkerError|BF16Variance) != 0:
+		return &optim.ConfigError{Config: cfg, Field: "BF16", Value: c.BF16, Want: "a set of BF16WorkerError and BF16Variance"}
+	case c.BF16 != 0 && c.StateMode != StateSharded:
+		return &optim.ConfigError{Config: cfg, Field: "BF16", Value: c.BF16, Want: "0 unless StateMode is StateSharded"}
+	}
 	return checkBucketBytes(cfg, c.BucketBytes)
 }
 

@@ -63,6 +63,15 @@ func TestAdamConfigValidate(t *testing.T) {
 		badCase[onebit.AdamConfig]{Field: "ExpAvgMask", Mod: func(c *onebit.AdamConfig) { c.ExpAvgMask = nanMask }},
 		badCase[onebit.AdamConfig]{Field: "BucketBytes", Mod: func(c *onebit.AdamConfig) { c.BucketBytes = 3 }},
 		badCase[onebit.AdamConfig]{Field: "BucketBytes", Mod: func(c *onebit.AdamConfig) { c.BucketBytes = -2 }},
+		badCase[onebit.AdamConfig]{Field: "StateMode", Mod: func(c *onebit.AdamConfig) { c.StateMode = 3 }},
+		badCase[onebit.AdamConfig]{Field: "StateMode", Mod: func(c *onebit.AdamConfig) { c.StateMode = -1 }},
+		badCase[onebit.AdamConfig]{Field: "Reduce", Mod: func(c *onebit.AdamConfig) {
+			c.StateMode, c.Reduce = onebit.StateSharded, optim.ReduceFP16
+		}},
+		badCase[onebit.AdamConfig]{Field: "BF16", Mod: func(c *onebit.AdamConfig) { c.BF16 = onebit.BF16Variance }},
+		badCase[onebit.AdamConfig]{Field: "BF16", Mod: func(c *onebit.AdamConfig) {
+			c.StateMode, c.BF16 = onebit.StateSharded, 4
+		}},
 	)
 	checkConfig(t, "onebit.AdamConfig", valid, onebit.AdamConfig.Validate,
 		func(c onebit.AdamConfig) error {

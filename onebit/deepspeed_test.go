@@ -101,7 +101,11 @@ func TestDeepSpeedRuns(t *testing.T) {
 	for _, file := range []string{"onebit_adam_w3.json", "onebit_lamb_w3.json", "zeroone_adam_w3.json"} {
 		t.Run(file, func(t *testing.T) {
 			run := loadDSRun(t, filepath.Join("testdata", "deepspeed", file))
-			dsCheck(t, run)
+			dsCheck(t, run, onebit.StateFull)
+			if run.Optimizer == "deepspeed-adam" {
+				// StateCompact takes StateFull's steps bit for bit.
+				dsCheck(t, run, onebit.StateCompact)
+			}
 		})
 	}
 }
@@ -154,7 +158,7 @@ func dsParamName(i int) string { return fmt.Sprintf("p%d", i) }
 //     local_step_clipper 16, local_step_scaler as recorded.
 //   - In the exact steps lowbit averages the gradients itself; each rank is
 //     given its own.
-func dsOptimizer(t *testing.T, run *dsRun) (func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error), int) {
+func dsOptimizer(t *testing.T, run *dsRun, mode onebit.StateMode) (func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error), int) {
 	t.Helper()
 	adam := optim.AdamConfig{LR: run.LR, Beta1: run.Betas[0], Beta2: run.Betas[1], Eps: run.Eps,
 		WeightDecay: run.WeightDecay, BiasCorrection: false}
@@ -164,6 +168,7 @@ func dsOptimizer(t *testing.T, run *dsRun) (func(ctx context.Context, c comm.Com
 		cfg.AdamConfig = adam
 		cfg.FreezeStep = run.FreezeStep - 1
 		cfg.BucketBytes = optim.PerParameter
+		cfg.StateMode = mode
 		return func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 			return onebit.NewAdam(ctx, c, ps, cfg)
 		}, cfg.FreezeStep
@@ -253,8 +258,8 @@ func dsRatio(run *dsRun, ck, prev *optim.Checkpoint, g []float32, i, k int, loca
 	return ratio
 }
 
-func dsCheck(t *testing.T, run *dsRun) {
-	mk, lastExact := dsOptimizer(t, run)
+func dsCheck(t *testing.T, run *dsRun, mode onebit.StateMode) {
+	mk, lastExact := dsOptimizer(t, run, mode)
 	cks := dsReplay(t, run, mk)
 	zeroOne := run.Optimizer == "deepspeed-zoadam"
 	t.Logf("%s, upstream %s, W=%d, sizes %v, %d steps, lowbit's last exact step %d, k = %.3g",

@@ -17,6 +17,21 @@
 // BucketServerErrorName(k) in checkpoints; Lamb compresses the momenta of
 // the whole model as one buffer.
 //
+// # Memory
+//
+// Adam keeps its state in one of three modes (AdamConfig.StateMode), with
+// the bytes per parameter of each on 4 ranks (TestStateBytes, a million
+// parameters): StateFull, both moments whole on every rank and the error
+// buffers of the compressed momentum (13.3; exact Adam needs 8);
+// StateCompact, the same steps bit for bit with the momentum kept as the
+// bits and scales the allreduce gathers (9.3); StateSharded, the moments
+// sharded over the ranks, the gradient compressed on its way to each
+// chunk's owner and the owner's update on its way back, each with its own
+// error feedback (docs/sharded.md: 4 + 12/W and the wire buffers, 7.3; 5.1
+// with AdamConfig.BF16's bfloat16 worker error and variance). Regroup
+// carries the error feedback of every mode, and of Lamb and ZeroOneAdam,
+// to another number of ranks.
+//
 // # Elements with no variance
 //
 // Deliberately differs from the reference: the ratio

@@ -9,3 +9,6 @@ func Pieces(st *State) int { return st.pieces }
 
 // SetDevicePieces is SetPieces for a DeviceState's wire layout.
 func SetDevicePieces(st *DeviceState, k int) { st.wire.setPieces(k, st.world) }
+
+// AdamBucketStates is the State of every bucket of a.
+func AdamBucketStates(a *Adam) []*State { return a.bkt.states }

@@ -22,9 +22,7 @@ func (st *State) StateBytes() int64 {
 		return 0
 	}
 	n := optim.Float32Bytes(st.WorkerError, st.ServerError, st.server, st.wscales, st.scales)
-	for _, b := range [][]byte{st.sendSigns, st.recvSigns, st.serverMsg, st.gathered, st.header, st.headers, st.scratch, st.midSend, st.midRecv} {
-		n += int64(cap(b))
-	}
+	n += distinctBytes(st.sendSigns, st.recvSigns, st.serverMsg, st.gathered, st.header, st.headers, st.scratch, st.midSend, st.midRecv)
 	n += int64(cap(st.norms)) * int64(unsafe.Sizeof(errorfeedback.Norm{}))
 	return n
 }
@@ -45,6 +43,12 @@ func (b *buckets) stateBytes() int64 {
 // moments, the exp_avg masks, every bucket's State and the gradient
 // averager's buffers; see optim.MemoryReporter.
 func (a *Adam) StateBytes() int64 {
+	if a.sh != nil {
+		return a.sh.stateBytes()
+	}
+	if a.cp != nil {
+		return optim.Float32Bytes(a.vflat) + optim.Float32Bytes(a.mask...) + a.cp.stateBytes() + a.avg.StateBytes()
+	}
 	return optim.Float32Bytes(a.mflat, a.vflat) + optim.Float32Bytes(a.mask...) +
 		a.bkt.stateBytes() + a.avg.StateBytes()
 }
@@ -66,4 +70,36 @@ func (o *ZeroOneAdam) StateBytes() int64 {
 	n := optim.Float32Bytes(o.m...) + optim.Float32Bytes(o.v...) + optim.Float32Bytes(o.anchor...)
 	n += optim.Float32Bytes(o.flat) + optim.Float32Bytes(o.masks...)
 	return n + o.bkt.stateBytes() + o.avg.StateBytes()
+}
+
+// distinctBytes is the capacity of the memory under bufs, each backing
+// array counted once however many of bufs share it (the host collective
+// lets buffers with separate lives share one; see State.shareWire). A
+// shared array is counted with the largest capacity seen from its start.
+func distinctBytes(bufs ...[]byte) int64 {
+	var n int64
+	for i, b := range bufs {
+		if cap(b) == 0 {
+			continue
+		}
+		base := unsafe.SliceData(b[:1])
+		seen := false
+		for _, o := range bufs[:i] {
+			if cap(o) > 0 && unsafe.SliceData(o[:1]) == base {
+				seen = true
+				break
+			}
+		}
+		if seen {
+			continue
+		}
+		c := cap(b)
+		for _, o := range bufs[i+1:] {
+			if cap(o) > 0 && unsafe.SliceData(o[:1]) == base {
+				c = max(c, cap(o))
+			}
+		}
+		n += int64(c)
+	}
+	return n
 }

@@ -59,6 +59,33 @@ var memOptimizers = []memOptimizer{
 		cfg.Reduce = optim.ReduceFP16
 		return onebit.NewAdam(ctx, c, ps, cfg)
 	}},
+	// Its moments sharded: everything allocated at construction, on one
+	// rank as StateFull.
+	{costmodel.OptOnebitAdamSharded, 6, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		cfg := onebit.DefaultAdamConfig()
+		cfg.FreezeStep = 2
+		cfg.StateMode = onebit.StateSharded
+		return onebit.NewAdam(ctx, c, ps, cfg)
+	}},
+	// StateFull's steps with m kept in the packed signs gathered (and,
+	// in the warm-up, in the worker error buffers): everything allocated
+	// at construction, on one rank as StateFull.
+	{costmodel.OptOnebitAdamCompact, 6, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		cfg := onebit.DefaultAdamConfig()
+		cfg.FreezeStep = 2
+		cfg.StateMode = onebit.StateCompact
+		return onebit.NewAdam(ctx, c, ps, cfg)
+	}},
+	// Sharded with the worker errors and the frozen v in bfloat16: two
+	// layouts, the warm-up's (v float32, no worker errors) from
+	// construction, the compression stage's from the freezing step on.
+	{costmodel.OptOnebitAdamShardedBF16, 6, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		cfg := onebit.DefaultAdamConfig()
+		cfg.FreezeStep = 2
+		cfg.StateMode = onebit.StateSharded
+		cfg.BF16 = onebit.BF16WorkerError | onebit.BF16Variance
+		return onebit.NewAdam(ctx, c, ps, cfg)
+	}},
 	{costmodel.OptOnebitLamb, 6, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 		cfg := onebit.DefaultLambConfig()
 		cfg.FreezeStep = 2
@@ -77,6 +104,15 @@ type memRow struct {
 	first                float64 // StateBytes after construction, mean over the ranks
 	peak, steady         float64 // StateBytes, mean over the ranks
 	heapPeak, heapSteady float64 // the process heap's, divided by the ranks
+	// The ranks' StateBytes summed after construction, then after every
+	// step; and the stage every step ran in (none for an optimizer
+	// without stages).
+	sums   []int64
+	stages []optim.Stage
+	// Rank 0's StateBytes after construction, then after every step, and
+	// the stage it was in then (none for an optimizer without stages).
+	rank0 []int64
+	after []optim.Stage
 }
 
 // heapNow is the live heap after a collection.
@@ -155,10 +191,22 @@ func measureMemory(t *testing.T, o memOptimizer, w int) memRow {
 		return s
 	}
 	peak := sum()
+	row.sums = append(row.sums, peak)
 	row.first = float64(peak) / (float64(w) * float64(n))
 	row.state0 = opts[0].(optim.MemoryReporter).StateBytes()
+	// now records rank 0's StateBytes and stage.
+	now := func() {
+		row.rank0 = append(row.rank0, opts[0].(optim.MemoryReporter).StateBytes())
+		if sg, ok := opts[0].(interface{ Stage() optim.Stage }); ok {
+			row.after = append(row.after, sg.Stage())
+		}
+	}
+	now()
 	heaps = append(heaps, heapNow())
 	for step := range o.steps {
+		if sg, ok := opts[0].(interface{ Stage() optim.Stage }); ok {
+			row.stages = append(row.stages, sg.Stage())
+		}
 		each(func(r int) error {
 			for i, p := range params[r] {
 				g := p.GradData()
@@ -168,8 +216,10 @@ func measureMemory(t *testing.T, o memOptimizer, w int) memRow {
 			}
 			return opts[r].Step(ctx)
 		})
-		peak = max(peak, sum())
+		row.sums = append(row.sums, sum())
+		peak = max(peak, row.sums[len(row.sums)-1])
 		row.state0 = max(row.state0, opts[0].(optim.MemoryReporter).StateBytes())
+		now()
 		heaps = append(heaps, heapNow())
 	}
 	steady := sum()
@@ -202,11 +252,25 @@ func TestStateBytes(t *testing.T) {
 	}
 	require.Equal(t, optim.DefaultBucketBytes, costmodel.DefaultBucketBytes)
 	t.Logf("bytes per parameter per rank, %d parameters in %d tensors, default buckets", n, len(memShapes))
-	t.Logf("%-18s %2s %8s %8s %8s %10s %11s", "optimizer", "W", "built", "peak", "steady", "heap peak", "heap steady")
-	for _, w := range []int{2, 4, 8} {
+	t.Logf("%-24s %2s %8s %8s %8s %10s %11s", "optimizer", "W", "built", "peak", "steady", "heap peak", "heap steady")
+	worlds := []int{2, 4, 8}
+	peaks := map[string][]float64{} // the README's table: peak per optimizer and world
+	defer func() {
+		t.Logf("peak bytes per parameter per rank (README's table):")
+		t.Logf("%-24s %6s %6s %6s", "optimizer", "W = 2", "W = 4", "W = 8")
+		for _, o := range memOptimizers {
+			if p := peaks[o.name]; len(p) == len(worlds) {
+				t.Logf("%-24s %6.2f %6.2f %6.2f", o.name, p[0], p[1], p[2])
+			}
+		}
+	}()
+	for _, w := range worlds {
+		state0 := map[string]int64{} // rank 0's peak StateBytes on w ranks, by name
 		for _, o := range memOptimizers {
 			row := measureMemory(t, o, w)
-			t.Logf("%-18s %2d %8.3f %8.3f %8.3f %10.3f %11.3f", o.name, w, row.first, row.peak, row.steady, row.heapPeak, row.heapSteady)
+			state0[o.name] = row.state0
+			peaks[o.name] = append(peaks[o.name], row.peak)
+			t.Logf("%-24s %2d %8.3f %8.3f %8.3f %10.3f %11.3f", o.name, w, row.first, row.peak, row.steady, row.heapPeak, row.heapSteady)
 			// The heap holds what StateBytes counts, to 1% and 0.05
 			// bytes per parameter (small allocations, the runtime's
 			// rounding of large ones).
@@ -236,6 +300,97 @@ func TestStateBytes(t *testing.T) {
 				lo := 12 + 4/float64(w)
 				assert.GreaterOrEqual(t, row.peak, lo)
 				assert.LessOrEqual(t, row.peak, lo+4/float64(w)+0.5)
+			case costmodel.OptOnebitAdamSharded:
+				// Worker error 4, m, v and the update error of the own
+				// chunk 12/W; then the packed signs sent (N/8) and
+				// received (N/8 + 4W), the summing block: below exact
+				// Adam's 8 from 4 ranks on (4 + 12/W is 10 on 2).
+				lo := 4 + 12/float64(w)
+				assert.GreaterOrEqual(t, row.peak, lo)
+				assert.LessOrEqual(t, row.peak, lo+0.5)
+				if w >= 4 {
+					assert.Less(t, row.peak, 8.0)
+				}
+				// Everything is allocated at construction: the state
+				// after it is the state after every warm-up and every
+				// compression step, so its figure is the peak of the
+				// whole run.
+				require.Contains(t, row.stages, optim.StageWarmup)
+				require.Contains(t, row.stages, optim.StageCompression)
+				for i, s := range row.sums[1:] {
+					assert.Equal(t, row.sums[0], s, "%s on %d ranks: StateBytes after step %d (%s) against after construction", o.name, w, i+1, row.stages[i])
+				}
+			case costmodel.OptOnebitAdamCompact:
+				// StateFull's buffers but its float32 m: v, worker error
+				// (the warm-up's m in it), server error 4/W; then the
+				// same packed signs (the compression stage's m in the
+				// gathered ones), blocks and pieces.
+				full, ok := state0[costmodel.OptOnebitAdam]
+				require.True(t, ok, "StateFull measured first")
+				assert.Equal(t, 4*int64(n), full-row.state0, "%s on %d ranks: StateFull's StateBytes less the float32 m", o.name, w)
+				lo := 8 + 4/float64(w)
+				assert.GreaterOrEqual(t, row.peak, lo)
+				assert.LessOrEqual(t, row.peak, lo+4/float64(w)+0.5)
+				// Everything is allocated at construction, as in
+				// StateSharded.
+				require.Contains(t, row.stages, optim.StageWarmup)
+				require.Contains(t, row.stages, optim.StageCompression)
+				for i, s := range row.sums[1:] {
+					assert.Equal(t, row.sums[0], s, "%s on %d ranks: StateBytes after step %d (%s) against after construction", o.name, w, i+1, row.stages[i])
+				}
+			case costmodel.OptOnebitAdamShardedBF16:
+				// Two layouts, by the stage the optimizer is in (the
+				// freezing step ends in the compression stage's): the
+				// warm-up's after construction and after every warm-up
+				// step, the compression stage's after every step from
+				// the freezing one on. The model is one bucket.
+				require.LessOrEqual(t, 4*n, costmodel.DefaultBucketBytes)
+				require.Len(t, row.after, len(row.rank0))
+				var warm, comp []int64
+				for i, st := range row.after {
+					if st == optim.StageWarmup {
+						warm = append(warm, row.rank0[i])
+					} else {
+						require.Equal(t, optim.StageCompression, st)
+						comp = append(comp, row.rank0[i])
+					}
+				}
+				require.Equal(t, optim.StageWarmup, row.after[0], "constructed in the warm-up")
+				require.GreaterOrEqual(t, len(warm), 2, "StateBytes after construction and after a warm-up step")
+				require.GreaterOrEqual(t, len(comp), 2, "StateBytes after compression steps")
+				for i, b := range warm {
+					assert.Equal(t, warm[0], b, "%s on %d ranks: warm-up layout %d against after construction", o.name, w, i)
+				}
+				for i, b := range comp {
+					assert.Equal(t, comp[0], b, "%s on %d ranks: compression layout %d against the first", o.name, w, i)
+				}
+				t.Logf("%-24s %2d rank 0: warm-up %.3f, compression %.3f bytes per parameter", o.name, w, float64(warm[0])/float64(n), float64(comp[0])/float64(n))
+				// costmodel's figure is the peak of the run: the
+				// compression stage's.
+				assert.Equal(t, want, max(warm[0], comp[0]), "%s on %d ranks: costmodel against the larger layout", o.name, w)
+				assert.Equal(t, want, row.state0)
+				assert.Greater(t, comp[0], warm[0])
+				// Against the float32 sharded mode, with N the padded
+				// length and C = N/W: the warm-up has no worker error
+				// (4N) but the staging block (4 min(N, 16Ki W)); the
+				// compression stage has the bfloat16 worker error (2N)
+				// and v (2C) in place of the float32 ones.
+				full, ok := state0[costmodel.OptOnebitAdamSharded]
+				require.True(t, ok, "StateSharded measured first")
+				padded := int64(onebit.PaddedLen(n, w))
+				block := 4 * min(padded, 16<<10*int64(w))
+				assert.Equal(t, 4*padded-block, full-warm[0], "%s on %d ranks: warm-up against float32", o.name, w)
+				assert.Equal(t, 2*padded+2*padded/int64(w)-block, full-comp[0], "%s on %d ranks: compression against float32", o.name, w)
+				assert.Equal(t, 2*padded-2*padded/int64(w), comp[0]-warm[0], "%s on %d ranks: compression against warm-up", o.name, w)
+				// Worker error 2, m, v and the update error of the own
+				// chunk 10/W, the packed signs; the staging block (W/16
+				// bytes per parameter here): below exact Adam's 8 from
+				// 2 ranks on.
+				lo := 2 + 10/float64(w)
+				assert.GreaterOrEqual(t, row.peak, lo)
+				assert.LessOrEqual(t, row.peak, lo+0.5+float64(block)/float64(n))
+				assert.Less(t, row.peak, 8.0)
+				assert.Less(t, row.state0, full)
 			}
 		}
 	}
@@ -252,6 +407,93 @@ func TestStateBytesOfState(t *testing.T) {
 			want, err := costmodel.StateBytes(costmodel.OptOnebitLamb, []int64{int64(numel)}, w, 0)
 			require.NoError(t, err)
 			assert.Equal(t, want-16*int64(numel), st.StateBytes(), "%d elements on %d ranks", numel, w)
+		}
+	}
+}
+
+// The sharded 1-bit Adam (float32 and bfloat16) and the compact one hold
+// what costmodel counts for them, on every rank, from construction on:
+// with several buckets (and a last one shorter), odd lengths (padding),
+// buckets large enough to be pipelined and staging blocks of both lengths
+// (the largest bucket's padded length, 16Ki floats per rank), and on one
+// rank, where they run as StateFull. The bfloat16 one is built in the
+// compression stage (FreezeStep 0), whose layout is costmodel's figure,
+// and in the warm-up, whose layout is less by the bfloat16 worker error
+// and the bfloat16 v's saving: 2 (N - N/W) bytes per bucket of N padded
+// elements.
+func TestStateBytesSharded(t *testing.T) {
+	modes := []struct {
+		name   string
+		mode   onebit.StateMode
+		bf16   onebit.BF16State
+		freeze int
+	}{
+		{costmodel.OptOnebitAdamSharded, onebit.StateSharded, 0, 100},
+		{costmodel.OptOnebitAdamCompact, onebit.StateCompact, 0, 100},
+		{costmodel.OptOnebitAdamShardedBF16, onebit.StateSharded, onebit.BF16WorkerError | onebit.BF16Variance, 0},
+		{costmodel.OptOnebitAdamShardedBF16 + "/warm-up", onebit.StateSharded, onebit.BF16WorkerError | onebit.BF16Variance, 100},
+	}
+	for _, c := range []struct {
+		shapes [][]int
+		bytes  int
+	}{
+		{[][]int{{1}}, 0},
+		{[][]int{{3, 4115}, {7}}, 0},
+		{[][]int{{300, 1000}, {12345}}, 64 << 10},
+		{[][]int{{1 << 22}, {12345}}, 0},
+	} {
+		var tensors []int64
+		total := 0
+		for _, s := range c.shapes {
+			k := 1
+			for _, d := range s {
+				k *= d
+			}
+			tensors = append(tensors, int64(k))
+			total += k
+		}
+		// The buckets' lengths: the flat buffer cut in buckets of bytes.
+		per := c.bytes / 4
+		if c.bytes == 0 {
+			per = optim.DefaultBucketBytes / 4
+		}
+		var buckets []int
+		for lo := 0; lo < total; lo += per {
+			buckets = append(buckets, min(per, total-lo))
+		}
+		for _, md := range modes {
+			base, variant, _ := strings.Cut(md.name, "/")
+			for _, w := range []int{1, 2, 3, 8} {
+				want, err := costmodel.StateBytes(base, tensors, w, int64(c.bytes))
+				require.NoError(t, err)
+				if variant == "warm-up" && w > 1 {
+					for _, k := range buckets {
+						padded := int64(onebit.PaddedLen(k, w))
+						want -= 2 * (padded - padded/int64(w))
+					}
+				}
+				got := make([]int64, w)
+				require.NoError(t, local.Run(adamCtx(t), w, func(ctx context.Context, cm comm.Comm) error {
+					var ps []*optim.Param
+					for i, s := range c.shapes {
+						ps = append(ps, optim.NewParam(fmt.Sprintf("p%d", i), s...))
+					}
+					cfg := onebit.DefaultAdamConfig()
+					cfg.StateMode = md.mode
+					cfg.BF16 = md.bf16
+					cfg.FreezeStep = md.freeze
+					cfg.BucketBytes = c.bytes
+					a, err := onebit.NewAdam(ctx, cm, ps, cfg)
+					if err != nil {
+						return err
+					}
+					got[cm.Rank()] = a.StateBytes()
+					return a.Close()
+				}))
+				for r := range w {
+					assert.Equal(t, want, got[r], "%s: %v in buckets of %d bytes, rank %d of %d", md.name, tensors, c.bytes, r, w)
+				}
+			}
 		}
 	}
 }

@@ -465,7 +465,7 @@ func (o *ZeroOneAdam) State() (*optim.Checkpoint, error) {
 		ck.AddTensor(optim.ExpAvgSqPrefix+p.Name, shape, o.v[i])
 		ck.AddTensor(AnchorPrefix+p.Name, shape, o.anchor[i])
 	}
-	o.bkt.save(ck)
+	o.bkt.save(ck, nil)
 	return ck, nil
 }
 

@@ -333,7 +333,7 @@ func writeMemory(w io.Writer, params int64, ranks int, cfg *planConfig) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	_, err := fmt.Fprintln(w, "state: every buffer the optimizer owns at its peak (moments, error buffers, staging and packing buffers); params and grads: 8 bytes per parameter; activations and the framework's own memory not included. zeroone-adam counts the model as one tensor (one bucket per parameter adds a little per tensor).")
+	_, err := fmt.Fprintln(w, "state: every buffer the optimizer owns at its peak (moments, error buffers, staging and packing buffers); params and grads: 8 bytes per parameter; activations and the framework's own memory not included. onebit-adam-compact is 1-bit Adam with StateMode StateCompact (the same steps as StateFull, bit for bit); onebit-adam-sharded is 1-bit Adam with StateMode StateSharded (docs/sharded.md), onebit-adam-sharded-bf16 the same with BF16 BF16WorkerError|BF16Variance, at its peak (the compression stage); zeroone-adam counts the model as one tensor (one bucket per parameter adds a little per tensor).")
 	return err
 }
 

@@ -190,14 +190,24 @@ func TestPlanMemory(t *testing.T) {
 	}
 
 	// 7B on 4 ranks: 112 GB with exact Adam, 70 GB with ZeRO-1 Adam,
-	// more with the 1-bit optimizers.
+	// 90.0 GB with the sharded 1-bit Adam in bfloat16, 107.5 GB with the
+	// sharded 1-bit Adam, 121.5 GB with the compact one, more with the
+	// other 1-bit optimizers.
+	zero, bf16 := costmodel.OptZeroAdam, costmodel.OptOnebitAdamShardedBF16
+	sharded, compact := costmodel.OptOnebitAdamSharded, costmodel.OptOnebitAdamCompact
 	for _, c := range []struct {
 		memory string
 		fit    []string
 	}{
-		{"80G", []string{costmodel.OptZeroAdam}},
-		{"74.5Gi", []string{costmodel.OptZeroAdam}},
-		{"112G", []string{costmodel.OptAdam, costmodel.OptZeroAdam}},
+		{"80G", []string{zero}},
+		{"74.5Gi", []string{zero}},
+		{"89G", []string{zero}},
+		{"90G", []string{zero, bf16}},
+		{"107G", []string{zero, bf16}},
+		{"108G", []string{zero, bf16, sharded}},
+		{"112G", []string{costmodel.OptAdam, zero, bf16, sharded}},
+		{"121G", []string{costmodel.OptAdam, zero, bf16, sharded}},
+		{"122G", []string{costmodel.OptAdam, zero, bf16, sharded, compact}},
 		{"24Gi", nil},
 		{"1Ti", costmodel.StateOptimizers()},
 	} {
@@ -215,6 +225,9 @@ func TestPlanMemory(t *testing.T) {
 	// Past what an int64 counts: the row says so, the rest is printed.
 	rows = plan("--params 1000T --ranks 1048576 --bucket 4 --memory 1Ti")
 	assert.Equal(t, []string{"too", "large", "no"}, rows[costmodel.OptOnebitAdam])
+	for _, o := range []string{costmodel.OptOnebitAdamCompact, costmodel.OptOnebitAdamSharded, costmodel.OptOnebitAdamShardedBF16} {
+		assert.Equal(t, []string{"too", "large", "no"}, rows[o], o)
+	}
 	assert.Equal(t, "8.00", rows[costmodel.OptAdam][0])
 }
 

@@ -25,6 +25,7 @@ import (
 	"github.com/lowbit-ml/lowbit/comm/mpi"
 	"github.com/lowbit-ml/lowbit/internal/conformance"
 	"github.com/lowbit-ml/lowbit/onebit"
+	"github.com/lowbit-ml/lowbit/optim"
 )
 
 // world and ordered are opened once by TestMain: the default communicator
@@ -521,6 +522,51 @@ func TestOnebitMatchesLocal(t *testing.T) {
 			requireBits(t, states[r].WorkerError, st.WorkerError, msg+" worker error")
 			requireBits(t, states[r].ServerError, st.ServerError, msg+" server error")
 		}
+	}
+}
+
+// 1-bit Adam takes the same steps under mpirun as on in-process ranks in
+// each of its state modes (the ordered communicator sums in rank order, as
+// comm/local does): warm-up and compression, in several buckets, the
+// sharded mode's reduce-scatter and all-gather and its bfloat16 buffers
+// included.
+func TestOnebitAdamModesMatchLocal(t *testing.T) {
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	const n, steps = 5000, 5
+	for _, tc := range []struct {
+		mode onebit.StateMode
+		bf   onebit.BF16State
+	}{
+		{onebit.StateFull, 0}, {onebit.StateCompact, 0}, {onebit.StateSharded, 0},
+		{onebit.StateSharded, onebit.BF16WorkerError | onebit.BF16Variance},
+	} {
+		cfg := onebit.DefaultAdamConfig()
+		cfg.LR, cfg.FreezeStep, cfg.BucketBytes = 0.01, 2, 4*1500
+		cfg.StateMode, cfg.BF16 = tc.mode, tc.bf
+		run := func(ctx context.Context, c comm.Comm) ([]float32, error) {
+			p := optim.NewParam("w", n)
+			for i := range p.Data() {
+				p.Data()[i] = float32(math.Sin(float64(i)))
+			}
+			opt, err := onebit.NewAdam(ctx, c, []*optim.Param{p}, cfg)
+			if err != nil {
+				return nil, err
+			}
+			for s := range steps {
+				for i := range p.GradData() {
+					p.GradData()[i] = float32(math.Cos(float64(s*7919+c.Rank()*104729+3*i))) * float32(1+c.Rank())
+				}
+				if err := opt.Step(ctx); err != nil {
+					return nil, err
+				}
+			}
+			return p.Data(), nil
+		}
+		want := onLocal(t, ctx, w, r, run)
+		got, err := run(ctx, ordered)
+		require.NoError(t, err)
+		requireBits(t, want, got, fmt.Sprintf("%v %v", tc.mode, tc.bf))
 	}
 }
 

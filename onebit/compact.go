@@ -1,0 +1,342 @@
+package onebit
+
+// The compact mode of 1-bit Adam: the same steps as StateFull, bit for
+// bit, in less memory. After the compressed allreduce every rank's
+// momentum is sign x scale, one bit per element and one scale per chunk:
+// the compact mode keeps it in that form, in the collective's own
+// gathered buffer, and never as float32. The momentum of the warm-up,
+// which is float32, lives in the buffer that becomes the worker error
+// buffer: the first compression step forms x = 0 + m in place.
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"math"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/signpack"
+)
+
+// compact is the state of StateCompact on more than one rank.
+type compact struct {
+	layout
+	// mw holds every bucket's padded region, bucket after bucket (bucket
+	// k from off[k]): the momentum in the warm-up and until the first
+	// compression step (fresh), the worker error buffers after it (each
+	// bucket's State.WorkerError is its region).
+	mw    []float32
+	off   []int
+	fresh bool
+	mask  [][]float32 // per parameter, nil when unmasked
+}
+
+// newCompact makes the buckets and the shared momentum and worker error
+// buffer of StateCompact on world > 1 ranks.
+func newCompact(params []*optim.Param, masks [][]float32, world, bytes int) (*compact, error) {
+	b, err := newBuckets(params, world, bytes)
+	if err != nil {
+		return nil, err
+	}
+	c := &compact{layout: newLayout(params, b), mask: masks, fresh: true}
+	n := 0
+	c.off = make([]int, len(b.states))
+	for k, st := range b.states {
+		c.off[k] = n
+		n += len(st.WorkerError)
+	}
+	c.mw = make([]float32, n)
+	for k, st := range b.states {
+		st.WorkerError = c.mw[c.off[k] : c.off[k]+len(st.WorkerError) : c.off[k]+len(st.WorkerError)]
+		st.keep = true
+	}
+	return c, nil
+}
+
+// momentum is segment sg of bucket k's float32 momentum (fresh only).
+func (c *compact) momentum(k int, sg segment) []float32 {
+	return c.mw[c.off[k]+sg.lo : c.off[k]+sg.hi]
+}
+
+// warmup is StateFull's warm-up update on the averaged gradients, segment
+// by segment (the same elementwise arithmetic).
+func (c *compact) warmup(cfg optim.AdamConfig, v [][]float32, lr, c1, c2 float32) {
+	for k, segs := range c.segs {
+		for _, sg := range segs {
+			p := c.params[sg.param]
+			m := c.momentum(k, sg)
+			vs := v[sg.param][sg.off : sg.off+len(m)]
+			optim.AdamMoments(m, vs, p.GradData()[sg.off:sg.off+len(m)], cfg.Beta1, cfg.Beta2)
+			optim.AdamUpdate(p.Data()[sg.off:sg.off+len(m)], m, vs, lr, cfg.WeightDecay, c1, c2, cfg.Eps)
+		}
+	}
+}
+
+// compressed is StateFull's compression step: per bucket, the local
+// momentum formed straight into the worker error buffer (x = worker_error
+// + (beta1*m + (1-beta1)*g), m read from the bits of the last step), the
+// compressed allreduce, and the update from the bits it gathered.
+func (c *compact) compressed(ctx context.Context, cm comm.Comm, cfg optim.AdamConfig, v [][]float32, lr, c1, c2 float32) error {
+	bound := ratioBound(cfg.Beta1, cfg.Beta2)
+	a1 := optim.OneMinus(cfg.Beta1)
+	nb := len(c.bkt.states)
+	for k, st := range c.bkt.states {
+		if c.fresh {
+			// x = 0 + (beta1*m + (1-beta1)*g), m the warm-up's, in place.
+			for _, sg := range c.segs[k] {
+				m := c.momentum(k, sg)
+				g := c.params[sg.param].GradData()[sg.off : sg.off+len(m)]
+				for i := range m {
+					m[i] = 0 + (float32(cfg.Beta1*m[i]) + float32(a1*g[i]))
+				}
+			}
+		} else {
+			c.eachGathered(k, st, func(lo int, m []float32) {
+				c.formX(k, st, lo, m, cfg.Beta1, a1)
+			})
+		}
+		if err := st.allReduce(ctx, cm, nil); err != nil {
+			return fmt.Errorf("momentum: bucket %d of %d: %w", k, nb, samePackage{err})
+		}
+		c.eachGathered(k, st, func(lo int, m []float32) {
+			c.update(k, lo, m, v, cfg, lr, c1, c2, bound)
+		})
+	}
+	c.fresh = false
+	return nil
+}
+
+// eachGathered hands fn the momentum the last compressed allreduce of
+// bucket k gathered, unmasked (element i of chunk j is ±scale_j), a block
+// of the bucket's elements at a time (lo, the block's first), in the
+// summing block of st, free between calls; padding left out.
+func (c *compact) eachGathered(k int, st *State, fn func(lo int, m []float32)) {
+	chunkLen := len(st.ServerError)
+	blk := st.server
+	for j := range st.world {
+		for p := range st.pieces {
+			signs := st.msgPiece(p, j)
+			if p == 0 {
+				signs = signs[4:]
+			}
+			lo := j*chunkLen + p*st.pieceBytes*8
+			hi := min(lo+len(signs)*8, st.numel)
+			for b := lo; b < hi; b += len(blk) {
+				e := min(b+len(blk), hi)
+				signpack.UnpackScale(blk[:e-b], signs[(b-lo)/8:(e-lo+7)/8], st.scales[j])
+				fn(b, blk[:e-b])
+			}
+		}
+	}
+}
+
+// masked multiplies the block m of bucket k's elements from lo by their
+// masks, as StateFull masks its momentum after the allreduce.
+func (c *compact) masked(k, lo int, m []float32) {
+	hi := lo + len(m)
+	segs := c.segs[k]
+	for i := c.segsFrom(k, lo); i < len(segs) && segs[i].lo < hi; i++ {
+		sg := segs[i]
+		if mk := c.mask[sg.param]; mk != nil {
+			a, b := max(sg.lo, lo), min(sg.hi, hi)
+			optim.Mul(m[a-lo:b-lo], mk[sg.off+a-sg.lo:sg.off+b-sg.lo])
+		}
+	}
+}
+
+// formX is step 1 with the local momentum on a block: x = worker_error +
+// (beta1*m + (1-beta1)*g), m the block of the last step's momentum
+// (unmasked as gathered), rounded as optim.Momentum and the compressed
+// allreduce round it; x stays in the worker error buffer.
+func (c *compact) formX(k int, st *State, lo int, m []float32, beta1, a1 float32) {
+	c.masked(k, lo, m)
+	hi := lo + len(m)
+	segs := c.segs[k]
+	for i := c.segsFrom(k, lo); i < len(segs) && segs[i].lo < hi; i++ {
+		sg := segs[i]
+		a, b := max(sg.lo, lo), min(sg.hi, hi)
+		g := c.params[sg.param].GradData()[sg.off+a-sg.lo : sg.off+b-sg.lo]
+		ms := m[a-lo : b-lo]
+		x := st.WorkerError[a:b]
+		for j := range x {
+			x[j] = x[j] + (float32(beta1*ms[j]) + float32(a1*g[j]))
+		}
+	}
+}
+
+// update is StateFull's update on a block of the gathered momentum: the
+// mask, then optim.AdamUpdateBounded with the frozen v.
+func (c *compact) update(k, lo int, m []float32, v [][]float32, cfg optim.AdamConfig, lr, c1, c2 float32, bound optim.RatioBound) {
+	c.masked(k, lo, m)
+	hi := lo + len(m)
+	segs := c.segs[k]
+	for i := c.segsFrom(k, lo); i < len(segs) && segs[i].lo < hi; i++ {
+		sg := segs[i]
+		a, b := max(sg.lo, lo), min(sg.hi, hi)
+		p := c.params[sg.param].Data()[sg.off+a-sg.lo : sg.off+b-sg.lo]
+		vs := v[sg.param][sg.off+a-sg.lo : sg.off+b-sg.lo]
+		optim.AdamUpdateBounded(p, m[a-lo:b-lo], vs, lr, cfg.WeightDecay, c1, c2, cfg.Eps, bound)
+	}
+}
+
+// moments returns every parameter's momentum as StateFull holds it, in
+// new buffers: the warm-up's float32 one while fresh, else the gathered
+// one, masked. The worker errors are zero while fresh: we says so (nil).
+func (c *compact) moments() (m [][]float32, we [][]float32) {
+	m = make([][]float32, len(c.params))
+	for i, p := range c.params {
+		m[i] = make([]float32, p.Numel())
+	}
+	we = make([][]float32, len(c.bkt.states))
+	for k, st := range c.bkt.states {
+		if c.fresh {
+			for _, sg := range c.segs[k] {
+				copy(m[sg.param][sg.off:], c.momentum(k, sg))
+			}
+			we[k] = make([]float32, len(st.WorkerError))
+			continue
+		}
+		we[k] = st.WorkerError
+		c.eachGathered(k, st, func(lo int, blk []float32) {
+			c.masked(k, lo, blk)
+			hi := lo + len(blk)
+			for _, sg := range c.segs[k] {
+				a, b := max(sg.lo, lo), min(sg.hi, hi)
+				if a < b {
+					copy(m[sg.param][sg.off+a-sg.lo:sg.off+b-sg.lo], blk[a-lo:b-lo])
+				}
+			}
+		})
+	}
+	return m, we
+}
+
+// load prepares taking a checkpoint's momentum m (per parameter) and
+// worker errors we (per bucket): with every worker error zero (or none,
+// in the warm-up), the momentum goes into the shared buffer as float32
+// (fresh); otherwise it must be a gathered momentum, ±scale per chunk
+// (masked), which load packs into each State's gathered buffer: a
+// momentum that is not is refused. Nothing changes before the returned
+// commit is called.
+func (c *compact) load(m, we [][]float32, compressing bool) (commit func(), err error) {
+	fresh := !compressing
+	if compressing {
+		fresh = true
+		for _, w := range we {
+			for _, x := range w {
+				if x != 0 {
+					fresh = false
+				}
+			}
+		}
+	}
+	if fresh {
+		return func() {
+			c.fresh = true
+			clear(c.mw)
+			for k, segs := range c.segs {
+				for _, sg := range segs {
+					copy(c.momentum(k, sg), m[sg.param][sg.off:])
+				}
+			}
+		}, nil
+	}
+	// Pack the momentum into new gathered buffers and check that the bits
+	// and scales give it back exactly.
+	gathered := make([][]byte, len(c.bkt.states))
+	scales := make([][]float32, len(c.bkt.states))
+	for k, st := range c.bkt.states {
+		g, sc, err := c.pack(k, st, m)
+		if err != nil {
+			return nil, err
+		}
+		gathered[k], scales[k] = g, sc
+	}
+	return func() {
+		c.fresh = false
+		for k, st := range c.bkt.states {
+			copy(st.gathered, gathered[k])
+			copy(st.scales, scales[k])
+			copy(st.WorkerError, we[k])
+		}
+	}, nil
+}
+
+// pack is bucket k's momentum m (per parameter) as the phase 2 messages
+// of st would gather it: signs and a scale per chunk, in a buffer laid out
+// as st.gathered, and the scales; or an error if m is not ±scale per chunk
+// times the masks.
+func (c *compact) pack(k int, st *State, m [][]float32) ([]byte, []float32, error) {
+	chunkLen := len(st.ServerError)
+	maskOf := func(e int) float32 { // the mask of element e of bucket k
+		sg := c.segs[k][c.segsFrom(k, e)]
+		if mk := c.mask[sg.param]; mk != nil {
+			return mk[sg.off+e-sg.lo]
+		}
+		return 1
+	}
+	value := func(e int) float32 {
+		sg := c.segs[k][c.segsFrom(k, e)]
+		return m[sg.param][sg.off+e-sg.lo]
+	}
+	scales := make([]float32, st.world)
+	for j := range scales {
+		for e := j * chunkLen; e < min((j+1)*chunkLen, st.numel); e++ {
+			if mk := maskOf(e); mk == 1 {
+				scales[j] = float32(math.Abs(float64(value(e))))
+				break
+			} else if mk != 0 && scales[j] == 0 {
+				scales[j] = float32(math.Abs(float64(value(e)) / float64(mk)))
+			}
+		}
+	}
+	saved, savedScales := st.gathered, st.scales
+	g := make([]byte, len(st.gathered))
+	st.gathered, st.scales = g, scales
+	defer func() { st.gathered, st.scales = saved, savedScales }()
+	var sgn []float32
+	for j := range st.world {
+		for p := range st.pieces {
+			signs := st.msgPiece(p, j)
+			if p == 0 {
+				binary.LittleEndian.PutUint32(signs, math.Float32bits(scales[j]))
+				signs = signs[4:]
+			}
+			lo := j*chunkLen + p*st.pieceBytes*8
+			hi := min(lo+len(signs)*8, st.numel)
+			if lo >= hi {
+				continue
+			}
+			sgn = append(sgn[:0], make([]float32, hi-lo)...)
+			for e := lo; e < hi; e++ {
+				sgn[e-lo] = 1
+				if math.Signbit(float64(value(e))) != math.Signbit(float64(maskOf(e))) {
+					sgn[e-lo] = -1
+				}
+			}
+			signpack.Pack(signs[:(hi-lo+7)/8], sgn)
+		}
+	}
+	var bad error
+	c.eachGathered(k, st, func(lo int, blk []float32) {
+		c.masked(k, lo, blk)
+		for i, x := range blk {
+			if want := value(lo + i); math.Float32bits(x) != math.Float32bits(want) && bad == nil {
+				bad = fmt.Errorf("%w: its momentum is not a compressed one (element %d of bucket %d is %v, not ±%v times its mask): "+
+					"load it with StateFull", optim.ErrIncompatibleCheckpoint, lo+i, k, want, scales[(lo+i)/chunkLen])
+			}
+		}
+	})
+	return g, scales, bad
+}
+
+// stateBytes is the bytes of the shared momentum and worker error buffer
+// and every bucket's State (whose worker error buffers are in it).
+func (c *compact) stateBytes() int64 {
+	n := optim.Float32Bytes(c.mw) + c.bkt.stateBytes()
+	for _, st := range c.bkt.states {
+		n -= optim.Float32Bytes(st.WorkerError)
+	}
+	return n
+}
