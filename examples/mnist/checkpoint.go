@@ -357,6 +357,11 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 			}
 		}
 		res, err = k.apply(opt, cand.path, cand.ck)
+	} else if k.name == sharded {
+		// Its moments and update errors are cut by rank: Load refuses a
+		// checkpoint of another group size (optim.ErrIncompatibleCheckpoint).
+		err = fmt.Errorf("-resume: the newest checkpoint of %s in %s (step %d) was made on %d ranks, this run has %d: %s resumes only on the number of ranks that made its checkpoint (its moments are sharded by rank); run on %d ranks",
+			k.name, k.cfg.dir, otherKey>>16, otherWorld, w, k.name, otherWorld)
 	} else {
 		res, err = k.reworld(opt, total, otherKey, otherWorld)
 	}
@@ -431,7 +436,8 @@ func (k *checkpointer) otherWorld(total, w int) (key int64, world int) {
 }
 
 // reworld loads the checkpoint of key made on world ranks into this run on
-// another number of ranks: every optimizer but zero-adam loads old rank
+// another number of ranks (never onebit-adam-sharded's: refused before):
+// every optimizer but zero-adam loads old rank
 // (rank mod world)'s checkpoint with its error buffers dropped
 // (ResetErrors); zero-adam loads the consolidation of every old rank's
 // shard (zero.Consolidate).

@@ -13,11 +13,18 @@ import (
 
 // optimizerNames are the values of -optimizer, in the order -help lists
 // them.
-var optimizerNames = []string{"adam", "lamb", "onebit-adam", "onebit-lamb", "zeroone-adam", "zero-adam"}
+var optimizerNames = []string{"adam", "lamb", "onebit-adam", "onebit-adam-sharded", "onebit-lamb", "zeroone-adam", "zero-adam"}
+
+// sharded is 1-bit Adam with its moments sharded over the ranks
+// (onebit.StateSharded, docs/sharded.md): the wire bytes of onebit-adam,
+// less optimizer state. Its warm-up averages in fp32 only, and its
+// checkpoints resume on the number of ranks that made them only.
+const sharded = "onebit-adam-sharded"
 
 // baseline is the exact optimizer a compressed one is compared with.
 var baseline = map[string]string{
 	"onebit-adam":  "adam",
+	sharded:        "adam",
 	"onebit-lamb":  "lamb",
 	"zeroone-adam": "adam",
 	"zero-adam":    "adam",
@@ -48,7 +55,8 @@ func runOrder(name string, compare bool) ([]string, error) {
 type hyper struct {
 	lr float32
 	// freezeStep is the warm-up of the 1-bit optimizers: FreezeStep of
-	// onebit-adam and onebit-lamb, VarFreezeStep of zeroone-adam.
+	// onebit-adam, onebit-adam-sharded and onebit-lamb, VarFreezeStep of
+	// zeroone-adam.
 	freezeStep int
 	// reduce is the gradient averaging of the exact optimizers and of the
 	// 1-bit optimizers' exact stage (-reduce).
@@ -79,9 +87,14 @@ var zeroReduceNames = []string{"fp32", "coalesced", "int8", "int4"}
 // gradient averaging of the exact optimizers and zero-adam's
 // reduce-scatter. For zero-adam s is one of zeroReduceNames, and the exact
 // baseline of -compare averages in fp32 unless s is also one of its modes.
+// onebit-adam-sharded takes fp32 only (its warm-up reduce-scatters float32
+// gradients).
 func parseReduces(name, s string) (optim.ReduceMode, zero.Reduce, error) {
 	if name != "zero-adam" {
 		m, err := parseReduce(s)
+		if err == nil && name == sharded && m != optim.ReduceFP32 {
+			return 0, 0, fmt.Errorf("-reduce %s: %s averages in fp32 only (its warm-up reduce-scatters float32 gradients)", s, sharded)
+		}
 		return m, 0, err
 	}
 	z, err := zero.ParseReduce(s)
@@ -111,6 +124,12 @@ func newOptimizer(ctx context.Context, name string, c comm.Comm, params []*optim
 		cfg := onebit.DefaultAdamConfig()
 		cfg.AdamConfig = adam
 		cfg.FreezeStep = h.freezeStep
+		return onebit.NewAdam(ctx, c, params, cfg)
+	case sharded:
+		cfg := onebit.DefaultAdamConfig()
+		cfg.AdamConfig = adam
+		cfg.FreezeStep = h.freezeStep
+		cfg.StateMode = onebit.StateSharded
 		return onebit.NewAdam(ctx, c, params, cfg)
 	case "onebit-lamb":
 		cfg := onebit.DefaultLambConfig()

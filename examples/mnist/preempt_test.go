@@ -83,10 +83,12 @@ func zeroInt4(name string, cfg *trainConfig) {
 // TestPreemptLocal: a stop request seen by one rank only stops every rank
 // after the same step, with that step's checkpoint saved (off the
 // -checkpoint-every grid), and the resumed run ends bit-identical to an
-// uninterrupted one: no step's work is lost.
+// uninterrupted one: no step's work is lost. onebit-adam-sharded stops
+// in its compression stage (freeze step 10), on 3 ranks whose chunks are
+// padded.
 func TestPreemptLocal(t *testing.T) {
 	train, test := loadTestdata(t)
-	for _, name := range []string{"onebit-adam", "zero-adam"} {
+	for _, name := range []string{"onebit-adam", "onebit-adam-sharded", "zero-adam"} {
 		t.Run(name, func(t *testing.T) {
 			cfg := smallConfig(name)
 			cfg.epochs = 2
@@ -239,6 +241,28 @@ func TestResumeOtherWorld(t *testing.T) {
 			})
 		}
 	}
+	// onebit-adam-sharded's moments are sharded by rank: its checkpoint of
+	// 4 ranks is refused on 3 with a clear error on every rank, and the
+	// files are kept.
+	t.Run("onebit-adam-sharded/4to3", func(t *testing.T) {
+		cfg := smallConfig("onebit-adam-sharded")
+		cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 5}
+		_, errs := trainRanks(t, 4, train, test, cfg, stopOn(0, 20))
+		require.NoError(t, errs[0])
+		saved := savedStates(t, cfg.checkpoint.dir, "onebit-adam-sharded", 4, 20)
+		for r, ck := range saved {
+			require.NotNil(t, ck, "rank %d", r)
+		}
+		cfg.checkpoint.resume = true
+		_, errs = trainRanks(t, 3, train, test, cfg, nil)
+		for r := range 3 {
+			require.Error(t, errs[r], "rank %d", r)
+			assert.Contains(t, errs[r].Error(), "(step 20) was made on 4 ranks, this run has 3: onebit-adam-sharded resumes only on the number of ranks that made its checkpoint", "rank %d", r)
+		}
+		for r, ck := range savedStates(t, cfg.checkpoint.dir, "onebit-adam-sharded", 4, 20) {
+			assert.NotNil(t, ck, "rank %d's checkpoint of step 20 is kept", r)
+		}
+	})
 	t.Run("4to3to4", func(t *testing.T) {
 		cfg := smallConfig("onebit-adam")
 		cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 5}

@@ -144,6 +144,7 @@ func TestRunErrors(t *testing.T) {
 		want string
 	}{
 		{[]string{"-optimizer", "sgd"}, `unknown -optimizer "sgd"`},
+		{[]string{"-optimizer", "onebit-adam-sharded", "-reduce", "fp16"}, "onebit-adam-sharded averages in fp32 only"},
 		{[]string{"-backend", "tcp"}, `invalid value "tcp" for --backend: want local or mpi`},
 		{[]string{"-workers", "0"}, `invalid value "0" for --workers: want 1 to 1024`},
 		{[]string{"-lr", "-1"}, `invalid value "-1" for --lr: want a learning rate in (0, 10]`},
@@ -166,6 +167,8 @@ func TestRunOrder(t *testing.T) {
 	}{
 		{"adam", false, []string{"adam"}},
 		{"onebit-adam", true, []string{"adam", "onebit-adam"}},
+		{"onebit-adam-sharded", false, []string{"onebit-adam-sharded"}},
+		{"onebit-adam-sharded", true, []string{"adam", "onebit-adam-sharded"}},
 		{"onebit-lamb", true, []string{"lamb", "onebit-lamb"}},
 		{"zeroone-adam", true, []string{"adam", "zeroone-adam"}},
 		{"adam", true, []string{"adam", "onebit-adam"}},

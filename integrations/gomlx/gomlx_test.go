@@ -149,6 +149,18 @@ func withFreeze(f int) Builder {
 	}
 }
 
+// withShardedFreeze is withFreeze(f) with the moments sharded over the
+// ranks (onebit.StateSharded).
+func withShardedFreeze(f int) Builder {
+	return func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+		cfg := onebit.DefaultAdamConfig()
+		cfg.LR = 1e-2
+		cfg.FreezeStep = f
+		cfg.StateMode = onebit.StateSharded
+		return onebit.NewAdam(ctx, c, p, cfg)
+	}
+}
+
 // withLambFreeze is onebitLamb with freeze step f.
 func withLambFreeze(f int) Builder {
 	return func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
@@ -313,7 +325,8 @@ func TestLoopEveryOptimizer(t *testing.T) {
 		build Builder
 		local bool // the run takes local steps, on which the ranks differ
 	}{
-		{"adam", adam, false}, {"lamb", lamb, false}, {"onebit-adam", onebitAdam, false}, {"onebit-lamb", onebitLamb, false},
+		{"adam", adam, false}, {"lamb", lamb, false}, {"onebit-adam", onebitAdam, false},
+		{"onebit-adam-sharded", withShardedFreeze(5), false}, {"onebit-lamb", onebitLamb, false},
 		{"zeroone-adam", zeroOneAdam, false}, {"zeroone-adam-local", zeroOneAdamLocal, true}, {"zero-adam", zeroAdam, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -788,6 +801,8 @@ func TestResumeBitIdentical(t *testing.T) {
 		{name: "lamb", build: lamb, steps: 12, cut: 6},
 		{name: "onebit-adam", build: withFreeze(3), steps: 12, cut: 6,
 			atCut: optim.StageCompression, atEnd: optim.StageCompression, compressed: true},
+		{name: "onebit-adam-sharded", build: withShardedFreeze(3), steps: 12, cut: 6,
+			atCut: optim.StageCompression, atEnd: optim.StageCompression, compressed: true},
 		{name: "onebit-lamb", build: withLambFreeze(3), steps: 12, cut: 6,
 			atCut: optim.StageCompression, atEnd: optim.StageCompression, compressed: true},
 		{name: "zeroone-adam", build: zeroOneAdamLocal, steps: 12, cut: 7,
@@ -805,6 +820,8 @@ func TestResumeBitIdentical(t *testing.T) {
 func TestResumeFromWarmup(t *testing.T) {
 	for _, tc := range []resumeCase{
 		{name: "onebit-adam", build: withFreeze(5), steps: 10, cut: 3,
+			atCut: optim.StageWarmup, atEnd: optim.StageCompression},
+		{name: "onebit-adam-sharded", build: withShardedFreeze(5), steps: 10, cut: 3,
 			atCut: optim.StageWarmup, atEnd: optim.StageCompression},
 		{name: "onebit-lamb", build: withLambFreeze(5), steps: 10, cut: 3,
 			atCut: optim.StageWarmup, atEnd: optim.StageCompression},
@@ -885,6 +902,17 @@ func TestResumeRefused(t *testing.T) {
 	try(2, 16, adam, "incompatible checkpoint")
 	try(2, 32, onebitAdam, "shape")
 	try(1, 16, onebitAdam, "incompatible checkpoint")
+	try(2, 16, withShardedFreeze(5), "StateMode") // the moments are kept otherwise
+
+	// A checkpoint of 1-bit Adam with sharded moments resumes only on the
+	// number of ranks that saved it.
+	dir = t.TempDir()
+	require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
+		return resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 4, build: withShardedFreeze(2)}).err
+	}))
+	files = snapshot(t, dir)
+	try(1, 16, withShardedFreeze(2), "incompatible checkpoint")
+	try(2, 16, withFreeze(2), "StateMode")
 
 	// A checkpoint saved with Handler.Save after the lowbit state was saved.
 	dir2 := t.TempDir()

@@ -64,16 +64,54 @@ func TestConvergence(t *testing.T) {
 }
 
 // TestResume: a run stopped at step 10 with -checkpoint and resumed to step
-// 20 ends with the validation loss of the run never stopped, to the bit.
+// 20 ends with the validation loss of the run never stopped, to the bit
+// (1-bit Adam, and with its moments sharded over the 2 ranks: both stop in
+// their compression stage).
 func TestResume(t *testing.T) {
-	dir := t.TempDir()
-	args := tiny("-optimizer", "onebit-adam", "-freeze-step", "5", "-checkpoint", dir, "-checkpoint-every", "5")
-	runJSON(t, append(args, "-steps", "10")...)
-	resumed, _ := runJSON(t, append(args, "-steps", "20")...)
-	whole, _ := runJSON(t, tiny("-optimizer", "onebit-adam", "-freeze-step", "5", "-steps", "20")...)
-	assert.Equal(t, 10, resumed[0].ResumedAt)
-	assert.Equal(t, whole[0].ValLoss, resumed[0].ValLoss)
-	assert.Equal(t, whole[0].TrainLoss, resumed[0].TrainLoss)
+	for _, name := range []string{"onebit-adam", "onebit-adam-sharded"} {
+		t.Run(name, func(t *testing.T) {
+			dir := t.TempDir()
+			args := tiny("-optimizer", name, "-freeze-step", "5", "-checkpoint", dir, "-checkpoint-every", "5")
+			runJSON(t, append(args, "-steps", "10")...)
+			resumed, _ := runJSON(t, append(args, "-steps", "20")...)
+			whole, _ := runJSON(t, tiny("-optimizer", name, "-freeze-step", "5", "-steps", "20")...)
+			assert.Equal(t, 10, resumed[0].ResumedAt)
+			assert.Equal(t, whole[0].ValLoss, resumed[0].ValLoss)
+			assert.Equal(t, whole[0].TrainLoss, resumed[0].TrainLoss)
+		})
+	}
+}
+
+// TestParseRuns: the runs -optimizer, -reduce and -compare name, the
+// sharded 1-bit Adam among them (fp32 averaging only).
+func TestParseRuns(t *testing.T) {
+	for _, tc := range []struct {
+		list, reduce string
+		compare      bool
+		want         []string // labels
+		err          string
+	}{
+		{"onebit-adam-sharded", "fp32", false, []string{"onebit-adam-sharded"}, ""},
+		{"onebit-adam-sharded", "fp32", true, []string{"adam", "onebit-adam-sharded"}, ""},
+		{"adam,onebit-adam,onebit-adam-sharded:fp32,zero-adam:int8", "fp32", false,
+			[]string{"adam", "onebit-adam", "onebit-adam-sharded", "zero-adam int8"}, ""},
+		{"onebit-adam-sharded:fp16", "fp32", false, nil, `reduction "fp16" for onebit-adam-sharded: it averages in fp32 only`},
+		{"onebit-adam-sharded", "bf16", true, nil, `reduction "bf16" for onebit-adam-sharded: it averages in fp32 only`},
+		{"onebit-adam:sharded", "fp32", false, nil, "1-bit Adam with sharded moments is -optimizer onebit-adam-sharded"},
+	} {
+		runs, err := parseRuns(tc.list, tc.reduce, tc.compare)
+		if tc.err != "" {
+			require.Error(t, err, tc.list)
+			assert.Contains(t, err.Error(), tc.err, tc.list)
+			continue
+		}
+		require.NoError(t, err, tc.list)
+		var got []string
+		for _, r := range runs {
+			got = append(got, r.label())
+		}
+		assert.Equal(t, tc.want, got, tc.list)
+	}
 }
 
 // TestCheckpointOfAnotherModel: a checkpoint of another model size is

@@ -14,11 +14,19 @@ import (
 
 // optimizerNames are the optimizers -optimizer takes, in the order -help
 // lists them.
-var optimizerNames = []string{"adam", "onebit-adam", "zeroone-adam", "lamb", "onebit-lamb", "zero-adam"}
+var optimizerNames = []string{"adam", "onebit-adam", "onebit-adam-sharded", "zeroone-adam", "lamb", "onebit-lamb", "zero-adam"}
+
+// sharded is 1-bit Adam with its moments sharded over the ranks
+// (onebit.StateSharded, docs/sharded.md): the wire bytes of onebit-adam,
+// less optimizer state. A name of its own, as :REDUCE names the gradient
+// averaging: its warm-up averages in fp32 only, and its checkpoints resume
+// on the number of ranks that made them only.
+const sharded = "onebit-adam-sharded"
 
 // baseline is the exact optimizer a compressed one is compared with.
 var baseline = map[string]string{
 	"onebit-adam":  "adam",
+	sharded:        "adam",
 	"zeroone-adam": "adam",
 	"onebit-lamb":  "lamb",
 	"zero-adam":    "adam",
@@ -141,8 +149,13 @@ func parseRun(entry, reduce string) (runSpec, error) {
 		return s, nil
 	}
 	m, err := optim.ParseReduceMode(red)
-	if err != nil {
+	switch {
+	case err != nil && red == "sharded":
+		return runSpec{}, fmt.Errorf("unknown reduction %q for %s: 1-bit Adam with sharded moments is -optimizer %s", red, name, sharded)
+	case err != nil:
 		return runSpec{}, fmt.Errorf("unknown reduction %q for %s (want fp32, fp16, bf16 or twolevel)", red, name)
+	case name == sharded && m != optim.ReduceFP32:
+		return runSpec{}, fmt.Errorf("reduction %q for %s: it averages in fp32 only (its warm-up reduce-scatters float32 gradients)", red, name)
 	}
 	s.reduce = m
 	return s, nil
@@ -152,7 +165,8 @@ func parseRun(entry, reduce string) (runSpec, error) {
 type hyper struct {
 	lr float32
 	// freezeStep is the exact warm-up of the 1-bit optimizers: FreezeStep
-	// of onebit-adam and onebit-lamb, VarFreezeStep of zeroone-adam.
+	// of onebit-adam, onebit-adam-sharded and onebit-lamb, VarFreezeStep of
+	// zeroone-adam.
 	freezeStep int
 }
 
@@ -173,6 +187,12 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		cfg := onebit.DefaultAdamConfig()
 		cfg.AdamConfig = adam
 		cfg.FreezeStep = h.freezeStep
+		return onebit.NewAdam(ctx, c, params, cfg)
+	case sharded:
+		cfg := onebit.DefaultAdamConfig()
+		cfg.AdamConfig = adam
+		cfg.FreezeStep = h.freezeStep
+		cfg.StateMode = onebit.StateSharded
 		return onebit.NewAdam(ctx, c, params, cfg)
 	case "onebit-lamb":
 		cfg := onebit.DefaultLambConfig()
