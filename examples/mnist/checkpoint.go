@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/optim/zero"
 )
@@ -201,8 +202,8 @@ type restored struct {
 	elapsed  time.Duration // training wall time before step (evaluations excluded)
 	gen      int64         // the run's generation (see ckptGen)
 	// fromWorld is the number of ranks that made the checkpoint: another
-	// than this run's when it resumed on another number of ranks, with the
-	// error feedback reset.
+	// than this run's when it resumed on another number of ranks (see
+	// carriedBy).
 	fromWorld int
 	// lr is the fixed learning rate the loaded checkpoint records
 	// (optim.FloatLR); hasLR is false for a checkpoint that records none.
@@ -264,10 +265,11 @@ func (k *checkpointer) load(path string, total int) (*candidate, string) {
 // A rank's own two files are the candidates of a resume on the same number
 // of ranks. Rank 0 also looks for a complete set of another number of
 // ranks' files (every rank of that run holding the same step and
-// generation): a resume from those continues on this run's ranks with the
-// error feedback reset (optim.Checkpoint.ResetErrors; zero-adam re-shards
-// with zero.Consolidate), which needs a directory every rank sees. The
-// newest step wins; at equal steps the same number of ranks does.
+// generation): a resume from those continues on this run's ranks, the
+// 1-bit optimizers' error feedback (and sharded moments) carried over by
+// onebit.Regroup, zero-adam's moments re-sharded by zero.Consolidate; it
+// needs a directory every rank sees. The newest step wins; at equal steps
+// the same number of ranks does.
 //
 // A file that fails its checksum (or is otherwise unusable) is named in a
 // warning on warn, by the rank that read it; rank 0 states the step the run
@@ -357,13 +359,8 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 			}
 		}
 		res, err = k.apply(opt, cand.path, cand.ck)
-	} else if k.name == sharded {
-		// Its moments and update errors are cut by rank: Load refuses a
-		// checkpoint of another group size (optim.ErrIncompatibleCheckpoint).
-		err = fmt.Errorf("-resume: the newest checkpoint of %s in %s (step %d) was made on %d ranks, this run has %d: %s resumes only on the number of ranks that made its checkpoint (its moments are sharded by rank); run on %d ranks",
-			k.name, k.cfg.dir, otherKey>>16, otherWorld, w, k.name, otherWorld)
 	} else {
-		res, err = k.reworld(opt, total, otherKey, otherWorld)
+		res, err = k.reworld(opt, total, otherKey, otherWorld, w)
 	}
 	// Every rank fails together.
 	flag := []float32{0}
@@ -395,8 +392,8 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 		fmt.Fprintf(warn, "mnist: -resume: %s continues from step %d of %d\n", k.name, res.step, total)
 	}
 	if res.fromWorld != w && k.rank == 0 {
-		fmt.Fprintf(warn, "mnist: warning: -resume: %s checkpoint of step %d was made on %d ranks, this run has %d: continuing with the error feedback reset\n",
-			k.name, res.step, res.fromWorld, w)
+		fmt.Fprintf(warn, "mnist: -resume: %s checkpoint of step %d was made on %d ranks, this run has %d: continuing, %s\n",
+			k.name, res.step, res.fromWorld, w, carriedBy(k.name))
 	}
 	return res, nil
 }
@@ -435,13 +432,26 @@ func (k *checkpointer) otherWorld(total, w int) (key int64, world int) {
 	return key, world
 }
 
-// reworld loads the checkpoint of key made on world ranks into this run on
-// another number of ranks (never onebit-adam-sharded's: refused before):
-// every optimizer but zero-adam loads old rank
-// (rank mod world)'s checkpoint with its error buffers dropped
-// (ResetErrors); zero-adam loads the consolidation of every old rank's
-// shard (zero.Consolidate).
-func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world int) (*restored, error) {
+// carriedBy says how the optimizer called name continues on another
+// number of ranks (see reworld).
+func carriedBy(name string) string {
+	switch name {
+	case "zero-adam":
+		return "moments re-sharded (zero.Consolidate)"
+	case "onebit-adam", sharded, "onebit-lamb", "zeroone-adam":
+		return "error feedback carried over (onebit.Regroup)"
+	}
+	return "the same state on every rank"
+}
+
+// reworld loads the checkpoint of key made on world ranks into this run of
+// w ranks: the 1-bit optimizers load onebit.Regroup of every old rank's
+// checkpoint (the error feedback kept, sharded moments re-cut), zero-adam
+// the consolidation of every old rank's shard (zero.Consolidate), and the
+// exact optimizers, whose state is the same on every rank, old rank (rank
+// mod world)'s checkpoint (through ResetErrors, which lets it load on
+// another number of ranks: they have no error buffers).
+func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world, w int) (*restored, error) {
 	find := func(r int) (*candidate, error) {
 		for slot := range 2 {
 			if cand, _ := k.load(k.pathOf(r, slot), total); cand != nil && cand.key() == key && cand.world == int64(world) {
@@ -451,9 +461,7 @@ func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world 
 		return nil, fmt.Errorf("-resume: rank %d's checkpoint of step %d (made on %d ranks) is not readable from rank %d: resuming on another number of ranks needs a directory every rank sees",
 			r, key>>16, world, k.rank)
 	}
-	var cand *candidate
-	var load *optim.Checkpoint
-	if k.name == "zero-adam" {
+	all := func() ([]*optim.Checkpoint, error) {
 		cks := make([]*optim.Checkpoint, world)
 		for r := range world {
 			cr, err := find(r)
@@ -461,19 +469,32 @@ func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world 
 				return nil, err
 			}
 			cks[r] = k.strip(cr.ck)
-			if r == 0 {
-				cand = cr
-			}
 		}
-		var err error
+		return cks, nil
+	}
+	cand, err := find(k.rank % world)
+	if err != nil {
+		return nil, err
+	}
+	var load *optim.Checkpoint
+	switch k.name {
+	case "zero-adam":
+		cks, err := all()
+		if err != nil {
+			return nil, err
+		}
 		if load, err = zero.Consolidate(cks); err != nil {
 			return nil, fmt.Errorf("-resume: %w", err)
 		}
-	} else {
-		var err error
-		if cand, err = find(k.rank % world); err != nil {
+	case "onebit-adam", sharded, "onebit-lamb", "zeroone-adam":
+		cks, err := all()
+		if err != nil {
 			return nil, err
 		}
+		if load, err = onebit.Regroup(cks, w, k.rank); err != nil {
+			return nil, fmt.Errorf("-resume: %w", err)
+		}
+	default:
 		load = k.strip(cand.ck).ResetErrors()
 	}
 	res, err := k.history(cand.path, cand.ck, true)

@@ -252,6 +252,30 @@ func TestWarnings(t *testing.T) {
 	for r := 1; r < 3; r++ {
 		assert.Empty(t, warnings[r], "rank %d", r)
 	}
+
+	// From 3 ranks to 2 with onebit.Regroup (the README's recipe that
+	// keeps the error feedback): every new rank's newest lowbit state is
+	// made from all 3 old ranks', and nothing warns of a reset.
+	steps, err = stateSteps(rankDir(0))
+	require.NoError(t, err)
+	last = steps[len(steps)-1]
+	olds := make([]*optim.Checkpoint, 3)
+	for r := range olds {
+		olds[r], err = optim.LoadFile(filepath.Join(rankDir(r), stateFileName(last)))
+		require.NoError(t, err)
+	}
+	for r := range 2 {
+		ck, err := onebit.Regroup(olds, 2, r)
+		require.NoError(t, err)
+		require.NoError(t, optim.SaveFile(filepath.Join(rankDir(r), stateFileName(last)), ck))
+	}
+	require.NoError(t, os.RemoveAll(rankDir(2)))
+	warnings, _ = run(2, 2, builderLR("onebit-adam", 0.01), nil)
+	for r := range 2 {
+		for _, w := range warnings[r] {
+			assert.NotContains(t, w, "reset", "rank %d", r)
+		}
+	}
 }
 
 // TestErrorsNameTheVariables: ranks whose models differ fail at the first
