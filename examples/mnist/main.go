@@ -96,8 +96,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.workers, "workers", defaultWorkers, "data-parallel workers (ranks); with -backend mpi the mpirun -np decides")
 	fs.StringVar(&o.backend, "backend", "local", "communicator: local (goroutine ranks in this process) or mpi (run under mpirun; build with -tags mpi)")
 	fs.StringVar(&o.optimizer, "optimizer", "onebit-adam", "optimizer: "+strings.Join(optimizerNames, ", "))
-	fs.BoolVar(&o.compare, "compare", false, "train the exact and the compressed optimizer one after the other from the same seed (adam vs onebit-adam, adam vs onebit-adam-sharded, lamb vs onebit-lamb, adam vs zeroone-adam, adam vs zero-adam)")
-	fs.IntVar(&o.freezeStep, "freeze-step", defaultFreezeStep, "warm-up steps of onebit-adam, onebit-adam-sharded, onebit-lamb and zeroone-adam (exact steps before compression starts)")
+	fs.BoolVar(&o.compare, "compare", false, "train the exact and the compressed optimizer one after the other from the same seed (adam vs onebit-adam and its state modes (onebit-adam-compact, onebit-adam-sharded, onebit-adam-sharded-bf16), lamb vs onebit-lamb, adam vs zeroone-adam, adam vs zero-adam)")
+	fs.IntVar(&o.freezeStep, "freeze-step", defaultFreezeStep, "warm-up steps of onebit-adam (every state mode), onebit-lamb and zeroone-adam (exact steps before compression starts)")
 	fs.IntVar(&o.localSteps, "local-step-scaler", onebit.DefaultZeroOneAdamConfig().LocalStepScaler,
 		"zeroone-adam: phase-B steps after which the interval between synchronizations doubles (up to 16); with the default, every step of a shorter run synchronizes (no local steps)")
 	fs.IntVar(&o.epochs, "epochs", defaultEpochs, "passes over the training set")
@@ -116,7 +116,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.checkpoint.resume, "resume", false, "continue from the newest checkpoint in -checkpoint that every rank holds")
 	fs.IntVar(&o.checkpoint.killAt, "kill-at", 0, "testing: kill the process (every rank, SIGKILL) right after the checkpoint of this step is saved")
 	fs.StringVar(&o.reduce, "reduce", "fp32", "gradient averaging of the exact optimizers and of the 1-bit optimizers' exact stage: "+strings.Join(reduceNames, ", ")+
-		" (onebit-adam-sharded: fp32 only)"+
+		" (onebit-adam-sharded and -sharded-bf16: fp32 only)"+
 		"; with -optimizer zero-adam its gradient reduce-scatter: "+strings.Join(zeroReduceNames, ", "))
 	if err := cliflag.Parse(fs, args); err != nil {
 		return nil, err

@@ -13,7 +13,7 @@ import (
 
 // optimizerNames are the values of -optimizer, in the order -help lists
 // them.
-var optimizerNames = []string{"adam", "lamb", "onebit-adam", "onebit-adam-sharded", "onebit-lamb", "zeroone-adam", "zero-adam"}
+var optimizerNames = []string{"adam", "lamb", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "onebit-lamb", "zeroone-adam", "zero-adam"}
 
 // sharded is 1-bit Adam with its moments sharded over the ranks
 // (onebit.StateSharded, docs/sharded.md): the wire bytes of onebit-adam,
@@ -21,10 +21,35 @@ var optimizerNames = []string{"adam", "lamb", "onebit-adam", "onebit-adam-sharde
 // checkpoints resume on the number of ranks that made them only.
 const sharded = "onebit-adam-sharded"
 
+// compact and shardedBF16 are 1-bit Adam's other state modes: compact
+// (onebit.StateCompact) takes onebit-adam's steps bit for bit in less
+// memory; shardedBF16 is sharded with its worker error and frozen variance
+// in bfloat16 (onebit.BF16WorkerError|onebit.BF16Variance).
+const (
+	compact     = "onebit-adam-compact"
+	shardedBF16 = "onebit-adam-sharded-bf16"
+)
+
+// stateOf is the state mode and bfloat16 buffers of the 1-bit Adam
+// called name.
+func stateOf(name string) (onebit.StateMode, onebit.BF16State) {
+	switch name {
+	case compact:
+		return onebit.StateCompact, 0
+	case sharded:
+		return onebit.StateSharded, 0
+	case shardedBF16:
+		return onebit.StateSharded, onebit.BF16WorkerError | onebit.BF16Variance
+	}
+	return onebit.StateFull, 0
+}
+
 // baseline is the exact optimizer a compressed one is compared with.
 var baseline = map[string]string{
 	"onebit-adam":  "adam",
 	sharded:        "adam",
+	compact:        "adam",
+	shardedBF16:    "adam",
 	"onebit-lamb":  "lamb",
 	"zeroone-adam": "adam",
 	"zero-adam":    "adam",
@@ -92,8 +117,8 @@ var zeroReduceNames = []string{"fp32", "coalesced", "int8", "int4"}
 func parseReduces(name, s string) (optim.ReduceMode, zero.Reduce, error) {
 	if name != "zero-adam" {
 		m, err := parseReduce(s)
-		if err == nil && name == sharded && m != optim.ReduceFP32 {
-			return 0, 0, fmt.Errorf("-reduce %s: %s averages in fp32 only (its warm-up reduce-scatters float32 gradients)", s, sharded)
+		if mode, _ := stateOf(name); err == nil && mode == onebit.StateSharded && m != optim.ReduceFP32 {
+			return 0, 0, fmt.Errorf("-reduce %s: %s averages in fp32 only (its warm-up reduce-scatters float32 gradients)", s, name)
 		}
 		return m, 0, err
 	}
@@ -125,11 +150,11 @@ func newOptimizer(ctx context.Context, name string, c comm.Comm, params []*optim
 		cfg.AdamConfig = adam
 		cfg.FreezeStep = h.freezeStep
 		return onebit.NewAdam(ctx, c, params, cfg)
-	case sharded:
+	case compact, sharded, shardedBF16:
 		cfg := onebit.DefaultAdamConfig()
 		cfg.AdamConfig = adam
 		cfg.FreezeStep = h.freezeStep
-		cfg.StateMode = onebit.StateSharded
+		cfg.StateMode, cfg.BF16 = stateOf(name)
 		return onebit.NewAdam(ctx, c, params, cfg)
 	case "onebit-lamb":
 		cfg := onebit.DefaultLambConfig()

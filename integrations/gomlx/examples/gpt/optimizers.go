@@ -14,7 +14,7 @@ import (
 
 // optimizerNames are the optimizers -optimizer takes, in the order -help
 // lists them.
-var optimizerNames = []string{"adam", "onebit-adam", "onebit-adam-sharded", "zeroone-adam", "lamb", "onebit-lamb", "zero-adam"}
+var optimizerNames = []string{"adam", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "zeroone-adam", "lamb", "onebit-lamb", "zero-adam"}
 
 // sharded is 1-bit Adam with its moments sharded over the ranks
 // (onebit.StateSharded, docs/sharded.md): the wire bytes of onebit-adam,
@@ -23,10 +23,35 @@ var optimizerNames = []string{"adam", "onebit-adam", "onebit-adam-sharded", "zer
 // on the number of ranks that made them only.
 const sharded = "onebit-adam-sharded"
 
+// compact and shardedBF16 are 1-bit Adam's other state modes: compact
+// (onebit.StateCompact) takes onebit-adam's steps bit for bit in less
+// memory; shardedBF16 is sharded with its worker error and frozen variance
+// in bfloat16 (onebit.BF16WorkerError|onebit.BF16Variance).
+const (
+	compact     = "onebit-adam-compact"
+	shardedBF16 = "onebit-adam-sharded-bf16"
+)
+
+// stateOf is the state mode and bfloat16 buffers of the 1-bit Adam
+// called name.
+func stateOf(name string) (onebit.StateMode, onebit.BF16State) {
+	switch name {
+	case compact:
+		return onebit.StateCompact, 0
+	case sharded:
+		return onebit.StateSharded, 0
+	case shardedBF16:
+		return onebit.StateSharded, onebit.BF16WorkerError | onebit.BF16Variance
+	}
+	return onebit.StateFull, 0
+}
+
 // baseline is the exact optimizer a compressed one is compared with.
 var baseline = map[string]string{
 	"onebit-adam":  "adam",
 	sharded:        "adam",
+	compact:        "adam",
+	shardedBF16:    "adam",
 	"zeroone-adam": "adam",
 	"onebit-lamb":  "lamb",
 	"zero-adam":    "adam",
@@ -154,7 +179,7 @@ func parseRun(entry, reduce string) (runSpec, error) {
 		return runSpec{}, fmt.Errorf("unknown reduction %q for %s: 1-bit Adam with sharded moments is -optimizer %s", red, name, sharded)
 	case err != nil:
 		return runSpec{}, fmt.Errorf("unknown reduction %q for %s (want fp32, fp16, bf16 or twolevel)", red, name)
-	case name == sharded && m != optim.ReduceFP32:
+	case (name == sharded || name == shardedBF16) && m != optim.ReduceFP32:
 		return runSpec{}, fmt.Errorf("reduction %q for %s: it averages in fp32 only (its warm-up reduce-scatters float32 gradients)", red, name)
 	}
 	s.reduce = m
@@ -188,11 +213,11 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		cfg.AdamConfig = adam
 		cfg.FreezeStep = h.freezeStep
 		return onebit.NewAdam(ctx, c, params, cfg)
-	case sharded:
+	case compact, sharded, shardedBF16:
 		cfg := onebit.DefaultAdamConfig()
 		cfg.AdamConfig = adam
 		cfg.FreezeStep = h.freezeStep
-		cfg.StateMode = onebit.StateSharded
+		cfg.StateMode, cfg.BF16 = stateOf(r.name)
 		return onebit.NewAdam(ctx, c, params, cfg)
 	case "onebit-lamb":
 		cfg := onebit.DefaultLambConfig()
