@@ -174,9 +174,9 @@ func NewAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg AdamCo
 				return nil, fmt.Errorf("onebit: Adam: %w", err)
 			}
 		} else {
-			a.mflat, a.m = flatten(sizes)
+			a.mflat, a.m = flatten[float32](sizes)
 		}
-		a.vflat, a.v = flatten(sizes)
+		a.vflat, a.v = flatten[float32](sizes)
 		frameSizes = a.v
 		if a.avg, err = optim.NewGradAverager(c, a.params, cfg.Reduce, cfg.RanksPerNode); err != nil {
 			return nil, fmt.Errorf("onebit: Adam: %w", err)
@@ -331,7 +331,7 @@ func (a *Adam) State() (*optim.Checkpoint, error) {
 	if a.sh != nil {
 		a.sh.save(ck)
 	} else {
-		a.bkt.save(ck, we)
+		a.bkt.save(ck, we, nil)
 	}
 	return ck, nil
 }

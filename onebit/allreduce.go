@@ -8,6 +8,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"iter"
 	"math"
 
 	"github.com/lowbit-ml/lowbit/comm"
@@ -91,7 +92,7 @@ type State struct {
 	// with two changes. owner, when not nil, is called on every block of
 	// the server's c (its offset in the chunk, then the block) after step
 	// 5 and before step 6, and replaces c in place with what phase 2 is to
-	// carry. keep leaves the output in gathered (read with outputPiece)
+	// carry. keep leaves the output in gathered (read with outputs)
 	// instead of unpacking it into buf.
 	owner func(off int, c []float32)
 	keep  bool
@@ -472,6 +473,33 @@ func (st *State) allReduce(ctx context.Context, c comm.Comm, buf []float32) erro
 		st.span(PhaseDecompress, p, t)
 	}
 	return nil
+}
+
+// outputs yields the output of the last call of a State that keeps it
+// (keep), a block at a time: the first element's index and the block,
+// unpacked into the summing block (free between calls); padding left out.
+func (st *State) outputs() iter.Seq2[int, []float32] {
+	return func(yield func(int, []float32) bool) {
+		chunkLen := len(st.ServerError)
+		blk := st.server
+		for j := range st.world {
+			for p := range st.pieces {
+				signs := st.msgPiece(p, j)
+				if p == 0 {
+					signs = signs[4:]
+				}
+				lo := j*chunkLen + p*st.pieceBytes*8
+				hi := min(lo+len(signs)*8, st.numel)
+				for b := lo; b < hi; b += len(blk) {
+					e := min(b+len(blk), hi)
+					signpack.UnpackScale(blk[:e-b], signs[(b-lo)/8:(e-lo+7)/8], st.scales[j])
+					if !yield(b, blk[:e-b]) {
+						return
+					}
+				}
+			}
+		}
+	}
 }
 
 // inputPart is the part of buf that falls in [lo, hi) of the padded tensor.

@@ -109,19 +109,23 @@ func (b *buckets) reset() {
 	}
 }
 
-// save adds the buckets and their error buffers to ck; we, if not nil,
-// holds the worker errors to save in place of the States' own.
-func (b *buckets) save(ck *optim.Checkpoint, we [][]float32) {
+// save adds the buckets and their error buffers to ck; we and se, if not
+// nil, hold the worker and server errors to save in place of the States'
+// own.
+func (b *buckets) save(ck *optim.Checkpoint, we, se [][]float32) {
 	ck.Ints[IntBucketBytes] = int64(b.bytes)
 	ck.Ints[IntBuckets] = int64(len(b.states))
 	for k, st := range b.states {
 		wn, sn := b.errorNames(k)
-		w := []float32(st.WorkerError)
+		w, s := []float32(st.WorkerError), []float32(st.ServerError)
 		if we != nil {
 			w = we[k]
 		}
+		if se != nil {
+			s = se[k]
+		}
 		ck.AddTensor(wn, []int{len(w)}, w)
-		ck.AddTensor(sn, []int{len(st.ServerError)}, st.ServerError)
+		ck.AddTensor(sn, []int{len(s)}, s)
 	}
 }
 
@@ -169,13 +173,9 @@ func (b *buckets) restore(ck *optim.Checkpoint, rs *optim.Restore) {
 
 // flatten returns one buffer of the lengths of parts, in order, and parts
 // re-pointed as views into it.
-func flatten(sizes []int) (flat []float32, parts [][]float32) {
-	n := 0
-	for _, s := range sizes {
-		n += s
-	}
-	flat = make([]float32, n)
-	parts = make([][]float32, len(sizes))
+func flatten[T any](sizes []int) (flat []T, parts [][]T) {
+	flat = make([]T, sum(sizes))
+	parts = make([][]T, len(sizes))
 	off := 0
 	for i, s := range sizes {
 		parts[i] = flat[off : off+s : off+s]

@@ -92,55 +92,27 @@ func (c *compact) compressed(ctx context.Context, cm comm.Comm, cfg optim.AdamCo
 				}
 			}
 		} else {
-			c.eachGathered(k, st, func(lo int, m []float32) {
+			for lo, m := range st.outputs() {
 				c.formX(k, st, lo, m, cfg.Beta1, a1)
-			})
+			}
 		}
 		if err := st.allReduce(ctx, cm, nil); err != nil {
 			return fmt.Errorf("momentum: bucket %d of %d: %w", k, nb, samePackage{err})
 		}
-		c.eachGathered(k, st, func(lo int, m []float32) {
+		for lo, m := range st.outputs() {
 			c.update(k, lo, m, v, cfg, lr, c1, c2, bound)
-		})
+		}
 	}
 	c.fresh = false
 	return nil
 }
 
-// eachGathered hands fn the momentum the last compressed allreduce of
-// bucket k gathered, unmasked (element i of chunk j is ±scale_j), a block
-// of the bucket's elements at a time (lo, the block's first), in the
-// summing block of st, free between calls; padding left out.
-func (c *compact) eachGathered(k int, st *State, fn func(lo int, m []float32)) {
-	chunkLen := len(st.ServerError)
-	blk := st.server
-	for j := range st.world {
-		for p := range st.pieces {
-			signs := st.msgPiece(p, j)
-			if p == 0 {
-				signs = signs[4:]
-			}
-			lo := j*chunkLen + p*st.pieceBytes*8
-			hi := min(lo+len(signs)*8, st.numel)
-			for b := lo; b < hi; b += len(blk) {
-				e := min(b+len(blk), hi)
-				signpack.UnpackScale(blk[:e-b], signs[(b-lo)/8:(e-lo+7)/8], st.scales[j])
-				fn(b, blk[:e-b])
-			}
-		}
-	}
-}
-
 // masked multiplies the block m of bucket k's elements from lo by their
 // masks, as StateFull masks its momentum after the allreduce.
 func (c *compact) masked(k, lo int, m []float32) {
-	hi := lo + len(m)
-	segs := c.segs[k]
-	for i := c.segsFrom(k, lo); i < len(segs) && segs[i].lo < hi; i++ {
-		sg := segs[i]
-		if mk := c.mask[sg.param]; mk != nil {
-			a, b := max(sg.lo, lo), min(sg.hi, hi)
-			optim.Mul(m[a-lo:b-lo], mk[sg.off+a-sg.lo:sg.off+b-sg.lo])
+	for sp := range c.spans(k, lo, lo+len(m)) {
+		if mk := c.mask[sp.sg.param]; mk != nil {
+			optim.Mul(sp.at(m, lo), sp.of(mk))
 		}
 	}
 }
@@ -151,14 +123,9 @@ func (c *compact) masked(k, lo int, m []float32) {
 // allreduce round it; x stays in the worker error buffer.
 func (c *compact) formX(k int, st *State, lo int, m []float32, beta1, a1 float32) {
 	c.masked(k, lo, m)
-	hi := lo + len(m)
-	segs := c.segs[k]
-	for i := c.segsFrom(k, lo); i < len(segs) && segs[i].lo < hi; i++ {
-		sg := segs[i]
-		a, b := max(sg.lo, lo), min(sg.hi, hi)
-		g := c.params[sg.param].GradData()[sg.off+a-sg.lo : sg.off+b-sg.lo]
-		ms := m[a-lo : b-lo]
-		x := st.WorkerError[a:b]
+	for sp := range c.spans(k, lo, lo+len(m)) {
+		g, ms := sp.of(c.params[sp.sg.param].GradData()), sp.at(m, lo)
+		x := st.WorkerError[sp.a:sp.b]
 		for j := range x {
 			x[j] = x[j] + (float32(beta1*ms[j]) + float32(a1*g[j]))
 		}
@@ -169,14 +136,9 @@ func (c *compact) formX(k int, st *State, lo int, m []float32, beta1, a1 float32
 // mask, then optim.AdamUpdateBounded with the frozen v.
 func (c *compact) update(k, lo int, m []float32, v [][]float32, cfg optim.AdamConfig, lr, c1, c2 float32, bound optim.RatioBound) {
 	c.masked(k, lo, m)
-	hi := lo + len(m)
-	segs := c.segs[k]
-	for i := c.segsFrom(k, lo); i < len(segs) && segs[i].lo < hi; i++ {
-		sg := segs[i]
-		a, b := max(sg.lo, lo), min(sg.hi, hi)
-		p := c.params[sg.param].Data()[sg.off+a-sg.lo : sg.off+b-sg.lo]
-		vs := v[sg.param][sg.off+a-sg.lo : sg.off+b-sg.lo]
-		optim.AdamUpdateBounded(p, m[a-lo:b-lo], vs, lr, cfg.WeightDecay, c1, c2, cfg.Eps, bound)
+	for sp := range c.spans(k, lo, lo+len(m)) {
+		p, vs := sp.of(c.params[sp.sg.param].Data()), sp.of(v[sp.sg.param])
+		optim.AdamUpdateBounded(p, sp.at(m, lo), vs, lr, cfg.WeightDecay, c1, c2, cfg.Eps, bound)
 	}
 }
 
@@ -198,16 +160,12 @@ func (c *compact) moments() (m [][]float32, we [][]float32) {
 			continue
 		}
 		we[k] = st.WorkerError
-		c.eachGathered(k, st, func(lo int, blk []float32) {
+		for lo, blk := range st.outputs() {
 			c.masked(k, lo, blk)
-			hi := lo + len(blk)
-			for _, sg := range c.segs[k] {
-				a, b := max(sg.lo, lo), min(sg.hi, hi)
-				if a < b {
-					copy(m[sg.param][sg.off+a-sg.lo:sg.off+b-sg.lo], blk[a-lo:b-lo])
-				}
+			for sp := range c.spans(k, lo, lo+len(blk)) {
+				copy(sp.of(m[sp.sg.param]), sp.at(blk, lo))
 			}
-		})
+		}
 	}
 	return m, we
 }
@@ -318,17 +276,16 @@ func (c *compact) pack(k int, st *State, m [][]float32) ([]byte, []float32, erro
 			signpack.Pack(signs[:(hi-lo+7)/8], sgn)
 		}
 	}
-	var bad error
-	c.eachGathered(k, st, func(lo int, blk []float32) {
+	for lo, blk := range st.outputs() {
 		c.masked(k, lo, blk)
 		for i, x := range blk {
-			if want := value(lo + i); math.Float32bits(x) != math.Float32bits(want) && bad == nil {
-				bad = fmt.Errorf("%w: its momentum is not a compressed one (element %d of bucket %d is %v, not ±%v times its mask): "+
+			if want := value(lo + i); math.Float32bits(x) != math.Float32bits(want) {
+				return nil, nil, fmt.Errorf("%w: its momentum is not a compressed one (element %d of bucket %d is %v, not ±%v times its mask): "+
 					"load it with StateFull", optim.ErrIncompatibleCheckpoint, lo+i, k, want, scales[(lo+i)/chunkLen])
 			}
 		}
-	})
-	return g, scales, bad
+	}
+	return g, scales, nil
 }
 
 // stateBytes is the bytes of the shared momentum and worker error buffer

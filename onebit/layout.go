@@ -1,6 +1,7 @@
 package onebit
 
 import (
+	"iter"
 	"sort"
 
 	"github.com/lowbit-ml/lowbit/optim"
@@ -47,16 +48,41 @@ func (l *layout) segsFrom(k, lo int) int {
 	return sort.Search(len(segs), func(i int) bool { return segs[i].hi > lo })
 }
 
+// span is the part [a, b) of a run of bucket elements that segment sg
+// covers.
+type span struct {
+	sg   segment
+	a, b int
+}
+
+// at is the span's part of x, a slice of the run from element lo.
+func (sp span) at(x []float32, lo int) []float32 { return x[sp.a-lo : sp.b-lo] }
+
+// of is the span's part of a per-parameter buffer xs (the parameter's
+// values, gradient, v or mask).
+func (sp span) of(xs []float32) []float32 {
+	return xs[sp.sg.off+sp.a-sp.sg.lo : sp.sg.off+sp.b-sp.sg.lo]
+}
+
+// spans yields, in order, the parts of elements [lo, hi) of bucket k that
+// each parameter covers (padding is covered by none).
+func (l *layout) spans(k, lo, hi int) iter.Seq[span] {
+	return func(yield func(span) bool) {
+		segs := l.segs[k]
+		for i := l.segsFrom(k, lo); i < len(segs) && segs[i].lo < hi; i++ {
+			if !yield(span{segs[i], max(segs[i].lo, lo), min(segs[i].hi, hi)}) {
+				return
+			}
+		}
+	}
+}
+
 // gradsInto copies the gradients of elements [lo, lo+len(x)) of bucket k
 // into x, zero for padding.
 func (l *layout) gradsInto(k, lo int, x []float32) {
 	clear(x)
-	hi := lo + len(x)
-	segs := l.segs[k]
-	for i := l.segsFrom(k, lo); i < len(segs) && segs[i].lo < hi; i++ {
-		sg := segs[i]
-		a, b := max(sg.lo, lo), min(sg.hi, hi)
-		copy(x[a-lo:b-lo], l.params[sg.param].GradData()[sg.off+a-sg.lo:sg.off+b-sg.lo])
+	for sp := range l.spans(k, lo, lo+len(x)) {
+		copy(sp.at(x, lo), sp.of(l.params[sp.sg.param].GradData()))
 	}
 }
 
@@ -64,13 +90,8 @@ func (l *layout) gradsInto(k, lo int, x []float32) {
 // into x (step 1: x = pad(g) + worker_error, rounded as the compressed
 // allreduce rounds it).
 func (l *layout) addGrads(k, lo int, x []float32) {
-	hi := lo + len(x)
-	segs := l.segs[k]
-	for i := l.segsFrom(k, lo); i < len(segs) && segs[i].lo < hi; i++ {
-		sg := segs[i]
-		a, b := max(sg.lo, lo), min(sg.hi, hi)
-		g := l.params[sg.param].GradData()[sg.off+a-sg.lo : sg.off+b-sg.lo]
-		xs := x[a-lo : b-lo]
+	for sp := range l.spans(k, lo, lo+len(x)) {
+		g, xs := sp.of(l.params[sp.sg.param].GradData()), sp.at(x, lo)
 		for j := range xs {
 			xs[j] = xs[j] + g[j]
 		}

@@ -47,45 +47,20 @@ var memOptimizers = []memOptimizer{
 		cfg.ReduceScatter = zero.ReduceInt8
 		return zero.NewAdam(ctx, c, ps, cfg)
 	}},
-	{costmodel.OptOnebitAdam, 6, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-		cfg := onebit.DefaultAdamConfig()
-		cfg.FreezeStep = 2
-		return onebit.NewAdam(ctx, c, ps, cfg)
-	}},
+	{costmodel.OptOnebitAdam, 6, memAdam(onebit.StateFull, 0, optim.ReduceFP32)},
 	// Its fp16 gradient averaging allocates on the first warm-up step.
-	{costmodel.OptOnebitAdam + "/fp16", 6, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-		cfg := onebit.DefaultAdamConfig()
-		cfg.FreezeStep = 2
-		cfg.Reduce = optim.ReduceFP16
-		return onebit.NewAdam(ctx, c, ps, cfg)
-	}},
+	{costmodel.OptOnebitAdam + "/fp16", 6, memAdam(onebit.StateFull, 0, optim.ReduceFP16)},
 	// Its moments sharded: everything allocated at construction, on one
 	// rank as StateFull.
-	{costmodel.OptOnebitAdamSharded, 6, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-		cfg := onebit.DefaultAdamConfig()
-		cfg.FreezeStep = 2
-		cfg.StateMode = onebit.StateSharded
-		return onebit.NewAdam(ctx, c, ps, cfg)
-	}},
+	{costmodel.OptOnebitAdamSharded, 6, memAdam(onebit.StateSharded, 0, optim.ReduceFP32)},
 	// StateFull's steps with m kept in the packed signs gathered (and,
 	// in the warm-up, in the worker error buffers): everything allocated
 	// at construction, on one rank as StateFull.
-	{costmodel.OptOnebitAdamCompact, 6, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-		cfg := onebit.DefaultAdamConfig()
-		cfg.FreezeStep = 2
-		cfg.StateMode = onebit.StateCompact
-		return onebit.NewAdam(ctx, c, ps, cfg)
-	}},
+	{costmodel.OptOnebitAdamCompact, 6, memAdam(onebit.StateCompact, 0, optim.ReduceFP32)},
 	// Sharded with the worker errors and the frozen v in bfloat16: two
 	// layouts, the warm-up's (v float32, no worker errors) from
 	// construction, the compression stage's from the freezing step on.
-	{costmodel.OptOnebitAdamShardedBF16, 6, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-		cfg := onebit.DefaultAdamConfig()
-		cfg.FreezeStep = 2
-		cfg.StateMode = onebit.StateSharded
-		cfg.BF16 = onebit.BF16WorkerError | onebit.BF16Variance
-		return onebit.NewAdam(ctx, c, ps, cfg)
-	}},
+	{costmodel.OptOnebitAdamShardedBF16, 6, memAdam(onebit.StateSharded, onebit.BF16WorkerError|onebit.BF16Variance, optim.ReduceFP32)},
 	{costmodel.OptOnebitLamb, 6, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 		cfg := onebit.DefaultLambConfig()
 		cfg.FreezeStep = 2
@@ -495,5 +470,16 @@ func TestStateBytesSharded(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// memAdam builds 1-bit Adam (FreezeStep 2) in mode with the bfloat16
+// buffers bf and the gradient averaging reduce.
+func memAdam(mode onebit.StateMode, bf onebit.BF16State, reduce optim.ReduceMode) func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+	return func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		cfg := onebit.DefaultAdamConfig()
+		cfg.FreezeStep = 2
+		cfg.StateMode, cfg.BF16, cfg.Reduce = mode, bf, reduce
+		return onebit.NewAdam(ctx, c, ps, cfg)
 	}
 }

@@ -63,6 +63,20 @@ func pinRun(t *testing.T, w, steps int, mk func(c comm.Comm, ps []*optim.Param) 
 		cks[s] = make([]*optim.Checkpoint, w)
 	}
 	var mu sync.Mutex
+	pinRunEach(t, w, steps, mk, func(s, r int, opt optim.Optimizer) error {
+		ck, err := opt.State()
+		mu.Lock()
+		cks[s-1][r] = ck
+		mu.Unlock()
+		return err
+	})
+	return cks
+}
+
+// pinRunEach is pinRun calling after(step, rank, opt) after every step
+// on every rank (concurrently on the ranks) instead of taking checkpoints.
+func pinRunEach(t *testing.T, w, steps int, mk func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error), after func(s, r int, opt optim.Optimizer) error) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	err := local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
@@ -87,18 +101,13 @@ func pinRun(t *testing.T, w, steps int, mk func(c comm.Comm, ps []*optim.Param) 
 			if err := opt.Step(ctx); err != nil {
 				return err
 			}
-			ck, err := opt.State()
-			if err != nil {
+			if err := after(s, r, opt); err != nil {
 				return err
 			}
-			mu.Lock()
-			cks[s-1][r] = ck
-			mu.Unlock()
 		}
 		return nil
 	})
 	require.NoError(t, err)
-	return cks
 }
 
 // pinClose requires got to be want within tol*(1+max|want|), element by

@@ -18,7 +18,6 @@ import (
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/quant"
-	"github.com/lowbit-ml/lowbit/signpack"
 )
 
 // StateMode chooses how 1-bit Adam keeps its optimizer state.
@@ -58,6 +57,24 @@ func (m StateMode) String() string {
 		return "StateCompact"
 	}
 	return "StateMode(" + strconv.Itoa(int(m)) + ")"
+}
+
+// ParseStateMode parses the name of a state mode of 1-bit Adam with its
+// bfloat16 buffers, as a command line spells it: "" or "full" (StateFull),
+// "compact" (StateCompact), "sharded" (StateSharded) or "sharded-bf16"
+// (StateSharded with BF16WorkerError|BF16Variance).
+func ParseStateMode(s string) (StateMode, BF16State, error) {
+	switch s {
+	case "", "full":
+		return StateFull, 0, nil
+	case "compact":
+		return StateCompact, 0, nil
+	case "sharded":
+		return StateSharded, 0, nil
+	case "sharded-bf16":
+		return StateSharded, BF16WorkerError | BF16Variance, nil
+	}
+	return 0, 0, fmt.Errorf("onebit: unknown state mode %q (want full, compact, sharded or sharded-bf16)", s)
 }
 
 // Checkpoint entries of the sharded mode.
@@ -205,15 +222,15 @@ func newSharded(params []*optim.Param, masks [][]float32, world, rank, bytes int
 			s.staging[k] = st.WorkerError
 		}
 	}
-	s.mflat, s.m = flatten(chunks)
-	s.vflat, s.v = flatten(chunks)
+	s.mflat, s.m = flatten[float32](chunks)
+	s.vflat, s.v = flatten[float32](chunks)
 	s.mask = make([][]float32, nb)
 	masked := false
 	for _, mk := range masks {
 		masked = masked || mk != nil
 	}
 	if masked {
-		s.mskBuf, s.mask = flatten(chunks)
+		s.mskBuf, s.mask = flatten[float32](chunks)
 		for i := range s.mskBuf {
 			s.mskBuf[i] = 1
 		}
@@ -261,13 +278,8 @@ func (b bf16Worker) keep(r []float32, lo int) {
 // elements [lo, lo+len(u)): p -= lr * (u + wd*p), rounded as
 // optim.AdamUpdate rounds it.
 func (s *sharded) apply(k, lo int, u []float32, lr, wd float32) {
-	segs := s.segs[k]
-	hi := lo + len(u)
-	for i := s.segsFrom(k, lo); i < len(segs) && segs[i].lo < hi; i++ {
-		sg := segs[i]
-		a, b := max(sg.lo, lo), min(sg.hi, hi)
-		p := s.params[sg.param].Data()[sg.off+a-sg.lo : sg.off+b-sg.lo]
-		us := u[a-lo : b-lo]
+	for sp := range s.spans(k, lo, lo+len(u)) {
+		p, us := sp.of(s.params[sp.sg.param].Data()), sp.at(u, lo)
 		for j := range p {
 			d := us[j] + float32(wd*p[j])
 			p[j] -= float32(lr * d)
@@ -372,11 +384,11 @@ func (s *sharded) setCompressing(on bool) {
 	if s.bf16&BF16Variance != 0 {
 		switch {
 		case on && s.vb == nil:
-			s.vbFlat, s.vb = flattenBF16(s.chunks)
+			s.vbFlat, s.vb = flatten[uint16](s.chunks)
 			quant.Narrow(quant.BF16, s.vbFlat, s.vflat)
 			s.vflat, s.v = nil, nil
 		case !on && s.v == nil:
-			s.vflat, s.v = flatten(s.chunks)
+			s.vflat, s.v = flatten[float32](s.chunks)
 			quant.Widen(quant.BF16, s.vflat, s.vbFlat)
 			s.vbFlat, s.vb = nil, nil
 		}
@@ -384,23 +396,11 @@ func (s *sharded) setCompressing(on bool) {
 	if s.bf16&BF16WorkerError != 0 {
 		switch {
 		case on && s.we == nil:
-			s.weFlat, s.we = flattenBF16(s.padded)
+			s.weFlat, s.we = flatten[uint16](s.padded)
 		case !on:
 			s.weFlat, s.we = nil, nil
 		}
 	}
-}
-
-// flattenBF16 is flatten for bfloat16 buffers.
-func flattenBF16(sizes []int) (flat []uint16, parts [][]uint16) {
-	flat = make([]uint16, sum(sizes))
-	parts = make([][]uint16, len(sizes))
-	off := 0
-	for i, n := range sizes {
-		parts[i] = flat[off : off+n : off+n]
-		off += n
-	}
-	return flat, parts
 }
 
 func sum(xs []int) int {
@@ -431,25 +431,10 @@ func (s *sharded) compressed(ctx context.Context, c comm.Comm, cfg optim.AdamCon
 }
 
 // applyGathered is step 8 on bucket k: every chunk's update, as gathered
-// in phase 2, decompressed a block at a time (into the server's summing
-// block, free once the call is over) and applied.
+// in phase 2, decompressed a block at a time and applied.
 func (s *sharded) applyGathered(k int, st *State, lr, wd float32) {
-	chunkLen := len(st.ServerError)
-	for j := range st.world {
-		for p := range st.pieces {
-			signs := st.msgPiece(p, j)
-			if p == 0 {
-				signs = signs[4:]
-			}
-			lo := j*chunkLen + p*st.pieceBytes*8
-			hi := min(lo+len(signs)*8, st.numel)
-			for b := lo; b < hi; b += len(st.server) {
-				e := min(b+len(st.server), hi)
-				u := st.server[:e-b]
-				signpack.UnpackScale(u, signs[(b-lo)/8:(e-lo+7)/8], st.scales[j])
-				s.apply(k, b, u, lr, wd)
-			}
-		}
+	for lo, u := range st.outputs() {
+		s.apply(k, lo, u, lr, wd)
 	}
 }
 
@@ -463,23 +448,20 @@ func (s *sharded) save(ck *optim.Checkpoint) {
 	if s.bf16 != 0 {
 		ck.Ints[IntBF16] = int64(s.bf16)
 	}
-	ck.Ints[IntBucketBytes] = int64(s.bkt.bytes)
-	ck.Ints[IntBuckets] = int64(len(s.bkt.states))
-	for k, st := range s.bkt.states {
-		wn, sn := s.bkt.errorNames(k)
-		we, ue := []float32(st.WorkerError), []float32(st.ServerError)
-		switch {
-		case !s.compressing:
-			// Zero: in the warm-up the buffers only stage its exchanges.
-			we, ue = make([]float32, s.padded[k]), make([]float32, len(ue))
-		case st.worker != nil:
-			// The bfloat16 worker error, widened.
-			we = make([]float32, s.padded[k])
-			quant.Widen(quant.BF16, we, s.we[k])
+	var we, ue [][]float32
+	switch {
+	case !s.compressing:
+		// Zero: in the warm-up the buffers only stage its exchanges.
+		_, we = flatten[float32](s.padded)
+		_, ue = flatten[float32](s.chunks)
+	case s.we != nil:
+		// The bfloat16 worker errors, widened.
+		_, we = flatten[float32](s.padded)
+		for k := range we {
+			quant.Widen(quant.BF16, we[k], s.we[k])
 		}
-		ck.AddTensor(wn, []int{len(we)}, we)
-		ck.AddTensor(sn, []int{len(ue)}, ue)
 	}
+	s.bkt.save(ck, we, ue)
 	for k := range s.bkt.states {
 		ck.AddTensor(bucketShardName(ExpAvgShardPrefix, k), []int{len(s.m[k])}, s.m[k])
 		if s.vb != nil {
@@ -514,10 +496,10 @@ func (s *sharded) check(ck *optim.Checkpoint, world int) error {
 func (s *sharded) restore(ck *optim.Checkpoint, rs *optim.Restore) (finish func(compressing bool)) {
 	var v, we [][]float32
 	if s.bf16&BF16Variance != 0 {
-		_, v = flatten(s.chunks)
+		_, v = flatten[float32](s.chunks)
 	}
 	if s.bf16&BF16WorkerError != 0 {
-		_, we = flatten(s.padded)
+		_, we = flatten[float32](s.padded)
 	}
 	for k, st := range s.bkt.states {
 		rs.Tensor(bucketShardName(ExpAvgShardPrefix, k), s.m[k])
@@ -541,7 +523,7 @@ func (s *sharded) restore(ck *optim.Checkpoint, rs *optim.Restore) (finish func(
 		if v != nil {
 			// Lay v out as float32, take the checkpoint's, then switch.
 			s.vbFlat, s.vb = nil, nil
-			s.vflat, s.v = flatten(s.chunks)
+			s.vflat, s.v = flatten[float32](s.chunks)
 			for k := range v {
 				copy(s.v[k], v[k])
 			}

@@ -15,13 +15,11 @@ import (
 	"math"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/lowbit-ml/lowbit/comm"
-	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 )
@@ -358,37 +356,14 @@ func shWireBytes(t *testing.T, w, steps int, cfg onebit.AdamConfig) [][]int64 {
 		out[s] = make([]int64, w)
 	}
 	var mu sync.Mutex
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	err := local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
-		ps := make([]*optim.Param, len(pinModel))
-		for i, pm := range pinModel {
-			ps[i] = optim.NewParam(pm.name, pm.n)
-			for k := range ps[i].Data() {
-				ps[i].Data()[k] = pinInit(i, k)
-			}
-		}
-		opt, err := onebit.NewAdam(ctx, c, ps, cfg)
-		if err != nil {
-			return err
-		}
-		r := c.Rank()
-		for s := 1; s <= steps; s++ {
-			for i, p := range ps {
-				for k := range p.GradData() {
-					p.GradData()[k] = pinGrad(i, r, s, k)
-				}
-			}
-			if err := opt.Step(ctx); err != nil {
-				return err
-			}
-			mu.Lock()
-			out[s-1][r] = opt.Stats().LastStepBytes
-			mu.Unlock()
-		}
+	pinRunEach(t, w, steps, func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		return onebit.NewAdam(context.Background(), c, ps, cfg)
+	}, func(s, r int, opt optim.Optimizer) error {
+		mu.Lock()
+		out[s-1][r] = opt.Stats().LastStepBytes
+		mu.Unlock()
 		return nil
 	})
-	require.NoError(t, err)
 	return out
 }
 

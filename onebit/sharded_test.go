@@ -231,3 +231,23 @@ func TestShardedConfigErrors(t *testing.T) {
 	assert.Equal(t, "StateMode", ce.Field)
 	assert.Contains(t, err.Error(), "StateMode(7)")
 }
+
+// ParseStateMode reads the names a command line gives the modes, and
+// refuses others.
+func TestParseStateMode(t *testing.T) {
+	for s, want := range map[string]struct {
+		mode onebit.StateMode
+		bf   onebit.BF16State
+	}{
+		"": {onebit.StateFull, 0}, "full": {onebit.StateFull, 0}, "compact": {onebit.StateCompact, 0},
+		"sharded": {onebit.StateSharded, 0}, "sharded-bf16": {onebit.StateSharded, onebit.BF16WorkerError | onebit.BF16Variance},
+	} {
+		mode, bf, err := onebit.ParseStateMode(s)
+		require.NoError(t, err, s)
+		assert.Equal(t, want.mode, mode, s)
+		assert.Equal(t, want.bf, bf, s)
+	}
+	_, _, err := onebit.ParseStateMode("shard")
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), `unknown state mode "shard"`)
+}

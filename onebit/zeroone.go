@@ -198,7 +198,7 @@ func NewZeroOneAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg
 		o.anchor[i] = make([]float32, n)
 	}
 	if world := o.f.World(); world > 1 {
-		o.flat, o.fused = flatten(sizes)
+		o.flat, o.fused = flatten[float32](sizes)
 		if o.bkt, err = newBuckets(o.params, world, cfg.BucketBytes); err != nil {
 			return nil, fmt.Errorf("onebit: 0/1 Adam: %w", err)
 		}
@@ -465,7 +465,7 @@ func (o *ZeroOneAdam) State() (*optim.Checkpoint, error) {
 		ck.AddTensor(optim.ExpAvgSqPrefix+p.Name, shape, o.v[i])
 		ck.AddTensor(AnchorPrefix+p.Name, shape, o.anchor[i])
 	}
-	o.bkt.save(ck, nil)
+	o.bkt.save(ck, nil, nil)
 	return ck, nil
 }
 

@@ -33,17 +33,10 @@ const (
 )
 
 // stateOf is the state mode and bfloat16 buffers of the 1-bit Adam
-// called name.
+// called name (onebit-adam or onebit-adam-MODE).
 func stateOf(name string) (onebit.StateMode, onebit.BF16State) {
-	switch name {
-	case compact:
-		return onebit.StateCompact, 0
-	case sharded:
-		return onebit.StateSharded, 0
-	case shardedBF16:
-		return onebit.StateSharded, onebit.BF16WorkerError | onebit.BF16Variance
-	}
-	return onebit.StateFull, 0
+	mode, bf, _ := onebit.ParseStateMode(strings.TrimPrefix(strings.TrimPrefix(name, "onebit-adam"), "-"))
+	return mode, bf
 }
 
 // baseline is the exact optimizer a compressed one is compared with.
@@ -208,12 +201,7 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		return optim.NewAdam(ctx, c, params, adam)
 	case "lamb":
 		return optim.NewLamb(ctx, c, params, lamb)
-	case "onebit-adam":
-		cfg := onebit.DefaultAdamConfig()
-		cfg.AdamConfig = adam
-		cfg.FreezeStep = h.freezeStep
-		return onebit.NewAdam(ctx, c, params, cfg)
-	case compact, sharded, shardedBF16:
+	case "onebit-adam", compact, sharded, shardedBF16:
 		cfg := onebit.DefaultAdamConfig()
 		cfg.AdamConfig = adam
 		cfg.FreezeStep = h.freezeStep
