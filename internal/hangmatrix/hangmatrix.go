@@ -164,6 +164,16 @@ func Cases(ranksPerNode int) []Case {
 			cfg.FreezeStep = 0
 			return onebit.NewAdam(ctx, c, ps, cfg)
 		}),
+		optimizer("onebit.Adam.Step (StateSharded, warm-up): resized gradient", resize, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+			cfg := onebit.DefaultAdamConfig()
+			cfg.StateMode = onebit.StateSharded
+			return onebit.NewAdam(ctx, c, ps, cfg)
+		}),
+		optimizer("onebit.Adam.Step (StateCompact, compression): resized gradient", resize, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+			cfg := onebit.DefaultAdamConfig()
+			cfg.StateMode, cfg.FreezeStep = onebit.StateCompact, 0
+			return onebit.NewAdam(ctx, c, ps, cfg)
+		}),
 		optimizer("onebit.Lamb.Step: resized gradient", resize, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 			return onebit.NewLamb(ctx, c, ps, onebit.DefaultLambConfig())
 		}),
