@@ -96,6 +96,11 @@ type State struct {
 	// instead of unpacking it into buf.
 	owner func(off int, c []float32)
 	keep  bool
+	// meanAbs makes the server scale of step 7 the mean of |c| (the scale
+	// that minimizes the squared error of c's sign compression) instead
+	// of its root mean square: the sharded mode's choice for its update,
+	// whose heavy tail would otherwise set the step of every element.
+	meanAbs bool
 	// worker, when not nil, keeps the worker error outside WorkerError
 	// (which is then empty): the call forms x a block at a time with it,
 	// in the summing block, and hands it each block's new residual.
@@ -424,6 +429,9 @@ func (st *State) allReduce(ctx context.Context, c comm.Comm, buf []float32) erro
 	// Server side, step 7: server_scale, from the sum of squares of c
 	// that sumPiece kept.
 	serverScale := errorfeedback.ScaleOf(st.serverNorm.Sum(), len(st.ServerError))
+	if st.meanAbs {
+		serverScale = meanAbs(st.ServerError)
+	}
 
 	// Server side, steps 8-9, and phase 2, piece by piece: server_error =
 	// c - server_scale * sgn(c) and pack sgn(c); then the all-gather of the
@@ -505,6 +513,19 @@ func (st *State) outputs() iter.Seq2[int, []float32] {
 // inputPart is the part of buf that falls in [lo, hi) of the padded tensor.
 func inputPart(buf []float32, lo, hi int) []float32 {
 	return buf[min(lo, len(buf)):min(hi, len(buf))]
+}
+
+// meanAbs is the mean of |x| (0 for none), summed in float64 in order
+// and rounded once.
+func meanAbs(x []float32) float32 {
+	if len(x) == 0 {
+		return 0
+	}
+	var a float64
+	for _, v := range x {
+		a += math.Abs(float64(v))
+	}
+	return float32(a / float64(len(x)))
 }
 
 // normScale is the worker scale from the chunks' sums of squares, added in

@@ -250,7 +250,7 @@ func newSharded(params []*optim.Param, masks [][]float32, world, rank, bytes int
 	s.owner = make([]func(int, []float32), nb)
 	for k, st := range b.states {
 		s.owner[k] = func(off int, c []float32) { s.update(k, off, c) }
-		st.owner, st.keep = s.owner[k], true
+		st.owner, st.keep, st.meanAbs = s.owner[k], true, true
 	}
 	return s, nil
 }
