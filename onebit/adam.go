@@ -40,9 +40,11 @@ type AdamConfig struct {
 	// per parameter, as lowbit did before buckets).
 	BucketBytes int
 	// StateMode chooses how the optimizer state is kept: StateFull (the
-	// zero value, the default) or StateSharded, the moments sharded over
+	// zero value, the default), StateCompact (the same steps bit for bit,
+	// the momentum held packed) or StateSharded, the moments sharded over
 	// the ranks (docs/sharded.md). Checkpoints record it; a checkpoint of
-	// the other mode is refused.
+	// another mode is refused, StateFull's and StateCompact's aside (they
+	// load each other's). On one rank every mode runs as StateFull.
 	StateMode StateMode
 	// BF16 keeps some of StateSharded's buffers in bfloat16 (see
 	// BF16State); only with StateSharded. Checkpoints record it; a
