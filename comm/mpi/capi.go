@@ -39,7 +39,6 @@ static int lb_dup_world(MPI_Comm *out) {
 	MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
 	return MPI_Comm_dup(MPI_COMM_WORLD, out);
 }
-static int lb_world_rank(void) { int r = 0; MPI_Comm_rank(MPI_COMM_WORLD, &r); return r; }
 static int lb_set_errhandler(MPI_Comm c) { return MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN); }
 static int lb_rank_size(MPI_Comm c, int *rank, int *size) {
 	int rc = MPI_Comm_rank(c, rank);
@@ -335,19 +334,18 @@ func cDupWorld() (handle, error) {
 	return h, mpiError("MPI_Comm_dup", rc)
 }
 
-// cSetup sets MPI_ERRORS_RETURN on h and returns its rank and size and the
-// rank of this process in MPI_COMM_WORLD.
-func cSetup(h handle) (rank, size, world int, err error) {
+// cSetup sets MPI_ERRORS_RETURN on h and returns its rank and size.
+func cSetup(h handle) (rank, size int, err error) {
 	var r, s C.int
 	lock()
 	defer unlock()
 	if err := mpiError("MPI_Comm_set_errhandler", C.lb_set_errhandler(h)); err != nil {
-		return 0, 0, 0, err
+		return 0, 0, err
 	}
 	if err := mpiError("MPI_Comm_rank", C.lb_rank_size(h, &r, &s)); err != nil {
-		return 0, 0, 0, err
+		return 0, 0, err
 	}
-	return int(r), int(s), int(C.lb_world_rank()), nil
+	return int(r), int(s), nil
 }
 
 func cFree(h *handle) error {

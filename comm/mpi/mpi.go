@@ -159,7 +159,7 @@ var (
 )
 
 func newComm(h handle, o options, fromOpen bool) (*mpiComm, error) {
-	r, s, _, err := cSetup(h)
+	r, s, err := cSetup(h)
 	if err != nil {
 		cFree(&h)
 		return nil, err
