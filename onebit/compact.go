@@ -253,7 +253,7 @@ func (c *compact) pack(k int, st *State, m [][]float32) ([]byte, []float32, erro
 	g := make([]byte, len(st.gathered))
 	st.gathered, st.scales = g, scales
 	defer func() { st.gathered, st.scales = saved, savedScales }()
-	var sgn []float32
+	sgn := make([]float32, min(len(st.server), chunkLen))
 	for j := range st.world {
 		for p := range st.pieces {
 			signs := st.msgPiece(p, j)
@@ -266,14 +266,16 @@ func (c *compact) pack(k int, st *State, m [][]float32) ([]byte, []float32, erro
 			if lo >= hi {
 				continue
 			}
-			sgn = append(sgn[:0], make([]float32, hi-lo)...)
-			for e := lo; e < hi; e++ {
-				sgn[e-lo] = 1
-				if math.Signbit(float64(value(e))) != math.Signbit(float64(maskOf(e))) {
-					sgn[e-lo] = -1
+			for b := lo; b < hi; b += len(sgn) {
+				e := min(b+len(sgn), hi)
+				for i := b; i < e; i++ {
+					sgn[i-b] = 1
+					if math.Signbit(float64(value(i))) != math.Signbit(float64(maskOf(i))) {
+						sgn[i-b] = -1
+					}
 				}
+				signpack.Pack(signs[(b-lo)/8:(e-lo+7)/8], sgn[:e-b])
 			}
-			signpack.Pack(signs[:(hi-lo+7)/8], sgn)
 		}
 	}
 	for lo, blk := range st.outputs() {

@@ -44,10 +44,7 @@ func Regroup(old []*optim.Checkpoint, world, rank int) (*optim.Checkpoint, error
 		Algorithm: src.Algorithm, World: world, Rank: rank, Stage: src.Stage,
 		Ints: maps.Clone(src.Ints), Floats: maps.Clone(src.Floats),
 	}
-	g, err := newRegrouper(old, world, rank)
-	if err != nil {
-		return nil, fmt.Errorf("onebit: Regroup: %w", err)
-	}
+	g := newRegrouper(old, world, rank)
 	for _, t := range src.Tensors {
 		switch {
 		case optim.IsErrorBuffer(t.Name):
@@ -136,7 +133,7 @@ type regrouper struct {
 	buckets     []int // every bucket's elements (flat order), when the run had buckets
 }
 
-func newRegrouper(old []*optim.Checkpoint, world, rank int) (*regrouper, error) {
+func newRegrouper(old []*optim.Checkpoint, world, rank int) *regrouper {
 	g := &regrouper{old: old, world: world, rank: rank, sharded: modeOf(old[0]) == StateSharded}
 	prefix := optim.ParamTensorName("")
 	for _, t := range old[0].Tensors {
@@ -157,7 +154,7 @@ func newRegrouper(old []*optim.Checkpoint, world, rank int) (*regrouper, error) 
 			}
 		}
 	}
-	return g, nil
+	return g
 }
 
 // sizeOf is the element count of the tensor an error buffer belongs to:

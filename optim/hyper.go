@@ -110,22 +110,22 @@ func (f *Frame) checkHypers(ck *Checkpoint) (missing []string, err error) {
 		}
 		if math.Float64bits(v) != math.Float64bits(h.Value) {
 			return nil, fmt.Errorf("%w: made with %s %s, this optimizer has %s (a hyperparameter that decides the next step; to change it on purpose, delete the checkpoint's %q entry)",
-				ErrIncompatibleCheckpoint, h.Name, formatHyper(v), formatHyper(h.Value), HyperPrefix+h.Name)
+				ErrIncompatibleCheckpoint, h.Name, FormatHyper(v), FormatHyper(h.Value), HyperPrefix+h.Name)
 		}
 	}
 	for _, k := range sortedKeys(ck.Floats) {
 		name, ok := strings.CutPrefix(k, HyperPrefix)
 		if ok && !slices.ContainsFunc(f.hypers, func(h Hyper) bool { return h.Name == name }) {
 			return nil, fmt.Errorf("%w: made with hyperparameter %s %s, which %s does not have (delete the checkpoint's %q entry to load it anyway)",
-				ErrIncompatibleCheckpoint, name, formatHyper(ck.Floats[k]), f.algorithm, k)
+				ErrIncompatibleCheckpoint, name, FormatHyper(ck.Floats[k]), f.algorithm, k)
 		}
 	}
 	return missing, nil
 }
 
-// formatHyper prints v as the float32 or integer it holds when it holds
-// one exactly.
-func formatHyper(v float64) string {
+// FormatHyper prints a Hyper value v as the float32 or integer it holds
+// when it holds one exactly ("0.9", "100000", "1e-08"), else as a float64.
+func FormatHyper(v float64) string {
 	switch {
 	case v == math.Trunc(v) && math.Abs(v) < 1<<53:
 		return strconv.FormatFloat(v, 'f', -1, 64)

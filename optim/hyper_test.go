@@ -68,7 +68,7 @@ func TestCheckpointRefusesOtherHyperparameters(t *testing.T) {
 			require.NoError(t, err)
 			err = other.Load(ck)
 			require.ErrorIs(t, err, ErrIncompatibleCheckpoint, "%s %s", alg, name)
-			assert.ErrorContains(t, err, "made with "+name+" "+formatHyper(h.Value)+", this optimizer has ", "%s %s", alg, name)
+			assert.ErrorContains(t, err, "made with "+name+" "+FormatHyper(h.Value)+", this optimizer has ", "%s %s", alg, name)
 			after, err := other.State()
 			require.NoError(t, err)
 			assert.Equal(t, before, after, "%s %s: a refused load changed the optimizer", alg, name)
@@ -154,7 +154,7 @@ func TestCheckpointHyperFingerprint(t *testing.T) {
 		assert.NotEqual(t, a, HyperFingerprint(other), "%v", other)
 	}
 	assert.Equal(t, a, HyperFingerprint([][]float32{nil, {1, 0, 1}}))
-	assert.Equal(t, "0.9", formatHyper(float64(float32(0.9))))
-	assert.Equal(t, "100000", formatHyper(100000))
-	assert.Equal(t, "1e-08", formatHyper(float64(float32(1e-8))))
+	assert.Equal(t, "0.9", FormatHyper(float64(float32(0.9))))
+	assert.Equal(t, "100000", FormatHyper(100000))
+	assert.Equal(t, "1e-08", FormatHyper(float64(float32(1e-8))))
 }

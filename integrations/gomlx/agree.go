@@ -31,6 +31,24 @@ import (
 //     and the trainable variables' values (a hash: after the broadcast
 //     they are rank 0's, after a restore each rank's checkpoint's).
 
+// gatherRecords all-gathers every rank's agreement record (mine, one
+// rank's alone on one rank) and returns them in rank order; with localErr
+// it still takes part, then returns localErr (joined with the all-gather's
+// error, if any).
+func (o *Optimizer) gatherRecords(mine []byte, localErr error) ([]byte, error) {
+	all := make([]byte, len(mine)*o.size())
+	copy(all, mine)
+	if o.size() > 1 {
+		if err := o.c.AllGatherBytes(o.ctx, mine, all); err != nil {
+			return nil, errors.Join(localErr, fmt.Errorf("lbgomlx: the first training step's agreement: %w", err))
+		}
+	}
+	if localErr != nil {
+		return nil, localErr
+	}
+	return all, nil
+}
+
 // agreeOnModel checks that every rank has the same trainable variables and
 // is at the same global step. A rank with localErr returns it; the others
 // an error naming it.
@@ -42,15 +60,9 @@ func (o *Optimizer) agreeOnModel(localErr error) error {
 		binary.LittleEndian.PutUint64(mine[8:], uint64(o.globalStep()))
 	}
 	size := o.size()
-	all := make([]byte, rec*size)
-	copy(all, mine)
-	if size > 1 {
-		if err := o.c.AllGatherBytes(o.ctx, mine, all); err != nil {
-			return errors.Join(localErr, fmt.Errorf("lbgomlx: the first training step's agreement: %w", err))
-		}
-	}
-	if localErr != nil {
-		return localErr
+	all, err := o.gatherRecords(mine, localErr)
+	if err != nil {
+		return err
 	}
 	differ := false
 	for r := range size {
@@ -261,7 +273,7 @@ func (o *Optimizer) settings(ck *optim.Checkpoint) (*settings, error) {
 	}
 	for _, name := range slices.Sorted(maps.Keys(st.Floats)) {
 		if strings.HasPrefix(name, optim.HyperPrefix) {
-			add(name, "%s", formatFloat(st.Floats[name]))
+			add(name, "%s", optim.FormatHyper(st.Floats[name]))
 		}
 	}
 	add("WithMeanMetrics", "%t", o.meanMetrics)
@@ -331,15 +343,9 @@ func (o *Optimizer) agreeOnSettings(set *settings, localErr error) error {
 		}
 	}
 	size := o.size()
-	all := make([]byte, rec*size)
-	copy(all, mine)
-	if size > 1 {
-		if err := o.c.AllGatherBytes(o.ctx, mine, all); err != nil {
-			return errors.Join(localErr, fmt.Errorf("lbgomlx: the first training step's agreement: %w", err))
-		}
-	}
-	if localErr != nil {
-		return localErr
+	all, err := o.gatherRecords(mine, localErr)
+	if err != nil {
+		return err
 	}
 	settingsDiffer, valuesDiffer, mayDiffer := false, false, false
 	for r := range size {
@@ -513,17 +519,4 @@ func isZero(v any) bool {
 		return x == ""
 	}
 	return false
-}
-
-// formatFloat writes v as the float32 or integer it holds when it holds
-// one exactly.
-func formatFloat(v float64) string {
-	switch {
-	case v == math.Trunc(v) && math.Abs(v) < 1<<53:
-		return strconv.FormatFloat(v, 'f', -1, 64)
-	case float64(float32(v)) == v:
-		return strconv.FormatFloat(v, 'g', -1, 32)
-	default:
-		return strconv.FormatFloat(v, 'g', -1, 64)
-	}
 }
