@@ -92,7 +92,7 @@ func StateBytes(optimizer string, tensors []int64, world int, bucketBytes int64)
 		if !fits(n, world, max(bucketBytes/4, 1)) {
 			return 0, errTooLarge
 		}
-		return 8*n + bucketStates(n, world, bucketBytes), nil
+		return 8*n + bucketStates(n, world, bucketBytes, false), nil
 	case OptOnebitAdamSharded:
 		if !fits(n, world, max(bucketBytes/4, 1)) {
 			return 0, errTooLarge
@@ -124,7 +124,7 @@ func StateBytes(optimizer string, tensors []int64, world int, bucketBytes int64)
 		// worker error (each bucket's padded length, as a State's worker
 		// error buffer: counted once, in the States); the rest of every
 		// bucket's State, whose gathered signs keep m.
-		return 4*n + bucketStates(n, world, bucketBytes), nil
+		return 4*n + bucketStates(n, world, bucketBytes, true), nil
 	case OptOnebitLamb:
 		if !fits(n, world, n) {
 			return 0, errTooLarge
@@ -140,11 +140,11 @@ func StateBytes(optimizer string, tensors []int64, world int, bucketBytes int64)
 		if world == 1 {
 			return 12 * n, nil
 		}
-		var s int64
-		for _, k := range tensors {
-			s += onebitState(k, int64(world))
+		states := make([]stateCount, len(tensors))
+		for i, k := range tensors {
+			states[i] = stateCount{onebitParts(k, int64(world)), 1}
 		}
-		return 16*n + s, nil
+		return 16*n + statesBytes(false, states), nil
 	}
 	return 0, fmt.Errorf("costmodel: unknown optimizer %q", optimizer)
 }
@@ -170,13 +170,15 @@ func fits(n int64, world int, per int64) bool {
 }
 
 // bucketStates is the bytes of the onebit.State of every bucket of a flat
-// buffer of n elements cut in buckets of bucketBytes.
-func bucketStates(n int64, world int, bucketBytes int64) int64 {
+// buffer of n elements cut in buckets of bucketBytes; keep: see
+// statesBytes.
+func bucketStates(n int64, world int, bucketBytes int64, keep bool) int64 {
 	if world < 2 {
 		return 0
 	}
+	w := int64(world)
 	per := max(bucketBytes/4, 1)
-	return n/per*onebitState(per, int64(world)) + onebitState(n%per, int64(world))
+	return statesBytes(keep, []stateCount{{onebitParts(per, w), n / per}, {onebitParts(n%per, w), 1}})
 }
 
 // shardedStates is the bytes the sharded mode of 1-bit Adam keeps per
@@ -186,13 +188,14 @@ func bucketStates(n int64, world int, bucketBytes int64) int64 {
 func shardedStates(n int64, world int, bucketBytes int64) int64 {
 	w := int64(world)
 	per := max(bucketBytes/4, 1)
-	bucket := func(k int64) int64 {
-		if k <= 0 {
-			return 0
+	bucket := func(k int64) stateParts {
+		p := onebitParts(k, w)
+		if k > 0 {
+			p.own += 2 * 4 * (onebitPaddedLen(k, world) / w)
 		}
-		return onebitState(k, w) + 2*4*(onebitPaddedLen(k, world)/w)
+		return p
 	}
-	return n/per*bucket(per) + bucket(n%per)
+	return statesBytes(false, []stateCount{{bucket(per), n / per}, {bucket(n % per), 1}})
 }
 
 // shardedBF16States is the bytes the sharded mode of 1-bit Adam with
@@ -211,14 +214,18 @@ func shardedBF16States(n int64, world int, bucketBytes int64) (warm, comp int64)
 	}
 	w := int64(world)
 	per := max(bucketBytes/4, 1)
-	bucket := func(k int64) (warm, comp int64) {
+	bucket := func(k int64) (warm, comp stateParts) {
 		if k <= 0 {
-			return 0, 0
+			return
 		}
 		padded := onebitPaddedLen(k, world)
 		c := padded / w
-		rest := onebitState(k, w) - 4*padded + 4*c
-		return rest + 4*c, rest + 2*c + 2*padded
+		rest := onebitParts(k, w)
+		rest.own += -4*padded + 4*c
+		warm, comp = rest, rest
+		warm.own += 4 * c
+		comp.own += 2*c + 2*padded
+		return warm, comp
 	}
 	fullWarm, fullComp := bucket(per)
 	lastWarm, lastComp := bucket(n % per)
@@ -227,7 +234,9 @@ func shardedBF16States(n int64, world int, bucketBytes int64) (warm, comp int64)
 		largest = n
 	}
 	block := 4 * min(onebitPaddedLen(largest, world), stagingBlock*w)
-	return n/per*fullWarm + lastWarm + block, n/per*fullComp + lastComp + block
+	warm = statesBytes(false, []stateCount{{fullWarm, n / per}, {lastWarm, 1}})
+	comp = statesBytes(false, []stateCount{{fullComp, n / per}, {lastComp, 1}})
+	return warm + block, comp + block
 }
 
 // Constants of onebit's compressed allreduce (onebit/allreduce.go) and
@@ -242,32 +251,74 @@ const (
 	stagingBlock = 16 << 10
 )
 
-// onebitState is the bytes of one onebit.State of numel elements on w
-// ranks: the worker error (N floats, N = onebit.PaddedLen(numel, w)), the
-// server error (N/w), the server accumulator, the packed signs sent (N/8
-// bytes, which the phase 2 message reuses) and received (which the
-// gathered phase 2 messages reuse: w*(4+C/8) bytes), headers, scales and
-// norms, and the pieces of a pipelined call.
-func onebitState(numel, w int64) int64 {
+// stateParts is one onebit.State of numel elements on w ranks, in bytes,
+// split into what the State keeps for itself (own: the worker error, N
+// floats with N = onebit.PaddedLen(numel, w); the server error, N/w; the
+// header and headers, scales and norms) and the wire buffers, which the
+// buckets of one optimizer share (onebit's buckets.shareWire): the server
+// accumulator, the packed signs sent (N/8 bytes, which the phase 2 message
+// reuses), the signs received (which the gathered phase 2 messages reuse:
+// w*(4+C/8) bytes), and the pieces of a pipelined call.
+type stateParts struct {
+	own, acc, send, recv, scratch, midSend, midRecv int64
+}
+
+func onebitParts(numel, w int64) stateParts {
 	if numel <= 0 {
-		return 0
+		return stateParts{}
 	}
 	n := onebitPaddedLen(numel, int(w))
 	c := n / w
 	cb := c / 8
-	s := 4*n + 4*c + 4*min(c, sumBlock) // worker error, server error, accumulator
-	s += n / 8                          // signs sent, the server message in them
-	if n/8 < 4+cb {
-		s += 4 + cb // one rank: the server message apart
+	p := stateParts{
+		own:  4*n + 4*c + (1+w)*headerLen + 2*4*w + w*normBytes, // errors, headers, scales, norms
+		acc:  4 * min(c, sumBlock),
+		send: n / 8,
+		recv: w * (4 + cb),
 	}
-	s += w * (4 + cb)        // signs received, the gathered messages in them
-	s += (1 + w) * headerLen // header, headers
-	s += 2 * 4 * w           // worker and server scales
-	s += w * normBytes       // norms
+	if n/8 < 4+cb {
+		p.own += 4 + cb // one rank: the server message apart
+	}
 	if pieces, pb := onebitPiecing(numel, int(w)); pieces > 1 {
 		mid := int64(pieces) / 2
 		midLen := min(pb, cb-mid*pb)
-		s += pb + 2*w*(midLen+4) // scratch, midSend, midRecv
+		p.scratch, p.midSend, p.midRecv = pb, w*(midLen+4), w*(midLen+4)
 	}
-	return s
+	return p
+}
+
+// onebitState is the bytes of one onebit.State of numel elements on w
+// ranks: its own buffers and its wire buffers.
+func onebitState(numel, w int64) int64 {
+	return statesBytes(false, []stateCount{{onebitParts(numel, w), 1}})
+}
+
+// stateCount is count States alike.
+type stateCount struct {
+	p     stateParts
+	count int64
+}
+
+// statesBytes is the bytes of the States of one optimizer's buckets: each
+// State's own buffers, and each wire buffer once, as long as the longest
+// bucket's; with keep, the received signs, which keep the gathered
+// messages from one call to the next (StateCompact's momentum), are every
+// State's own.
+func statesBytes(keep bool, states []stateCount) int64 {
+	var own int64
+	var wire stateParts
+	for _, s := range states {
+		if s.count == 0 {
+			continue
+		}
+		own += s.count * s.p.own
+		if keep {
+			own += s.count * s.p.recv
+		} else {
+			wire.recv = max(wire.recv, s.p.recv)
+		}
+		wire.acc, wire.send = max(wire.acc, s.p.acc), max(wire.send, s.p.send)
+		wire.scratch, wire.midSend, wire.midRecv = max(wire.scratch, s.p.scratch), max(wire.midSend, s.p.midSend), max(wire.midRecv, s.p.midRecv)
+	}
+	return own + wire.acc + wire.send + wire.recv + wire.scratch + wire.midSend + wire.midRecv
 }

@@ -195,7 +195,7 @@ func NewAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg AdamCo
 	case a.cp != nil:
 		a.bkt = a.cp.bkt
 	default:
-		a.bkt, err = newBuckets(a.params, a.f.World(), cfg.BucketBytes)
+		a.bkt, err = newBuckets(a.params, a.f.World(), cfg.BucketBytes, false)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("onebit: Adam: %w", err)

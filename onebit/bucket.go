@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+	"unsafe"
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/optim"
@@ -41,8 +42,11 @@ type buckets struct {
 // newBuckets makes the buckets of the flat buffer of params, whose
 // elements are the parameters' in order, on world ranks (bytes 0:
 // optim.DefaultBucketBytes; optim.PerParameter: one bucket per parameter). With one
-// rank nothing is communicated and there are no buckets.
-func newBuckets(params []*optim.Param, world, bytes int) (*buckets, error) {
+// rank nothing is communicated and there are no buckets. The buckets'
+// collectives share one set of wire buffers (see shareWire); keep says that
+// each State keeps its gathered messages from one call to the next
+// (StateCompact's momentum), which are then its own.
+func newBuckets(params []*optim.Param, world, bytes int, keep bool) (*buckets, error) {
 	if bytes == 0 {
 		bytes = optim.DefaultBucketBytes
 	}
@@ -81,7 +85,51 @@ func newBuckets(params []*optim.Param, world, bytes int) (*buckets, error) {
 		}
 	}
 	b.bounds = append(b.bounds, n)
+	b.shareWire(keep)
 	return b, nil
+}
+
+// shareWire lets every bucket's collective use one set of wire buffers,
+// each as long as the longest bucket needs: the buckets' collectives run
+// one after another, and nothing a call leaves in them is read by the next
+// (State.shareWire). With keep the gathered messages, and the phase 1
+// receive buffer under them, stay each bucket's own. A model of K buckets
+// then holds the wire buffers of one bucket instead of K: 1-bit Adam's
+// N/8 + N/8 bytes of them become about (N/8 + N/8)/K.
+func (b *buckets) shareWire(keep bool) {
+	if len(b.states) < 2 {
+		return
+	}
+	var send, recv, scratch, midSend, midRecv, server int
+	for _, st := range b.states {
+		send, recv = max(send, len(st.sendSigns)), max(recv, len(st.gathered))
+		scratch, midSend, midRecv = max(scratch, len(st.scratch)), max(midSend, len(st.midSend)), max(midRecv, len(st.midRecv))
+		server = max(server, len(st.server))
+	}
+	sendBuf, recvBuf := make([]byte, send), make([]byte, recv)
+	scratchBuf, midSendBuf, midRecvBuf := make([]byte, scratch), make([]byte, midSend), make([]byte, midRecv)
+	serverBuf := make([]float32, server)
+	for _, st := range b.states {
+		if sameStart(st.serverMsg, st.sendSigns) {
+			st.serverMsg = prefix(sendBuf, len(st.serverMsg))
+		}
+		st.sendSigns = prefix(sendBuf, len(st.sendSigns))
+		if !keep {
+			st.recvSigns, st.gathered = prefix(recvBuf, len(st.recvSigns)), prefix(recvBuf, len(st.gathered))
+		}
+		if st.scratch != nil {
+			st.scratch, st.midSend, st.midRecv = prefix(scratchBuf, len(st.scratch)), prefix(midSendBuf, len(st.midSend)), prefix(midRecvBuf, len(st.midRecv))
+		}
+		st.server = prefix(serverBuf, len(st.server))
+	}
+}
+
+// prefix is buf[:n], capped at n like a buffer of its own.
+func prefix[T any](buf []T, n int) []T { return buf[:n:n] }
+
+// sameStart says whether a and b start at the same element.
+func sameStart(a, b []byte) bool {
+	return cap(a) > 0 && cap(b) > 0 && unsafe.SliceData(a[:1]) == unsafe.SliceData(b[:1])
 }
 
 // errorNames returns the checkpoint names of bucket k's error buffers.

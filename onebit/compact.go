@@ -35,7 +35,7 @@ type compact struct {
 // newCompact makes the buckets and the shared momentum and worker error
 // buffer of StateCompact on world > 1 ranks.
 func newCompact(params []*optim.Param, masks [][]float32, world, bytes int) (*compact, error) {
-	b, err := newBuckets(params, world, bytes)
+	b, err := newBuckets(params, world, bytes, true)
 	if err != nil {
 		return nil, err
 	}

@@ -21,22 +21,36 @@ func (st *State) StateBytes() int64 {
 	if st == nil {
 		return 0
 	}
-	n := optim.Float32Bytes(st.WorkerError, st.ServerError, st.server, st.wscales, st.scales)
-	n += distinctBytes(st.sendSigns, st.recvSigns, st.serverMsg, st.gathered, st.header, st.headers, st.scratch, st.midSend, st.midRecv)
-	n += int64(cap(st.norms)) * int64(unsafe.Sizeof(errorfeedback.Norm{}))
-	return n
+	return st.ownBytes() + distinctBytes(st.wire()...)
 }
 
-// stateBytes is the sum of every bucket's State.StateBytes.
+// ownBytes is the bytes of the buffers st never shares: the error buffers,
+// the scales and the norms.
+func (st *State) ownBytes() int64 {
+	n := optim.Float32Bytes(st.WorkerError, st.ServerError, st.wscales, st.scales)
+	return n + int64(cap(st.norms))*int64(unsafe.Sizeof(errorfeedback.Norm{}))
+}
+
+// wire is the buffers of st that may share memory with each other or with
+// other States' (State.shareWire, buckets.shareWire), as bytes.
+func (st *State) wire() [][]byte {
+	server := unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(st.server))), 4*cap(st.server))
+	return [][]byte{st.sendSigns, st.recvSigns, st.serverMsg, st.gathered, st.header, st.headers, st.scratch, st.midSend, st.midRecv, server}
+}
+
+// stateBytes is the bytes of every bucket's State, the wire buffers they
+// share counted once.
 func (b *buckets) stateBytes() int64 {
 	if b == nil {
 		return 0
 	}
 	var n int64
+	var wire [][]byte
 	for _, st := range b.states {
-		n += st.StateBytes()
+		n += st.ownBytes()
+		wire = append(wire, st.wire()...)
 	}
-	return n
+	return n + distinctBytes(wire...)
 }
 
 // StateBytes returns the bytes of every buffer a allocated and keeps: both
@@ -77,28 +91,15 @@ func (o *ZeroOneAdam) StateBytes() int64 {
 // lets buffers with separate lives share one; see State.shareWire). A
 // shared array is counted with the largest capacity seen from its start.
 func distinctBytes(bufs ...[]byte) int64 {
+	largest := make(map[*byte]int, len(bufs))
+	for _, b := range bufs {
+		if cap(b) > 0 {
+			base := unsafe.SliceData(b[:1])
+			largest[base] = max(largest[base], cap(b))
+		}
+	}
 	var n int64
-	for i, b := range bufs {
-		if cap(b) == 0 {
-			continue
-		}
-		base := unsafe.SliceData(b[:1])
-		seen := false
-		for _, o := range bufs[:i] {
-			if cap(o) > 0 && unsafe.SliceData(o[:1]) == base {
-				seen = true
-				break
-			}
-		}
-		if seen {
-			continue
-		}
-		c := cap(b)
-		for _, o := range bufs[i+1:] {
-			if cap(o) > 0 && unsafe.SliceData(o[:1]) == base {
-				c = max(c, cap(o))
-			}
-		}
+	for _, c := range largest {
 		n += int64(c)
 	}
 	return n

@@ -386,10 +386,12 @@ func TestStateBytesOfState(t *testing.T) {
 	}
 }
 
-// The sharded 1-bit Adam (float32 and bfloat16) and the compact one hold
-// what costmodel counts for them, on every rank, from construction on:
-// with several buckets (and a last one shorter), odd lengths (padding),
-// buckets large enough to be pipelined and staging blocks of both lengths
+// 1-bit Adam in every StateMode (sharded in float32 and bfloat16) holds
+// what costmodel counts for it, on every rank, from construction on:
+// with several buckets (and a last one shorter), whose wire buffers are
+// one set as long as the longest bucket needs (buckets.shareWire), odd
+// lengths (padding), buckets large enough to be pipelined, next to ones
+// that are not, and staging blocks of both lengths
 // (the largest bucket's padded length, 16Ki floats per rank), and on one
 // rank, where they run as StateFull. The bfloat16 one is built in the
 // compression stage (FreezeStep 0), whose layout is costmodel's figure,
@@ -403,6 +405,7 @@ func TestStateBytesSharded(t *testing.T) {
 		bf16   onebit.BF16State
 		freeze int
 	}{
+		{costmodel.OptOnebitAdam, onebit.StateFull, 0, 100},
 		{costmodel.OptOnebitAdamSharded, onebit.StateSharded, 0, 100},
 		{costmodel.OptOnebitAdamCompact, onebit.StateCompact, 0, 100},
 		{costmodel.OptOnebitAdamShardedBF16, onebit.StateSharded, onebit.BF16WorkerError | onebit.BF16Variance, 0},
@@ -416,6 +419,8 @@ func TestStateBytesSharded(t *testing.T) {
 		{[][]int{{3, 4115}, {7}}, 0},
 		{[][]int{{300, 1000}, {12345}}, 64 << 10},
 		{[][]int{{1 << 22}, {12345}}, 0},
+		// Two buckets, one pipelined on 2 ranks: they share its pieces.
+		{[][]int{{1 << 21}, {1 << 20}}, 8 << 20},
 	} {
 		var tensors []int64
 		total := 0

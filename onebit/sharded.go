@@ -193,7 +193,7 @@ type sharded struct {
 // newSharded cuts the parameters into buckets of bytes (as StateFull
 // does) on world > 1 ranks and allocates rank's shards.
 func newSharded(params []*optim.Param, masks [][]float32, world, rank, bytes int, bf BF16State) (*sharded, error) {
-	b, err := newBuckets(params, world, bytes)
+	b, err := newBuckets(params, world, bytes, false)
 	if err != nil {
 		return nil, err
 	}

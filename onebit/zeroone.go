@@ -199,7 +199,7 @@ func NewZeroOneAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg
 	}
 	if world := o.f.World(); world > 1 {
 		o.flat, o.fused = flatten[float32](sizes)
-		if o.bkt, err = newBuckets(o.params, world, cfg.BucketBytes); err != nil {
+		if o.bkt, err = newBuckets(o.params, world, cfg.BucketBytes, false); err != nil {
 			return nil, fmt.Errorf("onebit: 0/1 Adam: %w", err)
 		}
 	} else {
