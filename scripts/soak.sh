@@ -12,7 +12,8 @@
 # and compares the final parameters (the example's fnv64 hash) with an
 # uninterrupted run of the same flags: they must be bit-identical. It does
 # this for 1-bit Adam, 1-bit Adam with its moments sharded over the ranks
-# (onebit-adam-sharded), 0/1 Adam and zero-adam with int4, in rounds, until
+# (onebit-adam-sharded), 0/1 Adam, zero-adam with int4 and the outer
+# optimizer (diloco), in rounds, until
 # the optimizer's share of SOAK_S is spent, and resumes a run on 3 ranks
 # (shrink) and back on 4 (grow), which must end within 1 point of the
 # uninterrupted run's test accuracy (bit-identity is not expected there:
@@ -52,7 +53,10 @@
 #               a kernel without sch_netem gets the loss only, and a line
 #               says so)
 #   OPTIMIZERS  default "onebit-adam onebit-adam-sharded zeroone-adam
-#               zero-adam"
+#               zero-adam diloco" (diloco: the outer optimizer, 1-bit
+#               codec, H 20 in 4 fragments with exchanges in flight for 2
+#               steps, so that interruptions land mid-period and with an
+#               exchange in flight)
 #   LOCAL_STEP_SCALER, ZO_FREEZE_STEP  0/1 Adam's -local-step-scaler
 #               (default 16) and -freeze-step (its VarFreezeStep, default 50):
 #               phase B from step 51, its synchronizations 16 steps apart
@@ -93,7 +97,7 @@ if [ "$SHORT" = 1 ]; then
 else
 	netns_require_root "it creates a network namespace and impairs its loopback"
 	netns_require_mpi headers
-	OPTIMIZERS=${OPTIMIZERS:-onebit-adam onebit-adam-sharded zeroone-adam zero-adam}
+	OPTIMIZERS=${OPTIMIZERS:-onebit-adam onebit-adam-sharded zeroone-adam zero-adam diloco}
 	DATA=${DATA:-data/mnist}
 	EPOCHS=${EPOCHS:-1}
 	EVERY=${EVERY:-25}
@@ -136,6 +140,7 @@ optargs() {
 	case $1 in
 	zero-adam) echo "-optimizer zero-adam -reduce int4" ;;
 	zeroone-adam) echo "-optimizer zeroone-adam -freeze-step ${ZO_FREEZE_STEP:-50} -local-step-scaler ${LOCAL_STEP_SCALER:-16}" ;;
+	diloco) echo "-optimizer diloco -outer-codec 1bit -outer-h 20 -outer-fragments 4 -outer-delay 2" ;;
 	*) echo "-optimizer $1" ;;
 	esac
 }

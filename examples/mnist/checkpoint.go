@@ -90,7 +90,7 @@ type setting struct {
 // it unless -lr is given (see resumeLR).
 func settings(cfg trainConfig, world int) []setting {
 	h := cfg.hyper
-	return []setting{
+	s := []setting{
 		{"-workers", int64(world), fmt.Sprint(world)},
 		{"-batch", int64(cfg.batch), fmt.Sprint(cfg.batch)},
 		{"-seed", int64(cfg.seed), fmt.Sprint(cfg.seed)},
@@ -99,6 +99,15 @@ func settings(cfg trainConfig, world int) []setting {
 		{"-reduce (zero-adam)", int64(h.scatter), h.scatter.String()},
 		{"-evals", int64(cfg.evalsPerEpoch), fmt.Sprint(cfg.evalsPerEpoch)},
 	}
+	if cfg.optimizer == diloco {
+		o := h.outer
+		s = append(s,
+			setting{"-outer-h", int64(o.H), fmt.Sprint(o.H)},
+			setting{"-outer-fragments", int64(o.Fragments), fmt.Sprint(o.Fragments)},
+			setting{"-outer-delay", int64(o.Delay), fmt.Sprint(o.Delay)},
+			setting{"-outer-codec", int64(o.Codec), o.Codec.String()})
+	}
+	return s
 }
 
 // newCheckpointer returns rank's checkpointer of the run cfg on world
@@ -478,6 +487,9 @@ func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world,
 	}
 	var load *optim.Checkpoint
 	switch k.name {
+	case diloco:
+		return nil, fmt.Errorf("-resume: %s: made on %d ranks, this run has %d: diloco resumes on the number of ranks that made it only (each rank's inner Adam moments and pending exchanges are its own)",
+			cand.path, world, w)
 	case "zero-adam":
 		cks, err := all()
 		if err != nil {

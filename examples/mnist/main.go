@@ -46,6 +46,8 @@ import (
 	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/internal/cliflag"
 	"github.com/lowbit-ml/lowbit/onebit"
+	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 	"github.com/lowbit-ml/lowbit/size"
 )
 
@@ -62,6 +64,10 @@ const (
 	defaultTarget     = 0.97
 
 	defaultCheckpointEvery = 100
+
+	// defaultOuterH is diloco's -outer-h: 23 outer steps in the 468 steps
+	// of the default run (the library's default, 50, is for longer runs).
+	defaultOuterH = 20
 )
 
 // options are the parsed flags.
@@ -84,6 +90,8 @@ type options struct {
 	cpuprofile string
 	checkpoint checkpointConfig
 	reduce     string
+	outer      outer.Config // diloco's -outer-* flags, codec parsed
+	outerCodec string       // -outer-codec
 
 	workersSet bool // -workers was given explicitly
 	lrSet      bool // -lr was given explicitly: it wins over a checkpoint's
@@ -118,6 +126,12 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.reduce, "reduce", "fp32", "gradient averaging of the exact optimizers and of the 1-bit optimizers' exact stage: "+strings.Join(reduceNames, ", ")+
 		" (onebit-adam-sharded and -sharded-bf16: fp32 only)"+
 		"; with -optimizer zero-adam its gradient reduce-scatter: "+strings.Join(zeroReduceNames, ", "))
+	o.outer = outer.DefaultConfig()
+	o.outer.H = defaultOuterH
+	fs.IntVar(&o.outer.H, "outer-h", defaultOuterH, "diloco: inner steps per outer step of each fragment")
+	fs.IntVar(&o.outer.Fragments, "outer-fragments", o.outer.Fragments, "diloco: fragments of the parameters, exchanged at staggered steps (Streaming DiLoCo)")
+	fs.IntVar(&o.outer.Delay, "outer-delay", o.outer.Delay, "diloco: inner steps an exchange runs in the background before its result is merged (0: exchanged within the step)")
+	fs.StringVar(&o.outerCodec, "outer-codec", o.outer.Codec.String(), "diloco: how the pseudo-gradients travel: fp32, bf16, int8, 1bit")
 	if err := cliflag.Parse(fs, args); err != nil {
 		return nil, err
 	}
@@ -160,6 +174,20 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("kill-at", "needs -checkpoint DIR")
 	case o.checkpoint.killAt < 0 || o.checkpoint.killAt%o.checkpoint.every != 0:
 		return bad("kill-at", "want a multiple of -checkpoint-every (%d)", o.checkpoint.every)
+	}
+	codec, err := outer.ParseCodec(o.outerCodec)
+	if err != nil {
+		return bad("outer-codec", "want one of fp32, bf16, int8, 1bit")
+	}
+	o.outer.Codec = codec
+	if err := o.outer.Validate(); err != nil {
+		var ce *optim.ConfigError
+		if errors.As(err, &ce) {
+			if name, ok := map[string]string{"H": "outer-h", "Fragments": "outer-fragments", "Delay": "outer-delay"}[ce.Field]; ok {
+				return bad(name, "want %s", ce.Want)
+			}
+		}
+		return nil, &cliflag.Error{Reason: err.Error()}
 	}
 	if _, _, err := parseReduces(o.optimizer, o.reduce); err != nil {
 		return nil, &cliflag.Error{Reason: err.Error()}
@@ -307,7 +335,7 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 	}
 	reduce, scatter, _ := parseReduces(o.optimizer, o.reduce) // checked by parseFlags
 	cfg := trainConfig{
-		hyper:         hyper{lr: float32(o.lr), freezeStep: o.freezeStep, reduce: reduce, scatter: scatter, localStepScaler: o.localSteps},
+		hyper:         hyper{lr: float32(o.lr), freezeStep: o.freezeStep, reduce: reduce, scatter: scatter, localStepScaler: o.localSteps, outer: o.outer},
 		epochs:        o.epochs,
 		batch:         o.batch,
 		seed:          o.seed,

@@ -10,11 +10,19 @@ import (
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/optim/zero"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // optimizerNames are the values of -optimizer, in the order -help lists
 // them.
-var optimizerNames = []string{"adam", "lamb", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "onebit-lamb", "zeroone-adam", "zero-adam"}
+var optimizerNames = []string{"adam", "lamb", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "onebit-lamb", "zeroone-adam", "zero-adam", diloco}
+
+// diloco is the outer optimizer (package outer, docs/outer.md): inner Adam
+// steps on each rank's own gradients, and every -outer-h steps the
+// pseudo-gradients averaged with -outer-codec and applied by an outer
+// Nesterov SGD. The ranks' parameters differ between exchanges; the model
+// evaluated is the one every rank agrees on, the global parameters.
+const diloco = "diloco"
 
 // sharded is 1-bit Adam with its moments sharded over the ranks
 // (onebit.StateSharded, docs/sharded.md): the wire bytes of onebit-adam,
@@ -47,6 +55,7 @@ var baseline = map[string]string{
 	"onebit-lamb":  "lamb",
 	"zeroone-adam": "adam",
 	"zero-adam":    "adam",
+	diloco:         "adam",
 }
 
 // compressedOf is the compressed optimizer an exact one is compared with.
@@ -85,6 +94,9 @@ type hyper struct {
 	// localStepScaler is zeroone-adam's LocalStepScaler
 	// (-local-step-scaler); 0 for the library's default.
 	localStepScaler int
+	// outer is diloco's outer optimizer (-outer-h, -outer-fragments,
+	// -outer-delay, -outer-codec); its inner Adam takes lr.
+	outer outer.Config
 }
 
 // reduceNames are the values of -reduce.
@@ -158,6 +170,8 @@ func newOptimizer(ctx context.Context, name string, c comm.Comm, params []*optim
 			cfg.LocalStepScaler = h.localStepScaler
 		}
 		return onebit.NewZeroOneAdam(ctx, c, params, cfg)
+	case diloco:
+		return outer.NewAdam(ctx, c, params, h.outer, adam)
 	case "zero-adam":
 		cfg := zero.DefaultConfig()
 		cfg.AdamConfig = adam

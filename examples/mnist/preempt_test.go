@@ -86,16 +86,16 @@ func zeroInt4(name string, cfg *trainConfig) {
 // -checkpoint-every grid), and the resumed run ends bit-identical to an
 // uninterrupted one: no step's work is lost. onebit-adam-sharded stops
 // in its compression stage (freeze step 10), on 3 ranks whose chunks are
-// padded.
+// padded; diloco with an exchange in flight at the stop.
 func TestPreemptLocal(t *testing.T) {
 	train, test := loadTestdata(t)
-	for _, name := range []string{"onebit-adam", "onebit-adam-sharded", "zero-adam"} {
+	for _, name := range []string{"onebit-adam", "onebit-adam-sharded", "zero-adam", diloco} {
 		t.Run(name, func(t *testing.T) {
 			cfg := smallConfig(name)
 			cfg.epochs = 2
 			zeroInt4(name, &cfg)
 			cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 5}
-			want := trainLocal(t, 3, train, test, cfg)[0].finalHash
+			want := trainLocal(t, 3, train, test, cfg) // every rank's: diloco's ranks differ between exchanges
 
 			cfg.checkpoint.dir = t.TempDir()
 			res, errs := trainRanks(t, 3, train, test, cfg, stopOn(2, 17))
@@ -114,7 +114,7 @@ func TestPreemptLocal(t *testing.T) {
 			for r := range 3 {
 				require.NoError(t, errs[r], "rank %d", r)
 				assert.Equal(t, 17, res[r].resumedFrom, "rank %d resumes from the stop, not the grid step 15", r)
-				assert.Equal(t, want, res[r].finalHash, "rank %d ends bit-identical", r)
+				assert.Equal(t, want[r].finalHash, res[r].finalHash, "rank %d ends bit-identical", r)
 			}
 		})
 	}
@@ -206,6 +206,22 @@ func TestResumeTimeToTarget(t *testing.T) {
 // the losses of the steps before it, which the checkpoint brought. Then 4 ->
 // 3 -> 4: the last resume takes the 3 ranks' newer step, not rank 3's
 // stale file of the first 4-rank run.
+// diloco refuses to resume on another number of ranks, saying so: each
+// rank's inner moments and pending exchange are its own.
+func TestResumeOtherWorldDiloco(t *testing.T) {
+	train, test := loadTestdata(t)
+	cfg := smallConfig(diloco)
+	cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 5}
+	_, errs := trainRanks(t, 3, train, test, cfg, stopOn(0, 10))
+	require.NoError(t, errs[0])
+	cfg.checkpoint.resume = true
+	_, errs = trainRanks(t, 2, train, test, cfg, nil)
+	for r := range 2 {
+		require.Error(t, errs[r], "rank %d", r)
+		assert.Contains(t, errs[r].Error(), "made on 3 ranks, this run has 2: diloco resumes on the number of ranks that made it only", "rank %d", r)
+	}
+}
+
 func TestResumeOtherWorld(t *testing.T) {
 	train, test := loadTestdata(t)
 	for _, name := range []string{"onebit-adam", "onebit-adam-sharded", "zeroone-adam", "zero-adam"} {

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -15,10 +16,14 @@ func printHeader(w io.Writer, o *options, names []string, workers, examples int)
 	fmt.Fprintf(w, "MNIST 784-256-10 MLP: %s; %d workers (%s backend), global batch %d (%d per worker), %d epochs x %d steps, lr %g",
 		strings.Join(names, " then "), workers, o.backend, o.batch, o.batch/workers, o.epochs, steps, o.lr)
 	for _, n := range names {
-		if _, ok := baseline[n]; ok {
+		if _, ok := baseline[n]; ok && n != diloco {
 			fmt.Fprintf(w, ", freeze step %d", o.freezeStep)
 			break
 		}
+	}
+	if slices.Contains(names, diloco) {
+		c := o.outer
+		fmt.Fprintf(w, ", diloco: H %d, %d fragments, delay %d, %s pseudo-gradients, outer Nesterov lr %g momentum %g", c.H, c.Fragments, c.Delay, c.Codec, c.LR, c.Momentum)
 	}
 	fmt.Fprintln(w)
 }
@@ -128,6 +133,9 @@ func printTable(w io.Writer, results []*result, target float64) {
 	fmt.Fprintln(w, "compute: forward+backward. comm: inside collectives during Step, waiting for slower workers included.")
 	fmt.Fprintln(w, "compress: the rest of Step (compression and the update). sent: bytes a worker put on the wire in Step.")
 	for _, r := range results {
+		if r.utilization > 0 {
+			fmt.Fprintf(w, "%s: compute utilization %s (the share of the wall time not blocked on an exchange).\n", r.optimizer, pct(r.utilization))
+		}
 		if r.resumedFrom > 0 {
 			fmt.Fprintf(w, "%s resumed from step %d: wall, compute, comm, compress and sent cover the resumed part only; to %s counts the training time of every part.\n",
 				r.optimizer, r.resumedFrom, pct(target))
@@ -142,8 +150,12 @@ func printTable(w io.Writer, results []*result, target float64) {
 		if !ok || r.bytesSent == 0 {
 			continue
 		}
-		fmt.Fprintf(w, "\n%s vs %s: %.1fx fewer bytes sent in total, %.1fx fewer in the last step; comm time x%.2f, wall time x%.2f, test accuracy %+.2f points\n",
-			r.optimizer, b.optimizer, b.bytesSent/r.bytesSent, ratio(b.lastStepBytes, r.lastStepBytes),
+		last := fmt.Sprintf("%.1fx fewer in the last step", ratio(b.lastStepBytes, r.lastStepBytes))
+		if r.lastStepBytes == 0 {
+			last = "none in the last step" // diloco between exchanges
+		}
+		fmt.Fprintf(w, "\n%s vs %s: %.1fx fewer bytes sent in total, %s; comm time x%.2f, wall time x%.2f, test accuracy %+.2f points\n",
+			r.optimizer, b.optimizer, b.bytesSent/r.bytesSent, last,
 			ratio(r.comm.Seconds(), b.comm.Seconds()), ratio(r.wall.Seconds(), b.wall.Seconds()),
 			100*(r.test.acc-b.test.acc))
 	}

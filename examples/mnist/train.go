@@ -14,6 +14,7 @@ import (
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/timed"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // trainConfig is what one training run needs besides the data.
@@ -80,6 +81,9 @@ type result struct {
 	// with its checkpoint saved; 0 for a run that finished. A preempted
 	// result holds nothing else.
 	preempted int
+	// utilization is diloco's compute utilization (outer.OuterStats),
+	// the mean over the ranks; 0 for the other optimizers.
+	utilization float64
 }
 
 // errStopRequested is the Veto of a step that some rank was asked to stop
@@ -148,9 +152,20 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 	var before time.Duration
 	start := time.Now()
 	elapsed := func() time.Duration { return before + time.Since(start) - evalTime }
+	// An optimizer whose ranks run apart between exchanges (diloco) is
+	// evaluated on the parameters every rank agrees on, its global ones.
+	global, apart := opt.(interface{ Global() []float32 })
+	var local []float32 // the rank's own parameters while the global ones are evaluated
 	evaluate := func(step int) error {
 		t0 := time.Now()
+		if apart {
+			local = flatParams(local, model.params())
+			setParams(model.params(), global.Global())
+		}
 		correct, loss := model.evaluate(test, tlo, thi, evalIdx)
+		if apart {
+			setParams(model.params(), local)
+		}
 		buf := []float32{float32(correct), float32(loss)}
 		if err := c.AllReduce(ctx, buf, comm.Sum); err != nil {
 			return err
@@ -303,9 +318,10 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 	if err != nil {
 		return nil, err
 	}
-	// 0/1 Adam's local steps leave the ranks apart between synchronizations;
-	// every other optimizer keeps them identical after every step.
-	if !same && opt.Stats().Stage != optim.StagePhaseB {
+	// 0/1 Adam's local steps and diloco's inner steps leave the ranks apart
+	// between synchronizations; every other optimizer keeps them identical
+	// after every step.
+	if !same && opt.Stats().Stage != optim.StagePhaseB && !apart {
 		return nil, errors.New("ranks' parameters diverged")
 	}
 
@@ -315,10 +331,17 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 	}
 	st := opt.Stats()
 	commTime := tc.Elapsed()
+	var util float32
+	if os, ok := opt.(interface{ OuterStats() outer.OuterStats }); ok {
+		// diloco's exchanges run between Steps too: its comm is the time
+		// Step was blocked on them.
+		commTime = os.OuterStats().Exchange
+		util = float32(os.OuterStats().Utilization())
+	}
 	sums := []float32{
 		float32(wall.Seconds()), float32(computeTime.Seconds()),
 		float32(commTime.Seconds()), float32((stepTime - commTime).Seconds()),
-		float32(st.BytesSent), float32(st.LastStepBytes),
+		float32(st.BytesSent), float32(st.LastStepBytes), util,
 	}
 	if err := c.AllReduce(ctx, sums, comm.Mean); err != nil {
 		return nil, err
@@ -326,6 +349,7 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 	sec := func(x float32) time.Duration { return time.Duration(float64(x) * float64(time.Second)) }
 	res.wall, res.compute, res.comm, res.compress = sec(sums[0]), sec(sums[1]), sec(sums[2]), sec(sums[3])
 	res.bytesSent, res.lastStepBytes = float64(sums[4]), float64(sums[5])
+	res.utilization = float64(sums[6])
 	res.stage, res.skipped = st.Stage, st.Skipped
 	res.loss = make([]float64, total)
 	for i, v := range lossHist {
@@ -364,4 +388,22 @@ func paramsHash(ctx context.Context, c comm.Comm, params []*optim.Param) (hash u
 		}
 	}
 	return h.Sum64(), true, nil
+}
+
+// flatParams returns the values of params, in order, in dst (grown to
+// fit).
+func flatParams(dst []float32, params []*optim.Param) []float32 {
+	dst = dst[:0]
+	for _, p := range params {
+		dst = append(dst, p.Data()...)
+	}
+	return dst
+}
+
+// setParams copies the flat values from into params, in order.
+func setParams(params []*optim.Param, from []float32) {
+	off := 0
+	for _, p := range params {
+		off += copy(p.Data(), from[off:])
+	}
 }

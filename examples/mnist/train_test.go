@@ -17,6 +17,7 @@ import (
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/examples/mnist/idx"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // trainLocal runs cfg on w in-process ranks and returns every rank's result.
@@ -38,9 +39,13 @@ func trainLocal(t *testing.T, w int, train, test *dataset, cfg trainConfig) []*r
 }
 
 func smallConfig(optimizer string) trainConfig {
+	// diloco: the 1-bit codec, 2 fragments with an exchange in flight
+	// for 2 steps (launches at every even step, merges 2 later).
+	out := outer.DefaultConfig()
+	out.H, out.Fragments, out.Delay, out.Codec = 4, 2, 2, outer.CodecOneBit
 	return trainConfig{
 		optimizer:     optimizer,
-		hyper:         hyper{lr: 2e-3, freezeStep: 10},
+		hyper:         hyper{lr: 2e-3, freezeStep: 10, outer: out},
 		epochs:        3,
 		batch:         32,
 		seed:          3,
@@ -152,6 +157,9 @@ func TestRunErrors(t *testing.T) {
 		{[]string{"-data", "testdata", "-batch", "1000"}, "larger than the 500 training examples"},
 		{[]string{"-data", "testdata", "-batch", "2", "-workers", "4"}, "smaller than the 4 workers"},
 		{[]string{"extra"}, "unexpected arguments"},
+		{[]string{"-optimizer", "diloco", "-outer-codec", "int4"}, `invalid value "int4" for --outer-codec: want one of fp32, bf16, int8, 1bit`},
+		{[]string{"-optimizer", "diloco", "-outer-h", "0"}, `invalid value "0" for --outer-h: want >= 1`},
+		{[]string{"-optimizer", "diloco", "-outer-h", "10", "-outer-fragments", "4", "-outer-delay", "3"}, `invalid value "3" for --outer-delay: want in [0, H/Fragments = 2]`},
 	} {
 		err := run(context.Background(), c.args, &bytes.Buffer{}, &bytes.Buffer{})
 		require.Error(t, err, "%v", c.args)

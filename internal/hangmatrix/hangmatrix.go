@@ -21,6 +21,7 @@ import (
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/optim/zero"
+	"github.com/lowbit-ml/lowbit/outer"
 	"github.com/lowbit-ml/lowbit/quant"
 )
 
@@ -188,6 +189,35 @@ func Cases(ranksPerNode int) []Case {
 			cfg.ReduceScatter, cfg.RanksPerNode = zero.ReduceInt8, ranksPerNode
 			return zero.NewAdam(ctx, c, ps, cfg)
 		}),
+		optimizer("outer.Optimizer.Step (fp32, H=2): resized gradient", resize, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+			cfg := outer.DefaultConfig()
+			cfg.H = 2 // the step under test is an exchange
+			return outer.NewAdam(ctx, c, ps, cfg, optim.DefaultAdamConfig())
+		}),
+		optimizer("outer.Optimizer.Step (1bit, 2 fragments, exchange in flight): resized gradient", resize, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+			cfg := outer.DefaultConfig()
+			cfg.H, cfg.Fragments, cfg.Delay, cfg.Codec = 2, 2, 1, outer.CodecOneBit
+			return outer.NewAdam(ctx, c, ps, cfg, optim.DefaultAdamConfig())
+		}),
+		optimizer("outer.Optimizer.Step (int8, delay 1): step after Close", closeIt, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+			cfg := outer.DefaultConfig()
+			cfg.H, cfg.Delay, cfg.Codec = 2, 1, outer.CodecInt8
+			return outer.NewAdam(ctx, c, ps, cfg, optim.DefaultAdamConfig())
+		}),
+		{"outer.NewAdam: invalid configuration", func(ctx context.Context, c comm.Comm, bad bool) (func(context.Context) error, error) {
+			cfg := outer.DefaultConfig()
+			if bad {
+				cfg.H = 0
+			}
+			ps := params(false)
+			return func(ctx context.Context) error {
+				o, err := outer.NewAdam(ctx, c, ps, cfg, optim.DefaultAdamConfig())
+				if err == nil {
+					o.Close()
+				}
+				return err
+			}, nil
+		}},
 		{"onebit.Adam.Step: StepFlags.Refuse on one rank", func(ctx context.Context, c comm.Comm, bad bool) (func(context.Context) error, error) {
 			o, err := onebit.NewAdam(ctx, c, params(false), onebit.DefaultAdamConfig())
 			if err != nil {
@@ -195,6 +225,22 @@ func Cases(ranksPerNode int) []Case {
 			}
 			if err := o.Step(ctx); err != nil {
 				return nil, fmt.Errorf("first step: %w", err)
+			}
+			sf := &optim.StepFlags{Local: make([]float32, 2)}
+			if err := o.CarryFlags(sf); err != nil {
+				return nil, err
+			}
+			if bad {
+				sf.Refuse = errors.New("this rank cannot take the step")
+			}
+			return func(ctx context.Context) error { return o.Step(ctx) }, nil
+		}},
+		{"outer.Optimizer.Step (1bit, H=50, carried flags): StepFlags.Refuse on one rank between exchanges", func(ctx context.Context, c comm.Comm, bad bool) (func(context.Context) error, error) {
+			cfg := outer.DefaultConfig()
+			cfg.Codec = outer.CodecOneBit
+			o, err := outer.NewAdam(ctx, c, params(false), cfg, optim.DefaultAdamConfig())
+			if err != nil {
+				return nil, err
 			}
 			sf := &optim.StepFlags{Local: make([]float32, 2)}
 			if err := o.CarryFlags(sf); err != nil {

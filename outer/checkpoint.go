@@ -1,0 +1,275 @@
+package outer
+
+import (
+	"fmt"
+	"math"
+	"strings"
+
+	"go.uber.org/zap"
+
+	"github.com/lowbit-ml/lowbit/optim"
+)
+
+// Checkpoint names of the outer optimizer's state. The inner optimizer's
+// checkpoint is embedded: its parameter tensors (optim.ParamTensorName,
+// this rank's θ_local) as they are, every other tensor, counter and scalar
+// under InnerPrefix; its stage is the checkpoint's Stage.
+const (
+	InnerPrefix    = "inner/"
+	TensorGlobal   = "outer/global"   // θ_g, flat
+	TensorMomentum = "outer/momentum" // u, flat
+	TensorLaunch   = "outer/launch"   // θ_local of the pending fragment at its launch
+	// TensorPendingGlobal and TensorPendingMomentum are the new θ_g and u
+	// of the pending fragment, which its merge applies.
+	TensorPendingGlobal   = "outer/pending_global"
+	TensorPendingMomentum = "outer/pending_momentum"
+	IntCalls              = "outer/calls"   // Step calls (inner steps)
+	IntPending            = "outer/pending" // fragment launched and not yet merged, -1 none
+	IntLaunchedAt         = "outer/launched_at"
+	IntExchanges          = "outer/exchanges"
+	IntSkipped            = "outer/skipped_exchanges"
+	IntBucketBytes        = "outer/bucket_bytes" // CodecOneBit's bucket size in effect
+	errorBufferSuffix     = "outer:f%d:b%d"
+)
+
+// WorkerErrorName and ServerErrorName name the 1-bit error buffers of
+// bucket k of fragment f: optim.WorkerErrorName (ServerErrorName) + "/" +
+// "outer:f<f>:b<k>", which optim.IsErrorBuffer recognises (so that
+// Checkpoint.ResetErrors drops them).
+func WorkerErrorName(f, k int) string {
+	return optim.WorkerErrorName + "/" + fmt.Sprintf(errorBufferSuffix, f, k)
+}
+
+// ServerErrorName: see WorkerErrorName.
+func ServerErrorName(f, k int) string {
+	return optim.ServerErrorName + "/" + fmt.Sprintf(errorBufferSuffix, f, k)
+}
+
+// State returns a checkpoint of everything that decides the next step on
+// this rank: the inner optimizer's checkpoint (θ_local, its moments and
+// counters), θ_g, u, the 1-bit error buffers, the call counter, the
+// exchange counters, and the pending exchange. An exchange in flight is
+// waited for (not merged): the checkpoint holds its result (the new θ_g
+// and u of the fragment) and the parameters at its launch, so that a
+// resumed run merges it at the same step. The settings that decide the steps are recorded as
+// hyperparameters (optim.HyperPrefix + "outer_h", "outer_fragments",
+// "outer_delay", "outer_codec", "outer_lr", "outer_momentum",
+// "outer_nesterov"). It refuses after an exchange failed.
+func (o *Optimizer) State() (*optim.Checkpoint, error) {
+	o.settle()
+	if o.broken != nil {
+		return nil, fmt.Errorf("outer: state: an exchange failed, the state is not one a run can resume from: %w", o.broken)
+	}
+	ick, err := o.inner.State()
+	if err != nil {
+		return nil, fmt.Errorf("outer: inner optimizer's state: %w", err)
+	}
+	ck := &optim.Checkpoint{
+		Algorithm: o.algorithm, World: o.world, Rank: o.rank, Stage: ick.Stage,
+		Ints: map[string]int64{
+			IntCalls: o.calls, IntPending: int64(o.pending), IntLaunchedAt: o.launchedAt,
+			IntExchanges: o.outerSteps, IntSkipped: o.outerSkipped,
+		},
+		Floats: map[string]float64{},
+	}
+	for k, v := range ick.Ints {
+		ck.Ints[InnerPrefix+k] = v
+	}
+	for k, v := range ick.Floats {
+		ck.Floats[InnerPrefix+k] = v
+	}
+	for _, h := range o.cfg.hypers() {
+		ck.Floats[optim.HyperPrefix+h.Name] = h.Value
+	}
+	for _, t := range ick.Tensors {
+		if !strings.HasPrefix(t.Name, optim.ParamTensorName("")) {
+			t.Name = InnerPrefix + t.Name
+		}
+		ck.Tensors = append(ck.Tensors, t) // ick is ours: no copy needed
+	}
+	ck.AddTensor(TensorGlobal, []int{o.n}, o.global)
+	ck.AddTensor(TensorMomentum, []int{o.n}, o.mom)
+	if o.pending >= 0 {
+		m := o.bounds[o.pending+1] - o.bounds[o.pending]
+		ck.AddTensor(TensorLaunch, []int{m}, o.snap[:m])
+		ck.AddTensor(TensorPendingGlobal, []int{m}, o.stage[:m])
+		ck.AddTensor(TensorPendingMomentum, []int{m}, o.work[:m])
+	}
+	if o.states != nil {
+		ck.Ints[IntBucketBytes] = int64(o.bbytes)
+		for f, sts := range o.states {
+			for k, st := range sts {
+				ck.AddTensor(WorkerErrorName(f, k), []int{len(st.WorkerError)}, st.WorkerError)
+				ck.AddTensor(ServerErrorName(f, k), []int{len(st.ServerError)}, st.ServerError)
+			}
+		}
+	}
+	return ck, nil
+}
+
+// formatHyper prints a recorded setting, the codec by name.
+func formatHyper(name string, v float64) string {
+	if name == "outer_codec" && v == math.Trunc(v) && v >= 0 && v < float64(numCodecs) {
+		return Codec(v).String()
+	}
+	return optim.FormatHyper(v)
+}
+
+// Load restores a checkpoint made by State of an outer optimizer of the
+// same inner algorithm, world size (unless ck.ErrorsReset: the 1-bit error
+// buffers then restart from zero), parameters and settings (H, Fragments,
+// Delay, Codec, LR, Momentum, Nesterov; a difference is refused naming
+// both values). Anything else is refused with an error wrapping
+// optim.ErrIncompatibleCheckpoint, and changes nothing. An exchange in
+// flight is waited for and dropped. Load clears the failure of an earlier
+// exchange. It does not communicate: every rank loads its own checkpoint.
+func (o *Optimizer) Load(ck *optim.Checkpoint) error {
+	o.settle()
+	if err := o.load(ck); err != nil {
+		return fmt.Errorf("outer: load: %w", err)
+	}
+	return nil
+}
+
+func (o *Optimizer) load(ck *optim.Checkpoint) error {
+	bad := optim.ErrIncompatibleCheckpoint
+	if err := ck.CheckCompatible(o.algorithm, o.world, o.params); err != nil {
+		return err
+	}
+	own := o.cfg.hypers()
+	for _, h := range own {
+		v, ok := ck.Floats[optim.HyperPrefix+h.Name]
+		if !ok {
+			return fmt.Errorf("%w: setting %s is not recorded", bad, h.Name)
+		}
+		if math.Float64bits(v) != math.Float64bits(h.Value) {
+			return fmt.Errorf("%w: made with %s %s, this optimizer has %s", bad, h.Name, formatHyper(h.Name, v), formatHyper(h.Name, h.Value))
+		}
+	}
+	for k := range ck.Floats {
+		if name, ok := strings.CutPrefix(k, optim.HyperPrefix); ok && !strings.HasPrefix(name, "outer_") {
+			return fmt.Errorf("%w: made with hyperparameter %s, which the outer optimizer does not have", bad, name)
+		}
+	}
+	var ints [5]int64
+	for i, name := range []string{IntCalls, IntPending, IntLaunchedAt, IntExchanges, IntSkipped} {
+		v, err := ck.Int(name)
+		if err != nil {
+			return err
+		}
+		ints[i] = v
+	}
+	calls, pending, launchedAt := ints[0], ints[1], ints[2]
+	if calls < 0 || ints[3] < 0 || ints[4] < 0 {
+		return fmt.Errorf("%w: negative counters", bad)
+	}
+	if pending >= 0 {
+		if o.cfg.Delay == 0 || pending >= int64(o.cfg.Fragments) || launchedAt < 1 || launchedAt > calls ||
+			calls >= launchedAt+int64(o.cfg.Delay) || o.launchAt(launchedAt) != int(pending) {
+			return fmt.Errorf("%w: inconsistent pending exchange: fragment %d launched at step %d, %d steps taken", bad, pending, launchedAt, calls)
+		}
+	} else if pending != -1 {
+		return fmt.Errorf("%w: pending fragment %d", bad, pending)
+	}
+	global, err := ck.TensorData(TensorGlobal, o.n)
+	if err != nil {
+		return err
+	}
+	mom, err := ck.TensorData(TensorMomentum, o.n)
+	if err != nil {
+		return err
+	}
+	var launch, pendingG, pendingU []float32
+	if pending >= 0 {
+		m := o.bounds[pending+1] - o.bounds[pending]
+		if launch, err = ck.TensorData(TensorLaunch, m); err != nil {
+			return err
+		}
+		if pendingG, err = ck.TensorData(TensorPendingGlobal, m); err != nil {
+			return err
+		}
+		if pendingU, err = ck.TensorData(TensorPendingMomentum, m); err != nil {
+			return err
+		}
+	}
+	var errs [][2][]float32
+	reset := ck.ErrorsReset
+	if o.states != nil && !reset && ck.Rank != o.rank {
+		return fmt.Errorf("%w: made by rank %d, this is rank %d (the 1-bit error buffers are per rank; load ck.ResetErrors() to restart them)", bad, ck.Rank, o.rank)
+	}
+	if o.states != nil && !reset {
+		if b, ok := ck.Ints[IntBucketBytes]; !ok || b != int64(o.bbytes) {
+			return fmt.Errorf("%w: made with 1-bit buckets of %d bytes, this optimizer has %d (load ck.ResetErrors() to restart the error feedback)", bad, b, o.bbytes)
+		}
+		for f, sts := range o.states {
+			for k, st := range sts {
+				we, err := ck.TensorData(WorkerErrorName(f, k), len(st.WorkerError))
+				if err != nil {
+					return err
+				}
+				se, err := ck.TensorData(ServerErrorName(f, k), len(st.ServerError))
+				if err != nil {
+					return err
+				}
+				errs = append(errs, [2][]float32{we, se})
+			}
+		}
+	}
+	ick := &optim.Checkpoint{
+		Algorithm: strings.TrimPrefix(o.algorithm, AlgorithmPrefix), World: 1, Rank: 0, Stage: ck.Stage,
+		Ints: map[string]int64{}, Floats: map[string]float64{},
+	}
+	for k, v := range ck.Ints {
+		if name, ok := strings.CutPrefix(k, InnerPrefix); ok {
+			ick.Ints[name] = v
+		}
+	}
+	for k, v := range ck.Floats {
+		if name, ok := strings.CutPrefix(k, InnerPrefix); ok {
+			ick.Floats[name] = v
+		}
+	}
+	for _, t := range ck.Tensors {
+		switch {
+		case strings.HasPrefix(t.Name, optim.ParamTensorName("")):
+			ick.Tensors = append(ick.Tensors, t)
+		case strings.HasPrefix(t.Name, InnerPrefix):
+			t.Name = strings.TrimPrefix(t.Name, InnerPrefix)
+			ick.Tensors = append(ick.Tensors, t)
+		}
+	}
+	// Everything of ours is checked: the inner optimizer's Load checks its
+	// part and changes nothing when it refuses; after it nothing fails.
+	if err := o.inner.Load(ick); err != nil {
+		return fmt.Errorf("inner optimizer: %w", err)
+	}
+	copy(o.global, global)
+	copy(o.mom, mom)
+	if launch != nil {
+		copy(o.snap, launch)
+		copy(o.stage, pendingG)
+		copy(o.work, pendingU)
+	}
+	i := 0
+	for _, sts := range o.states {
+		for _, st := range sts {
+			if reset {
+				st.Reset()
+				continue
+			}
+			copy(st.WorkerError, errs[i][0])
+			copy(st.ServerError, errs[i][1])
+			i++
+		}
+	}
+	if reset && o.states != nil {
+		o.log.Warn("loaded a checkpoint whose error buffers were reset: the 1-bit error feedback restarts from zero",
+			zap.String("algorithm", o.algorithm), zap.Int("made_on_world", ck.World))
+	}
+	o.calls, o.pending, o.launchedAt = calls, int(pending), launchedAt
+	o.outerSteps, o.outerSkipped = ints[3], ints[4]
+	o.innerBytes = o.inner.Stats().BytesSent
+	o.broken = nil
+	o.log.Info("loaded checkpoint", zap.String("algorithm", o.algorithm), zap.Int64("step", calls))
+	return nil
+}

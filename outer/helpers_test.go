@@ -1,0 +1,81 @@
+package outer_test
+
+import (
+	"context"
+	"math"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/optim"
+)
+
+// sizes are the parameter sizes of the small tests.
+var sizes = []int{7, 13}
+
+// newParams returns parameters of the given sizes with deterministic
+// values, the same on every rank.
+func newParams(t testing.TB, sizes []int) []*optim.Param {
+	var ps []*optim.Param
+	for k, n := range sizes {
+		v := make([]float32, n)
+		for i := range v {
+			v[i] = float32(math.Cos(float64(3*i+k))) * 0.5
+		}
+		p, err := optim.NewParamFrom(string(rune('a'+k)), v, n)
+		require.NoError(t, err)
+		ps = append(ps, p)
+	}
+	return ps
+}
+
+// grad is the gradient element i (flat) of rank r at call t: it depends on
+// neither the parameters nor the optimizer, so that a reference can
+// replay it.
+func grad(r, t, i int) float32 {
+	return float32(math.Sin(0.7*float64(i)+1.3*float64(t)+2.1*float64(r))*(1+0.1*float64(r)) + 0.05*float64(i%5) - 0.02*float64(r))
+}
+
+// setGrads writes grad(r, t, ·) into the parameters' gradients.
+func setGrads(ps []*optim.Param, r, t int) {
+	i := 0
+	for _, p := range ps {
+		g := p.GradData()
+		for j := range g {
+			g[j] = grad(r, t, i)
+			i++
+		}
+	}
+}
+
+// flat returns a copy of the parameters' values, concatenated.
+func flat(ps []*optim.Param) []float32 {
+	var out []float32
+	for _, p := range ps {
+		out = append(out, p.Data()...)
+	}
+	return out
+}
+
+// runRanks runs fn on w in-process ranks and fails the test on an error.
+func runRanks(t testing.TB, w int, fn func(ctx context.Context, c comm.Comm) error) {
+	t.Helper()
+	require.NoError(t, local.Run(context.Background(), w, fn))
+}
+
+// perRank collects one value per rank.
+type perRank[T any] struct {
+	mu sync.Mutex
+	v  []T
+}
+
+func newPerRank[T any](w int) *perRank[T] { return &perRank[T]{v: make([]T, w)} }
+
+func (p *perRank[T]) set(r int, v T) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.v[r] = v
+}

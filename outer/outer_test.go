@@ -1,0 +1,732 @@
+package outer_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"gorgonia.org/tensor"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
+)
+
+func config(codec outer.Codec, h, frags, delay int) outer.Config {
+	cfg := outer.DefaultConfig()
+	cfg.H, cfg.Fragments, cfg.Delay, cfg.Codec = h, frags, delay, codec
+	return cfg
+}
+
+func innerConfig() optim.AdamConfig {
+	a := optim.DefaultAdamConfig()
+	a.LR = 0.01
+	return a
+}
+
+var allCodecs = []outer.Codec{outer.CodecFP32, outer.CodecBF16, outer.CodecInt8, outer.CodecOneBit}
+
+// Every rank holds the same θ_g and u after every exchange, with every
+// codec, with and without fragments and delay.
+func TestGlobalIdenticalOnEveryRank(t *testing.T) {
+	const w, calls = 3, 17
+	for _, codec := range allCodecs {
+		for _, cfg := range []outer.Config{config(codec, 4, 1, 0), config(codec, 6, 3, 2)} {
+			t.Run(fmt.Sprintf("%s/F%d/D%d", codec, cfg.Fragments, cfg.Delay), func(t *testing.T) {
+				globals := newPerRank[[]float32](w)
+				moms := newPerRank[[]float32](w)
+				stats := newPerRank[outer.OuterStats](w)
+				runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+					ps := newParams(t, []int{300, 41})
+					o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+					if err != nil {
+						return err
+					}
+					for i := 1; i <= calls; i++ {
+						setGrads(ps, c.Rank(), i)
+						if err := o.Step(ctx); err != nil {
+							return err
+						}
+					}
+					if _, err := o.State(); err != nil { // waits for the exchange in flight
+						return err
+					}
+					globals.set(c.Rank(), append([]float32(nil), o.Global()...))
+					moms.set(c.Rank(), append([]float32(nil), o.Momentum()...))
+					stats.set(c.Rank(), o.OuterStats())
+					return o.Close()
+				})
+				for r := 1; r < w; r++ {
+					require.Equal(t, globals.v[0], globals.v[r], "θ_g of rank %d", r)
+					require.Equal(t, moms.v[0], moms.v[r], "u of rank %d", r)
+				}
+				assert.NotEqual(t, flat(newParams(t, []int{300, 41})), globals.v[0], "θ_g never moved")
+				assert.Positive(t, stats.v[0].Exchanges)
+			})
+		}
+	}
+}
+
+// Bytes each rank sends per outer step, per codec: fp32 > bf16 > int8 >
+// 1bit, the 1-bit codec about 32 times less than fp32.
+func TestBytesPerCodec(t *testing.T) {
+	const w, h = 4, 3
+	bytes := map[outer.Codec]int64{}
+	for _, codec := range allCodecs {
+		got := newPerRank[int64](w)
+		runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+			ps := newParams(t, []int{1 << 14, 1 << 14})
+			o, err := outer.NewAdam(ctx, c, ps, config(codec, h, 1, 0), innerConfig())
+			if err != nil {
+				return err
+			}
+			defer o.Close()
+			for i := 1; i <= h; i++ {
+				setGrads(ps, c.Rank(), i)
+				if err := o.Step(ctx); err != nil {
+					return err
+				}
+				if i < h && o.Stats().LastStepBytes != 0 {
+					return fmt.Errorf("inner step %d sent %d bytes", i, o.Stats().LastStepBytes)
+				}
+			}
+			got.set(c.Rank(), o.Stats().LastStepBytes)
+			return nil
+		})
+		bytes[codec] = got.v[0]
+		t.Logf("codec %s: %d bytes sent per rank per outer step (4 ranks, 32768 float32 elements = 131072 bytes)", codec, got.v[0])
+	}
+	n := int64(1 << 15)
+	assert.Equal(t, 2*3*4*n/4+3*4, bytes[outer.CodecFP32]) // ring allreduce + the 4-byte agreement
+	assert.Greater(t, bytes[outer.CodecFP32], bytes[outer.CodecBF16])
+	assert.Greater(t, bytes[outer.CodecBF16], bytes[outer.CodecInt8])
+	assert.Greater(t, bytes[outer.CodecInt8], bytes[outer.CodecOneBit])
+	ratio := float64(bytes[outer.CodecFP32]) / float64(bytes[outer.CodecOneBit])
+	t.Logf("fp32/1bit: %.1fx", ratio)
+	assert.Greater(t, ratio, 28.0)
+}
+
+// checkpointCase is a configuration resumed at several points.
+type checkpointCase struct {
+	cfg outer.Config
+	at  []int // calls after which the checkpoint is taken
+}
+
+// Resuming from a checkpoint (through its binary form, into a fresh
+// optimizer) continues bit for bit as a run that never stopped: mid-period,
+// right at an exchange, and with an exchange in flight.
+func TestResumeBitIdentical(t *testing.T) {
+	const w, calls = 3, 22
+	for _, k := range []checkpointCase{
+		{config(outer.CodecFP32, 4, 1, 0), []int{2, 4, 8}},
+		{config(outer.CodecOneBit, 4, 1, 0), []int{3, 8}},
+		{config(outer.CodecOneBit, 6, 2, 3), []int{3, 4, 6, 7, 9}}, // in flight at 3-5 and 6-8
+		{config(outer.CodecInt8, 6, 3, 1), []int{2, 4, 5}},
+		{config(outer.CodecBF16, 5, 2, 2), []int{2, 3, 5, 6}}, // in flight at 2-3, 5-6
+	} {
+		for _, at := range k.at {
+			cfg := k.cfg
+			t.Run(fmt.Sprintf("%s/F%d/D%d/at%d", cfg.Codec, cfg.Fragments, cfg.Delay, at), func(t *testing.T) {
+				whole := runResume(t, w, cfg, calls, -1)
+				resumed := runResume(t, w, cfg, calls, at)
+				for r := range w {
+					require.Equal(t, whole[r], resumed[r], "rank %d", r)
+				}
+			})
+		}
+	}
+}
+
+// runResume runs calls steps on w ranks and returns every rank's
+// parameters, θ_g and u at the end; with at >= 0, it checkpoints after
+// call at, closes the optimizer, and continues in a fresh one (made with
+// other initial values, to prove they come from the checkpoint).
+func runResume(t *testing.T, w int, cfg outer.Config, calls, at int) [][]float32 {
+	out := newPerRank[[]float32](w)
+	runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+		ps := newParams(t, sizes)
+		o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+		if err != nil {
+			return err
+		}
+		for i := 1; i <= calls; i++ {
+			setGrads(ps, c.Rank(), i)
+			if err := o.Step(ctx); err != nil {
+				return err
+			}
+			if i != at {
+				continue
+			}
+			ck, err := o.State()
+			if err != nil {
+				return err
+			}
+			b, err := ck.MarshalBinary()
+			if err != nil {
+				return err
+			}
+			if err := o.Close(); err != nil {
+				return err
+			}
+			var back optim.Checkpoint
+			if err := back.UnmarshalBinary(b); err != nil {
+				return err
+			}
+			ps = newParams(t, sizes)
+			for _, p := range ps {
+				for j := range p.Data() {
+					p.Data()[j] = 42
+				}
+			}
+			if o, err = outer.NewAdam(ctx, c, ps, cfg, innerConfig()); err != nil {
+				return err
+			}
+			if err := o.Load(&back); err != nil {
+				return err
+			}
+		}
+		if _, err := o.State(); err != nil {
+			return err
+		}
+		res := append(flat(ps), o.Global()...)
+		res = append(res, o.Momentum()...)
+		out.set(c.Rank(), res)
+		return o.Close()
+	})
+	return out.v
+}
+
+// Bad settings are refused with a *optim.ConfigError.
+func TestConfigValidate(t *testing.T) {
+	require.NoError(t, outer.DefaultConfig().Validate())
+	for _, k := range []struct {
+		field  string
+		change func(*outer.Config)
+	}{
+		{"H", func(c *outer.Config) { c.H = 0 }},
+		{"Fragments", func(c *outer.Config) { c.Fragments = 0 }},
+		{"Fragments", func(c *outer.Config) { c.H, c.Fragments = 4, 5 }},
+		{"Delay", func(c *outer.Config) { c.H, c.Fragments, c.Delay = 10, 2, 6 }},
+		{"Delay", func(c *outer.Config) { c.Delay = -1 }},
+		{"Codec", func(c *outer.Config) { c.Codec = 9 }},
+		{"LR", func(c *outer.Config) { c.LR = 0 }},
+		{"Momentum", func(c *outer.Config) { c.Momentum = 1 }},
+		{"BucketBytes", func(c *outer.Config) { c.BucketBytes = optim.PerParameter }},
+	} {
+		cfg := outer.DefaultConfig()
+		k.change(&cfg)
+		var ce *optim.ConfigError
+		err := cfg.Validate()
+		require.ErrorAs(t, err, &ce, k.field)
+		assert.Equal(t, k.field, ce.Field)
+		assert.True(t, strings.HasPrefix(err.Error(), "outer: Config."+k.field), err.Error())
+	}
+	c, err := outer.ParseCodec("1BIT")
+	require.NoError(t, err)
+	assert.Equal(t, outer.CodecOneBit, c)
+	for _, c := range allCodecs {
+		back, err := outer.ParseCodec(c.String())
+		require.NoError(t, err)
+		assert.Equal(t, c, back)
+	}
+	_, err = outer.ParseCodec("fp8")
+	assert.ErrorContains(t, err, `outer: unknown codec "fp8"`)
+}
+
+// Bad input on one rank at construction is an error on every rank, the
+// others naming it.
+func TestNewBadInputOnEveryRank(t *testing.T) {
+	const w = 3
+	for _, k := range []struct {
+		name string
+		mk   func(ctx context.Context, c comm.Comm, bad bool) error
+		want string
+	}{
+		{"invalid config", func(ctx context.Context, c comm.Comm, bad bool) error {
+			cfg := outer.DefaultConfig()
+			if bad {
+				cfg.H = 0
+			}
+			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
+			return err
+		}, "outer: Config.H = 0"},
+		{"more fragments than elements", func(ctx context.Context, c comm.Comm, bad bool) error {
+			cfg := config(outer.CodecFP32, 30, 25, 0)
+			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
+			return err
+		}, "25 fragments of 20 parameter elements"},
+		{"another H", func(ctx context.Context, c comm.Comm, bad bool) error {
+			cfg := outer.DefaultConfig()
+			if bad {
+				cfg.H = 7
+			}
+			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
+			return err
+		}, "has H 7, rank 0 has 50"},
+		{"inner optimizer that communicates", func(ctx context.Context, c comm.Comm, bad bool) error {
+			ps := newParams(t, sizes)
+			var ic comm.Comm
+			if bad {
+				ic = c
+			}
+			in, err := optim.NewAdam(ctx, ic, ps, innerConfig())
+			if err != nil {
+				return err
+			}
+			defer in.Close()
+			_, err = outer.New(ctx, c, in, outer.DefaultConfig())
+			return err
+		}, "the inner optimizer runs on 3 ranks"},
+	} {
+		t.Run(k.name, func(t *testing.T) {
+			errs := newPerRank[error](w)
+			runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+				errs.set(c.Rank(), k.mk(ctx, c, c.Rank() == 1))
+				return nil
+			})
+			for r, err := range errs.v {
+				require.Error(t, err, "rank %d", r)
+				assert.NotErrorIs(t, err, comm.ErrAborted)
+				if k.name == "more fragments than elements" || r == 1 {
+					assert.Contains(t, err.Error(), k.want, "rank %d", r)
+				} else {
+					assert.Contains(t, err.Error(), "rank 1", "rank %d", r)
+				}
+			}
+		})
+	}
+}
+
+// An inner optimizer that communicates at a step (one that checkpoints as
+// local but sends bytes) makes that step fail on every rank.
+func TestInnerThatCommunicatesAtAStep(t *testing.T) {
+	errs := newPerRank[error](2)
+	runRanks(t, 2, func(ctx context.Context, c comm.Comm) error {
+		ps := newParams(t, sizes)
+		in, err := optim.NewAdam(ctx, nil, ps, innerConfig())
+		if err != nil {
+			return err
+		}
+		chatty := &chattyInner{Adam: in, c: c}
+		o, err := outer.New(ctx, c, chatty, config(outer.CodecFP32, 2, 1, 0))
+		if err != nil {
+			return err
+		}
+		defer o.Close()
+		setGrads(ps, c.Rank(), 1)
+		chatty.on = true
+		errs.set(c.Rank(), o.Step(ctx))
+		return nil
+	})
+	for _, err := range errs.v {
+		assert.ErrorContains(t, err, "the inner optimizer communicated")
+	}
+}
+
+// chattyInner is Adam whose Stats claim traffic once on is set.
+type chattyInner struct {
+	*optim.Adam
+	c  comm.Comm
+	on bool
+}
+
+func (a *chattyInner) Stats() optim.Stats {
+	s := a.Adam.Stats()
+	if a.on {
+		s.BytesSent = 8
+	}
+	return s
+}
+
+// A rank whose inner step fails between exchanges waits for the next
+// exchange to tell the others: every rank's Step there fails, the others
+// naming it, and θ_g is unchanged. Every later Step fails until Load.
+func TestFailureReachesEveryRankAtTheNextExchange(t *testing.T) {
+	const w, h = 3, 4
+	for _, delay := range []int{0, 2} {
+		t.Run(fmt.Sprintf("D%d", delay), func(t *testing.T) {
+			errs := newPerRank[error](w)
+			failedAt := newPerRank[int](w)
+			runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+				ps := newParams(t, sizes)
+				o, err := outer.NewAdam(ctx, c, ps, config(outer.CodecOneBit, h, 1, delay), innerConfig())
+				if err != nil {
+					return err
+				}
+				defer o.Close()
+				var ck *optim.Checkpoint
+				for i := 1; i <= 3*h; i++ {
+					setGrads(ps, c.Rank(), i)
+					if i == h+2 {
+						if ck, err = o.State(); err != nil {
+							return err
+						}
+						if c.Rank() == 1 {
+							ps[1].Grad = tensor.New(tensor.WithShape(ps[1].Numel()+1), tensor.Of(tensor.Float32))
+						}
+					}
+					before := append([]float32(nil), o.Global()...)
+					if err := o.Step(ctx); err != nil {
+						errs.set(c.Rank(), err)
+						failedAt.set(c.Rank(), i)
+						if !assert.Equal(t, before, o.Global()) {
+							return errors.New("θ_g changed")
+						}
+						if err := o.Step(ctx); err == nil {
+							return errors.New("a step after the failure succeeded")
+						}
+						if _, err := o.State(); err == nil {
+							return errors.New("State after the failure succeeded")
+						}
+						if c.Rank() == 1 {
+							ps[1].Grad = tensor.New(tensor.WithShape(ps[1].Numel()), tensor.Of(tensor.Float32))
+						}
+						if err := o.Load(ck); err != nil {
+							return err
+						}
+						setGrads(ps, c.Rank(), h+2)
+						return o.Step(ctx) // back on track
+					}
+				}
+				return errors.New("no step failed")
+			})
+			for r := range w {
+				require.Error(t, errs.v[r])
+				assert.NotErrorIs(t, errs.v[r], comm.ErrAborted)
+				if r == 1 {
+					assert.Contains(t, errs.v[r].Error(), "no longer holds")
+					assert.Equal(t, h+2, failedAt.v[r])
+				} else {
+					assert.Contains(t, errs.v[r].Error(), "rank 1 failed")
+					assert.Equal(t, 2*h, failedAt.v[r], "others fail at the next exchange")
+				}
+			}
+		})
+	}
+}
+
+// A non-finite pseudo-gradient on one rank skips the outer step on every
+// rank: θ_g and u unchanged, every rank restarts from θ_g.
+func TestNonFiniteSkipsOnEveryRank(t *testing.T) {
+	const w, h = 2, 3
+	out := newPerRank[[]float32](w)
+	runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+		ps := newParams(t, sizes)
+		o, err := outer.NewAdam(ctx, c, ps, config(outer.CodecFP32, h, 1, 0), innerConfig())
+		if err != nil {
+			return err
+		}
+		defer o.Close()
+		g0 := append([]float32(nil), o.Global()...)
+		for i := 1; i <= h; i++ {
+			setGrads(ps, c.Rank(), i)
+			if i == h && c.Rank() == 1 {
+				ps[0].Data()[0] = float32(posInf())
+			}
+			if err := o.Step(ctx); err != nil {
+				return err
+			}
+		}
+		if !assert.Equal(t, g0, o.Global()) || !assert.Equal(t, g0, flat(ps)) {
+			return errors.New("state changed")
+		}
+		out.set(c.Rank(), []float32{float32(o.OuterStats().Skipped), float32(o.OuterStats().Exchanges)})
+		return nil
+	})
+	assert.Equal(t, []float32{1, 0}, out.v[0])
+	assert.Equal(t, []float32{1, 0}, out.v[1])
+}
+
+// Load refuses a checkpoint of other settings, naming both values, and
+// changes nothing.
+func TestLoadRefusesOtherSettings(t *testing.T) {
+	ctx := context.Background()
+	base := config(outer.CodecOneBit, 6, 2, 1)
+	ps := newParams(t, sizes)
+	o, err := outer.NewAdam(ctx, nil, ps, base, innerConfig())
+	require.NoError(t, err)
+	defer o.Close()
+	for i := 1; i <= 5; i++ {
+		setGrads(ps, 0, i)
+		require.NoError(t, o.Step(ctx))
+	}
+	before, err := o.State()
+	require.NoError(t, err)
+	for _, k := range []struct {
+		change func(*outer.Config)
+		want   string
+	}{
+		{func(c *outer.Config) { c.H = 8 }, "made with outer_h 8, this optimizer has 6"},
+		{func(c *outer.Config) { c.Codec = outer.CodecInt8 }, "made with outer_codec int8, this optimizer has 1bit"},
+		{func(c *outer.Config) { c.Fragments = 3 }, "made with outer_fragments 3, this optimizer has 2"},
+		{func(c *outer.Config) { c.Delay = 2 }, "made with outer_delay 2, this optimizer has 1"},
+		{func(c *outer.Config) { c.Momentum = 0.5 }, "made with outer_momentum 0.5, this optimizer has 0.9"},
+	} {
+		cfg := base
+		k.change(&cfg)
+		qs := newParams(t, sizes)
+		other, err := outer.NewAdam(ctx, nil, qs, cfg, innerConfig())
+		require.NoError(t, err)
+		for i := 1; i <= 3; i++ {
+			setGrads(qs, 0, i)
+			require.NoError(t, other.Step(ctx))
+		}
+		ck, err := other.State()
+		require.NoError(t, err)
+		require.NoError(t, other.Close())
+		err = o.Load(ck)
+		require.ErrorIs(t, err, optim.ErrIncompatibleCheckpoint)
+		assert.ErrorContains(t, err, k.want)
+		after, err := o.State()
+		require.NoError(t, err)
+		require.Equal(t, before, after, "Load changed the optimizer")
+	}
+	// A damaged inner part is refused by the inner optimizer: nothing
+	// changes either.
+	bad, err := o.State()
+	require.NoError(t, err)
+	bad.Floats[outer.InnerPrefix+optim.HyperPrefix+"beta1"] = 0.5
+	require.ErrorContains(t, o.Load(bad), "inner optimizer")
+	after, err := o.State()
+	require.NoError(t, err)
+	require.Equal(t, before, after)
+	// The 1-bit error buffers are error buffers for optim.
+	n := 0
+	for _, ts := range before.Tensors {
+		if optim.IsErrorBuffer(ts.Name) {
+			n++
+		}
+	}
+	assert.Zero(t, n, "one rank has no error buffers")
+}
+
+// The error buffers of a multi-rank 1-bit run are named so that
+// optim.IsErrorBuffer and ResetErrors find them; a reset checkpoint loads
+// on a group of another size.
+func TestErrorBuffersAndResetErrors(t *testing.T) {
+	cfg := config(outer.CodecOneBit, 2, 2, 0)
+	cks := newPerRank[*optim.Checkpoint](3)
+	runRanks(t, 3, func(ctx context.Context, c comm.Comm) error {
+		ps := newParams(t, sizes)
+		o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+		if err != nil {
+			return err
+		}
+		defer o.Close()
+		for i := 1; i <= 4; i++ {
+			setGrads(ps, c.Rank(), i)
+			if err := o.Step(ctx); err != nil {
+				return err
+			}
+		}
+		ck, err := o.State()
+		cks.set(c.Rank(), ck)
+		return err
+	})
+	var names []string
+	for _, ts := range cks.v[1].Tensors {
+		if optim.IsErrorBuffer(ts.Name) {
+			names = append(names, ts.Name)
+		}
+	}
+	assert.Equal(t, []string{outer.WorkerErrorName(0, 0), outer.ServerErrorName(0, 0), outer.WorkerErrorName(1, 0), outer.ServerErrorName(1, 0)}, names)
+	runRanks(t, 3, func(ctx context.Context, c comm.Comm) error {
+		o, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
+		if err != nil {
+			return err
+		}
+		defer o.Close()
+		err = o.Load(cks.v[(c.Rank()+1)%3])
+		if !assert.ErrorContains(t, err, "this is rank") {
+			return errors.New("loaded another rank's error buffers")
+		}
+		return o.Load(cks.v[c.Rank()])
+	})
+	runRanks(t, 2, func(ctx context.Context, c comm.Comm) error {
+		o, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
+		if err != nil {
+			return err
+		}
+		defer o.Close()
+		if err := o.Load(cks.v[c.Rank()]); err == nil {
+			return errors.New("loaded a checkpoint of 3 ranks on 2")
+		}
+		if err := o.Load(cks.v[c.Rank()].ResetErrors()); err != nil {
+			return err
+		}
+		if !assert.Equal(t, cks.v[0].Tensor(outer.TensorGlobal).Data, o.Global()) {
+			return errors.New("θ_g not restored")
+		}
+		return o.Step(ctx)
+	})
+}
+
+// Close is idempotent, waits for the exchange in flight and leaves no
+// goroutine behind; a Step after it fails.
+func TestCloseIdempotentNoLeak(t *testing.T) {
+	before := runtime.NumGoroutine()
+	errs := newPerRank[error](2)
+	runRanks(t, 2, func(ctx context.Context, c comm.Comm) error {
+		ps := newParams(t, sizes)
+		o, err := outer.NewAdam(ctx, c, ps, config(outer.CodecInt8, 4, 2, 2), innerConfig())
+		if err != nil {
+			return err
+		}
+		for i := 1; i <= 3; i++ { // launches fragment 1 at call 2: in flight
+			setGrads(ps, c.Rank(), i)
+			if err := o.Step(ctx); err != nil {
+				return err
+			}
+		}
+		if err := o.Close(); err != nil {
+			return err
+		}
+		if err := o.Close(); err != nil {
+			return err
+		}
+		if _, err := o.State(); err != nil {
+			return err
+		}
+		errs.set(c.Rank(), o.Step(ctx)) // call 4: the next exchange: every rank refuses
+		return nil
+	})
+	for _, err := range errs.v {
+		assert.ErrorIs(t, err, optim.ErrClosed)
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	assert.LessOrEqual(t, runtime.NumGoroutine(), before)
+}
+
+// Step allocates nothing in steady state (one process; exchanges
+// included).
+func TestStepAllocatesNothing(t *testing.T) {
+	for _, cfg := range []outer.Config{config(outer.CodecOneBit, 3, 1, 0), config(outer.CodecFP32, 4, 2, 1)} {
+		ctx := context.Background()
+		ps := newParams(t, sizes)
+		o, err := outer.NewAdam(ctx, nil, ps, cfg, innerConfig())
+		require.NoError(t, err)
+		setGrads(ps, 0, 1)
+		for range 2 * cfg.H {
+			require.NoError(t, o.Step(ctx))
+		}
+		allocs := testing.AllocsPerRun(3*cfg.H, func() {
+			if err := o.Step(ctx); err != nil {
+				panic(err)
+			}
+		})
+		assert.Zero(t, allocs, "F%d D%d", cfg.Fragments, cfg.Delay)
+		require.NoError(t, o.Close())
+	}
+}
+
+// Two ranks on comm/local, synchronous and delayed exchanges (a
+// goroutine per launch): the allocations per Step of both ranks, comm/local
+// included, are reported (0 when measured).
+func TestStepAllocationsTwoRanks(t *testing.T) {
+	for _, cfg := range []outer.Config{config(outer.CodecOneBit, 2, 1, 0), config(outer.CodecOneBit, 2, 2, 1)} {
+		cs, err := local.New(2)
+		require.NoError(t, err)
+		ctx := context.Background()
+		var opts [2]*outer.Optimizer
+		done := make(chan error, 2)
+		for r := range 2 {
+			go func() {
+				ps := newParams(t, sizes)
+				setGrads(ps, r, 1)
+				o, err := outer.NewAdam(ctx, cs[r], ps, cfg, innerConfig())
+				opts[r] = o
+				done <- err
+			}()
+		}
+		require.NoError(t, <-done)
+		require.NoError(t, <-done)
+		stopped := make(chan struct{})
+		go func() {
+			defer close(stopped)
+			for {
+				if err := opts[1].Step(ctx); err != nil {
+					return
+				}
+			}
+		}()
+		allocs := testing.AllocsPerRun(20, func() {
+			if err := opts[0].Step(ctx); err != nil {
+				panic(err)
+			}
+		})
+		t.Logf("F%d D%d: allocations per Step on 2 ranks (both ranks, comm/local included): %v", cfg.Fragments, cfg.Delay, allocs)
+		cs[0].Close() // aborts the group: rank 1's loop ends
+		<-stopped
+		cs[1].Close()
+		opts[0].Close()
+		opts[1].Close()
+	}
+}
+
+func posInf() float64 { return 1 / zero }
+
+var zero = 0.0
+
+// New wraps any local inner optimizer (here LAMB): the checkpoint is
+// "outer-lamb" and a resume is bit-identical.
+func TestNewWrapsLamb(t *testing.T) {
+	const w, calls, at = 2, 9, 5
+	cfg := config(outer.CodecInt8, 3, 1, 0)
+	run := func(stop int) [][]float32 {
+		out := newPerRank[[]float32](w)
+		runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+			mk := func(ps []*optim.Param) (*outer.Optimizer, *optim.Lamb, error) {
+				in, err := optim.NewLamb(ctx, nil, ps, optim.DefaultLambConfig())
+				if err != nil {
+					return nil, nil, err
+				}
+				o, err := outer.New(ctx, c, in, cfg)
+				return o, in, err
+			}
+			ps := newParams(t, sizes)
+			o, in, err := mk(ps)
+			if err != nil {
+				return err
+			}
+			for i := 1; i <= calls; i++ {
+				setGrads(ps, c.Rank(), i)
+				if err := o.Step(ctx); err != nil {
+					return err
+				}
+				if i == stop {
+					ck, err := o.State()
+					if err != nil {
+						return err
+					}
+					if ck.Algorithm != "outer-lamb" {
+						return fmt.Errorf("algorithm %q", ck.Algorithm)
+					}
+					o.Close()
+					in.Close()
+					ps = newParams(t, sizes)
+					if o, in, err = mk(ps); err != nil {
+						return err
+					}
+					if err := o.Load(ck); err != nil {
+						return err
+					}
+				}
+			}
+			out.set(c.Rank(), append(flat(ps), o.Global()...))
+			o.Close()
+			return in.Close()
+		})
+		return out.v
+	}
+	assert.Equal(t, run(-1), run(at))
+}

@@ -1,0 +1,333 @@
+package outer_test
+
+// A float64 reference of the outer optimizer, written from the design
+// (docs/outer.md) and the 1-bit allreduce's spec, sharing no code with
+// the implementation: W ranks, inner AdamW per rank, the fragment
+// schedule, the delayed merge, the fp32 average and the 1-bit momentum
+// compression with error feedback on both sides.
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
+)
+
+type refConfig struct {
+	W, H, F, D  int
+	oneBit      bool
+	lr, mu      float64
+	nesterov    bool
+	alr, b1, b2 float64 // inner Adam
+	eps, wd     float64
+	n           int
+}
+
+type refSim struct {
+	c           refConfig
+	local, m, v [][]float64
+	g, u        []float64
+	we, se      [][][]float64 // [rank][fragment]
+	pending     int
+	launched    int
+	snap        [][]float64 // [rank] θ_local of the pending fragment at launch
+	t           int
+}
+
+func newRef(c refConfig, init []float32) *refSim {
+	s := &refSim{c: c, pending: -1}
+	s.g = make([]float64, c.n)
+	for i, x := range init {
+		s.g[i] = float64(x)
+	}
+	s.u = make([]float64, c.n)
+	for range c.W {
+		s.local = append(s.local, append([]float64(nil), s.g...))
+		s.m = append(s.m, make([]float64, c.n))
+		s.v = append(s.v, make([]float64, c.n))
+		s.snap = append(s.snap, nil)
+		we, se := make([][]float64, c.F), make([][]float64, c.F)
+		for f := range c.F {
+			lo, hi := s.frag(f)
+			N := refPadded(hi-lo, c.W)
+			we[f], se[f] = make([]float64, N), make([]float64, N/c.W)
+		}
+		s.we, s.se = append(s.we, we), append(s.se, se)
+	}
+	return s
+}
+
+func (s *refSim) frag(f int) (lo, hi int) { return f * s.c.n / s.c.F, (f + 1) * s.c.n / s.c.F }
+
+// launches returns the fragment launched at call t, or -1.
+func (s *refSim) launches(t int) int {
+	for f := range s.c.F {
+		if t%s.c.H == f*s.c.H/s.c.F {
+			return f
+		}
+	}
+	return -1
+}
+
+func refPadded(n, w int) int {
+	l := w
+	for l%8 != 0 {
+		l += w
+	}
+	m := w * l
+	return (n + m - 1) / m * m
+}
+
+func refSign(x float64) float64 {
+	if x >= 0 || math.IsNaN(x) {
+		return 1
+	}
+	return -1
+}
+
+func refNorm(x []float64) float64 {
+	s := 0.0
+	for _, v := range x {
+		s += v * v
+	}
+	return math.Sqrt(s)
+}
+
+// compress is the 1-bit allreduce of the W inputs xs (one per rank) of
+// fragment f, with error feedback: the output, the same on every rank.
+func (s *refSim) compress(f int, xs [][]float64) []float64 {
+	W, m := s.c.W, len(xs[0])
+	N := refPadded(m, W)
+	C := N / W
+	signs := make([][]float64, W)
+	scales := make([]float64, W)
+	for r := range W {
+		x := make([]float64, N)
+		copy(x, xs[r])
+		for i := range x {
+			x[i] += s.we[r][f][i]
+		}
+		scales[r] = refNorm(x) / math.Sqrt(float64(N))
+		signs[r] = make([]float64, N)
+		for i := range x {
+			signs[r][i] = refSign(x[i])
+			s.we[r][f][i] = x[i] - scales[r]*signs[r][i]
+		}
+	}
+	out := make([]float64, N)
+	for r := range W { // server r, chunk r
+		c := make([]float64, C)
+		for j := range W {
+			for i := range c {
+				c[i] += scales[j] / float64(W) * signs[j][r*C+i]
+			}
+		}
+		for i := range c {
+			c[i] += s.se[r][f][i]
+		}
+		sc := refNorm(c) / math.Sqrt(float64(C))
+		for i := range c {
+			out[r*C+i] = sc * refSign(c[i])
+			s.se[r][f][i] = c[i] - out[r*C+i]
+		}
+	}
+	return out[:m]
+}
+
+// step runs call t: every rank's inner step on grad(r, t, ·), then the
+// merge and the launch that are due.
+func (s *refSim) step() {
+	s.t++
+	t, c := s.t, s.c
+	for r := range c.W {
+		c1 := 1 - math.Pow(float64(float32(c.b1)), float64(t))
+		c2 := 1 - math.Pow(float64(float32(c.b2)), float64(t))
+		for i := range s.local[r] {
+			g := float64(grad(r, t, i))
+			s.m[r][i] = c.b1*s.m[r][i] + (1-c.b1)*g
+			s.v[r][i] = c.b2*s.v[r][i] + (1-c.b2)*g*g
+			upd := (s.m[r][i]/c1)/(math.Sqrt(s.v[r][i]/c2)+c.eps) + c.wd*s.local[r][i]
+			s.local[r][i] -= c.alr * upd
+		}
+	}
+	if s.pending >= 0 && t == s.launched+c.D {
+		lo, hi := s.frag(s.pending)
+		for r := range c.W {
+			for i := lo; i < hi; i++ {
+				s.local[r][i] = s.g[i] + (s.local[r][i] - s.snap[r][i-lo])
+			}
+		}
+		s.pending = -1
+	}
+	f := s.launches(t)
+	if f < 0 {
+		return
+	}
+	lo, hi := s.frag(f)
+	deltas := make([][]float64, c.W)
+	for r := range c.W {
+		deltas[r] = make([]float64, hi-lo)
+		for i := lo; i < hi; i++ {
+			deltas[r][i-lo] = s.g[i] - s.local[r][i]
+		}
+		s.snap[r] = append([]float64(nil), s.local[r][lo:hi]...)
+	}
+	if c.oneBit {
+		xs := make([][]float64, c.W)
+		for r := range c.W {
+			xs[r] = make([]float64, hi-lo)
+			for i := range xs[r] {
+				xs[r][i] = c.mu*s.u[lo+i] + deltas[r][i]
+			}
+		}
+		ub := xs[0]
+		if c.W > 1 {
+			ub = s.compress(f, xs)
+		}
+		for i := lo; i < hi; i++ {
+			step := ub[i-lo]
+			if c.nesterov {
+				step = (ub[i-lo] - c.mu*s.u[i]) + c.mu*ub[i-lo]
+			}
+			s.g[i] -= c.lr * step
+			s.u[i] = ub[i-lo]
+		}
+	} else {
+		for i := lo; i < hi; i++ {
+			d := 0.0
+			for r := range c.W {
+				d += deltas[r][i-lo]
+			}
+			d /= float64(c.W)
+			s.u[i] = c.mu*s.u[i] + d
+			step := s.u[i]
+			if c.nesterov {
+				step = d + c.mu*s.u[i]
+			}
+			s.g[i] -= c.lr * step
+		}
+	}
+	if c.D == 0 {
+		for r := range c.W {
+			copy(s.local[r][lo:hi], s.g[lo:hi])
+		}
+		return
+	}
+	s.pending, s.launched = f, t
+}
+
+// inFlight says whether an exchange is in flight after call t.
+func (s *refSim) inFlight() bool { return s.pending >= 0 }
+
+func TestReference(t *testing.T) {
+	for _, w := range []int{2, 3, 4} {
+		for _, k := range []struct {
+			codec   outer.Codec
+			h, f, d int
+		}{
+			{outer.CodecFP32, 4, 1, 0},
+			{outer.CodecFP32, 6, 3, 2},
+			{outer.CodecOneBit, 4, 1, 0},
+			{outer.CodecOneBit, 6, 2, 3},
+			{outer.CodecBF16, 4, 2, 1},
+			{outer.CodecInt8, 4, 2, 1},
+		} {
+			t.Run(fmt.Sprintf("W%d/%s/H%d/F%d/D%d", w, k.codec, k.h, k.f, k.d), func(t *testing.T) {
+				checkReference(t, w, k.codec, k.h, k.f, k.d)
+			})
+		}
+	}
+}
+
+func checkReference(t *testing.T, w int, codec outer.Codec, h, frags, delay int) {
+	const calls = 20
+	cfg := outer.DefaultConfig()
+	cfg.H, cfg.Fragments, cfg.Delay, cfg.Codec = h, frags, delay, codec
+	acfg := optim.DefaultAdamConfig()
+	acfg.LR, acfg.WeightDecay = 0.01, 0.1
+	n := 0
+	for _, s := range sizes {
+		n += s
+	}
+	rc := refConfig{W: w, H: h, F: frags, D: delay, oneBit: codec == outer.CodecOneBit, lr: float64(cfg.LR), mu: float64(cfg.Momentum),
+		nesterov: cfg.Nesterov, alr: float64(acfg.LR), b1: float64(acfg.Beta1), b2: float64(acfg.Beta2), eps: float64(acfg.Eps), wd: float64(acfg.WeightDecay), n: n}
+	ref := newRef(rc, flat(newParams(t, sizes)))
+	// Real runs: every rank's parameters after every call, and θ_g and u
+	// after the calls with no exchange in flight.
+	locals := newPerRank[[][]float32](w)
+	globals, moms := newPerRank[[][]float32](w), newPerRank[[][]float32](w)
+	flights := make([]bool, calls+1)
+	{
+		s := newRef(rc, flat(newParams(t, sizes)))
+		for i := 1; i <= calls; i++ {
+			s.t++ // schedule only
+			if s.pending >= 0 && s.t == s.launched+delay {
+				s.pending = -1
+			}
+			if f := s.launches(s.t); f >= 0 && delay > 0 {
+				s.pending, s.launched = f, s.t
+			}
+			flights[i] = s.inFlight()
+		}
+	}
+	runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+		ps := newParams(t, sizes)
+		o, err := outer.NewAdam(ctx, c, ps, cfg, acfg)
+		if err != nil {
+			return err
+		}
+		defer o.Close()
+		var ls, gs, us [][]float32
+		for i := 1; i <= calls; i++ {
+			setGrads(ps, c.Rank(), i)
+			if err := o.Step(ctx); err != nil {
+				return err
+			}
+			ls = append(ls, flat(ps))
+			if flights[i] {
+				gs, us = append(gs, nil), append(us, nil)
+				continue
+			}
+			gs = append(gs, append([]float32(nil), o.Global()...))
+			us = append(us, append([]float32(nil), o.Momentum()...))
+		}
+		locals.set(c.Rank(), ls)
+		globals.set(c.Rank(), gs)
+		moms.set(c.Rank(), us)
+		return nil
+	})
+	// fp32 and 1bit: float32 rounding only. bf16 and int8 round the
+	// pseudo-gradients (the reference averages them exactly): a looser
+	// bound, which a wrong formula still exceeds by far.
+	tol := 2e-4
+	if codec == outer.CodecBF16 || codec == outer.CodecInt8 {
+		tol = 3e-3
+	}
+	for i := 1; i <= calls; i++ {
+		ref.step()
+		for r := range w {
+			requireClose(t, ref.local[r], locals.v[r][i-1], tol, "call %d rank %d parameters", i, r)
+			if !flights[i] {
+				requireClose(t, ref.g, globals.v[r][i-1], tol, "call %d rank %d θ_g", i, r)
+				requireClose(t, ref.u, moms.v[r][i-1], tol, "call %d rank %d u", i, r)
+				require.Equal(t, globals.v[0][i-1], globals.v[r][i-1], "call %d: θ_g of rank %d differs from rank 0's", i, r)
+			}
+		}
+	}
+}
+
+func requireClose(t *testing.T, want []float64, got []float32, tol float64, format string, args ...any) {
+	t.Helper()
+	require.Len(t, got, len(want))
+	for i := range want {
+		if d := math.Abs(want[i] - float64(got[i])); !(d <= tol*(1+math.Abs(want[i]))) {
+			require.Failf(t, "mismatch", format+": element %d: reference %v, got %v", append(args, i, want[i], got[i])...)
+		}
+	}
+}
