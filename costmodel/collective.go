@@ -74,15 +74,25 @@ type Collective struct {
 	// collective does not measure (its figures are derived from another
 	// collective's fit).
 	Uncalibrated string
+	// Outer says that it is a row of the outer optimizer (package outer):
+	// an exchange every Job.OuterH/Job.OuterFragments steps, averaged
+	// over the steps.
+	Outer bool
 }
 
-// Collectives lists the collectives the model knows: "allreduce" (the
-// exact float32 ring allreduce, the baseline of Row.SpeedupExact),
-// "onebit" (onebit.AllReduce) and "fp16" (not calibrated).
+// Collectives lists what Job.Collectives may name: the collectives the
+// model knows, "allreduce" (the exact float32 ring allreduce, the
+// baseline of Row.SpeedupExact), "onebit" (onebit.AllReduce) and "fp16"
+// (not calibrated), then the outer optimizer's rows, one per codec:
+// "outer-fp32", "outer-bf16" (not calibrated), "outer-int8" (not
+// calibrated) and "outer-1bit".
 func Collectives() []Collective {
-	out := make([]Collective, len(collectives))
-	for i, c := range collectives {
-		out[i] = Collective{Name: c.name, Desc: c.desc, Uncalibrated: c.uncalibrated}
+	out := make([]Collective, 0, len(collectives)+len(outerCodecs))
+	for _, c := range collectives {
+		out = append(out, Collective{Name: c.name, Desc: c.desc, Uncalibrated: c.uncalibrated})
+	}
+	for _, c := range outerCodecs {
+		out = append(out, Collective{Name: c.name, Desc: c.desc, Uncalibrated: c.uncalibrated, Outer: true})
 	}
 	return out
 }

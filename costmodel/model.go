@@ -23,8 +23,11 @@
 // Use: Builtin or LoadFile fit a Calibration; its Model's Plan predicts a
 // Job; Calibration.Check and Calibration.HoldOut compare the model with
 // the measured points. The package does not import the optimizers: it
-// keeps copies of onebit's padding and pipelining rules, checked by its
-// tests.
+// keeps copies of onebit's padding and pipelining rules and of the outer
+// optimizer's int8 message layout, checked by its tests. With Job.OuterH
+// a plan also has rows for the outer optimizer (package outer), one per
+// codec, each an exchange every OuterH/OuterFragments steps averaged per
+// step (outer.go).
 package costmodel
 
 import (

@@ -29,23 +29,47 @@ type Job struct {
 	// exchanged in (calls one after another), a positive multiple of 4.
 	BucketBytes int64
 	// Collectives lists the collectives to predict by name (Collectives);
-	// nil: allreduce and onebit.
+	// nil: allreduce and onebit, and with OuterH > 0 also the outer
+	// optimizer's rows outer-fp32, outer-bf16, outer-int8 and outer-1bit.
+	// An outer row needs OuterH > 0.
 	Collectives []string
 	// StepCompute is the forward and backward time of one step, added to
-	// each step (no overlap with communication).
+	// each step (no overlap with communication, but for the outer
+	// optimizer's delayed exchanges: OuterDelay).
 	StepCompute time.Duration
 	// CompressBps, Alpha and Ineff, when positive, replace the
 	// calibration's compression rate (float32 bytes per second through a
 	// 1-rank onebit call), seconds per latency-bound round and time per
 	// byte over the line rate's.
 	CompressBps, Alpha, Ineff float64
+	// OuterH, OuterFragments and OuterDelay are the outer optimizer's
+	// settings (package outer: Config.H, Fragments and Delay), for its
+	// rows: every rank takes OuterH inner steps without communicating,
+	// the parameters are cut into OuterFragments near-equal fragments
+	// (0 and 1: one), each exchanged once every OuterH steps at staggered
+	// steps, and with OuterDelay > 0 an exchange runs beside that many
+	// steps of StepCompute. OuterH in [0, MaxOuterH], 0: no outer
+	// optimizer (OuterFragments at most 1 and OuterDelay 0 then);
+	// OuterFragments in [0, OuterH] and at most Params; OuterDelay in
+	// [0, OuterH/OuterFragments]. The 1-bit codec's buckets are
+	// BucketBytes.
+	OuterH, OuterFragments, OuterDelay int
 }
 
 // Row is one collective's predicted step.
+//
+// A row of the outer optimizer (outer-fp32, outer-bf16, outer-int8,
+// outer-1bit) is the average step over OuterH steps, in which each of
+// the OuterFragments fragments is exchanged once (its agreement, then the
+// codec's collective): WirePerRank is the average bytes per step, and
+// LatencyS, TransferS and CompressS are the exchanges' terms divided by
+// OuterH, less the overlap of a delayed exchange (HiddenS). Calls is
+// there the calls of one exchange of the largest fragment, agreement
+// included (one every Plan.Outer.ExchangeEvery steps on average).
 type Row struct {
 	Collective   string  `json:"collective"`
 	Calibrated   bool    `json:"calibrated"`
-	Calls        int     `json:"calls"` // collective calls per step (buckets times calls per bucket)
+	Calls        int     `json:"calls"` // collective calls per step (buckets times calls per bucket); outer rows: per exchange
 	WirePerRank  int64   `json:"wire_bytes_per_rank"`
 	LatencyS     float64 `json:"latency_s"`
 	TransferS    float64 `json:"transfer_s"`
@@ -53,6 +77,14 @@ type Row struct {
 	CommS        float64 `json:"comm_s"` // LatencyS + TransferS + CompressS
 	StepS        float64 `json:"step_s"` // CommS + Job.StepCompute
 	SpeedupExact float64 `json:"speedup_vs_exact,omitempty"`
+	// ExchangeS (outer rows) is the time of one exchange of the largest
+	// fragment, agreement included, before any overlap.
+	ExchangeS float64 `json:"exchange_s,omitempty"`
+	// HiddenS (outer rows with OuterDelay > 0) is the exchange time per
+	// step, on average, that runs beside the OuterDelay steps of compute
+	// after its launch (at most OuterDelay*StepCompute per exchange):
+	// left out of CommS.
+	HiddenS float64 `json:"hidden_s,omitempty"`
 }
 
 // Assumptions is what a plan's numbers rest on, each with where it comes
@@ -80,6 +112,8 @@ type Plan struct {
 	// Model is the model the plan used (with Job.CompressBps applied).
 	Model *Model `json:"model"`
 	Rows  []Row  `json:"collectives"`
+	// Outer is the outer optimizer's settings (nil: Job.OuterH 0).
+	Outer *OuterPlan `json:"outer,omitempty"`
 }
 
 // Plan predicts the gradient exchange of one step of j: the gradient goes
@@ -93,6 +127,9 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 	}
 	if j.Collectives == nil {
 		j.Collectives = []string{"allreduce", "onebit"}
+		if j.OuterH > 0 {
+			j.Collectives = append(j.Collectives, outerNames()...)
+		}
 	}
 	if j.CompressBps > 0 {
 		cp := *m
@@ -157,6 +194,10 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 	exactComm := predictStep(collectives[0]).total()
 	var rows []Row
 	for _, name := range j.Collectives {
+		if oc, ok := findOuterCodec(name); ok {
+			rows = append(rows, m.outerRow(oc, j, s, f, exactComm+compute))
+			continue
+		}
 		c, _ := findCollective(name)
 		p := predictStep(c)
 		r := Row{Collective: name, Calibrated: c.uncalibrated == "", Calls: p.Calls, WirePerRank: p.Wire,
@@ -168,7 +209,7 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 		rows = append(rows, r)
 	}
 	return &Plan{Params: n, Ranks: j.Ranks, LinkBps: j.Link, Sharing: string(j.Sharing), StepCompute: compute,
-		Assumptions: a, Model: m, Rows: rows}, nil
+		Assumptions: a, Model: m, Rows: rows, Outer: outerPlan(j)}, nil
 }
 
 // Limits of a Job that Plan accepts.
@@ -216,13 +257,14 @@ func (j Job) Validate() error {
 		return fail("Collectives", "no collective to plan")
 	}
 	for _, name := range j.Collectives {
-		if _, ok := findCollective(name); !ok {
+		_, ok := findCollective(name)
+		if _, outer := findOuterCodec(name); !ok && !outer {
 			var names []string
-			for _, c := range collectives {
-				names = append(names, c.name)
+			for _, c := range Collectives() {
+				names = append(names, c.Name)
 			}
 			return fail("Collectives", "unknown collective %q (want %s)", name, strings.Join(names, ", "))
 		}
 	}
-	return nil
+	return j.validateOuter(fail)
 }

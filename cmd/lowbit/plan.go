@@ -42,7 +42,8 @@ type planConfig struct {
 // planFlags maps the fields of costmodel.Job to the flags that set them.
 var planFlags = map[string]string{"Params": "params", "Ranks": "ranks", "Link": "link", "Sharing": "sharing",
 	"CompressBps": "compress-rate", "Alpha": "alpha", "Ineff": "ineff", "BucketBytes": "bucket",
-	"StepCompute": "step-compute", "Collectives": "collective"}
+	"StepCompute": "step-compute", "Collectives": "collective",
+	"OuterH": "outer-h", "OuterFragments": "outer-fragments", "OuterDelay": "outer-delay"}
 
 func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	cfg := &planConfig{}
@@ -58,15 +59,19 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	fs.IntVar(&j.Ranks, "ranks", 64, "data-parallel ranks W (at least 2)")
 	fs.StringVar(&j.LinkName, "link", "10gbit", "link rate, tc units: 10gbit, 250mbit, 1.25gbps (bytes/s)")
 	sharing := fs.String("sharing", string(costmodel.PerRank), "per-rank: each rank has a link of this rate (a cluster); shared: one shaped link carries all ranks' traffic and the ranks share the calibration machine's CPUs (the calibration's loopback)")
-	list := fs.String("collective", "allreduce,onebit", "comma-separated collectives: allreduce, onebit, fp16 (fp16 is not calibrated)")
+	list := fs.String("collective", "allreduce,onebit", "comma-separated collectives: allreduce, onebit, fp16, and the outer optimizer's rows (with --outer-h) "+
+		strings.Join(outerRowNames(), ", ")+"; fp16, outer-bf16 and outer-int8 are not calibrated; with --outer-h and no --collective the four outer rows follow the default ones")
 	fs.StringVar(&cfg.measurements, "measurements", "", "calibrate from this file of scripts/plan-calibrate.sh (default: the built-in runs recorded on the development machine)")
 	fs.Float64Var(&j.CompressBps, "compress-rate", 0, "float32 bytes/s a 1-rank onebit.AllReduce gets through on your hardware (default: measured on the calibration machine; time yours with lowbit bench --backend local --ranks 1 --collective onebit: bytes/p50)")
 	fs.Float64Var(&j.Alpha, "alpha", 0, "seconds per latency-bound message round (default: fitted on the calibration link nearest in rate)")
 	fs.Float64Var(&j.Ineff, "ineff", 0, "time per byte over the line rate's, 1 = line rate (default: fitted on the calibration link nearest in rate, at least 1 for an uncalibrated link)")
 	fs.Var(&size.Value[int64]{P: &j.BucketBytes, Min: 4, Max: 1 << 40}, "bucket", "fused bucket `size` in bytes: the gradient goes in calls of this many bytes (optim.DefaultBucketBytes, like DDP)")
-	fs.DurationVar(&j.StepCompute, "step-compute", 0, "forward and backward time of one step, added to each step time (no overlap with communication)")
+	fs.DurationVar(&j.StepCompute, "step-compute", 0, "forward and backward time of one step, added to each step time (no overlap with communication, but for the outer optimizer's delayed exchanges: --outer-delay)")
 	fs.Var(&optionalSize{size.Value[int64]{P: &cfg.memory, Min: 1, Max: 1 << 60}}, "memory", "memory of one rank, `size` in bytes (24Gi, 80G): say which optimizers' state, parameters and gradients (fp32) fit in it")
 	fs.BoolVar(&cfg.holdout, "holdout", false, "with fit: predict each rank count of each link from a fit to the other rank counts of that link")
+	fs.IntVar(&j.OuterH, "outer-h", 0, "the outer optimizer (package outer, DiLoCo): inner steps per outer step H; adds its rows, one per codec, each an exchange every H/fragments steps averaged per step (0: no outer rows)")
+	fs.IntVar(&j.OuterFragments, "outer-fragments", 1, "with --outer-h: fragments F of the parameters, each exchanged once every H steps, staggered (in [1, H])")
+	fs.IntVar(&j.OuterDelay, "outer-delay", 0, "with --outer-h: steps an exchange runs beside, in the background, before its merge (in [0, H/F]): it hides up to this many --step-compute of each exchange")
 	fs.BoolVar(&cfg.asJSON, "json", false, "write JSON")
 	fs.Usage = func() {
 		fmt.Fprint(out, `usage: lowbit plan [flags]
@@ -119,6 +124,9 @@ predicted by a fit that has not seen it.
 			j.Collectives = append(j.Collectives, name)
 		}
 	}
+	if j.OuterH > 0 && !flagGiven(fs, "collective") {
+		j.Collectives = append(j.Collectives, outerRowNames()...)
+	}
 	if j.Link, err = costmodel.ParseRate(j.LinkName); err != nil {
 		return nil, cliflag.Bad(fs, "link", "want a positive rate with a tc unit")
 	}
@@ -131,6 +139,25 @@ predicted by a fit that has not seen it.
 		return nil, err
 	}
 	return cfg, nil
+}
+
+// flagGiven reports whether the command line set flag name of fs.
+func flagGiven(fs *flag.FlagSet, name string) bool {
+	given := false
+	fs.Visit(func(f *flag.Flag) { given = given || f.Name == name })
+	return given
+}
+
+// outerRowNames are the names of the outer optimizer's rows
+// (costmodel.Collectives with Outer set).
+func outerRowNames() []string {
+	var names []string
+	for _, c := range costmodel.Collectives() {
+		if c.Outer {
+			names = append(names, c.Name)
+		}
+	}
+	return names
 }
 
 // optionalSize is a size flag without a default: unset (0) it prints
@@ -261,7 +288,13 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 		if !r.Calibrated {
 			name += "*"
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%.2fx\t\n", name, r.Calls, bytesDecimal(float64(r.WirePerRank)),
+		calls := strconv.Itoa(r.Calls)
+		if described[r.Collective].Outer && p.Outer != nil {
+			// One exchange every ExchangeEvery steps: calls per step on
+			// average.
+			calls = strconv.FormatFloat(float64(r.Calls)/p.Outer.ExchangeEvery, 'g', 3, 64)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.2fx\t\n", name, calls, bytesDecimal(float64(r.WirePerRank)),
 			formatSeconds(r.LatencyS), formatSeconds(r.TransferS), formatSeconds(r.CompressS), formatSeconds(r.StepS), r.SpeedupExact)
 	}
 	if err := tw.Flush(); err != nil {
@@ -272,8 +305,27 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 		step += fmt.Sprintf(" + %s forward and backward (not overlapped)", cfg.job.StepCompute)
 	}
 	fmt.Fprintf(w, "%s; calls: collective calls per step (a pipelined piece counts as one).\n", step)
+	if o := p.Outer; o != nil {
+		frags := "1 fragment"
+		if o.Fragments > 1 {
+			frags = fmt.Sprintf("%d fragments", o.Fragments)
+		}
+		fmt.Fprintf(w, "outer-*: the outer optimizer (docs/outer.md), H %d, %s, delay %d: no communication in inner steps; one exchange (agreement, then the codec) of %s parameters every %s steps, averaged per step (calls, sent/rank, latency, transfer, compress, step comm)",
+			o.H, frags, o.Delay, size.FormatCount(o.FragmentParams), strconv.FormatFloat(o.ExchangeEvery, 'g', 4, 64))
+		if o.Delay > 0 {
+			fmt.Fprintf(w, "; each exchange runs beside %d steps of compute (%s) and only what exceeds them counts", o.Delay, formatSeconds(o.HideS))
+		}
+		fmt.Fprintln(w, ".")
+	}
 	for _, r := range p.Rows {
-		fmt.Fprintf(w, "%s: %s\n", r.Collective, described[r.Collective].Desc)
+		line := r.Collective + ": " + described[r.Collective].Desc
+		if described[r.Collective].Outer {
+			line += fmt.Sprintf("; one exchange %s (%d calls)", formatSeconds(r.ExchangeS), r.Calls)
+			if r.HiddenS > 0 {
+				line += fmt.Sprintf(", %s hidden per step on average", formatSeconds(r.HiddenS))
+			}
+		}
+		fmt.Fprintln(w, line)
 	}
 	fmt.Fprintln(w, "assumptions:")
 	fmt.Fprintf(w, "  buckets: %d of %s (--bucket), called one after another; exact and 1-bit alike\n", a.Buckets, size.Format(a.BucketBytes))
@@ -286,6 +338,9 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 	}
 	if a.CompressBps > 0 {
 		fmt.Fprintf(w, "  compress: a 1-rank 1-bit call gets through %.2f GB/s of float32 (%s); each of W ranks makes (4+1/W)/5 of its passes, on a CPU of its own\n", a.CompressBps/1e9, a.CompressFrom)
+	}
+	if p.Outer != nil {
+		fmt.Fprintln(w, "  outer:   inner steps, pseudo-gradients and the outer step take no time beyond --step-compute; the agreement is an all-gather of 4 bytes per rank (W-1 rounds); fp32, bf16 and int8 exchange a fragment in one call, 1bit in buckets of --bucket")
 	}
 	fmt.Fprintf(w, "  calibration: %s; %s\n", source, p.Model.Machine)
 	for _, r := range p.Rows {

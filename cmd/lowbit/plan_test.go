@@ -255,3 +255,125 @@ func TestPlanMemoryFlag(t *testing.T) {
 	assert.Equal(t, "lowbit plan: --memory goes with lowbit plan, not lowbit plan fit; see lowbit plan -h\n", errOut.String())
 	assert.Empty(t, out.String())
 }
+
+// outerRows runs lowbit plan with args and returns its table's rows by
+// collective name (without the * of an uncalibrated one), each as its
+// fields.
+func outerRows(t *testing.T, args string) (string, map[string][]string) {
+	t.Helper()
+	var out bytes.Buffer
+	require.NoError(t, planMain(strings.Fields(args), &out, io.Discard))
+	s := out.String()
+	rows := map[string][]string{}
+	for _, l := range strings.Split(s[:strings.Index(s, "step comm:")], "\n")[2:] {
+		if f := strings.Fields(l); len(f) > 0 {
+			rows[strings.TrimSuffix(f[0], "*")] = f[1:]
+		}
+	}
+	return s, rows
+}
+
+// --outer-h adds the outer optimizer's rows (one per codec) to the
+// default ones; --collective picks among them; the JSON is
+// costmodel.Plan's, with the outer settings.
+func TestPlanOuterRows(t *testing.T) {
+	const args = "--params 124M --ranks 4 --link 10mbit --step-compute 200ms"
+	s, rows := outerRows(t, args)
+	assert.Len(t, rows, 2)
+	assert.NotContains(t, s, "outer")
+
+	s, rows = outerRows(t, args+" --outer-h 50")
+	require.Len(t, rows, 6, s)
+	for _, name := range []string{"outer-fp32", "outer-bf16", "outer-int8", "outer-1bit"} {
+		require.Contains(t, rows, name, s)
+		assert.Contains(t, s, name+": outer optimizer, ")
+	}
+	assert.Contains(t, s, "outer-bf16*")
+	assert.Contains(t, s, "outer-int8*: not measured")
+	assert.NotContains(t, s, "outer-fp32*")
+	assert.Contains(t, s, "H 50, 1 fragment, delay 0")
+	assert.Contains(t, s, "of 124M parameters every 50 steps")
+	// 2 calls (agreement and allreduce) every 50 steps.
+	assert.Equal(t, "0.04", rows["outer-fp32"][0])
+	assert.Equal(t, []string{"14.9", "MB"}, rows["outer-fp32"][1:3], "744 MB every 50 steps (and the agreement)")
+
+	s, rows = outerRows(t, args+" --outer-h 50 --outer-fragments 4 --outer-delay 2")
+	require.Len(t, rows, 6, s)
+	assert.Contains(t, s, "H 50, 4 fragments, delay 2")
+	assert.Contains(t, s, "of 31M parameters every 12.5 steps")
+	assert.Contains(t, s, "each exchange runs beside 2 steps of compute (400ms)")
+	assert.Contains(t, s, "32.0ms hidden per step on average", "400ms of each of 4 exchanges every 50 steps")
+	assert.Equal(t, "0.16", rows["outer-fp32"][0])
+
+	_, rows = outerRows(t, args+" --outer-h 50 --collective allreduce,outer-int8")
+	assert.Len(t, rows, 2)
+	assert.Contains(t, rows, "outer-int8")
+
+	var out bytes.Buffer
+	require.NoError(t, planMain(strings.Fields(args+" --outer-h 50 --outer-fragments 4 --outer-delay 2 --json"), &out, io.Discard))
+	var res struct {
+		Outer *costmodel.OuterPlan `json:"outer"`
+		Rows  []costmodel.Row      `json:"collectives"`
+	}
+	require.NoError(t, json.Unmarshal(out.Bytes(), &res))
+	require.NotNil(t, res.Outer)
+	assert.Equal(t, costmodel.OuterPlan{H: 50, Fragments: 4, Delay: 2, FragmentParams: 31e6, ExchangeEvery: 12.5, HideS: 0.4}, *res.Outer)
+	cal, err := costmodel.Builtin()
+	require.NoError(t, err)
+	link, err := costmodel.ParseRate("10mbit")
+	require.NoError(t, err)
+	p, err := cal.Model.Plan(costmodel.Job{Params: 124e6, Ranks: 4, Link: link, LinkName: "10mbit", BucketBytes: optim.DefaultBucketBytes,
+		StepCompute: 200e6, OuterH: 50, OuterFragments: 4, OuterDelay: 2})
+	require.NoError(t, err)
+	assert.Equal(t, p.Rows, res.Rows)
+	for _, r := range res.Rows[2:] {
+		assert.Positive(t, r.ExchangeS, r.Collective)
+		assert.InDelta(t, 4*0.4/50, r.HiddenS, 1e-12, r.Collective)
+	}
+
+	// Without the outer flags the JSON has no outer fields.
+	out.Reset()
+	require.NoError(t, planMain(strings.Fields(args+" --json"), &out, io.Discard))
+	for _, field := range []string{`"outer"`, `"exchange_s"`, `"hidden_s"`} {
+		assert.NotContains(t, out.String(), field)
+	}
+}
+
+// The outer rows of the example in docs/plan.md, as recorded.
+func TestPlanOuterJSONUnchanged(t *testing.T) {
+	want, err := os.ReadFile("testdata/plan/outer.json")
+	require.NoError(t, err)
+	var out bytes.Buffer
+	require.NoError(t, planMain(strings.Fields("--params 124M --ranks 4 --link 10mbit --step-compute 200ms "+
+		"--outer-h 50 --outer-fragments 4 --outer-delay 2 --json"), &out, io.Discard))
+	assert.Equal(t, string(want), out.String())
+}
+
+// An outer setting the plan cannot use is refused naming its flag.
+func TestPlanOuterFlagErrors(t *testing.T) {
+	for args, flagName := range map[string]string{
+		"--outer-h -1":                                      "--outer-h",
+		"--outer-h 99999999999":                             "--outer-h",
+		"--collective allreduce,outer-int8":                 "--outer-h",
+		"--outer-fragments 2":                               "--outer-fragments",
+		"--outer-h 4 --outer-fragments 5":                   "--outer-fragments",
+		"--outer-h 4 --outer-fragments -1":                  "--outer-fragments",
+		"--outer-delay 1":                                   "--outer-delay",
+		"--outer-h 50 --outer-fragments 4 --outer-delay 13": "--outer-delay",
+		"--outer-h 50 --outer-delay -2":                     "--outer-delay",
+		"--outer-h 5 --collective outer-fp16":               "--collective",
+		"--params 3 --outer-h 5 --outer-fragments 4":        "--outer-fragments",
+	} {
+		_, err := parsePlanFlags(strings.Fields(args), io.Discard)
+		if assert.Error(t, err, args) {
+			assert.True(t, cliflag.IsUsage(err), "%s: %v", args, err)
+			assert.Contains(t, err.Error(), flagName, args)
+		}
+	}
+	cfg, err := parsePlanFlags(strings.Fields("--outer-h 50 --outer-fragments 4 --outer-delay 12"), io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, 50, cfg.job.OuterH)
+	assert.Equal(t, 4, cfg.job.OuterFragments)
+	assert.Equal(t, 12, cfg.job.OuterDelay)
+	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit"}, cfg.job.Collectives)
+}
