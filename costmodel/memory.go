@@ -31,13 +31,19 @@ const (
 	// the frozen v in bfloat16 in the compression stage (none and float32
 	// in the warm-up), and a float32 staging block for the warm-up.
 	OptOnebitAdamShardedBF16 = "onebit-adam-sharded-bf16"
+	// OptOnebitLambCompact is onebit.Lamb with StateMode
+	// onebit.StateCompact: StateFull's steps, bit for bit, with m kept as
+	// the packed signs the compressed allreduce gathers and m_last as a
+	// copy of them, and no scratch buffer: v, v_fresh and the fused
+	// State, the copy and two unpacking blocks.
+	OptOnebitLambCompact = "onebit-lamb-compact"
 )
 
 // StateOptimizers lists the optimizers lowbit plan prints, in its order:
 // those StateBytes knows but OptLamb, whose state depends on the largest
 // tensor, which a plan does not know.
 func StateOptimizers() []string {
-	return []string{OptAdam, OptZeroAdam, OptOnebitAdam, OptOnebitAdamCompact, OptOnebitAdamSharded, OptOnebitAdamShardedBF16, OptOnebitLamb, OptZeroOneAdam}
+	return []string{OptAdam, OptZeroAdam, OptOnebitAdam, OptOnebitAdamCompact, OptOnebitAdamSharded, OptOnebitAdamShardedBF16, OptOnebitLamb, OptOnebitLambCompact, OptZeroOneAdam}
 }
 
 // StateBytes returns the bytes of optimizer state that rank 0 of world
@@ -133,6 +139,20 @@ func StateBytes(optimizer string, tensors []int64, world int, bucketBytes int64)
 			return 16 * n, nil
 		}
 		return 16*n + onebitState(n, int64(world)), nil
+	case OptOnebitLambCompact:
+		if !fits(n, world, n) {
+			return 0, errTooLarge
+		}
+		if world == 1 || n == 0 {
+			return 16 * n, nil // it runs as StateFull
+		}
+		// v, v_fresh, the fused State (whose gathered signs keep m); the
+		// copy of the gathered messages and their scales (m_last); two
+		// unpacking blocks of at most lambBlockLen floats.
+		w := int64(world)
+		c := onebitPaddedLen(n, world) / w
+		block := min(lambBlockLen, c, n)
+		return 8*n + onebitState(n, w) + w*(4+c/8) + 4*w + 2*4*block, nil
 	case OptZeroOneAdam:
 		if !fits(n, world, 1) {
 			return 0, errTooLarge
@@ -249,6 +269,9 @@ const (
 	// stages the sharded mode's warm-up exchanges when its worker errors
 	// are bfloat16 (onebit/sharded.go).
 	stagingBlock = 16 << 10
+	// lambBlockLen is the floats of the blocks 1-bit LAMB's compact mode
+	// unpacks its momenta in (onebit/lamb_compact.go).
+	lambBlockLen = 4 << 10
 )
 
 // stateParts is one onebit.State of numel elements on w ranks, in bytes,

@@ -93,8 +93,9 @@ func (c AdamConfig) Validate() error {
 // Validate reports the first invalid field as an *optim.ConfigError: those
 // of optim.LambConfig.Validate, a FreezeStep below 1, a CoeffBeta or
 // FactorThreshold outside [0, 1), a FactorMax that is not finite and > 0,
-// a FactorMin outside (0, FactorMax], or a mask with a non-finite
-// element. NewLamb returns exactly this error.
+// a FactorMin outside (0, FactorMax], a StateMode other than StateFull and
+// StateCompact, or a mask with a non-finite element. NewLamb returns
+// exactly this error.
 func (c LambConfig) Validate() error {
 	const cfg = "onebit.LambConfig"
 	if err := c.LambConfig.Validate(); err != nil {
@@ -114,6 +115,8 @@ func (c LambConfig) Validate() error {
 		return bad("FactorMin", c.FactorMin, fmt.Sprintf("in (0, FactorMax = %v]", c.FactorMax))
 	case !(c.FactorThreshold >= 0 && c.FactorThreshold < 1):
 		return bad("FactorThreshold", c.FactorThreshold, "in [0, 1)")
+	case c.StateMode != StateFull && c.StateMode != StateCompact:
+		return bad("StateMode", c.StateMode, "StateFull or StateCompact (1-bit LAMB has no StateSharded)")
 	}
 	return checkMasks(cfg, c.ExpAvgMask)
 }

@@ -102,6 +102,10 @@ func TestLambConfigValidate(t *testing.T) {
 		badCase[L]{Field: "FactorThreshold", Mod: func(c *L) { c.FactorThreshold = 1 }},
 		badCase[L]{Field: "FactorThreshold", Mod: func(c *L) { c.FactorThreshold = -0.1 }},
 		badCase[L]{Field: "ExpAvgMask", Mod: func(c *L) { c.ExpAvgMask = nanMask }},
+		// 1-bit LAMB has StateFull and StateCompact only.
+		badCase[L]{Field: "StateMode", Mod: func(c *L) { c.StateMode = onebit.StateSharded }},
+		badCase[L]{Field: "StateMode", Mod: func(c *L) { c.StateMode = 3 }},
+		badCase[L]{Field: "StateMode", Mod: func(c *L) { c.StateMode = -1 }},
 	)
 	checkConfig(t, "onebit.LambConfig", onebit.DefaultLambConfig(), onebit.LambConfig.Validate,
 		func(c onebit.LambConfig) error {

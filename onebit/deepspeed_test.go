@@ -102,7 +102,7 @@ func TestDeepSpeedRuns(t *testing.T) {
 		t.Run(file, func(t *testing.T) {
 			run := loadDSRun(t, filepath.Join("testdata", "deepspeed", file))
 			dsCheck(t, run, onebit.StateFull)
-			if run.Optimizer == "deepspeed-adam" {
+			if run.Optimizer == "deepspeed-adam" || run.Optimizer == "deepspeed-lamb" {
 				// StateCompact takes StateFull's steps bit for bit.
 				dsCheck(t, run, onebit.StateCompact)
 			}
@@ -178,6 +178,7 @@ func dsOptimizer(t *testing.T, run *dsRun, mode onebit.StateMode) (func(ctx cont
 		cfg.MaxCoeff, cfg.MinCoeff = 10, 0.01
 		cfg.CoeffBeta, cfg.FactorMax, cfg.FactorMin, cfg.FactorThreshold = 0.9, 4, 0.5, 0.1
 		cfg.FreezeStep = run.FreezeStep - 1
+		cfg.StateMode = mode
 		return func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 			return onebit.NewLamb(ctx, c, ps, cfg)
 		}, cfg.FreezeStep

@@ -28,7 +28,10 @@
 // sharded over the ranks, the gradient compressed on its way to each
 // chunk's owner and the owner's update on its way back, each with its own
 // error feedback (docs/sharded.md: 4 + 12/W and the wire buffers, 7.3; 5.1
-// with AdamConfig.BF16's bfloat16 worker error and variance). Every mode's
+// with AdamConfig.BF16's bfloat16 worker error and variance). Lamb keeps
+// its state in StateFull (21.3) or StateCompact (13.5: m and the last
+// step's m as packed signs, the update computed twice instead of kept).
+// Every mode's
 // buckets share one set of wire buffers, so on a model of many buckets the
 // figures lose most of their wire buffers' 0.25 (64M parameters: 13.04,
 // 9.15, 7.04 and 4.54). Regroup

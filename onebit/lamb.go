@@ -53,6 +53,14 @@ type LambConfig struct {
 	// compressed allreduce (for momenta that must stay exactly zero,
 	// which 1-bit compression cannot represent); finite. Default none.
 	ExpAvgMask map[string][]float32
+	// StateMode chooses how the optimizer state is kept: StateFull (the
+	// zero value, the default) or StateCompact, the same steps bit for
+	// bit with m and the m_last of the compression stage held as the
+	// packed signs and scales the compressed allreduce gathers, and no
+	// scratch buffer (see lamb_compact.go). Checkpoints record it; either
+	// mode loads the other's. 1-bit LAMB has no StateSharded. On one rank
+	// StateCompact runs as StateFull.
+	StateMode StateMode
 	// 1-bit LAMB has no BucketBytes: the momenta of the whole model go
 	// through one compressed allreduce of the fused buffer, as the spec
 	// says; see optim.DefaultBucketBytes for why.
@@ -97,11 +105,15 @@ type Lamb struct {
 	offs []int
 	// m, v and vFresh are the moments of every parameter, one after the
 	// other. m is the fused buffer that the compressed allreduce reduces.
+	// In StateCompact m is nil, and vFresh holds m until the first
+	// compression step (see lambCompact).
 	m, v, vFresh []float32
 	// scratch holds m_last during a compression step, and the update of
-	// each parameter once its m_last is used up.
+	// each parameter once its m_last is used up (nil in StateCompact).
 	scratch []float32
 	ef      *State // error feedback of the fused buffer; nil when world == 1
+	mode    StateMode
+	cp      *lambCompact // StateCompact on more than one rank; nil otherwise
 
 	frozenAt    int64     // the step at which v was frozen
 	coeffFreeze []float64 // per parameter
@@ -176,14 +188,24 @@ func NewLamb(ctx context.Context, c comm.Comm, params []*optim.Param, cfg LambCo
 		o.scaling[i] = 1
 	}
 	total := o.offs[len(params)]
-	o.m = make([]float32, total)
-	o.mViews = make([][]float32, len(params))
-	for i := range params {
-		o.mViews[i] = o.m[o.offs[i]:o.offs[i+1]]
+	world := 1
+	if c != nil {
+		world = c.Size()
 	}
+	o.mode = cfg.StateMode
+	compact := o.mode == StateCompact && world > 1 && total > 0
 	o.v = make([]float32, total)
 	o.vFresh = make([]float32, total)
-	o.scratch = make([]float32, total)
+	sizes := o.v // the frame's size check: a buffer per parameter
+	if !compact {
+		o.m = make([]float32, total)
+		o.scratch = make([]float32, total)
+		sizes = o.m
+	}
+	o.mViews = make([][]float32, len(params))
+	for i := range params {
+		o.mViews[i] = sizes[o.offs[i]:o.offs[i+1]]
+	}
 	if o.avg, err = optim.NewGradAverager(c, o.params, cfg.Reduce, cfg.RanksPerNode); err != nil {
 		return nil, fmt.Errorf("onebit: 1-bit LAMB: %w", err)
 	}
@@ -195,6 +217,11 @@ func NewLamb(ctx context.Context, c comm.Comm, params []*optim.Param, cfg LambCo
 	if w := o.f.World(); w > 1 {
 		if o.ef, err = NewState(total, w); err != nil {
 			return nil, fmt.Errorf("onebit: 1-bit LAMB: %w", samePackage{err})
+		}
+		if compact {
+			if o.cp, err = newLambCompact(o.ef, o.offs); err != nil {
+				return nil, fmt.Errorf("onebit: 1-bit LAMB: %w", samePackage{err})
+			}
 		}
 	}
 	o.f.Handle(optim.StageWarmup, o.warmup)
@@ -256,12 +283,18 @@ func (o *Lamb) warmup(ctx context.Context, t int64, lr float32) error {
 	cfg := &o.cfg
 	c1, c2 := o.biasCorrections(t)
 	cb := float64(cfg.CoeffBeta)
+	// StateCompact keeps m in v_fresh's buffer and the update in the
+	// worker error buffer, both free in the warm-up.
+	mAll, updAll := o.m, o.scratch
+	if o.cp != nil {
+		mAll, updAll = o.vFresh, o.ef.WorkerError
+	}
 	for i, p := range o.params {
 		lo, hi := o.offs[i], o.offs[i+1]
 		if lo == hi {
 			continue
 		}
-		m, v, upd := o.m[lo:hi], o.v[lo:hi], o.scratch[lo:hi]
+		m, v, upd := mAll[lo:hi], o.v[lo:hi], updAll[lo:hi]
 		optim.AdamMoments(m, v, p.GradData(), cfg.Beta1, cfg.Beta2)
 		pSq, uSq := optim.AdamDirection(upd, p.Data(), m, v, cfg.WeightDecay, c1, c2, cfg.Eps)
 		coeff := optim.LambCoeff(pSq, uSq, cfg.MinCoeff, cfg.MaxCoeff)
@@ -271,8 +304,12 @@ func (o *Lamb) warmup(ctx context.Context, t int64, lr float32) error {
 		optim.Descend(p.Data(), upd, lr*coeff)
 	}
 	if t >= int64(cfg.FreezeStep) {
-		// v_fresh starts as a copy of the v that is frozen now.
-		copy(o.vFresh, o.v)
+		// v_fresh starts as a copy of the v that is frozen now (in
+		// StateCompact its buffer holds m until the first compression
+		// step, which reads v in its place).
+		if o.cp == nil {
+			copy(o.vFresh, o.v)
+		}
 		o.frozenAt = t
 		o.f.Enter(optim.StageCompression)
 	}
@@ -283,10 +320,13 @@ func (o *Lamb) warmup(ctx context.Context, t int64, lr float32) error {
 // spec.
 func (o *Lamb) compressed(ctx context.Context, t int64, lr float32) error {
 	cfg := &o.cfg
+	if o.cp != nil {
+		return o.compactStep(ctx, t, lr)
+	}
 	// 2. The scaling, on the first compression step only (from m before
 	// this step's update).
 	if !o.scaled {
-		o.setScaling()
+		o.setScaling(o.m)
 	}
 	// 1. and 3. m_last = m; m = b1*m + (1-b1)*g_local; m *= scaling_p.
 	for i, p := range o.params {
@@ -335,10 +375,11 @@ func (o *Lamb) compressed(ctx context.Context, t int64, lr float32) error {
 	return nil
 }
 
-// setScaling computes, from the momenta at the end of the warm-up,
-// s_p = ||m_p||/sqrt(numel_p), u = mean_p(s_p) and scaling_p = u/s_p (1
-// where s_p is 0, or where the ratio is not a finite float32).
-func (o *Lamb) setScaling() {
+// setScaling computes, from the momenta at the end of the warm-up (m, the
+// fused buffer), s_p = ||m_p||/sqrt(numel_p), u = mean_p(s_p) and
+// scaling_p = u/s_p (1 where s_p is 0, or where the ratio is not a finite
+// float32).
+func (o *Lamb) setScaling(m []float32) {
 	var sum float64
 	n := 0
 	for i := range o.params {
@@ -346,7 +387,7 @@ func (o *Lamb) setScaling() {
 		if lo == hi {
 			continue
 		}
-		o.norms[i] = math.Sqrt(optim.SumSquares(o.m[lo:hi])) / math.Sqrt(float64(hi-lo))
+		o.norms[i] = math.Sqrt(optim.SumSquares(m[lo:hi])) / math.Sqrt(float64(hi-lo))
 		sum += o.norms[i]
 		n++
 	}
@@ -416,8 +457,19 @@ func lambMomentum(mLast, m, g []float32, b1, s float32) {
 // It returns the largest denom/(sqrt(v_fresh*c2Fresh)+eps) (0 if none is
 // larger) and the float64 sums of squares of upd_pre and of u.
 func lambFreshDirection(u, p, m, v, vFresh []float32, s, b1, b2, wd, c1, c2, c2Fresh, eps float32, b optim.RatioBound) (ratio float32, preSq, updSq float64) {
+	return lambFresh(u, p, m, v, vFresh, vFresh, s, b1, b2, wd, c1, c2, c2Fresh, eps, b, 0, 0, 0)
+}
+
+// lambFresh is lambFreshDirection on a run of a parameter's elements
+// that continues the run before it: ratio, preSq and updSq carry the
+// largest ratio and the sums so far, and the new ones are returned (the
+// same as one call over the whole parameter). v_fresh is read from
+// vfIn and written to vfOut, which may be the same buffer; u (m_last on
+// entry) may not be vfOut.
+func lambFresh(u, p, m, v, vfIn, vfOut []float32, s, b1, b2, wd, c1, c2, c2Fresh, eps float32, b optim.RatioBound,
+	ratio float32, preSq, updSq float64) (float32, float64, float64) {
 	a1, a2 := optim.OneMinus(b1), optim.OneMinus(b2)
-	p, m, v, vFresh = p[:len(u)], m[:len(u)], v[:len(u)], vFresh[:len(u)]
+	p, m, v, vfIn, vfOut = p[:len(u)], m[:len(u)], v[:len(u)], vfIn[:len(u)], vfOut[:len(u)]
 	for i := range u {
 		mi := m[i]
 		if s != 1 {
@@ -425,10 +477,10 @@ func lambFreshDirection(u, p, m, v, vFresh []float32, s, b1, b2, wd, c1, c2, c2F
 			m[i] = mi
 		}
 		g := float32(mi-float32(b1*u[i])) / a1
-		vf := float32(b2*vFresh[i]) + float32(float32(a2*g)*g)
-		vFresh[i] = vf
-		d := float32(math.Sqrt(float64(float32(v[i]*c2)))) + eps
-		dr := float32(math.Sqrt(float64(float32(vf*c2Fresh)))) + eps
+		vf := float32(b2*vfIn[i]) + float32(float32(a2*g)*g)
+		vfOut[i] = vf
+		d := lambDenom(v[i], c2, eps)
+		dr := lambDenom(vf, c2Fresh, eps)
 		if r := d / dr; r > ratio {
 			ratio = r
 		}
@@ -441,6 +493,12 @@ func lambFreshDirection(u, p, m, v, vFresh []float32, s, b1, b2, wd, c1, c2, c2F
 	return ratio, preSq, updSq
 }
 
+// lambDenom is sqrt(v*c2) + eps, rounded as every 1-bit LAMB kernel
+// rounds it.
+func lambDenom(v, c2, eps float32) float32 {
+	return float32(math.Sqrt(float64(float32(v*c2)))) + eps
+}
+
 // divScalar divides x by s in place.
 func divScalar(x []float32, s float32) {
 	for i := range x {
@@ -450,36 +508,60 @@ func divScalar(x []float32, s float32) {
 
 // State returns a checkpoint of this rank's optimizer: the parameters, m,
 // v, v_fresh, the counters, the stage, coeff_freeze, last_factor, the
-// scaling, and this rank's worker and server errors of the fused buffer.
+// scaling, and this rank's worker and server errors of the fused buffer;
+// and the StateMode unless StateFull. StateCompact's checkpoints are
+// StateFull's, bit for bit, but for the mode.
 func (o *Lamb) State() (*optim.Checkpoint, error) {
 	ck := o.f.Checkpoint()
 	ck.Ints[IntFrozenAt] = o.frozenAt
 	ck.Ints[IntScaled] = boolInt(o.scaled)
+	if o.mode != StateFull {
+		ck.Ints[IntStateMode] = int64(o.mode)
+	}
+	m, vFresh, we := o.m, o.vFresh, []float32(nil)
+	if o.cp != nil {
+		m, vFresh, we = o.compactState()
+	}
 	for i, p := range o.params {
 		lo, hi := o.offs[i], o.offs[i+1]
 		shape := p.Shape()
 		ck.AddTensor(optim.ParamTensorName(p.Name), shape, p.Data())
-		ck.AddTensor(optim.ExpAvgPrefix+p.Name, shape, o.m[lo:hi])
+		ck.AddTensor(optim.ExpAvgPrefix+p.Name, shape, m[lo:hi])
 		ck.AddTensor(optim.ExpAvgSqPrefix+p.Name, shape, o.v[lo:hi])
-		ck.AddTensor(ExpAvgSqFreshPrefix+p.Name, shape, o.vFresh[lo:hi])
+		ck.AddTensor(ExpAvgSqFreshPrefix+p.Name, shape, vFresh[lo:hi])
 		ck.Floats[FloatCoeffFreezePrefix+p.Name] = o.coeffFreeze[i]
 		ck.Floats[FloatLastFactorPrefix+p.Name] = o.lastFactor[i]
 		ck.Floats[FloatScalingPrefix+p.Name] = float64(o.scaling[i])
 	}
 	if o.ef != nil {
-		ck.AddTensor(FusedWorkerError, []int{len(o.ef.WorkerError)}, o.ef.WorkerError)
+		if we == nil {
+			we = o.ef.WorkerError
+		}
+		ck.AddTensor(FusedWorkerError, []int{len(we)}, we)
 		ck.AddTensor(FusedServerError, []int{len(o.ef.ServerError)}, o.ef.ServerError)
 	}
 	return ck, nil
 }
 
 // Load restores a checkpoint made by State on the same rank of a group of
-// the same size, over parameters of the same names and shapes. It refuses
+// the same size, over parameters of the same names and shapes, in
+// StateFull or StateCompact (either loads the other's). It refuses
 // anything else with an error wrapping optim.ErrIncompatibleCheckpoint and
 // then leaves the optimizer unchanged. A checkpoint whose error buffers
 // were reset on request (optim.Checkpoint.ResetErrors) loads on any group
 // size and rank: the error buffers of the fused momentum start at zero,
 // and Load logs a warning that says so.
+//
+// StateCompact refuses a state it cannot hold, which only a StateFull
+// that loaded a hand-made checkpoint reaches: after the first compression
+// step a momentum that is not what the compressed allreduce of this group
+// gathers (±scale per chunk, divided by the scaling and times the mask);
+// before it, non-zero worker errors, or a v_fresh other than StateFull's
+// (zero in the warm-up, the frozen v after). A checkpoint whose error
+// buffers were reset is not refused for its momentum (made on another
+// group size, it was gathered in other chunks): StateCompact then holds m
+// as float32, 4 more bytes per parameter, until the next compression
+// step.
 func (o *Lamb) Load(ck *optim.Checkpoint) error {
 	if err := o.load(ck); err != nil {
 		return fmt.Errorf("onebit: 1-bit LAMB: %w", err)
@@ -495,6 +577,9 @@ func (o *Lamb) load(ck *optim.Checkpoint) error {
 	if err := checkRank(ck, o.f.Rank()); err != nil {
 		return err
 	}
+	if err := checkMode(ck, o.mode, 0); err != nil {
+		return err
+	}
 	step := fs.Step
 	ints, err := checkpointInts(ck, IntFrozenAt, IntScaled)
 	if err != nil {
@@ -507,12 +592,36 @@ func (o *Lamb) load(ck *optim.Checkpoint) error {
 	// Gather and check everything before changing anything.
 	rs := ck.Restore()
 	floats := make([]float64, 0, 3*len(o.params))
+	// StateCompact takes m, v_fresh and the worker errors through
+	// compactLoad, from these.
+	var cm, cvf, cwe, cscaling []float32
+	var cv [][]float32
+	if o.cp != nil {
+		total := o.offs[len(o.params)]
+		cm, cvf, cv, cscaling = make([]float32, total), make([]float32, total), make([][]float32, len(o.params)), make([]float32, len(o.params))
+	}
 	for i, p := range o.params {
 		lo, hi := o.offs[i], o.offs[i+1]
 		rs.Tensor(optim.ParamTensorName(p.Name), p.Data())
-		rs.Tensor(optim.ExpAvgPrefix+p.Name, o.m[lo:hi])
 		rs.Tensor(optim.ExpAvgSqPrefix+p.Name, o.v[lo:hi])
-		rs.Tensor(ExpAvgSqFreshPrefix+p.Name, o.vFresh[lo:hi])
+		if o.cp == nil {
+			rs.Tensor(optim.ExpAvgPrefix+p.Name, o.m[lo:hi])
+			rs.Tensor(ExpAvgSqFreshPrefix+p.Name, o.vFresh[lo:hi])
+		} else {
+			for _, t := range []struct {
+				name string
+				dst  []float32
+			}{{optim.ExpAvgPrefix, cm}, {ExpAvgSqFreshPrefix, cvf}} {
+				x, err := ck.TensorData(t.name+p.Name, hi-lo)
+				if err != nil {
+					return err
+				}
+				copy(t.dst[lo:hi], x)
+			}
+			if cv[i], err = ck.TensorData(optim.ExpAvgSqPrefix+p.Name, hi-lo); err != nil {
+				return err
+			}
+		}
 		for _, k := range []string{FloatCoeffFreezePrefix, FloatLastFactorPrefix, FloatScalingPrefix} {
 			f, err := ck.Float(k + p.Name)
 			if err != nil {
@@ -524,12 +633,33 @@ func (o *Lamb) load(ck *optim.Checkpoint) error {
 			floats = append(floats, f)
 		}
 	}
+	var commit func()
 	if o.ef != nil && !ck.ErrorsReset {
-		rs.Tensor(FusedWorkerError, o.ef.WorkerError)
+		if o.cp == nil {
+			rs.Tensor(FusedWorkerError, o.ef.WorkerError)
+		} else {
+			x, err := ck.TensorData(FusedWorkerError, len(o.ef.WorkerError))
+			if err != nil {
+				return err
+			}
+			cwe = x
+		}
 		rs.Tensor(FusedServerError, o.ef.ServerError)
+	}
+	if o.cp != nil {
+		for i := range o.params {
+			cscaling[i] = float32(floats[3*i+2])
+		}
+		var err error
+		if commit, err = o.compactLoad(cm, cvf, cv, cwe, cscaling, fs.Stage, ints[1] != 0, ck.ErrorsReset); err != nil {
+			return err
+		}
 	}
 	if err := rs.Apply(); err != nil {
 		return err
+	}
+	if commit != nil {
+		commit()
 	}
 	if ck.ErrorsReset {
 		if o.ef != nil {

@@ -70,10 +70,17 @@ func (a *Adam) StateBytes() int64 {
 // StateBytes returns the bytes of every buffer o allocated and keeps: m, v,
 // v_fresh, the scratch buffer, the exp_avg masks, the fused State and the
 // gradient averager's buffers (not the few scalars kept per parameter);
-// see optim.MemoryReporter.
+// in StateCompact, v, v_fresh, the masks, the fused State (whose gathered
+// messages hold m), the packed copy of m_last and two unpacking blocks.
+// Everything is allocated at construction (the averager's buffers aside,
+// see optim.GradAverager): the figure after it is the peak of the run,
+// but from the Load of a checkpoint whose error buffers were reset and
+// whose m this group cannot pack to the next compression step (m held as
+// float32 meanwhile, 4 more bytes per parameter). See
+// optim.MemoryReporter.
 func (o *Lamb) StateBytes() int64 {
 	n := optim.Float32Bytes(o.m, o.v, o.vFresh, o.scratch) + optim.Float32Bytes(o.masks...)
-	return n + o.ef.StateBytes() + o.avg.StateBytes()
+	return n + o.ef.StateBytes() + o.cp.stateBytes() + o.avg.StateBytes()
 }
 
 // StateBytes returns the bytes of every buffer o allocated and keeps: m, v,

@@ -61,11 +61,12 @@ var memOptimizers = []memOptimizer{
 	// layouts, the warm-up's (v float32, no worker errors) from
 	// construction, the compression stage's from the freezing step on.
 	{costmodel.OptOnebitAdamShardedBF16, 6, memAdam(onebit.StateSharded, onebit.BF16WorkerError|onebit.BF16Variance, optim.ReduceFP32)},
-	{costmodel.OptOnebitLamb, 6, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-		cfg := onebit.DefaultLambConfig()
-		cfg.FreezeStep = 2
-		return onebit.NewLamb(ctx, c, ps, cfg)
-	}},
+	{costmodel.OptOnebitLamb, 6, memLamb(onebit.StateFull)},
+	// StateFull's steps with m and m_last kept packed (m in the gathered
+	// signs, m_last in a copy of them; in the warm-up m in v_fresh's
+	// buffer and the update in the worker error buffer) and no scratch:
+	// everything allocated at construction, on one rank as StateFull.
+	{costmodel.OptOnebitLambCompact, 6, memLamb(onebit.StateCompact)},
 	{costmodel.OptZeroOneAdam, 6, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 		cfg := onebit.DefaultZeroOneAdamConfig()
 		cfg.VarFreezeStep = 2
@@ -257,6 +258,18 @@ func TestStateBytes(t *testing.T) {
 			switch o.name {
 			case costmodel.OptZeroAdam + "/int8":
 				assert.Greater(t, row.state0, want, "qgZ's codes and residuals")
+			case costmodel.OptOnebitLambCompact:
+				// StateFull's StateBytes less m and the scratch buffer
+				// (8 bytes per parameter), plus the packed copy of
+				// m_last (the gathered messages and their scales) and
+				// two unpacking blocks of 4Ki floats; costmodel's to
+				// the byte.
+				full, ok := state0[costmodel.OptOnebitLamb]
+				require.True(t, ok, "StateFull measured first")
+				c := int64(onebit.PaddedLen(n, w) / w)
+				extra := int64(w)*(4+c/8) + 4*int64(w) + 2*4*4096
+				assert.Equal(t, 8*int64(n)-extra, full-row.state0, "%s on %d ranks: StateFull's StateBytes against StateCompact's", o.name, w)
+				assert.Equal(t, want, row.state0, "%s on %d ranks: costmodel.StateBytes against rank 0's StateBytes", o.name, w)
 			case costmodel.OptOnebitAdam + "/fp16":
 				// The flat float32 gradient and the fp16 wire buffers
 				// (2N sent and received, C and N gathered, a sum block).
@@ -308,6 +321,20 @@ func TestStateBytes(t *testing.T) {
 				assert.LessOrEqual(t, row.peak, lo+4/float64(w)+0.5)
 				// Everything is allocated at construction, as in
 				// StateSharded.
+				require.Contains(t, row.stages, optim.StageWarmup)
+				require.Contains(t, row.stages, optim.StageCompression)
+				for i, s := range row.sums[1:] {
+					assert.Equal(t, row.sums[0], s, "%s on %d ranks: StateBytes after step %d (%s) against after construction", o.name, w, i+1, row.stages[i])
+				}
+			case costmodel.OptOnebitLambCompact:
+				// v, v_fresh, worker error, server error 4/W; then the
+				// packed signs sent and received (m), their copy
+				// (m_last), the summing block and the unpacking blocks.
+				lo := 12 + 4/float64(w)
+				assert.GreaterOrEqual(t, row.peak, lo)
+				assert.LessOrEqual(t, row.peak, lo+4/float64(w)+0.5)
+				// Everything is allocated at construction: its figure
+				// is the peak of the whole run, warm-up included.
 				require.Contains(t, row.stages, optim.StageWarmup)
 				require.Contains(t, row.stages, optim.StageCompression)
 				for i, s := range row.sums[1:] {
@@ -475,6 +502,16 @@ func TestStateBytesSharded(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// memLamb builds 1-bit LAMB (FreezeStep 2) in mode.
+func memLamb(mode onebit.StateMode) func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+	return func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		cfg := onebit.DefaultLambConfig()
+		cfg.FreezeStep = 2
+		cfg.StateMode = mode
+		return onebit.NewLamb(ctx, c, ps, cfg)
 	}
 }
 

@@ -20,19 +20,23 @@ import (
 	"github.com/lowbit-ml/lowbit/quant"
 )
 
-// StateMode chooses how 1-bit Adam keeps its optimizer state.
+// StateMode chooses how 1-bit Adam (AdamConfig.StateMode) and 1-bit LAMB
+// (LambConfig.StateMode: StateFull and StateCompact) keep their optimizer
+// state.
 type StateMode int
 
 const (
 	// StateFull keeps both moments of every parameter on every rank, with
 	// the error buffers of the compressed allreduce of the momentum (the
-	// spec page onebit.md): about 13.5 bytes per parameter on 4 ranks.
+	// spec page onebit.md): about 13.3 bytes per parameter on 4 ranks
+	// for 1-bit Adam, 21.3 for 1-bit LAMB.
 	StateFull StateMode = iota
 	// StateSharded keeps the moments of the rank's own 1/W of every bucket
 	// and compresses the gradient on its way to the owner and the owner's
 	// update on its way back, each with its own error feedback
 	// (docs/sharded.md): 4 + 12/W bytes per parameter and the packed wire
-	// buffers, 7.3 on 4 ranks, with the wire bytes of StateFull. It needs
+	// buffers, 7.3 on 4 ranks, with the wire bytes of StateFull (1-bit
+	// Adam only). It needs
 	// the float32 gradient averaging of the warm-up (optim.ReduceFP32).
 	// On one rank there is nothing to shard: it runs as StateFull.
 	StateSharded
@@ -40,7 +44,9 @@ const (
 	// momentum in the packed form the compressed allreduce gathers it in
 	// (one bit per element and a scale per chunk) instead of float32, and
 	// the warm-up's float32 momentum in the buffer that becomes the worker
-	// error buffer: about 9.3 bytes per parameter on 4 ranks. Its
+	// error buffer: about 9.3 bytes per parameter on 4 ranks. 1-bit LAMB
+	// keeps its momentum and the last step's the same way and computes
+	// its update twice instead of storing it: about 13.5 on 4 ranks. Its
 	// checkpoints are StateFull's: either mode loads the other's. On one
 	// rank it runs as StateFull.
 	StateCompact

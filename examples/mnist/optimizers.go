@@ -15,7 +15,11 @@ import (
 
 // optimizerNames are the values of -optimizer, in the order -help lists
 // them.
-var optimizerNames = []string{"adam", "lamb", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "onebit-lamb", "zeroone-adam", "zero-adam", diloco}
+var optimizerNames = []string{"adam", "lamb", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "onebit-lamb", lambCompact, "zeroone-adam", "zero-adam", diloco}
+
+// lambCompact is 1-bit LAMB in StateCompact: onebit-lamb's steps bit for
+// bit in less memory.
+const lambCompact = "onebit-lamb-compact"
 
 // diloco is the outer optimizer (package outer, docs/outer.md): inner Adam
 // steps on each rank's own gradients, and every -outer-h steps the
@@ -53,6 +57,7 @@ var baseline = map[string]string{
 	compact:        "adam",
 	shardedBF16:    "adam",
 	"onebit-lamb":  "lamb",
+	lambCompact:    "lamb",
 	"zeroone-adam": "adam",
 	"zero-adam":    "adam",
 	diloco:         "adam",
@@ -157,10 +162,13 @@ func newOptimizer(ctx context.Context, name string, c comm.Comm, params []*optim
 		cfg.FreezeStep = h.freezeStep
 		cfg.StateMode, cfg.BF16 = stateOf(name)
 		return onebit.NewAdam(ctx, c, params, cfg)
-	case "onebit-lamb":
+	case "onebit-lamb", lambCompact:
 		cfg := onebit.DefaultLambConfig()
 		cfg.LambConfig = lamb
 		cfg.FreezeStep = h.freezeStep
+		if name == lambCompact {
+			cfg.StateMode = onebit.StateCompact
+		}
 		return onebit.NewLamb(ctx, c, params, cfg)
 	case "zeroone-adam":
 		cfg := onebit.DefaultZeroOneAdamConfig()
