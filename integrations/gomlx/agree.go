@@ -223,6 +223,9 @@ type settings struct {
 	// mayDiffer is set when the ranks' values may differ: 0/1 Adam's
 	// phase B takes local steps between its synchronizations.
 	mayDiffer bool
+	// global is set when values hashes the lowbit optimizer's global
+	// parameters (a GlobalHolder) rather than this rank's own.
+	global bool
 }
 
 // settings collects this rank's settings, once the lowbit optimizer is
@@ -272,7 +275,9 @@ func (o *Optimizer) settings(ck *optim.Checkpoint) (*settings, error) {
 		add("gradient reduction", "%s", optim.ReduceMode(mode))
 	}
 	for _, name := range slices.Sorted(maps.Keys(st.Floats)) {
-		if strings.HasPrefix(name, optim.HyperPrefix) {
+		// A wrapping optimizer (outer.Optimizer) records its inner one's
+		// hyperparameters under a prefix of its own ("inner/hyper/...").
+		if strings.HasPrefix(name, optim.HyperPrefix) || strings.Contains(name, "/"+optim.HyperPrefix) {
 			add(name, "%s", optim.FormatHyper(st.Floats[name]))
 		}
 	}
@@ -281,8 +286,42 @@ func (o *Optimizer) settings(ck *optim.Checkpoint) (*settings, error) {
 		o.warnUnchecked(ck, st)
 	}
 	s := &settings{text: b.String(), mayDiffer: st.Stage == optim.StagePhaseB}
-	s.values, s.perVar = o.hashValues()
+	if g := o.global(); g != nil {
+		// The ranks' own parameters differ between exchanges; the global
+		// ones must not.
+		cut, err := o.splitGlobal(g)
+		if err != nil {
+			return nil, err
+		}
+		s.values, s.perVar = hashValues(cut)
+		s.global = true
+		return s, nil
+	}
+	data := make([][]float32, len(o.params))
+	for i, p := range o.params {
+		data[i] = p.Data()
+	}
+	s.values, s.perVar = hashValues(data)
 	return s, nil
+}
+
+// splitGlobal cuts the lowbit optimizer's flat global parameters g into
+// one slice per trainable variable.
+func (o *Optimizer) splitGlobal(g []float32) ([][]float32, error) {
+	cut := make([][]float32, len(o.params))
+	off := 0
+	for i, p := range o.params {
+		m := len(p.Data())
+		if off+m > len(g) {
+			return nil, fmt.Errorf("lbgomlx: the lowbit optimizer's global parameters hold %d elements, fewer than the trainable variables", len(g))
+		}
+		cut[i] = g[off : off+m]
+		off += m
+	}
+	if off != len(g) {
+		return nil, fmt.Errorf("lbgomlx: the lowbit optimizer's global parameters hold %d elements, the trainable variables %d", len(g), off)
+	}
+	return cut, nil
 }
 
 // warnUnchecked warns about the hyperparameters the loaded checkpoint ck
@@ -308,15 +347,15 @@ func (o *Optimizer) warnUnchecked(ck, st *optim.Checkpoint) {
 	}
 }
 
-// hashValues hashes the trainable variables' values (the parameters'),
-// all of them and each one.
-func (o *Optimizer) hashValues() (uint64, []uint64) {
+// hashValues hashes the trainable variables' values (data, one slice per
+// variable), all of them and each one.
+func hashValues(data [][]float32) (uint64, []uint64) {
 	all := fnv.New64a()
-	per := make([]uint64, len(o.params))
+	per := make([]uint64, len(data))
 	var buf [4]byte
-	for i, p := range o.params {
+	for i, d := range data {
 		h := fnv.New64a()
-		for _, x := range p.Data() {
+		for _, x := range d {
 			binary.LittleEndian.PutUint32(buf[:], math.Float32bits(x))
 			h.Write(buf[:])
 		}
@@ -469,6 +508,9 @@ func (o *Optimizer) valuesError(set *settings) error {
 		if o.restored {
 			what = "after each rank restored its own checkpoint: the ranks' checkpoints are not of the same run (or one was changed); " +
 				"put back the same run's checkpoints, or delete every rank's checkpoints to start afresh"
+		}
+		if set.global {
+			what = "in the lowbit optimizer's global parameters (Global), which every rank must hold alike, " + what
 		}
 		return fmt.Errorf("lbgomlx: the ranks' trainable variables hold different values, so none trains: %q differs between %s, %s",
 			o.vars[i].Path(), strings.Join(groups, " and "), what)

@@ -1,7 +1,8 @@
 // Package gomlx trains a GoMLX model data-parallel with any lowbit optimizer
-// (exact Adam or LAMB, 1-bit Adam, 1-bit LAMB, 0/1 Adam, sharded Adam)
-// inside GoMLX's own training loop: train.NewTrainer, train.Loop, the
-// progress bar, the metrics and the checkpoint package stay as they are.
+// (exact Adam or LAMB, 1-bit Adam, 1-bit LAMB, 0/1 Adam, sharded Adam, the
+// DiLoCo-style outer optimizer of package outer) inside GoMLX's own
+// training loop: train.NewTrainer, train.Loop, the progress bar, the
+// metrics and the checkpoint package stay as they are.
 // Its errors and warnings start "lbgomlx:", the name the README imports it
 // as; the README holds a complete program, the table of GoMLX settings and
 // their lowbit equivalents, and the recipes to resume, change the number
@@ -74,10 +75,19 @@
 // optimizer, its stage and counters, the learning rate and its source,
 // every hyperparameter its state records, WithMeanMetrics, and the
 // trainable variables' values (but in 0/1 Adam's phase B, whose local
-// steps leave the ranks apart). A difference fails every rank, before any
-// gradient is computed, with an error naming each rank's value. Every rank
-// starts from rank 0's initial values whatever its initializers' seeds.
-// Every rank builds its first training graph together.
+// steps leave the ranks apart; with an optimizer whose ranks run apart
+// between exchanges and keep global parameters, a GlobalHolder such as
+// outer.Optimizer, the global parameters instead). A difference fails
+// every rank, before any gradient is computed, with an error naming each
+// rank's value. Every rank starts from rank 0's initial values whatever
+// its initializers' seeds. Every rank builds its first training graph
+// together.
+//
+// An optimizer whose ranks run apart (outer.Optimizer: inner steps of
+// each rank's own, an exchange every H steps) leaves each rank's variables
+// holding its own parameters between exchanges; its global parameters
+// are Global, and WithGlobalValues runs an evaluation on them. Nothing in
+// this package expects the ranks' variables to be equal after a step.
 //
 // Each step's hook agrees with the other ranks on whether every rank got
 // its gradients, whether every rank's loss is finite and whether the
@@ -644,8 +654,10 @@ func (o *Optimizer) Step(loss float64) error {
 		localErr = o.stepLR()
 	}
 	o.loss = loss
+	var globalBefore []float32
 	if localErr == nil && o.lrZero {
 		o.holdParams()
+		globalBefore = slices.Clone(o.global())
 	}
 	var err error
 	if o.sf != nil {
@@ -656,18 +668,100 @@ func (o *Optimizer) Step(loss float64) error {
 	if err != nil {
 		return err
 	}
-	if o.lrZero {
+	// With an optimizer whose ranks run apart, the step may have merged an
+	// exchange, which changed the global parameters and set this rank's to
+	// them: putting the held values back would undo it, so they stay (the
+	// inner step at the smallest positive learning rate moved a parameter
+	// by at most a denormal). An exchange skipped for a non-finite
+	// pseudo-gradient, which resets the parameters to the unchanged global
+	// ones, is not told apart: the held values are put back.
+	if o.lrZero && (globalBefore == nil || slices.Equal(globalBefore, o.global())) {
 		for i, p := range o.params {
 			copy(p.Data(), o.held[i])
 		}
 	}
 	o.steps++
-	if s := o.opt.Stats().Skipped; s != o.skipped {
+	// A skipped step changes nothing, but for an optimizer whose ranks run
+	// apart: its local skip may come with an exchange that moved the
+	// parameters to the global ones.
+	if s := o.opt.Stats().Skipped; s != o.skipped && o.global() == nil {
 		o.skipped = s
-	} else if err := o.writeBack(); err != nil {
-		return err
+	} else {
+		o.skipped = s
+		if err := o.writeBack(); err != nil {
+			return err
+		}
 	}
 	return o.setGlobalStep(o.globalStep() + 1)
+}
+
+// GlobalHolder is implemented by the lowbit optimizers whose ranks'
+// parameters differ between synchronizations and which keep global
+// parameters every rank agrees on: outer.Optimizer (DiLoCo-style), whose
+// ranks take inner steps of their own and average every H steps. Global
+// returns those global parameters, the flat concatenation of the
+// parameters in order; the caller does not change them.
+type GlobalHolder interface {
+	Global() []float32
+}
+
+// global returns the lowbit optimizer's global parameters, nil when it
+// keeps none (every rank's parameters are the same after every step) or
+// before the first training graph.
+func (o *Optimizer) global() []float32 {
+	if g, ok := o.opt.(GlobalHolder); ok {
+		return g.Global()
+	}
+	return nil
+}
+
+// Global returns the global parameters of a lowbit optimizer whose ranks
+// run apart between synchronizations (a GlobalHolder, such as
+// outer.Optimizer): the flat concatenation of every trainable variable's
+// values in the order of Params, the same on every rank. It returns nil
+// for any other optimizer, whose ranks' variables are the same after
+// every step, and before the first training graph. The slice is the
+// optimizer's own: do not change it.
+func (o *Optimizer) Global() []float32 { return o.global() }
+
+// WithGlobalValues runs fn, typically an evaluation, with the trainable
+// variables holding the lowbit optimizer's global parameters (see Global),
+// then puts this rank's own values back, whatever fn returns: between two
+// exchanges of an optimizer whose ranks run apart, each rank's variables
+// hold its own parameters, and the model every rank agrees on is the
+// global one. For any other optimizer, or before the first training
+// graph, it just runs fn. It communicates nothing; fn may (an evaluation
+// summed over the ranks), as every rank calls WithGlobalValues together.
+func (o *Optimizer) WithGlobalValues(fn func() error) (err error) {
+	g := o.global()
+	if g == nil {
+		return fn()
+	}
+	n := 0
+	for _, p := range o.params {
+		n += len(p.Data())
+	}
+	if len(g) != n {
+		return fmt.Errorf("lbgomlx: WithGlobalValues: the optimizer's global parameters hold %d elements, the trainable variables %d", len(g), n)
+	}
+	defer func() {
+		if werr := o.writeBack(); werr != nil {
+			err = errors.Join(err, fmt.Errorf("lbgomlx: WithGlobalValues: putting this rank's values back: %w", werr))
+		}
+	}()
+	off := 0
+	for i, v := range o.vars {
+		m := len(o.params[i].Data())
+		val, err := v.Value()
+		if err == nil {
+			err = tensors.AssignFlatData(val, g[off:off+m])
+		}
+		if err != nil {
+			return fmt.Errorf("lbgomlx: WithGlobalValues: writing the global values of %q: %w", v.Path(), err)
+		}
+		off += m
+	}
+	return fn()
 }
 
 // holdParams copies the parameters' values into o.held.

@@ -23,6 +23,7 @@ import (
 	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // rankSpec is one rank's GoMLX program in the tests that drive the
@@ -97,13 +98,19 @@ func runSpecs(t *testing.T, w, steps int, spec func(rank int) rankSpec) []*rankR
 }
 
 // builderLR is build with the learning rate lr in its config (1-bit Adam
-// freezes at step 3, so that it compresses within the tests' steps).
+// freezes at step 3, so that it compresses within the tests' steps; the
+// outer optimizer's inner Adam takes lr, and it exchanges every 4 steps).
 func builderLR(name string, lr float32) Builder {
 	return func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
 		adam := optim.DefaultAdamConfig()
 		adam.LR = lr
-		if name == "adam" {
+		switch name {
+		case "adam":
 			return optim.NewAdam(ctx, c, p, adam)
+		case "outer":
+			cfg := outer.DefaultConfig()
+			cfg.H = 4
+			return outer.NewAdam(ctx, c, p, cfg, adam)
 		}
 		cfg := onebit.DefaultAdamConfig()
 		cfg.AdamConfig = adam
@@ -114,13 +121,14 @@ func builderLR(name string, lr float32) Builder {
 
 // TestLearningRateFromStore: a GoMLX program that sets its learning rate
 // the GoMLX way, store.SetParam(optimizer.ParamLearningRate, 0.05), on 2
-// ranks with exact Adam and 1-bit Adam whose config says 0.01, trains
+// ranks with exact Adam, 1-bit Adam and the outer optimizer (its inner
+// Adam) whose config says 0.01, trains
 // bit-identically to the same program with 0.05 in the lowbit config and
 // no store parameter, and not like the one with 0.01 (which is what it did
 // before: the store's learning rate was ignored without a word).
 func TestLearningRateFromStore(t *testing.T) {
 	const steps = 8
-	for _, name := range []string{"adam", "onebit-adam"} {
+	for _, name := range []string{"adam", "onebit-adam", "outer"} {
 		t.Run(name, func(t *testing.T) {
 			store := runSpecs(t, 2, steps, func(int) rankSpec {
 				return rankSpec{build: builderLR(name, 0.01), params: map[string]any{optimizer.ParamLearningRate: 0.05}}
@@ -159,7 +167,8 @@ var cosineParams = map[string]any{
 
 // TestLearningRateCosineSchedule: GoMLX's cosine schedule (cosineschedule
 // in the model function, configured from the store) decides every step's
-// learning rate on 2 ranks, exact Adam and 1-bit Adam: the learning rate
+// learning rate on 2 ranks, exact Adam, 1-bit Adam and the outer
+// optimizer (its inner Adam's; it exchanges every 4 steps): the learning rate
 // handed to the lowbit optimizer at each step is the one GoMLX's own Adam
 // uses in the same program on one process (its /optimizers/learning_rate
 // after each step), but for the first warm-up step, where GoMLX's 0
@@ -189,7 +198,7 @@ func TestLearningRateCosineSchedule(t *testing.T) {
 	assert.InDelta(t, 0.05, want[3], 1e-7, "the end of the warm-up")
 	assert.Less(t, want[5], want[4], "the cosine decays")
 
-	for _, name := range []string{"adam", "onebit-adam"} {
+	for _, name := range []string{"adam", "onebit-adam", "outer"} {
 		t.Run(name, func(t *testing.T) {
 			var before [2][][]float32
 			runs := runSpecs(t, 2, steps, func(r int) rankSpec {

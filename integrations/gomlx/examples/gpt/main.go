@@ -20,6 +20,7 @@
 // linked in):
 //
 //	go run ./examples/gpt -compare -optimizer onebit-adam -workers 4
+//	go run ./examples/gpt -optimizer adam,diloco:fp32,diloco:1bit -outer-h 25
 //
 // With -backend mpi this process is one rank of an mpirun job:
 //
@@ -43,6 +44,8 @@ import (
 	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/comm/mpi"
 	"github.com/lowbit-ml/lowbit/internal/cliflag"
+	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 	"github.com/lowbit-ml/lowbit/size"
 )
 
@@ -62,15 +65,23 @@ type options struct {
 	model      modelConfig
 	lr         float64
 	freezeStep int
-	seed       uint64
-	target     float64
-	evalEvery  int
-	valWindows int
-	jsonPath   string
-	plotPath   string
-	mdPath     string
-	quiet      bool
-	progress   bool
+	// outerH, outerFragments and outerDelay are diloco's H, Fragments
+	// and Delay (outer.Config).
+	outerH         int
+	outerFragments int
+	outerDelay     int
+	outerBucket    int // diloco's 1-bit bucket size in bytes (outer.Config.BucketBytes)
+	outerLR        float64
+	outerMomentum  float64
+	seed           uint64
+	target         float64
+	evalEvery      int
+	valWindows     int
+	jsonPath       string
+	plotPath       string
+	mdPath         string
+	quiet          bool
+	progress       bool
 
 	checkpoint      string // directory of the GoMLX checkpoints, "" for none
 	checkpointEvery int
@@ -85,8 +96,19 @@ func (o *options) hyper() hyper {
 	if fs < 0 {
 		fs = max(1, o.steps/5)
 	}
-	return hyper{lr: float32(o.lr), freezeStep: fs}
+	oc := outer.DefaultConfig()
+	oc.H, oc.Fragments, oc.Delay, oc.BucketBytes = o.outerH, o.outerFragments, o.outerDelay, o.outerBucket
+	oc.LR, oc.Momentum = float32(o.outerLR), float32(o.outerMomentum)
+	return hyper{lr: float32(o.lr), freezeStep: fs, outer: oc}
 }
+
+// defaultOuterH is -outer-h's default: 25 inner steps per outer step, 24
+// outer steps in a default run of 600 steps (DiLoCo's own H of 500 would
+// leave such a short run one outer step; its paper finds fewer inner
+// steps per outer step better at equal compute). Like every outer
+// setting it is recorded in the checkpoints and fixed for the whole run,
+// so it does not follow -steps.
+const defaultOuterH = 25
 
 // Bounds of the flags that size the run: beyond them a typo would start a
 // run of years or a million goroutines.
@@ -117,6 +139,13 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.model.context, "context", 64, "sequence length in bytes")
 	fs.Float64Var(&o.lr, "lr", 2e-3, "learning rate; on a resume, given explicitly, it replaces the checkpoint's (otherwise the checkpoint's is kept)")
 	fs.IntVar(&o.freezeStep, "freeze-step", -1, "exact warm-up steps of the 1-bit optimizers (-1: a fifth of -steps)")
+	fs.IntVar(&o.outerH, "outer-h", defaultOuterH, "diloco: inner steps per outer step (each fragment's); fixed for the whole run, not derived from -steps")
+	fs.IntVar(&o.outerFragments, "outer-fragments", 1, "diloco: fragments of the parameters, exchanged staggered (Streaming DiLoCo), 1 to -outer-h")
+	fs.IntVar(&o.outerDelay, "outer-delay", 0, "diloco: inner steps an exchange overlaps before its result is merged, 0 to -outer-h/-outer-fragments")
+	def := outer.DefaultConfig()
+	fs.Float64Var(&o.outerLR, "outer-lr", float64(def.LR), "diloco: the outer Nesterov SGD's learning rate")
+	fs.Float64Var(&o.outerMomentum, "outer-momentum", float64(def.Momentum), "diloco: the outer Nesterov SGD's momentum, in [0, 1)")
+	fs.Var(&size.Value[int]{P: &o.outerBucket, Min: 0, Max: 1 << 30}, "outer-bucket-bytes", "diloco:1bit: bucket `size` in bytes within a fragment, each bucket its own scales (0: 25 MiB, one bucket; 4Ki: finer scales, more collectives)")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the split, the batches and rank 0's initial weights")
 	fs.Float64Var(&o.target, "target", 2.75, "validation loss (nats per byte) for the time-to-target column (0: none)")
 	fs.IntVar(&o.evalEvery, "eval-every", 0, "validate every this many steps (0: 20 times per run)")
@@ -159,6 +188,10 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("eval-every", "want 0 (20 times per run) to %d", maxSteps)
 	case o.valWindows < 1 || o.valWindows > 1<<20:
 		return bad("val-windows", "want 1 to %d", 1<<20)
+	case o.outerH < 1 || o.outerH > maxSteps:
+		return bad("outer-h", "want 1 to %d", maxSteps)
+	case !(o.outerLR > 0) || o.outerLR > 10:
+		return bad("outer-lr", "want a learning rate in (0, 10]")
 	case o.checkpointEvery < 1 || o.checkpointEvery > maxSteps:
 		return bad("checkpoint-every", "want 1 to %d", maxSteps)
 	case m.dModel < 1 || m.dModel > maxWidth:
@@ -176,6 +209,25 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	}
 	if err := o.late.check(fs); err != nil {
 		return nil, err
+	}
+	if err := o.hyper().outer.Validate(); err != nil {
+		var ce *optim.ConfigError
+		name := "outer-h"
+		if errors.As(err, &ce) {
+			switch ce.Field {
+			case "Fragments":
+				name = "outer-fragments"
+			case "Delay":
+				name = "outer-delay"
+			case "BucketBytes":
+				name = "outer-bucket-bytes"
+			case "LR":
+				name = "outer-lr"
+			case "Momentum":
+				name = "outer-momentum"
+			}
+		}
+		return bad(name, "%v", err)
 	}
 	runs, err := parseRuns(o.optimizer, o.reduce, o.compare)
 	if err != nil {

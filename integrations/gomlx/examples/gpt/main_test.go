@@ -66,15 +66,16 @@ func TestConvergence(t *testing.T) {
 // TestResume: a run stopped at step 10 with -checkpoint and resumed to step
 // 20 ends with the validation loss of the run never stopped, to the bit
 // (1-bit Adam, and with its moments sharded over the 2 ranks: both stop in
-// their compression stage).
+// their compression stage; diloco with the 1-bit codec, stopped between
+// two exchanges, when the ranks' parameters differ).
 func TestResume(t *testing.T) {
-	for _, name := range []string{"onebit-adam", "onebit-adam-sharded"} {
+	for _, name := range []string{"onebit-adam", "onebit-adam-sharded", "diloco:1bit"} {
 		t.Run(name, func(t *testing.T) {
 			dir := t.TempDir()
-			args := tiny("-optimizer", name, "-freeze-step", "5", "-checkpoint", dir, "-checkpoint-every", "5")
+			args := tiny("-optimizer", name, "-freeze-step", "5", "-outer-h", "4", "-checkpoint", dir, "-checkpoint-every", "5")
 			runJSON(t, append(args, "-steps", "10")...)
 			resumed, _ := runJSON(t, append(args, "-steps", "20")...)
-			whole, _ := runJSON(t, tiny("-optimizer", name, "-freeze-step", "5", "-steps", "20")...)
+			whole, _ := runJSON(t, tiny("-optimizer", name, "-freeze-step", "5", "-outer-h", "4", "-steps", "20")...)
 			assert.Equal(t, 10, resumed[0].ResumedAt)
 			assert.Equal(t, whole[0].ValLoss, resumed[0].ValLoss)
 			assert.Equal(t, whole[0].TrainLoss, resumed[0].TrainLoss)
@@ -83,7 +84,9 @@ func TestResume(t *testing.T) {
 }
 
 // TestParseRuns: the runs -optimizer, -reduce and -compare name, the
-// sharded 1-bit Adam among them (fp32 averaging only).
+// sharded 1-bit Adam among them (fp32 averaging only), and diloco, whose
+// REDUCE is its codec (fp32 when none, whatever -reduce says; -compare
+// gives its Adam baseline -reduce).
 func TestParseRuns(t *testing.T) {
 	for _, tc := range []struct {
 		list, reduce string
@@ -98,6 +101,11 @@ func TestParseRuns(t *testing.T) {
 		{"onebit-adam-sharded:fp16", "fp32", false, nil, `reduction "fp16" for onebit-adam-sharded: it averages in fp32 only`},
 		{"onebit-adam-sharded", "bf16", true, nil, `reduction "bf16" for onebit-adam-sharded: it averages in fp32 only`},
 		{"onebit-adam:sharded", "fp32", false, nil, "1-bit Adam with sharded moments is -optimizer onebit-adam-sharded"},
+		{"adam,diloco,diloco:fp32,diloco:int8,diloco:1bit", "bf16", false,
+			[]string{"adam bf16", "diloco fp32", "diloco fp32", "diloco int8", "diloco 1bit"}, ""},
+		{"diloco:1bit", "fp32", true, []string{"adam", "diloco 1bit"}, ""},
+		{"diloco", "fp16", true, []string{"adam fp16", "diloco fp32"}, ""},
+		{"diloco:fp16", "fp32", false, nil, `unknown codec "fp16" for diloco (want fp32, bf16, int8 or 1bit)`},
 	} {
 		runs, err := parseRuns(tc.list, tc.reduce, tc.compare)
 		if tc.err != "" {
@@ -112,6 +120,34 @@ func TestParseRuns(t *testing.T) {
 		}
 		assert.Equal(t, tc.want, got, tc.list)
 	}
+}
+
+// TestDiloco: the outer optimizer (diloco) against Adam on the tiny
+// transformer, 2 ranks, 40 steps, an exchange every 5: both learn, the
+// validation (on the global parameters) is finite and close to Adam's,
+// each diloco run sends far fewer bytes than Adam, and the report and the
+// JSON give its outer steps and compute utilization.
+func TestDiloco(t *testing.T) {
+	runs, out := runJSON(t, tiny("-optimizer", "adam,diloco:fp32,diloco:1bit", "-steps", "40", "-outer-h", "5", "-lr", "3e-3")...)
+	require.Len(t, runs, 3)
+	adam := runs[0]
+	assert.Nil(t, adam.Outer)
+	for _, r := range runs[1:] {
+		require.Equal(t, "diloco", r.Optimizer)
+		require.NotNil(t, r.Outer, r.Reduce)
+		t.Logf("diloco %s: validation loss %.4f (adam %.4f), bytes per rank %.0f (adam %.0f), utilization %.3f",
+			r.Reduce, r.ValLoss, adam.ValLoss, r.BytesSentPerRank, adam.BytesSentPerRank, r.Outer.Utilization)
+		assert.Less(t, r.ValLoss, math.Log(256)-1, "diloco %s learned", r.Reduce)
+		assert.InEpsilon(t, adam.ValLoss, r.ValLoss, 0.1, "diloco %s within 10%% of Adam", r.Reduce)
+		assert.Equal(t, int64(8), r.Outer.Exchanges, r.Reduce)
+		assert.Equal(t, 5, r.Outer.H)
+		assert.Equal(t, r.Reduce, r.Outer.Codec)
+		assert.True(t, r.Outer.Utilization > 0 && r.Outer.Utilization <= 1, "utilization %v", r.Outer.Utilization)
+		assert.Greater(t, adam.BytesSentPerRank, 3*r.BytesSentPerRank, r.Reduce)
+		assert.Contains(t, out, "diloco "+r.Reduce+": 8 outer steps (0 skipped), compute utilization ")
+		assert.Contains(t, out, "diloco "+r.Reduce+" vs adam: validation loss ")
+	}
+	assert.Greater(t, runs[1].BytesSentPerRank, 10*runs[2].BytesSentPerRank, "1bit against fp32")
 }
 
 // TestCheckpointOfAnotherModel: a checkpoint of another model size is

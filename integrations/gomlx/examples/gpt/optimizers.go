@@ -10,11 +10,20 @@ import (
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/optim/zero"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // optimizerNames are the optimizers -optimizer takes, in the order -help
 // lists them.
-var optimizerNames = []string{"adam", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "zeroone-adam", "lamb", "onebit-lamb", "zero-adam"}
+var optimizerNames = []string{"adam", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "zeroone-adam", "lamb", "onebit-lamb", "zero-adam", diloco}
+
+// diloco is the DiLoCo-style outer optimizer (package outer,
+// docs/outer.md): every rank takes inner Adam steps of its own, without
+// communicating, and every -outer-h steps the ranks average their
+// pseudo-gradients and take one outer Nesterov step. Its :REDUCE slot
+// names the codec of the exchanges: fp32 (the default), bf16, int8 or
+// 1bit; -reduce does not apply to it.
+const diloco = "diloco"
 
 // sharded is 1-bit Adam with its moments sharded over the ranks
 // (onebit.StateSharded, docs/sharded.md): the wire bytes of onebit-adam,
@@ -48,6 +57,7 @@ var baseline = map[string]string{
 	"zeroone-adam": "adam",
 	"onebit-lamb":  "lamb",
 	"zero-adam":    "adam",
+	diloco:         "adam",
 }
 
 // compressedOf is the compressed optimizer -compare pairs an exact one
@@ -66,6 +76,8 @@ type runSpec struct {
 	// scatter is zero-adam's gradient reduce-scatter: fp32, coalesced,
 	// int8 or int4.
 	scatter zero.Reduce
+	// codec is diloco's exchange codec: fp32, bf16, int8 or 1bit.
+	codec outer.Codec
 }
 
 // label names the run in tables: the optimizer, and its reduction unless
@@ -74,6 +86,8 @@ func (r runSpec) label() string {
 	switch {
 	case r.name == "zero-adam":
 		return r.name + " " + r.scatter.String()
+	case r.name == diloco:
+		return r.name + " " + r.codec.String()
 	case r.reduce != optim.ReduceFP32:
 		return r.name + " " + r.reduce.String()
 	}
@@ -86,18 +100,24 @@ func (r runSpec) dirName() string { return r.name + "-" + r.reduceName() }
 
 // reduceName is the run's reduction as -reduce spells it.
 func (r runSpec) reduceName() string {
-	if r.name == "zero-adam" {
+	switch r.name {
+	case "zero-adam":
 		return r.scatter.String()
+	case diloco:
+		return r.codec.String()
 	}
 	return r.reduce.String()
 }
 
 // parseRuns returns the runs -optimizer, -reduce and -compare ask for.
 // -optimizer is a comma-separated list of NAME or NAME:REDUCE (REDUCE
-// overrides -reduce for that run): "adam,adam:fp16,zero-adam:int4". With
-// -compare (one optimizer only) the exact optimizer runs first, then its
-// compressed counterpart, from the same seed; -reduce then applies to the
-// exact averaging of both, and to zero-adam's reduce-scatter.
+// overrides -reduce for that run): "adam,adam:fp16,zero-adam:int4"; for
+// diloco REDUCE is the codec of its exchanges ("diloco:1bit"; plain
+// "diloco" is fp32, whatever -reduce says). With -compare (one optimizer
+// only) the exact optimizer runs first, then its compressed counterpart,
+// from the same seed; -reduce then applies to the exact averaging of both,
+// and to zero-adam's reduce-scatter (diloco keeps its codec, Adam takes
+// -reduce).
 func parseRuns(list, reduce string, compare bool) ([]runSpec, error) {
 	entries := strings.Split(list, ",")
 	if compare {
@@ -118,7 +138,12 @@ func parseRuns(list, reduce string, compare bool) ([]runSpec, error) {
 		var runs []runSpec
 		for _, n := range pair {
 			r := n
-			if n != "zero-adam" && name == "zero-adam" {
+			switch {
+			case n == diloco:
+				r = entries[0] // its codec, not -reduce
+			case name == diloco:
+				r += ":" + reduce
+			case n != "zero-adam" && name == "zero-adam":
 				// the exact baseline of zero-adam averages in fp32 unless
 				// -reduce names one of the exact modes
 				if _, err := optim.ParseReduceMode(red); err != nil {
@@ -126,7 +151,7 @@ func parseRuns(list, reduce string, compare bool) ([]runSpec, error) {
 				} else {
 					r += ":" + red
 				}
-			} else {
+			default:
 				r += ":" + red
 			}
 			s, err := parseRun(r, reduce)
@@ -158,6 +183,18 @@ func parseRun(entry, reduce string) (runSpec, error) {
 		return runSpec{}, fmt.Errorf("unknown -optimizer %q (want one of %s)", name, strings.Join(optimizerNames, ", "))
 	}
 	s := runSpec{name: name}
+	if name == diloco {
+		codec := "fp32" // not -reduce: a codec of its own
+		if _, c, ok := strings.Cut(strings.TrimSpace(entry), ":"); ok && c != "" {
+			codec = c
+		}
+		cd, err := outer.ParseCodec(codec)
+		if err != nil {
+			return runSpec{}, fmt.Errorf("unknown codec %q for diloco (want fp32, bf16, int8 or 1bit)", codec)
+		}
+		s.codec = cd
+		return s, nil
+	}
 	if name == "zero-adam" {
 		z, err := zero.ParseReduce(red)
 		if err != nil {
@@ -186,6 +223,9 @@ type hyper struct {
 	// of onebit-adam, onebit-adam-sharded and onebit-lamb, VarFreezeStep of
 	// zeroone-adam.
 	freezeStep int
+	// outer is diloco's outer optimizer (-outer-h, -outer-fragments,
+	// -outer-delay; its codec is the run's).
+	outer outer.Config
 }
 
 // newOptimizer builds the optimizer of run r over params, communicating on
@@ -217,6 +257,12 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		cfg.AdamConfig = adam
 		cfg.VarFreezeStep = max(1, h.freezeStep)
 		return onebit.NewZeroOneAdam(ctx, c, params, cfg)
+	case diloco:
+		cfg := h.outer
+		cfg.Codec = r.codec
+		inner := adam
+		inner.Reduce = optim.ReduceFP32 // local: the inner Adam never communicates
+		return outer.NewAdam(ctx, c, params, cfg, inner)
 	case "zero-adam":
 		cfg := zero.DefaultConfig()
 		cfg.AdamConfig = adam

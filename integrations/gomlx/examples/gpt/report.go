@@ -40,6 +40,36 @@ func printHeader(w io.Writer, o *options, data *corpus, workers int) {
 	if d := lateDesc(o, data); d != "" {
 		fmt.Fprintln(w, d)
 	}
+	if d := outerDesc(o); d != "" {
+		fmt.Fprintln(w, d)
+	}
+}
+
+// outerDesc describes diloco's settings when a run is diloco, "" if none
+// is.
+func outerDesc(o *options) string {
+	for _, r := range o.runs {
+		if r.name == diloco {
+			c := o.hyper().outer
+			d := fmt.Sprintf("diloco: inner Adam (lr %g), outer Nesterov SGD lr %g momentum %g every %d steps (-outer-h), %d fragments, delay %d",
+				o.lr, c.LR, c.Momentum, c.H, c.Fragments, c.Delay)
+			if c.BucketBytes > 0 {
+				d += fmt.Sprintf(", 1-bit buckets of %d bytes", c.BucketBytes)
+			}
+			return d
+		}
+	}
+	return ""
+}
+
+// outerLine says, for a diloco run, how many outer steps it took and its
+// compute utilization; "" for the other runs.
+func outerLine(r *result) string {
+	if r.outer == nil {
+		return ""
+	}
+	return fmt.Sprintf("%s: %d outer steps (%d skipped), compute utilization %.3f (evaluated on the global parameters)",
+		r.spec.label(), r.outer.exchanges, r.outer.skipped, r.outer.utilization)
 }
 
 // progressPrinter prints a line per validation unless quiet; the ranks of
@@ -85,6 +115,11 @@ func report(w io.Writer, o *options, results []*result) {
 			r.wall.Seconds(), 100*r.commShare(), tt, human(r.bytes), human(r.lastBytes), r.skipped)
 	}
 	tw.Flush()
+	for _, r := range results {
+		if l := outerLine(r); l != "" {
+			fmt.Fprintln(w, l)
+		}
+	}
 	for _, r := range results {
 		b := findBaseline(results, r)
 		if b == nil {
@@ -170,6 +205,21 @@ type jsonRun struct {
 	LateBytes   string   `json:"late_bytes,omitempty"`
 	LateFrom    int      `json:"late_from,omitempty"`
 	LateValLoss *float64 `json:"late_val_loss,omitempty"`
+
+	// Outer is diloco's outer optimizer, absent for the other runs.
+	Outer *jsonOuter `json:"outer,omitempty"`
+}
+
+// jsonOuter is a diloco run's outer settings and statistics.
+type jsonOuter struct {
+	H           int     `json:"h"`
+	Fragments   int     `json:"fragments"`
+	Delay       int     `json:"delay"`
+	BucketBytes int     `json:"bucket_bytes"` // 0: outer's default`
+	Codec       string  `json:"codec"`
+	Exchanges   int64   `json:"exchanges"`
+	Skipped     int64   `json:"skipped_exchanges"`
+	Utilization float64 `json:"utilization"` // mean over the ranks
 }
 
 type jsonModel struct {
@@ -198,6 +248,11 @@ func writeJSON(path string, o *options, results []*result) error {
 		}
 		if o.late.chars != "" {
 			j.LateBytes, j.LateFrom, j.LateValLoss = o.late.chars, o.lateFrom(), r.lateLoss()
+		}
+		if r.outer != nil {
+			c := o.hyper().outer
+			j.Outer = &jsonOuter{H: c.H, Fragments: c.Fragments, Delay: c.Delay, BucketBytes: c.BucketBytes, Codec: r.spec.codec.String(),
+				Exchanges: r.outer.exchanges, Skipped: r.outer.skipped, Utilization: r.outer.utilization}
 		}
 		if math.IsNaN(j.TrainLoss) {
 			j.TrainLoss = -1 // JSON has no NaN: every step was skipped
@@ -241,6 +296,14 @@ func writeMarkdown(path string, o *options, data *corpus, results []*result) err
 		}
 		fmt.Fprintf(&b, "| %s | %.4f |%s %.4f | %s | %.4f | %s | %s | %d |\n",
 			r.spec.label(), r.valLoss, late, bitsPerByte(r.valLoss), vs, r.trainLoss, human(r.bytes), tt, r.skipped)
+	}
+	if d := outerDesc(o); d != "" {
+		fmt.Fprintf(&b, "\n%s.\n", strings.ToUpper(d[:1])+d[1:])
+		for _, r := range results {
+			if l := outerLine(r); l != "" {
+				fmt.Fprintf(&b, "%s.\n", l)
+			}
+		}
 	}
 	return writeFile(path, []byte(b.String()))
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/lowbit-ml/lowbit/comm/timed"
 	lbgomlx "github.com/lowbit-ml/lowbit/integrations/gomlx"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // evalPoint is one validation of a run.
@@ -53,7 +54,22 @@ type result struct {
 	target     float64
 	targetStep int
 	targetTime time.Duration // training time to the first validation at or below target
+	// outer holds diloco's outer statistics, nil for the other
+	// optimizers.
+	outer *outerResult
 }
+
+// outerResult is what a diloco run reports beyond the other runs.
+type outerResult struct {
+	exchanges, skipped int64
+	// utilization is the compute utilization, averaged over the ranks:
+	// the share of the optimizer's wall time not spent blocked on the
+	// exchanges (outer.OuterStats.Utilization).
+	utilization float64
+}
+
+// outerStatser is the outer optimizer's statistics (outer.Optimizer).
+type outerStatser interface{ OuterStats() outer.OuterStats }
 
 // reached reports whether the run reached the target validation loss.
 func (r *result) reached() bool { return r.targetStep > 0 }
@@ -163,6 +179,7 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 		return nil, fmt.Errorf("-checkpoint %s: the checkpoint is at step %d, past -steps %d", o.checkpoint, done, o.steps)
 	}
 
+	tokensPerStep := int64(o.batch) * int64(o.model.context)
 	// The validation graph: the summed loss of this rank's windows.
 	eval, err := model.NewExec(backend, store, sumLossFn(o.model))
 	if err != nil {
@@ -175,6 +192,8 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 	}
 	totalWindows := min(o.valWindows, len(data.val)-o.model.context)
 	sums := make([]float32, 1)
+	// validate evaluates this rank's variables; evaluate, below, the
+	// model every rank agrees on.
 	validate := func() (float64, error) {
 		sums[0] = 0
 		if vn > 0 {
@@ -190,9 +209,23 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 		}
 		return float64(sums[0]) / float64(totalWindows*o.model.context), nil
 	}
+	// evaluate validates the model every rank agrees on: the variables
+	// themselves, but for diloco, whose ranks' variables differ between
+	// exchanges, its global parameters (lowbit: WithGlobalValues).
+	evaluate := func(step int) (e evalPoint, err error) {
+		e = evalPoint{Step: step, Tokens: int64(step) * tokensPerStep}
+		err = opt.WithGlobalValues(func() error {
+			var err error
+			if e.ValLoss, err = validate(); err != nil {
+				return err
+			}
+			e.LateLoss, err = late.loss(ctx, c)
+			return err
+		})
+		return e, err
+	}
 
 	res := &result{spec: r, workers: w, steps: o.steps, target: o.target, resumedAt: done}
-	tokensPerStep := int64(o.batch) * int64(o.model.context)
 	evalEvery := o.evalEvery
 	if evalEvery <= 0 {
 		evalEvery = max(1, o.steps/20)
@@ -217,16 +250,13 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 		}
 		t0 := time.Now()
 		tt := trainTime()
-		vl, err := validate()
+		e, err := evaluate(step)
 		if err != nil {
 			return err
 		}
-		e := evalPoint{Step: step, Tokens: int64(step) * tokensPerStep, TrainS: tt.Seconds(), ValLoss: vl}
-		if e.LateLoss, err = late.loss(ctx, c); err != nil {
-			return err
-		}
+		e.TrainS = tt.Seconds()
 		res.evals = append(res.evals, e)
-		if !res.reached() && o.target > 0 && vl <= o.target {
+		if !res.reached() && o.target > 0 && e.ValLoss <= o.target {
 			res.targetStep, res.targetTime = step, tt
 		}
 		if progress != nil && rank == 0 {
@@ -247,22 +277,27 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 	}
 	wall := trainTime()
 	if len(res.evals) == 0 {
-		// Resumed at the last step: validate what the checkpoint holds.
-		vl, err := validate()
+		// Resumed at the last step: validate what the checkpoint holds
+		// (for diloco this rank's own parameters, which are the global
+		// ones when the last step was an exchange merged at once).
+		e, err := evaluate(done)
 		if err != nil {
-			return nil, err
-		}
-		e := evalPoint{Step: done, Tokens: int64(done) * tokensPerStep, ValLoss: vl}
-		if e.LateLoss, err = late.loss(ctx, c); err != nil {
 			return nil, err
 		}
 		res.evals = append(res.evals, e)
 	}
 	var st optim.Stats
-	if lo := opt.Optimizer(); lo != nil {
+	var outs outer.OuterStats
+	lo := opt.Optimizer()
+	if lo != nil {
 		st = lo.Stats()
 	}
-	agg := []float32{float32(mean(window)), float32(wall.Seconds()), float32(tc.Elapsed().Seconds()), float32(st.BytesSent), float32(st.LastStepBytes)}
+	ost, isOuter := lo.(outerStatser)
+	if isOuter {
+		outs = ost.OuterStats()
+	}
+	agg := []float32{float32(mean(window)), float32(wall.Seconds()), float32(tc.Elapsed().Seconds()), float32(st.BytesSent), float32(st.LastStepBytes),
+		float32(outs.Utilization())}
 	if err := c.AllReduce(ctx, agg, comm.Sum); err != nil {
 		return nil, err
 	}
@@ -275,6 +310,9 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 	res.commTime = time.Duration(float64(agg[2]) / fw * float64(time.Second))
 	res.bytes, res.lastBytes = float64(agg[3])/fw, float64(agg[4])/fw
 	res.skipped = st.Skipped
+	if isOuter {
+		res.outer = &outerResult{exchanges: outs.Exchanges, skipped: outs.Skipped, utilization: float64(agg[5]) / fw}
+	}
 	return res, nil
 }
 
@@ -305,6 +343,11 @@ func resumeLR(opt *lbgomlx.Optimizer, r runSpec, o *options, rank int) train.OnS
 		}
 		first = false
 		ls, ok := opt.Optimizer().(optim.LRSetter)
+		if in, isWrapper := opt.Optimizer().(interface{ Inner() optim.Optimizer }); !ok && isWrapper {
+			// A wrapping optimizer that is no optim.LRSetter itself:
+			// its inner optimizer's learning rate.
+			ls, ok = in.Inner().(optim.LRSetter)
+		}
 		if !ok {
 			return fmt.Errorf("%s cannot change its learning rate (not an optim.LRSetter)", r.label())
 		}
