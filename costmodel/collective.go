@@ -129,11 +129,11 @@ func onebitPadUnit(w int) int64 {
 
 // The pipelining of onebit.AllReduce (onebit/allreduce.go: pieceTarget,
 // maxPieces, State.setPieces): each chunk's packed bytes travel in pieces
-// of about 64 KiB per destination, at most 16. TestOnebitStepsFollowAlgorithm
+// of about 64 KiB per destination, at most 4. TestOnebitStepsFollowAlgorithm
 // checks the copy against the collective's behaviour on the local backend.
 const (
 	onebitPieceTarget = 64 << 10
-	onebitMaxPieces   = 16
+	onebitMaxPieces   = 4
 )
 
 // onebitPieces is K, the pieces each chunk of a call on n elements and w

@@ -92,7 +92,7 @@ func TestOnebitStepsFollowAlgorithm(t *testing.T) {
 	for _, tc := range []struct {
 		elems, ranks int
 		pieces       int
-	}{{1000, 2, 1}, {1 << 20, 4, 1}, {1 << 22, 4, 2}, {3 << 20, 3, 2}, {1 << 23, 2, 8}} {
+	}{{1000, 2, 1}, {1 << 20, 4, 1}, {1 << 22, 4, 2}, {3 << 20, 3, 2}, {1 << 23, 2, 4}} {
 		assert.Equal(t, tc.pieces, onebitPieces(int64(tc.elems), tc.ranks), "%+v", tc)
 		steps := onebitSteps(int64(tc.elems), tc.ranks, 1)
 		require.Len(t, steps, 3)
@@ -131,7 +131,7 @@ func TestOnebitStepsFollowAlgorithm(t *testing.T) {
 		})
 		require.NoError(t, err, "%+v", tc)
 	}
-	assert.Equal(t, onebitMaxPieces, onebitPieces(1<<26, 2), "at most 16 pieces")
+	assert.Equal(t, onebitMaxPieces, onebitPieces(1<<26, 2), "at most 4 pieces")
 }
 
 // The recorded runs cover what the model must predict: 2, 3 and 4 ranks at

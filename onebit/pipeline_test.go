@@ -168,7 +168,7 @@ func TestPipelineDefault(t *testing.T) {
 	small, _ := onebit.NewState(1<<16, 4)
 	assert.Equal(t, 1, onebit.Pieces(small))
 	big, _ := onebit.NewState(16<<20, 4) // 64 MiB of float32
-	assert.Equal(t, 8, onebit.Pieces(big))
+	assert.Equal(t, 4, onebit.Pieces(big))
 	one, _ := onebit.NewState(16<<20, 1)
 	assert.Equal(t, 1, onebit.Pieces(one))
 }

@@ -41,9 +41,10 @@
 // the communicator stays usable. Ranks never hang or truncate on a mismatch.
 // The agreement is not counted in Stats.
 //
-// The agreement is where a rank waits for late peers, and it waits without
-// keeping a core busy: it polls the MPI_Iallreduce with MPI_Test, for the
-// first millisecond without pause, then with naps of a sixteenth of the
+// The agreement is where a rank waits for late peers, and past the skew of
+// ranks arriving together it waits without keeping a core busy: it polls
+// the MPI_Iallreduce with MPI_Test, for the first 20 milliseconds without
+// pause, then with naps of a sixteenth of the
 // time waited so far (at most 10ms), so that it wakes within a sixteenth of
 // its wait. A blocking MPI call, by contrast, spins in Open MPI's progress
 // loop at full speed for as long as it waits (Open MPI's mpi_yield_when_idle

@@ -331,8 +331,13 @@ func (c *mpiComm) begin(ctx context.Context, a *args) (armed guard, err error) {
 // then with naps of a 16th of the time waited so far, up to maxNap, between
 // tests, so that a rank waiting for a late peer does not keep a core busy
 // as a blocking MPI collective does, and wakes within a 16th of its wait.
+// spinFor covers the skew of ranks arriving at a collective a few
+// milliseconds apart: Open MPI's TCP transport progresses the agreement's
+// MPI_Iallreduce only inside MPI calls, so a rank napping through those
+// milliseconds held back the others (with 1 ms, the header of a 64 MiB
+// 1-bit call on 4 ranks over 1 Gbit ended 5-10 ms into the call).
 const (
-	spinFor = time.Millisecond
+	spinFor = 20 * time.Millisecond
 	maxNap  = 10 * time.Millisecond
 )
 
