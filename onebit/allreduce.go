@@ -101,6 +101,9 @@ type State struct {
 	// of its root mean square: the sharded mode's choice for its update,
 	// whose heavy tail would otherwise set the step of every element.
 	meanAbs bool
+	// workerMeanAbs makes the worker scale of step 2 the mean of |x| too
+	// (SetScale).
+	workerMeanAbs bool
 	// worker, when not nil, keeps the worker error outside WorkerError
 	// (which is then empty): the call forms x a block at a time with it,
 	// in the summing block, and hands it each block's new residual.
@@ -210,6 +213,28 @@ func (st *State) setPieces(k, world int) {
 		st.scratch, st.midSend, st.midRecv = nil, nil, nil
 		st.ready, st.done = nil, nil
 	}
+}
+
+// Scale chooses how the compressed allreduce scales the signs it sends.
+type Scale int
+
+const (
+	// ScaleRMS makes each scale the root mean square of what it scales:
+	// the worker scale of this rank's x, the server scale of its chunk's
+	// c (onebit.md, DeepSpeed's choice). The default.
+	ScaleRMS Scale = iota
+	// ScaleMeanAbs makes each scale the mean of |x| (of |c|): the scale
+	// that minimizes the squared error of the sign compression, which a
+	// heavy tail does not inflate. The worker's costs one more read pass
+	// over x per call.
+	ScaleMeanAbs
+)
+
+// SetScale sets the scales of the following calls (ScaleRMS on a new
+// State). It changes what goes on the wire, not its format: every rank of
+// a call must set the same.
+func (s *State) SetScale(sc Scale) {
+	s.meanAbs, s.workerMeanAbs = sc == ScaleMeanAbs, sc == ScaleMeanAbs
 }
 
 // Numel is the tensor length the state was made for.
@@ -535,6 +560,9 @@ func meanAbs(x []float32) float32 {
 // normScale is the worker scale from the chunks' sums of squares, added in
 // chunk order.
 func (st *State) normScale() float32 {
+	if st.workerMeanAbs {
+		return meanAbs(st.WorkerError)
+	}
 	var ss float64
 	for j := range st.norms {
 		ss += st.norms[j].Sum()

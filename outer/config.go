@@ -5,6 +5,7 @@ import (
 	"math"
 	"strings"
 
+	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 )
 
@@ -92,6 +93,12 @@ type Config struct {
 	// for optim.DefaultBucketBytes, or >= 4 (optim.PerParameter is not
 	// supported: fragments cut across parameters). Other codecs ignore it.
 	BucketBytes int
+	// Scale is the 1-bit codec's scales (onebit.State.SetScale):
+	// onebit.ScaleRMS, onebit.md's, or onebit.ScaleMeanAbs, the mean of
+	// |x|, which measured better on the GPT example and worse on MNIST and
+	// the convergence test (docs/outer.md). Other codecs ignore it.
+	// Default onebit.ScaleRMS.
+	Scale onebit.Scale
 }
 
 // DefaultConfig returns H 50, one fragment, no delay, CodecFP32, outer
@@ -119,6 +126,8 @@ func (c Config) Validate() error {
 		return &optim.ConfigError{Config: cfg, Field: "LR", Value: c.LR, Want: "finite and > 0"}
 	case !(c.Momentum >= 0 && c.Momentum < 1):
 		return &optim.ConfigError{Config: cfg, Field: "Momentum", Value: c.Momentum, Want: "in [0, 1)"}
+	case c.Scale != onebit.ScaleRMS && c.Scale != onebit.ScaleMeanAbs:
+		return &optim.ConfigError{Config: cfg, Field: "Scale", Value: c.Scale, Want: "onebit.ScaleRMS or onebit.ScaleMeanAbs"}
 	case c.BucketBytes != 0 && c.BucketBytes < 4:
 		return &optim.ConfigError{Config: cfg, Field: "BucketBytes", Value: c.BucketBytes, Want: "0 (optim.DefaultBucketBytes) or >= 4"}
 	}
@@ -136,5 +145,6 @@ func (c Config) hypers() []optim.Hyper {
 		{Name: "outer_lr", Value: float64(c.LR)},
 		{Name: "outer_momentum", Value: float64(c.Momentum)},
 		{Name: "outer_nesterov", Value: optim.HyperBool(c.Nesterov)},
+		{Name: "outer_scale", Value: float64(c.Scale)},
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/assert"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/outer"
 )
@@ -163,6 +164,11 @@ func TestConvergence(t *testing.T) {
 			c.BucketBytes = 256 // one scale per rank per 16 elements
 			return c
 		}()},
+		{"1bit, mean-|x| scales", func() outer.Config {
+			c := config(outer.CodecOneBit, h, 1, 0)
+			c.Scale = onebit.ScaleMeanAbs
+			return c
+		}()},
 		{"fp32, 2 fragments, delay 2", config(outer.CodecFP32, h, 2, 2)},
 		{"1bit, 2 fragments, delay 2", config(outer.CodecOneBit, h, 2, 2)},
 	} {
@@ -173,8 +179,8 @@ func TestConvergence(t *testing.T) {
 	}
 	assert.Less(t, dp, start/4, "data-parallel Adam did not learn")
 	// Measured (4 ranks, 600 steps): Adam 0.574; fp32 0.242, bf16 0.241,
-	// int8 0.242; 1bit 0.388 (buckets of 64: 0.339); 2 fragments with
-	// delay 2: fp32 0.270, 1bit 0.352.
+	// int8 0.242; 1bit 0.388 (buckets of 64: 0.339; mean-|x| scales
+	// 0.483); 2 fragments with delay 2: fp32 0.270, 1bit 0.352.
 	for _, name := range []string{"bf16", "int8"} {
 		assert.InEpsilon(t, results["fp32"], results[name], 0.05, "%s: not the fp32 outer optimizer's loss", name)
 	}

@@ -288,6 +288,7 @@ func (o *Optimizer) makeBuckets() error {
 			if err != nil {
 				return fmt.Errorf("outer: %w", err)
 			}
+			st.SetScale(o.cfg.Scale)
 			o.buckets[f] = append(o.buckets[f], lo)
 			o.states[f] = append(o.states[f], st)
 		}
@@ -302,8 +303,8 @@ func (o *Optimizer) makeBuckets() error {
 func (o *Optimizer) agreeConfig(ctx context.Context, local error) error {
 	cfg := o.cfg
 	vals := []int64{0, int64(cfg.H), int64(cfg.Fragments), int64(cfg.Delay), int64(cfg.Codec), int64(o.n),
-		int64(cfg.BucketBytes), int64(optim.HyperBool(cfg.Nesterov)), int64(math.Float32bits(cfg.LR)), int64(math.Float32bits(cfg.Momentum))}
-	names := []string{"", "H", "Fragments", "Delay", "Codec", "parameter elements", "BucketBytes", "Nesterov", "LR bits", "Momentum bits"}
+		int64(cfg.BucketBytes), int64(optim.HyperBool(cfg.Nesterov)), int64(math.Float32bits(cfg.LR)), int64(math.Float32bits(cfg.Momentum)), int64(cfg.Scale)}
+	names := []string{"", "H", "Fragments", "Delay", "Codec", "parameter elements", "BucketBytes", "Nesterov", "LR bits", "Momentum bits", "Scale"}
 	if local != nil {
 		vals[0] = 1
 	}

@@ -219,6 +219,7 @@ func TestConfigValidate(t *testing.T) {
 		{"LR", func(c *outer.Config) { c.LR = 0 }},
 		{"Momentum", func(c *outer.Config) { c.Momentum = 1 }},
 		{"BucketBytes", func(c *outer.Config) { c.BucketBytes = optim.PerParameter }},
+		{"Scale", func(c *outer.Config) { c.Scale = 7 }},
 	} {
 		cfg := outer.DefaultConfig()
 		k.change(&cfg)

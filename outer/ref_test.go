@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/outer"
 )
@@ -22,6 +23,7 @@ import (
 type refConfig struct {
 	W, H, F, D  int
 	oneBit      bool
+	meanAbs     bool // the 1-bit codec's scales (Config.Scale)
 	lr, mu      float64
 	nesterov    bool
 	alr, b1, b2 float64 // inner Adam
@@ -91,12 +93,21 @@ func refSign(x float64) float64 {
 	return -1
 }
 
-func refNorm(x []float64) float64 {
+// refScale is a 1-bit scale of x: its root mean square, or with meanAbs
+// (onebit.ScaleMeanAbs) the mean of |x|.
+func refScale(x []float64, meanAbs bool) float64 {
 	s := 0.0
 	for _, v := range x {
-		s += v * v
+		if meanAbs {
+			s += math.Abs(v)
+		} else {
+			s += v * v
+		}
 	}
-	return math.Sqrt(s)
+	if meanAbs {
+		return s / float64(len(x))
+	}
+	return math.Sqrt(s / float64(len(x)))
 }
 
 // compress is the 1-bit allreduce of the W inputs xs (one per rank) of
@@ -113,7 +124,7 @@ func (s *refSim) compress(f int, xs [][]float64) []float64 {
 		for i := range x {
 			x[i] += s.we[r][f][i]
 		}
-		scales[r] = refNorm(x) / math.Sqrt(float64(N))
+		scales[r] = refScale(x, s.c.meanAbs)
 		signs[r] = make([]float64, N)
 		for i := range x {
 			signs[r][i] = refSign(x[i])
@@ -131,7 +142,7 @@ func (s *refSim) compress(f int, xs [][]float64) []float64 {
 		for i := range c {
 			c[i] += s.se[r][f][i]
 		}
-		sc := refNorm(c) / math.Sqrt(float64(C))
+		sc := refScale(c, s.c.meanAbs)
 		for i := range c {
 			out[r*C+i] = sc * refSign(c[i])
 			s.se[r][f][i] = c[i] - out[r*C+i]
@@ -230,32 +241,35 @@ func TestReference(t *testing.T) {
 		for _, k := range []struct {
 			codec   outer.Codec
 			h, f, d int
+			scale   onebit.Scale
 		}{
-			{outer.CodecFP32, 4, 1, 0},
-			{outer.CodecFP32, 6, 3, 2},
-			{outer.CodecOneBit, 4, 1, 0},
-			{outer.CodecOneBit, 6, 2, 3},
-			{outer.CodecBF16, 4, 2, 1},
-			{outer.CodecInt8, 4, 2, 1},
+			{outer.CodecFP32, 4, 1, 0, 0},
+			{outer.CodecFP32, 6, 3, 2, 0},
+			{outer.CodecOneBit, 4, 1, 0, onebit.ScaleRMS},
+			{outer.CodecOneBit, 6, 2, 3, onebit.ScaleRMS},
+			{outer.CodecOneBit, 4, 1, 0, onebit.ScaleMeanAbs},
+			{outer.CodecOneBit, 6, 2, 3, onebit.ScaleMeanAbs},
+			{outer.CodecBF16, 4, 2, 1, 0},
+			{outer.CodecInt8, 4, 2, 1, 0},
 		} {
-			t.Run(fmt.Sprintf("W%d/%s/H%d/F%d/D%d", w, k.codec, k.h, k.f, k.d), func(t *testing.T) {
-				checkReference(t, w, k.codec, k.h, k.f, k.d)
+			t.Run(fmt.Sprintf("W%d/%s/H%d/F%d/D%d/scale%d", w, k.codec, k.h, k.f, k.d, k.scale), func(t *testing.T) {
+				checkReference(t, w, k.codec, k.h, k.f, k.d, k.scale)
 			})
 		}
 	}
 }
 
-func checkReference(t *testing.T, w int, codec outer.Codec, h, frags, delay int) {
+func checkReference(t *testing.T, w int, codec outer.Codec, h, frags, delay int, scale onebit.Scale) {
 	const calls = 20
 	cfg := outer.DefaultConfig()
-	cfg.H, cfg.Fragments, cfg.Delay, cfg.Codec = h, frags, delay, codec
+	cfg.H, cfg.Fragments, cfg.Delay, cfg.Codec, cfg.Scale = h, frags, delay, codec, scale
 	acfg := optim.DefaultAdamConfig()
 	acfg.LR, acfg.WeightDecay = 0.01, 0.1
 	n := 0
 	for _, s := range sizes {
 		n += s
 	}
-	rc := refConfig{W: w, H: h, F: frags, D: delay, oneBit: codec == outer.CodecOneBit, lr: float64(cfg.LR), mu: float64(cfg.Momentum),
+	rc := refConfig{W: w, H: h, F: frags, D: delay, oneBit: codec == outer.CodecOneBit, meanAbs: scale == onebit.ScaleMeanAbs, lr: float64(cfg.LR), mu: float64(cfg.Momentum),
 		nesterov: cfg.Nesterov, alr: float64(acfg.LR), b1: float64(acfg.Beta1), b2: float64(acfg.Beta2), eps: float64(acfg.Eps), wd: float64(acfg.WeightDecay), n: n}
 	ref := newRef(rc, flat(newParams(t, sizes)))
 	// Real runs: every rank's parameters after every call, and θ_g and u

@@ -44,6 +44,7 @@ import (
 	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/comm/mpi"
 	"github.com/lowbit-ml/lowbit/internal/cliflag"
+	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/outer"
 	"github.com/lowbit-ml/lowbit/size"
@@ -73,6 +74,7 @@ type options struct {
 	outerBucket    int // diloco's 1-bit bucket size in bytes (outer.Config.BucketBytes)
 	outerLR        float64
 	outerMomentum  float64
+	outerMeanAbs   bool // diloco:1bit's scales are means of |x| (outer.Config.Scale)
 	seed           uint64
 	target         float64
 	evalEvery      int
@@ -99,6 +101,9 @@ func (o *options) hyper() hyper {
 	oc := outer.DefaultConfig()
 	oc.H, oc.Fragments, oc.Delay, oc.BucketBytes = o.outerH, o.outerFragments, o.outerDelay, o.outerBucket
 	oc.LR, oc.Momentum = float32(o.outerLR), float32(o.outerMomentum)
+	if o.outerMeanAbs {
+		oc.Scale = onebit.ScaleMeanAbs
+	}
 	return hyper{lr: float32(o.lr), freezeStep: fs, outer: oc}
 }
 
@@ -145,6 +150,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	def := outer.DefaultConfig()
 	fs.Float64Var(&o.outerLR, "outer-lr", float64(def.LR), "diloco: the outer Nesterov SGD's learning rate")
 	fs.Float64Var(&o.outerMomentum, "outer-momentum", float64(def.Momentum), "diloco: the outer Nesterov SGD's momentum, in [0, 1)")
+	fs.BoolVar(&o.outerMeanAbs, "outer-mean-abs", false, "diloco:1bit: scales are means of |x| (onebit.ScaleMeanAbs) instead of root mean squares")
 	fs.Var(&size.Value[int]{P: &o.outerBucket, Min: 0, Max: 1 << 30}, "outer-bucket-bytes", "diloco:1bit: bucket `size` in bytes within a fragment, each bucket its own scales (0: 25 MiB, one bucket; 4Ki: finer scales, more collectives)")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the split, the batches and rank 0's initial weights")
 	fs.Float64Var(&o.target, "target", 2.75, "validation loss (nats per byte) for the time-to-target column (0: none)")
