@@ -512,13 +512,19 @@ func (st *State) allReduce(ctx context.Context, c comm.Comm, buf []float32) erro
 	return nil
 }
 
-// outputs yields the output of the last call of a State that keeps it
-// (keep), a block at a time: the first element's index and the block,
-// unpacked into the summing block (free between calls); padding left out.
-func (st *State) outputs() iter.Seq2[int, []float32] {
-	return func(yield func(int, []float32) bool) {
+// gatheredPiece is piece p of rank j's gathered phase 2 message: the
+// signs of elements [lo, hi) of the tensor (padding left out: lo >= hi
+// for a piece of padding only).
+type gatheredPiece struct {
+	j, lo, hi int
+	signs     []byte
+}
+
+// gatheredPieces yields the gathered pieces of the last call, rank by
+// rank.
+func (st *State) gatheredPieces() iter.Seq[gatheredPiece] {
+	return func(yield func(gatheredPiece) bool) {
 		chunkLen := len(st.ServerError)
-		blk := st.server
 		for j := range st.world {
 			for p := range st.pieces {
 				signs := st.msgPiece(p, j)
@@ -526,13 +532,26 @@ func (st *State) outputs() iter.Seq2[int, []float32] {
 					signs = signs[4:]
 				}
 				lo := j*chunkLen + p*st.pieceBytes*8
-				hi := min(lo+len(signs)*8, st.numel)
-				for b := lo; b < hi; b += len(blk) {
-					e := min(b+len(blk), hi)
-					signpack.UnpackScale(blk[:e-b], signs[(b-lo)/8:(e-lo+7)/8], st.scales[j])
-					if !yield(b, blk[:e-b]) {
-						return
-					}
+				if !yield(gatheredPiece{j, lo, min(lo+len(signs)*8, st.numel), signs}) {
+					return
+				}
+			}
+		}
+	}
+}
+
+// outputs yields the output of the last call of a State that keeps it
+// (keep), a block at a time: the first element's index and the block,
+// unpacked into the summing block (free between calls); padding left out.
+func (st *State) outputs() iter.Seq2[int, []float32] {
+	return func(yield func(int, []float32) bool) {
+		blk := st.server
+		for g := range st.gatheredPieces() {
+			for b := g.lo; b < g.hi; b += len(blk) {
+				e := min(b+len(blk), g.hi)
+				signpack.UnpackScale(blk[:e-b], g.signs[(b-g.lo)/8:(e-g.lo+7)/8], st.scales[g.j])
+				if !yield(b, blk[:e-b]) {
+					return
 				}
 			}
 		}

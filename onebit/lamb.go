@@ -345,12 +345,7 @@ func (o *Lamb) compressed(ctx context.Context, t int64, lr float32) error {
 	// 5. Per parameter: unscale, mask, v_fresh, factor, update (its
 	// ratio bounded as exact Adam's, see the package doc).
 	bound := ratioBound(cfg.Beta1, cfg.Beta2)
-	var c1, c2, c2Fresh float32 = 1, 1, 1
-	if cfg.BiasCorrection {
-		c1 = optim.BiasCorrection(cfg.Beta1, t)
-		c2 = optim.BiasCorrection(cfg.Beta2, o.frozenAt)
-		c2Fresh = optim.BiasCorrection(cfg.Beta2, t)
-	}
+	c1, c2, c2Fresh := o.corrections(t)
 	for i, p := range o.params {
 		lo, hi := o.offs[i], o.offs[i+1]
 		if lo == hi {
@@ -442,6 +437,17 @@ func lambMomentum(mLast, m, g []float32, b1, s float32) {
 		mLast[i] = mi
 		m[i] = (float32(b1*mi) + float32(a1*g[i])) * s
 	}
+}
+
+// corrections are the bias corrections of compression step t: of m at
+// t, of the frozen v at the freezing step, of v_fresh at t (1 without
+// BiasCorrection).
+func (o *Lamb) corrections(t int64) (c1, c2, c2Fresh float32) {
+	cfg := &o.cfg
+	if !cfg.BiasCorrection {
+		return 1, 1, 1
+	}
+	return optim.BiasCorrection(cfg.Beta1, t), optim.BiasCorrection(cfg.Beta2, o.frozenAt), optim.BiasCorrection(cfg.Beta2, t)
 }
 
 // lambFreshDirection is the per-element part of step 5 for one parameter:

@@ -31,6 +31,7 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+	"iter"
 	"math"
 
 	"github.com/lowbit-ml/lowbit/optim"
@@ -75,6 +76,27 @@ type lambCompact struct {
 // scales[j]).
 type lambBlock struct{ lo, hi, off, j int }
 
+// lambSegment is parameter k's elements [a, b) of the fused buffer within
+// one block.
+type lambSegment struct{ k, a, b int }
+
+// segments yields the parameters with elements in block bk, each with the
+// elements it has there. from is the first parameter that can have
+// elements in bk: the blocks come in order, and the caller keeps it from
+// one block to the next.
+func (o *Lamb) segments(bk lambBlock, from *int) iter.Seq[lambSegment] {
+	return func(yield func(lambSegment) bool) {
+		for ; o.offs[*from+1] <= bk.lo; *from++ {
+		}
+		for k := *from; k < len(o.params) && o.offs[k] < bk.hi; k++ {
+			a, b := max(o.offs[k], bk.lo), min(o.offs[k+1], bk.hi)
+			if a < b && !yield(lambSegment{k, a, b}) {
+				return
+			}
+		}
+	}
+}
+
 // newLambCompact makes the compact state over st, the State of the fused
 // buffer of parameters at offs, and sets st to keep its output packed.
 func newLambCompact(st *State, offs []int) (*lambCompact, error) {
@@ -89,28 +111,19 @@ func newLambCompact(st *State, offs []int) (*lambCompact, error) {
 		updSq:      make([]float64, np),
 		step:       make([]float32, np),
 	}
-	chunkLen := len(st.ServerError)
 	longest := 0
-	for j := range st.world {
-		for p := range st.pieces {
-			signs := st.msgPiece(p, j)
-			if p == 0 {
-				signs = signs[4:]
-			}
-			lo := j*chunkLen + p*st.pieceBytes*8
-			hi := min(lo+len(signs)*8, st.numel)
-			if lo >= hi {
-				continue
-			}
-			off := cap(st.gathered) - cap(signs)
-			if &st.gathered[off] != &signs[0] {
-				return nil, fmt.Errorf("onebit: StateCompact: the gathered messages are not in the State's gathered buffer")
-			}
-			for b := lo; b < hi; b += lambBlockLen {
-				e := min(b+lambBlockLen, hi)
-				c.blocks = append(c.blocks, lambBlock{lo: b, hi: e, off: off + (b-lo)/8, j: j})
-				longest = max(longest, e-b)
-			}
+	for g := range st.gatheredPieces() {
+		if g.lo >= g.hi {
+			continue
+		}
+		off := cap(st.gathered) - cap(g.signs)
+		if &st.gathered[off] != &g.signs[0] {
+			return nil, fmt.Errorf("onebit: StateCompact: the gathered messages are not in the State's gathered buffer")
+		}
+		for b := g.lo; b < g.hi; b += lambBlockLen {
+			e := min(b+lambBlockLen, g.hi)
+			c.blocks = append(c.blocks, lambBlock{lo: b, hi: e, off: off + (b-g.lo)/8, j: g.j})
+			longest = max(longest, e-b)
 		}
 	}
 	c.blkM, c.blkL = make([]float32, longest), make([]float32, longest)
@@ -232,13 +245,8 @@ func (o *Lamb) compactStep(ctx context.Context, t int64, lr float32) error {
 		i := 0
 		for _, bk := range c.blocks {
 			ml := c.unpack(c.blkL, bk, c.last, c.lastScales)
-			for ; o.offs[i+1] <= bk.lo; i++ {
-			}
-			for k := i; k < len(o.params) && o.offs[k] < bk.hi; k++ {
-				a, b := max(o.offs[k], bk.lo), min(o.offs[k+1], bk.hi)
-				if a >= b {
-					continue
-				}
+			for sg := range o.segments(bk, &i) {
+				k, a, b := sg.k, sg.a, sg.b
 				off := a - o.offs[k]
 				x := ml[a-bk.lo : b-bk.lo]
 				lambUnscale(x, o.scaling[k], o.maskOf(k, off, b-a))
@@ -254,12 +262,7 @@ func (o *Lamb) compactStep(ctx context.Context, t int64, lr float32) error {
 	// 5. Per parameter: unscale, mask, v_fresh, factor (first pass), then
 	// the update (second pass).
 	bound := ratioBound(cfg.Beta1, cfg.Beta2)
-	var c1, c2, c2Fresh float32 = 1, 1, 1
-	if cfg.BiasCorrection {
-		c1 = optim.BiasCorrection(cfg.Beta1, t)
-		c2 = optim.BiasCorrection(cfg.Beta2, o.frozenAt)
-		c2Fresh = optim.BiasCorrection(cfg.Beta2, t)
-	}
+	c1, c2, c2Fresh := o.corrections(t)
 	clear(c.ratio)
 	clear(c.preSq)
 	clear(c.updSq)
@@ -270,13 +273,8 @@ func (o *Lamb) compactStep(ctx context.Context, t int64, lr float32) error {
 		if mFloat == nil {
 			ml = c.unpack(c.blkL, bk, c.last, c.lastScales)
 		}
-		for ; o.offs[i+1] <= bk.lo; i++ {
-		}
-		for k := i; k < len(o.params) && o.offs[k] < bk.hi; k++ {
-			a, b := max(o.offs[k], bk.lo), min(o.offs[k+1], bk.hi)
-			if a >= b {
-				continue
-			}
+		for sg := range o.segments(bk, &i) {
+			k, a, b := sg.k, sg.a, sg.b
 			off, s := a-o.offs[k], o.scaling[k]
 			mask := o.maskOf(k, off, b-a)
 			mm := m[a-bk.lo : b-bk.lo]
@@ -316,13 +314,8 @@ func (o *Lamb) compactStep(ctx context.Context, t int64, lr float32) error {
 	i = 0
 	for _, bk := range c.blocks {
 		m := c.unpack(c.blkM, bk, st.gathered, st.scales)
-		for ; o.offs[i+1] <= bk.lo; i++ {
-		}
-		for k := i; k < len(o.params) && o.offs[k] < bk.hi; k++ {
-			a, b := max(o.offs[k], bk.lo), min(o.offs[k+1], bk.hi)
-			if a >= b {
-				continue
-			}
+		for sg := range o.segments(bk, &i) {
+			k, a, b := sg.k, sg.a, sg.b
 			off := a - o.offs[k]
 			mm := m[a-bk.lo : b-bk.lo]
 			lambUnscale(mm, o.scaling[k], o.maskOf(k, off, b-a))
