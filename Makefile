@@ -67,13 +67,14 @@ demo-net: mnist-data
 	./scripts/demo-net.sh
 
 ## demo-gpt: the GoMLX GPT example's convergence table (integrations/gomlx/
-## examples/gpt): Adam, 1-bit Adam, 1-bit Adam with sharded moments
-## (onebit-adam-sharded), 0/1 Adam, LAMB, 1-bit LAMB, zero-adam int8 and
-## int4, Adam with fp16 and bf16 averaging, 4 in-process ranks, same seed and
-## tokens; out/gpt.md (the table), out/gpt.json, out/gpt.svg.
+## examples/gpt): Adam, 1-bit Adam in its state modes (compact, sharded,
+## sharded bf16), 0/1 Adam, LAMB, 1-bit LAMB (and compact), zero-adam int8
+## and int4, Adam with fp16 and bf16 averaging, the outer optimizer with fp32,
+## int8 and 1-bit pseudo-gradients, 4 in-process ranks, same seed and tokens;
+## out/gpt.md (the table), out/gpt.json, out/gpt.svg.
 demo-gpt:
 	cd integrations/gomlx && GOMLX_BACKEND=go $(GO) run ./examples/gpt \
-	  -optimizer adam,onebit-adam,onebit-adam-compact,onebit-adam-sharded,onebit-adam-sharded-bf16,zeroone-adam,lamb,onebit-lamb,zero-adam:int8,zero-adam:int4,adam:fp16,adam:bf16 \
+	  -optimizer adam,onebit-adam,onebit-adam-compact,onebit-adam-sharded,onebit-adam-sharded-bf16,zeroone-adam,lamb,onebit-lamb,onebit-lamb-compact,zero-adam:int8,zero-adam:int4,adam:fp16,adam:bf16,diloco:fp32,diloco:int8,diloco:1bit \
 	  -json ../../out/gpt.json -plot ../../out/gpt.svg -markdown ../../out/gpt.md
 
 ## demo-gpt-net: the GPT example on 4 MPI ranks over a loopback shaped to

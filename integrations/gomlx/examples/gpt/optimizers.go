@@ -15,7 +15,11 @@ import (
 
 // optimizerNames are the optimizers -optimizer takes, in the order -help
 // lists them.
-var optimizerNames = []string{"adam", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "zeroone-adam", "lamb", "onebit-lamb", "zero-adam", diloco}
+var optimizerNames = []string{"adam", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "zeroone-adam", "lamb", "onebit-lamb", lambCompact, "zero-adam", diloco}
+
+// lambCompact is 1-bit LAMB in StateCompact: onebit-lamb's steps bit for
+// bit in less memory.
+const lambCompact = "onebit-lamb-compact"
 
 // diloco is the DiLoCo-style outer optimizer (package outer,
 // docs/outer.md): every rank takes inner Adam steps of its own, without
@@ -56,6 +60,7 @@ var baseline = map[string]string{
 	shardedBF16:    "adam",
 	"zeroone-adam": "adam",
 	"onebit-lamb":  "lamb",
+	lambCompact:    "lamb",
 	"zero-adam":    "adam",
 	diloco:         "adam",
 }
@@ -247,10 +252,13 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		cfg.FreezeStep = h.freezeStep
 		cfg.StateMode, cfg.BF16 = stateOf(r.name)
 		return onebit.NewAdam(ctx, c, params, cfg)
-	case "onebit-lamb":
+	case "onebit-lamb", lambCompact:
 		cfg := onebit.DefaultLambConfig()
 		cfg.LambConfig = lamb
 		cfg.FreezeStep = h.freezeStep
+		if r.name == lambCompact {
+			cfg.StateMode = onebit.StateCompact
+		}
 		return onebit.NewLamb(ctx, c, params, cfg)
 	case "zeroone-adam":
 		cfg := onebit.DefaultZeroOneAdamConfig()
