@@ -332,11 +332,11 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 	st := opt.Stats()
 	commTime := tc.Elapsed()
 	var util float32
-	if os, ok := opt.(interface{ OuterStats() outer.OuterStats }); ok {
+	if od, ok := opt.(*outer.Optimizer); ok {
 		// diloco's exchanges run between Steps too: its comm is the time
 		// Step was blocked on them.
-		commTime = os.OuterStats().Exchange
-		util = float32(os.OuterStats().Utilization())
+		os := od.OuterStats()
+		commTime, util = os.Exchange, float32(os.Utilization())
 	}
 	sums := []float32{
 		float32(wall.Seconds()), float32(computeTime.Seconds()),

@@ -322,6 +322,9 @@ type Optimizer struct {
 	// are then put back from held, exactly as they were.
 	lrZero bool
 	held   [][]float32
+	// heldGlobal is the global parameters before a step at learning rate
+	// 0 of an optimizer whose ranks run apart (see Step).
+	heldGlobal []float32
 
 	meanMetrics bool
 	meanBuf     []float32
@@ -657,7 +660,10 @@ func (o *Optimizer) Step(loss float64) error {
 	var globalBefore []float32
 	if localErr == nil && o.lrZero {
 		o.holdParams()
-		globalBefore = slices.Clone(o.global())
+		if g := o.global(); g != nil {
+			o.heldGlobal = append(o.heldGlobal[:0], g...)
+			globalBefore = o.heldGlobal
+		}
 	}
 	var err error
 	if o.sf != nil {
@@ -684,10 +690,10 @@ func (o *Optimizer) Step(loss float64) error {
 	// A skipped step changes nothing, but for an optimizer whose ranks run
 	// apart: its local skip may come with an exchange that moved the
 	// parameters to the global ones.
-	if s := o.opt.Stats().Skipped; s != o.skipped && o.global() == nil {
-		o.skipped = s
-	} else {
-		o.skipped = s
+	skipped := o.opt.Stats().Skipped
+	write := skipped == o.skipped || o.global() != nil
+	o.skipped = skipped
+	if write {
 		if err := o.writeBack(); err != nil {
 			return err
 		}

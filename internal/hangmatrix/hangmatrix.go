@@ -218,39 +218,14 @@ func Cases(ranksPerNode int) []Case {
 				return err
 			}, nil
 		}},
-		{"onebit.Adam.Step: StepFlags.Refuse on one rank", func(ctx context.Context, c comm.Comm, bad bool) (func(context.Context) error, error) {
-			o, err := onebit.NewAdam(ctx, c, params(false), onebit.DefaultAdamConfig())
-			if err != nil {
-				return nil, err
-			}
-			if err := o.Step(ctx); err != nil {
-				return nil, fmt.Errorf("first step: %w", err)
-			}
-			sf := &optim.StepFlags{Local: make([]float32, 2)}
-			if err := o.CarryFlags(sf); err != nil {
-				return nil, err
-			}
-			if bad {
-				sf.Refuse = errors.New("this rank cannot take the step")
-			}
-			return func(ctx context.Context) error { return o.Step(ctx) }, nil
-		}},
-		{"outer.Optimizer.Step (1bit, H=50, carried flags): StepFlags.Refuse on one rank between exchanges", func(ctx context.Context, c comm.Comm, bad bool) (func(context.Context) error, error) {
+		refusing("onebit.Adam.Step: StepFlags.Refuse on one rank", func(ctx context.Context, c comm.Comm, ps []*optim.Param) (flagCarrier, error) {
+			return onebit.NewAdam(ctx, c, ps, onebit.DefaultAdamConfig())
+		}),
+		refusing("outer.Optimizer.Step (1bit, H=50, carried flags): StepFlags.Refuse on one rank between exchanges", func(ctx context.Context, c comm.Comm, ps []*optim.Param) (flagCarrier, error) {
 			cfg := outer.DefaultConfig()
 			cfg.Codec = outer.CodecOneBit
-			o, err := outer.NewAdam(ctx, c, params(false), cfg, optim.DefaultAdamConfig())
-			if err != nil {
-				return nil, err
-			}
-			sf := &optim.StepFlags{Local: make([]float32, 2)}
-			if err := o.CarryFlags(sf); err != nil {
-				return nil, err
-			}
-			if bad {
-				sf.Refuse = errors.New("this rank cannot take the step")
-			}
-			return func(ctx context.Context) error { return o.Step(ctx) }, nil
-		}},
+			return outer.NewAdam(ctx, c, ps, cfg, optim.DefaultAdamConfig())
+		}),
 		optimizer("optim.Adam.Step: StepFlags on one rank only", carryFlags, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 			return optim.NewAdam(ctx, c, ps, optim.DefaultAdamConfig())
 		}),
@@ -328,6 +303,35 @@ func carryFlags(o optim.Optimizer) error {
 		return errors.New("not an optim.FlagCarrier")
 	}
 	return fc.CarryFlags(&optim.StepFlags{Local: make([]float32, 3)})
+}
+
+// flagCarrier is an optimizer that carries step flags.
+type flagCarrier interface {
+	optim.Optimizer
+	optim.FlagCarrier
+}
+
+// refusing is the case of an optimizer whose every rank carries step
+// flags: one good step on every rank, then the bad rank refuses the step
+// under test (StepFlags.Refuse).
+func refusing(name string, mk func(ctx context.Context, c comm.Comm, ps []*optim.Param) (flagCarrier, error)) Case {
+	return Case{name, func(ctx context.Context, c comm.Comm, bad bool) (func(context.Context) error, error) {
+		o, err := mk(ctx, c, params(false))
+		if err != nil {
+			return nil, err
+		}
+		if err := o.Step(ctx); err != nil {
+			return nil, fmt.Errorf("first step: %w", err)
+		}
+		sf := &optim.StepFlags{Local: make([]float32, 2)}
+		if err := o.CarryFlags(sf); err != nil {
+			return nil, err
+		}
+		if bad {
+			sf.Refuse = errors.New("this rank cannot take the step")
+		}
+		return func(ctx context.Context) error { return o.Step(ctx) }, nil
+	}}
 }
 
 // optimizer is the case of an optimizer's Step: built on every rank, one
