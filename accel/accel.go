@@ -128,6 +128,54 @@ type Device interface {
 	Close() error
 }
 
+// ChunkUnpacker is a Device that writes the output of the 1-bit allreduce,
+// every chunk with its own scale, in one operation with the scales in
+// device memory. onebit.AllReduceDevice uses it where a device has it, and
+// UnpackScale once per chunk where not.
+type ChunkUnpacker interface {
+	// UnpackScaleChunks writes scales[j]*(+1 or -1) into the float32
+	// values of dst in chunk j, elements [j*chunk, (j+1)*chunk), from the
+	// packed signs, which must be PackedLen(elements of dst) bytes; chunk
+	// is a positive multiple of 8 (chunk j's signs start at byte
+	// j*chunk/8), and scales holds at least one float32 per chunk that
+	// dst reaches. The values are those of UnpackScale on each chunk with
+	// its scale.
+	UnpackScaleChunks(dst, packed Span, chunk int, scales Span) error
+}
+
+// HostAllocator is a Device that allocates page-locked host memory, which
+// its copies move without staging it through memory of their own (on a
+// GPU, by DMA at the bus's rate). CopyIn from and CopyOut into such memory
+// keep their semantics.
+type HostAllocator interface {
+	// AllocHost returns n bytes of page-locked host memory, zeroed.
+	AllocHost(n int) (HostBuffer, error)
+}
+
+// HostBuffer is host memory allocated by a HostAllocator.
+type HostBuffer interface {
+	// Bytes is the memory; it must not be used after Free.
+	Bytes() []byte
+	// Free releases the memory; a second Free is a no-op.
+	Free() error
+}
+
+// CheckChunks checks the arguments of UnpackScaleChunks for n elements
+// of dst: a chunk length that is a positive multiple of 8, the packed
+// signs of n elements and a scale for every chunk.
+func CheckChunks(op string, packedLen, n, chunk, scales int) error {
+	if chunk <= 0 || chunk%8 != 0 {
+		return fmt.Errorf("accel: %s: chunk of %d elements, want a positive multiple of 8", op, chunk)
+	}
+	if err := CheckKernel(op, packedLen, n); err != nil {
+		return err
+	}
+	if need := (n + chunk - 1) / chunk; scales < need {
+		return fmt.Errorf("accel: %s: %d scales for %d chunks of %d elements", op, scales, need, chunk)
+	}
+	return nil
+}
+
 // Buffer is memory allocated by a Device.
 type Buffer interface {
 	// Len is the buffer's length in bytes.

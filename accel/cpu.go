@@ -22,7 +22,10 @@ type CPU struct {
 // NewCPU returns a CPU device.
 func NewCPU() *CPU { return &CPU{} }
 
-var _ Device = (*CPU)(nil)
+var (
+	_ Device        = (*CPU)(nil)
+	_ ChunkUnpacker = (*CPU)(nil)
+)
 
 // cpuBuffer is host memory, backed by float32s so that float spans are
 // aligned.
@@ -265,6 +268,26 @@ func (d *CPU) UnpackScaleAdd(acc, packed Span, scale float32) error {
 		return err
 	}
 	signpack.UnpackScaleAdd(x, p, scale)
+	return nil
+}
+
+// UnpackScaleChunks runs signpack.UnpackScale on each chunk with its scale.
+func (d *CPU) UnpackScaleChunks(dst, packed Span, chunk int, scales Span) error {
+	x, p, err := d.kernelArgs("unpack-scale-chunks", "unpack-scale-chunks destination", "unpack-scale-chunks packed", dst, packed)
+	if err != nil {
+		return err
+	}
+	sc, err := d.floatsOf("unpack-scale-chunks scales", scales)
+	if err != nil {
+		return err
+	}
+	if err := CheckChunks("unpack-scale-chunks", len(p), len(x), chunk, len(sc)); err != nil {
+		return err
+	}
+	for j := 0; j*chunk < len(x); j++ {
+		lo, hi := j*chunk, min((j+1)*chunk, len(x))
+		signpack.UnpackScale(x[lo:hi], p[lo/8:PackedLen(hi)], sc[j])
+	}
 	return nil
 }
 

@@ -41,7 +41,9 @@ type DeviceState struct {
 	recvSigns   accel.Span // chunks received in phase 1, N/8 bytes, rank after rank
 	recvScales  accel.Span // their worker scales divided by W, W floats
 	serverSigns accel.Span // packed server signs, C/8 bytes
+	all         accel.Span // allSigns, then allScales (one copy from stage)
 	allSigns    accel.Span // every rank's packed server chunk, N/8 bytes, rank after rank
+	allScales   accel.Span // every rank's server scale, W floats
 
 	// workerScale and serverScale are the scales that packed the carried
 	// worker and server errors (0 for a residual held as it is).
@@ -51,9 +53,14 @@ type DeviceState struct {
 	// after chunk) on their way between the device and the wire buffers
 	// of wire, which are laid out (pieces, headers) exactly as AllReduce's
 	// so that device and host ranks work together; in phase 1 the W
-	// scales of recvScales follow them, from byte scalesAt.
+	// scales of recvScales (phase 2: of allScales) follow them, from byte
+	// scalesAt. Where the device allocates page-locked host memory, stage
+	// is such memory (host), which the device's copies move by DMA, and
+	// the server's packed signs come back through it, from byte serverAt.
 	stage    []byte
 	scalesAt int
+	serverAt int // 0: the server's signs are copied out into the wire's message directly
+	host     accel.HostBuffer
 	wire     State
 }
 
@@ -69,14 +76,25 @@ func NewDeviceState(dev accel.Device, numel, world int) (*DeviceState, error) {
 	n := PaddedLen(numel, world)
 	c := n / world
 	scalesAt := (n/8 + 3) &^ 3 // 4-byte aligned
-	st := &DeviceState{dev: dev, numel: numel, world: world, stage: make([]byte, scalesAt+4*world), scalesAt: scalesAt}
+	wireLen := scalesAt + 4*world
+	st := &DeviceState{dev: dev, numel: numel, world: world, scalesAt: scalesAt}
 	st.wire.initWire(numel, world)
+	if ha, ok := dev.(accel.HostAllocator); ok && numel > 0 {
+		st.serverAt = (wireLen + 3) &^ 3
+		h, err := ha.AllocHost(st.serverAt + c/8)
+		if err != nil {
+			return nil, fmt.Errorf("onebit: device state for %d elements: %w", numel, err)
+		}
+		st.host, st.stage = h, h.Bytes()
+	} else {
+		st.stage = make([]byte, wireLen)
+	}
 	for _, a := range []struct {
 		span  *accel.Span
 		bytes int
 	}{
 		{&st.worker, 4 * n}, {&st.serverErr, 4 * c},
-		{&st.sendSigns, n / 8}, {&st.recv, len(st.stage)}, {&st.serverSigns, c / 8}, {&st.allSigns, n / 8},
+		{&st.sendSigns, n / 8}, {&st.recv, wireLen}, {&st.serverSigns, c / 8}, {&st.all, wireLen},
 	} {
 		b, err := dev.Alloc(a.bytes)
 		if err != nil {
@@ -86,7 +104,9 @@ func NewDeviceState(dev accel.Device, numel, world int) (*DeviceState, error) {
 		*a.span = accel.Whole(b)
 	}
 	st.recvSigns = st.recv.Sub(0, n/8)
-	st.recvScales = st.recv.Sub(scalesAt, len(st.stage))
+	st.recvScales = st.recv.Sub(scalesAt, wireLen)
+	st.allSigns = st.all.Sub(0, n/8)
+	st.allScales = st.all.Sub(scalesAt, wireLen)
 	return st, nil
 }
 
@@ -158,6 +178,10 @@ func (s *DeviceState) Close() error {
 		errs = append(errs, b.Free())
 	}
 	s.bufs = nil
+	if s.host != nil {
+		errs = append(errs, s.host.Free())
+		s.host, s.stage = nil, nil
+	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("onebit: closing device state: %w", err)
 	}
@@ -174,7 +198,7 @@ func (s *DeviceState) server(dev accel.Device, w int) (float32, error) {
 	for j := range w {
 		binary.LittleEndian.PutUint32(s.stage[s.scalesAt+4*j:], math.Float32bits(s.wire.wscales[j]/float32(w)))
 	}
-	if err := dev.CopyIn(s.recv, s.stage); err != nil {
+	if err := dev.CopyIn(s.recv, s.stage[:s.recv.Len]); err != nil {
 		return 0, fmt.Errorf("onebit: received signs to device: %w", err)
 	}
 	scale, err := dev.SumCompressCarried(s.serverSigns, s.serverErr, s.serverScale, s.recvSigns, s.recvScales)
@@ -182,8 +206,15 @@ func (s *DeviceState) server(dev accel.Device, w int) (float32, error) {
 		return 0, fmt.Errorf("onebit: server compression: %w", err)
 	}
 	s.serverScale = scale
-	if err := dev.CopyOut(s.wire.serverMsg[4:], s.serverSigns); err != nil {
+	out := s.wire.serverMsg[4:]
+	if s.serverAt > 0 {
+		out = s.stage[s.serverAt : s.serverAt+len(out)]
+	}
+	if err := dev.CopyOut(out, s.serverSigns); err != nil {
 		return 0, fmt.Errorf("onebit: server signs to host: %w", err)
+	}
+	if s.serverAt > 0 {
+		copy(s.wire.serverMsg[4:], out)
 	}
 	return scale, nil
 }
@@ -351,12 +382,28 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 			return fmt.Errorf("onebit: rank %d failed its server compression (its error says why)", j)
 		}
 	}
+
+	// Output: chunk j is server_scale_j * unpack(chunk j); the first numel
+	// elements replace buf. A device that unpacks every chunk in one
+	// operation gets the signs and the scales in one copy.
+	if cu, ok := dev.(accel.ChunkUnpacker); ok {
+		for j, s := range wire.scales {
+			binary.LittleEndian.PutUint32(st.stage[st.scalesAt+4*j:], math.Float32bits(s))
+		}
+		if err := dev.CopyIn(st.all, st.stage[:st.all.Len]); err != nil {
+			return fmt.Errorf("onebit: gathered signs to device: %w", err)
+		}
+		if err := cu.UnpackScaleChunks(buf, st.allSigns.Sub(0, accel.PackedLen(st.numel)), chunkLen, st.allScales); err != nil {
+			return fmt.Errorf("onebit: output: %w", err)
+		}
+		if err := dev.Synchronize(); err != nil {
+			return fmt.Errorf("onebit: output: %w", err)
+		}
+		return nil
+	}
 	if err := dev.CopyIn(st.allSigns, st.stage[:n/8]); err != nil {
 		return fmt.Errorf("onebit: gathered signs to device: %w", err)
 	}
-
-	// Output: chunk j is server_scale_j * unpack(chunk j); the first numel
-	// elements replace buf.
 	for j := 0; j < w; j++ {
 		lo := j * chunkLen
 		if lo >= st.numel {

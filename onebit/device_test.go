@@ -107,35 +107,49 @@ func sameAsHost(what string, host *onebit.State, want, out, worker, server []flo
 // different orders, so a scale could in principle round differently, about
 // once in 10^8; with these fixed inputs none does, and the check stays
 // exact so that any real difference in the arithmetic shows.)
+//
+// The CPU device writes the output of every chunk in one operation
+// (accel.ChunkUnpacker); wrapped in plainDevice, which hides that, the
+// collective unpacks chunk by chunk: both paths are checked.
 func TestAllReduceDeviceMatchesHost(t *testing.T) {
 	for _, w := range []int{1, 2, 3, 4, 8} {
 		for _, n := range []int{1, 7, 8, 100, 1000, 4099} {
-			t.Run(fmt.Sprintf("w%d/n%d", w, n), func(t *testing.T) {
-				err := local.Run(ctxT(t), w, func(ctx context.Context, c comm.Comm) error {
-					r := c.Rank()
-					rng := rand.New(rand.NewPCG(uint64(n), uint64(r)))
-					host, err := onebit.NewState(n, w)
-					if err != nil {
-						return err
-					}
-					dev := newDeviceRank(t, accel.NewCPU(), n, w)
-					defer dev.st.Close()
-					for k := 0; k < 4; k++ {
-						in := randn(rng, n)
-						if k == 2 && n > 4 { // zeros and signed zeros take the +1 branch
-							in[0], in[1] = 0, float32(math.Copysign(0, -1))
-						}
-						if err := dev.stepBoth(ctx, c, host, in, fmt.Sprintf("rank %d step %d", r, k)); err != nil {
+			for _, fused := range []bool{true, false} {
+				t.Run(fmt.Sprintf("w%d/n%d/fused=%t", w, n, fused), func(t *testing.T) {
+					err := local.Run(ctxT(t), w, func(ctx context.Context, c comm.Comm) error {
+						r := c.Rank()
+						rng := rand.New(rand.NewPCG(uint64(n), uint64(r)))
+						host, err := onebit.NewState(n, w)
+						if err != nil {
 							return err
 						}
-					}
-					return nil
+						var d accel.Device = accel.NewCPU()
+						if !fused {
+							d = plainDevice{d}
+						}
+						dev := newDeviceRank(t, d, n, w)
+						defer dev.st.Close()
+						for k := 0; k < 4; k++ {
+							in := randn(rng, n)
+							if k == 2 && n > 4 { // zeros and signed zeros take the +1 branch
+								in[0], in[1] = 0, float32(math.Copysign(0, -1))
+							}
+							if err := dev.stepBoth(ctx, c, host, in, fmt.Sprintf("rank %d step %d", r, k)); err != nil {
+								return err
+							}
+						}
+						return nil
+					})
+					require.NoError(t, err)
 				})
-				require.NoError(t, err)
-			})
+			}
 		}
 	}
 }
+
+// plainDevice is a Device with none of the optional interfaces of package
+// accel (ChunkUnpacker, HostAllocator).
+type plainDevice struct{ accel.Device }
 
 // TestAllReduceDeviceMixedRanks: device ranks and host ranks in one group
 // speak the same wire format, pieces included. Ranks 0 and 2 of three run

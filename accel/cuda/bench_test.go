@@ -121,15 +121,20 @@ func BenchmarkCompressVsCopy(b *testing.B) {
 //   - allreduce: onebit.AllReduceDevice itself, on a stand-in
 //     communicator whose all-to-all and all-gather copy the rank's own
 //     message into every slot (host staging and the host<->device copies
-//     of packed signs included: PCIe, pageable host memory).
+//     of packed signs included: PCIe, page-locked host memory, the output
+//     in one launch).
+//   - allreduce/pageable-per-chunk: the same with the device wrapped so
+//     that the collective sees neither AllocHost nor UnpackScaleChunks:
+//     pageable staging and one output launch per chunk, as before both.
 //   - carried/kernels: its kernels alone (CompressCarried of the tensor,
 //     SumCompressCarried of the rank's chunk from 4 received chunks, the
-//     output UnpackScale), no host copies: the kernels' share.
+//     output UnpackScaleChunks), no host copies: the kernels' share.
 //   - two-pass/kernels: the same step with the kernels before the
 //     carried ones (Compress, 4 unpacks into an accumulator, Compress,
 //     UnpackScale), for comparison in the same run.
 func BenchmarkStepDeviceVsCopy(b *testing.B) {
-	b.Run("allreduce", benchAllReduceStep)
+	b.Run("allreduce", func(b *testing.B) { benchAllReduceStep(b, false) })
+	b.Run("allreduce/pageable-per-chunk", func(b *testing.B) { benchAllReduceStep(b, true) })
 	b.Run("carried/kernels", func(b *testing.B) { benchStep(b, true) })
 	b.Run("two-pass/kernels", func(b *testing.B) { benchStep(b, false) })
 }
@@ -160,7 +165,11 @@ func benchStep(b *testing.B, carried bool) {
 			_, err = d.Compress(bb.srvPacked, bb.srvErr, bb.acc)
 			check(err)
 		}
-		check(d.UnpackScale(bb.input, bb.all, 1))
+		if carried {
+			check(d.UnpackScaleChunks(bb.input, bb.all, c, bb.scales))
+		} else {
+			check(d.UnpackScale(bb.input, bb.all, 1))
+		}
 		check(d.Synchronize())
 	}
 	med := samerun.Medians(b, bb.copyPass(b), step)
@@ -169,10 +178,14 @@ func benchStep(b *testing.B, carried bool) {
 	b.ReportMetric(med[1]/med[0], "x-copy")
 }
 
-func benchAllReduceStep(b *testing.B) {
+func benchAllReduceStep(b *testing.B, plain bool) {
 	const n, w = benchElems, 4
 	bb := newBenchBufs(b, n, w)
-	st, err := onebit.NewDeviceState(bb.dev, n, w)
+	var dev accel.Device = bb.dev
+	if plain {
+		dev = plainDevice{dev}
+	}
+	st, err := onebit.NewDeviceState(dev, n, w)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -188,6 +201,10 @@ func benchAllReduceStep(b *testing.B) {
 	b.ReportMetric(med[1]*1e3, "step-ms")
 	b.ReportMetric(med[1]/med[0], "x-copy")
 }
+
+// plainDevice is a Device with none of the optional interfaces of package
+// accel (ChunkUnpacker, HostAllocator).
+type plainDevice struct{ accel.Device }
 
 // selfComm stands in for W ranks that all send what rank 0 sends: its
 // all-to-all and all-gather copy the caller's message into every slot, so
@@ -246,6 +263,12 @@ func BenchmarkKernelsVsCopy(b *testing.B) {
 			}
 			return bb.dev.Synchronize()
 		}},
+		{"unpack-chunks-N", 4*n + n/8, func(bb *benchBufs) error {
+			if err := bb.dev.UnpackScaleChunks(bb.input, bb.all, c, bb.scales); err != nil {
+				return err
+			}
+			return bb.dev.Synchronize()
+		}},
 		{"unpack-add-N/4", float64(8*c + c/8), func(bb *benchBufs) error {
 			if err := bb.dev.UnpackScaleAdd(bb.acc, bb.recv.Sub(0, c/8), 0.25); err != nil {
 				return err
@@ -263,6 +286,48 @@ func BenchmarkKernelsVsCopy(b *testing.B) {
 			b.ReportMetric(med[1]*1e6, "kernel-us")
 			b.ReportMetric(med[1]/med[0], "x-copy")
 			b.ReportMetric(k.bytes/med[1]/(float64(8*n)/med[0]), "bw-ratio")
+		})
+	}
+}
+
+// BenchmarkStagingVsCopy times the host<->device copies of one step's
+// packed signs (N/8 bytes of the 64 Mi-element tensor) from and into
+// pageable Go memory and page-locked memory of AllocHost, against the
+// device-to-device copy of the whole tensor: what page-locked staging
+// saves per copy.
+func BenchmarkStagingVsCopy(b *testing.B) {
+	const n = benchElems
+	for _, k := range []struct {
+		name   string
+		pinned bool
+		out    bool
+	}{{"copy-out-N/8/pageable", false, true}, {"copy-out-N/8/pinned", true, true},
+		{"copy-in-N/8/pageable", false, false}, {"copy-in-N/8/pinned", true, false}} {
+		b.Run(k.name, func(b *testing.B) {
+			bb := newBenchBufs(b, n, 1)
+			host := bb.hostSend
+			if k.pinned {
+				h, err := bb.dev.AllocHost(n / 8)
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.Cleanup(func() { h.Free() })
+				host = h.Bytes()
+			}
+			med := samerun.Medians(b, bb.copyPass(b), func() {
+				var err error
+				if k.out {
+					err = bb.dev.CopyOut(host, bb.packed)
+				} else {
+					err = bb.dev.CopyIn(bb.packed, host)
+				}
+				if err != nil {
+					b.Fatal(err)
+				}
+			})
+			b.ReportMetric(med[1]*1e6, "copy-us")
+			b.ReportMetric(float64(n/8)/med[1]/1e9, "GB/s")
+			b.ReportMetric(med[1]/med[0], "x-copy")
 		})
 	}
 }

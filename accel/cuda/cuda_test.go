@@ -201,6 +201,47 @@ func TestStubBadInput(t *testing.T) {
 	assert.Zero(t, s.memUsed(), "Close frees every buffer")
 }
 
+// TestStubHostMemory: AllocHost returns zeroed page-locked memory that
+// the copies move, Free returns it (a second Free is a no-op), Close frees
+// what is left, and a DeviceState stages through such memory and frees it
+// at its Close.
+func TestStubHostMemory(t *testing.T) {
+	s := buildStub(t)
+	d := openStub(t, s)
+	h, err := d.AllocHost(1000)
+	require.NoError(t, err)
+	assert.Equal(t, make([]byte, 1000), h.Bytes())
+	assert.EqualValues(t, 1000, s.hostUsed())
+	for i := range h.Bytes() {
+		h.Bytes()[i] = byte(i)
+	}
+	b, err := d.Alloc(1000)
+	require.NoError(t, err)
+	require.NoError(t, d.CopyIn(accel.Whole(b), h.Bytes()))
+	back, err := d.AllocHost(1000)
+	require.NoError(t, err)
+	require.NoError(t, d.CopyOut(back.Bytes(), accel.Whole(b)))
+	assert.Equal(t, h.Bytes(), back.Bytes())
+	require.NoError(t, h.Free())
+	require.NoError(t, h.Free())
+	assert.Nil(t, h.Bytes())
+	assert.EqualValues(t, 1000, s.hostUsed())
+	_, err = d.AllocHost(-1)
+	assert.Error(t, err)
+
+	st, err := onebit.NewDeviceState(d, 10_000, 4)
+	require.NoError(t, err)
+	assert.Greater(t, s.hostUsed(), int64(1000), "the state stages through page-locked memory")
+	require.NoError(t, st.Close())
+	assert.EqualValues(t, 1000, s.hostUsed())
+
+	require.NoError(t, d.Close())
+	assert.Zero(t, s.hostUsed(), "Close frees page-locked memory that was not freed")
+	require.NoError(t, back.Free())
+	_, err = d.AllocHost(8)
+	assert.ErrorIs(t, err, accel.ErrFreed)
+}
+
 // TestStubAllReduce runs onebit.AllReduceDevice through the stand-in
 // driver on 3 ranks against onebit.AllReduce: identical signs (so
 // outputs equal to the float tolerance of the scales) and errors within

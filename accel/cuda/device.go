@@ -98,6 +98,7 @@ type Device struct {
 	module                                uintptr
 	fnNorm, fnPack, fnUnpack, fnUnpackAdd uintptr
 	fnCarry, fnSumCarry, fnScale          uintptr
+	fnUnpackChunks                        uintptr
 	carryPerSM, sumCarryPerSM             int // resident blocks per multiprocessor
 
 	scratch     uint64 // device: maxParts float64 partial sums, then the float32 scale
@@ -106,6 +107,7 @@ type Device struct {
 	pin  runtime.Pinner
 	args *launchArgs
 	bufs map[*buffer]struct{}
+	host map[*hostBuffer]struct{}
 
 	closed bool
 }
@@ -123,7 +125,11 @@ type launchArgs struct {
 	name  [256]byte
 }
 
-var _ accel.Device = (*Device)(nil)
+var (
+	_ accel.Device        = (*Device)(nil)
+	_ accel.ChunkUnpacker = (*Device)(nil)
+	_ accel.HostAllocator = (*Device)(nil)
+)
 
 // localRank reads LocalRankEnv; unset means 0.
 func localRank() (int, error) {
@@ -159,7 +165,7 @@ func Open(opts ...Option) (*Device, error) {
 	if err != nil {
 		return nil, err
 	}
-	d := &Device{drv: drv, args: new(launchArgs), bufs: map[*buffer]struct{}{}}
+	d := &Device{drv: drv, args: new(launchArgs), bufs: map[*buffer]struct{}{}, host: map[*hostBuffer]struct{}{}}
 	d.pin.Pin(d.args)
 	for i := range d.args.ptrs {
 		d.args.ptrs[i] = unsafe.Pointer(&d.args.vals[i])
@@ -276,6 +282,7 @@ func (d *Device) loadModule() error {
 		{"lowbit_compensate_norm", &d.fnNorm}, {"lowbit_pack_residual", &d.fnPack},
 		{"lowbit_unpack_scale", &d.fnUnpack}, {"lowbit_unpack_scale_add", &d.fnUnpackAdd},
 		{"lowbit_carry_pack", &d.fnCarry}, {"lowbit_sum_carry_pack", &d.fnSumCarry}, {"lowbit_scale", &d.fnScale},
+		{"lowbit_unpack_chunks", &d.fnUnpackChunks},
 	} {
 		name := append([]byte(k.name), 0)
 		err := call("cuModuleGetFunction", d.drv.cuModuleGetFunction, uintptr(unsafe.Pointer(&d.args.out)), d.module, uintptr(unsafe.Pointer(&name[0])))
@@ -418,6 +425,63 @@ func (d *Device) Alloc(n int) (accel.Buffer, error) {
 	}
 	d.bufs[b] = struct{}{}
 	return b, nil
+}
+
+// hostBuffer is page-locked host memory from cuMemAllocHost.
+type hostBuffer struct {
+	dev   *Device
+	bytes []byte
+}
+
+func (h *hostBuffer) Bytes() []byte { return h.bytes }
+
+// Free releases the memory; a second Free is a no-op.
+func (h *hostBuffer) Free() error {
+	d := h.dev
+	if d == nil {
+		return nil
+	}
+	leave, err := d.enter()
+	if err != nil {
+		h.dev, h.bytes = nil, nil // the device is closed and has freed it
+		return nil
+	}
+	defer leave()
+	delete(d.host, h)
+	p := unsafe.SliceData(h.bytes)
+	h.dev, h.bytes = nil, nil
+	if p == nil {
+		return nil
+	}
+	if err := call("cuMemFreeHost", d.drv.cuMemFreeHost, uintptr(unsafe.Pointer(p))); err != nil {
+		return fmt.Errorf("cuda: %w", err)
+	}
+	return nil
+}
+
+// AllocHost returns n zeroed bytes of page-locked host memory
+// (cuMemAllocHost), which CopyIn and CopyOut move by DMA. Close frees it
+// if Free has not.
+func (d *Device) AllocHost(n int) (accel.HostBuffer, error) {
+	if n < 0 {
+		return nil, fmt.Errorf("cuda: host alloc of %d bytes", n)
+	}
+	leave, err := d.enter()
+	if err != nil {
+		return nil, err
+	}
+	defer leave()
+	h := &hostBuffer{dev: d}
+	if n > 0 {
+		var p unsafe.Pointer
+		if err := call("cuMemAllocHost_v2", d.drv.cuMemAllocHost, uintptr(unsafe.Pointer(&p)), uintptr(n)); err != nil {
+			return nil, fmt.Errorf("cuda: allocating %d bytes of page-locked host memory: %w", n, err)
+		}
+		h.bytes = unsafe.Slice((*byte)(p), n)
+		clear(h.bytes)
+	}
+	d.host[h] = struct{}{}
+	return h, nil
 }
 
 // ptrOf checks s and returns the device address of its first byte.
@@ -737,6 +801,41 @@ func (d *Device) unpack(kernel string, fn uintptr, dstName, packedName string, d
 	return d.launch(kernel, fn, d.gridFor(n, 8))
 }
 
+// UnpackScaleChunks writes ±scales[j] into chunk j of dst from the packed
+// signs, in one launch: blocks per chunk, chunk after chunk, each reading
+// its chunk's scale from device memory.
+func (d *Device) UnpackScaleChunks(dst, packed accel.Span, chunk int, scales accel.Span) error {
+	leave, err := d.enter()
+	if err != nil {
+		return err
+	}
+	defer leave()
+	const op = "unpack-scale-chunks"
+	x, p, err := d.kernelArgs(op, "unpack-scale-chunks destination", "unpack-scale-chunks packed", dst, packed)
+	if err != nil {
+		return err
+	}
+	sc, err := d.ptrOf("unpack-scale-chunks scales", scales, true)
+	if err != nil {
+		return err
+	}
+	n := dst.Len / 4
+	if err := accel.CheckChunks(op, packed.Len, n, chunk, scales.Len/4); err != nil {
+		return err
+	}
+	if n == 0 {
+		return nil
+	}
+	chunks := (n + chunk - 1) / chunk
+	per := max(1, (d.gridFor(n, 8)+chunks-1)/chunks)
+	if chunks > math.MaxInt32/per {
+		return fmt.Errorf("cuda: %s: %d chunks", op, chunks)
+	}
+	a := &d.args.vals
+	a[0], a[1], a[2], a[3], a[4], a[5] = x, p, uint64(n), uint64(chunk), sc, uint64(per)
+	return d.launch("lowbit_unpack_chunks", d.fnUnpackChunks, per*chunks)
+}
+
 // sync waits for the stream; the caller holds the lock.
 func (d *Device) sync() error {
 	if err := call("cuStreamSynchronize", d.drv.cuStreamSynchronize, d.stream); err != nil {
@@ -784,6 +883,13 @@ func (d *Device) release() error {
 		b.ptr, b.dev = 0, nil
 	}
 	clear(d.bufs)
+	for h := range d.host {
+		if h.bytes != nil {
+			errs = append(errs, call("cuMemFreeHost", drv.cuMemFreeHost, uintptr(unsafe.Pointer(unsafe.SliceData(h.bytes)))))
+		}
+		h.bytes, h.dev = nil, nil
+	}
+	clear(d.host)
 	if d.scratch != 0 {
 		errs = append(errs, call("cuMemFree_v2", drv.cuMemFree, uintptr(d.scratch)))
 		d.scratch = 0

@@ -99,6 +99,8 @@ type driver struct {
 	cuMemAlloc                                  uintptr
 	cuMemFree                                   uintptr
 	cuMemGetInfo                                uintptr
+	cuMemAllocHost                              uintptr
+	cuMemFreeHost                               uintptr
 	cuMemcpyHtoDAsync                           uintptr
 	cuMemcpyDtoHAsync                           uintptr
 	cuMemcpyDtoDAsync                           uintptr
@@ -136,6 +138,8 @@ func (d *driver) symbols() []struct {
 		{"cuMemAlloc_v2", &d.cuMemAlloc},
 		{"cuMemFree_v2", &d.cuMemFree},
 		{"cuMemGetInfo_v2", &d.cuMemGetInfo},
+		{"cuMemAllocHost_v2", &d.cuMemAllocHost},
+		{"cuMemFreeHost", &d.cuMemFreeHost},
 		{"cuMemcpyHtoDAsync_v2", &d.cuMemcpyHtoDAsync},
 		{"cuMemcpyDtoHAsync_v2", &d.cuMemcpyDtoHAsync},
 		{"cuMemcpyDtoDAsync_v2", &d.cuMemcpyDtoDAsync},

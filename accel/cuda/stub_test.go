@@ -18,6 +18,7 @@ type stub struct {
 	set    uintptr // void stub_cuda_set(int mode, long long mem_limit)
 	launch uintptr // int stub_cuda_launches(void)
 	used   uintptr // long long stub_cuda_mem_used(void)
+	host   uintptr // long long stub_cuda_host_used(void)
 	// lastLaunchError is why the last failed launch failed ("" if none
 	// did): const char *stub_cuda_launch_error(void).
 	lastLaunchError func() string
@@ -48,7 +49,7 @@ func buildStub(t *testing.T) *stub {
 	require.NoError(t, err)
 	s := &stub{path: path}
 	purego.RegisterLibFunc(&s.lastLaunchError, lib, "stub_cuda_launch_error")
-	for name, fn := range map[string]*uintptr{"stub_cuda_set": &s.set, "stub_cuda_launches": &s.launch, "stub_cuda_mem_used": &s.used} {
+	for name, fn := range map[string]*uintptr{"stub_cuda_set": &s.set, "stub_cuda_launches": &s.launch, "stub_cuda_mem_used": &s.used, "stub_cuda_host_used": &s.host} {
 		*fn, err = purego.Dlsym(lib, name)
 		require.NoError(t, err)
 	}
@@ -69,5 +70,11 @@ func (s *stub) launches() int {
 
 func (s *stub) memUsed() int64 {
 	r, _, _ := purego.SyscallN(s.used)
+	return int64(r)
+}
+
+// hostUsed is the page-locked host memory allocated and not freed.
+func (s *stub) hostUsed() int64 {
+	r, _, _ := purego.SyscallN(s.host)
 	return int64(r)
 }

@@ -50,6 +50,10 @@ static __device__ __forceinline__ int shfl_down_i32(int v, int delta) {
   return __nvvm_shfl_sync_down_i32(0xffffffffu, v, delta, 0x1f);
 }
 static __device__ __forceinline__ u32 ballot(bool p) { return __nvvm_vote_ballot_sync(0xffffffffu, p); }
+// shfl_xor_u32 is __shfl_xor_sync over the full warp.
+static __device__ __forceinline__ u32 shfl_xor_u32(u32 v, int mask) {
+  return (u32)__nvvm_shfl_sync_bfly_i32(0xffffffffu, (int)v, mask, 0x1f);
+}
 
 // to_wire turns a ballot word into the wire format: bit reversal, then a
 // byte swap (see the top of the file).
@@ -201,40 +205,47 @@ extern "C" __global__ void lowbit_pack_residual(unsigned char *__restrict__ pack
 // packed; lowbit_unpack_scale_add adds it. The sign flip is exact, so the
 // values are those of signpack.UnpackScale and signpack.UnpackScaleAdd.
 //
-// With dst 16-byte aligned, a thread handles one packed byte and stores its
-// eight values with two 16-byte stores; otherwise one element per thread.
+// With dst 16-byte aligned, a thread handles a quad of four elements (half
+// a packed byte) with one 16-byte store, so that a warp's store covers 512
+// contiguous bytes; each thread has four quads, a grid stride apart, in
+// flight per iteration. Otherwise one element per thread.
 static __device__ __forceinline__ float pm(u32 byte, int bit, float scale) {
   return ((byte >> (7 - bit)) & 1) ? scale : -scale;
 }
 
+// unpack handles dst[0, n) from packed, thread first of a grid-stride loop
+// of stride threads.
 template <bool add>
 static __device__ __forceinline__ void unpack(float *__restrict__ dst, const unsigned char *__restrict__ packed, i64 n,
-                                              float scale) {
-  i64 stride = (i64)ntid() * nctaid();
-  i64 first = (i64)ctaid() * ntid() + tid();
+                                              float scale, i64 first, i64 stride) {
   i64 done = 0;
   if ((((u64)dst) & 15) == 0) {
-    i64 bytes = n >> 3;
+    i64 quads = n >> 2;
     float4v *d4 = (float4v *)dst;
-    for (i64 k = first; k < bytes; k += stride) {
-      u32 b = packed[k];
-      float4v lo = {pm(b, 0, scale), pm(b, 1, scale), pm(b, 2, scale), pm(b, 3, scale)};
-      float4v hi = {pm(b, 4, scale), pm(b, 5, scale), pm(b, 6, scale), pm(b, 7, scale)};
-      if (add) {
-        float4v a = d4[2 * k], c = d4[2 * k + 1];
-        lo.x = a.x + lo.x;
-        lo.y = a.y + lo.y;
-        lo.z = a.z + lo.z;
-        lo.w = a.w + lo.w;
-        hi.x = c.x + hi.x;
-        hi.y = c.y + hi.y;
-        hi.z = c.z + hi.z;
-        hi.w = c.w + hi.w;
+    for (i64 q = first; q < quads; q += 4 * stride) {
+      u32 b[4];
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+        i64 qq = q + u * stride;
+        b[u] = qq < quads ? packed[qq >> 1] : 0;
       }
-      d4[2 * k] = lo;
-      d4[2 * k + 1] = hi;
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+        i64 qq = q + u * stride;
+        if (qq >= quads) break;
+        int at = (int)(qq & 1) * 4; // the quad's first bit in its byte
+        float4v v = {pm(b[u], at, scale), pm(b[u], at + 1, scale), pm(b[u], at + 2, scale), pm(b[u], at + 3, scale)};
+        if (add) {
+          float4v a = d4[qq];
+          v.x = a.x + v.x;
+          v.y = a.y + v.y;
+          v.z = a.z + v.z;
+          v.w = a.w + v.w;
+        }
+        d4[qq] = v;
+      }
     }
-    done = bytes << 3;
+    done = quads << 2;
   }
   for (i64 i = done + first; i < n; i += stride) {
     float v = pm(packed[i >> 3], (int)(i & 7), scale);
@@ -244,12 +255,27 @@ static __device__ __forceinline__ void unpack(float *__restrict__ dst, const uns
 
 extern "C" __global__ void lowbit_unpack_scale(float *__restrict__ dst, const unsigned char *__restrict__ packed,
                                                i64 n, float scale) {
-  unpack<false>(dst, packed, n, scale);
+  unpack<false>(dst, packed, n, scale, (i64)ctaid() * ntid() + tid(), (i64)ntid() * nctaid());
 }
 
 extern "C" __global__ void lowbit_unpack_scale_add(float *__restrict__ acc, const unsigned char *__restrict__ packed,
                                                    i64 n, float scale) {
-  unpack<true>(acc, packed, n, scale);
+  unpack<true>(acc, packed, n, scale, (i64)ctaid() * ntid() + tid(), (i64)ntid() * nctaid());
+}
+
+// lowbit_unpack_chunks is the output of the 1-bit allreduce in one launch:
+// dst[i] = ±scales[i / chunk] from bit i of packed, for i < n, chunk a
+// multiple of 8 (chunk j's signs start at byte j*chunk/8). The grid is per
+// blocks for each chunk, chunk after chunk, so that a block reads its
+// chunk's scale once; the values are those of lowbit_unpack_scale on each
+// chunk with its scale.
+extern "C" __global__ void lowbit_unpack_chunks(float *__restrict__ dst, const unsigned char *__restrict__ packed,
+                                                i64 n, i64 chunk, const float *__restrict__ scales, u32 per) {
+  u32 j = ctaid() / per, b = ctaid() % per;
+  i64 lo = (i64)j * chunk;
+  if (lo >= n) return;
+  i64 len = n - lo < chunk ? n - lo : chunk;
+  unpack<false>(dst + lo, packed + (lo >> 3), len, scales[j], (i64)b * ntid() + tid(), (i64)ntid() * per);
 }
 
 // The carried kernels (accel.Device.CompressCarried and SumCompressCarried)
@@ -263,9 +289,47 @@ extern "C" __global__ void lowbit_unpack_scale_add(float *__restrict__ acc, cons
 // not depend on the scale, so the pass needs no grid-wide sum first; its
 // partial sums of squares go to lowbit_scale afterwards.
 
-// An input of carry_pack gives, for the group of 1024 elements at base,
-// the value each lane adds to its 32 elements (rows(r, base, lane, n)),
-// and whether element i gets one at all (has(i)).
+// transpose32 transposes a 32x32 bit matrix held one row per lane (bit c
+// of lane r's word is element (r, c)): afterwards bit r of lane c's word is
+// element (r, c). Five exchanges swap the off-diagonal blocks of 16, 8, 4,
+// 2 and 1 rows (Hacker's Delight's transpose32, across the warp).
+static __device__ __forceinline__ u32 transpose32(u32 x, u32 lane) {
+  u32 m = 0x0000ffffu;
+#pragma unroll
+  for (int j = 16; j > 0; j >>= 1, m ^= m << j) {
+    u32 p = shfl_xor_u32(x, j);
+    x = (lane & j) ? (x & ~m) | ((p & ~m) >> j) : (x & m) | ((p & m) << j);
+  }
+  return x;
+}
+
+// carry_pack walks each group of 1024 elements in batches of rows (8 rows
+// of 32 floats), so that a thread holds 16 floats, not 64: with few
+// registers per thread many warps are resident, which a memory-bound pass
+// needs to keep enough loads in flight.
+#define BATCH 8
+
+// TCACHE is the most chunks whose transposed sign words SumCompressCarried
+// keeps between the batches of a group (TCACHE_THREADS threads a block at
+// most: device.go's blockSize).
+#define TCACHE 8
+#define TCACHE_THREADS 256
+
+// load_batch loads rows k0 to k0+BATCH-1 of the group at base, lane by lane
+// (0 beyond n): BATCH coalesced loads per warp.
+static __device__ __forceinline__ void load_batch(float v[BATCH], const float *__restrict__ x, i64 base, int k0,
+                                                  u32 lane, i64 n) {
+#pragma unroll
+  for (int k = 0; k < BATCH; k++) {
+    i64 idx = base + (k0 + k) * 32 + lane;
+    v[k] = idx < n ? x[idx] : 0.0f;
+  }
+}
+
+// An input of carry_pack gives, for rows k0 to k0+BATCH-1 of the group of
+// 1024 elements at base, the value each lane adds to its elements
+// (rows(r, base, k0, lane, n)), and whether element i gets one at all
+// (has(i)).
 
 // dense_input is the input of CompressCarried: in[i] for i < n_in, nothing
 // beyond (x = residual there, as in lowbit_compensate_norm: adding 0 would
@@ -274,8 +338,8 @@ struct dense_input {
   const float *__restrict__ in;
   i64 n_in;
   __device__ __forceinline__ bool has(i64 i) const { return i < n_in; }
-  __device__ __forceinline__ void rows(float r[32], i64 base, u32 lane, i64) const {
-    load_rows(r, in, base, lane, n_in);
+  __device__ __forceinline__ void rows(float r[BATCH], i64 base, int k0, u32 lane, i64) const {
+    load_batch(r, in, base, k0, lane, n_in);
   }
 };
 
@@ -283,22 +347,53 @@ struct dense_input {
 // w packed chunks (chunk j at byte j*stride), scales[j] times the signs of
 // chunk j, summed in float32 in ascending j from the first term: the
 // values of lowbit_unpack_scale for chunk 0 followed by
-// lowbit_unpack_scale_add for the others. The loop over the chunks is
-// outside the unrolled rows, so that the kernel's code does not grow with
-// 32 copies of it.
+// lowbit_unpack_scale_add for the others.
 struct signs_input {
   const unsigned char *__restrict__ chunks;
   i64 stride;
   const float *__restrict__ scales;
   int w;
+  bool words; // chunks and stride 4-byte aligned: whole groups load words
   __device__ __forceinline__ bool has(i64) const { return true; }
-  __device__ __forceinline__ void rows(float r[32], i64 base, u32 lane, i64 n) const {
+  __device__ __forceinline__ void rows(float r[BATCH], i64 base, int k0, u32 lane, i64 n) const {
+    if (words && base + 1024 <= n) {
+      // A whole group: each lane loads one 32-bit word of the chunk's 128
+      // bytes (row lane, coalesced), turns it into ballot order and the
+      // warp transposes the 32x32 bits, after which bit k of t is the sign
+      // of element base + 32k + lane. The next chunk's word is loaded
+      // while this one is worked on.
+      // With at most TCACHE chunks the first batch keeps each transposed
+      // word in shared memory (a slot per thread) for the other three.
+      __shared__ u32 tcache[TCACHE][TCACHE_THREADS];
+      bool cached = w <= TCACHE && ntid() <= TCACHE_THREADS;
+      const unsigned char *__restrict__ at = chunks + (base >> 3) + 4 * lane;
+      u32 next = cached && k0 > 0 ? 0 : *(const u32 *)at;
+      for (int j = 0; j < w; j++) {
+        u32 t;
+        if (cached && k0 > 0) {
+          t = tcache[j][tid()];
+        } else {
+          u32 word = next;
+          if (j + 1 < w) next = *(const u32 *)(at + (j + 1) * stride);
+          t = transpose32(to_wire(word), lane);
+          if (cached) tcache[j][tid()] = t;
+        }
+        t >>= k0;
+        float s = scales[j];
+#pragma unroll
+        for (int k = 0; k < BATCH; k++) {
+          float v = (t >> k) & 1 ? s : -s;
+          r[k] = j == 0 ? v : r[k] + v;
+        }
+      }
+      return;
+    }
     for (int j = 0; j < w; j++) {
       const unsigned char *__restrict__ c = chunks + j * stride;
       float s = scales[j];
 #pragma unroll
-      for (int k = 0; k < 32; k++) {
-        i64 idx = base + k * 32 + lane;
+      for (int k = 0; k < BATCH; k++) {
+        i64 idx = base + (k0 + k) * 32 + lane;
         float v = idx < n ? pm(c[idx >> 3], (int)(idx & 7), s) : 0.0f;
         r[k] = j == 0 ? v : r[k] + v;
       }
@@ -311,7 +406,7 @@ struct signs_input {
 // back in x, its sign packed, its square summed; partials[blockIdx.x] gets
 // the block's float64 sum. Each warp handles groups of 1024 elements as
 // lowbit_pack_residual does (coalesced rows of 32 floats, one ballot per
-// row, one coalesced store of 32 packed words).
+// row, one coalesced store of 32 packed words), BATCH rows at a time.
 template <class In>
 static __device__ __forceinline__ void carry_pack(unsigned char *__restrict__ packed, float *__restrict__ x, i64 n,
                                                   float prev, In in, double *__restrict__ partials) {
@@ -323,29 +418,27 @@ static __device__ __forceinline__ void carry_pack(unsigned char *__restrict__ pa
   double s0 = 0, s1 = 0;
   for (i64 g = (i64)ctaid() * (ntid() >> 5) + (tid() >> 5); g < groups; g += warps) {
     i64 base = g << 10;
-    float v[32], r[32];
-    load_rows(v, x, base, lane, n);
-    in.rows(r, base, lane, n);
-#pragma unroll
-    for (int k = 0; k < 32; k++) {
-      i64 idx = base + k * 32 + lane;
-      float e = v[k] < 0.0f ? v[k] + prev : v[k] - prev; // NaN: NaN - prev
-      if (idx < n && in.has(idx)) e = e + r[k];
-      v[k] = e;
-    }
     u32 mine = 0;
+#pragma unroll 1
+    for (int k0 = 0; k0 < 32; k0 += BATCH) {
+      float v[BATCH], r[BATCH];
+      load_batch(v, x, base, k0, lane, n);
+      in.rows(r, base, k0, lane, n);
 #pragma unroll
-    for (int k = 0; k < 32; k++) {
-      i64 idx = base + k * 32 + lane;
-      bool ok = idx < n;
-      u32 word = ballot(ok && !(v[k] < 0.0f)); // NaN packs as +1
-      if (lane == (u32)k) mine = word;
-      if (ok) {
-        x[idx] = v[k];
-        if (k & 1)
-          s1 += (double)v[k] * (double)v[k];
-        else
-          s0 += (double)v[k] * (double)v[k];
+      for (int k = 0; k < BATCH; k++) {
+        i64 idx = base + (k0 + k) * 32 + lane;
+        bool ok = idx < n;
+        float e = v[k] < 0.0f ? v[k] + prev : v[k] - prev; // NaN: NaN - prev
+        if (ok && in.has(idx)) e = e + r[k];
+        u32 word = ballot(ok && !(e < 0.0f)); // NaN packs as +1
+        if (lane == (u32)(k0 + k)) mine = word;
+        if (ok) {
+          x[idx] = e;
+          if (k & 1) // BATCH is even: the parity of row k0 + k
+            s1 += (double)e * (double)e;
+          else
+            s0 += (double)e * (double)e;
+        }
       }
     }
     store_words(packed, g, lane, mine, nbytes, aligned);
@@ -368,7 +461,7 @@ extern "C" __global__ void lowbit_sum_carry_pack(unsigned char *__restrict__ pac
                                                  float prev, const unsigned char *__restrict__ chunks, i64 stride,
                                                  const float *__restrict__ scales, int w,
                                                  double *__restrict__ partials) {
-  signs_input in = {chunks, stride, scales, w};
+  signs_input in = {chunks, stride, scales, w, ((((u64)chunks) | (u64)stride) & 3) == 0};
   carry_pack(packed, x, n, prev, in, partials);
 }
 

@@ -34,6 +34,8 @@ void stub_cuda_set(int m, long long limit) {
 }
 int stub_cuda_launches(void) { return launches; }
 long long stub_cuda_mem_used(void) { return mem_used; }
+static long long host_used; // page-locked host memory (cuMemAllocHost), bytes
+long long stub_cuda_host_used(void) { return host_used; }
 
 CUresult cuInit(unsigned int flags) {
   if (flags != 0) return INVALID_VALUE;
@@ -175,6 +177,24 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
   h->prev->next = h->next;
   h->next->prev = h->prev;
   pthread_mutex_unlock(&mu);
+  free(h);
+  return OK;
+}
+
+// Page-locked host memory: malloc'd, with its size in front.
+CUresult cuMemAllocHost_v2(void **p, size_t n) {
+  if (!p || n == 0) return INVALID_VALUE;
+  size_t *h = malloc(sizeof(size_t) * 2 + n);
+  if (!h) return OUT_OF_MEMORY;
+  h[0] = n;
+  __atomic_add_fetch(&host_used, (long long)n, __ATOMIC_SEQ_CST);
+  *p = h + 2;
+  return OK;
+}
+CUresult cuMemFreeHost(void *p) {
+  if (!p) return INVALID_VALUE;
+  size_t *h = (size_t *)p - 2;
+  __atomic_sub_fetch(&host_used, (long long)h[0], __ATOMIC_SEQ_CST);
   free(h);
   return OK;
 }

@@ -18,7 +18,7 @@
 namespace {
 
 enum State { RUN, BAR, WARP, DONE };
-enum WarpOp { OP_BALLOT, OP_SHFL_DOWN };
+enum WarpOp { OP_BALLOT, OP_SHFL_DOWN, OP_SHFL_XOR };
 
 struct Fiber {
   ucontext_t ctx;
@@ -97,6 +97,8 @@ const char *run_block() {
       for (int l = 0; l < 32; l++) {
         if (lane[0].op == OP_BALLOT) {
           lane[l].result = votes;
+        } else if (lane[0].op == OP_SHFL_XOR) {
+          lane[l].result = (unsigned)lane[l ^ (lane[l].delta & 31)].value; // shfl.sync.bfly, clamp 0x1f
         } else {
           int src = l + lane[l].delta; // shfl.sync.down with clamp 0x1f
           lane[l].result = (unsigned)(src < 32 ? lane[src].value : lane[l].value);
@@ -131,6 +133,10 @@ void k_unpack_scale(void **p) {
 void k_unpack_scale_add(void **p) {
   lowbit_unpack_scale_add(P(float *, 0), P(const unsigned char *, 1), P(i64, 2), P(float, 3));
 }
+void k_unpack_chunks(void **p) {
+  lowbit_unpack_chunks(P(float *, 0), P(const unsigned char *, 1), P(i64, 2), P(i64, 3), P(const float *, 4),
+                       P(u32, 5));
+}
 void k_carry_pack(void **p) {
   lowbit_carry_pack(P(unsigned char *, 0), P(float *, 1), P(i64, 2), P(float, 3), P(const float *, 4), P(i64, 5),
                     P(double *, 6));
@@ -150,6 +156,7 @@ struct Kernel {
     {"lowbit_pack_residual", k_pack_residual},
     {"lowbit_unpack_scale", k_unpack_scale},
     {"lowbit_unpack_scale_add", k_unpack_scale_add},
+    {"lowbit_unpack_chunks", k_unpack_chunks},
     {"lowbit_carry_pack", k_carry_pack},
     {"lowbit_sum_carry_pack", k_sum_carry_pack},
     {"lowbit_scale", k_scale},
@@ -169,6 +176,13 @@ int simt_shfl_down(int v, int delta) {
   cur->delta = delta;
   wait(WARP);
   return (int)cur->result;
+}
+u32 simt_shfl_xor(u32 v, int mask) {
+  cur->op = OP_SHFL_XOR;
+  cur->value = (int)v;
+  cur->delta = mask;
+  wait(WARP);
+  return cur->result;
 }
 u32 simt_ballot(bool p) {
   cur->op = OP_BALLOT;

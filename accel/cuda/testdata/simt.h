@@ -25,6 +25,7 @@ u32 simt_nctaid();
 void simt_bar_sync();
 int simt_shfl_down(int v, int delta);
 u32 simt_ballot(bool p);
+u32 simt_shfl_xor(u32 v, int mask);
 
 static inline u32 tid() { return simt_tid(); }
 static inline u32 ntid() { return simt_ntid(); }
@@ -33,6 +34,7 @@ static inline u32 nctaid() { return simt_nctaid(); }
 static inline void sync_threads() { simt_bar_sync(); }
 static inline int shfl_down_i32(int v, int delta) { return simt_shfl_down(v, delta); }
 static inline u32 ballot(bool p) { return simt_ballot(p); }
+static inline u32 shfl_xor_u32(u32 v, int mask) { return simt_shfl_xor(v, mask); }
 
 // to_wire: brev.b32, then prmt.b32 with selector 0x0123 (a byte swap).
 static inline u32 to_wire(u32 word) {

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"testing"
 	"unsafe"
 
@@ -29,6 +30,7 @@ const Tolerance = 1e-5
 func Run(t *testing.T, dev accel.Device, exact bool) {
 	t.Run("kernels", func(t *testing.T) { kernels(t, dev, exact) })
 	t.Run("carried", func(t *testing.T) { carried(t, dev, exact) })
+	t.Run("chunks", func(t *testing.T) { chunks(t, dev) })
 	t.Run("copies", func(t *testing.T) { copies(t, dev) })
 	t.Run("bad-input", func(t *testing.T) { badInput(t, dev) })
 }
@@ -174,7 +176,10 @@ func carried(t *testing.T, dev accel.Device, exact bool) {
 			}
 
 			// SumCompressCarried of w chunks.
-			for _, w := range []int{1, 3} {
+			// Chunks at an odd byte and 4-byte aligned (a GPU loads whole
+			// words of the latter).
+			for _, cw := range []struct{ w, off int }{{1, 1}, {3, 1}, {1, 0}, {4, 0}, {9, 0}} {
+				w := cw.w
 				chunks := make([]byte, w*signpack.PackedLen(n))
 				for i := range chunks {
 					chunks[i] = byte(rng.Uint32())
@@ -193,10 +198,10 @@ func carried(t *testing.T, dev accel.Device, exact bool) {
 					}
 				}
 				want := hostCompress(t, res, acc)
-				what := fmt.Sprintf("sum-compress-carried n=%d w=%d prev %g", n, w, prev)
+				what := fmt.Sprintf("sum-compress-carried n=%d w=%d chunks at byte %d prev %g", n, w, cw.off, prev)
 				got := runCarried(t, dev, xPrev, prev, func(packed, x accel.Span) (float32, error) {
 					cb := alloc(t, dev, len(chunks)+1)
-					cs := accel.Span{Buf: cb, Off: 1, Len: len(chunks)} // unaligned
+					cs := accel.Span{Buf: cb, Off: cw.off, Len: len(chunks)}
 					sb := alloc(t, dev, 4*w)
 					must(t, dev.CopyIn(cs, chunks), "copy-in")
 					must(t, dev.CopyIn(accel.Whole(sb), Bytes(scales)), "copy-in")
@@ -311,6 +316,66 @@ func unpack(t *testing.T, dev accel.Device, acc []float32, packed []byte, scale 
 	out := make([]float32, len(acc))
 	must(t, dev.CopyOut(Bytes(out), accel.Whole(ab)), "copy-out")
 	return out
+}
+
+// chunks checks UnpackScaleChunks, where dev has it, against
+// signpack.UnpackScale of each chunk with its scale, bit for bit: chunks
+// of 8 to 4096 elements, the last one partial or whole, a destination
+// that starts 16-byte aligned and one that does not, and chunks that the
+// destination does not reach (their scales are never read).
+func chunks(t *testing.T, dev accel.Device) {
+	cu, ok := dev.(accel.ChunkUnpacker)
+	if !ok {
+		t.Skipf("%s has no UnpackScaleChunks", dev.Name())
+	}
+	rng := rand.New(rand.NewPCG(5, 6))
+	for _, tc := range []struct{ n, chunk, scales int }{
+		{8, 8, 1}, {20, 8, 3}, {1000, 256, 4}, {4096, 1024, 4}, {100_003, 25_008, 5}, {4100, 4096, 2}, {7, 4096, 1},
+	} {
+		for _, off := range []int{0, 1} {
+			packed := make([]byte, signpack.PackedLen(tc.n))
+			for i := range packed {
+				packed[i] = byte(rng.Uint32())
+			}
+			scales := randn(rng, tc.scales)
+			want := make([]float32, tc.n)
+			for j := 0; j*tc.chunk < tc.n; j++ {
+				lo, hi := j*tc.chunk, min((j+1)*tc.chunk, tc.n)
+				signpack.UnpackScale(want[lo:hi], packed[lo/8:signpack.PackedLen(hi)], scales[j])
+			}
+			db := alloc(t, dev, 4*(tc.n+off))
+			dst := accel.Floats(db, off, tc.n)
+			pb := alloc(t, dev, len(packed)+1)
+			ps := accel.Span{Buf: pb, Off: 1, Len: len(packed)}
+			sb := alloc(t, dev, 4*tc.scales)
+			must(t, dev.CopyIn(ps, packed), "copy-in")
+			must(t, dev.CopyIn(accel.Whole(sb), Bytes(scales)), "copy-in")
+			must(t, cu.UnpackScaleChunks(dst, ps, tc.chunk, accel.Whole(sb)), "unpack-scale-chunks")
+			got := make([]float32, tc.n)
+			must(t, dev.CopyOut(Bytes(got), dst), "copy-out")
+			if err := Compare(fmt.Sprintf("unpack-scale-chunks n=%d chunk=%d at float %d", tc.n, tc.chunk, off), want, got, true); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	// Bad arguments: a chunk that is not a multiple of 8, too few scales,
+	// packed signs of another length.
+	db, pb, sb := alloc(t, dev, 4*64), alloc(t, dev, 8), alloc(t, dev, 4*2)
+	for _, bad := range []struct {
+		packed, scales accel.Span
+		chunk          int
+		want           string
+	}{
+		{accel.Whole(pb), accel.Whole(sb), 12, "multiple of 8"},
+		{accel.Whole(pb), accel.Whole(sb), 0, "multiple of 8"},
+		{accel.Whole(pb), accel.Whole(sb), 16, "2 scales for 4 chunks"},
+		{accel.Span{Buf: pb, Len: 7}, accel.Whole(sb), 32, "packed span of 7 bytes"},
+	} {
+		err := cu.UnpackScaleChunks(accel.Whole(db), bad.packed, bad.chunk, bad.scales)
+		if err == nil || !strings.Contains(err.Error(), bad.want) {
+			t.Errorf("unpack-scale-chunks chunk %d: error %v, want one containing %q", bad.chunk, err, bad.want)
+		}
+	}
 }
 
 func copies(t *testing.T, dev accel.Device) {
