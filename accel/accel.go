@@ -63,7 +63,8 @@ type Device interface {
 	// Alloc returns a zeroed buffer of n bytes.
 	Alloc(n int) (Buffer, error)
 	// CopyIn copies src to dst, which must be len(src) bytes long. src may
-	// be reused as soon as CopyIn returns.
+	// be reused as soon as CopyIn returns, unless it is memory of
+	// HostAllocator.AllocHost (see there).
 	CopyIn(dst Span, src []byte) error
 	// CopyOut copies src to dst, which must be src.Len bytes long, and
 	// returns when dst holds the data (it waits for the stream).
@@ -145,8 +146,11 @@ type ChunkUnpacker interface {
 
 // HostAllocator is a Device that allocates page-locked host memory, which
 // its copies move without staging it through memory of their own (on a
-// GPU, by DMA at the bus's rate). CopyIn from and CopyOut into such memory
-// keep their semantics.
+// GPU, by DMA at the bus's rate). A CopyIn from such memory may return
+// before the copy is done, like a kernel: the memory must not change until
+// an operation that waits for the stream (CopyOut, Compress and the
+// carried compressions, Synchronize) has returned. CopyOut into it keeps
+// its semantics.
 type HostAllocator interface {
 	// AllocHost returns n bytes of page-locked host memory, zeroed.
 	AllocHost(n int) (HostBuffer, error)

@@ -40,7 +40,8 @@ build() {
 	mkdir -p "$bin"
 	CGO_ENABLED=0 go test -c -ldflags=-s -o "$bin/cuda.test" ./accel/cuda &&
 		CGO_ENABLED=1 go test -c -ldflags=-s -o "$bin/cuda-cgo.test" ./accel/cuda &&
-		CGO_ENABLED=0 go build -ldflags=-s -o "$bin/lowbit" ./cmd/lowbit
+		CGO_ENABLED=0 go build -ldflags=-s -o "$bin/lowbit" ./cmd/lowbit &&
+		echo "$(git describe --always --dirty 2>/dev/null || echo unknown) built $(date -u +%FT%TZ)" >"$bin/VERSION"
 }
 
 run() {
@@ -56,7 +57,7 @@ run() {
 	[ -d /usr/local/nvidia/lib64 ] && export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/nvidia/lib64
 	abs=$(pwd)/$bin
 	exec > >(tee "$report") 2>&1
-	echo "== gpu-check $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+	echo "== gpu-check $(date -u +%FT%TZ), binaries of $(cat "$bin/VERSION" 2>/dev/null || echo 'an unknown build')"
 	nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,clocks.max.sm,clocks.max.mem --format=csv
 	echo "== tests: accel/cuda without cgo"
 	# The tests read the conformance vectors relative to accel/cuda.

@@ -506,7 +506,9 @@ func (d *Device) ptrOf(what string, s accel.Span, floats bool) (uint64, error) {
 	return b.ptr + uint64(s.Off), nil
 }
 
-// CopyIn copies src into dst and waits for the copy.
+// CopyIn copies src into dst and waits for the copy, except from
+// page-locked memory of AllocHost, which the copy reads by DMA after
+// CopyIn has returned (see accel.HostAllocator).
 func (d *Device) CopyIn(dst accel.Span, src []byte) error {
 	leave, err := d.enter()
 	if err != nil {
@@ -526,7 +528,23 @@ func (d *Device) CopyIn(dst accel.Span, src []byte) error {
 	if err := call("cuMemcpyHtoDAsync_v2", d.drv.cuMemcpyHtoDAsync, uintptr(p), uintptr(unsafe.Pointer(&src[0])), uintptr(len(src)), d.stream); err != nil {
 		return fmt.Errorf("cuda: %w", err)
 	}
+	if d.pageLocked(src) {
+		return nil
+	}
 	return d.sync()
+}
+
+// pageLocked reports whether b lies in page-locked memory of AllocHost;
+// the caller holds the lock.
+func (d *Device) pageLocked(b []byte) bool {
+	lo := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+	for h := range d.host {
+		p := uintptr(unsafe.Pointer(unsafe.SliceData(h.bytes)))
+		if lo >= p && lo+uintptr(len(b)) <= p+uintptr(len(h.bytes)) {
+			return true
+		}
+	}
+	return false
 }
 
 // CopyOut copies src into dst and waits for the copy.
