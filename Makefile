@@ -2,7 +2,7 @@
 GO      ?= go
 FUZZTIME ?= 10s
 
-.PHONY: all build test test-unit test-race test-mpi test-integrations conformance bench bench-net lint fuzz demo demo-net demo-gpt demo-gpt-net mnist-data ptx soak
+.PHONY: gpu-check all build test test-unit test-race test-mpi test-integrations conformance bench bench-net lint fuzz demo demo-net demo-gpt demo-gpt-net mnist-data ptx soak
 
 all: build
 
@@ -93,6 +93,12 @@ mnist-data:
 ## Needs root and Open MPI. (make test runs its short form, test-mpi.)
 soak: mnist-data
 	./scripts/soak.sh
+
+## gpu-check: everything that needs an NVIDIA GPU (tests, benchmarks against
+## the device copy, lowbit bench --device cuda, compute-sanitizer), with a
+## report in gpu-report.txt; one line and exit 0 without a GPU.
+gpu-check:
+	scripts/gpu-check.sh all
 
 ## ptx: rebuild the committed PTX of the CUDA kernels (accel/cuda) from
 ## their .cu sources with Debian's clang (apt-get install clang-14); no
