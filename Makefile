@@ -2,7 +2,7 @@
 GO      ?= go
 FUZZTIME ?= 10s
 
-.PHONY: gpu-check all build test test-unit test-race test-mpi test-integrations conformance bench bench-net lint fuzz demo demo-net demo-gpt demo-gpt-net mnist-data ptx soak
+.PHONY: gpu-check all build test test-unit test-race test-mpi test-integrations conformance bench bench-net lint fuzz demo demo-net demo-gpt demo-gpt-net demo-gpt-rates mnist-data ptx soak
 
 all: build
 
@@ -93,6 +93,14 @@ mnist-data:
 ## Needs root and Open MPI. (make test runs its short form, test-mpi.)
 soak: mnist-data
 	./scripts/soak.sh
+
+## demo-gpt-rates: time to target of the GPT example on 4 MPI ranks over
+## loopbacks shaped to 10 Mbit/s, 100 Mbit/s and 1 Gbit/s: Adam, Adam bf16,
+## 1-bit Adam, 0/1 Adam and the outer optimizer with fp32, int8 and 1-bit
+## pseudo-gradients, with lowbit plan's step time beside the measured one
+## (root, Open MPI; about an hour).
+demo-gpt-rates:
+	./scripts/demo-gpt-rates.sh
 
 ## gpu-check: everything that needs an NVIDIA GPU (tests, benchmarks against
 ## the device copy, lowbit bench --device cuda, compute-sanitizer), with a

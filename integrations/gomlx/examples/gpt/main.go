@@ -77,6 +77,7 @@ type options struct {
 	outerMeanAbs   bool // diloco:1bit's scales are means of |x| (outer.Config.Scale)
 	seed           uint64
 	target         float64
+	stopAtTarget   bool // end each run at its first validation at or below target
 	evalEvery      int
 	valWindows     int
 	jsonPath       string
@@ -154,6 +155,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.Var(&size.Value[int]{P: &o.outerBucket, Min: 0, Max: 1 << 30}, "outer-bucket-bytes", "diloco:1bit: bucket `size` in bytes within a fragment, each bucket its own scales (0: 25 MiB, one bucket; 4Ki: finer scales, more collectives)")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the split, the batches and rank 0's initial weights")
 	fs.Float64Var(&o.target, "target", 2.75, "validation loss (nats per byte) for the time-to-target column (0: none)")
+	fs.BoolVar(&o.stopAtTarget, "stop-at-target", false, "end each run at its first validation at or below -target (its steps, tokens and losses are then those of that step): time to target on a slow link without the rest of the run")
 	fs.IntVar(&o.evalEvery, "eval-every", 0, "validate every this many steps (0: 20 times per run)")
 	fs.IntVar(&o.valWindows, "val-windows", 64, "validation sequences, evenly spaced over the validation text")
 	fs.StringVar(&o.jsonPath, "json", "", "write the results as JSON to this file")
@@ -188,6 +190,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("val-frac", "want a share between 0 and 1")
 	case !(o.target >= 0) || o.target > 1e6:
 		return bad("target", "want a validation loss in nats per byte, 0 for none")
+	case o.stopAtTarget && o.target == 0:
+		return bad("stop-at-target", "needs a -target")
 	case o.freezeStep < -1 || o.freezeStep > maxSteps:
 		return bad("freeze-step", "want -1 (a fifth of -steps) to %d", maxSteps)
 	case o.evalEvery < 0 || o.evalEvery > maxSteps:

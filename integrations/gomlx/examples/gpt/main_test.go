@@ -191,6 +191,25 @@ func TestTargetNotReached(t *testing.T) {
 	assert.NotContains(t, out, "not reached")
 }
 
+// TestStopAtTarget: -stop-at-target ends every run (diloco too, evaluated
+// on its global parameters) at its first validation at or below the
+// target; a run that never reaches it trains every step.
+func TestStopAtTarget(t *testing.T) {
+	runs, _ := runJSON(t, tiny("-optimizer", "adam,diloco:1bit", "-steps", "12", "-eval-every", "2", "-outer-h", "2",
+		"-target", "100", "-stop-at-target")...)
+	for _, r := range runs {
+		require.NotNil(t, r.StepsToTarget, r.Optimizer)
+		assert.Equal(t, 2, *r.StepsToTarget, r.Optimizer)
+		assert.Equal(t, 2, r.Steps, "%s stopped at its target", r.Optimizer)
+		assert.Len(t, r.Curve, 1)
+	}
+	runs, _ = runJSON(t, tiny("-optimizer", "adam", "-steps", "4", "-target", "0.01", "-stop-at-target")...)
+	assert.Equal(t, 4, runs[0].Steps)
+	assert.Nil(t, runs[0].StepsToTarget)
+	_, err := parseFlags([]string{"-stop-at-target", "-target", "0"}, io.Discard)
+	assert.ErrorContains(t, err, "needs a -target")
+}
+
 // TestBadCorpus: a corpus that cannot be trained on is a clear error
 // before any rank starts.
 func TestBadCorpus(t *testing.T) {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"iter"
 	"math"
@@ -263,6 +264,12 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 			progress(r, o.steps, e, recent)
 		}
 		evalTime += time.Since(t0)
+		if o.stopAtTarget && res.reached() {
+			// Every rank sees the same validation loss (summed over
+			// the ranks), so every rank stops at this step.
+			res.steps = step
+			return errStopAtTarget
+		}
 		return nil
 	})
 	start = time.Now()
@@ -271,7 +278,7 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 			return nil, err
 		}
 		if _, err := loop.RunToGlobalStep(&batches{b: data.batcher(o.model.context, o.batch, rank, w, o.seed),
-			context: o.model.context, start: done + 1}, o.steps); err != nil {
+			context: o.model.context, start: done + 1}, o.steps); err != nil && !(o.stopAtTarget && res.reached()) {
 			return nil, err
 		}
 	}
@@ -315,6 +322,9 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 	}
 	return res, nil
 }
+
+// errStopAtTarget ends a run of -stop-at-target from its validation hook.
+var errStopAtTarget = errors.New("gpt: the target validation loss is reached")
 
 func mean(v []float64) float64 {
 	if len(v) == 0 {

@@ -1,0 +1,191 @@
+#!/usr/bin/env bash
+# demo-gpt-rates.sh: time to a target validation loss of the GoMLX GPT
+# example (integrations/gomlx/examples/gpt) on NP MPI ranks over links of
+# several rates (make demo-gpt-rates): Adam, Adam with bf16 gradients, 1-bit
+# Adam, 0/1 Adam and the outer optimizer (diloco) with fp32, int8 and 1-bit
+# pseudo-gradients, all from the same seed on the same tokens. For every
+# rate and optimizer it prints the time to TARGET, the speedups against
+# Adam and 1-bit Adam, the validation loss and the bytes sent per rank at
+# STEPS steps (equal tokens), the compute utilization, and the mean step
+# time measured beside the one lowbit plan predicts (its step comm, with the
+# run's own compute time per step as --step-compute).
+#
+# RATES go from the slowest to the fastest. The runs at the fastest rate
+# train all STEPS steps: their validation losses and bytes are the
+# equal-token figures (the arithmetic does not depend on the link: the same
+# seed gives the same losses at every rate). At the other rates each run
+# stops at its first validation at or below TARGET (-stop-at-target), so
+# that Adam on the slowest link does not spend its whole run. The slowest
+# rate is run SLOW_RUNS times.
+#
+# Each link is a network namespace whose loopback is shaped by a token
+# bucket (scripts/lib/netns.sh): every rank runs inside it and talks over
+# TCP on lo, so the qdisc caps the traffic of all ranks together at the
+# rate (lowbit plan --sharing shared).
+#
+# Needs root (the namespace and the qdisc), Open MPI (mpirun and the headers
+# of libopenmpi-dev: the example is built with -tags mpi), ip and tc.
+#
+# Settings (environment): RATES ("10mbit 100mbit 1gbit"), NP (4), TARGET
+# (3.0 nats per byte), STEPS (300), OUTER (the outer optimizer's flags:
+# "-outer-h 10 -outer-momentum 0.5"), GPT_FLAGS (more flags for the example:
+# "-freeze-step 60 -eval-every 10"), OPTIMIZERS (the seven above), SLOW_RUNS
+# (2), OUT (out/gpt-rates: the JSON of every run, the loss curves of the
+# fastest rate as SVG, the table), TIMEOUT (per mpirun, 3600 s), GO (go);
+# TABLE_ONLY=1 prints the table again from the JSON files in OUT.
+# About an hour on a 2-core machine, mostly Adam and Adam bf16 on the
+# slowest link.
+set -euo pipefail
+
+RATES=${RATES:-10mbit 100mbit 1gbit}
+NP=${NP:-4}
+TARGET=${TARGET:-3.0}
+STEPS=${STEPS:-300}
+OUTER=${OUTER:--outer-h 10 -outer-momentum 0.5}
+GPT_FLAGS=${GPT_FLAGS:--freeze-step 60 -eval-every 10}
+OPTIMIZERS=${OPTIMIZERS:-adam,adam:bf16,onebit-adam,zeroone-adam,diloco:fp32,diloco:int8,diloco:1bit}
+SLOW_RUNS=${SLOW_RUNS:-2}
+TIMEOUT=${TIMEOUT:-3600}
+GO=${GO:-go}
+
+. "$(dirname "$0")/lib/netns.sh"
+netns_init demo-gpt-rates
+netns_require_root "it creates network namespaces and tc qdiscs (run: sudo make demo-gpt-rates)"
+netns_require_mpi headers
+command -v timeout >/dev/null || netns_die "cannot run: timeout not found (coreutils)"
+read -r -a rates <<<"$RATES"
+[ "${#rates[@]}" -ge 1 ] || netns_die "RATES is empty"
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$root/out/gpt-rates}
+mkdir -p "$OUT"
+echo "demo-gpt-rates: building integrations/gomlx/examples/gpt with -tags mpi, and lowbit"
+(cd "$root/integrations/gomlx" && "$GO" build -tags mpi -o "$NETNS_TMP/gpt" ./examples/gpt)
+(cd "$root" && "$GO" build -o "$NETNS_TMP/lowbit" ./cmd/lowbit)
+GOROOT=$("$GO" env GOROOT) # the default corpus: the ranks need no go command
+export GOROOT
+
+# run RATE TAG FLAGS...: the GPT runs at RATE into $OUT/TAG.json.
+run() {
+	local rate=$1 tag=$2 rc=0
+	shift 2
+	netns_new ns gptr
+	netns_shape "$ns" lo "$rate"
+	echo "demo-gpt-rates: $tag: $NP MPI ranks, loopback shaped to $rate (tbf $NETNS_TBF): $OPTIMIZERS"
+	# shellcheck disable=SC2086 # OUTER and GPT_FLAGS are lists of flags
+	netns_run ip netns exec "$ns" timeout --kill-after=30 "$TIMEOUT" "${NETNS_MPIRUN[@]}" -np "$NP" "${NETNS_MPI_LO[@]}" \
+		"$NETNS_TMP/gpt" -backend mpi -optimizer "$OPTIMIZERS" -steps "$STEPS" -target "$TARGET" $OUTER $GPT_FLAGS \
+		-json "$OUT/$tag.json" "$@" >"$OUT/$tag.out" 2>&1 || rc=$?
+	netns_del "$ns"
+	cat "$OUT/$tag.out"
+	[ "$rc" -ne 124 ] || netns_die "$tag took more than TIMEOUT=$TIMEOUT s and was stopped"
+	[ "$rc" -eq 0 ] || netns_die "$tag failed (exit $rc)"
+}
+
+last=$((${#rates[@]} - 1))
+files=()
+for i in "${!rates[@]}"; do
+	rate=${rates[$i]}
+	n=1
+	[ "$i" -ne 0 ] || n=$SLOW_RUNS
+	for k in $(seq 1 "$n"); do
+		tag="$rate-run$k"
+		if [ -n "${TABLE_ONLY:-}" ]; then
+			[ -f "$OUT/$tag.json" ] || netns_die "TABLE_ONLY: $OUT/$tag.json is missing"
+		elif [ "$i" -eq "$last" ]; then
+			run "$rate" "$tag" -plot "$OUT/curves.svg"
+		else
+			run "$rate" "$tag" -stop-at-target
+		fi
+		files+=("$rate $OUT/$tag.json")
+	done
+done
+
+# The cells, one line per run: rate, run, optimizer, validation loss,
+# steps, training time, time in collectives, time to target, steps to
+# target, bytes sent per rank, compute utilization, last step's bytes.
+# Every -json file: one object per run, its fields one per line at an
+# indent of four spaces (the outer optimizer's at six).
+for f in "${files[@]}"; do
+	read -r rate path <<<"$f"
+	awk -v rate="$rate" -v run="$(basename "$path" .json)" '
+		function val(line) { sub(/^ *"[a-z_]+": */, "", line); sub(/,$/, "", line); gsub(/"/, "", line); return line }
+		function flush() { if (name != "") print rate, run, name, vl, st, wall, comm, tt, stt, sent, (util == "" ? 1 - comm / wall : util), last }
+		/^    "optimizer":/ { flush(); o = val($0); name = ""; util = "" }
+		/^    "reduce":/ { r = val($0); name = (o == "diloco" || r != "fp32") ? o ":" r : o }
+		/^    "val_loss":/ { vl = val($0) }
+		/^    "steps":/ { st = val($0) }
+		/^    "wall_s":/ { wall = val($0) }
+		/^    "comm_s":/ { comm = val($0) }
+		/^    "time_to_target_s":/ { tt = val($0) }
+		/^    "steps_to_target":/ { stt = val($0) }
+		/^    "bytes_sent_per_rank":/ { sent = val($0) }
+		/^    "last_step_bytes":/ { last = val($0) }
+		/^      "utilization":/ { util = val($0) }
+		END { flush() }' "$path"
+done >"$OUT/cells.txt"
+# The parameter count, from the bytes of one exact ring allreduce step:
+# 4 bytes x 2(W-1)/W per parameter.
+params=$(awk -v w="$NP" '$3 == "adam" { printf "%d\n", $12 * w / (8 * (w - 1)) + 0.5; exit }' "$OUT/cells.txt")
+[ -n "$params" ] || netns_die "no adam run in the results: cannot size lowbit plan's model"
+
+# plan_step RATE NAME STEPS COMPUTE_S: lowbit plan's predicted mean step
+# time (seconds) of optimizer NAME over STEPS steps with COMPUTE_S of
+# compute per step; "-" where plan has no model of it (0/1 Adam).
+plan_step() {
+	local rate=$1 name=$2 steps=$3 compute=$4 freeze h coll
+	freeze=$(sed -n 's/.*-freeze-step[ =]\([0-9]*\).*/\1/p' <<<"$GPT_FLAGS")
+	h=$(sed -n 's/.*-outer-h[ =]\([0-9]*\).*/\1/p' <<<"$OUTER")
+	case $name in
+	adam) coll=allreduce ;;
+	adam:bf16) coll=fp16 ;;
+	onebit-adam) coll=allreduce,onebit ;;
+	diloco:fp32 | diloco:int8 | diloco:1bit) coll=outer-${name#diloco:} ;;
+	*) echo "-"; return ;;
+	esac
+	"$NETNS_TMP/lowbit" plan --params "$params" --ranks "$NP" --link "$rate" --sharing shared \
+		--step-compute "${compute}s" --collective "$coll" ${h:+--outer-h "$h"} 2>/dev/null |
+		awk -v name="$name" -v steps="$steps" -v freeze="${freeze:-0}" '
+			function secs(s) { if (s ~ /µs$/) return s / 1e6; if (s ~ /ms$/) return s / 1e3; return s + 0 }
+			$1 ~ /^(allreduce|fp16\*?|onebit|outer-[a-z0-9]+\*?)$/ { c = $1; sub(/\*$/, "", c); t[c] = secs($(NF - 1)) }
+			END {
+				if (name == "onebit-adam") {
+					f = freeze < steps ? freeze : steps
+					printf "%.4f\n", (f * t["allreduce"] + (steps - f) * t["onebit"]) / steps
+				} else for (c in t) printf "%.4f\n", t[c]
+			}'
+}
+
+{
+	printf "\ndemo-gpt-rates: GPT (%s parameters), %d MPI ranks, one shaped loopback per rate shared by all ranks; target validation loss %s; %s steps; outer: %s\n" \
+		"$params" "$NP" "$TARGET" "$STEPS" "$OUTER"
+	printf "%-8s %-13s %22s %8s %9s %9s %12s %6s %10s %10s\n" "rate" "optimizer" "time to target (step)" "vs adam" "vs 1-bit" "val loss" "sent/rank" "util" "step" "plan step"
+	full=${rates[$last]}
+	for i in "${!rates[@]}"; do
+		rate=${rates[$i]}
+		IFS=, read -r -a opts <<<"$OPTIMIZERS"
+		for name in "${opts[@]}"; do
+			# Every run of this rate, then the full run's loss and bytes.
+			times="" steps="" util="" stepm="" plan=""
+			while read -r r run n vl st wall comm tt stt sent u _; do
+				[ "$r" = "$rate" ] && [ "$n" = "$name" ] || continue
+				t=$([ "$tt" = "null" ] && echo "n/r" || printf "%.1fs" "$tt")
+				times="${times:+$times / }$t"
+				steps="${steps:+$steps/}$([ "$stt" = "null" ] && echo - || echo "$stt")"
+				util=$(printf "%.2f" "$u")
+				stepm=$(awk -v w="$wall" -v s="$st" 'BEGIN { printf "%.3fs", w / s }')
+				plan=$(plan_step "$rate" "$name" "$st" "$(awk -v w="$wall" -v c="$comm" -v s="$st" 'BEGIN { printf "%.4f", (w - c) / s }')")
+				[ "$plan" = "-" ] || plan="${plan}s"
+			done <"$OUT/cells.txt"
+			[ -n "$times" ] || continue
+			read -r fvl fsent < <(awk -v r="$full" -v n="$name" '$1 == r && $3 == n && $2 ~ /run1$/ { printf "%.4f %s\n", $4, ($10 >= 1e6 ? sprintf("%.1fMB", $10 / 1e6) : sprintf("%.1fkB", $10 / 1e3)) }' "$OUT/cells.txt")
+			ratio() { # first run's time to target of $1 over name's
+				awk -v r="$rate" -v a="$1" -v n="$name" '$1 == r && $2 ~ /run1$/ && $3 == a { ta = $8 } $1 == r && $2 ~ /run1$/ && $3 == n { tn = $8 }
+					END { if (ta == "" || tn == "" || ta == "null" || tn == "null") print "-"; else printf "%.2fx\n", ta / tn }' "$OUT/cells.txt"
+			}
+			printf "%-8s %-13s %22s %8s %9s %9s %12s %6s %10s %10s\n" "$rate" "$name" "$times ($steps)" "$(ratio adam)" "$(ratio onebit-adam)" "$fvl" "$fsent" "$util" "$stepm" "$plan"
+		done
+	done
+	echo "time to target: training time (validation excluded) to the first validation at or below the target, every run of the rate; vs adam, vs 1-bit: the first run's time of adam or onebit-adam over this one's (n/r: not reached)."
+	echo "val loss, sent/rank: at $STEPS steps (equal tokens), from the run at $full; util: compute utilization (diloco: its own; the others: 1 - time in collectives / training time); step: the run's training time per step; plan step: lowbit plan's step comm at that link (--sharing shared) with the run's compute per step (training time minus collectives, per step), for 1-bit Adam the mean over its exact warm-up and compressed steps; 0/1 Adam has no plan model."
+} | tee "$OUT/table.txt"
