@@ -32,7 +32,9 @@
 # "-freeze-step 60 -eval-every 10"), OPTIMIZERS (the seven above), SLOW_RUNS
 # (2), OUT (out/gpt-rates: the JSON of every run, the loss curves of the
 # fastest rate as SVG, the table), TIMEOUT (per mpirun, 3600 s), GO (go);
-# TABLE_ONLY=1 prints the table again from the JSON files in OUT.
+# TABLE_ONLY=1 prints the table again from the JSON files in OUT; PARAMS
+# (the parameter count for lowbit plan; default: from Adam's bytes per
+# step, so OPTIMIZERS without adam need it).
 # About an hour on a 2-core machine, mostly Adam and Adam bf16 on the
 # slowest link.
 set -euo pipefail
@@ -60,7 +62,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$root/out/gpt-rates}
 mkdir -p "$OUT"
 echo "demo-gpt-rates: building integrations/gomlx/examples/gpt with -tags mpi, and lowbit"
-(cd "$root/integrations/gomlx" && "$GO" build -tags mpi -o "$NETNS_TMP/gpt" ./examples/gpt)
+[ -n "${TABLE_ONLY:-}" ] || (cd "$root/integrations/gomlx" && "$GO" build -tags mpi -o "$NETNS_TMP/gpt" ./examples/gpt)
 (cd "$root" && "$GO" build -o "$NETNS_TMP/lowbit" ./cmd/lowbit)
 GOROOT=$("$GO" env GOROOT) # the default corpus: the ranks need no go command
 export GOROOT
@@ -126,16 +128,18 @@ for f in "${files[@]}"; do
 done >"$OUT/cells.txt"
 # The parameter count, from the bytes of one exact ring allreduce step:
 # 4 bytes x 2(W-1)/W per parameter.
-params=$(awk -v w="$NP" '$3 == "adam" { printf "%d\n", $12 * w / (8 * (w - 1)) + 0.5; exit }' "$OUT/cells.txt")
-[ -n "$params" ] || netns_die "no adam run in the results: cannot size lowbit plan's model"
+params=${PARAMS:-$(awk -v w="$NP" '$3 == "adam" { printf "%d\n", $12 * w / (8 * (w - 1)) + 0.5; exit }' "$OUT/cells.txt")}
+[ -n "$params" ] || netns_die "no adam run in the results: set PARAMS (the model's parameter count) for lowbit plan"
 
 # plan_step RATE NAME STEPS COMPUTE_S: lowbit plan's predicted mean step
 # time (seconds) of optimizer NAME over STEPS steps with COMPUTE_S of
 # compute per step; "-" where plan has no model of it (0/1 Adam).
 plan_step() {
-	local rate=$1 name=$2 steps=$3 compute=$4 freeze h coll
+	local rate=$1 name=$2 steps=$3 compute=$4 freeze h frag delay coll
 	freeze=$(sed -n 's/.*-freeze-step[ =]\([0-9]*\).*/\1/p' <<<"$GPT_FLAGS")
 	h=$(sed -n 's/.*-outer-h[ =]\([0-9]*\).*/\1/p' <<<"$OUTER")
+	frag=$(sed -n 's/.*-outer-fragments[ =]\([0-9]*\).*/\1/p' <<<"$OUTER")
+	delay=$(sed -n 's/.*-outer-delay[ =]\([0-9]*\).*/\1/p' <<<"$OUTER")
 	case $name in
 	adam) coll=allreduce ;;
 	adam:bf16) coll=fp16 ;;
@@ -144,7 +148,8 @@ plan_step() {
 	*) echo "-"; return ;;
 	esac
 	"$NETNS_TMP/lowbit" plan --params "$params" --ranks "$NP" --link "$rate" --sharing shared \
-		--step-compute "${compute}s" --collective "$coll" ${h:+--outer-h "$h"} 2>/dev/null |
+		--step-compute "${compute}s" --collective "$coll" ${h:+--outer-h "$h"} ${frag:+--outer-fragments "$frag"} \
+		${delay:+--outer-delay "$delay"} 2>/dev/null |
 		awk -v name="$name" -v steps="$steps" -v freeze="${freeze:-0}" '
 			function secs(s) { if (s ~ /µs$/) return s / 1e6; if (s ~ /ms$/) return s / 1e3; return s + 0 }
 			$1 ~ /^(allreduce|fp16\*?|onebit|outer-[a-z0-9]+\*?)$/ { c = $1; sub(/\*$/, "", c); t[c] = secs($(NF - 1)) }
@@ -159,7 +164,7 @@ plan_step() {
 {
 	printf "\ndemo-gpt-rates: GPT (%s parameters), %d MPI ranks, one shaped loopback per rate shared by all ranks; target validation loss %s; %s steps; outer: %s\n" \
 		"$params" "$NP" "$TARGET" "$STEPS" "$OUTER"
-	printf "%-8s %-13s %22s %8s %9s %9s %12s %6s %10s %10s\n" "rate" "optimizer" "time to target (step)" "vs adam" "vs 1-bit" "val loss" "sent/rank" "util" "step" "plan step"
+	printf "%-8s %-13s %27s %8s %9s %9s %12s %6s %10s %10s\n" "rate" "optimizer" "time to target (step)" "vs adam" "vs 1-bit" "val loss" "sent/rank" "util" "step" "plan step"
 	full=${rates[$last]}
 	for i in "${!rates[@]}"; do
 		rate=${rates[$i]}
@@ -174,8 +179,12 @@ plan_step() {
 				steps="${steps:+$steps/}$([ "$stt" = "null" ] && echo - || echo "$stt")"
 				util=$(printf "%.2f" "$u")
 				stepm=$(awk -v w="$wall" -v s="$st" 'BEGIN { printf "%.3fs", w / s }')
-				plan=$(plan_step "$rate" "$name" "$st" "$(awk -v w="$wall" -v c="$comm" -v s="$st" 'BEGIN { printf "%.4f", (w - c) / s }')")
-				[ "$plan" = "-" ] || plan="${plan}s"
+				# The run's compute per step: training time times its
+				# compute utilization (1 - collectives / training time, or
+				# the outer optimizer's own, whose exchanges in flight
+				# overlap compute).
+				plan=$(plan_step "$rate" "$name" "$st" "$(awk -v w="$wall" -v u="$u" -v s="$st" 'BEGIN { printf "%.4f", w * u / s }')" || true)
+				case $plan in "" | "-") plan="-" ;; *) plan="${plan}s" ;; esac
 			done <"$OUT/cells.txt"
 			[ -n "$times" ] || continue
 			read -r fvl fsent < <(awk -v r="$full" -v n="$name" '$1 == r && $3 == n && $2 ~ /run1$/ { printf "%.4f %s\n", $4, ($10 >= 1e6 ? sprintf("%.1fMB", $10 / 1e6) : sprintf("%.1fkB", $10 / 1e3)) }' "$OUT/cells.txt")
@@ -183,9 +192,9 @@ plan_step() {
 				awk -v r="$rate" -v a="$1" -v n="$name" '$1 == r && $2 ~ /run1$/ && $3 == a { ta = $8 } $1 == r && $2 ~ /run1$/ && $3 == n { tn = $8 }
 					END { if (ta == "" || tn == "" || ta == "null" || tn == "null") print "-"; else printf "%.2fx\n", ta / tn }' "$OUT/cells.txt"
 			}
-			printf "%-8s %-13s %22s %8s %9s %9s %12s %6s %10s %10s\n" "$rate" "$name" "$times ($steps)" "$(ratio adam)" "$(ratio onebit-adam)" "$fvl" "$fsent" "$util" "$stepm" "$plan"
+			printf "%-8s %-13s %27s %8s %9s %9s %12s %6s %10s %10s\n" "$rate" "$name" "$times ($steps)" "$(ratio adam)" "$(ratio onebit-adam)" "$fvl" "$fsent" "$util" "$stepm" "$plan"
 		done
 	done
 	echo "time to target: training time (validation excluded) to the first validation at or below the target, every run of the rate; vs adam, vs 1-bit: the first run's time of adam or onebit-adam over this one's (n/r: not reached)."
-	echo "val loss, sent/rank: at $STEPS steps (equal tokens), from the run at $full; util: compute utilization (diloco: its own; the others: 1 - time in collectives / training time); step: the run's training time per step; plan step: lowbit plan's step comm at that link (--sharing shared) with the run's compute per step (training time minus collectives, per step), for 1-bit Adam the mean over its exact warm-up and compressed steps; 0/1 Adam has no plan model."
+	echo "val loss, sent/rank: at $STEPS steps (equal tokens), from the run at $full; util: compute utilization (diloco: its own; the others: 1 - time in collectives / training time); step: the run's training time per step; plan step: lowbit plan's step comm at that link (--sharing shared) with the run's compute per step (training time times its utilization, per step), for 1-bit Adam the mean over its exact warm-up and compressed steps; 0/1 Adam has no plan model."
 } | tee "$OUT/table.txt"
