@@ -174,6 +174,13 @@ func (s *DeviceState) Reset() error {
 // afterwards.
 func (s *DeviceState) Close() error {
 	var errs []error
+	if s.host != nil && len(s.bufs) > 0 {
+		// A copy from the page-locked staging may still be in flight
+		// (a call that failed after it was queued).
+		if err := s.dev.Synchronize(); !errors.Is(err, accel.ErrFreed) {
+			errs = append(errs, err) // a closed device has nothing in flight
+		}
+	}
 	for _, b := range s.bufs {
 		errs = append(errs, b.Free())
 	}
