@@ -144,6 +144,38 @@ type ChunkUnpacker interface {
 	UnpackScaleChunks(dst, packed Span, chunk int, scales Span) error
 }
 
+// RowCopier is a Device that copies rows at a stride between host and
+// device memory in one operation, which is how the 1-bit allreduce moves
+// its packed signs between the device's layout (chunk after chunk) and the
+// wire's (piece after piece) without a pass over them on the host.
+type RowCopier interface {
+	// CopyOutRows copies rows rows of width bytes from src to dst: row r
+	// from byte r*srcPitch of src to byte r*dstPitch of dst. The pitches
+	// are at least width; src and dst must hold every row. It waits for the
+	// copy as CopyOut does.
+	CopyOutRows(dst []byte, dstPitch int, src Span, srcPitch, width, rows int) error
+	// CopyInRows is CopyOutRows from host to device, as CopyIn.
+	CopyInRows(dst Span, dstPitch int, src []byte, srcPitch, width, rows int) error
+}
+
+// CheckRows checks the arguments of a row copy: pitches at least the width,
+// and both sides long enough for every row.
+func CheckRows(op string, dstLen, dstPitch, srcLen, srcPitch, width, rows int) error {
+	if width < 0 || rows < 0 || dstPitch < width || srcPitch < width {
+		return fmt.Errorf("accel: %s: %d rows of %d bytes at pitches %d (destination) and %d (source)", op, rows, width, dstPitch, srcPitch)
+	}
+	if rows == 0 || width == 0 {
+		return nil
+	}
+	if need := (rows-1)*dstPitch + width; dstLen < need {
+		return fmt.Errorf("accel: %s: destination of %d bytes for %d rows at pitch %d, want %d", op, dstLen, rows, dstPitch, need)
+	}
+	if need := (rows-1)*srcPitch + width; srcLen < need {
+		return fmt.Errorf("accel: %s: source of %d bytes for %d rows at pitch %d, want %d", op, srcLen, rows, srcPitch, need)
+	}
+	return nil
+}
+
 // HostAllocator is a Device that allocates page-locked host memory, which
 // its copies move without staging it through memory of their own (on a
 // GPU, by DMA at the bus's rate). A CopyIn from such memory may return

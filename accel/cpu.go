@@ -25,6 +25,7 @@ func NewCPU() *CPU { return &CPU{} }
 var (
 	_ Device        = (*CPU)(nil)
 	_ ChunkUnpacker = (*CPU)(nil)
+	_ RowCopier     = (*CPU)(nil)
 )
 
 // cpuBuffer is host memory, backed by float32s so that float spans are
@@ -289,6 +290,38 @@ func (d *CPU) UnpackScaleChunks(dst, packed Span, chunk int, scales Span) error 
 		signpack.UnpackScale(x[lo:hi], p[lo/8:PackedLen(hi)], sc[j])
 	}
 	return nil
+}
+
+// CopyOutRows copies rows from src to dst at their pitches.
+func (d *CPU) CopyOutRows(dst []byte, dstPitch int, src Span, srcPitch, width, rows int) error {
+	b, err := d.bytesOf("copy-out-rows source", src)
+	if err != nil {
+		return err
+	}
+	if err := CheckRows("copy-out-rows", len(dst), dstPitch, len(b), srcPitch, width, rows); err != nil {
+		return err
+	}
+	copyRows(dst, dstPitch, b, srcPitch, width, rows)
+	return nil
+}
+
+// CopyInRows copies rows from src to dst at their pitches.
+func (d *CPU) CopyInRows(dst Span, dstPitch int, src []byte, srcPitch, width, rows int) error {
+	b, err := d.bytesOf("copy-in-rows destination", dst)
+	if err != nil {
+		return err
+	}
+	if err := CheckRows("copy-in-rows", len(b), dstPitch, len(src), srcPitch, width, rows); err != nil {
+		return err
+	}
+	copyRows(b, dstPitch, src, srcPitch, width, rows)
+	return nil
+}
+
+func copyRows(dst []byte, dstPitch int, src []byte, srcPitch, width, rows int) {
+	for r := range rows {
+		copy(dst[r*dstPitch:r*dstPitch+width], src[r*srcPitch:r*srcPitch+width])
+	}
 }
 
 // kernelArgs checks a kernel's float32 span and the packed signs of its

@@ -744,6 +744,38 @@ func (st *State) msgPiece(p, j int) []byte {
 	return st.gathered[off : off+n]
 }
 
+// msgScale is rank j's server scale in its gathered phase 2 message.
+func (st *State) msgScale(j int) float32 {
+	return math.Float32frombits(binary.LittleEndian.Uint32(st.msgPiece(0, j)))
+}
+
+// sendRows, recvRows and gatheredRows give piece p of the phase 1 send and
+// receive buffers and of the gathered phase 2 messages as W rows of
+// pieceLen(p) packed bytes, row j for rank j: the first row and the pitch
+// between rows (AllReduceDevice copies each to or from a device in one
+// strided copy).
+func (st *State) sendRows(p int) ([]byte, int) {
+	if st.pieces > 1 && p == st.mid {
+		return st.midSend, st.pieceLen(p) + 4
+	}
+	return st.sendSigns[p*st.pieceBytes*st.world:], st.pieceLen(p)
+}
+
+func (st *State) recvRows(p int) ([]byte, int) {
+	if st.pieces > 1 && p == st.mid {
+		return st.midRecv, st.pieceLen(p) + 4
+	}
+	return st.recvSigns[p*st.pieceBytes*st.world:], st.pieceLen(p)
+}
+
+func (st *State) gatheredRows(p int) ([]byte, int) {
+	b := st.gathered[st.msgOff(p)*st.world:]
+	if p == 0 {
+		b = b[4:] // after rank 0's scale
+	}
+	return b, st.msgLen(p)
+}
+
 // wait returns when the next collective of a pipelined call is done, with
 // its error; without pipelining the collective is done already.
 func (st *State) wait() error {

@@ -62,6 +62,13 @@ type DeviceState struct {
 	serverAt int // 0: the server's signs are copied out into the wire's message directly
 	host     accel.HostBuffer
 	wire     State
+
+	// rows is the device's row copies where it has them: the packed
+	// signs then move between the device's layout and the wire's buffers
+	// in one strided copy per piece, with no pass over them on the host,
+	// and stage holds only the W scales. With page-locked memory too, the
+	// wire's buffers live in it (host).
+	rows accel.RowCopier
 }
 
 // NewDeviceState allocates zeroed error buffers and scratch on dev for a
@@ -79,14 +86,43 @@ func NewDeviceState(dev accel.Device, numel, world int) (*DeviceState, error) {
 	wireLen := scalesAt + 4*world
 	st := &DeviceState{dev: dev, numel: numel, world: world, scalesAt: scalesAt}
 	st.wire.initWire(numel, world)
-	if ha, ok := dev.(accel.HostAllocator); ok && numel > 0 {
+	ha, pinned := dev.(accel.HostAllocator)
+	rc, rows := dev.(accel.RowCopier)
+	switch {
+	case rows && !pinned && numel > 0:
+		st.rows, st.stage = rc, make([]byte, 4*world)
+	case rows && numel > 0:
+		// The wire's buffers move into page-locked memory, after the W
+		// scales.
+		w := &st.wire
+		bufs := []*[]byte{&w.sendSigns, &w.recvSigns, &w.serverMsg, &w.gathered, &w.midSend, &w.midRecv}
+		size := (4*world + 63) &^ 63
+		for _, b := range bufs {
+			size += (len(*b) + 63) &^ 63
+		}
+		h, err := ha.AllocHost(size)
+		if err != nil {
+			return nil, fmt.Errorf("onebit: device state for %d elements: %w", numel, err)
+		}
+		mem := h.Bytes()
+		st.host, st.rows, st.stage = h, rc, mem[:4*world:4*world]
+		at := (4*world + 63) &^ 63
+		for _, b := range bufs {
+			if *b == nil {
+				continue
+			}
+			n := len(*b)
+			*b = mem[at : at+n : at+n]
+			at += (n + 63) &^ 63
+		}
+	case pinned && numel > 0:
 		st.serverAt = (wireLen + 3) &^ 3
 		h, err := ha.AllocHost(st.serverAt + c/8)
 		if err != nil {
 			return nil, fmt.Errorf("onebit: device state for %d elements: %w", numel, err)
 		}
 		st.host, st.stage = h, h.Bytes()
-	} else {
+	default:
 		st.stage = make([]byte, wireLen)
 	}
 	for _, a := range []struct {
@@ -202,10 +238,7 @@ func (s *DeviceState) Close() error {
 // error and packs; the packed signs come back to the wire's phase 2
 // message after its scale. It returns the server scale.
 func (s *DeviceState) server(dev accel.Device, w int) (float32, error) {
-	for j := range w {
-		binary.LittleEndian.PutUint32(s.stage[s.scalesAt+4*j:], math.Float32bits(s.wire.wscales[j]/float32(w)))
-	}
-	if err := dev.CopyIn(s.recv, s.stage[:s.recv.Len]); err != nil {
+	if err := s.received(dev, w); err != nil {
 		return 0, fmt.Errorf("onebit: received signs to device: %w", err)
 	}
 	scale, err := dev.SumCompressCarried(s.serverSigns, s.serverErr, s.serverScale, s.recvSigns, s.recvScales)
@@ -224,6 +257,78 @@ func (s *DeviceState) server(dev accel.Device, w int) (float32, error) {
 		copy(s.wire.serverMsg[4:], out)
 	}
 	return scale, nil
+}
+
+// received puts the chunks received in phase 1 and their scales divided
+// by W on the device: with row copies straight from the wire's buffers,
+// else gathered into stage (fromWire) and copied in one piece.
+func (s *DeviceState) received(dev accel.Device, w int) error {
+	at := s.scalesAt
+	if s.rows != nil {
+		at = 0
+	} else {
+		s.fromWire(false)
+	}
+	for j := range w {
+		binary.LittleEndian.PutUint32(s.stage[at+4*j:], math.Float32bits(s.wire.wscales[j]/float32(w)))
+	}
+	if s.rows == nil {
+		return dev.CopyIn(s.recv, s.stage[:s.recv.Len])
+	}
+	st := &s.wire
+	for p := range st.pieces {
+		src, pitch := st.recvRows(p)
+		lo := p * st.pieceBytes
+		if err := s.rows.CopyInRows(s.recvSigns.Sub(lo, s.recvSigns.Len), st.chunkBytes, src, pitch, st.pieceLen(p), w); err != nil {
+			return err
+		}
+	}
+	return dev.CopyIn(s.recvScales, s.stage[:4*w])
+}
+
+// sent puts the packed worker signs (on the device, chunk after chunk)
+// into the wire's phase 1 send buffers (piece after piece): with row
+// copies, one per piece, else through stage (toWire).
+func (s *DeviceState) sent(dev accel.Device) error {
+	if s.rows == nil {
+		if err := dev.CopyOut(s.stage[:s.sendSigns.Len], s.sendSigns); err != nil {
+			return err
+		}
+		s.toWire()
+		return nil
+	}
+	st := &s.wire
+	for p := range st.pieces {
+		dst, pitch := st.sendRows(p)
+		lo := p * st.pieceBytes
+		if err := s.rows.CopyOutRows(dst, pitch, s.sendSigns.Sub(lo, s.sendSigns.Len), st.chunkBytes, st.pieceLen(p), s.world); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// gathered reads every rank's server scale from the phase 2 messages into
+// wire.scales and, with row copies, puts the gathered signs on the device
+// (allSigns), one copy per piece; without, it gathers them into stage
+// (fromWire) for the caller to copy.
+func (s *DeviceState) gathered(dev accel.Device) error {
+	st := &s.wire
+	if s.rows == nil {
+		s.fromWire(true)
+		return nil
+	}
+	for j := range s.world {
+		st.scales[j] = st.msgScale(j)
+	}
+	for p := range st.pieces {
+		src, pitch := st.gatheredRows(p)
+		lo := p * st.pieceBytes
+		if err := s.rows.CopyInRows(s.allSigns.Sub(lo, s.allSigns.Len), st.chunkBytes, src, pitch, st.pieceLen(p), s.world); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // toWire copies the packed worker chunks from stage (chunk after chunk)
@@ -328,10 +433,9 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 		return refuse(ctx, c, fmt.Errorf("onebit: worker compression: %w", err))
 	}
 	st.workerScale = workerScale
-	if err := dev.CopyOut(st.stage[:n/8], st.sendSigns); err != nil {
+	if err := st.sent(dev); err != nil {
 		return refuse(ctx, c, fmt.Errorf("onebit: worker signs to host: %w", err))
 	}
-	st.toWire()
 
 	// Phase 1: the header (with the length check), then the packed chunks
 	// in AllReduce's pieces, with the worker scales where AllReduce sends
@@ -360,7 +464,6 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 	if k > 1 {
 		wire.getWorkerScales()
 	}
-	st.fromWire(false)
 	// A rank whose server side fails still takes part in phase 2, with
 	// failedScale in place of its scale, so that its peers return an error
 	// naming it instead of waiting for it.
@@ -383,21 +486,33 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 	if serverErr != nil {
 		return serverErr
 	}
-	st.fromWire(true)
-	for j, s := range wire.scales {
-		if math.Float32bits(s) == failedScale {
+	for j := range w {
+		if math.Float32bits(wire.msgScale(j)) == failedScale {
 			return fmt.Errorf("onebit: rank %d failed its server compression (its error says why)", j)
 		}
+	}
+	if err := st.gathered(dev); err != nil {
+		return fmt.Errorf("onebit: gathered signs to device: %w", err)
 	}
 
 	// Output: chunk j is server_scale_j * unpack(chunk j); the first numel
 	// elements replace buf. A device that unpacks every chunk in one
 	// operation gets the signs and the scales in one copy.
 	if cu, ok := dev.(accel.ChunkUnpacker); ok {
-		for j, s := range wire.scales {
-			binary.LittleEndian.PutUint32(st.stage[st.scalesAt+4*j:], math.Float32bits(s))
+		at := st.scalesAt
+		if st.rows != nil {
+			at = 0 // the signs are on the device already
 		}
-		if err := dev.CopyIn(st.all, st.stage[:st.all.Len]); err != nil {
+		for j, s := range wire.scales {
+			binary.LittleEndian.PutUint32(st.stage[at+4*j:], math.Float32bits(s))
+		}
+		var err error
+		if st.rows != nil {
+			err = dev.CopyIn(st.allScales, st.stage[:4*w])
+		} else {
+			err = dev.CopyIn(st.all, st.stage[:st.all.Len])
+		}
+		if err != nil {
 			return fmt.Errorf("onebit: gathered signs to device: %w", err)
 		}
 		if err := cu.UnpackScaleChunks(buf, st.allSigns.Sub(0, accel.PackedLen(st.numel)), chunkLen, st.allScales); err != nil {

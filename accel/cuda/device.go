@@ -123,12 +123,40 @@ type launchArgs struct {
 	total uint64
 	scale float32
 	name  [256]byte
+	rows  memcpy2D
 }
+
+// memcpy2D is the driver's CUDA_MEMCPY2D (cuda.h, 64-bit layout).
+type memcpy2D struct {
+	srcXInBytes, srcY uint64
+	srcMemoryType     uint32
+	_                 uint32
+	srcHost           uintptr
+	srcDevice         uint64
+	srcArray          uintptr
+	srcPitch          uint64
+	dstXInBytes, dstY uint64
+	dstMemoryType     uint32
+	_                 uint32
+	dstHost           uintptr
+	dstDevice         uint64
+	dstArray          uintptr
+	dstPitch          uint64
+	widthInBytes      uint64
+	height            uint64
+}
+
+// CUmemorytype values.
+const (
+	memoryHost   = 1
+	memoryDevice = 2
+)
 
 var (
 	_ accel.Device        = (*Device)(nil)
 	_ accel.ChunkUnpacker = (*Device)(nil)
 	_ accel.HostAllocator = (*Device)(nil)
+	_ accel.RowCopier     = (*Device)(nil)
 )
 
 // localRank reads LocalRankEnv; unset means 0.
@@ -568,6 +596,73 @@ func (d *Device) CopyOut(dst []byte, src accel.Span) error {
 		return fmt.Errorf("cuda: %w", err)
 	}
 	return d.sync()
+}
+
+// CopyOutRows copies rows of width bytes from the device span src (row r
+// at byte r*srcPitch) to dst (at r*dstPitch) in one cuMemcpy2DAsync, and
+// waits for it.
+func (d *Device) CopyOutRows(dst []byte, dstPitch int, src accel.Span, srcPitch, width, rows int) error {
+	leave, err := d.enter()
+	if err != nil {
+		return err
+	}
+	defer leave()
+	p, err := d.ptrOf("copy-out-rows source", src, false)
+	if err != nil {
+		return err
+	}
+	if err := accel.CheckRows("copy-out-rows", len(dst), dstPitch, src.Len, srcPitch, width, rows); err != nil {
+		return err
+	}
+	if rows == 0 || width == 0 {
+		return nil
+	}
+	d.args.rows = memcpy2D{srcMemoryType: memoryDevice, srcDevice: p, srcPitch: uint64(srcPitch),
+		dstMemoryType: memoryHost, dstHost: uintptr(unsafe.Pointer(&dst[0])), dstPitch: uint64(dstPitch),
+		widthInBytes: uint64(width), height: uint64(rows)}
+	err = call("cuMemcpy2DAsync_v2", d.drv.cuMemcpy2DAsync, uintptr(unsafe.Pointer(&d.args.rows)), d.stream)
+	if err == nil {
+		err = d.sync()
+	}
+	runtime.KeepAlive(dst)
+	if err != nil {
+		return fmt.Errorf("cuda: %w", err)
+	}
+	return nil
+}
+
+// CopyInRows copies rows of width bytes from src (row r at byte
+// r*srcPitch) to the device span dst (at r*dstPitch) in one
+// cuMemcpy2DAsync, and waits for it unless src is page-locked memory of
+// AllocHost (see CopyIn).
+func (d *Device) CopyInRows(dst accel.Span, dstPitch int, src []byte, srcPitch, width, rows int) error {
+	leave, err := d.enter()
+	if err != nil {
+		return err
+	}
+	defer leave()
+	p, err := d.ptrOf("copy-in-rows destination", dst, false)
+	if err != nil {
+		return err
+	}
+	if err := accel.CheckRows("copy-in-rows", dst.Len, dstPitch, len(src), srcPitch, width, rows); err != nil {
+		return err
+	}
+	if rows == 0 || width == 0 {
+		return nil
+	}
+	d.args.rows = memcpy2D{srcMemoryType: memoryHost, srcHost: uintptr(unsafe.Pointer(&src[0])), srcPitch: uint64(srcPitch),
+		dstMemoryType: memoryDevice, dstDevice: p, dstPitch: uint64(dstPitch),
+		widthInBytes: uint64(width), height: uint64(rows)}
+	err = call("cuMemcpy2DAsync_v2", d.drv.cuMemcpy2DAsync, uintptr(unsafe.Pointer(&d.args.rows)), d.stream)
+	if err == nil && !d.pageLocked(src[:(rows-1)*srcPitch+width]) {
+		err = d.sync()
+	}
+	runtime.KeepAlive(src)
+	if err != nil {
+		return fmt.Errorf("cuda: %w", err)
+	}
+	return nil
 }
 
 // Copy copies src into dst on the device.

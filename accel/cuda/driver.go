@@ -104,6 +104,7 @@ type driver struct {
 	cuMemcpyHtoDAsync                           uintptr
 	cuMemcpyDtoHAsync                           uintptr
 	cuMemcpyDtoDAsync                           uintptr
+	cuMemcpy2DAsync                             uintptr
 	cuMemsetD8Async                             uintptr
 	cuLaunchKernel                              uintptr
 	cuOccupancyMaxActiveBlocksPerMultiprocessor uintptr
@@ -143,6 +144,7 @@ func (d *driver) symbols() []struct {
 		{"cuMemcpyHtoDAsync_v2", &d.cuMemcpyHtoDAsync},
 		{"cuMemcpyDtoHAsync_v2", &d.cuMemcpyDtoHAsync},
 		{"cuMemcpyDtoDAsync_v2", &d.cuMemcpyDtoDAsync},
+		{"cuMemcpy2DAsync_v2", &d.cuMemcpy2DAsync},
 		{"cuMemsetD8Async", &d.cuMemsetD8Async},
 		{"cuLaunchKernel", &d.cuLaunchKernel},
 		{"cuOccupancyMaxActiveBlocksPerMultiprocessor", &d.cuOccupancyMaxActiveBlocksPerMultiprocessor},

@@ -235,6 +235,36 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void *
   memmove((void *)dst, (void *)src, n);
   return OK;
 }
+// CUDA_MEMCPY2D, 64-bit layout; memory types 1 host, 2 device.
+typedef struct {
+  size_t srcXInBytes, srcY;
+  unsigned srcMemoryType;
+  const void *srcHost;
+  CUdeviceptr srcDevice;
+  void *srcArray;
+  size_t srcPitch;
+  size_t dstXInBytes, dstY;
+  unsigned dstMemoryType;
+  void *dstHost;
+  CUdeviceptr dstDevice;
+  void *dstArray;
+  size_t dstPitch;
+  size_t WidthInBytes, Height;
+} CUDA_MEMCPY2D;
+CUresult cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *m, void *s) {
+  if (s != &stream_token || !m || m->srcXInBytes || m->srcY || m->dstXInBytes || m->dstY || m->srcArray ||
+      m->dstArray || m->srcPitch < m->WidthInBytes || m->dstPitch < m->WidthInBytes)
+    return INVALID_VALUE;
+  const unsigned char *src = m->srcMemoryType == 1 ? (const unsigned char *)m->srcHost
+                           : m->srcMemoryType == 2 ? (const unsigned char *)m->srcDevice
+                                                   : 0;
+  unsigned char *dst = m->dstMemoryType == 1 ? (unsigned char *)m->dstHost
+                     : m->dstMemoryType == 2 ? (unsigned char *)m->dstDevice
+                                             : 0;
+  if (!src || !dst) return INVALID_VALUE;
+  for (size_t r = 0; r < m->Height; r++) memcpy(dst + r * m->dstPitch, src + r * m->srcPitch, m->WidthInBytes);
+  return OK;
+}
 CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void *s) {
   if (s != &stream_token || !dst) return INVALID_VALUE;
   memset((void *)dst, v, n);

@@ -31,6 +31,7 @@ func Run(t *testing.T, dev accel.Device, exact bool) {
 	t.Run("kernels", func(t *testing.T) { kernels(t, dev, exact) })
 	t.Run("carried", func(t *testing.T) { carried(t, dev, exact) })
 	t.Run("chunks", func(t *testing.T) { chunks(t, dev) })
+	t.Run("rows", func(t *testing.T) { rows(t, dev) })
 	t.Run("copies", func(t *testing.T) { copies(t, dev) })
 	t.Run("bad-input", func(t *testing.T) { badInput(t, dev) })
 }
@@ -374,6 +375,57 @@ func chunks(t *testing.T, dev accel.Device) {
 		err := cu.UnpackScaleChunks(accel.Whole(db), bad.packed, bad.chunk, bad.scales)
 		if err == nil || !strings.Contains(err.Error(), bad.want) {
 			t.Errorf("unpack-scale-chunks chunk %d: error %v, want one containing %q", bad.chunk, err, bad.want)
+		}
+	}
+}
+
+// rows checks CopyOutRows and CopyInRows, where dev has them: rows at
+// other pitches on each side land where they should and nothing between
+// them is written; bad pitches and short sides are errors.
+func rows(t *testing.T, dev accel.Device) {
+	rc, ok := dev.(accel.RowCopier)
+	if !ok {
+		t.Skipf("%s has no row copies", dev.Name())
+	}
+	const width, nrows, devPitch, hostPitch = 5, 4, 9, 7
+	b := alloc(t, dev, 40)
+	span := accel.Span{Buf: b, Off: 1, Len: 38}
+	src := make([]byte, 38)
+	for i := range src {
+		src[i] = byte(i + 1)
+	}
+	must(t, dev.CopyIn(span, src), "copy-in")
+	out := make([]byte, (nrows-1)*hostPitch+width+2)
+	must(t, rc.CopyOutRows(out, hostPitch, span, devPitch, width, nrows), "copy-out-rows")
+	want := make([]byte, len(out))
+	for r := range nrows {
+		copy(want[r*hostPitch:r*hostPitch+width], src[r*devPitch:r*devPitch+width])
+	}
+	if string(out) != string(want) {
+		t.Fatalf("copy-out-rows: % x, want % x", out, want)
+	}
+	// Back in at the device's pitch into a zeroed span.
+	must(t, dev.Zero(span), "zero")
+	must(t, rc.CopyInRows(span, devPitch, out, hostPitch, width, nrows), "copy-in-rows")
+	must(t, dev.Synchronize(), "synchronize")
+	got := make([]byte, 38)
+	must(t, dev.CopyOut(got, span), "copy-out")
+	back := make([]byte, 38)
+	for r := range nrows {
+		copy(back[r*devPitch:r*devPitch+width], src[r*devPitch:r*devPitch+width])
+	}
+	if string(got) != string(back) {
+		t.Fatalf("copy-in-rows: % x, want % x", got, back)
+	}
+	for _, bad := range []struct {
+		dst, src, width, rows int
+		want                  string
+	}{
+		{hostPitch, 4, width, nrows, "at pitches"},
+		{hostPitch, devPitch, width, 5, "want"},
+	} {
+		if err := rc.CopyOutRows(out, bad.dst, span, bad.src, bad.width, bad.rows); err == nil || !strings.Contains(err.Error(), bad.want) {
+			t.Errorf("copy-out-rows pitch %d/%d rows %d: error %v, want one containing %q", bad.dst, bad.src, bad.rows, err, bad.want)
 		}
 	}
 }
