@@ -242,6 +242,37 @@ func TestStubHostMemory(t *testing.T) {
 	assert.ErrorIs(t, err, accel.ErrFreed)
 }
 
+// TestStubAllocs: the device's operations allocate nothing (the driver's
+// arguments live in memory the device keeps), so that a training step on
+// the device path allocates nothing in the device.
+func TestStubAllocs(t *testing.T) {
+	s := buildStub(t)
+	d := openStub(t, s)
+	b, err := d.Alloc(4 * 1024)
+	require.NoError(t, err)
+	p, err := d.Alloc(4 * 128)
+	require.NoError(t, err)
+	x, packed := accel.Floats(b, 0, 512), accel.Span{Buf: p, Len: 64}
+	h, err := d.AllocHost(64)
+	require.NoError(t, err)
+	host := make([]byte, 64)
+	for name, op := range map[string]func() error{
+		"Zero":               func() error { return d.Zero(x) },
+		"CopyIn":             func() error { return d.CopyIn(packed, host) },
+		"CopyIn page-locked": func() error { return d.CopyIn(packed, h.Bytes()) },
+		"CopyOut":            func() error { return d.CopyOut(host, packed) },
+		"CopyOutRows":        func() error { return d.CopyOutRows(host, 16, packed, 16, 8, 4) },
+		"CopyInRows":         func() error { return d.CopyInRows(packed, 16, host, 16, 8, 4) },
+		"Copy":               func() error { return d.Copy(accel.Floats(b, 512, 16), accel.Floats(b, 0, 16)) },
+		"UnpackScale":        func() error { return d.UnpackScale(x, packed, 1) },
+		"CompressCarried":    func() error { _, err := d.CompressCarried(packed, x, 0.5, x); return err },
+		"Synchronize":        d.Synchronize,
+	} {
+		require.NoError(t, op(), name)
+		assert.Zero(t, testing.AllocsPerRun(20, func() { op() }), "%s allocates", name)
+	}
+}
+
 // TestStubAllReduce runs onebit.AllReduceDevice through the stand-in
 // driver on 3 ranks against onebit.AllReduce: identical signs (so
 // outputs equal to the float tolerance of the scales) and errors within

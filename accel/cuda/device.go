@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"github.com/ebitengine/purego"
 	_ "embed"
 	"errors"
 	"fmt"
@@ -116,6 +117,7 @@ type Device struct {
 // out-parameters, so that a launch allocates nothing.
 type launchArgs struct {
 	vals  [9]uint64
+	sys   [11]uintptr // arguments of Device.sys
 	ptrs  [9]unsafe.Pointer
 	out   uint64 // CUdeviceptr, CUmodule, CUfunction, CUcontext, CUstream
 	i32   int32
@@ -368,20 +370,35 @@ func (d *Device) Info() Info { return d.info }
 func (d *Device) Name() string { return fmt.Sprintf("cuda:%d %s", d.info.Ordinal, d.info.Name) }
 
 // enter locks the device and makes its context current on this OS thread
-// (driver contexts are per thread; goroutines move between threads).
-func (d *Device) enter() (func(), error) {
+// (driver contexts are per thread; goroutines move between threads); leave
+// undoes it.
+func (d *Device) enter() error {
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()
-		return nil, fmt.Errorf("cuda: device closed: %w", accel.ErrFreed)
+		return fmt.Errorf("cuda: device closed: %w", accel.ErrFreed)
 	}
 	runtime.LockOSThread()
-	if err := call("cuCtxSetCurrent", d.drv.cuCtxSetCurrent, d.ctx); err != nil {
+	d.args.sys[0] = d.ctx
+	if err := d.sys("cuCtxSetCurrent", d.drv.cuCtxSetCurrent, 1); err != nil {
 		runtime.UnlockOSThread()
 		d.mu.Unlock()
-		return nil, fmt.Errorf("cuda: %w", err)
+		return fmt.Errorf("cuda: %w", err)
 	}
-	return d.leave, nil
+	return nil
+}
+
+// sys calls fn with the first n arguments in d.args.sys, which the caller
+// has set, and turns a non-zero CUresult into an *Error. Unlike call it
+// allocates nothing (the arguments live in d.args); objects whose address
+// an argument holds must be kept alive by the caller (runtime.KeepAlive)
+// until it returns. The caller holds the lock.
+func (d *Device) sys(name string, fn uintptr, n int) error {
+	r, _, _ := purego.SyscallN(fn, d.args.sys[:n]...)
+	if res := result(int32(r)); res != errSuccess {
+		return &Error{Func: name, Code: int(res)}
+	}
+	return nil
 }
 
 func (d *Device) leave() {
@@ -404,12 +421,12 @@ func (b *buffer) Free() error {
 	if d == nil {
 		return nil
 	}
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		b.dev = nil // the device is closed and has freed it
 		return nil
 	}
-	defer leave()
+	defer d.leave()
 	delete(d.bufs, b)
 	b.dev = nil
 	if b.ptr == 0 {
@@ -429,11 +446,11 @@ func (d *Device) Alloc(n int) (accel.Buffer, error) {
 	if n < 0 {
 		return nil, fmt.Errorf("cuda: alloc of %d bytes", n)
 	}
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		return nil, err
 	}
-	defer leave()
+	defer d.leave()
 	b := &buffer{dev: d, n: n}
 	if n > 0 {
 		if err := call("cuMemAlloc_v2", d.drv.cuMemAlloc, uintptr(unsafe.Pointer(&d.args.out)), uintptr(n)); err != nil {
@@ -469,12 +486,12 @@ func (h *hostBuffer) Free() error {
 	if d == nil {
 		return nil
 	}
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		h.dev, h.bytes = nil, nil // the device is closed and has freed it
 		return nil
 	}
-	defer leave()
+	defer d.leave()
 	delete(d.host, h)
 	p := unsafe.SliceData(h.bytes)
 	h.dev, h.bytes = nil, nil
@@ -494,11 +511,11 @@ func (d *Device) AllocHost(n int) (accel.HostBuffer, error) {
 	if n < 0 {
 		return nil, fmt.Errorf("cuda: host alloc of %d bytes", n)
 	}
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		return nil, err
 	}
-	defer leave()
+	defer d.leave()
 	h := &hostBuffer{dev: d}
 	if n > 0 {
 		var p unsafe.Pointer
@@ -538,11 +555,11 @@ func (d *Device) ptrOf(what string, s accel.Span, floats bool) (uint64, error) {
 // page-locked memory of AllocHost, which the copy reads by DMA after
 // CopyIn has returned (see accel.HostAllocator).
 func (d *Device) CopyIn(dst accel.Span, src []byte) error {
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		return err
 	}
-	defer leave()
+	defer d.leave()
 	p, err := d.ptrOf("copy-in destination", dst, false)
 	if err != nil {
 		return err
@@ -553,7 +570,11 @@ func (d *Device) CopyIn(dst accel.Span, src []byte) error {
 	if len(src) == 0 {
 		return nil
 	}
-	if err := call("cuMemcpyHtoDAsync_v2", d.drv.cuMemcpyHtoDAsync, uintptr(p), uintptr(unsafe.Pointer(&src[0])), uintptr(len(src)), d.stream); err != nil {
+	a := &d.args.sys
+	a[0], a[1], a[2], a[3] = uintptr(p), uintptr(unsafe.Pointer(&src[0])), uintptr(len(src)), d.stream
+	err = d.sys("cuMemcpyHtoDAsync_v2", d.drv.cuMemcpyHtoDAsync, 4)
+	runtime.KeepAlive(src)
+	if err != nil {
 		return fmt.Errorf("cuda: %w", err)
 	}
 	if d.pageLocked(src) {
@@ -577,11 +598,11 @@ func (d *Device) pageLocked(b []byte) bool {
 
 // CopyOut copies src into dst and waits for the copy.
 func (d *Device) CopyOut(dst []byte, src accel.Span) error {
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		return err
 	}
-	defer leave()
+	defer d.leave()
 	p, err := d.ptrOf("copy-out source", src, false)
 	if err != nil {
 		return err
@@ -592,21 +613,26 @@ func (d *Device) CopyOut(dst []byte, src accel.Span) error {
 	if len(dst) == 0 {
 		return nil
 	}
-	if err := call("cuMemcpyDtoHAsync_v2", d.drv.cuMemcpyDtoHAsync, uintptr(unsafe.Pointer(&dst[0])), uintptr(p), uintptr(len(dst)), d.stream); err != nil {
-		return fmt.Errorf("cuda: %w", err)
+	a := &d.args.sys
+	a[0], a[1], a[2], a[3] = uintptr(unsafe.Pointer(&dst[0])), uintptr(p), uintptr(len(dst)), d.stream
+	if err = d.sys("cuMemcpyDtoHAsync_v2", d.drv.cuMemcpyDtoHAsync, 4); err != nil {
+		err = fmt.Errorf("cuda: %w", err)
+	} else {
+		err = d.sync()
 	}
-	return d.sync()
+	runtime.KeepAlive(dst)
+	return err
 }
 
 // CopyOutRows copies rows of width bytes from the device span src (row r
 // at byte r*srcPitch) to dst (at r*dstPitch) in one cuMemcpy2DAsync, and
 // waits for it.
 func (d *Device) CopyOutRows(dst []byte, dstPitch int, src accel.Span, srcPitch, width, rows int) error {
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		return err
 	}
-	defer leave()
+	defer d.leave()
 	p, err := d.ptrOf("copy-out-rows source", src, false)
 	if err != nil {
 		return err
@@ -620,7 +646,8 @@ func (d *Device) CopyOutRows(dst []byte, dstPitch int, src accel.Span, srcPitch,
 	d.args.rows = memcpy2D{srcMemoryType: memoryDevice, srcDevice: p, srcPitch: uint64(srcPitch),
 		dstMemoryType: memoryHost, dstHost: uintptr(unsafe.Pointer(&dst[0])), dstPitch: uint64(dstPitch),
 		widthInBytes: uint64(width), height: uint64(rows)}
-	err = call("cuMemcpy2DAsync_v2", d.drv.cuMemcpy2DAsync, uintptr(unsafe.Pointer(&d.args.rows)), d.stream)
+	d.args.sys[0], d.args.sys[1] = uintptr(unsafe.Pointer(&d.args.rows)), d.stream
+	err = d.sys("cuMemcpy2DAsync_v2", d.drv.cuMemcpy2DAsync, 2)
 	if err == nil {
 		err = d.sync()
 	}
@@ -636,11 +663,11 @@ func (d *Device) CopyOutRows(dst []byte, dstPitch int, src accel.Span, srcPitch,
 // cuMemcpy2DAsync, and waits for it unless src is page-locked memory of
 // AllocHost (see CopyIn).
 func (d *Device) CopyInRows(dst accel.Span, dstPitch int, src []byte, srcPitch, width, rows int) error {
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		return err
 	}
-	defer leave()
+	defer d.leave()
 	p, err := d.ptrOf("copy-in-rows destination", dst, false)
 	if err != nil {
 		return err
@@ -654,7 +681,8 @@ func (d *Device) CopyInRows(dst accel.Span, dstPitch int, src []byte, srcPitch, 
 	d.args.rows = memcpy2D{srcMemoryType: memoryHost, srcHost: uintptr(unsafe.Pointer(&src[0])), srcPitch: uint64(srcPitch),
 		dstMemoryType: memoryDevice, dstDevice: p, dstPitch: uint64(dstPitch),
 		widthInBytes: uint64(width), height: uint64(rows)}
-	err = call("cuMemcpy2DAsync_v2", d.drv.cuMemcpy2DAsync, uintptr(unsafe.Pointer(&d.args.rows)), d.stream)
+	d.args.sys[0], d.args.sys[1] = uintptr(unsafe.Pointer(&d.args.rows)), d.stream
+	err = d.sys("cuMemcpy2DAsync_v2", d.drv.cuMemcpy2DAsync, 2)
 	if err == nil && !d.pageLocked(src[:(rows-1)*srcPitch+width]) {
 		err = d.sync()
 	}
@@ -667,11 +695,11 @@ func (d *Device) CopyInRows(dst accel.Span, dstPitch int, src []byte, srcPitch, 
 
 // Copy copies src into dst on the device.
 func (d *Device) Copy(dst, src accel.Span) error {
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		return err
 	}
-	defer leave()
+	defer d.leave()
 	q, err := d.ptrOf("copy destination", dst, false)
 	if err != nil {
 		return err
@@ -686,7 +714,9 @@ func (d *Device) Copy(dst, src accel.Span) error {
 	if dst.Len == 0 {
 		return nil
 	}
-	if err := call("cuMemcpyDtoDAsync_v2", d.drv.cuMemcpyDtoDAsync, uintptr(q), uintptr(p), uintptr(dst.Len), d.stream); err != nil {
+	a := &d.args.sys
+	a[0], a[1], a[2], a[3] = uintptr(q), uintptr(p), uintptr(dst.Len), d.stream
+	if err := d.sys("cuMemcpyDtoDAsync_v2", d.drv.cuMemcpyDtoDAsync, 4); err != nil {
 		return fmt.Errorf("cuda: %w", err)
 	}
 	return nil
@@ -694,11 +724,11 @@ func (d *Device) Copy(dst, src accel.Span) error {
 
 // Zero clears dst.
 func (d *Device) Zero(dst accel.Span) error {
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		return err
 	}
-	defer leave()
+	defer d.leave()
 	p, err := d.ptrOf("zero", dst, false)
 	if err != nil {
 		return err
@@ -706,7 +736,9 @@ func (d *Device) Zero(dst accel.Span) error {
 	if dst.Len == 0 {
 		return nil
 	}
-	if err := call("cuMemsetD8Async", d.drv.cuMemsetD8Async, uintptr(p), 0, uintptr(dst.Len), d.stream); err != nil {
+	a := &d.args.sys
+	a[0], a[1], a[2], a[3] = uintptr(p), 0, uintptr(dst.Len), d.stream
+	if err := d.sys("cuMemsetD8Async", d.drv.cuMemsetD8Async, 4); err != nil {
 		return fmt.Errorf("cuda: %w", err)
 	}
 	return nil
@@ -715,10 +747,8 @@ func (d *Device) Zero(dst accel.Span) error {
 // launch starts fn on grid blocks of blockSize threads with the first
 // nargs parameters in d.args.vals.
 func (d *Device) launch(name string, fn uintptr, grid int) error {
-	err := call("cuLaunchKernel", d.drv.cuLaunchKernel, fn,
-		uintptr(grid), 1, 1, blockSize, 1, 1, 0, d.stream,
-		uintptr(unsafe.Pointer(&d.args.ptrs[0])), 0)
-	if err != nil {
+	d.args.sys = [11]uintptr{fn, uintptr(grid), 1, 1, blockSize, 1, 1, 0, d.stream, uintptr(unsafe.Pointer(&d.args.ptrs[0])), 0}
+	if err := d.sys("cuLaunchKernel", d.drv.cuLaunchKernel, 11); err != nil {
 		return fmt.Errorf("cuda: launching %s: %w", name, err)
 	}
 	return nil
@@ -735,11 +765,11 @@ func (d *Device) gridFor(items int, perSM int) int {
 // kernel (which sums the norm's partial sums itself), and waits for the
 // scale.
 func (d *Device) Compress(packed, residual, input accel.Span) (float32, error) {
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		return 0, err
 	}
-	defer leave()
+	defer d.leave()
 	r, err := d.ptrOf("compress residual", residual, true)
 	if err != nil {
 		return 0, err
@@ -775,7 +805,9 @@ func (d *Device) Compress(packed, residual, input accel.Span) (float32, error) {
 	if err := d.launch("lowbit_pack_residual", d.fnPack, packGrid); err != nil {
 		return 0, err
 	}
-	if err := call("cuMemcpyDtoHAsync_v2", d.drv.cuMemcpyDtoHAsync, uintptr(unsafe.Pointer(&d.args.scale)), uintptr(d.scratch+d.scaleOffset), 4, d.stream); err != nil {
+	sa := &d.args.sys
+	sa[0], sa[1], sa[2], sa[3] = uintptr(unsafe.Pointer(&d.args.scale)), uintptr(d.scratch+d.scaleOffset), 4, d.stream
+	if err := d.sys("cuMemcpyDtoHAsync_v2", d.drv.cuMemcpyDtoHAsync, 4); err != nil {
 		return 0, fmt.Errorf("cuda: %w", err)
 	}
 	if err := d.sync(); err != nil {
@@ -787,11 +819,11 @@ func (d *Device) Compress(packed, residual, input accel.Span) (float32, error) {
 // CompressCarried runs the one-pass carry-and-pack kernel, then the
 // one-block kernel that sums its partial norms, and waits for the scale.
 func (d *Device) CompressCarried(packed, carried accel.Span, prevScale float32, input accel.Span) (float32, error) {
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		return 0, err
 	}
-	defer leave()
+	defer d.leave()
 	x, p, err := d.kernelArgs("compress-carried", "compress-carried x", "compress-carried packed", carried, packed)
 	if err != nil {
 		return 0, err
@@ -815,11 +847,11 @@ func (d *Device) CompressCarried(packed, carried accel.Span, prevScale float32, 
 // SumCompressCarried runs the one-pass kernel that sums the chunks, carries
 // and packs, then the one-block norm kernel, and waits for the scale.
 func (d *Device) SumCompressCarried(packed, carried accel.Span, prevScale float32, chunks, scales accel.Span) (float32, error) {
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		return 0, err
 	}
-	defer leave()
+	defer d.leave()
 	x, p, err := d.kernelArgs("sum-compress-carried", "sum-compress-carried x", "sum-compress-carried packed", carried, packed)
 	if err != nil {
 		return 0, err
@@ -876,7 +908,9 @@ func (d *Device) carry(kernel string, fn uintptr, perSM, n, partials int) (float
 	if err := d.launch("lowbit_scale", d.fnScale, 1); err != nil {
 		return 0, err
 	}
-	if err := call("cuMemcpyDtoHAsync_v2", d.drv.cuMemcpyDtoHAsync, uintptr(unsafe.Pointer(&d.args.scale)), uintptr(d.scratch+d.scaleOffset), 4, d.stream); err != nil {
+	sa := &d.args.sys
+	sa[0], sa[1], sa[2], sa[3] = uintptr(unsafe.Pointer(&d.args.scale)), uintptr(d.scratch+d.scaleOffset), 4, d.stream
+	if err := d.sys("cuMemcpyDtoHAsync_v2", d.drv.cuMemcpyDtoHAsync, 4); err != nil {
 		return 0, fmt.Errorf("cuda: %w", err)
 	}
 	if err := d.sync(); err != nil {
@@ -896,11 +930,11 @@ func (d *Device) UnpackScaleAdd(acc, packed accel.Span, scale float32) error {
 }
 
 func (d *Device) unpack(kernel string, fn uintptr, dstName, packedName string, dst, packed accel.Span, scale float32) error {
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		return err
 	}
-	defer leave()
+	defer d.leave()
 	x, p, err := d.kernelArgs(kernel, dstName, packedName, dst, packed)
 	if err != nil {
 		return err
@@ -918,11 +952,11 @@ func (d *Device) unpack(kernel string, fn uintptr, dstName, packedName string, d
 // signs, in one launch: blocks per chunk, chunk after chunk, each reading
 // its chunk's scale from device memory.
 func (d *Device) UnpackScaleChunks(dst, packed accel.Span, chunk int, scales accel.Span) error {
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		return err
 	}
-	defer leave()
+	defer d.leave()
 	const op = "unpack-scale-chunks"
 	x, p, err := d.kernelArgs(op, "unpack-scale-chunks destination", "unpack-scale-chunks packed", dst, packed)
 	if err != nil {
@@ -951,7 +985,8 @@ func (d *Device) UnpackScaleChunks(dst, packed accel.Span, chunk int, scales acc
 
 // sync waits for the stream; the caller holds the lock.
 func (d *Device) sync() error {
-	if err := call("cuStreamSynchronize", d.drv.cuStreamSynchronize, d.stream); err != nil {
+	d.args.sys[0] = d.stream
+	if err := d.sys("cuStreamSynchronize", d.drv.cuStreamSynchronize, 1); err != nil {
 		return fmt.Errorf("cuda: %w", err)
 	}
 	return nil
@@ -959,11 +994,11 @@ func (d *Device) sync() error {
 
 // Synchronize waits for every operation called so far.
 func (d *Device) Synchronize() error {
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		return err
 	}
-	defer leave()
+	defer d.leave()
 	return d.sync()
 }
 
@@ -971,11 +1006,11 @@ func (d *Device) Synchronize() error {
 // context reference. Using the device or its buffers afterwards is an
 // error.
 func (d *Device) Close() error {
-	leave, err := d.enter()
+	err := d.enter()
 	if err != nil {
 		return nil // already closed
 	}
-	defer leave()
+	defer d.leave()
 	err = d.release()
 	d.closed = true
 	return err
