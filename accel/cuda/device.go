@@ -1,10 +1,10 @@
 package cuda
 
 import (
-	"github.com/ebitengine/purego"
 	_ "embed"
 	"errors"
 	"fmt"
+	"github.com/ebitengine/purego"
 	"math"
 	"os"
 	"runtime"
