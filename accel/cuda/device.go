@@ -4,13 +4,14 @@ import (
 	_ "embed"
 	"errors"
 	"fmt"
-	"github.com/ebitengine/purego"
 	"math"
 	"os"
 	"runtime"
 	"strconv"
 	"sync"
 	"unsafe"
+
+	"github.com/ebitengine/purego"
 
 	"github.com/lowbit-ml/lowbit/accel"
 )
