@@ -54,13 +54,10 @@ type DeviceState struct {
 	// of wire, which are laid out (pieces, headers) exactly as AllReduce's
 	// so that device and host ranks work together; in phase 1 the W
 	// scales of recvScales (phase 2: of allScales) follow them, from byte
-	// scalesAt. Where the device allocates page-locked host memory, stage
-	// is such memory (host), which the device's copies move by DMA, and
-	// the server's packed signs come back through it, from byte serverAt.
+	// scalesAt.
 	stage    []byte
 	scalesAt int
-	serverAt int // 0: the server's signs are copied out into the wire's message directly
-	host     accel.HostBuffer
+	host     accel.HostBuffer // page-locked memory holding stage and the wire's buffers, or nil
 	wire     State
 
 	// rows is the device's row copies where it has them: the packed
@@ -115,13 +112,6 @@ func NewDeviceState(dev accel.Device, numel, world int) (*DeviceState, error) {
 			*b = mem[at : at+n : at+n]
 			at += (n + 63) &^ 63
 		}
-	case pinned && numel > 0:
-		st.serverAt = (wireLen + 3) &^ 3
-		h, err := ha.AllocHost(st.serverAt + c/8)
-		if err != nil {
-			return nil, fmt.Errorf("onebit: device state for %d elements: %w", numel, err)
-		}
-		st.host, st.stage = h, h.Bytes()
 	default:
 		st.stage = make([]byte, wireLen)
 	}
@@ -246,15 +236,8 @@ func (s *DeviceState) server(dev accel.Device, w int) (float32, error) {
 		return 0, fmt.Errorf("onebit: server compression: %w", err)
 	}
 	s.serverScale = scale
-	out := s.wire.serverMsg[4:]
-	if s.serverAt > 0 {
-		out = s.stage[s.serverAt : s.serverAt+len(out)]
-	}
-	if err := dev.CopyOut(out, s.serverSigns); err != nil {
+	if err := dev.CopyOut(s.wire.serverMsg[4:], s.serverSigns); err != nil {
 		return 0, fmt.Errorf("onebit: server signs to host: %w", err)
-	}
-	if s.serverAt > 0 {
-		copy(s.wire.serverMsg[4:], out)
 	}
 	return scale, nil
 }
@@ -263,15 +246,10 @@ func (s *DeviceState) server(dev accel.Device, w int) (float32, error) {
 // by W on the device: with row copies straight from the wire's buffers,
 // else gathered into stage (fromWire) and copied in one piece.
 func (s *DeviceState) received(dev accel.Device, w int) error {
-	at := s.scalesAt
-	if s.rows != nil {
-		at = 0
-	} else {
+	if s.rows == nil {
 		s.fromWire(false)
 	}
-	for j := range w {
-		binary.LittleEndian.PutUint32(s.stage[at+4*j:], math.Float32bits(s.wire.wscales[j]/float32(w)))
-	}
+	s.putScales(s.wire.wscales, float32(w))
 	if s.rows == nil {
 		return dev.CopyIn(s.recv, s.stage[:s.recv.Len])
 	}
@@ -284,6 +262,19 @@ func (s *DeviceState) received(dev accel.Device, w int) error {
 		}
 	}
 	return dev.CopyIn(s.recvScales, s.stage[:4*w])
+}
+
+// putScales writes v[j]/div, for every rank j, where stage holds the
+// scales of a copy to the device: after the signs, or, with row copies,
+// alone.
+func (s *DeviceState) putScales(v []float32, div float32) {
+	at := s.scalesAt
+	if s.rows != nil {
+		at = 0
+	}
+	for j, x := range v {
+		binary.LittleEndian.PutUint32(s.stage[at+4*j:], math.Float32bits(x/div))
+	}
 }
 
 // sent puts the packed worker signs (on the device, chunk after chunk)
@@ -499,15 +490,9 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 	// elements replace buf. A device that unpacks every chunk in one
 	// operation gets the signs and the scales in one copy.
 	if cu, ok := dev.(accel.ChunkUnpacker); ok {
-		at := st.scalesAt
-		if st.rows != nil {
-			at = 0 // the signs are on the device already
-		}
-		for j, s := range wire.scales {
-			binary.LittleEndian.PutUint32(st.stage[at+4*j:], math.Float32bits(s))
-		}
+		st.putScales(wire.scales, 1)
 		var err error
-		if st.rows != nil {
+		if st.rows != nil { // the signs are on the device already
 			err = dev.CopyIn(st.allScales, st.stage[:4*w])
 		} else {
 			err = dev.CopyIn(st.all, st.stage[:st.all.Len])
@@ -523,8 +508,10 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 		}
 		return nil
 	}
-	if err := dev.CopyIn(st.allSigns, st.stage[:n/8]); err != nil {
-		return fmt.Errorf("onebit: gathered signs to device: %w", err)
+	if st.rows == nil { // else the signs are on the device already
+		if err := dev.CopyIn(st.allSigns, st.stage[:n/8]); err != nil {
+			return fmt.Errorf("onebit: gathered signs to device: %w", err)
+		}
 	}
 	for j := 0; j < w; j++ {
 		lo := j * chunkLen

@@ -161,6 +161,13 @@ plan_step() {
 			}'
 }
 
+# ratio RATE A NAME: the first run at RATE's time to target of optimizer A
+# over NAME's ("-" where either did not reach it).
+ratio() {
+	awk -v r="$1" -v a="$2" -v n="$3" '$1 == r && $2 ~ /run1$/ && $3 == a { ta = $8 } $1 == r && $2 ~ /run1$/ && $3 == n { tn = $8 }
+		END { if (ta == "" || tn == "" || ta == "null" || tn == "null") print "-"; else printf "%.2fx\n", ta / tn }' "$OUT/cells.txt"
+}
+
 {
 	printf "\ndemo-gpt-rates: GPT (%s parameters), %d MPI ranks, one shaped loopback per rate shared by all ranks; target validation loss %s; %s steps; outer: %s\n" \
 		"$params" "$NP" "$TARGET" "$STEPS" "$OUTER"
@@ -188,11 +195,8 @@ plan_step() {
 			done <"$OUT/cells.txt"
 			[ -n "$times" ] || continue
 			read -r fvl fsent < <(awk -v r="$full" -v n="$name" '$1 == r && $3 == n && $2 ~ /run1$/ { printf "%.4f %s\n", $4, ($10 >= 1e6 ? sprintf("%.1fMB", $10 / 1e6) : sprintf("%.1fkB", $10 / 1e3)) }' "$OUT/cells.txt")
-			ratio() { # first run's time to target of $1 over name's
-				awk -v r="$rate" -v a="$1" -v n="$name" '$1 == r && $2 ~ /run1$/ && $3 == a { ta = $8 } $1 == r && $2 ~ /run1$/ && $3 == n { tn = $8 }
-					END { if (ta == "" || tn == "" || ta == "null" || tn == "null") print "-"; else printf "%.2fx\n", ta / tn }' "$OUT/cells.txt"
-			}
-			printf "%-8s %-13s %27s %8s %9s %9s %12s %6s %10s %10s\n" "$rate" "$name" "$times ($steps)" "$(ratio adam)" "$(ratio onebit-adam)" "$fvl" "$fsent" "$util" "$stepm" "$plan"
+			printf "%-8s %-13s %27s %8s %9s %9s %12s %6s %10s %10s\n" "$rate" "$name" "$times ($steps)" \
+				"$(ratio "$rate" adam "$name")" "$(ratio "$rate" onebit-adam "$name")" "$fvl" "$fsent" "$util" "$stepm" "$plan"
 		done
 	done
 	echo "time to target: training time (validation excluded) to the first validation at or below the target, every run of the rate; vs adam, vs 1-bit: the first run's time of adam or onebit-adam over this one's (n/r: not reached)."

@@ -118,7 +118,8 @@ type Device struct {
 // out-parameters, so that a launch allocates nothing.
 type launchArgs struct {
 	vals  [9]uint64
-	sys   [11]uintptr // arguments of Device.sys
+	sys   [11]uintptr    // arguments of Device.sys
+	host  unsafe.Pointer // the host memory of the copy in the call (Device.hostAddr)
 	ptrs  [9]unsafe.Pointer
 	out   uint64 // CUdeviceptr, CUmodule, CUfunction, CUcontext, CUstream
 	i32   int32
@@ -389,11 +390,20 @@ func (d *Device) enter() error {
 	return nil
 }
 
+// hostAddr is the address of b's first byte for a driver argument. It
+// also holds b in d.args until leave: so b stays alive through the call,
+// and, stored in the heap, b cannot be on a goroutine stack that moves
+// while the driver holds its address.
+func (d *Device) hostAddr(b []byte) uintptr {
+	d.args.host = unsafe.Pointer(unsafe.SliceData(b))
+	return uintptr(d.args.host)
+}
+
 // sys calls fn with the first n arguments in d.args.sys, which the caller
 // has set, and turns a non-zero CUresult into an *Error. Unlike call it
-// allocates nothing (the arguments live in d.args); objects whose address
-// an argument holds must be kept alive by the caller (runtime.KeepAlive)
-// until it returns. The caller holds the lock.
+// allocates nothing (the arguments live in d.args); host memory whose
+// address an argument holds goes through hostAddr. The caller holds the
+// lock.
 func (d *Device) sys(name string, fn uintptr, n int) error {
 	r, _, _ := purego.SyscallN(fn, d.args.sys[:n]...)
 	if res := result(int32(r)); res != errSuccess {
@@ -403,6 +413,7 @@ func (d *Device) sys(name string, fn uintptr, n int) error {
 }
 
 func (d *Device) leave() {
+	d.args.host = nil
 	runtime.UnlockOSThread()
 	d.mu.Unlock()
 }
@@ -572,9 +583,8 @@ func (d *Device) CopyIn(dst accel.Span, src []byte) error {
 		return nil
 	}
 	a := &d.args.sys
-	a[0], a[1], a[2], a[3] = uintptr(p), uintptr(unsafe.Pointer(&src[0])), uintptr(len(src)), d.stream
+	a[0], a[1], a[2], a[3] = uintptr(p), d.hostAddr(src), uintptr(len(src)), d.stream
 	err = d.sys("cuMemcpyHtoDAsync_v2", d.drv.cuMemcpyHtoDAsync, 4)
-	runtime.KeepAlive(src)
 	if err != nil {
 		return fmt.Errorf("cuda: %w", err)
 	}
@@ -615,13 +625,12 @@ func (d *Device) CopyOut(dst []byte, src accel.Span) error {
 		return nil
 	}
 	a := &d.args.sys
-	a[0], a[1], a[2], a[3] = uintptr(unsafe.Pointer(&dst[0])), uintptr(p), uintptr(len(dst)), d.stream
+	a[0], a[1], a[2], a[3] = d.hostAddr(dst), uintptr(p), uintptr(len(dst)), d.stream
 	if err = d.sys("cuMemcpyDtoHAsync_v2", d.drv.cuMemcpyDtoHAsync, 4); err != nil {
 		err = fmt.Errorf("cuda: %w", err)
 	} else {
 		err = d.sync()
 	}
-	runtime.KeepAlive(dst)
 	return err
 }
 
@@ -645,14 +654,13 @@ func (d *Device) CopyOutRows(dst []byte, dstPitch int, src accel.Span, srcPitch,
 		return nil
 	}
 	d.args.rows = memcpy2D{srcMemoryType: memoryDevice, srcDevice: p, srcPitch: uint64(srcPitch),
-		dstMemoryType: memoryHost, dstHost: uintptr(unsafe.Pointer(&dst[0])), dstPitch: uint64(dstPitch),
+		dstMemoryType: memoryHost, dstHost: d.hostAddr(dst), dstPitch: uint64(dstPitch),
 		widthInBytes: uint64(width), height: uint64(rows)}
 	d.args.sys[0], d.args.sys[1] = uintptr(unsafe.Pointer(&d.args.rows)), d.stream
 	err = d.sys("cuMemcpy2DAsync_v2", d.drv.cuMemcpy2DAsync, 2)
 	if err == nil {
 		err = d.sync()
 	}
-	runtime.KeepAlive(dst)
 	if err != nil {
 		return fmt.Errorf("cuda: %w", err)
 	}
@@ -679,7 +687,7 @@ func (d *Device) CopyInRows(dst accel.Span, dstPitch int, src []byte, srcPitch, 
 	if rows == 0 || width == 0 {
 		return nil
 	}
-	d.args.rows = memcpy2D{srcMemoryType: memoryHost, srcHost: uintptr(unsafe.Pointer(&src[0])), srcPitch: uint64(srcPitch),
+	d.args.rows = memcpy2D{srcMemoryType: memoryHost, srcHost: d.hostAddr(src), srcPitch: uint64(srcPitch),
 		dstMemoryType: memoryDevice, dstDevice: p, dstPitch: uint64(dstPitch),
 		widthInBytes: uint64(width), height: uint64(rows)}
 	d.args.sys[0], d.args.sys[1] = uintptr(unsafe.Pointer(&d.args.rows)), d.stream
@@ -687,7 +695,6 @@ func (d *Device) CopyInRows(dst accel.Span, dstPitch int, src []byte, srcPitch, 
 	if err == nil && !d.pageLocked(src[:(rows-1)*srcPitch+width]) {
 		err = d.sync()
 	}
-	runtime.KeepAlive(src)
 	if err != nil {
 		return fmt.Errorf("cuda: %w", err)
 	}
