@@ -53,6 +53,11 @@ type State struct {
 	pieceBytes   int // packed bytes of every piece of a chunk but the last
 	mid          int // pipelined: the worker scales travel with this piece
 
+	// The cut of setPieces, which a tuning State uses on the calls that
+	// send pieces (tune.go), and the tuner.
+	pipePieces, pipePieceBytes, pipeMid int
+	tune                                tuner
+
 	// norms sums the squares of x = pad(buf) + worker_error, one run per
 	// chunk, so that a pipelined call, which forms x piece by piece, gets
 	// the same worker scale as an unpipelined one.
@@ -123,9 +128,11 @@ type workerSource interface {
 
 // headerLen is the bytes each rank contributes to the header all-gather:
 // its worker scale (little-endian float32; 0 in a pipelined call, whose
-// scales travel later) and the tensor length it called with (little-endian
-// uint64), so that mismatched sizes are caught on every rank even when they
-// pad to the same N.
+// scales travel later) and a little-endian uint64 whose low 40 bits are
+// the tensor length it called with, so that mismatched sizes are caught on
+// every rank even when they pad to the same N, and whose high 24 bits are
+// the fields of the choice between whole chunks and pieces (tune.go): this
+// call's pieces per chunk and how long the rank's previous call took.
 const headerLen = 4 + 8
 
 // pieceTarget is the packed bytes per destination a piece of a pipelined
@@ -144,8 +151,8 @@ const (
 // NewState returns zeroed error buffers and scratch for a tensor of numel
 // elements on a group of world ranks.
 func NewState(numel, world int) (*State, error) {
-	if numel < 0 || world < 1 {
-		return nil, fmt.Errorf("onebit: invalid state size: %d elements on %d ranks", numel, world)
+	if numel < 0 || world < 1 || uint64(numel) > lenMask {
+		return nil, fmt.Errorf("onebit: invalid state size: %d elements on %d ranks (at most 2^40 elements)", numel, world)
 	}
 	n := PaddedLen(numel, world)
 	st := &State{
@@ -213,6 +220,7 @@ func (st *State) setPieces(k, world int) {
 		st.scratch, st.midSend, st.midRecv = nil, nil, nil
 		st.ready, st.done = nil, nil
 	}
+	st.pipePieces, st.pipePieceBytes, st.pipeMid = st.pieces, st.pieceBytes, st.mid
 }
 
 // Scale chooses how the compressed allreduce scales the signs it sends.
@@ -276,6 +284,18 @@ func (s *State) Reset() {
 // runs its collectives on a goroutine of its own while the caller's
 // goroutine computes; it returns only after that goroutine is done with c.
 //
+// Whether pieces pay depends on the link and the CPU: on a slow link they
+// hide the compression behind the wire, on a fast one (or shared memory)
+// the extra collectives and the waiting goroutine cost more than they
+// hide. So a State large enough for pieces chooses, call by call, between
+// pieces and whole chunks by how long its earlier calls took on the rank
+// that waited least for the others: every call's header carries
+// each rank's time of its previous call, so every rank takes the same
+// decision (tune.go). The first TuningCalls calls try both ways; after
+// that the faster one runs, and two calls in every 32 the other, to follow
+// a change. SetPieces fixes the cut instead; States whose output stays
+// packed (the compact and sharded modes) keep their pieces.
+//
 // With one rank the call still compresses (the output is the
 // error-compensated sign compression of buf, as in the reference);
 // optimizers skip the call when W = 1. With an empty buf it zeroes both
@@ -312,7 +332,9 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 // allReduce is AllReduce once its arguments are known to be good and buf
 // not empty; with buf nil, x is taken as the worker error buffer holds it
 // (the sharded mode adds its input there itself).
-func (st *State) allReduce(ctx context.Context, c comm.Comm, buf []float32) error {
+func (st *State) allReduce(ctx context.Context, c comm.Comm, buf []float32) (err error) {
+	st.beginCall()
+	defer func() { st.endCall(err) }()
 	w := st.world
 	chunkLen := len(st.ServerError)
 	k := st.pieces
@@ -870,7 +892,7 @@ func refuse(ctx context.Context, c comm.Comm, bad error) error {
 // every rank's scale in st.wscales.
 func (st *State) exchangeHeader(ctx context.Context, c comm.Comm, scale float32) error {
 	binary.LittleEndian.PutUint32(st.header[0:4], math.Float32bits(scale))
-	binary.LittleEndian.PutUint64(st.header[4:12], uint64(st.numel))
+	binary.LittleEndian.PutUint64(st.header[4:12], uint64(st.numel)|st.tuning())
 	t := st.start()
 	if err := c.AllGatherBytes(ctx, st.header, st.headers); err != nil {
 		return err
@@ -881,12 +903,15 @@ func (st *State) exchangeHeader(ctx context.Context, c comm.Comm, scale float32)
 			return fmt.Errorf("onebit: rank %d refused the call (bad arguments or a failure of its own; its error says which)", j)
 		}
 	}
-	want := binary.LittleEndian.Uint64(st.headers[4:])
+	want := binary.LittleEndian.Uint64(st.headers[4:]) & lenMask
 	for j := 1; j < st.world; j++ {
-		if got := binary.LittleEndian.Uint64(st.headers[j*headerLen+4:]); got != want {
+		if got := binary.LittleEndian.Uint64(st.headers[j*headerLen+4:]) & lenMask; got != want {
 			return &comm.MismatchError{Collective: comm.CAllGather, What: "onebit tensor length",
 				Rank: j, Got: int(got), Want: int(want)}
 		}
+	}
+	if err := st.takeTuning(); err != nil {
+		return err
 	}
 	for j := range st.wscales {
 		st.wscales[j] = math.Float32frombits(binary.LittleEndian.Uint32(st.headers[j*headerLen:]))

@@ -74,8 +74,8 @@ func NewDeviceState(dev accel.Device, numel, world int) (*DeviceState, error) {
 	if dev == nil {
 		return nil, fmt.Errorf("onebit: nil device")
 	}
-	if numel < 0 || world < 1 {
-		return nil, fmt.Errorf("onebit: invalid state size: %d elements on %d ranks", numel, world)
+	if numel < 0 || world < 1 || uint64(numel) > lenMask {
+		return nil, fmt.Errorf("onebit: invalid state size: %d elements on %d ranks (at most 2^40 elements)", numel, world)
 	}
 	n := PaddedLen(numel, world)
 	c := n / world
@@ -391,7 +391,7 @@ const failedScale = 0x7f80dead
 // arguments on one rank, and a failure of its device before the header
 // (the worker compression), are an error on every rank: that rank still
 // takes part in the header, marking the call as refused.
-func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *DeviceState) error {
+func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *DeviceState) (err error) {
 	if c == nil {
 		return fmt.Errorf("onebit: nil communicator")
 	}
@@ -414,6 +414,8 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 	}
 	dev := st.dev
 	wire := &st.wire
+	wire.beginCall()
+	defer func() { wire.endCall(err) }()
 	n := st.worker.Elems()
 	chunkLen := n / w
 	chunkBytes := chunkLen / 8

@@ -1,14 +1,42 @@
 package onebit
 
+// HeaderLen is the bytes each rank sends to each peer in a call's header.
+const HeaderLen = headerLen
+
 // SetPieces makes st travel in at most k pieces per chunk (1: no
 // pipelining), so that tests can pipeline small tensors.
-func SetPieces(st *State, k int) { st.setPieces(k, st.world) }
+func SetPieces(st *State, k int) { st.SetPieces(k) }
 
 // Pieces is the number of pieces st travels in.
 func Pieces(st *State) int { return st.pieces }
 
 // SetDevicePieces is SetPieces for a DeviceState's wire layout.
-func SetDevicePieces(st *DeviceState, k int) { st.wire.setPieces(k, st.world) }
+func SetDevicePieces(st *DeviceState, k int) { st.wire.SetPieces(k) }
 
 // AdamBucketStates is the State of every bucket of a.
 func AdamBucketStates(a *Adam) []*State { return a.bkt.states }
+
+// TunePieces cuts st's chunks into at most k pieces on the calls that send
+// pieces and lets the calls choose between those and whole chunks, as a
+// State large enough for pieces does, so that tests can tune small
+// tensors.
+func TunePieces(st *State, k int) {
+	st.setPieces(k, st.world)
+	st.tune = tuner{}
+}
+
+// TuneWay is the way the tuner picks for call u after recording the given
+// times (microseconds) of calls that sent pieces and of calls that sent
+// whole chunks.
+func TuneWay(u int, pieces, whole []uint64) bool {
+	var t tuner
+	for _, x := range pieces {
+		t.times[0][t.n[0]%tuneSamples] = x
+		t.n[0]++
+	}
+	for _, x := range whole {
+		t.times[1][t.n[1]%tuneSamples] = x
+		t.n[1]++
+	}
+	return t.decide(u)
+}

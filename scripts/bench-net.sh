@@ -22,6 +22,16 @@
 # down-cast allreduces against the float32 allreduce, each with its
 # relative error against the exact mean (--check).
 #
+# Then the 1-bit allreduce against the exact one at END on a fast link,
+# where the call is bound by memory traffic rather than the wire: the
+# loopback shaped to FAST (10gbit), and unshaped; each 1-bit row with the
+# memory bound lowbit bench prints (the bytes a rank must read and write at
+# the streaming bandwidth measured in the same run) and the share of it
+# reached, and the way the calls settled on (chunks whole or in pieces;
+# lowbit bench warms a 1-bit call up with onebit.TuningCalls calls at
+# least). Last, a small message unshaped (SMALL, 4Ki): the 1-bit call
+# against the exact one.
+#
 # Last, unless TWOLEVEL=0, it runs scripts/bench-twolevel.sh at QSIZE: the
 # two-level allreduce (and fp16, bf16) against the flat allreduce on 2
 # machines of QRPN ranks, each its own namespace, with only the link
@@ -33,7 +43,8 @@
 # FACTOR (2), WARMUP (1), ITERS (5) for the shaped sweep (the exact 64 MiB
 # allreduce takes about 3.2 s per call at 1 Gbit), QSIZE (END), QRPN (2)
 # for the quantized and down-cast run (about a minute at 64 MiB: the whole
-# script runs in about 2.5 minutes), ITERS_UNSHAPED (10), GO (go).
+# script runs in about 2.5 minutes), ITERS_UNSHAPED (10), FAST (10gbit),
+# SMALL (4Ki), GO (go).
 set -euo pipefail
 
 RATE=${RATE:-1gbit}
@@ -47,6 +58,8 @@ ITERS_UNSHAPED=${ITERS_UNSHAPED:-10}
 QSIZE=${QSIZE:-$END}
 QRPN=${QRPN:-2}
 TWOLEVEL=${TWOLEVEL:-1}
+FAST=${FAST:-10gbit}
+SMALL=${SMALL:-4Ki}
 GO=${GO:-go}
 
 . "$(dirname "$0")/lib/netns.sh"
@@ -74,10 +87,17 @@ netns_run ip netns exec "$ns" "${mpi[@]}" "${NETNS_MPI_LO[@]}" \
 	"$NETNS_TMP/lowbit" bench --backend mpi --ranks "$NP" --ranks-per-node "$QRPN" \
 	--collective reducescatter,qgz4,qgz8,allreduce,fp16,bf16 --check --csv \
 	--b "$QSIZE" --e "$QSIZE" --w "$WARMUP" --n "$ITERS" >"$NETNS_TMP/quant.csv"
+
+netns_shape "$ns" lo "$FAST"
+echo "bench-net: $NP ranks over TCP on the loopback shaped to $FAST, $END, $WARMUP warm-up + $ITERS_UNSHAPED timed iterations"
+netns_run ip netns exec "$ns" "${mpi[@]}" "${NETNS_MPI_LO[@]}" \
+	"${bench[@]}" --b "$END" --e "$END" --w "$WARMUP" --n "$ITERS_UNSHAPED" >"$NETNS_TMP/fast.csv"
 netns_del "$ns"
 
 echo "bench-net: $NP ranks unshaped (default transport), $END, $WARMUP warm-up + $ITERS_UNSHAPED timed iterations"
 netns_run "${mpi[@]}" "${bench[@]}" --b "$END" --e "$END" --w "$WARMUP" --n "$ITERS_UNSHAPED" >"$NETNS_TMP/unshaped.csv"
+echo "bench-net: $NP ranks unshaped, $SMALL, 10 warm-up + 200 timed iterations"
+netns_run "${mpi[@]}" "${bench[@]}" --b "$SMALL" --e "$SMALL" --w 10 --n 200 >"$NETNS_TMP/small.csv"
 
 # human X prints X bytes as 64M, 4K, 1G where it divides evenly (awk).
 human='function human(x) {
@@ -119,6 +139,30 @@ echo
 summary "shaped ($RATE loopback, TCP), $NP ranks:" "$NETNS_TMP/shaped.csv"
 echo
 summary "unshaped (shared memory), $NP ranks:" "$NETNS_TMP/unshaped.csv"
+echo
+summary "unshaped (shared memory), $NP ranks, small messages:" "$NETNS_TMP/small.csv"
+
+# bound TITLE FILE prints each 1-bit row's memory bound and the share of it
+# reached (lowbit bench's CSV in FILE).
+bound() {
+	awk -F, -v title="$1" "$human"'
+		NR == 1 {
+			for (i = 1; i <= NF; i++) col[$i] = i
+			if (!("mem_bound_share" in col) || !("pieces" in col)) { print "bench-net: unexpected CSV header: " $0 > "/dev/stderr"; exit 1 }
+			next
+		}
+		$col["collective"] == "onebit" {
+			printf "%s %s: 1-bit p50 %.2f ms, memory bound %.2f ms (%.1f MiB per rank at %.2f GB/s): %.0f%% of it reached; chunks %s\n",
+				title, human($col["bytes"]), $col["time_p50_us"] / 1000, $col["mem_bound_us"] / 1000,
+				$col["mem_bytes_per_rank"] / 1048576, $col["stream_gbps"], 100 * $col["mem_bound_share"],
+				($col["pieces"] == 1 ? "whole" : "in " $col["pieces"] " pieces")
+		}' "$2"
+}
+echo
+summary "shaped ($FAST loopback, TCP), $NP ranks:" "$NETNS_TMP/fast.csv"
+echo
+bound "$FAST" "$NETNS_TMP/fast.csv"
+bound "unshaped" "$NETNS_TMP/unshaped.csv"
 
 # The quantized and down-cast rows: each against its float32 baseline of
 # the same run.

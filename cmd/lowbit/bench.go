@@ -85,6 +85,7 @@ type benchConfig struct {
 	rpn         int    // qgz4, qgz8: ranks per node of the layout (0: the backend's nodes)
 	device      string // onebit on device-resident buffers (bench_device.go); "" for host buffers
 	trace       string // write a Chrome trace of the onebit calls here (bench_trace.go); "" for none
+	pieces      int    // onebit on host buffers: State.SetPieces (0: the calls choose)
 }
 
 // sizeSweep returns begin, begin*factor, ... up to end.
@@ -128,6 +129,7 @@ func parseBenchFlags(args []string, out io.Writer) (*benchConfig, error) {
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the run to `file` (mpi backend: file.rankN per rank)")
 	device := fs.String("device", "", deviceFlagHelp)
 	trace := fs.String("trace", "", "write a per-phase timeline of every timed onebit call on every rank to `file` (Chrome trace-event JSON) and print a per-phase summary")
+	pieces := fs.Int("pieces", 0, "onebit on host buffers: cut every chunk into at most this many pieces (1: whole; 0: the calls choose by their times)")
 	rpn := fs.Int("ranks-per-node", 0, "qgz4, qgz8, twolevel: ranks per node of the node-major layout (0: the ranks that share a machine; local backend: all)")
 	fs.Usage = func() {
 		fmt.Fprint(out, `usage: lowbit bench [flags]
@@ -157,7 +159,13 @@ bytes each rank must read and write in memory for one call (8n + 16N + 16C
 + 6N/8 + 2C/8 for n elements padded to N, C = N/W), the time they take at
 the streaming bandwidth each rank measured just before (each rank
 updating 128 MiB in place, all ranks at once, best of 10 passes; ranks on
-one machine), and the share of that bound the p50 reached.
+one machine), the share of that bound the p50 reached, and whether rank
+0's last call sent its chunks whole or in pieces (the calls choose by the
+times of earlier ones: see onebit.AllReduce); --csv adds the columns
+mem_bytes_per_rank, stream_gbps, mem_bound_us, mem_bound_share and pieces
+when onebit runs on host buffers. onebit warms up with at least
+onebit.TuningCalls calls (7), whatever --w says, so that its timed calls
+run the way its calls settled on; --pieces fixes the cut instead.
 
 --trace FILE records the phases of every timed onebit call on every rank
 (compress, header, worker error, all-to-all, server reduce and compress,
@@ -200,6 +208,8 @@ With --backend mpi start it under mpirun (a binary built with -tags mpi).
 		return nil, cliflag.Bad(fs, "n", "want 1 to %d timed iterations", maxBenchIters)
 	case *ranks < 0 || *ranks > maxLocalRanks || *ranks == 0 && *backend == "local":
 		return nil, cliflag.Bad(fs, "ranks", "want 1 to %d ranks", maxLocalRanks)
+	case *pieces < 0 || *pieces > 64:
+		return nil, cliflag.Bad(fs, "pieces", "want 0 (the calls choose) to 64 (at most 4 are used)")
 	case *rpn < 0 || *rpn > maxLocalRanks:
 		return nil, cliflag.Bad(fs, "ranks-per-node", "want 0 (the ranks that share a machine) to %d", maxLocalRanks)
 	case *backend != "local" && *backend != "mpi":
@@ -218,7 +228,7 @@ With --backend mpi start it under mpirun (a binary built with -tags mpi).
 		return nil, cliflag.Usagef("%s", err)
 	}
 	cfg := &benchConfig{sizes: sizes, warmup: *warmup, iters: *iters, backend: *backend,
-		ranks: *ranks, check: *check, format: "table", cpuProfile: *cpuProfile, rpn: *rpn, device: *device, trace: *trace}
+		ranks: *ranks, check: *check, format: "table", cpuProfile: *cpuProfile, rpn: *rpn, device: *device, trace: *trace, pieces: *pieces}
 	for name := range strings.SplitSeq(*list, ",") {
 		name = strings.TrimSpace(name)
 		if !slices.Contains(benchCollectives, name) {
@@ -337,11 +347,20 @@ func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchRep
 					return fmt.Errorf("%s at %s: measuring the streaming bandwidth: %w", name, size.Format(sz), err)
 				}
 			}
+			if bc.state != nil && cfg.pieces > 0 {
+				bc.state.SetPieces(cfg.pieces)
+			}
 			if cfg.trace != "" && bc.state != nil {
 				bc.tracer = newBenchTracer()
 				bc.state.SetTracer(bc.tracer)
 			}
-			wire, err := timeCase(ctx, c, bc, cfg.warmup, times)
+			warmup := cfg.warmup
+			if name == "onebit" {
+				// Time the way the calls settle on (whole chunks or
+				// pieces), not the opening that tries both.
+				warmup = max(warmup, onebit.TuningCalls)
+			}
+			wire, err := timeCase(ctx, c, bc, warmup, times)
 			if err != nil {
 				return fmt.Errorf("%s at %s: %w", name, size.Format(sz), err)
 			}
@@ -389,6 +408,9 @@ func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchRep
 			bc.annotate(&row)
 			if bc.state != nil && streamBW > 0 {
 				setMemBound(&row, w, streamBW)
+			}
+			if bc.state != nil {
+				row.Pieces = new(bc.state.Pieces())
 			}
 			if cfg.check {
 				var e, r float64

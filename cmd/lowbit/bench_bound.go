@@ -11,6 +11,8 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math"
+	"slices"
+	"strconv"
 	"time"
 
 	"github.com/lowbit-ml/lowbit/comm"
@@ -165,5 +167,38 @@ func memBoundColumns(row benchRow) string {
 	if row.MemBoundShare != nil {
 		s += fmt.Sprintf(", %.0f%% of it reached", 100**row.MemBoundShare)
 	}
+	if row.Pieces != nil {
+		if *row.Pieces == 1 {
+			s += "; chunks whole"
+		} else {
+			s += fmt.Sprintf("; chunks in %d pieces", *row.Pieces)
+		}
+	}
 	return s + "]"
+}
+
+// boundInConfig reports whether a run has onebit rows with a memory
+// bound: onebit on host buffers.
+func boundInConfig(cfg *benchConfig) bool {
+	return cfg.device == "" && slices.Contains(cfg.collectives, "onebit")
+}
+
+// boundCSVHeader names the CSV columns boundCSVFields fills.
+var boundCSVHeader = []string{"mem_bytes_per_rank", "stream_gbps", "mem_bound_us", "mem_bound_share", "pieces"}
+
+// boundCSVFields renders row's memory bound and pieces per chunk, empty
+// fields where it has none.
+func boundCSVFields(row benchRow) []string {
+	rec := make([]string, len(boundCSVHeader))
+	f := func(v float64) string { return strconv.FormatFloat(v, 'f', -1, 64) }
+	if row.MemBoundUs != nil {
+		rec[0], rec[1], rec[2] = strconv.FormatInt(*row.MemBytesPerRank, 10), f(*row.StreamGBps), f(*row.MemBoundUs)
+	}
+	if row.MemBoundShare != nil {
+		rec[3] = f(*row.MemBoundShare)
+	}
+	if row.Pieces != nil {
+		rec[4] = strconv.Itoa(*row.Pieces)
+	}
+	return rec
 }

@@ -51,6 +51,9 @@ type benchRow struct {
 	StreamGBps      *float64 `json:"stream_gbps,omitempty"`
 	MemBoundUs      *float64 `json:"mem_bound_us,omitempty"`
 	MemBoundShare   *float64 `json:"mem_bound_share,omitempty"`
+	// Pieces is the pieces per chunk of rank 0's last timed call (1:
+	// whole chunks; see onebit.State.SetPieces).
+	Pieces *int `json:"pieces,omitempty"`
 }
 
 // benchSpeedup compares onebit with allreduce at one size.
@@ -144,6 +147,9 @@ func (r *benchReporter) begin() error {
 		if halfInConfig(r.cfg) {
 			h = append(h, halfCSVHeader...)
 		}
+		if boundInConfig(r.cfg) {
+			h = append(h, boundCSVHeader...)
+		}
 		r.csv.Write(h)
 		r.csv.Flush()
 		return r.csv.Error()
@@ -221,6 +227,9 @@ func (r *benchReporter) row(row benchRow) error {
 		rec := csvRecord(row)
 		if halfInConfig(r.cfg) {
 			rec = append(rec, halfCSVFields(row)...)
+		}
+		if boundInConfig(r.cfg) {
+			rec = append(rec, boundCSVFields(row)...)
 		}
 		r.csv.Write(rec)
 		r.csv.Flush()

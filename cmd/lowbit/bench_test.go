@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/csv"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -241,5 +242,35 @@ func TestRunRanks(t *testing.T) {
 	if !mpi.Built {
 		err := runRanks(ctx, "mpi", 0, func(context.Context, comm.Comm) error { return nil })
 		assert.Error(t, err, "a binary without the mpi tag must explain itself")
+	}
+}
+
+// --csv adds the memory bound's columns and the cut of the onebit rows;
+// --pieces fixes the cut, else the calls settle on one after their
+// warm-up (at least onebit.TuningCalls calls, whatever --w says).
+func TestBenchPiecesCSV(t *testing.T) {
+	for _, tc := range []struct {
+		flag string
+		want []string
+	}{{"--pieces 2", []string{"2"}}, {"--pieces 1", []string{"1"}}, {"", []string{"1", "2"}}} {
+		cfg, err := parseBenchFlags(strings.Fields("--b 8Mi --e 8Mi --w 0 --n 1 --ranks 2 --csv --collective allreduce,onebit "+tc.flag), io.Discard)
+		require.NoError(t, err)
+		var out bytes.Buffer
+		_, err = runBench(context.Background(), cfg, &out)
+		require.NoError(t, err)
+		recs, err := csv.NewReader(&out).ReadAll()
+		require.NoError(t, err)
+		require.Len(t, recs, 3, tc.flag)
+		col := map[string]int{}
+		for i, h := range recs[0] {
+			col[h] = i
+		}
+		for _, h := range boundCSVHeader {
+			require.Contains(t, col, h, tc.flag)
+		}
+		assert.Empty(t, recs[1][col["pieces"]], "allreduce %s", tc.flag)
+		assert.Empty(t, recs[1][col["mem_bound_us"]], "allreduce %s", tc.flag)
+		assert.Contains(t, tc.want, recs[2][col["pieces"]], "onebit %s", tc.flag)
+		assert.NotEmpty(t, recs[2][col["mem_bound_share"]], "onebit %s", tc.flag)
 	}
 }

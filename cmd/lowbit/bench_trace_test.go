@@ -165,10 +165,11 @@ func TestBenchTraceInOrder(t *testing.T) {
 	}
 }
 
-// Pipelined (8 MiB on 2 ranks travels in 2 pieces), every piece goes
-// through its phases in order on every rank.
+// Pipelined (8 MiB on 2 ranks travels in 2 pieces, fixed with --pieces:
+// the tuned calls may send whole chunks), every piece goes through its
+// phases in order on every rank.
 func TestBenchTracePipelined(t *testing.T) {
-	table, f := runTraced(t, "--b 8Mi --e 8Mi --w 0 --n 2 --collective onebit --ranks 2")
+	table, f := runTraced(t, "--b 8Mi --e 8Mi --w 0 --n 2 --collective onebit --ranks 2 --pieces 2")
 	assert.Contains(t, table, "pipelined:")
 	chain := []string{"compress", "all-to-all", "server-reduce", "server-compress", "all-gather", "decompress"}
 	for pid := range 2 {

@@ -1,0 +1,121 @@
+package onebit_test
+
+import (
+	"context"
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/onebit"
+)
+
+// The tuner's decision: a fixed opening that tries both ways, then the
+// way whose median time is lower, except two calls in every 32 that run
+// the other one.
+func TestTuneDecide(t *testing.T) {
+	for u, want := range []bool{false, false, true, false, true} {
+		assert.Equal(t, want, onebit.TuneWay(u, []uint64{100}, []uint64{1}), "opening call %d", u)
+	}
+	fastWhole := func(u int) bool { return onebit.TuneWay(u, []uint64{300, 290, 310}, []uint64{200, 900, 210}) }
+	fastPieces := func(u int) bool { return onebit.TuneWay(u, []uint64{300, 290, 310}, []uint64{400, 100, 410}) }
+	explored := 0
+	for u := 5; u < 5+64; u++ {
+		if !fastWhole(u) {
+			explored++
+			assert.True(t, fastPieces(u), "call %d explores either way", u)
+		} else {
+			assert.False(t, fastPieces(u), "call %d", u)
+		}
+	}
+	assert.Equal(t, 4, explored, "two calls in every 32 run the slower way")
+	// One way not measured yet: the measured one.
+	assert.False(t, onebit.TuneWay(40, []uint64{5}, nil))
+	assert.True(t, onebit.TuneWay(40, nil, []uint64{5}))
+}
+
+// A tuning State switches between whole chunks and pieces from call to
+// call (the opening always tries both), and its outputs and error buffers
+// are bit for bit those of a State that always sends whole chunks.
+func TestTuningBitIdentical(t *testing.T) {
+	const w, n, steps = 4, 1<<14 + 3, 9
+	run := func(tune bool) (out [][][]float32, pieces [][]int, worker, server [][]float32) {
+		out, pieces = make([][][]float32, steps), make([][]int, w)
+		for s := range out {
+			out[s] = make([][]float32, w)
+		}
+		worker, server = make([][]float32, w), make([][]float32, w)
+		require.NoError(t, local.Run(ctxT(t), w, func(ctx context.Context, c comm.Comm) error {
+			r := c.Rank()
+			st, err := onebit.NewState(n, w)
+			if err != nil {
+				return err
+			}
+			if tune {
+				onebit.TunePieces(st, 3)
+			} else {
+				st.SetPieces(1)
+			}
+			rng := rand.New(rand.NewPCG(7, uint64(r)))
+			for s := range steps {
+				buf := randn(rng, n)
+				if err := onebit.AllReduce(ctx, c, buf, st); err != nil {
+					return err
+				}
+				out[s][r] = buf
+				pieces[r] = append(pieces[r], st.Pieces())
+			}
+			worker[r] = append([]float32(nil), st.WorkerError...)
+			server[r] = append([]float32(nil), st.ServerError...)
+			return nil
+		}))
+		return out, pieces, worker, server
+	}
+	want, _, wantW, wantS := run(false)
+	got, pieces, gotW, gotS := run(true)
+	for r := range w {
+		assert.Equal(t, pieces[0], pieces[r], "rank %d's ways", r)
+	}
+	assert.Equal(t, []int{3, 3, 1, 3, 1}, pieces[0][:5], "the opening")
+	for s := range steps {
+		for r := range w {
+			require.Equal(t, bitsOf(want[s][r]), bitsOf(got[s][r]), "step %d rank %d", s, r)
+		}
+	}
+	for r := range w {
+		assert.Equal(t, bitsOf(wantW[r]), bitsOf(gotW[r]), "rank %d worker error", r)
+		assert.Equal(t, bitsOf(wantS[r]), bitsOf(gotS[r]), "rank %d server error", r)
+	}
+}
+
+// Ranks that cut the chunks differently (SetPieces not the same
+// everywhere) get an error on every rank, not a hang or a wrong result.
+func TestPiecesMismatch(t *testing.T) {
+	const w, n = 3, 1 << 14
+	err := local.Run(ctxT(t), w, func(ctx context.Context, c comm.Comm) error {
+		st, err := onebit.NewState(n, w)
+		if err != nil {
+			return err
+		}
+		st.SetPieces(1 + c.Rank()%2)
+		err = onebit.AllReduce(ctx, c, make([]float32, n), st)
+		if assert.Error(t, err, "rank %d", c.Rank()) {
+			assert.Contains(t, err.Error(), "pieces", "rank %d", c.Rank())
+		}
+		return nil
+	})
+	require.NoError(t, err)
+}
+
+// bitsOf is the bit patterns of x, so that comparisons are bit for bit.
+func bitsOf(x []float32) []uint32 {
+	b := make([]uint32, len(x))
+	for i, v := range x {
+		b[i] = math.Float32bits(v)
+	}
+	return b
+}
