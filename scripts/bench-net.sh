@@ -44,7 +44,10 @@
 # allreduce takes about 3.2 s per call at 1 Gbit), QSIZE (END), QRPN (2)
 # for the quantized and down-cast run (about a minute at 64 MiB: the whole
 # script runs in about 2.5 minutes), ITERS_UNSHAPED (10), FAST (10gbit),
-# SMALL (4Ki), GO (go).
+# REPS (3: the FAST and unshaped runs, alternately, each with its own
+# streaming bandwidth; the memory bound's share is reported per run and as
+# the median, because this machine's bandwidth changes with its
+# neighbours' load), SMALL (4Ki), GO (go).
 set -euo pipefail
 
 RATE=${RATE:-1gbit}
@@ -59,6 +62,7 @@ QSIZE=${QSIZE:-$END}
 QRPN=${QRPN:-2}
 TWOLEVEL=${TWOLEVEL:-1}
 FAST=${FAST:-10gbit}
+REPS=${REPS:-3}
 SMALL=${SMALL:-4Ki}
 GO=${GO:-go}
 
@@ -89,13 +93,13 @@ netns_run ip netns exec "$ns" "${mpi[@]}" "${NETNS_MPI_LO[@]}" \
 	--b "$QSIZE" --e "$QSIZE" --w "$WARMUP" --n "$ITERS" >"$NETNS_TMP/quant.csv"
 
 netns_shape "$ns" lo "$FAST"
-echo "bench-net: $NP ranks over TCP on the loopback shaped to $FAST, $END, $WARMUP warm-up + $ITERS_UNSHAPED timed iterations"
-netns_run ip netns exec "$ns" "${mpi[@]}" "${NETNS_MPI_LO[@]}" \
-	"${bench[@]}" --b "$END" --e "$END" --w "$WARMUP" --n "$ITERS_UNSHAPED" >"$NETNS_TMP/fast.csv"
+echo "bench-net: $REPS times, alternately: $NP ranks over TCP on the loopback shaped to $FAST, and unshaped (default transport); $END, $WARMUP warm-up + $ITERS_UNSHAPED timed iterations"
+for r in $(seq "$REPS"); do
+	netns_run ip netns exec "$ns" "${mpi[@]}" "${NETNS_MPI_LO[@]}" \
+		"${bench[@]}" --b "$END" --e "$END" --w "$WARMUP" --n "$ITERS_UNSHAPED" >"$NETNS_TMP/fast$r.csv"
+	netns_run "${mpi[@]}" "${bench[@]}" --b "$END" --e "$END" --w "$WARMUP" --n "$ITERS_UNSHAPED" >"$NETNS_TMP/unshaped$r.csv"
+done
 netns_del "$ns"
-
-echo "bench-net: $NP ranks unshaped (default transport), $END, $WARMUP warm-up + $ITERS_UNSHAPED timed iterations"
-netns_run "${mpi[@]}" "${bench[@]}" --b "$END" --e "$END" --w "$WARMUP" --n "$ITERS_UNSHAPED" >"$NETNS_TMP/unshaped.csv"
 echo "bench-net: $NP ranks unshaped, $SMALL, 10 warm-up + 200 timed iterations"
 netns_run "${mpi[@]}" "${bench[@]}" --b "$SMALL" --e "$SMALL" --w 10 --n 200 >"$NETNS_TMP/small.csv"
 
@@ -138,15 +142,17 @@ summary() {
 echo
 summary "shaped ($RATE loopback, TCP), $NP ranks:" "$NETNS_TMP/shaped.csv"
 echo
-summary "unshaped (shared memory), $NP ranks:" "$NETNS_TMP/unshaped.csv"
+summary "unshaped (shared memory), $NP ranks (the first of $REPS runs):" "$NETNS_TMP/unshaped1.csv"
 echo
 summary "unshaped (shared memory), $NP ranks, small messages:" "$NETNS_TMP/small.csv"
 
-# bound TITLE FILE prints each 1-bit row's memory bound and the share of it
-# reached (lowbit bench's CSV in FILE).
+# bound TITLE FILE... prints each 1-bit row's memory bound and the share of
+# it reached, one line per file (lowbit bench's CSV), then the median share.
 bound() {
-	awk -F, -v title="$1" "$human"'
-		NR == 1 {
+	title=$1
+	shift
+	awk -F, -v title="$title" "$human"'
+		FNR == 1 {
 			for (i = 1; i <= NF; i++) col[$i] = i
 			if (!("mem_bound_share" in col) || !("pieces" in col)) { print "bench-net: unexpected CSV header: " $0 > "/dev/stderr"; exit 1 }
 			next
@@ -156,13 +162,19 @@ bound() {
 				title, human($col["bytes"]), $col["time_p50_us"] / 1000, $col["mem_bound_us"] / 1000,
 				$col["mem_bytes_per_rank"] / 1048576, $col["stream_gbps"], 100 * $col["mem_bound_share"],
 				($col["pieces"] == 1 ? "whole" : "in " $col["pieces"] " pieces")
-		}' "$2"
+			share[++n] = 100 * $col["mem_bound_share"]
+		}
+		END {
+			for (i = 2; i <= n; i++) for (j = i; j > 1 && share[j] < share[j - 1]; j--) { x = share[j]; share[j] = share[j - 1]; share[j - 1] = x }
+			m = n % 2 ? share[(n + 1) / 2] : (share[n / 2] + share[n / 2 + 1]) / 2
+			printf "%s: median share of the memory bound over %d runs: %.0f%%\n", title, n, m
+		}' "$@"
 }
 echo
-summary "shaped ($FAST loopback, TCP), $NP ranks:" "$NETNS_TMP/fast.csv"
+summary "shaped ($FAST loopback, TCP), $NP ranks (the first of $REPS runs):" "$NETNS_TMP/fast1.csv"
 echo
-bound "$FAST" "$NETNS_TMP/fast.csv"
-bound "unshaped" "$NETNS_TMP/unshaped.csv"
+bound "$FAST" "$NETNS_TMP"/fast[0-9]*.csv
+bound "unshaped" "$NETNS_TMP"/unshaped[0-9]*.csv
 
 # The quantized and down-cast rows: each against its float32 baseline of
 # the same run.
