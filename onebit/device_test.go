@@ -152,12 +152,14 @@ func TestAllReduceDeviceMatchesHost(t *testing.T) {
 type plainDevice struct{ accel.Device }
 
 // TestAllReduceDeviceMixedRanks: device ranks and host ranks in one group
-// speak the same wire format, pieces included. Ranks 0 and 2 of three run
+// speak the same wire format, pieces included, and choose between whole
+// chunks and pieces together (pieces=0: tuned, with 4 pieces, so that the
+// opening switches between the two). Ranks 0 and 2 of three run
 // AllReduceDevice (CPU device), rank 1 AllReduce; every rank's output and
 // errors are bit-identical to an all-host run.
 func TestAllReduceDeviceMixedRanks(t *testing.T) {
-	const w, n, steps = 3, 20_011, 3
-	for _, pieces := range []int{1, 4} {
+	const w, n, steps = 3, 20_011, 6
+	for _, pieces := range []int{1, 4, 0} {
 		t.Run(fmt.Sprintf("pieces=%d", pieces), func(t *testing.T) {
 			run := func(mixed bool) [][]float32 {
 				outs := make([][]float32, w)
@@ -168,7 +170,11 @@ func TestAllReduceDeviceMixedRanks(t *testing.T) {
 					if mixed && r != 1 {
 						dev := newDeviceRank(t, accel.NewCPU(), n, w)
 						defer dev.st.Close()
-						onebit.SetDevicePieces(dev.st, pieces)
+						if pieces == 0 {
+							onebit.TuneDevicePieces(dev.st, 4)
+						} else {
+							onebit.SetDevicePieces(dev.st, pieces)
+						}
 						for range steps {
 							o, worker, server, err := dev.step(ctx, c, randn(rng, n))
 							if err != nil {
@@ -181,7 +187,11 @@ func TestAllReduceDeviceMixedRanks(t *testing.T) {
 						if err != nil {
 							return err
 						}
-						onebit.SetPieces(host, pieces)
+						if pieces == 0 {
+							onebit.TunePieces(host, 4)
+						} else {
+							onebit.SetPieces(host, pieces)
+						}
 						for range steps {
 							buf := randn(rng, n)
 							if err := onebit.AllReduce(ctx, c, buf, host); err != nil {

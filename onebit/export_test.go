@@ -25,6 +25,9 @@ func TunePieces(st *State, k int) {
 	st.tune = tuner{}
 }
 
+// TuneDevicePieces is TunePieces for a DeviceState's wire.
+func TuneDevicePieces(st *DeviceState, k int) { TunePieces(&st.wire, k) }
+
 // TuneWay is the way the tuner picks for call u after recording the given
 // times (microseconds) of calls that sent pieces and of calls that sent
 // whole chunks.
