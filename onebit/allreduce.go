@@ -288,8 +288,8 @@ func (s *State) Reset() {
 // hide the compression behind the wire, on a fast one (or shared memory)
 // the extra collectives and the waiting goroutine cost more than they
 // hide. So a State large enough for pieces chooses, call by call, between
-// pieces and whole chunks by how long its earlier calls took on the rank
-// that waited least for the others: every call's header carries
+// pieces and whole chunks by how long its earlier calls took, the mean over
+// the ranks of each one's time in the call: every call's header carries
 // each rank's time of its previous call, so every rank takes the same
 // decision (tune.go). The first TuningCalls calls try both ways; after
 // that the faster one runs, and two calls in every 32 the other, to follow
