@@ -71,16 +71,27 @@ type benchTracer struct {
 	mu     sync.Mutex
 	call   int // the timed call under way; -1 during warm-up
 	events []traceEvent
+	// base is when the tracer was made: every start is placed at base's
+	// wall-clock time plus the monotonic time since base (at), so that
+	// the spans of one rank keep their order and nesting when the wall
+	// clock is adjusted under them (a phase ended 25 us after its call in
+	// a run of TestBenchTraceInOrder beside other load, when both were
+	// placed by their own wall-clock readings).
+	base time.Time
 }
 
-func newBenchTracer() *benchTracer { return &benchTracer{call: -1} }
+func newBenchTracer() *benchTracer { return &benchTracer{call: -1, base: time.Now()} }
+
+// at is t as nanoseconds since the Unix epoch, by base's wall clock and
+// the monotonic clock from there.
+func (t *benchTracer) at(u time.Time) int64 { return t.base.UnixNano() + int64(u.Sub(t.base)) }
 
 // Span implements onebit.Tracer.
 func (t *benchTracer) Span(ph onebit.Phase, piece int, start, end time.Time) {
 	t.mu.Lock()
 	if t.call >= 0 {
 		t.events = append(t.events, traceEvent{ph: int(ph), piece: piece, call: t.call,
-			start: start.UnixNano(), dur: int64(end.Sub(start))})
+			start: t.at(start), dur: int64(end.Sub(start))})
 	}
 	t.mu.Unlock()
 }
@@ -95,7 +106,7 @@ func (t *benchTracer) begin(i int) {
 // end records timed call i as a whole, from start to end.
 func (t *benchTracer) end(i int, start, end time.Time) {
 	t.mu.Lock()
-	t.events = append(t.events, traceEvent{ph: phaseCall, call: i, start: start.UnixNano(), dur: int64(end.Sub(start))})
+	t.events = append(t.events, traceEvent{ph: phaseCall, call: i, start: t.at(start), dur: int64(end.Sub(start))})
 	t.mu.Unlock()
 }
 
