@@ -192,7 +192,7 @@ func (st *State) initWire(numel, world int) {
 	st.serverMsg, st.gathered = make([]byte, 4+c/8), make([]byte, world*(4+c/8))
 	st.header, st.headers = make([]byte, headerLen), make([]byte, headerLen*world)
 	st.wscales, st.scales = make([]float32, world), make([]float32, world)
-	st.setPieces(c/8/pieceTarget, world)
+	st.SetPieces(0)
 	st.communicator = st.communicate
 }
 

@@ -190,12 +190,11 @@ var boundCSVHeader = []string{"mem_bytes_per_rank", "stream_gbps", "mem_bound_us
 // fields where it has none.
 func boundCSVFields(row benchRow) []string {
 	rec := make([]string, len(boundCSVHeader))
-	f := func(v float64) string { return strconv.FormatFloat(v, 'f', -1, 64) }
 	if row.MemBoundUs != nil {
-		rec[0], rec[1], rec[2] = strconv.FormatInt(*row.MemBytesPerRank, 10), f(*row.StreamGBps), f(*row.MemBoundUs)
+		rec[0], rec[1], rec[2] = strconv.FormatInt(*row.MemBytesPerRank, 10), csvFloat(*row.StreamGBps), csvFloat(*row.MemBoundUs)
 	}
 	if row.MemBoundShare != nil {
-		rec[3] = f(*row.MemBoundShare)
+		rec[3] = csvFloat(*row.MemBoundShare)
 	}
 	if row.Pieces != nil {
 		rec[4] = strconv.Itoa(*row.Pieces)

@@ -131,8 +131,8 @@ var halfCSVHeader = []string{"convert_us", "comm_us", "intra_node_bytes_per_rank
 func halfCSVFields(row benchRow) []string {
 	rec := make([]string, len(halfCSVHeader))
 	if row.ConvertUs != nil && row.CommUs != nil {
-		rec[0] = strconv.FormatFloat(*row.ConvertUs, 'f', -1, 64)
-		rec[1] = strconv.FormatFloat(*row.CommUs, 'f', -1, 64)
+		rec[0] = csvFloat(*row.ConvertUs)
+		rec[1] = csvFloat(*row.CommUs)
 	}
 	if row.WireIntraPerRank != nil {
 		rec[2] = strconv.FormatInt(*row.WireIntraPerRank, 10)

@@ -192,9 +192,12 @@ func formatRow(row benchRow) string {
 	return s + halfTableColumns(row) + memBoundColumns(row)
 }
 
+// csvFloat renders a float field of the CSV output, in full precision.
+func csvFloat(v float64) string { return strconv.FormatFloat(v, 'f', -1, 64) }
+
 // csvRecord renders one row as CSV fields, in csvHeader's order.
 func csvRecord(row benchRow) []string {
-	f := func(v float64) string { return strconv.FormatFloat(v, 'f', -1, 64) }
+	f := csvFloat
 	rec := []string{
 		row.Collective, strconv.FormatInt(row.Bytes, 10), strconv.Itoa(row.ElementsPerRank),
 		f(row.TimeP50Us), f(row.TimeP95Us), f(row.TimeMinUs), f(row.TimeMaxUs),
