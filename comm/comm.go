@@ -147,6 +147,44 @@ func SkipChecks(c Comm, n int) {
 	}
 }
 
+// Starter is implemented by communicators that can start the byte
+// all-to-all and all-gather and return at once, so that the caller goes on
+// computing while the data travels, and finishes them with the returned
+// Request. comm/mpi does, with MPI's non-blocking collectives: Open MPI's
+// TCP transport moves their data only inside MPI calls, so the caller
+// calls Test now and then while it computes (every few tens of
+// microseconds of work), then Wait.
+//
+// A started collective is one collective of the sequence every rank calls
+// in the same order, with the blocking variant's arguments and checks (a
+// rank may start it while another calls the blocking variant). Until its
+// Request reports it done, the communicator takes no other call (each
+// returns an error), and send and recv must be neither written nor read by
+// anyone else; Close refuses too. The Request of a call is valid until the
+// next call on the communicator.
+//
+// Algorithms look for a Starter on the communicator they were given
+// itself, never through wrappers (As): a wrapper that counts or injects
+// faults in every collective must see these ones too, so a wrapped
+// communicator runs them blocking.
+type Starter interface {
+	// StartAllToAllBytes starts AllToAllBytes(ctx, send, recv).
+	StartAllToAllBytes(ctx context.Context, send, recv []byte) (Request, error)
+	// StartAllGatherBytes starts AllGatherBytes(ctx, send, recv).
+	StartAllGatherBytes(ctx context.Context, send, recv []byte) (Request, error)
+}
+
+// Request is a collective a Starter started. What a context that ends
+// while it is in flight does is what it does to the blocking variant.
+type Request interface {
+	// Test moves the collective's data as far as it can without waiting
+	// and reports whether it is done, with its error once it is. It may be
+	// called again after that and reports the same.
+	Test() (done bool, err error)
+	// Wait returns when the collective is done, with its error.
+	Wait() error
+}
+
 // Concurrent is implemented by communicators that say whether their
 // collectives may run while this rank runs collectives on its other
 // communicators, from other goroutines (each communicator still used by one

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"iter"
 	"math"
+	"time"
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/errorfeedback"
@@ -113,6 +114,14 @@ type State struct {
 	// (which is then empty): the call forms x a block at a time with it,
 	// in the summing block, and hands it each block's new residual.
 	worker workerSource
+
+	// blocking keeps a whole-chunk call on a comm.Starter from starting
+	// its collectives (SetOverlap(false)); starts says in this call's
+	// header that this rank starts them.
+	blocking, starts bool
+	// blockSigns takes the signs the residual passes of a started call
+	// pack again: progressBlock/8 bytes nobody reads.
+	blockSigns []byte
 }
 
 // workerSource forms x = pad(input) + worker_error for a State whose
@@ -132,7 +141,8 @@ type workerSource interface {
 // the tensor length it called with, so that mismatched sizes are caught on
 // every rank even when they pad to the same N, and whose high 24 bits are
 // the fields of the choice between whole chunks and pieces (tune.go): this
-// call's pieces per chunk and how long the rank's previous call took.
+// call's pieces per chunk, whether the rank starts its collectives and how
+// long its previous call took.
 const headerLen = 4 + 8
 
 // pieceTarget is the packed bytes per destination a piece of a pipelined
@@ -192,6 +202,7 @@ func (st *State) initWire(numel, world int) {
 	st.serverMsg, st.gathered = make([]byte, 4+c/8), make([]byte, world*(4+c/8))
 	st.header, st.headers = make([]byte, headerLen), make([]byte, headerLen*world)
 	st.wscales, st.scales = make([]float32, world), make([]float32, world)
+	st.blockSigns = make([]byte, progressBlock/8)
 	st.SetPieces(0)
 	st.communicator = st.communicate
 }
@@ -244,6 +255,16 @@ const (
 func (s *State) SetScale(sc Scale) {
 	s.meanAbs, s.workerMeanAbs = sc == ScaleMeanAbs, sc == ScaleMeanAbs
 }
+
+// SetOverlap sets whether the following whole-chunk calls start their
+// collectives on a communicator that can (comm.Starter: comm/mpi) and
+// compute while the data travels (on, the default) or run them blocking.
+// A call starts them only where every rank's State has it on, so ranks may
+// differ; the output and the error buffers are the same bits either way.
+// Calls in pieces never start them (their collectives run on a goroutine
+// of their own), nor do tensors of less than 1M elements (4 MiB), where
+// there is too little to overlap.
+func (s *State) SetOverlap(on bool) { s.blocking = !on }
 
 // Numel is the tensor length the state was made for.
 func (s *State) Numel() int { return s.numel }
@@ -335,145 +356,104 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 func (st *State) allReduce(ctx context.Context, c comm.Comm, buf []float32) (err error) {
 	st.beginCall()
 	defer func() { st.endCall(err) }()
-	w := st.world
-	chunkLen := len(st.ServerError)
-	k := st.pieces
 	for j := range st.norms {
 		st.norms[j].Reset()
 	}
 	st.serverNorm.Reset()
+	st.starts = false
+	if st.pieces == 1 {
+		return st.allReduceWhole(ctx, c, buf)
+	}
+	return st.allReducePipelined(ctx, c, buf)
+}
 
-	var workerScale float32
-	if k == 1 {
-		// Worker side, steps 1-2: x = pad(buf) + worker_error (kept in the
-		// worker error buffer until step 3) and worker_scale = ||x|| /
-		// sqrt(N).
+// allReducePipelined is allReduce with each chunk's packed bytes in pieces
+// (st.pieces > 1).
+func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, buf []float32) error {
+	w := st.world
+	chunkLen := len(st.ServerError)
+	k := st.pieces
+
+	// The goroutine all-gathers the header (numel only), then sends each
+	// piece as it is handed over.
+	st.ctx, st.comm = ctx, c
+	defer st.release()
+	go st.communicator()
+
+	// Worker side, steps 1 and 4, piece by piece: x = pad(buf) +
+	// worker_error (kept in the worker error buffer until step 3), its
+	// squares summed chunk by chunk, and sgn(x) packed; then phase 1,
+	// second half: all-to-all of the packed chunks (chunk j to rank j),
+	// one piece at a time. In the first half the caller stays one piece
+	// ahead of the wire: after piece 0 it waits for the header, after
+	// piece p for the all-to-all of piece p-1, so that on a busy CPU
+	// the communicating goroutines of all ranks get the first pieces
+	// through rather than wait for every rank's packing. (Packing is
+	// faster than the wire: the second half is packed while piece
+	// mid-1 is on it.)
+	arrived := 0 // all-to-alls already waited for
+	for p := range k {
 		t := st.start()
 		for j := range w {
-			lo, hi := j*chunkLen, (j+1)*chunkLen
+			lo := j*chunkLen + p*st.pieceBytes*8
+			hi := lo + st.pieceLen(p)*8
+			st.packX(st.sendPiece(p, j), j, buf, lo, hi)
+		}
+		st.span(PhaseCompress, p, t)
+		if p >= st.mid {
+			continue
+		}
+		st.ready <- struct{}{}
+		what := "header"
+		if p > 0 {
+			what, arrived = "all-to-all", arrived+1
+		}
+		if err := st.wait(); err != nil {
+			return st.fail(c, fmt.Errorf("onebit: phase 1 %s: %w", what, err))
+		}
+	}
+
+	// Step 2, worker_scale, and phase 1, first half: the W worker
+	// scales travel in the all-to-all of piece mid, each after the
+	// segment for its destination; the pieces from mid on go out now.
+	workerScale := st.normScale()
+	st.putWorkerScale(workerScale)
+	for range k - st.mid {
+		st.ready <- struct{}{}
+	}
+
+	// Step 3 while the pieces are on the wire: worker_error = x -
+	// worker_scale * sgn(x). (PackResidual packs sgn(x) again, into
+	// scratch: the bytes sent may still be in use.)
+	t := st.start()
+	for p := range k {
+		for j := range w {
+			lo := j*chunkLen + p*st.pieceBytes*8
 			if st.worker != nil {
-				st.packSource(st.sendSigns[lo/8:hi/8], j, lo, hi)
+				st.residualSource(st.scratch, lo, lo+st.pieceLen(p)*8, workerScale)
 				continue
 			}
-			st.norms[j].Compensate(st.WorkerError[lo:hi], inputPart(buf, lo, hi))
+			signpack.PackResidual(st.scratch, st.WorkerError[lo:lo+st.pieceLen(p)*8], workerScale)
 		}
-		workerScale = st.normScale()
-		st.span(PhaseCompress, 0, t)
+	}
+	st.span(PhaseWorkerError, -1, t)
 
-		// Phase 1, first half: all-gather of the W worker scales with
-		// every rank's numel, checked before any tensor data moves. From
-		// here on every length of this call is agreed, and the collectives
-		// that follow skip the backend's argument check.
-		if err := st.exchangeHeader(ctx, c, workerScale); err != nil {
-			return fmt.Errorf("onebit: phase 1 scales: %w", err)
-		}
-		comm.SkipChecks(c, 2)
-
-		// Worker side, steps 3-4: worker_error = x - worker_scale * sgn(x)
-		// and pack sgn(x); then phase 1, second half: all-to-all of the
-		// packed chunks (chunk j to rank j).
-		t = st.start()
-		if st.worker != nil {
-			// The signs are in sendSigns already; recvSigns, not in use
-			// yet, takes them again.
-			st.residualSource(st.recvSigns, 0, w*chunkLen, workerScale)
-		} else {
-			signpack.PackResidual(st.sendSigns, st.WorkerError, workerScale)
-		}
-		st.span(PhaseWorkerError, 0, t)
-		t = st.start()
-		send, recv := st.phase1(0)
-		if err := c.AllToAllBytes(ctx, send, recv); err != nil {
-			return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))
-		}
-		st.span(PhaseAllToAll, 0, t)
-
-		// Server side, steps 5-6: c = sum over j, ascending, of
-		// (worker_scale_j / W) * unpack(chunk received from j), then c =
-		// c + server_error.
-		st.sumPiece(0)
-	} else {
-		// Pipelined. The goroutine all-gathers the header (numel only),
-		// then sends each piece as it is handed over.
-		st.ctx, st.comm = ctx, c
-		defer st.release()
-		go st.communicator()
-
-		// Worker side, steps 1 and 4, piece by piece: x = pad(buf) +
-		// worker_error (kept in the worker error buffer until step 3), its
-		// squares summed chunk by chunk, and sgn(x) packed; then phase 1,
-		// second half: all-to-all of the packed chunks (chunk j to rank j),
-		// one piece at a time. In the first half the caller stays one piece
-		// ahead of the wire: after piece 0 it waits for the header, after
-		// piece p for the all-to-all of piece p-1, so that on a busy CPU
-		// the communicating goroutines of all ranks get the first pieces
-		// through rather than wait for every rank's packing. (Packing is
-		// faster than the wire: the second half is packed while piece
-		// mid-1 is on it.)
-		arrived := 0 // all-to-alls already waited for
-		for p := range k {
-			t := st.start()
-			for j := range w {
-				lo := j*chunkLen + p*st.pieceBytes*8
-				hi := lo + st.pieceLen(p)*8
-				st.packX(st.sendPiece(p, j), j, buf, lo, hi)
-			}
-			st.span(PhaseCompress, p, t)
-			if p >= st.mid {
-				continue
-			}
-			st.ready <- struct{}{}
-			what := "header"
-			if p > 0 {
-				what, arrived = "all-to-all", arrived+1
-			}
+	// Server side, steps 5-6, piece by piece as they arrive (the first
+	// mid+1 pieces once piece mid has brought the scales): c = sum over
+	// j, ascending, of (worker_scale_j / W) * unpack(chunk received from
+	// j), then c = c + server_error.
+	summed := 0
+	for p := range k {
+		if p >= arrived {
 			if err := st.wait(); err != nil {
-				return st.fail(c, fmt.Errorf("onebit: phase 1 %s: %w", what, err))
+				return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))
 			}
 		}
-
-		// Step 2, worker_scale, and phase 1, first half: the W worker
-		// scales travel in the all-to-all of piece mid, each after the
-		// segment for its destination; the pieces from mid on go out now.
-		workerScale = st.normScale()
-		st.putWorkerScale(workerScale)
-		for range k - st.mid {
-			st.ready <- struct{}{}
+		if p == st.mid {
+			st.getWorkerScales()
 		}
-
-		// Step 3 while the pieces are on the wire: worker_error = x -
-		// worker_scale * sgn(x). (PackResidual packs sgn(x) again, into
-		// scratch: the bytes sent may still be in use.)
-		t := st.start()
-		for p := range k {
-			for j := range w {
-				lo := j*chunkLen + p*st.pieceBytes*8
-				if st.worker != nil {
-					st.residualSource(st.scratch, lo, lo+st.pieceLen(p)*8, workerScale)
-					continue
-				}
-				signpack.PackResidual(st.scratch, st.WorkerError[lo:lo+st.pieceLen(p)*8], workerScale)
-			}
-		}
-		st.span(PhaseWorkerError, -1, t)
-
-		// Server side, steps 5-6, piece by piece as they arrive (the first
-		// mid+1 pieces once piece mid has brought the scales): c = sum over
-		// j, ascending, of (worker_scale_j / W) * unpack(chunk received from
-		// j), then c = c + server_error.
-		summed := 0
-		for p := range k {
-			if p >= arrived {
-				if err := st.wait(); err != nil {
-					return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))
-				}
-			}
-			if p == st.mid {
-				st.getWorkerScales()
-			}
-			for ; p >= st.mid && summed <= p; summed++ {
-				st.sumPiece(summed)
-			}
+		for ; p >= st.mid && summed <= p; summed++ {
+			st.sumPiece(summed, nil)
 		}
 	}
 
@@ -496,17 +476,7 @@ func (st *State) allReduce(ctx context.Context, c comm.Comm, buf []float32) (err
 		signpack.PackResidual(st.serverMsg[4+p*st.pieceBytes:4+p*st.pieceBytes+st.pieceLen(p)],
 			st.ServerError[lo:lo+st.pieceLen(p)*8], serverScale)
 		st.span(PhaseServerCompress, p, t)
-		if k > 1 {
-			st.ready <- struct{}{}
-		}
-	}
-	if k == 1 {
-		t := st.start()
-		send, recv := st.phase2(0)
-		if err := c.AllGatherBytes(ctx, send, recv); err != nil {
-			return st.fail(c, fmt.Errorf("onebit: phase 2 all-gather: %w", err))
-		}
-		st.span(PhaseAllGather, 0, t)
+		st.ready <- struct{}{}
 	}
 
 	// Output, piece by piece as they arrive: element i of chunk j is
@@ -532,6 +502,201 @@ func (st *State) allReduce(ctx context.Context, c comm.Comm, buf []float32) (err
 		st.span(PhaseDecompress, p, t)
 	}
 	return nil
+}
+
+// progressBlock is the elements a started call works on between two
+// tests of its collective: 256 KiB of float32, some tens of microseconds.
+// startMin is the padded length from which a whole-chunk call starts its
+// collectives: below it the passes they could travel behind are short,
+// and the non-blocking collectives' own cost shows (4 MPI ranks sharing
+// memory, 4 KiB calls: 26-35 us started against 20-25 us blocking; 1 MiB
+// calls at 10 Gbit: the same within their spread).
+const (
+	progressBlock = 64 << 10
+	startMin      = 16 * progressBlock
+)
+
+// allReduceWhole is allReduce with whole chunks (st.pieces == 1): each
+// chunk's packed bytes in one all-to-all, every rank's message in one
+// all-gather.
+//
+// On a communicator that starts its collectives (comm.Starter: comm/mpi's
+// non-blocking ones), a tensor of at least startMin elements (padded) has
+// each collective travel while a pass that does not need it runs, and the
+// caller progresses it (Test) between blocks of that pass, on its own
+// goroutine:
+//
+//   - the first pass packs sgn(x) too (step 4 before step 3: the signs do
+//     not depend on the worker scale), so the all-to-all starts right
+//     after the header and travels while step 3 updates the worker error;
+//   - the server's sum packs sgn(c) too (step 9 before step 8), so the
+//     all-gather starts once the server scale is known and travels while
+//     step 8 updates the server error and this rank unpacks its own chunk
+//     of the output, which it has already;
+//   - the other ranks' chunks are unpacked once the all-gather is done.
+//
+// Nothing spins beside the caller's work, which matters where ranks share
+// cores: the pipelined call's goroutine took more than it hid there. The
+// ranks start their collectives only if every one can (a flag in the
+// header: MPI's non-blocking collectives do not match blocking ones);
+// otherwise every rank runs them blocking, at the same points. The
+// arithmetic is the same either way, bit for bit.
+func (st *State) allReduceWhole(ctx context.Context, c comm.Comm, buf []float32) error {
+	w := st.world
+	chunkLen := len(st.ServerError)
+	n := w * chunkLen
+	starter, _ := c.(comm.Starter)
+	st.starts = starter != nil && !st.blocking && n >= startMin
+
+	// Worker side, steps 1, 2 and 4: x = pad(buf) + worker_error (kept in
+	// the worker error buffer until step 3), its squares summed chunk by
+	// chunk, and sgn(x) packed, in one pass; worker_scale = ||x|| /
+	// sqrt(N).
+	t := st.start()
+	for j := range w {
+		lo, hi := j*chunkLen, (j+1)*chunkLen
+		st.packX(st.sendSigns[lo/8:hi/8], j, buf, lo, hi)
+	}
+	workerScale := st.normScale()
+	st.span(PhaseCompress, 0, t)
+
+	// Phase 1, first half: all-gather of the W worker scales with every
+	// rank's numel, checked before any tensor data moves. From here on
+	// every length of this call is agreed, and the collectives that
+	// follow skip the backend's argument check.
+	if err := st.exchangeHeader(ctx, c, workerScale); err != nil {
+		return fmt.Errorf("onebit: phase 1 scales: %w", err)
+	}
+	if !st.allStart() {
+		starter = nil
+	}
+	comm.SkipChecks(c, 2)
+
+	// Phase 1, second half: the all-to-all of the packed chunks (chunk j
+	// to rank j). Step 3 while it travels: worker_error = x -
+	// worker_scale * sgn(x) (the signs packed again, into blockSigns: the
+	// bytes sent are in use).
+	t = st.start()
+	req, err := st.allToAll(ctx, c, starter)
+	if err != nil {
+		return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))
+	}
+	tw := st.start()
+	for b := 0; b < n; b += progressBlock {
+		e := min(b+progressBlock, n)
+		if st.worker != nil {
+			st.residualSource(st.blockSigns, b, e, workerScale)
+		} else {
+			signpack.PackResidual(st.blockSigns[:(e-b)/8], st.WorkerError[b:e], workerScale)
+		}
+		_, _ = req.Test() // its error comes again from Wait
+	}
+	st.span(PhaseWorkerError, 0, tw)
+	if err := st.finish(req, PhaseAllToAll, t); err != nil {
+		return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))
+	}
+
+	// Server side, steps 5-7 and 9: c = sum over j, ascending, of
+	// (worker_scale_j / W) * unpack(chunk received from j), then c = c +
+	// server_error, sgn(c) packed into the phase 2 message as it goes;
+	// server_scale from the sum of squares of c.
+	msg := st.serverMsg
+	st.sumPiece(0, msg[4:])
+	serverScale := errorfeedback.ScaleOf(st.serverNorm.Sum(), chunkLen)
+	if st.meanAbs {
+		serverScale = meanAbs(st.ServerError)
+	}
+	binary.LittleEndian.PutUint32(msg[:4], math.Float32bits(serverScale))
+
+	// Phase 2: the all-gather of every rank's message, its scale and then
+	// its packed chunk. Step 8 while it travels: server_error = c -
+	// server_scale * sgn(c); then this rank's own chunk of the output.
+	t = st.start()
+	req, err = st.allGather(ctx, c, starter)
+	if err != nil {
+		return st.fail(c, fmt.Errorf("onebit: phase 2 all-gather: %w", err))
+	}
+	tw = st.start()
+	for b := 0; b < chunkLen; b += progressBlock {
+		e := min(b+progressBlock, chunkLen)
+		signpack.PackResidual(st.blockSigns[:(e-b)/8], st.ServerError[b:e], serverScale)
+		_, _ = req.Test()
+	}
+	st.span(PhaseServerCompress, 0, tw)
+	me := c.Rank()
+	if lo := me * chunkLen; !st.keep && lo < len(buf) {
+		tw = st.start()
+		hi := min(lo+chunkLen, len(buf))
+		for b := lo; b < hi; b += progressBlock {
+			e := min(b+progressBlock, hi)
+			signpack.UnpackScale(buf[b:e], msg[4+(b-lo)/8:], serverScale)
+			_, _ = req.Test()
+		}
+		st.span(PhaseDecompress, 0, tw)
+	}
+	if err := st.finish(req, PhaseAllGather, t); err != nil {
+		return st.fail(c, fmt.Errorf("onebit: phase 2 all-gather: %w", err))
+	}
+
+	// Output of the other ranks' chunks: element i of chunk j is
+	// server_scale_j * unpack(...); the first n elements replace buf.
+	t = st.start()
+	for j := range w {
+		signs := st.msgPiece(0, j)
+		st.scales[j] = math.Float32frombits(binary.LittleEndian.Uint32(signs))
+		lo := j * chunkLen
+		if st.keep || j == me || lo >= len(buf) {
+			continue
+		}
+		signpack.UnpackScale(buf[lo:min(lo+chunkLen, len(buf))], signs[4:], st.scales[j])
+	}
+	st.span(PhaseDecompress, 0, t)
+	return nil
+}
+
+// allToAll runs the all-to-all of a whole-chunk call: started through s,
+// or, with s nil, blocking, its Request done.
+func (st *State) allToAll(ctx context.Context, c comm.Comm, s comm.Starter) (comm.Request, error) {
+	send, recv := st.phase1(0)
+	if s != nil {
+		return s.StartAllToAllBytes(ctx, send, recv)
+	}
+	t := st.start()
+	err := c.AllToAllBytes(ctx, send, recv)
+	st.span(PhaseAllToAll, 0, t)
+	return done{}, err
+}
+
+// allGather runs the all-gather of a whole-chunk call as allToAll does.
+func (st *State) allGather(ctx context.Context, c comm.Comm, s comm.Starter) (comm.Request, error) {
+	send, recv := st.phase2(0)
+	if s != nil {
+		return s.StartAllGatherBytes(ctx, send, recv)
+	}
+	t := st.start()
+	err := c.AllGatherBytes(ctx, send, recv)
+	st.span(PhaseAllGather, 0, t)
+	return done{}, err
+}
+
+// done is the Request of a collective that ran blocking.
+type done struct{}
+
+func (done) Test() (bool, error) { return true, nil }
+func (done) Wait() error         { return nil }
+
+// finish waits for a collective of a whole-chunk call begun at t. A
+// started one is traced from its start to its end as phase ph, with the
+// caller's wait in it as PhaseWait; a blocking one has been traced already.
+func (st *State) finish(req comm.Request, ph Phase, t time.Time) error {
+	if _, blocking := req.(done); blocking {
+		return nil
+	}
+	tw := st.start()
+	err := req.Wait()
+	st.span(PhaseWait, -1, tw)
+	st.span(ph, 0, t)
+	return err
 }
 
 // gatheredPiece is piece p of rank j's gathered phase 2 message: the
@@ -659,8 +824,9 @@ func (st *State) residualSource(dst []byte, lo, hi int, scale float32) {
 // for step 7.
 //
 // It works in blocks of sumBlock elements, so that c stays in the cache
-// from its first sum to its last use.
-func (st *State) sumPiece(p int) {
+// from its first sum to its last use. With pack not nil it packs sgn(c)
+// into pack too (piece p's bytes from its start), in the same pass.
+func (st *State) sumPiece(p int, pack []byte) {
 	t := st.start()
 	defer st.span(PhaseServerReduce, p, t)
 	w := st.world
@@ -676,6 +842,10 @@ func (st *State) sumPiece(p int) {
 		}
 		if st.owner != nil {
 			st.owner(b, acc)
+		}
+		if pack != nil {
+			st.serverNorm.CompensatePack(pack[(b-lo)/8:], st.ServerError[b:e], acc)
+			continue
 		}
 		st.serverNorm.Compensate(st.ServerError[b:e], acc)
 	}

@@ -14,29 +14,37 @@ type Phase uint8
 // server and output phases once per piece, and the step 3 pass once; its
 // collectives run on a goroutine of their own, concurrently with the
 // caller's phases, and PhaseWait is the time the caller spends blocked on
-// them. An unpipelined call runs its collectives on the caller's goroutine
-// and reports no PhaseWait.
+// them. A call with whole chunks reports each phase once, but the output
+// twice (this rank's own chunk before the all-gather ends, then the
+// others'). It runs its collectives blocking, each in its place, and
+// reports no PhaseWait; or, on a communicator that starts them
+// (comm.Starter), its collective spans run from their start to their end,
+// over the passes run meanwhile (step 3 during the all-to-all; step 8 and
+// the own chunk's output during the all-gather), and PhaseWait is the time
+// the caller spends blocked on them at their end.
 const (
 	// PhaseCompress is the worker side's first pass: x = pad(buf) +
-	// worker_error and its sum of squares (steps 1-2); pipelined, of one
-	// piece, and packing sgn(x) too (step 4).
+	// worker_error, its sum of squares and sgn(x) packed (steps 1, 2 and
+	// 4); pipelined, of one piece.
 	PhaseCompress Phase = iota
 	// PhaseHeader is the all-gather of every rank's length (and, not
 	// pipelined, worker scale).
 	PhaseHeader
 	// PhaseWorkerError is the worker side's second pass, step 3,
-	// worker_error = x - worker_scale * sgn(x), over the whole tensor: not
-	// pipelined with step 4, packing sgn(x); pipelined while the pieces
-	// are on the wire.
+	// worker_error = x - worker_scale * sgn(x), over the whole tensor:
+	// pipelined while the pieces are on the wire, and with whole chunks
+	// after the all-to-all has started (while it travels, if started).
 	PhaseWorkerError
 	// PhaseAllToAll is the phase 1 all-to-all of the packed worker
 	// signs (of one piece).
 	PhaseAllToAll
 	// PhaseServerReduce is the server side, steps 5-6, on one piece:
-	// unpack the chunks received, sum them scaled, add the server error.
+	// unpack the chunks received, sum them scaled, add the server error;
+	// with whole chunks, packing sgn(c) too (step 9).
 	PhaseServerReduce
 	// PhaseServerCompress is the server side, steps 8-9, on one piece:
-	// server_error = c - server_scale * sgn(c) and pack sgn(c).
+	// server_error = c - server_scale * sgn(c) and pack sgn(c) (with
+	// whole chunks step 8 only, after the all-gather has started).
 	PhaseServerCompress
 	// PhaseAllGather is the phase 2 all-gather of the packed server
 	// chunks (of one piece).
@@ -44,7 +52,8 @@ const (
 	// PhaseDecompress is the output of one piece: unpacking every rank's
 	// server chunk, scaled, into buf.
 	PhaseDecompress
-	// PhaseWait is a pipelined call's caller blocked on its collectives.
+	// PhaseWait is the caller blocked on collectives that run without it:
+	// a pipelined call's, or a whole-chunk call's started ones.
 	PhaseWait
 
 	numPhases

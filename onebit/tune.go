@@ -16,9 +16,11 @@ package onebit
 //
 // The two fields ride in the high 24 bits of the header's length word,
 // above the 40 bits of the tensor length, so the header keeps its 12 bytes:
-// bits 40-42 hold the pieces per chunk of this call (1 to 4), bits 43-63
+// bits 40-42 hold the pieces per chunk of this call (1 to 4), bits 44-63
 // the rank's previous call's time in units of 16 microseconds (0: none, or
-// it failed; at most about 33 seconds).
+// it failed; at most about 16 seconds). Bit 43 says that the rank can
+// start the collectives of this call (a whole-chunk call on a
+// comm.Starter, allReduceWhole).
 
 import (
 	"encoding/binary"
@@ -38,7 +40,8 @@ const (
 	lenBits   = 40
 	lenMask   = 1<<lenBits - 1 // the tensor length in the header's length word
 	pieceBits = 3
-	timeShift = lenBits + pieceBits
+	startBit  = lenBits + pieceBits // the rank starts its collectives
+	timeShift = startBit + 1
 	timeUnit  = 16 // microseconds
 	timeMax   = 1<<(64-timeShift) - 1
 
@@ -143,9 +146,25 @@ func (s *State) useWhole(whole bool) {
 }
 
 // tuning is the tuning fields of this rank's header, in place in its
-// length word: this call's piece count and the previous call's time.
+// length word: this call's piece count, whether it starts its collectives
+// and the previous call's time.
 func (s *State) tuning() uint64 {
-	return uint64(s.pieces)<<lenBits | s.tune.last<<timeShift
+	w := uint64(s.pieces)<<lenBits | s.tune.last<<timeShift
+	if s.starts {
+		w |= 1 << startBit
+	}
+	return w
+}
+
+// allStart reports whether every rank's header says it starts the
+// collectives of this call.
+func (s *State) allStart() bool {
+	for j := range s.world {
+		if binary.LittleEndian.Uint64(s.headers[j*headerLen+4:])&(1<<startBit) == 0 {
+			return false
+		}
+	}
+	return true
 }
 
 // headerTuning returns the piece count and the previous call's time in

@@ -86,6 +86,7 @@ type benchConfig struct {
 	device      string // onebit on device-resident buffers (bench_device.go); "" for host buffers
 	trace       string // write a Chrome trace of the onebit calls here (bench_trace.go); "" for none
 	pieces      int    // onebit on host buffers: State.SetPieces (0: the calls choose)
+	blocking    bool   // onebit on host buffers: State.SetOverlap(false)
 }
 
 // sizeSweep returns begin, begin*factor, ... up to end.
@@ -130,6 +131,7 @@ func parseBenchFlags(args []string, out io.Writer) (*benchConfig, error) {
 	device := fs.String("device", "", deviceFlagHelp)
 	trace := fs.String("trace", "", "write a per-phase timeline of every timed onebit call on every rank to `file` (Chrome trace-event JSON) and print a per-phase summary")
 	pieces := fs.Int("pieces", 0, "onebit on host buffers: cut every chunk into at most this many pieces (1: whole; 0: the calls choose by their times)")
+	overlap := fs.Bool("overlap", true, "onebit on host buffers, whole chunks, on a backend that starts collectives (mpi): compute while they travel (false: run them blocking, for same-run comparisons)")
 	rpn := fs.Int("ranks-per-node", 0, "qgz4, qgz8, twolevel: ranks per node of the node-major layout (0: the ranks that share a machine; local backend: all)")
 	fs.Usage = func() {
 		fmt.Fprint(out, `usage: lowbit bench [flags]
@@ -165,7 +167,10 @@ times of earlier ones: see onebit.AllReduce); --csv adds the columns
 mem_bytes_per_rank, stream_gbps, mem_bound_us, mem_bound_share and pieces
 when onebit runs on host buffers. onebit warms up with at least
 onebit.TuningCalls calls (7), whatever --w says, so that its timed calls
-run the way its calls settled on; --pieces fixes the cut instead.
+run the way its calls settled on; --pieces fixes the cut instead. On the
+mpi backend a whole-chunk call of 1M elements and more starts its
+collectives and computes while they travel; --overlap=false runs them
+blocking, for a same-run comparison.
 
 --trace FILE records the phases of every timed onebit call on every rank
 (compress, header, worker error, all-to-all, server reduce and compress,
@@ -228,7 +233,7 @@ With --backend mpi start it under mpirun (a binary built with -tags mpi).
 		return nil, cliflag.Usagef("%s", err)
 	}
 	cfg := &benchConfig{sizes: sizes, warmup: *warmup, iters: *iters, backend: *backend,
-		ranks: *ranks, check: *check, format: "table", cpuProfile: *cpuProfile, rpn: *rpn, device: *device, trace: *trace, pieces: *pieces}
+		ranks: *ranks, check: *check, format: "table", cpuProfile: *cpuProfile, rpn: *rpn, device: *device, trace: *trace, pieces: *pieces, blocking: !*overlap}
 	for name := range strings.SplitSeq(*list, ",") {
 		name = strings.TrimSpace(name)
 		if !slices.Contains(benchCollectives, name) {
@@ -349,6 +354,9 @@ func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchRep
 			}
 			if bc.state != nil && cfg.pieces > 0 {
 				bc.state.SetPieces(cfg.pieces)
+			}
+			if bc.state != nil {
+				bc.state.SetOverlap(!cfg.blocking)
 			}
 			if cfg.trace != "" && bc.state != nil {
 				bc.tracer = newBenchTracer()

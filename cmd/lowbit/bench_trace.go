@@ -179,7 +179,11 @@ func writeTraceSummary(w io.Writer, ts *tracedSize, calls int) error {
 	p50, seen := ts.phaseP50s(calls)
 	var b strings.Builder
 	note := "not pipelined: the phases run one after the other"
-	if ts.pipelined {
+	switch {
+	case !ts.pipelined && seen[onebit.PhaseWait]:
+		note = "not pipelined, the collectives started: all-to-all spans worker-error, all-gather spans " +
+			"server-compress and the own chunk's decompress, run while the data travels; wait is the caller blocked at their end"
+	case ts.pipelined:
 		note = "pipelined: the collectives (header, all-to-all, all-gather) run on a goroutine of their own, " +
 			"overlapping the rest; wait is the caller blocked on them"
 	}

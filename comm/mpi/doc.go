@@ -53,6 +53,21 @@
 // has arrived; a call under comm.SkipChecks has no agreement, so it waits
 // for late peers in the data collective.
 //
+// # Started collectives
+//
+// A communicator is a comm.Starter: StartAllToAllBytes and
+// StartAllGatherBytes agree on their arguments like the blocking calls,
+// then start MPI_Ialltoall or MPI_Iallgather (Open MPI's libnbc) on buffers
+// pinned until the collective is done (runtime.Pinner: MPI keeps their
+// addresses after the call returns) and return its Request. Open MPI's TCP
+// transport moves the data only inside MPI calls, so the caller calls Test
+// (MPI_Test) between pieces of its work and Wait (MPI_Wait) at the end. One
+// started collective is in flight per communicator: every other call,
+// Close included, is refused until it is done. MPI's non-blocking
+// collectives do not match blocking ones, so every rank must start the
+// same collective (onebit agrees on that in its header). The watchdog and
+// the context rules below hold from the start to the end of it.
+//
 // # Contexts and aborts
 //
 // MPI cannot cancel a collective. A context that is already done when a call

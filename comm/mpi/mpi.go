@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -146,6 +147,8 @@ type mpiComm struct {
 	agree      []int64 // the agreement vector, in st
 	seq        int64   // collectives started on c
 	skip       int     // collectives left that skip the agreement (SkipChecks)
+	req        request // the collective started last (Starter)
+	pin        runtime.Pinner
 
 	// WithOrderedReduce's buffers.
 	scratch              []float32
@@ -156,6 +159,7 @@ var (
 	_ comm.Comm         = (*mpiComm)(nil)
 	_ comm.NodeSplitter = (*mpiComm)(nil)
 	_ comm.CheckSkipper = (*mpiComm)(nil)
+	_ comm.Starter      = (*mpiComm)(nil)
 )
 
 func newComm(h handle, o options, fromOpen bool) (*mpiComm, error) {
@@ -228,6 +232,9 @@ func (c *mpiComm) Close() error {
 	if c.closed {
 		return nil
 	}
+	if c.req.active {
+		return fmt.Errorf("mpi: close: a started %s is in flight (finish it with its Request first)", c.req.kind)
+	}
 	c.closed = true
 	c.wd.stop()
 	env.mu.Lock()
@@ -262,6 +269,8 @@ func (c *mpiComm) usable(kind comm.Collective) error {
 		return fmt.Errorf("mpi: %s: %w (MPI was finalized)", kind, comm.ErrClosed)
 	case c.err != nil:
 		return fmt.Errorf("mpi: %s: %w", kind, c.err)
+	case c.req.active:
+		return fmt.Errorf("mpi: %s: a started %s is in flight (finish it with its Request first)", kind, c.req.kind)
 	}
 	return nil
 }
@@ -558,16 +567,22 @@ func (c *mpiComm) AllGatherBytes(ctx context.Context, send, recv []byte) error {
 	return allGather(c, ctx, send, recv)
 }
 
+// allGatherArgs are an all-gather's arguments, checked.
+func (c *mpiComm) allGatherArgs(bytes bool, send, recv int) args {
+	a := args{kind: comm.CAllGather, bytes: bytes, send: send, recv: recv}
+	switch {
+	case recv != c.size*send:
+		a.invalid = fmt.Errorf("mpi: allgather: receive length %d is not %d ranks x send length %d",
+			recv, c.size, send)
+	case send > maxCount:
+		a.invalid = tooLong(comm.CAllGather, "send buffer", send)
+	}
+	return a
+}
+
 func allGather[T elem](c *mpiComm, ctx context.Context, send, recv []T) error {
 	t, sz, bytes := typeOf[T]()
-	a := args{kind: comm.CAllGather, bytes: bytes, send: len(send), recv: len(recv)}
-	switch {
-	case len(recv) != c.size*len(send):
-		a.invalid = fmt.Errorf("mpi: allgather: receive length %d is not %d ranks x send length %d",
-			len(recv), c.size, len(send))
-	case len(send) > maxCount:
-		a.invalid = tooLong(comm.CAllGather, "send buffer", len(send))
-	}
+	a := c.allGatherArgs(bytes, len(send), len(recv))
 	armed, err := c.begin(ctx, &a)
 	if err != nil {
 		return err
@@ -593,17 +608,23 @@ func (c *mpiComm) AllToAllBytes(ctx context.Context, send, recv []byte) error {
 	return allToAll(c, ctx, send, recv)
 }
 
+// allToAllArgs are an all-to-all's arguments, checked.
+func (c *mpiComm) allToAllArgs(bytes bool, send, recv int) args {
+	a := args{kind: comm.CAllToAll, bytes: bytes, send: send, recv: recv}
+	switch {
+	case send != recv:
+		a.invalid = fmt.Errorf("mpi: alltoall: send length %d differs from receive length %d", send, recv)
+	case send%c.size != 0:
+		a.invalid = comm.CheckLen(comm.CAllToAll, "send", send, c.size)
+	case send/c.size > maxCount:
+		a.invalid = tooLong(comm.CAllToAll, "chunk", send/c.size)
+	}
+	return a
+}
+
 func allToAll[T elem](c *mpiComm, ctx context.Context, send, recv []T) error {
 	t, sz, bytes := typeOf[T]()
-	a := args{kind: comm.CAllToAll, bytes: bytes, send: len(send), recv: len(recv)}
-	switch {
-	case len(send) != len(recv):
-		a.invalid = fmt.Errorf("mpi: alltoall: send length %d differs from receive length %d", len(send), len(recv))
-	case len(send)%c.size != 0:
-		a.invalid = comm.CheckLen(comm.CAllToAll, "send", len(send), c.size)
-	case len(send)/c.size > maxCount:
-		a.invalid = tooLong(comm.CAllToAll, "chunk", len(send)/c.size)
-	}
+	a := c.allToAllArgs(bytes, len(send), len(recv))
 	armed, err := c.begin(ctx, &a)
 	if err != nil {
 		return err
@@ -617,6 +638,95 @@ func allToAll[T elem](c *mpiComm, ctx context.Context, send, recv []T) error {
 	n := int64(len(send)/c.size) * sz * int64(c.size-1)
 	c.stats.Add(comm.CAllToAll, n, n)
 	return nil
+}
+
+// StartAllToAllBytes starts AllToAllBytes as MPI_Ialltoall (see
+// comm.Starter).
+func (c *mpiComm) StartAllToAllBytes(ctx context.Context, send, recv []byte) (comm.Request, error) {
+	a := c.allToAllArgs(true, len(send), len(recv))
+	n := int64(len(send)/c.size) * int64(c.size-1)
+	return c.start(ctx, &a, send, recv, len(send)/c.size, n, cIAllToAll)
+}
+
+// StartAllGatherBytes starts AllGatherBytes as MPI_Iallgather (see
+// comm.Starter).
+func (c *mpiComm) StartAllGatherBytes(ctx context.Context, send, recv []byte) (comm.Request, error) {
+	a := c.allGatherArgs(true, len(send), len(recv))
+	n := int64(len(send)) * int64(c.size-1)
+	return c.start(ctx, &a, send, recv, len(send), n, cIAllGather)
+}
+
+// start begins a started collective like a blocking one (the agreement,
+// unless skipped, and the watchdog, armed until it is done), pins its
+// buffers, which MPI uses after the call returns, and starts it with call
+// (count bytes per rank; moved is the bytes it sends and receives, for
+// Stats).
+func (c *mpiComm) start(ctx context.Context, a *args, send, recv []byte, count int, moved int64,
+	call func(h handle, s cstate, send, recv unsafe.Pointer, count int) error) (comm.Request, error) {
+	armed, err := c.begin(ctx, a)
+	if err != nil {
+		return nil, err
+	}
+	r := &c.req
+	*r = request{c: c, kind: a.kind, armed: armed, moved: moved}
+	if count == 0 {
+		return r, r.finish(nil)
+	}
+	c.pin.Pin(unsafe.SliceData(send))
+	c.pin.Pin(unsafe.SliceData(recv))
+	if err := call(c.h, c.st, ptr(send), ptr(recv), count); err != nil {
+		c.pin.Unpin()
+		return nil, c.end(a.kind, armed, err)
+	}
+	r.active = true
+	return r, nil
+}
+
+// request is the comm.Request of a started collective; a communicator
+// has one, reused by every start.
+type request struct {
+	c      *mpiComm
+	kind   comm.Collective
+	armed  guard
+	moved  int64 // bytes sent, and received, for Stats
+	active bool  // started and not yet seen done
+	err    error // the collective's error, once done
+}
+
+// Test progresses the collective (MPI_Test) and reports whether it is
+// done.
+func (r *request) Test() (bool, error) {
+	if !r.active {
+		return true, r.err
+	}
+	done, err := cDataTest(r.c.st)
+	if !done && err == nil {
+		return false, nil
+	}
+	return true, r.finish(err)
+}
+
+// Wait waits for the collective (MPI_Wait).
+func (r *request) Wait() error {
+	if !r.active {
+		return r.err
+	}
+	return r.finish(cDataWait(r.c.st))
+}
+
+// finish ends a started collective that is done, with the error of its
+// MPI call: its buffers unpinned, the watchdog disarmed, the traffic
+// counted or the communicator broken.
+func (r *request) finish(err error) error {
+	if r.active {
+		r.active = false
+		r.c.pin.Unpin()
+	}
+	r.err = r.c.end(r.kind, r.armed, err)
+	if r.err == nil {
+		r.c.stats.Add(r.kind, r.moved, r.moved)
+	}
+	return r.err
 }
 
 // Broadcast copies root's buf to every rank.

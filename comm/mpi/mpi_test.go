@@ -195,6 +195,83 @@ func TestAllToAll(t *testing.T) {
 	}
 }
 
+// The started collectives move what the blocking ones move, progressed by
+// Test while the caller works; while one is in flight the communicator
+// refuses every other call, Close included, and after it is done it works
+// again; the traffic is counted once it is done.
+func TestStarted(t *testing.T) {
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	s, ok := world.(comm.Starter)
+	require.True(t, ok, "comm/mpi is a comm.Starter")
+	val := func(from, to, i int) byte { return byte(from*31 + to*7 + i) }
+	for _, k := range []int{0, 1, 9, 300_000} {
+		send, recv := make([]byte, w*k), make([]byte, w*k)
+		for to := range w {
+			for i := range k {
+				send[to*k+i] = val(r, to, i)
+			}
+		}
+		before := world.Stats()
+		req, err := s.StartAllToAllBytes(ctx, send, recv)
+		require.NoError(t, err, "k=%d", k)
+		if k > 0 {
+			err := world.Barrier(ctx)
+			require.ErrorContains(t, err, "in flight", "k=%d", k)
+			assert.ErrorContains(t, world.Close(), "in flight", "k=%d", k)
+		}
+		for {
+			done, err := req.Test()
+			require.NoError(t, err)
+			if done {
+				break
+			}
+		}
+		done, err := req.Test()
+		assert.True(t, done)
+		assert.NoError(t, err)
+		assert.NoError(t, req.Wait())
+		for from := range w {
+			for i := range k {
+				require.Equal(t, val(from, r, i), recv[from*k+i], "k=%d from %d", k, from)
+			}
+		}
+		got := world.Stats().Sub(before).PerCollective[comm.CAllToAll]
+		assert.Equal(t, comm.Traffic{Calls: 1, BytesSent: int64(k * (w - 1)), BytesRecv: int64(k * (w - 1))}, got, "k=%d", k)
+
+		gsend, grecv := send[:k], make([]byte, w*k)
+		req, err = s.StartAllGatherBytes(ctx, gsend, grecv)
+		require.NoError(t, err, "k=%d", k)
+		require.NoError(t, req.Wait(), "k=%d", k)
+		for j := range w {
+			for i := range k {
+				require.Equal(t, val(j, 0, i), grecv[j*k+i], "k=%d rank %d", k, j)
+			}
+		}
+		require.NoError(t, world.Barrier(ctx), "k=%d: usable again", k)
+	}
+}
+
+// A started collective whose lengths differ across ranks is an error on
+// every rank, as the blocking one is, and bad local arguments are refused
+// before anything starts.
+func TestStartedMismatch(t *testing.T) {
+	needRanks(t, 2)
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	s := world.(comm.Starter)
+	k := 4
+	if r == 1 {
+		k = 5
+	}
+	_, err := s.StartAllToAllBytes(ctx, make([]byte, w*k), make([]byte, w*k))
+	var me *comm.MismatchError
+	require.ErrorAs(t, err, &me)
+	_, err = s.StartAllGatherBytes(ctx, make([]byte, 3), make([]byte, 3*w+1))
+	require.ErrorContains(t, err, "receive length")
+	require.NoError(t, world.Barrier(ctx))
+}
+
 func TestBroadcast(t *testing.T) {
 	ctx := testCtx(t)
 	w, r := world.Size(), world.Rank()
@@ -491,8 +568,13 @@ func TestOnebitMatchesLocal(t *testing.T) {
 	w, r := world.Size(), world.Rank()
 	const steps = 4
 	// 4M+3 elements (16 MiB) are pipelined on 2 to 4 ranks (two to four
-	// pieces per chunk): the pieces travel from a goroutine of their own.
-	for _, n := range []int{100, 1000, 4097, 4<<20 + 3} {
+	// pieces per chunk): the pieces travel from a goroutine of their own;
+	// -(4M+3) is the same tensor in whole chunks, whose collectives are
+	// started (comm.Starter) and travel while the call computes, as the
+	// smaller tensors' do.
+	for _, n := range []int{100, 1000, 4097, 4<<20 + 3, -(4<<20 + 3)} {
+		whole := n < 0
+		n = max(n, -n)
 		if n > 1<<20 && w < 2 {
 			continue
 		}
@@ -506,6 +588,9 @@ func TestOnebitMatchesLocal(t *testing.T) {
 		}
 		st, err := onebit.NewState(n, w)
 		require.NoError(t, err)
+		if whole {
+			st.SetPieces(1)
+		}
 		for step := range steps {
 			if n > 1<<20 && step >= 1 {
 				break // one pipelined step; the local tests carry error feedback over steps
@@ -517,7 +602,7 @@ func TestOnebitMatchesLocal(t *testing.T) {
 			})
 			got := append([]float32(nil), in[r]...)
 			require.NoError(t, onebit.AllReduce(ctx, world, got, st))
-			msg := fmt.Sprintf("onebit n=%d step %d", n, step)
+			msg := fmt.Sprintf("onebit n=%d whole=%v step %d", n, whole, step)
 			requireBits(t, want, got, msg+" output")
 			requireBits(t, states[r].WorkerError, st.WorkerError, msg+" worker error")
 			requireBits(t, states[r].ServerError, st.ServerError, msg+" server error")
@@ -695,10 +780,18 @@ func TestNoAllocs(t *testing.T) {
 	bsend := make([]byte, 64*w)
 	brecv := make([]byte, 64*w)
 	for _, m := range modes() {
+		small, err := onebit.NewState(len(buf), w) // whole chunks, blocking collectives
+		require.NoError(t, err)
+		large := make([]float32, 1<<20)
+		st, err := onebit.NewState(len(large), w) // whole chunks, started collectives
+		require.NoError(t, err)
+		st.SetPieces(1)
 		calls := []struct {
 			name string
 			f    func() error
 		}{
+			{"onebit", func() error { return onebit.AllReduce(ctx, m.c, buf, small) }},
+			{"onebit started", func() error { return onebit.AllReduce(ctx, m.c, large, st) }},
 			{"allreduce", func() error { return m.c.AllReduce(ctx, buf, comm.Mean) }},
 			{"allreduce background", func() error { return m.c.AllReduce(context.Background(), buf, comm.Sum) }},
 			{"reducescatter", func() error { return m.c.ReduceScatter(ctx, buf, out, comm.Sum) }},
@@ -706,6 +799,14 @@ func TestNoAllocs(t *testing.T) {
 			{"alltoall", func() error { return m.c.AllToAllBytes(ctx, bsend, brecv) }},
 			{"broadcast", func() error { return m.c.Broadcast(ctx, buf, 0) }},
 			{"barrier", func() error { return m.c.Barrier(ctx) }},
+			{"started alltoall", func() error {
+				req, err := m.c.(comm.Starter).StartAllToAllBytes(ctx, bsend, brecv)
+				if err != nil {
+					return err
+				}
+				_, _ = req.Test()
+				return req.Wait()
+			}},
 		}
 		for _, call := range calls {
 			require.NoError(t, call.f(), "%s %s", m.name, call.name) // grows buffers

@@ -1,0 +1,191 @@
+package onebit_test
+
+import (
+	"context"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"sync/atomic"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/onebit"
+	"github.com/lowbit-ml/lowbit/optim"
+)
+
+// startComm gives an in-process rank comm.Starter: a started collective
+// runs the blocking one on a goroutine of its own, so that the call goes
+// on computing while it travels, as on comm/mpi, and the race detector
+// sees any pass that touches the collective's buffers meanwhile. starts
+// counts the collectives started.
+type startComm struct {
+	comm.Comm
+	starts *atomic.Int64
+	req    goRequest
+}
+
+func (s *startComm) StartAllToAllBytes(ctx context.Context, send, recv []byte) (comm.Request, error) {
+	return s.start(func() error { return s.Comm.AllToAllBytes(ctx, send, recv) }), nil
+}
+
+func (s *startComm) StartAllGatherBytes(ctx context.Context, send, recv []byte) (comm.Request, error) {
+	return s.start(func() error { return s.Comm.AllGatherBytes(ctx, send, recv) }), nil
+}
+
+func (s *startComm) start(run func() error) comm.Request {
+	s.starts.Add(1)
+	s.req = goRequest{done: make(chan error, 1)}
+	go func() { s.req.done <- run() }()
+	return &s.req
+}
+
+type goRequest struct {
+	done     chan error
+	finished bool
+	err      error
+}
+
+func (r *goRequest) Test() (bool, error) {
+	if !r.finished {
+		select {
+		case r.err = <-r.done:
+			r.finished = true
+		default:
+			return false, nil
+		}
+	}
+	return true, r.err
+}
+
+func (r *goRequest) Wait() error {
+	if !r.finished {
+		r.err, r.finished = <-r.done, true
+	}
+	return r.err
+}
+
+// startedRun runs calls whole-chunk AllReduce calls of n elements on w
+// ranks, each rank's communicator a startComm if started says so (overlap
+// off on the ranks in blocking), and returns every rank's output and error
+// buffers after the last call and the collectives started.
+func startedRun(t *testing.T, w, n, calls int, started bool, blocking ...int) ([][]float32, int64) {
+	out := make([][]float32, 3*w)
+	var starts atomic.Int64
+	err := local.Run(ctxT(t), w, func(ctx context.Context, c comm.Comm) error {
+		r := c.Rank()
+		if started {
+			c = &startComm{Comm: c, starts: &starts}
+		}
+		st, err := onebit.NewState(n, w)
+		if err != nil {
+			return err
+		}
+		st.SetPieces(1)
+		st.SetOverlap(!slices.Contains(blocking, r))
+		rng := rand.New(rand.NewPCG(uint64(r), 11))
+		buf := make([]float32, n)
+		for range calls {
+			copy(buf, randn(rng, n))
+			if err := onebit.AllReduce(ctx, c, buf, st); err != nil {
+				return err
+			}
+		}
+		out[r], out[w+r], out[2*w+r] = buf, slices.Clone(st.WorkerError), slices.Clone(st.ServerError)
+		return nil
+	})
+	require.NoError(t, err)
+	return out, starts.Load()
+}
+
+// A whole-chunk call whose collectives travel while it computes gives the
+// bits of one that runs them blocking: outputs and both error buffers,
+// over calls, padded or not. Tensors of less than 1M elements run them
+// blocking anyway.
+func TestStartedBitIdentical(t *testing.T) {
+	for _, w := range []int{1, 2, 3, 4} {
+		for _, n := range []int{5 * w, 1000*w + 3, 1<<20 + 3, 3<<20 + 1} {
+			want, none := startedRun(t, w, n, 3, false)
+			got, starts := startedRun(t, w, n, 3, true)
+			assert.Zero(t, none)
+			if n < 1<<20 {
+				assert.Zero(t, starts, "w=%d n=%d: too small to start", w, n)
+			} else {
+				assert.Equal(t, int64(3*2*w), starts, "w=%d n=%d: every call starts both collectives", w, n)
+			}
+			for i := range want {
+				require.Equal(t, want[i], got[i], "w=%d n=%d buffer %d", w, n, i)
+			}
+		}
+	}
+}
+
+// A rank whose State has overlap off makes every rank run the call's
+// collectives blocking (MPI's non-blocking collectives do not match
+// blocking ones): no rank starts one, and the bits are the same.
+func TestStartedNeedsEveryRank(t *testing.T) {
+	const w, n = 3, 1 << 20
+	want, _ := startedRun(t, w, n, 2, false)
+	got, starts := startedRun(t, w, n, 2, true, 1)
+	assert.Zero(t, starts)
+	for i := range want {
+		require.Equal(t, want[i], got[i], "buffer %d", i)
+	}
+}
+
+// 1-bit Adam takes the same steps on ranks that start their collectives as
+// on ranks that run them blocking, in each of its state modes (the sharded
+// mode's worker error kept in bfloat16 forms x a block at a time).
+func TestStartedAdamModes(t *testing.T) {
+	const w, n, steps = 4, 1<<20 + 5, 3
+	for _, tc := range []struct {
+		mode onebit.StateMode
+		bf   onebit.BF16State
+	}{
+		{onebit.StateFull, 0}, {onebit.StateCompact, 0}, {onebit.StateSharded, 0},
+		{onebit.StateSharded, onebit.BF16WorkerError | onebit.BF16Variance},
+	} {
+		run := func(started bool) ([][]float32, int64) {
+			out := make([][]float32, w)
+			var starts atomic.Int64
+			err := local.Run(ctxT(t), w, func(ctx context.Context, c comm.Comm) error {
+				r := c.Rank()
+				if started {
+					c = &startComm{Comm: c, starts: &starts}
+				}
+				cfg := onebit.DefaultAdamConfig()
+				cfg.LR, cfg.FreezeStep = 0.01, 2
+				cfg.StateMode, cfg.BF16 = tc.mode, tc.bf
+				p := optim.NewParam("w", n)
+				for i := range p.Data() {
+					p.Data()[i] = float32(math.Sin(float64(i)))
+				}
+				opt, err := onebit.NewAdam(ctx, c, []*optim.Param{p}, cfg)
+				if err != nil {
+					return err
+				}
+				for s := range steps {
+					for i := range p.GradData() {
+						p.GradData()[i] = float32(math.Cos(float64(s*7919+r*104729+3*i))) * float32(1+r)
+					}
+					if err := opt.Step(ctx); err != nil {
+						return err
+					}
+				}
+				out[r] = p.Data()
+				return nil
+			})
+			require.NoError(t, err)
+			return out, starts.Load()
+		}
+		want, _ := run(false)
+		got, starts := run(true)
+		assert.Positive(t, starts, "%v %v", tc.mode, tc.bf)
+		for r := range want {
+			require.Equal(t, want[r], got[r], "%v %v rank %d", tc.mode, tc.bf, r)
+		}
+	}
+}
