@@ -150,24 +150,33 @@ func SkipChecks(c Comm, n int) {
 // Starter is implemented by communicators that can start the byte
 // all-to-all and all-gather and return at once, so that the caller goes on
 // computing while the data travels, and finishes them with the returned
-// Request. comm/mpi does, with MPI's non-blocking collectives: Open MPI's
+// Requests. comm/mpi does, with MPI's non-blocking collectives: Open MPI's
 // TCP transport moves their data only inside MPI calls, so the caller
 // calls Test now and then while it computes (every few tens of
 // microseconds of work), then Wait.
 //
 // A started collective is one collective of the sequence every rank calls
-// in the same order, with the blocking variant's arguments and checks (a
-// rank may start it while another calls the blocking variant). Until its
-// Request reports it done, the communicator takes no other call (each
-// returns an error), and send and recv must be neither written nor read by
-// anyone else; Close refuses too. The Request of a call is valid until the
-// next call on the communicator.
+// in the same order, with the blocking variant's arguments and checks, and
+// every rank must start it where the others start it: MPI's non-blocking
+// collectives do not match blocking ones (comm/mpi reports a rank that
+// calls the blocking variant as a mismatch, unless the checks are
+// skipped). Several may be in flight at once (comm/mpi: up to 16); they
+// may end in any order. Until every one is done, the communicator takes
+// no blocking call (each returns an error), Close included; and send and
+// recv must be neither written nor read by anyone else until their
+// collective is done. A Request is valid until it is done and the
+// communicator's next start.
 //
 // Algorithms look for a Starter on the communicator they were given
-// itself, never through wrappers (As): a wrapper that counts or injects
-// faults in every collective must see these ones too, so a wrapped
-// communicator runs them blocking.
+// itself, never through wrappers (As), and use it where Starts reports
+// true: a wrapper that counts or injects faults in every collective must
+// see these ones too, so a communicator wrapped by one that is not a
+// Starter (comm/timed is one) runs them blocking.
 type Starter interface {
+	// Starts reports whether the Start methods really start the
+	// collectives: a wrapper that is a Starter whatever it wraps runs
+	// them blocking over a communicator that is not one, and says false.
+	Starts() bool
 	// StartAllToAllBytes starts AllToAllBytes(ctx, send, recv).
 	StartAllToAllBytes(ctx context.Context, send, recv []byte) (Request, error)
 	// StartAllGatherBytes starts AllGatherBytes(ctx, send, recv).
@@ -176,6 +185,8 @@ type Starter interface {
 
 // Request is a collective a Starter started. What a context that ends
 // while it is in flight does is what it does to the blocking variant.
+// Testing or waiting for one request moves the data of every collective in
+// flight on its communicator.
 type Request interface {
 	// Test moves the collective's data as far as it can without waiting
 	// and reports whether it is done, with its error once it is. It may be

@@ -81,9 +81,16 @@ type State struct {
 
 	// With pieces > 1 a goroutine per call issues the collectives in order
 	// while the caller computes: ready hands it a piece, and done returns
-	// each collective's error.
-	ready chan struct{}
-	done  chan error
+	// each collective's error. Or, on a comm.Starter (starter, during the
+	// call), the caller starts them: reqs[i] is the i-th (the K
+	// all-to-alls, then the K all-gathers), begun at began[i]; issued
+	// have been started, waited waited for.
+	ready          chan struct{}
+	done           chan error
+	starter        comm.Starter
+	reqs           [2 * maxPieces]comm.Request
+	began          [2 * maxPieces]time.Time
+	issued, waited int
 	// The goroutine's function, made once so that starting it allocates
 	// nothing, and the call's context and communicator it works with (set
 	// only during a pipelined call).
@@ -368,48 +375,69 @@ func (st *State) allReduce(ctx context.Context, c comm.Comm, buf []float32) (err
 }
 
 // allReducePipelined is allReduce with each chunk's packed bytes in pieces
-// (st.pieces > 1).
+// (st.pieces > 1). Its collectives run without the caller: started (a
+// comm.Starter on every rank, as for whole chunks), the caller moving
+// their data with Test between blocks of its work; otherwise on a
+// goroutine of its own, to which the caller hands each piece.
 func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, buf []float32) error {
 	w := st.world
 	chunkLen := len(st.ServerError)
 	k := st.pieces
-
-	// The goroutine all-gathers the header (numel only), then sends each
-	// piece as it is handed over.
+	starter := starterOf(c)
+	st.starts = starter != nil && !st.blocking && w*chunkLen >= startMin
 	st.ctx, st.comm = ctx, c
 	defer st.release()
-	go st.communicator()
 
 	// Worker side, steps 1 and 4, piece by piece: x = pad(buf) +
 	// worker_error (kept in the worker error buffer until step 3), its
 	// squares summed chunk by chunk, and sgn(x) packed; then phase 1,
 	// second half: all-to-all of the packed chunks (chunk j to rank j),
-	// one piece at a time. In the first half the caller stays one piece
-	// ahead of the wire: after piece 0 it waits for the header, after
-	// piece p for the all-to-all of piece p-1, so that on a busy CPU
-	// the communicating goroutines of all ranks get the first pieces
-	// through rather than wait for every rank's packing. (Packing is
-	// faster than the wire: the second half is packed while piece
-	// mid-1 is on it.)
+	// one piece at a time. The header (the length only: the worker scales
+	// travel later) goes once piece 0 is packed, and decides whether the
+	// collectives are started. With a goroutine, in the first half the
+	// caller stays one piece ahead of the wire: after piece p it waits for
+	// the all-to-all of piece p-1, so that on a busy CPU the communicating
+	// goroutines of all ranks get the first pieces through rather than
+	// wait for every rank's packing. (Packing is faster than the wire: the
+	// second half is packed while piece mid-1 is on it.) Started, every
+	// piece goes as soon as it is packed.
 	arrived := 0 // all-to-alls already waited for
 	for p := range k {
 		t := st.start()
 		for j := range w {
 			lo := j*chunkLen + p*st.pieceBytes*8
 			hi := lo + st.pieceLen(p)*8
-			st.packX(st.sendPiece(p, j), j, buf, lo, hi)
+			dst := st.sendPiece(p, j)
+			for b := lo; b < hi; b += progressBlock {
+				e := min(b+progressBlock, hi)
+				st.packX(dst[(b-lo)/8:(e-lo)/8], j, buf, b, e)
+				st.poll()
+			}
 		}
 		st.span(PhaseCompress, p, t)
 		if p >= st.mid {
 			continue
 		}
-		st.ready <- struct{}{}
-		what := "header"
-		if p > 0 {
-			what, arrived = "all-to-all", arrived+1
+		if p == 0 {
+			if err := st.exchangeHeader(ctx, c, 0); err != nil {
+				return fmt.Errorf("onebit: phase 1 header: %w", err)
+			}
+			comm.SkipChecks(c, 2*k)
+			st.starter = nil
+			if starter != nil && st.allStart() {
+				st.starter = starter
+			} else {
+				go st.communicator()
+			}
 		}
-		if err := st.wait(); err != nil {
-			return st.fail(c, fmt.Errorf("onebit: phase 1 %s: %w", what, err))
+		if err := st.send(); err != nil {
+			return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))
+		}
+		if p > 0 && st.starter == nil {
+			arrived++
+			if err := st.wait(); err != nil {
+				return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))
+			}
 		}
 	}
 
@@ -419,7 +447,9 @@ func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, buf []floa
 	workerScale := st.normScale()
 	st.putWorkerScale(workerScale)
 	for range k - st.mid {
-		st.ready <- struct{}{}
+		if err := st.send(); err != nil {
+			return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))
+		}
 	}
 
 	// Step 3 while the pieces are on the wire: worker_error = x -
@@ -429,11 +459,16 @@ func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, buf []floa
 	for p := range k {
 		for j := range w {
 			lo := j*chunkLen + p*st.pieceBytes*8
-			if st.worker != nil {
-				st.residualSource(st.scratch, lo, lo+st.pieceLen(p)*8, workerScale)
-				continue
+			hi := lo + st.pieceLen(p)*8
+			for b := lo; b < hi; b += progressBlock {
+				e := min(b+progressBlock, hi)
+				if st.worker != nil {
+					st.residualSource(st.scratch, b, e, workerScale)
+				} else {
+					signpack.PackResidual(st.scratch[:(e-b)/8], st.WorkerError[b:e], workerScale)
+				}
+				st.poll()
 			}
-			signpack.PackResidual(st.scratch, st.WorkerError[lo:lo+st.pieceLen(p)*8], workerScale)
 		}
 	}
 	st.span(PhaseWorkerError, -1, t)
@@ -473,10 +508,17 @@ func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, buf []floa
 	for p := range k {
 		t := st.start()
 		lo := p * st.pieceBytes * 8
-		signpack.PackResidual(st.serverMsg[4+p*st.pieceBytes:4+p*st.pieceBytes+st.pieceLen(p)],
-			st.ServerError[lo:lo+st.pieceLen(p)*8], serverScale)
+		hi := lo + st.pieceLen(p)*8
+		msg := st.serverMsg[4+p*st.pieceBytes:]
+		for b := lo; b < hi; b += progressBlock {
+			e := min(b+progressBlock, hi)
+			signpack.PackResidual(msg[(b-lo)/8:(e-lo)/8], st.ServerError[b:e], serverScale)
+			st.poll()
+		}
 		st.span(PhaseServerCompress, p, t)
-		st.ready <- struct{}{}
+		if err := st.send(); err != nil {
+			return st.fail(c, fmt.Errorf("onebit: phase 2 all-gather: %w", err))
+		}
 	}
 
 	// Output, piece by piece as they arrive: element i of chunk j is
@@ -497,7 +539,11 @@ func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, buf []floa
 				continue
 			}
 			hi := min(lo+len(signs)*8, len(buf))
-			signpack.UnpackScale(buf[lo:hi], signs, st.scales[j])
+			for b := lo; b < hi; b += progressBlock {
+				e := min(b+progressBlock, hi)
+				signpack.UnpackScale(buf[b:e], signs[(b-lo)/8:], st.scales[j])
+				st.poll()
+			}
 		}
 		st.span(PhaseDecompress, p, t)
 	}
@@ -545,7 +591,7 @@ func (st *State) allReduceWhole(ctx context.Context, c comm.Comm, buf []float32)
 	w := st.world
 	chunkLen := len(st.ServerError)
 	n := w * chunkLen
-	starter, _ := c.(comm.Starter)
+	starter := starterOf(c)
 	st.starts = starter != nil && !st.blocking && n >= startMin
 
 	// Worker side, steps 1, 2 and 4: x = pad(buf) + worker_error (kept in
@@ -651,6 +697,15 @@ func (st *State) allReduceWhole(ctx context.Context, c comm.Comm, buf []float32)
 		signpack.UnpackScale(buf[lo:min(lo+chunkLen, len(buf))], signs[4:], st.scales[j])
 	}
 	st.span(PhaseDecompress, 0, t)
+	return nil
+}
+
+// starterOf returns c as a comm.Starter that starts collectives, or nil.
+// It looks at c itself, not through wrappers (see comm.Starter).
+func starterOf(c comm.Comm) comm.Starter {
+	if s, ok := c.(comm.Starter); ok && s.Starts() {
+		return s
+	}
 	return nil
 }
 
@@ -843,6 +898,9 @@ func (st *State) sumPiece(p int, pack []byte) {
 		if st.owner != nil {
 			st.owner(b, acc)
 		}
+		if (b-lo)/sumBlock%4 == 3 {
+			st.poll() // a pipelined call's started collectives
+		}
 		if pack != nil {
 			st.serverNorm.CompensatePack(pack[(b-lo)/8:], st.ServerError[b:e], acc)
 			continue
@@ -968,32 +1026,71 @@ func (st *State) gatheredRows(p int) ([]byte, int) {
 	return b, st.msgLen(p)
 }
 
-// wait returns when the next collective of a pipelined call is done, with
-// its error; without pipelining the collective is done already.
-func (st *State) wait() error {
-	if st.pieces == 1 {
+// send hands the next collective of a pipelined call (the K all-to-alls
+// of phase 1, then the K all-gathers of phase 2, in order) to the
+// goroutine, or starts it.
+func (st *State) send() error {
+	if st.starter == nil {
+		st.ready <- struct{}{}
 		return nil
 	}
-	t := st.start()
-	err := <-st.done
-	st.span(PhaseWait, -1, t)
+	i, k := st.issued, st.pieces
+	st.issued++
+	st.began[i] = st.start()
+	var err error
+	if i < k {
+		send, recv := st.phase1(i)
+		st.reqs[i], err = st.starter.StartAllToAllBytes(st.ctx, send, recv)
+	} else {
+		send, recv := st.phase2(i - k)
+		st.reqs[i], err = st.starter.StartAllGatherBytes(st.ctx, send, recv)
+	}
+	if err != nil {
+		st.issued-- // never started
+	}
 	return err
 }
 
-// communicate is the goroutine of a pipelined call: the header (the
-// length check), the K all-to-alls of phase 1, then the K all-gathers of
+// wait returns when the next collective of a pipelined call is done, with
+// its error.
+func (st *State) wait() error {
+	t := st.start()
+	if st.starter == nil {
+		err := <-st.done
+		st.span(PhaseWait, -1, t)
+		return err
+	}
+	i, k := st.waited, st.pieces
+	st.waited++
+	err := st.reqs[i].Wait()
+	st.span(PhaseWait, -1, t)
+	if i < k {
+		st.span(PhaseAllToAll, i, st.began[i])
+	} else {
+		st.span(PhaseAllGather, i-k, st.began[i])
+	}
+	return err
+}
+
+// poll moves the data of the started collectives in flight, if any: a
+// Test of the oldest not yet done (MPI progresses them all in it).
+func (st *State) poll() {
+	if st.starter == nil {
+		return
+	}
+	for i := st.waited; i < st.issued; i++ {
+		if done, _ := st.reqs[i].Test(); !done {
+			return
+		}
+	}
+}
+
+// communicate is the goroutine of a pipelined call whose collectives are
+// not started: the K all-to-alls of phase 1, then the K all-gathers of
 // phase 2, each once the caller has made it ready. It stops at the first
 // error, after reporting it.
 func (st *State) communicate() {
 	ctx, c := st.ctx, st.comm
-	err := st.exchangeHeader(ctx, c, 0)
-	if err == nil {
-		comm.SkipChecks(c, 2*st.pieces)
-	}
-	st.done <- err
-	if err != nil {
-		return
-	}
 	for p := range st.pieces {
 		<-st.ready
 		t := st.start()
@@ -1018,9 +1115,13 @@ func (st *State) communicate() {
 	}
 }
 
-// release forgets the context and communicator of a pipelined call once
-// the goroutine is done with them.
-func (st *State) release() { st.ctx, st.comm = nil, nil }
+// release forgets the context, communicator and requests of a pipelined
+// call once the goroutine or the caller is done with them.
+func (st *State) release() {
+	st.ctx, st.comm, st.starter = nil, nil, nil
+	clear(st.reqs[:st.issued])
+	st.issued, st.waited = 0, 0
+}
 
 // fail ends a call that failed and returns err. In a pipelined call the
 // communicating goroutine reported the error and has returned; fail drains

@@ -17,16 +17,25 @@ import (
 	"github.com/lowbit-ml/lowbit/optim"
 )
 
-// startComm gives an in-process rank comm.Starter: a started collective
-// runs the blocking one on a goroutine of its own, so that the call goes
-// on computing while it travels, as on comm/mpi, and the race detector
-// sees any pass that touches the collective's buffers meanwhile. starts
-// counts the collectives started.
+// startComm gives an in-process rank comm.Starter: the started
+// collectives run the blocking ones, in the order started, on a goroutine
+// of their own, so that the call goes on computing while they travel, as
+// on comm/mpi, and the race detector sees any pass that touches their
+// buffers meanwhile. starts counts the collectives started; stop ends the
+// goroutine.
 type startComm struct {
 	comm.Comm
 	starts *atomic.Int64
-	req    goRequest
+	jobs   chan func()
 }
+
+func (s *startComm) stop() {
+	if s.jobs != nil {
+		close(s.jobs)
+	}
+}
+
+func (s *startComm) Starts() bool { return true }
 
 func (s *startComm) StartAllToAllBytes(ctx context.Context, send, recv []byte) (comm.Request, error) {
 	return s.start(func() error { return s.Comm.AllToAllBytes(ctx, send, recv) }), nil
@@ -38,9 +47,17 @@ func (s *startComm) StartAllGatherBytes(ctx context.Context, send, recv []byte) 
 
 func (s *startComm) start(run func() error) comm.Request {
 	s.starts.Add(1)
-	s.req = goRequest{done: make(chan error, 1)}
-	go func() { s.req.done <- run() }()
-	return &s.req
+	if s.jobs == nil {
+		s.jobs = make(chan func(), 64)
+		go func() {
+			for job := range s.jobs {
+				job()
+			}
+		}()
+	}
+	r := &goRequest{done: make(chan error, 1)}
+	s.jobs <- func() { r.done <- run() }
+	return r
 }
 
 type goRequest struct {
@@ -68,23 +85,26 @@ func (r *goRequest) Wait() error {
 	return r.err
 }
 
-// startedRun runs calls whole-chunk AllReduce calls of n elements on w
-// ranks, each rank's communicator a startComm if started says so (overlap
-// off on the ranks in blocking), and returns every rank's output and error
-// buffers after the last call and the collectives started.
-func startedRun(t *testing.T, w, n, calls int, started bool, blocking ...int) ([][]float32, int64) {
+// startedRun runs calls AllReduce calls of n elements on w ranks, in at
+// most pieces pieces per chunk, each rank's communicator a startComm if
+// started says so (overlap off on the ranks in blocking), and returns
+// every rank's output and error buffers after the last call and the
+// collectives started.
+func startedRun(t *testing.T, w, n, pieces, calls int, started bool, blocking ...int) ([][]float32, int64) {
 	out := make([][]float32, 3*w)
 	var starts atomic.Int64
 	err := local.Run(ctxT(t), w, func(ctx context.Context, c comm.Comm) error {
 		r := c.Rank()
 		if started {
-			c = &startComm{Comm: c, starts: &starts}
+			sc := &startComm{Comm: c, starts: &starts}
+			defer sc.stop()
+			c = sc
 		}
 		st, err := onebit.NewState(n, w)
 		if err != nil {
 			return err
 		}
-		st.SetPieces(1)
+		st.SetPieces(pieces)
 		st.SetOverlap(!slices.Contains(blocking, r))
 		rng := rand.New(rand.NewPCG(uint64(r), 11))
 		buf := make([]float32, n)
@@ -101,15 +121,15 @@ func startedRun(t *testing.T, w, n, calls int, started bool, blocking ...int) ([
 	return out, starts.Load()
 }
 
-// A whole-chunk call whose collectives travel while it computes gives the
-// bits of one that runs them blocking: outputs and both error buffers,
-// over calls, padded or not. Tensors of less than 1M elements run them
-// blocking anyway.
+// A call whose collectives travel while it computes gives the bits of one
+// that runs them blocking: outputs and both error buffers, over calls,
+// padded or not, in whole chunks and in pieces (against whole chunks run
+// blocking). Tensors of less than 1M elements run them blocking anyway.
 func TestStartedBitIdentical(t *testing.T) {
 	for _, w := range []int{1, 2, 3, 4} {
 		for _, n := range []int{5 * w, 1000*w + 3, 1<<20 + 3, 3<<20 + 1} {
-			want, none := startedRun(t, w, n, 3, false)
-			got, starts := startedRun(t, w, n, 3, true)
+			want, none := startedRun(t, w, n, 1, 3, false)
+			got, starts := startedRun(t, w, n, 1, 3, true)
 			assert.Zero(t, none)
 			if n < 1<<20 {
 				assert.Zero(t, starts, "w=%d n=%d: too small to start", w, n)
@@ -118,6 +138,16 @@ func TestStartedBitIdentical(t *testing.T) {
 			}
 			for i := range want {
 				require.Equal(t, want[i], got[i], "w=%d n=%d buffer %d", w, n, i)
+			}
+			if w == 1 || n < 1<<20 {
+				continue
+			}
+			for _, k := range []int{2, 4} {
+				got, starts := startedRun(t, w, n, k, 3, true)
+				assert.Equal(t, int64(3*2*k*w), starts, "w=%d n=%d: every call starts 2 collectives per piece", w, n)
+				for i := range want {
+					require.Equal(t, want[i], got[i], "w=%d n=%d %d pieces buffer %d", w, n, k, i)
+				}
 			}
 		}
 	}
@@ -128,11 +158,13 @@ func TestStartedBitIdentical(t *testing.T) {
 // blocking ones): no rank starts one, and the bits are the same.
 func TestStartedNeedsEveryRank(t *testing.T) {
 	const w, n = 3, 1 << 20
-	want, _ := startedRun(t, w, n, 2, false)
-	got, starts := startedRun(t, w, n, 2, true, 1)
-	assert.Zero(t, starts)
-	for i := range want {
-		require.Equal(t, want[i], got[i], "buffer %d", i)
+	want, _ := startedRun(t, w, n, 1, 2, false)
+	for _, k := range []int{1, 3} {
+		got, starts := startedRun(t, w, n, k, 2, true, 1)
+		assert.Zero(t, starts, "%d pieces", k)
+		for i := range want {
+			require.Equal(t, want[i], got[i], "%d pieces buffer %d", k, i)
+		}
 	}
 }
 
@@ -154,7 +186,9 @@ func TestStartedAdamModes(t *testing.T) {
 			err := local.Run(ctxT(t), w, func(ctx context.Context, c comm.Comm) error {
 				r := c.Rank()
 				if started {
-					c = &startComm{Comm: c, starts: &starts}
+					sc := &startComm{Comm: c, starts: &starts}
+					defer sc.stop()
+					c = sc
 				}
 				cfg := onebit.DefaultAdamConfig()
 				cfg.LR, cfg.FreezeStep = 0.01, 2

@@ -604,7 +604,8 @@ func newBenchCase(name string, c comm.Comm, elems int) (*benchCase, error) {
 }
 
 // timeCase runs warmup untimed and len(times) timed iterations of bc, each
-// after a barrier, and stores each timed call's duration in nanoseconds.
+// after a barrier (and a timed one's preparation after a barrier too), and
+// stores each timed call's duration in nanoseconds.
 // It returns the bytes this rank sent per timed iteration, from comm.Stats.
 // The loop allocates nothing but what a --trace tracer records.
 func timeCase(ctx context.Context, c comm.Comm, bc *benchCase, warmup int, times []int64) (int64, error) {
@@ -626,6 +627,12 @@ func timeCase(ctx context.Context, c comm.Comm, bc *benchCase, warmup int, times
 	}
 	for i := range times {
 		if bc.prepare != nil {
+			// After a barrier of its own: a rank that left the last call
+			// early would otherwise prepare (64 MiB of copying for onebit
+			// at 64 MiB) while the others are still in their timed call.
+			if err := c.Barrier(ctx); err != nil {
+				return 0, err
+			}
 			bc.prepare()
 		}
 		if err := c.Barrier(ctx); err != nil {

@@ -11,6 +11,7 @@ import (
 type args struct {
 	kind       comm.Collective
 	bytes      bool // byte variant
+	started    bool // started (comm.Starter), not blocking
 	send, recv int  // buffer lengths (0 where the collective has no such buffer)
 	op         comm.Op
 	root       int
@@ -19,7 +20,7 @@ type args struct {
 
 // The fields of the agreement vector.
 const (
-	fKind    = iota // 2*kind + bytes
+	fKind    = iota // 4*kind + 2*started + bytes
 	fSend           // send length
 	fRecv           // receive length
 	fOp             // operator
@@ -36,7 +37,10 @@ const agreeLen = 2 * nFields
 // fields returns a's agreement fields as rank of a group of size ranks.
 func (a *args) fields(rank, size int) [nFields]int64 {
 	var f [nFields]int64
-	f[fKind] = 2 * int64(a.kind)
+	f[fKind] = 4 * int64(a.kind)
+	if a.started {
+		f[fKind] += 2
+	}
 	if a.bytes {
 		f[fKind]++
 	}
@@ -86,7 +90,13 @@ func invalidError(kind comm.Collective, r int) error {
 // field and rank.
 func mismatch(all [][nFields]int64) error {
 	f0 := all[0]
-	kind0 := comm.Collective(f0[fKind] / 2)
+	kind0 := comm.Collective(f0[fKind] / 4)
+	way := func(f int64) string {
+		if f/2%2 == 1 {
+			return "started"
+		}
+		return "blocking"
+	}
 	for j := 1; j < len(all); j++ {
 		f := all[j]
 		mm := func(what string, got, want int64) error {
@@ -94,9 +104,10 @@ func mismatch(all [][nFields]int64) error {
 		}
 		switch {
 		case f[fKind] != f0[fKind]:
-			kind := comm.Collective(f[fKind] / 2)
-			return fmt.Errorf("mpi: rank %d called %s (bytes=%v) while rank 0 called %s (bytes=%v): %w",
-				j, kind, f[fKind]%2 == 1, kind0, f0[fKind]%2 == 1, mm("kind", int64(kind), int64(kind0)))
+			kind := comm.Collective(f[fKind] / 4)
+			return fmt.Errorf("mpi: rank %d called %s (bytes=%v, %s) while rank 0 called %s (bytes=%v, %s): %w",
+				j, kind, f[fKind]%2 == 1, way(f[fKind]), kind0, f0[fKind]%2 == 1, way(f0[fKind]),
+				mm("kind", int64(kind), int64(kind0)))
 		case f[fSend] != f0[fSend]:
 			return mm("send length", f[fSend], f0[fSend])
 		case f[fRecv] != f0[fRecv]:

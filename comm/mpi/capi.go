@@ -119,6 +119,7 @@ static int lb_world_ranks(MPI_Comm c, int n, int *out) {
 // peer.
 enum { lbTagAsk = 1, lbTagAnswer = 2 };
 enum { lbMsgLen = 3 }; // asked call; answering rank's call; its kind
+enum { lbMaxStarted = 16 }; // started data collectives in flight at once
 
 typedef struct {
 	MPI_Comm side;
@@ -129,8 +130,8 @@ typedef struct {
 	int64_t *ask, *ans;             // size * lbMsgLen each
 	MPI_Request *ask_req, *ans_req; // size each
 	int64_t in_ask[lbMsgLen], in_ans[lbMsgLen];
-	MPI_Request data_req; // a started data collective (Starter)
-	int data_done;        // set by lb_data_test
+	MPI_Request data_req[lbMaxStarted]; // started data collectives (Starter)
+	int data_done;                      // set by lb_data_test
 } lb_state;
 
 static void lb_state_release(lb_state *s) {
@@ -154,7 +155,7 @@ static int lb_state_new(MPI_Comm c, int n, lb_state **out) {
 	MPI_Comm_rank(s->side, &s->rank);
 	MPI_Comm_size(s->side, &s->size);
 	s->agree_req = MPI_REQUEST_NULL;
-	s->data_req = MPI_REQUEST_NULL;
+	for (int i = 0; i < lbMaxStarted; i++) s->data_req[i] = MPI_REQUEST_NULL;
 	s->agree = calloc(n, sizeof *s->agree);
 	s->ask = calloc((size_t)s->size * lbMsgLen, sizeof *s->ask);
 	s->ans = calloc((size_t)s->size * lbMsgLen, sizeof *s->ans);
@@ -193,26 +194,26 @@ static void lb_state_free(lb_state *s) {
 	if (!lb_settle(&s->agree_req)) { MPI_Request_free(&s->agree_req); leak = 1; }
 	// A non-blocking collective's request may not be freed: one still in
 	// flight (the communicator refuses to close then) keeps s.
-	if (!lb_settle(&s->data_req)) leak = 1;
+	for (int i = 0; i < lbMaxStarted; i++)
+		if (!lb_settle(&s->data_req[i])) leak = 1;
 	if (!leak) lb_state_release(s);
 }
 
 static int lb_agree_start(MPI_Comm c, lb_state *s, int n) {
 	return MPI_Iallreduce(MPI_IN_PLACE, s->agree, n, MPI_INT64_T, MPI_MAX, c, &s->agree_req);
 }
-// The data collectives a Starter starts, one at a time per communicator,
-// on bytes.
-static int lb_ialltoall(MPI_Comm c, lb_state *s, void *send, void *recv, int count) {
-	return MPI_Ialltoall(send, count, MPI_BYTE, recv, count, MPI_BYTE, c, &s->data_req);
+// The data collectives a Starter starts on bytes, in request slot i of s.
+static int lb_ialltoall(MPI_Comm c, lb_state *s, int i, void *send, void *recv, int count) {
+	return MPI_Ialltoall(send, count, MPI_BYTE, recv, count, MPI_BYTE, c, &s->data_req[i]);
 }
-static int lb_iallgather(MPI_Comm c, lb_state *s, void *send, void *recv, int count) {
-	return MPI_Iallgather(send, count, MPI_BYTE, recv, count, MPI_BYTE, c, &s->data_req);
+static int lb_iallgather(MPI_Comm c, lb_state *s, int i, void *send, void *recv, int count) {
+	return MPI_Iallgather(send, count, MPI_BYTE, recv, count, MPI_BYTE, c, &s->data_req[i]);
 }
-static int lb_data_test(lb_state *s) {
+static int lb_data_test(lb_state *s, int i) {
 	s->data_done = 0;
-	return MPI_Test(&s->data_req, &s->data_done, MPI_STATUS_IGNORE);
+	return MPI_Test(&s->data_req[i], &s->data_done, MPI_STATUS_IGNORE);
 }
-static int lb_data_wait(lb_state *s) { return MPI_Wait(&s->data_req, MPI_STATUS_IGNORE); }
+static int lb_data_wait(lb_state *s, int i) { return MPI_Wait(&s->data_req[i], MPI_STATUS_IGNORE); }
 static int lb_agree_test(lb_state *s) {
 	s->agree_done = 0;
 	return MPI_Test(&s->agree_req, &s->agree_done, MPI_STATUS_IGNORE);
@@ -544,40 +545,44 @@ func cCollect(s cstate, seq int64, got []int64) error {
 	return mpiError("MPI_Iprobe", rc)
 }
 
+// maxStarted is the most started collectives a communicator has in
+// flight at once.
+const maxStarted = C.lbMaxStarted
+
 // cIAllToAll starts MPI_Ialltoall of count bytes per rank over h, its
-// request kept in s. The buffers must stay pinned until it is done.
-func cIAllToAll(h handle, s cstate, send, recv unsafe.Pointer, count int) error {
+// request kept in slot i of s. The buffers must stay pinned until it is
+// done.
+func cIAllToAll(h handle, s cstate, i int, send, recv unsafe.Pointer, count int) error {
 	lock()
-	rc := C.lb_ialltoall(h, s, send, recv, C.int(count))
+	rc := C.lb_ialltoall(h, s, C.int(i), send, recv, C.int(count))
 	unlock()
 	return mpiError("MPI_Ialltoall", rc)
 }
 
-// cIAllGather starts MPI_Iallgather of count bytes per rank over h, its
-// request kept in s. The buffers must stay pinned until it is done.
-func cIAllGather(h handle, s cstate, send, recv unsafe.Pointer, count int) error {
+// cIAllGather is cIAllToAll for MPI_Iallgather.
+func cIAllGather(h handle, s cstate, i int, send, recv unsafe.Pointer, count int) error {
 	lock()
-	rc := C.lb_iallgather(h, s, send, recv, C.int(count))
+	rc := C.lb_iallgather(h, s, C.int(i), send, recv, C.int(count))
 	unlock()
 	return mpiError("MPI_Iallgather", rc)
 }
 
-// cDataTest progresses the data collective started in s and reports
-// whether it is done.
-func cDataTest(s cstate) (bool, error) {
+// cDataTest progresses the data collectives started in s and reports
+// whether the one in slot i is done.
+func cDataTest(s cstate, i int) (bool, error) {
 	lock()
-	rc := C.lb_data_test(s)
+	rc := C.lb_data_test(s, C.int(i))
 	done := s.data_done != 0
 	unlock()
 	return done, mpiError("MPI_Test", rc)
 }
 
-// cDataWait waits for the data collective started in s. Under
+// cDataWait waits for the data collective started in slot i of s. Under
 // MPI_THREAD_SERIALIZED it holds the serialization lock until the
 // collective is done, as a blocking collective does.
-func cDataWait(s cstate) error {
+func cDataWait(s cstate, i int) error {
 	lock()
-	rc := C.lb_data_wait(s)
+	rc := C.lb_data_wait(s, C.int(i))
 	unlock()
 	return mpiError("MPI_Wait", rc)
 }

@@ -61,12 +61,15 @@
 // pinned until the collective is done (runtime.Pinner: MPI keeps their
 // addresses after the call returns) and return its Request. Open MPI's TCP
 // transport moves the data only inside MPI calls, so the caller calls Test
-// (MPI_Test) between pieces of its work and Wait (MPI_Wait) at the end. One
-// started collective is in flight per communicator: every other call,
-// Close included, is refused until it is done. MPI's non-blocking
-// collectives do not match blocking ones, so every rank must start the
-// same collective (onebit agrees on that in its header). The watchdog and
-// the context rules below hold from the start to the end of it.
+// (MPI_Test) between pieces of its work and Wait (MPI_Wait) at the end. Up
+// to 16 started collectives may be in flight on a communicator; every
+// blocking call, Close included, is refused until they are done. MPI's
+// non-blocking collectives do not match blocking ones, so every rank must
+// start the same collective: the argument agreement includes it (a rank
+// that calls the blocking variant is a mismatch on every rank), and onebit,
+// which skips the agreement, agrees on it in its header. The watchdog and
+// the context rules below hold from the first start to the end of the last
+// collective in flight.
 //
 // # Contexts and aborts
 //

@@ -147,8 +147,9 @@ type mpiComm struct {
 	agree      []int64 // the agreement vector, in st
 	seq        int64   // collectives started on c
 	skip       int     // collectives left that skip the agreement (SkipChecks)
-	req        request // the collective started last (Starter)
-	pin        runtime.Pinner
+	reqs       [maxStarted]request // the started collectives' slots (Starter)
+	inFlight   int                 // started collectives not yet seen done
+	group      guard               // the watchdog's guard of those in flight
 
 	// WithOrderedReduce's buffers.
 	scratch              []float32
@@ -232,8 +233,8 @@ func (c *mpiComm) Close() error {
 	if c.closed {
 		return nil
 	}
-	if c.req.active {
-		return fmt.Errorf("mpi: close: a started %s is in flight (finish it with its Request first)", c.req.kind)
+	if c.inFlight > 0 {
+		return fmt.Errorf("mpi: close: %d started collectives are in flight (finish them with their Requests first)", c.inFlight)
 	}
 	c.closed = true
 	c.wd.stop()
@@ -269,8 +270,15 @@ func (c *mpiComm) usable(kind comm.Collective) error {
 		return fmt.Errorf("mpi: %s: %w (MPI was finalized)", kind, comm.ErrClosed)
 	case c.err != nil:
 		return fmt.Errorf("mpi: %s: %w", kind, c.err)
-	case c.req.active:
-		return fmt.Errorf("mpi: %s: a started %s is in flight (finish it with its Request first)", kind, c.req.kind)
+	}
+	return nil
+}
+
+// idle returns the error of a blocking call while started collectives are
+// in flight.
+func (c *mpiComm) idle(kind comm.Collective) error {
+	if c.inFlight > 0 {
+		return fmt.Errorf("mpi: %s: %d started collectives are in flight (finish them with their Requests first)", kind, c.inFlight)
 	}
 	return nil
 }
@@ -294,6 +302,13 @@ func (c *mpiComm) begin(ctx context.Context, a *args) (armed guard, err error) {
 	if err := c.usable(a.kind); err != nil {
 		return unguarded, err
 	}
+	if !a.started {
+		if err := c.idle(a.kind); err != nil {
+			return unguarded, err
+		}
+	} else if c.inFlight == maxStarted {
+		return unguarded, fmt.Errorf("mpi: %s: %d started collectives are in flight already, the most there may be", a.kind, maxStarted)
+	}
 	if ctx == nil {
 		ctx = context.Background() // the comm package's rule for a nil context
 	}
@@ -302,7 +317,7 @@ func (c *mpiComm) begin(ctx context.Context, a *args) (armed guard, err error) {
 	}
 	c.seq++
 	if c.skip > 0 {
-		armed = c.wd.arm(ctx, a.kind, c.seq, phaseUnchecked)
+		armed = c.arm(ctx, a, phaseUnchecked)
 		// The caller promised agreeing arguments (SkipChecks): every rank
 		// computes the same validity, so a local error is every rank's.
 		c.skip--
@@ -313,7 +328,7 @@ func (c *mpiComm) begin(ctx context.Context, a *args) (armed guard, err error) {
 		}
 		return armed, nil
 	}
-	armed = c.wd.arm(ctx, a.kind, c.seq, phaseAgree)
+	armed = c.arm(ctx, a, phaseAgree)
 	a.encode(c.agree, c.rank, c.size)
 	if err := c.agreeRound(a.kind); err != nil {
 		c.wd.disarm(armed)
@@ -334,6 +349,16 @@ func (c *mpiComm) begin(ctx context.Context, a *args) (armed guard, err error) {
 		return unguarded, err
 	}
 	return armed, nil
+}
+
+// arm arms the watchdog for call a, in phase, and returns its guard. The
+// first of the started collectives in flight at once guards them all,
+// until the last is done: the watchdog guards one call at a time.
+func (c *mpiComm) arm(ctx context.Context, a *args, phase int32) guard {
+	if a.started && c.inFlight > 0 {
+		return unguarded
+	}
+	return c.wd.arm(ctx, a.kind, c.seq, phase)
 }
 
 // The agreement is non-blocking, polled: for spinFor with MPI_Test alone,
@@ -640,6 +665,10 @@ func allToAll[T elem](c *mpiComm, ctx context.Context, send, recv []T) error {
 	return nil
 }
 
+// Starts reports true: the Start methods start MPI's non-blocking
+// collectives.
+func (c *mpiComm) Starts() bool { return true }
+
 // StartAllToAllBytes starts AllToAllBytes as MPI_Ialltoall (see
 // comm.Starter).
 func (c *mpiComm) StartAllToAllBytes(ctx context.Context, send, recv []byte) (comm.Request, error) {
@@ -657,49 +686,60 @@ func (c *mpiComm) StartAllGatherBytes(ctx context.Context, send, recv []byte) (c
 }
 
 // start begins a started collective like a blocking one (the agreement,
-// unless skipped, and the watchdog, armed until it is done), pins its
-// buffers, which MPI uses after the call returns, and starts it with call
-// (count bytes per rank; moved is the bytes it sends and receives, for
-// Stats).
+// unless skipped, in which the ranks also agree that they all start it,
+// and the watchdog, armed until it is done), pins its buffers, which MPI
+// uses after the call returns, and starts it with call in a free request
+// slot (count bytes per rank; moved is the bytes it sends and receives,
+// for Stats).
 func (c *mpiComm) start(ctx context.Context, a *args, send, recv []byte, count int, moved int64,
-	call func(h handle, s cstate, send, recv unsafe.Pointer, count int) error) (comm.Request, error) {
+	call func(h handle, s cstate, i int, send, recv unsafe.Pointer, count int) error) (comm.Request, error) {
+	a.started = true
 	armed, err := c.begin(ctx, a)
 	if err != nil {
 		return nil, err
 	}
-	r := &c.req
-	*r = request{c: c, kind: a.kind, armed: armed, moved: moved}
+	i := 0
+	for c.reqs[i].active {
+		i++ // begin made sure that a slot is free
+	}
+	r := &c.reqs[i]
+	r.c, r.slot, r.kind, r.moved, r.err = c, i, a.kind, moved, nil
+	if c.inFlight == 0 {
+		c.group = armed
+	}
 	if count == 0 {
 		return r, r.finish(nil)
 	}
-	c.pin.Pin(unsafe.SliceData(send))
-	c.pin.Pin(unsafe.SliceData(recv))
-	if err := call(c.h, c.st, ptr(send), ptr(recv), count); err != nil {
-		c.pin.Unpin()
-		return nil, c.end(a.kind, armed, err)
+	r.pin.Pin(unsafe.SliceData(send))
+	r.pin.Pin(unsafe.SliceData(recv))
+	if err := call(c.h, c.st, i, ptr(send), ptr(recv), count); err != nil {
+		r.pin.Unpin()
+		return nil, r.finish(err)
 	}
 	r.active = true
+	c.inFlight++
 	return r, nil
 }
 
-// request is the comm.Request of a started collective; a communicator
-// has one, reused by every start.
+// request is the comm.Request of a started collective, in one of a
+// communicator's slots, reused by later starts once it is done.
 type request struct {
 	c      *mpiComm
+	slot   int // its MPI request in the communicator's C state
 	kind   comm.Collective
-	armed  guard
 	moved  int64 // bytes sent, and received, for Stats
 	active bool  // started and not yet seen done
 	err    error // the collective's error, once done
+	pin    runtime.Pinner
 }
 
-// Test progresses the collective (MPI_Test) and reports whether it is
-// done.
+// Test progresses the collectives in flight (MPI_Test) and reports
+// whether this one is done.
 func (r *request) Test() (bool, error) {
 	if !r.active {
 		return true, r.err
 	}
-	done, err := cDataTest(r.c.st)
+	done, err := cDataTest(r.c.st, r.slot)
 	if !done && err == nil {
 		return false, nil
 	}
@@ -711,18 +751,25 @@ func (r *request) Wait() error {
 	if !r.active {
 		return r.err
 	}
-	return r.finish(cDataWait(r.c.st))
+	return r.finish(cDataWait(r.c.st, r.slot))
 }
 
-// finish ends a started collective that is done, with the error of its
-// MPI call: its buffers unpinned, the watchdog disarmed, the traffic
-// counted or the communicator broken.
+// finish ends a started collective that is done, or failed to start, with
+// the error of its MPI call: its buffers unpinned, the watchdog disarmed
+// if it was the last in flight, the traffic counted or the communicator
+// broken.
 func (r *request) finish(err error) error {
+	c := r.c
 	if r.active {
 		r.active = false
-		r.c.pin.Unpin()
+		c.inFlight--
 	}
-	r.err = r.c.end(r.kind, r.armed, err)
+	r.pin.Unpin()
+	g := unguarded
+	if c.inFlight == 0 {
+		g, c.group = c.group, unguarded
+	}
+	r.err = c.end(r.kind, g, err)
 	if r.err == nil {
 		r.c.stats.Add(r.kind, r.moved, r.moved)
 	}

@@ -252,6 +252,73 @@ func TestStarted(t *testing.T) {
 	}
 }
 
+// Several started collectives travel at once and end in any order: each
+// moves its own data; the communicator takes blocking calls again once all
+// are done.
+func TestStartedInFlight(t *testing.T) {
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	s := world.(comm.Starter)
+	const n, k = 6, 40_000
+	sends, recvs := make([][]byte, n), make([][]byte, n)
+	reqs := make([]comm.Request, n)
+	for i := range n {
+		if i%2 == 0 {
+			sends[i], recvs[i] = make([]byte, w*k), make([]byte, w*k)
+			for j := range sends[i] {
+				sends[i][j] = byte(i*13 + r*5 + j)
+			}
+			var err error
+			reqs[i], err = s.StartAllToAllBytes(ctx, sends[i], recvs[i])
+			require.NoError(t, err)
+		} else {
+			sends[i], recvs[i] = make([]byte, k), make([]byte, w*k)
+			for j := range sends[i] {
+				sends[i][j] = byte(i*13 + r*5 + j)
+			}
+			var err error
+			reqs[i], err = s.StartAllGatherBytes(ctx, sends[i], recvs[i])
+			require.NoError(t, err)
+		}
+	}
+	require.ErrorContains(t, world.Barrier(ctx), "in flight")
+	for i := n - 1; i >= 0; i-- { // the last first
+		require.NoError(t, reqs[i].Wait(), "collective %d", i)
+	}
+	for i := range n {
+		for from := range w {
+			for j := range k {
+				want := byte(i*13 + from*5 + r*k + j) // all-to-all: chunk r of rank from's send
+				if i%2 == 1 {
+					want = byte(i*13 + from*5 + j) // all-gather: rank from's send
+				}
+				require.Equal(t, want, recvs[i][from*k+j], "collective %d from rank %d byte %d", i, from, j)
+			}
+		}
+	}
+	require.NoError(t, world.Barrier(ctx))
+}
+
+// A rank that calls the blocking variant where the others start it is a
+// mismatch on every rank, not a hang.
+func TestStartedAgainstBlocking(t *testing.T) {
+	needRanks(t, 2)
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	send, recv := make([]byte, w*8), make([]byte, w*8)
+	var err error
+	if r == 1 {
+		err = world.AllToAllBytes(ctx, send, recv)
+	} else {
+		_, err = world.(comm.Starter).StartAllToAllBytes(ctx, send, recv)
+	}
+	var me *comm.MismatchError
+	require.ErrorAs(t, err, &me)
+	assert.Contains(t, err.Error(), "blocking")
+	assert.Contains(t, err.Error(), "started")
+	require.NoError(t, world.Barrier(ctx))
+}
+
 // A started collective whose lengths differ across ranks is an error on
 // every rank, as the blocking one is, and bad local arguments are refused
 // before anything starts.
@@ -568,13 +635,19 @@ func TestOnebitMatchesLocal(t *testing.T) {
 	w, r := world.Size(), world.Rank()
 	const steps = 4
 	// 4M+3 elements (16 MiB) are pipelined on 2 to 4 ranks (two to four
-	// pieces per chunk): the pieces travel from a goroutine of their own;
-	// -(4M+3) is the same tensor in whole chunks, whose collectives are
-	// started (comm.Starter) and travel while the call computes, as the
-	// smaller tensors' do.
-	for _, n := range []int{100, 1000, 4097, 4<<20 + 3, -(4<<20 + 3)} {
-		whole := n < 0
-		n = max(n, -n)
+	// pieces per chunk): the caller starts each piece's collectives
+	// (comm.Starter) and moves their data while it computes, or, with
+	// overlap off, a goroutine runs them; pieces 1 is the same tensor in
+	// whole chunks, whose collectives are started too (tensors of less
+	// than 1M elements run them blocking).
+	for _, tc := range []struct {
+		n, pieces int
+		overlap   bool
+	}{
+		{100, 0, true}, {1000, 0, true}, {4097, 0, true},
+		{4<<20 + 3, 0, true}, {4<<20 + 3, 0, false}, {4<<20 + 3, 1, true},
+	} {
+		n := tc.n
 		if n > 1<<20 && w < 2 {
 			continue
 		}
@@ -588,9 +661,8 @@ func TestOnebitMatchesLocal(t *testing.T) {
 		}
 		st, err := onebit.NewState(n, w)
 		require.NoError(t, err)
-		if whole {
-			st.SetPieces(1)
-		}
+		st.SetPieces(tc.pieces)
+		st.SetOverlap(tc.overlap)
 		for step := range steps {
 			if n > 1<<20 && step >= 1 {
 				break // one pipelined step; the local tests carry error feedback over steps
@@ -602,7 +674,7 @@ func TestOnebitMatchesLocal(t *testing.T) {
 			})
 			got := append([]float32(nil), in[r]...)
 			require.NoError(t, onebit.AllReduce(ctx, world, got, st))
-			msg := fmt.Sprintf("onebit n=%d whole=%v step %d", n, whole, step)
+			msg := fmt.Sprintf("onebit n=%d pieces=%d overlap=%v step %d", n, tc.pieces, tc.overlap, step)
 			requireBits(t, want, got, msg+" output")
 			requireBits(t, states[r].WorkerError, st.WorkerError, msg+" worker error")
 			requireBits(t, states[r].ServerError, st.ServerError, msg+" server error")

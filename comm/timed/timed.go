@@ -22,12 +22,23 @@ import (
 //
 // It keeps the capabilities of the communicator it wraps: the argument
 // check the 1-bit allreduce skips by implementing comm.Wrapper (comm.As
-// finds it through it), the node layout and overlapping collectives by
-// implementing SplitNode and Concurrent itself.
+// finds it through it), the node layout, overlapping collectives and
+// started ones by implementing SplitNode, Concurrent and comm.Starter
+// itself (a Comm is a Starter whatever it wraps: without one it runs the
+// collective blocking and returns it done).
 type Comm struct {
 	comm.Comm
 	ns *atomic.Int64
+
+	// The Requests of started collectives, reused in turn (more than a
+	// comm.Starter may have in flight).
+	reqs [maxStarted]request
+	next int
 }
+
+// maxStarted is how many started collectives' Requests a Comm keeps
+// apart: comm/mpi has at most 16 in flight.
+const maxStarted = 16
 
 // New wraps c; the counter starts at zero.
 func New(c comm.Comm) *Comm {
@@ -132,8 +143,74 @@ func (t *Comm) SplitNode(ctx context.Context) (comm.Comm, error) {
 // of its own.
 func (t *Comm) Concurrent() bool { return comm.CanOverlap(t.Comm) }
 
+// Starts reports whether the wrapped communicator starts collectives
+// (comm.Starter).
+func (t *Comm) Starts() bool {
+	s, ok := t.Comm.(comm.Starter)
+	return ok && s.Starts()
+}
+
+// StartAllToAllBytes starts the wrapped communicator's (comm.Starter) or,
+// if it has none, runs its AllToAllBytes and returns it done. The time
+// counted is the caller's: in the start and in the Request's Test and
+// Wait, not the time the data travelled while the caller computed.
+func (t *Comm) StartAllToAllBytes(ctx context.Context, send, recv []byte) (comm.Request, error) {
+	defer t.since(time.Now())
+	s, ok := t.Comm.(comm.Starter)
+	if !ok {
+		return done{}, t.Comm.AllToAllBytes(ctx, send, recv)
+	}
+	r, err := s.StartAllToAllBytes(ctx, send, recv)
+	return t.wrap(r, err)
+}
+
+// StartAllGatherBytes is StartAllToAllBytes for AllGatherBytes.
+func (t *Comm) StartAllGatherBytes(ctx context.Context, send, recv []byte) (comm.Request, error) {
+	defer t.since(time.Now())
+	s, ok := t.Comm.(comm.Starter)
+	if !ok {
+		return done{}, t.Comm.AllGatherBytes(ctx, send, recv)
+	}
+	r, err := s.StartAllGatherBytes(ctx, send, recv)
+	return t.wrap(r, err)
+}
+
+// wrap returns a Request that counts the time in r's calls.
+func (t *Comm) wrap(r comm.Request, err error) (comm.Request, error) {
+	if err != nil {
+		return nil, err
+	}
+	q := &t.reqs[t.next]
+	t.next = (t.next + 1) % maxStarted
+	q.t, q.r = t, r
+	return q, nil
+}
+
+// request counts the time in a started collective's Test and Wait.
+type request struct {
+	t *Comm
+	r comm.Request
+}
+
+func (q *request) Test() (bool, error) {
+	defer q.t.since(time.Now())
+	return q.r.Test()
+}
+
+func (q *request) Wait() error {
+	defer q.t.since(time.Now())
+	return q.r.Wait()
+}
+
+// done is the Request of a collective run blocking.
+type done struct{}
+
+func (done) Test() (bool, error) { return true, nil }
+func (done) Wait() error         { return nil }
+
 var (
 	_ comm.Comm         = (*Comm)(nil)
+	_ comm.Starter      = (*Comm)(nil)
 	_ comm.Wrapper      = (*Comm)(nil)
 	_ comm.NodeSplitter = (*Comm)(nil)
 	_ comm.Concurrent   = (*Comm)(nil)

@@ -74,3 +74,71 @@ func TestWithoutNodes(t *testing.T) {
 	})
 	require.NoError(t, err)
 }
+
+// starter stands in for comm/mpi's started collectives over comm/local:
+// it runs the blocking one at the start and counts the starts.
+type starter struct {
+	comm.Comm
+	starts int
+}
+
+func (s *starter) Starts() bool { return true }
+
+func (s *starter) StartAllToAllBytes(ctx context.Context, send, recv []byte) (comm.Request, error) {
+	s.starts++
+	return doneReq{}, s.Comm.AllToAllBytes(ctx, send, recv)
+}
+
+func (s *starter) StartAllGatherBytes(ctx context.Context, send, recv []byte) (comm.Request, error) {
+	s.starts++
+	return doneReq{}, s.Comm.AllGatherBytes(ctx, send, recv)
+}
+
+type doneReq struct{}
+
+func (doneReq) Test() (bool, error) { return true, nil }
+func (doneReq) Wait() error         { return nil }
+
+// TestStarted: a timed communicator starts collectives through the one it
+// wraps when that one can, runs them blocking otherwise, moves the same
+// bytes either way and counts the time of the start, Test and Wait.
+func TestStarted(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	const w, k = 3, 5
+	err := local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
+		r := c.Rank()
+		inner := &starter{Comm: c}
+		for _, tc := range []*timed.Comm{timed.New(inner), timed.New(c)} {
+			send, recv := make([]byte, w*k), make([]byte, w*k)
+			for i := range send {
+				send[i] = byte(10*r + i)
+			}
+			before := tc.Elapsed()
+			req, err := tc.StartAllToAllBytes(ctx, send, recv)
+			require.NoError(t, err)
+			require.NoError(t, req.Wait())
+			done, err := req.Test()
+			assert.True(t, done)
+			require.NoError(t, err)
+			for from := range w {
+				for i := range k {
+					require.Equal(t, byte(10*from+r*k+i), recv[from*k+i])
+				}
+			}
+			gathered := make([]byte, w*k)
+			req, err = tc.StartAllGatherBytes(ctx, send[:k], gathered)
+			require.NoError(t, err)
+			require.NoError(t, req.Wait())
+			for from := range w {
+				require.Equal(t, byte(10*from), gathered[from*k])
+			}
+			assert.Greater(t, tc.Elapsed(), before)
+		}
+		assert.Equal(t, 2, inner.starts, "started through the wrapped communicator")
+		assert.True(t, timed.New(inner).Starts())
+		assert.False(t, timed.New(c).Starts(), "comm/local does not start collectives")
+		return nil
+	})
+	require.NoError(t, err)
+}
