@@ -143,10 +143,10 @@ type mpiComm struct {
 	closed     bool
 	err        error // set once the communicator is broken
 	wd         *watchdog
-	st         cstate  // memory MPI uses after a call returns
-	agree      []int64 // the agreement vector, in st
-	seq        int64   // collectives started on c
-	skip       int     // collectives left that skip the agreement (SkipChecks)
+	st         cstate              // memory MPI uses after a call returns
+	agree      []int64             // the agreement vector, in st
+	seq        int64               // collectives started on c
+	skip       int                 // collectives left that skip the agreement (SkipChecks)
 	reqs       [maxStarted]request // the started collectives' slots (Starter)
 	inFlight   int                 // started collectives not yet seen done
 	group      guard               // the watchdog's guard of those in flight
