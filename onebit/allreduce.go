@@ -268,9 +268,9 @@ func (s *State) SetScale(sc Scale) {
 // compute while the data travels (on, the default) or run them blocking.
 // A call starts them only where every rank's State has it on, so ranks may
 // differ; the output and the error buffers are the same bits either way.
-// Calls in pieces never start them (their collectives run on a goroutine
-// of their own), nor do tensors of less than 1M elements (4 MiB), where
-// there is too little to overlap.
+// Off, a call in pieces runs its collectives on a goroutine of its own.
+// Tensors of less than 1M elements (4 MiB) never start them: there is too
+// little to overlap.
 func (s *State) SetOverlap(on bool) { s.blocking = !on }
 
 // Numel is the tensor length the state was made for.
@@ -308,14 +308,23 @@ func (s *State) Reset() {
 // of the first piece of the second half, 4 bytes after each segment. The
 // arithmetic is the same, element for element (the worker norm is summed
 // in the same order, chunk by chunk, either way), so the output and the
-// error buffers are bit-identical to an unpipelined call. A pipelined call
-// runs its collectives on a goroutine of its own while the caller's
-// goroutine computes; it returns only after that goroutine is done with c.
+// error buffers are bit-identical to an unpipelined call.
+//
+// On a communicator that starts collectives (comm.Starter: comm/mpi) the
+// caller starts each collective as soon as its data is ready and moves the
+// data of those in flight (Test) between blocks of 64K elements of its
+// work, whole chunks or pieces: a whole-chunk call's all-to-all travels
+// while the worker error is updated, its all-gather while the server error
+// is updated and the rank's own chunk unpacked. Every rank must be able to
+// (the header says; otherwise every rank runs them blocking), and tensors
+// of less than 1M elements run them blocking anyway. Elsewhere a pipelined
+// call runs its collectives on a goroutine of its own while the caller's
+// goroutine computes. Either way a call returns only when it is done with
+// c.
 //
 // Whether pieces pay depends on the link and the CPU: on a slow link they
 // hide the compression behind the wire, on a fast one (or shared memory)
-// the extra collectives and the waiting goroutine cost more than they
-// hide. So a State large enough for pieces chooses, call by call, between
+// the extra collectives cost more than they hide. So a State large enough for pieces chooses, call by call, between
 // pieces and whole chunks by how long its earlier calls took, the mean over
 // the ranks of each one's time in the call: every call's header carries
 // each rank's time of its previous call, so every rank takes the same

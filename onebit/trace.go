@@ -12,9 +12,9 @@ type Phase uint8
 // The phases of an AllReduce call, in the order a call starts them. A
 // pipelined call (a large tensor, sent in pieces) reports the worker,
 // server and output phases once per piece, and the step 3 pass once; its
-// collectives run on a goroutine of their own, concurrently with the
-// caller's phases, and PhaseWait is the time the caller spends blocked on
-// them. A call with whole chunks reports each phase once, but the output
+// collectives run without the caller (started by it on a comm.Starter, or
+// on a goroutine of their own), concurrently with the caller's phases, and
+// PhaseWait is the time the caller spends blocked on them. A call with whole chunks reports each phase once, but the output
 // twice (this rank's own chunk before the all-gather ends, then the
 // others'). It runs its collectives blocking, each in its place, and
 // reports no PhaseWait; or, on a communicator that starts them
@@ -83,7 +83,7 @@ func (p Phase) String() string {
 }
 
 // Collective reports whether p is a collective (header, all-to-all or
-// all-gather), which a pipelined call runs on a goroutine of its own.
+// all-gather), which may run without the caller (see the phases).
 func (p Phase) Collective() bool {
 	return p == PhaseHeader || p == PhaseAllToAll || p == PhaseAllGather
 }
@@ -91,9 +91,9 @@ func (p Phase) Collective() bool {
 // A Tracer receives the phases of the AllReduce calls made with a State
 // (see State.SetTracer). Span reports that phase ph of piece piece (0 when
 // a call is not pipelined, -1 for a phase over the whole tensor) ran from
-// start to end. In a pipelined call Span is called from two goroutines at
-// once (the collectives from one, the rest from the other), so it must be
-// safe for concurrent use. It is called on the hot path: it should
+// start to end. In a pipelined call whose collectives run on a goroutine,
+// Span is called from two goroutines at once (the collectives from one,
+// the rest from the other), so it must be safe for concurrent use. It is called on the hot path: it should
 // record and return.
 type Tracer interface {
 	Span(ph Phase, piece int, start, end time.Time)

@@ -3,10 +3,10 @@ package onebit
 // Choosing, call by call, whether a large tensor's chunks travel whole or
 // in pieces.
 //
-// A pipelined call (chunks in pieces, the collectives on a goroutine of
-// their own) hides the compression behind the wire when the wire is slow;
-// when it is fast, the extra collectives and the goroutine that waits in
-// them cost more than they hide. Which one wins depends on the link, the
+// A pipelined call (chunks in pieces) hides the compression behind the
+// wire when the wire is slow; when it is fast, the extra collectives (and,
+// where they run on a goroutine, the goroutine that waits in them) cost
+// more than they hide. Which one wins depends on the link, the
 // CPU and what else runs, so a State measures: every call records how long
 // it took on this rank, the next call's header carries that time to every
 // rank, and every rank takes the same decision from the same headers. Each

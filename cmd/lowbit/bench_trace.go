@@ -184,7 +184,7 @@ func writeTraceSummary(w io.Writer, ts *tracedSize, calls int) error {
 		note = "not pipelined, the collectives started: all-to-all spans worker-error, all-gather spans " +
 			"server-compress and the own chunk's decompress, run while the data travels; wait is the caller blocked at their end"
 	case ts.pipelined:
-		note = "pipelined: the collectives (header, all-to-all, all-gather) run on a goroutine of their own, " +
+		note = "pipelined: the collectives (all-to-all, all-gather) run without the caller (started by it, or on a goroutine of their own), " +
 			"overlapping the rest; wait is the caller blocked on them"
 	}
 	fmt.Fprintf(&b, "# onebit %s per phase, ms: p50 over %d calls of the phase's total in a call (%s)\n",
@@ -221,7 +221,8 @@ type chromeEvent struct {
 }
 
 // Threads of a rank in the trace: the caller's phases and the calls, and
-// the collectives (a goroutine of their own in a pipelined call).
+// the collectives (which may run without the caller: started by it, or on
+// a goroutine of their own).
 const (
 	tidCaller      = 0
 	tidCollectives = 1
