@@ -690,16 +690,24 @@ func TestOnebitMatchesLocal(t *testing.T) {
 func TestOnebitAdamModesMatchLocal(t *testing.T) {
 	ctx := testCtx(t)
 	w, r := world.Size(), world.Rank()
-	const n, steps = 5000, 5
+	const steps = 5
 	for _, tc := range []struct {
 		mode onebit.StateMode
 		bf   onebit.BF16State
+		n    int
 	}{
-		{onebit.StateFull, 0}, {onebit.StateCompact, 0}, {onebit.StateSharded, 0},
-		{onebit.StateSharded, onebit.BF16WorkerError | onebit.BF16Variance},
+		{onebit.StateFull, 0, 5000}, {onebit.StateCompact, 0, 5000}, {onebit.StateSharded, 0, 5000},
+		{onebit.StateSharded, onebit.BF16WorkerError | onebit.BF16Variance, 5000},
+		// One bucket of 1M+5 elements: its calls start their collectives.
+		{onebit.StateFull, 0, 1<<20 + 5},
+		{onebit.StateSharded, onebit.BF16WorkerError | onebit.BF16Variance, 1<<20 + 5},
 	} {
+		n := tc.n
 		cfg := onebit.DefaultAdamConfig()
 		cfg.LR, cfg.FreezeStep, cfg.BucketBytes = 0.01, 2, 4*1500
+		if n > 5000 {
+			cfg.BucketBytes = 4 * n
+		}
 		cfg.StateMode, cfg.BF16 = tc.mode, tc.bf
 		run := func(ctx context.Context, c comm.Comm) ([]float32, error) {
 			p := optim.NewParam("w", n)
@@ -723,7 +731,7 @@ func TestOnebitAdamModesMatchLocal(t *testing.T) {
 		want := onLocal(t, ctx, w, r, run)
 		got, err := run(ctx, ordered)
 		require.NoError(t, err)
-		requireBits(t, want, got, fmt.Sprintf("%v %v", tc.mode, tc.bf))
+		requireBits(t, want, got, fmt.Sprintf("%v %v n=%d", tc.mode, tc.bf, n))
 	}
 }
 
