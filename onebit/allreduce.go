@@ -122,10 +122,12 @@ type State struct {
 	// in the summing block, and hands it each block's new residual.
 	worker workerSource
 
-	// blocking keeps a whole-chunk call on a comm.Starter from starting
-	// its collectives (SetOverlap(false)); starts says in this call's
-	// header that this rank starts them.
-	blocking, starts bool
+	// blocking keeps the calls on a comm.Starter from starting their
+	// collectives (SetOverlap(false)); starts says in this call's header
+	// that this rank can start them, wantsBlocking that it runs them
+	// blocking (the tuner's choice); started is whether the call started
+	// them.
+	blocking, starts, wantsBlocking, started bool
 	// blockSigns takes the signs the residual passes of a started call
 	// pack again: progressBlock/8 bytes nobody reads.
 	blockSigns []byte
@@ -324,13 +326,17 @@ func (s *State) Reset() {
 //
 // Whether pieces pay depends on the link and the CPU: on a slow link they
 // hide the compression behind the wire, on a fast one (or shared memory)
-// the extra collectives cost more than they hide. So a State large enough for pieces chooses, call by call, between
-// pieces and whole chunks by how long its earlier calls took, the mean over
+// the extra collectives cost more than they hide; and started collectives
+// cost more than blocking ones where there is no wire to hide (ranks that
+// share memory). So a State large enough for pieces chooses, call by call,
+// between pieces, whole chunks with started collectives and whole chunks
+// with blocking ones, by how long its earlier calls took, the mean over
 // the ranks of each one's time in the call: every call's header carries
 // each rank's time of its previous call, so every rank takes the same
-// decision (tune.go). The first TuningCalls calls try both ways; after
-// that the faster one runs, and two calls in every 32 the other, to follow
-// a change. SetPieces fixes the cut instead; States whose output stays
+// decision (tune.go). The first TuningCalls calls try every way; after
+// that the fastest one runs, and two calls in every 32 each of the others,
+// to follow a change. SetPieces fixes the cut instead (whole chunks then
+// start their collectives where they can); States whose output stays
 // packed (the compact and sharded modes) keep their pieces.
 //
 // With one rank the call still compresses (the output is the
@@ -376,7 +382,7 @@ func (st *State) allReduce(ctx context.Context, c comm.Comm, buf []float32) (err
 		st.norms[j].Reset()
 	}
 	st.serverNorm.Reset()
-	st.starts = false
+	st.starts, st.started = false, false
 	if st.pieces == 1 {
 		return st.allReduceWhole(ctx, c, buf)
 	}
@@ -434,7 +440,7 @@ func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, buf []floa
 			comm.SkipChecks(c, 2*k)
 			st.starter = nil
 			if starter != nil && st.allStart() {
-				st.starter = starter
+				st.starter, st.started = starter, true
 			} else {
 				go st.communicator()
 			}
@@ -625,6 +631,7 @@ func (st *State) allReduceWhole(ctx context.Context, c comm.Comm, buf []float32)
 	if !st.allStart() {
 		starter = nil
 	}
+	st.started = starter != nil
 	comm.SkipChecks(c, 2)
 
 	// Phase 1, second half: the all-to-all of the packed chunks (chunk j

@@ -28,18 +28,23 @@ func TunePieces(st *State, k int) {
 // TuneDevicePieces is TunePieces for a DeviceState's wire.
 func TuneDevicePieces(st *DeviceState, k int) { TunePieces(&st.wire, k) }
 
+// The tuner's ways, for TuneWay.
+const (
+	WayPieces   = wayPieces
+	WayWhole    = wayWhole
+	WayBlocking = wayBlocking
+)
+
 // TuneWay is the way the tuner picks for call u after recording the given
-// times (microseconds) of calls that sent pieces and of calls that sent
-// whole chunks.
-func TuneWay(u int, pieces, whole []uint64) bool {
+// times (microseconds) of calls of each way (pieces, whole, whole
+// blocking).
+func TuneWay(u int, times ...[]uint64) int {
 	var t tuner
-	for _, x := range pieces {
-		t.times[0][t.n[0]%tuneSamples] = x
-		t.n[0]++
-	}
-	for _, x := range whole {
-		t.times[1][t.n[1]%tuneSamples] = x
-		t.n[1]++
+	for w, ts := range times {
+		for _, x := range ts {
+			t.times[w][t.n[w]%tuneSamples] = x
+			t.n[w]++
+		}
 	}
 	return t.decide(u)
 }

@@ -223,3 +223,46 @@ func TestStartedAdamModes(t *testing.T) {
 		}
 	}
 }
+
+// A tuning State on ranks that start their collectives tries, in its
+// opening, pieces, whole chunks started and whole chunks blocking, the
+// same on every rank, and gives the bits of whole chunks run blocking.
+func TestTuneStartedWays(t *testing.T) {
+	const w, n, calls = 3, 1<<20 + 3, 9
+	want, _ := startedRun(t, w, n, 1, calls, false)
+	out := make([][]float32, 3*w)
+	pieces, started := make([][]int, w), make([][]bool, w)
+	var starts atomic.Int64
+	err := local.Run(ctxT(t), w, func(ctx context.Context, c comm.Comm) error {
+		r := c.Rank()
+		sc := &startComm{Comm: c, starts: &starts}
+		defer sc.stop()
+		st, err := onebit.NewState(n, w)
+		if err != nil {
+			return err
+		}
+		onebit.TunePieces(st, 2)
+		rng := rand.New(rand.NewPCG(uint64(r), 11))
+		buf := make([]float32, n)
+		for range calls {
+			copy(buf, randn(rng, n))
+			if err := onebit.AllReduce(ctx, sc, buf, st); err != nil {
+				return err
+			}
+			pieces[r] = append(pieces[r], st.Pieces())
+			started[r] = append(started[r], st.Started())
+		}
+		out[r], out[w+r], out[2*w+r] = buf, slices.Clone(st.WorkerError), slices.Clone(st.ServerError)
+		return nil
+	})
+	require.NoError(t, err)
+	assert.Equal(t, []int{2, 2, 1, 1, 2, 1, 1}, pieces[0][:7], "the opening's cuts")
+	assert.Equal(t, []bool{true, true, true, false, true, true, false}, started[0][:7], "the opening's collectives started")
+	for r := range w {
+		assert.Equal(t, pieces[0], pieces[r], "rank %d", r)
+		assert.Equal(t, started[0], started[r], "rank %d", r)
+	}
+	for i := range want {
+		require.Equal(t, want[i], out[i], "buffer %d", i)
+	}
+}

@@ -1,26 +1,36 @@
 package onebit
 
-// Choosing, call by call, whether a large tensor's chunks travel whole or
-// in pieces.
+// Choosing, call by call, how a large tensor's calls run: its chunks
+// whole or in pieces, and, whole, with their collectives started (run
+// while the call computes, on a comm.Starter) or blocking.
 //
 // A pipelined call (chunks in pieces) hides the compression behind the
 // wire when the wire is slow; when it is fast, the extra collectives (and,
 // where they run on a goroutine, the goroutine that waits in them) cost
-// more than they hide. Which one wins depends on the link, the
-// CPU and what else runs, so a State measures: every call records how long
-// it took on this rank, the next call's header carries that time to every
-// rank, and every rank takes the same decision from the same headers. Each
-// call's header also carries the piece count the rank uses, so ranks that
-// disagree (SetPieces set differently) get an error instead of a hang.
-// Both ways give bit-identical outputs and error buffers.
+// more than they hide. Started collectives hide the wire behind the
+// residual passes, but where there is no wire to hide (ranks that share
+// memory) their own cost shows: 4 MPI ranks on one machine, 64 MiB, took
+// 23.7-32.8 ms started against 22.8-27.9 ms blocking (8 interleaved runs
+// each, medians 27.2 and 24.4 ms), where at 10 Gbit started took 27.4-32.2
+// ms against 31.3-36.6 blocking (medians 29.4 and 33.5 ms). Which one wins
+// depends on the link, the CPU and what else runs, so a State measures:
+// every call records how long it took on this rank, the next call's header
+// carries that time to every rank, and every rank takes the same decision
+// from the same headers. Each call's header also carries the piece count
+// the rank uses, so ranks that disagree (SetPieces set differently) get an
+// error instead of a hang, and whether the rank can start its collectives
+// and whether it runs them blocking, so that they are started only where
+// every rank can and none runs them blocking. All ways give bit-identical
+// outputs and error buffers.
 //
-// The two fields ride in the high 24 bits of the header's length word,
-// above the 40 bits of the tensor length, so the header keeps its 12 bytes:
-// bits 40-42 hold the pieces per chunk of this call (1 to 4), bits 44-63
-// the rank's previous call's time in units of 16 microseconds (0: none, or
-// it failed; at most about 16 seconds). Bit 43 says that the rank can
-// start the collectives of this call (a whole-chunk call on a
-// comm.Starter, allReduceWhole).
+// The fields ride in the high 24 bits of the header's length word, above
+// the 40 bits of the tensor length, so the header keeps its 12 bytes: bits
+// 40-42 hold the pieces per chunk of this call (1 to 4); bit 43 says that
+// the rank can start the collectives of this call (a call of at least
+// startMin elements on a comm.Starter, with SetOverlap on), bit 44 that it
+// runs them blocking (the tuner's third way); bits 45-63 the rank's
+// previous call's time in units of 32 microseconds (0: none, or it
+// failed; at most about 16 seconds).
 
 import (
 	"encoding/binary"
@@ -30,71 +40,65 @@ import (
 	"time"
 )
 
-// TuningCalls is how many calls a new State makes before it sends its
-// chunks the way that measured faster (whole or in pieces): its first
-// calls try both ways, and a decision uses times from two calls back.
-// Benchmarks warm up with at least as many.
+// TuningCalls is how many calls a new State makes before it runs the way
+// that measured fastest: its first calls try every way, and a decision
+// uses times from two calls back. Benchmarks warm up with at least as
+// many.
 const TuningCalls = tuneOpening + 2
 
 const (
-	lenBits   = 40
-	lenMask   = 1<<lenBits - 1 // the tensor length in the header's length word
-	pieceBits = 3
-	startBit  = lenBits + pieceBits // the rank starts its collectives
-	timeShift = startBit + 1
-	timeUnit  = 16 // microseconds
-	timeMax   = 1<<(64-timeShift) - 1
-
-	// tuneOpening is the number of calls of the fixed opening, whose ways
-	// are tuneOpeningWhole.
-	tuneOpening = 5
-	// tuneEvery: in every tuneEvery calls after the opening, two run the
-	// way that measured slower, so that the choice follows a link or a
-	// load that changes.
-	tuneEvery = 32
-	// tuneSamples is the number of times kept per way; the estimate is
-	// their median.
-	tuneSamples = 3
+	lenBits      = 40
+	lenMask      = 1<<lenBits - 1 // the tensor length in the header's length word
+	pieceBits    = 3
+	startBit     = lenBits + pieceBits // the rank can start its collectives
+	blockingBit  = startBit + 1        // the rank runs them blocking
+	timeShift    = blockingBit + 1
+	timeUnit     = 32 // microseconds
+	timeMax      = 1<<(64-timeShift) - 1
+	tuneOpening  = len(tuneOpeningWays)
+	numWays      = 3
+	wayPieces    = 0 // chunks in pieces
+	wayWhole     = 1 // chunks whole, collectives started where every rank can
+	wayBlocking  = 2 // chunks whole, collectives blocking
+	tuneEvery    = 32
+	tuneSamples  = 3
+	tuneExplored = numWays - 1
 )
 
-// tuneOpeningWhole is the way of each opening call: pieces first (the
-// first call's time is not used: it pays for first touches of memory),
-// then each way twice, alternately.
-var tuneOpeningWhole = [tuneOpening]bool{false, false, true, false, true}
+// tuneOpeningWays is the way of each opening call: pieces first (the first
+// call's time is not used: it pays for first touches of memory), then each
+// way twice, in turn. After the opening, the way with the lowest median of
+// its last tuneSamples times runs, but for tuneExplored calls in every
+// tuneEvery, which run each other way once, so that the choice follows a
+// link or a load that changes.
+var tuneOpeningWays = [...]int{wayPieces, wayPieces, wayWhole, wayBlocking, wayPieces, wayWhole, wayBlocking}
 
-// tuner is a State's choice between whole chunks and pieces. Every field
-// but start and last evolves identically on every rank: only what the
-// headers carry changes it.
+// tuner is a State's choice of way. Every field but start and last
+// evolves identically on every rank: only what the headers carry changes
+// it.
 type tuner struct {
 	fixed bool // SetPieces fixed the cut: no choice
 
-	calls     int  // headers through so far
-	whole     bool // this call sends whole chunks
-	prevWhole bool // the way of the previous call
-	nextWhole bool // the way of the next call, decided at this call's header
+	calls   int // headers through so far
+	way     int // this call's way
+	prevWay int // the way of the previous call
+	nextWay int // the way of the next call, decided at this call's header
 
 	start time.Time // when this call began on this rank
 	last  uint64    // this rank's previous call, in units of timeUnit; 0: none, or it failed
 
-	times [2][tuneSamples]uint64 // per way (0 pieces, 1 whole): the latest times, a ring
-	n     [2]int                 // times recorded per way
-}
-
-// way is the index of times for a way.
-func way(whole bool) int {
-	if whole {
-		return 1
-	}
-	return 0
+	times [numWays][tuneSamples]uint64 // per way: the latest times, a ring
+	n     [numWays]int                 // times recorded per way
 }
 
 // SetPieces fixes the number of pieces each chunk travels in on the
 // following calls: 1 sends every chunk whole (no pipelining), k > 1 cuts
 // each chunk into at most k pieces (and at most 4, the most a call
 // uses). SetPieces(0), the default, lets the calls choose between whole
-// chunks and pieces by how long earlier calls took (see AllReduce). Every
-// rank must set the same: a call whose ranks differ fails on every rank.
-// Tensors of less than about 16 MiB per rank always travel whole.
+// chunks, started or blocking, and pieces by how long earlier calls took
+// (see AllReduce). Every rank must set the same: a call whose ranks differ
+// fails on every rank. Tensors of less than about 16 MiB per rank always
+// travel whole, with their collectives started where every rank can.
 func (s *State) SetPieces(k int) {
 	if k <= 0 {
 		s.setPieces(s.chunkBytes/pieceTarget, s.world)
@@ -109,18 +113,22 @@ func (s *State) SetPieces(k int) {
 // call (1: whole), or, before the first, on the next.
 func (s *State) Pieces() int { return s.pieces }
 
-// tunes reports whether the calls choose between whole chunks and
-// pieces: not when SetPieces fixed the cut, nor for a tensor too small
-// for pieces, nor when the output stays packed in the gathered buffer
-// (the compact and sharded modes), whose layout its owner reads across
-// calls.
+// Started reports whether the last call started its collectives (see
+// AllReduce).
+func (s *State) Started() bool { return s.started }
+
+// tunes reports whether the calls choose their way: not when SetPieces
+// fixed the cut, nor for a tensor too small for pieces, nor when the
+// output stays packed in the gathered buffer (the compact and sharded
+// modes), whose layout its owner reads across calls.
 func (s *State) tunes() bool { return !s.tune.fixed && s.pipePieces > 1 && !s.keep }
 
 // beginCall starts the clock of a call and sets its way.
 func (s *State) beginCall() {
 	s.tune.start = time.Now()
+	s.wantsBlocking = false
 	if s.tunes() {
-		s.useWhole(s.tune.whole)
+		s.useWay(s.tune.way)
 	}
 }
 
@@ -132,13 +140,14 @@ func (s *State) endCall(err error) {
 	if err == nil {
 		t.last = uint64(min(max(time.Since(t.start).Microseconds()/timeUnit, 1), timeMax))
 	}
-	t.whole = t.nextWhole
+	t.way = t.nextWay
 }
 
-// useWhole sets the cut of the calls: every chunk whole, or the pieces of
-// setPieces.
-func (s *State) useWhole(whole bool) {
-	if whole {
+// useWay sets the cut of the calls, every chunk whole or the pieces of
+// setPieces, and whether the rank runs the collectives blocking.
+func (s *State) useWay(way int) {
+	s.wantsBlocking = way == wayBlocking
+	if way != wayPieces {
 		s.pieces, s.pieceBytes, s.mid = 1, s.chunkBytes, 0
 		return
 	}
@@ -153,14 +162,18 @@ func (s *State) tuning() uint64 {
 	if s.starts {
 		w |= 1 << startBit
 	}
+	if s.wantsBlocking {
+		w |= 1 << blockingBit
+	}
 	return w
 }
 
-// allStart reports whether every rank's header says it starts the
-// collectives of this call.
+// allStart reports whether this call starts its collectives: every rank's
+// header says it can, and none that it runs them blocking.
 func (s *State) allStart() bool {
 	for j := range s.world {
-		if binary.LittleEndian.Uint64(s.headers[j*headerLen+4:])&(1<<startBit) == 0 {
+		w := binary.LittleEndian.Uint64(s.headers[j*headerLen+4:])
+		if w&(1<<startBit) == 0 || w&(1<<blockingBit) != 0 {
 			return false
 		}
 	}
@@ -202,25 +215,30 @@ func (s *State) takeTuning() error {
 			all = all && last > 0
 		}
 		if all { // every rank's previous call went through
-			w := way(t.prevWhole)
+			w := t.prevWay
 			t.times[w][t.n[w]%tuneSamples] = sum / uint64(s.world)
 			t.n[w]++
 		}
 	}
 	t.calls++
-	t.prevWhole = t.whole
-	t.nextWhole = t.decide(t.calls)
+	t.prevWay = t.way
+	t.nextWay = t.decide(t.calls)
 	return nil
 }
 
 // decide returns the way of call u (counted from 0).
-func (t *tuner) decide(u int) bool {
+func (t *tuner) decide(u int) int {
 	if u < tuneOpening {
-		return tuneOpeningWhole[u]
+		return tuneOpeningWays[u]
 	}
-	best := t.estimate(1) < t.estimate(0)
-	if (u-tuneOpening)%tuneEvery >= tuneEvery-2 {
-		return !best
+	best := 0
+	for w := 1; w < numWays; w++ {
+		if t.estimate(w) < t.estimate(best) {
+			best = w
+		}
+	}
+	if k := (u-tuneOpening)%tuneEvery - (tuneEvery - tuneExplored); k >= 0 {
+		return (best + 1 + k) % numWays
 	}
 	return best
 }

@@ -14,28 +14,35 @@ import (
 	"github.com/lowbit-ml/lowbit/onebit"
 )
 
-// The tuner's decision: a fixed opening that tries both ways, then the
-// way whose median time is lower, except two calls in every 32 that run
-// the other one.
+// The tuner's decision: a fixed opening that tries every way twice, then
+// the way whose median time is lowest, except two calls in every 32 that
+// run each other way once.
 func TestTuneDecide(t *testing.T) {
-	for u, want := range []bool{false, false, true, false, true} {
-		assert.Equal(t, want, onebit.TuneWay(u, []uint64{100}, []uint64{1}), "opening call %d", u)
+	P, W, B := onebit.WayPieces, onebit.WayWhole, onebit.WayBlocking
+	for u, want := range []int{P, P, W, B, P, W, B} {
+		assert.Equal(t, want, onebit.TuneWay(u, []uint64{100}, []uint64{1}, []uint64{1}), "opening call %d", u)
 	}
-	fastWhole := func(u int) bool { return onebit.TuneWay(u, []uint64{300, 290, 310}, []uint64{200, 900, 210}) }
-	fastPieces := func(u int) bool { return onebit.TuneWay(u, []uint64{300, 290, 310}, []uint64{400, 100, 410}) }
-	explored := 0
-	for u := 5; u < 5+64; u++ {
-		if !fastWhole(u) {
-			explored++
-			assert.True(t, fastPieces(u), "call %d explores either way", u)
-		} else {
-			assert.False(t, fastPieces(u), "call %d", u)
+	for _, tc := range []struct {
+		times [][]uint64
+		best  int
+	}{
+		{[][]uint64{{300, 290, 310}, {200, 900, 210}, {250, 240, 260}}, W},
+		{[][]uint64{{300, 290, 310}, {400, 100, 410}, {350, 340, 360}}, P},
+		{[][]uint64{{300, 290, 310}, {400, 100, 410}, {250, 240, 900}}, B},
+	} {
+		explored := map[int]int{}
+		for u := 7; u < 7+64; u++ {
+			if got := onebit.TuneWay(u, tc.times...); got != tc.best {
+				explored[got]++
+			}
 		}
+		want := map[int]int{(tc.best + 1) % 3: 2, (tc.best + 2) % 3: 2}
+		assert.Equal(t, want, explored, "best %d: in every 32 calls, each other way once", tc.best)
 	}
-	assert.Equal(t, 4, explored, "two calls in every 32 run the slower way")
-	// One way not measured yet: the measured one.
-	assert.False(t, onebit.TuneWay(40, []uint64{5}, nil))
-	assert.True(t, onebit.TuneWay(40, nil, []uint64{5}))
+	// Ways not measured yet: the measured one.
+	assert.Equal(t, P, onebit.TuneWay(40, []uint64{5}))
+	assert.Equal(t, W, onebit.TuneWay(40, nil, []uint64{5}))
+	assert.Equal(t, B, onebit.TuneWay(40, nil, nil, []uint64{5}))
 }
 
 // A tuning State switches between whole chunks and pieces from call to
@@ -80,7 +87,7 @@ func TestTuningBitIdentical(t *testing.T) {
 	for r := range w {
 		assert.Equal(t, pieces[0], pieces[r], "rank %d's ways", r)
 	}
-	assert.Equal(t, []int{3, 3, 1, 3, 1}, pieces[0][:5], "the opening")
+	assert.Equal(t, []int{3, 3, 1, 1, 3, 1, 1}, pieces[0][:7], "the opening")
 	for s := range steps {
 		for r := range w {
 			require.Equal(t, bitsOf(want[s][r]), bitsOf(got[s][r]), "step %d rank %d", s, r)

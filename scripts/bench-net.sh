@@ -161,7 +161,8 @@ bound() {
 			printf "%s %s: 1-bit p50 %.2f ms, memory bound %.2f ms (%.1f MiB per rank at %.2f GB/s): %.0f%% of it reached; chunks %s\n",
 				title, human($col["bytes"]), $col["time_p50_us"] / 1000, $col["mem_bound_us"] / 1000,
 				$col["mem_bytes_per_rank"] / 1048576, $col["stream_gbps"], 100 * $col["mem_bound_share"],
-				($col["pieces"] == 1 ? "whole" : "in " $col["pieces"] " pieces")
+				($col["pieces"] == 1 ? "whole" : "in " $col["pieces"] " pieces") \
+				($col["started"] == "true" ? ", collectives started" : "")
 			share[++n] = 100 * $col["mem_bound_share"]
 		}
 		END {

@@ -161,16 +161,17 @@ bytes each rank must read and write in memory for one call (8n + 16N + 16C
 + 6N/8 + 2C/8 for n elements padded to N, C = N/W), the time they take at
 the streaming bandwidth each rank measured just before and just after
 the timed calls, the faster of the two (each rank updating 128 MiB in
-place, all ranks at once, best of 10 passes; ranks on one machine), the share of that bound the p50 reached, and whether rank
-0's last call sent its chunks whole or in pieces (the calls choose by the
-times of earlier ones: see onebit.AllReduce); --csv adds the columns
-mem_bytes_per_rank, stream_gbps, mem_bound_us, mem_bound_share and pieces
-when onebit runs on host buffers. onebit warms up with at least
-onebit.TuningCalls calls (7), whatever --w says, so that its timed calls
-run the way its calls settled on; --pieces fixes the cut instead. On the
-mpi backend a whole-chunk call of 1M elements and more starts its
-collectives and computes while they travel; --overlap=false runs them
-blocking, for a same-run comparison.
+place, all ranks at once, best of 10 passes; ranks on one machine), the
+share of that bound the p50 reached, whether rank 0's last call sent its
+chunks whole or in pieces and whether it started its collectives (on the
+mpi backend a call of 1M elements and more may start them and compute
+while they travel; the calls choose by the times of earlier ones: see
+onebit.AllReduce); --csv adds the columns mem_bytes_per_rank, stream_gbps,
+mem_bound_us, mem_bound_share, pieces and started when onebit runs on host
+buffers. onebit warms up with at least onebit.TuningCalls calls (9),
+whatever --w says, so that its timed calls run the way its calls settled
+on; --pieces fixes the cut instead, and --overlap=false runs the
+collectives blocking, for a same-run comparison.
 
 --trace FILE records the phases of every timed onebit call on every rank
 (compress, header, worker error, all-to-all, server reduce and compress,
@@ -429,6 +430,7 @@ func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchRep
 			}
 			if bc.state != nil {
 				row.Pieces = new(bc.state.Pieces())
+				row.Started = new(bc.state.Started())
 			}
 			if cfg.check {
 				var e, r float64

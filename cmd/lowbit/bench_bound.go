@@ -174,6 +174,9 @@ func memBoundColumns(row benchRow) string {
 			s += fmt.Sprintf("; chunks in %d pieces", *row.Pieces)
 		}
 	}
+	if row.Started != nil && *row.Started {
+		s += ", collectives started"
+	}
 	return s + "]"
 }
 
@@ -184,7 +187,7 @@ func boundInConfig(cfg *benchConfig) bool {
 }
 
 // boundCSVHeader names the CSV columns boundCSVFields fills.
-var boundCSVHeader = []string{"mem_bytes_per_rank", "stream_gbps", "mem_bound_us", "mem_bound_share", "pieces"}
+var boundCSVHeader = []string{"mem_bytes_per_rank", "stream_gbps", "mem_bound_us", "mem_bound_share", "pieces", "started"}
 
 // boundCSVFields renders row's memory bound and pieces per chunk, empty
 // fields where it has none.
@@ -198,6 +201,9 @@ func boundCSVFields(row benchRow) []string {
 	}
 	if row.Pieces != nil {
 		rec[4] = strconv.Itoa(*row.Pieces)
+	}
+	if row.Started != nil {
+		rec[5] = strconv.FormatBool(*row.Started)
 	}
 	return rec
 }

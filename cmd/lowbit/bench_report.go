@@ -54,6 +54,9 @@ type benchRow struct {
 	// Pieces is the pieces per chunk of rank 0's last timed call (1:
 	// whole chunks; see onebit.State.SetPieces).
 	Pieces *int `json:"pieces,omitempty"`
+	// Started is whether rank 0's last timed call started its
+	// collectives (onebit.State.Started).
+	Started *bool `json:"started,omitempty"`
 }
 
 // benchSpeedup compares onebit with allreduce at one size.

@@ -271,6 +271,7 @@ func TestBenchPiecesCSV(t *testing.T) {
 		assert.Empty(t, recs[1][col["pieces"]], "allreduce %s", tc.flag)
 		assert.Empty(t, recs[1][col["mem_bound_us"]], "allreduce %s", tc.flag)
 		assert.Contains(t, tc.want, recs[2][col["pieces"]], "onebit %s", tc.flag)
+		assert.Equal(t, "false", recs[2][col["started"]], "onebit %s: comm/local starts no collectives", tc.flag)
 		assert.NotEmpty(t, recs[2][col["mem_bound_share"]], "onebit %s", tc.flag)
 	}
 }
