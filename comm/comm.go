@@ -183,6 +183,16 @@ type Starter interface {
 	StartAllGatherBytes(ctx context.Context, send, recv []byte) (Request, error)
 }
 
+// Done is the Request of a collective that has run to its end already: a
+// Starter that ran it blocking returns it.
+type Done struct{}
+
+// Test reports done, without error (the collective's error came with it).
+func (Done) Test() (bool, error) { return true, nil }
+
+// Wait returns at once, without error.
+func (Done) Wait() error { return nil }
+
 // Request is a collective a Starter started. What a context that ends
 // while it is in flight does is what it does to the blocking variant.
 // Testing or waiting for one request moves the data of every collective in

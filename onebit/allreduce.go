@@ -124,10 +124,9 @@ type State struct {
 
 	// blocking keeps the calls on a comm.Starter from starting their
 	// collectives (SetOverlap(false)); starts says in this call's header
-	// that this rank can start them, wantsBlocking that it runs them
-	// blocking (the tuner's choice); started is whether the call started
+	// that this rank can start them; started is whether the call started
 	// them.
-	blocking, starts, wantsBlocking, started bool
+	blocking, starts, started bool
 	// blockSigns takes the signs the residual passes of a started call
 	// pack again: progressBlock/8 bytes nobody reads.
 	blockSigns []byte
@@ -382,11 +381,13 @@ func (st *State) allReduce(ctx context.Context, c comm.Comm, buf []float32) (err
 		st.norms[j].Reset()
 	}
 	st.serverNorm.Reset()
-	st.starts, st.started = false, false
+	starter := starterOf(c)
+	st.starts = starter != nil && !st.blocking && st.world*len(st.ServerError) >= startMin
+	st.started = false
 	if st.pieces == 1 {
-		return st.allReduceWhole(ctx, c, buf)
+		return st.allReduceWhole(ctx, c, starter, buf)
 	}
-	return st.allReducePipelined(ctx, c, buf)
+	return st.allReducePipelined(ctx, c, starter, buf)
 }
 
 // allReducePipelined is allReduce with each chunk's packed bytes in pieces
@@ -394,12 +395,10 @@ func (st *State) allReduce(ctx context.Context, c comm.Comm, buf []float32) (err
 // comm.Starter on every rank, as for whole chunks), the caller moving
 // their data with Test between blocks of its work; otherwise on a
 // goroutine of its own, to which the caller hands each piece.
-func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, buf []float32) error {
+func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, starter comm.Starter, buf []float32) error {
 	w := st.world
 	chunkLen := len(st.ServerError)
 	k := st.pieces
-	starter := starterOf(c)
-	st.starts = starter != nil && !st.blocking && w*chunkLen >= startMin
 	st.ctx, st.comm = ctx, c
 	defer st.release()
 
@@ -439,7 +438,7 @@ func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, buf []floa
 			}
 			comm.SkipChecks(c, 2*k)
 			st.starter = nil
-			if starter != nil && st.allStart() {
+			if st.allStart() {
 				st.starter, st.started = starter, true
 			} else {
 				go st.communicator()
@@ -602,12 +601,10 @@ const (
 // header: MPI's non-blocking collectives do not match blocking ones);
 // otherwise every rank runs them blocking, at the same points. The
 // arithmetic is the same either way, bit for bit.
-func (st *State) allReduceWhole(ctx context.Context, c comm.Comm, buf []float32) error {
+func (st *State) allReduceWhole(ctx context.Context, c comm.Comm, starter comm.Starter, buf []float32) error {
 	w := st.world
 	chunkLen := len(st.ServerError)
 	n := w * chunkLen
-	starter := starterOf(c)
-	st.starts = starter != nil && !st.blocking && n >= startMin
 
 	// Worker side, steps 1, 2 and 4: x = pad(buf) + worker_error (kept in
 	// the worker error buffer until step 3), its squares summed chunk by
@@ -735,7 +732,7 @@ func (st *State) allToAll(ctx context.Context, c comm.Comm, s comm.Starter) (com
 	t := st.start()
 	err := c.AllToAllBytes(ctx, send, recv)
 	st.span(PhaseAllToAll, 0, t)
-	return done{}, err
+	return comm.Done{}, err
 }
 
 // allGather runs the all-gather of a whole-chunk call as allToAll does.
@@ -747,20 +744,14 @@ func (st *State) allGather(ctx context.Context, c comm.Comm, s comm.Starter) (co
 	t := st.start()
 	err := c.AllGatherBytes(ctx, send, recv)
 	st.span(PhaseAllGather, 0, t)
-	return done{}, err
+	return comm.Done{}, err
 }
-
-// done is the Request of a collective that ran blocking.
-type done struct{}
-
-func (done) Test() (bool, error) { return true, nil }
-func (done) Wait() error         { return nil }
 
 // finish waits for a collective of a whole-chunk call begun at t. A
 // started one is traced from its start to its end as phase ph, with the
 // caller's wait in it as PhaseWait; a blocking one has been traced already.
 func (st *State) finish(req comm.Request, ph Phase, t time.Time) error {
-	if _, blocking := req.(done); blocking {
+	if _, blocking := req.(comm.Done); blocking {
 		return nil
 	}
 	tw := st.start()
@@ -1095,7 +1086,7 @@ func (st *State) poll() {
 		return
 	}
 	for i := st.waited; i < st.issued; i++ {
-		if done, _ := st.reqs[i].Test(); !done {
+		if ok, _ := st.reqs[i].Test(); !ok {
 			return
 		}
 	}

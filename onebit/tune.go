@@ -126,7 +126,6 @@ func (s *State) tunes() bool { return !s.tune.fixed && s.pipePieces > 1 && !s.ke
 // beginCall starts the clock of a call and sets its way.
 func (s *State) beginCall() {
 	s.tune.start = time.Now()
-	s.wantsBlocking = false
 	if s.tunes() {
 		s.useWay(s.tune.way)
 	}
@@ -143,10 +142,9 @@ func (s *State) endCall(err error) {
 	t.way = t.nextWay
 }
 
-// useWay sets the cut of the calls, every chunk whole or the pieces of
-// setPieces, and whether the rank runs the collectives blocking.
+// useWay sets the cut of the calls: every chunk whole, or the pieces of
+// setPieces.
 func (s *State) useWay(way int) {
-	s.wantsBlocking = way == wayBlocking
 	if way != wayPieces {
 		s.pieces, s.pieceBytes, s.mid = 1, s.chunkBytes, 0
 		return
@@ -162,7 +160,7 @@ func (s *State) tuning() uint64 {
 	if s.starts {
 		w |= 1 << startBit
 	}
-	if s.wantsBlocking {
+	if s.tunes() && s.tune.way == wayBlocking {
 		w |= 1 << blockingBit
 	}
 	return w

@@ -131,7 +131,7 @@ func parseBenchFlags(args []string, out io.Writer) (*benchConfig, error) {
 	device := fs.String("device", "", deviceFlagHelp)
 	trace := fs.String("trace", "", "write a per-phase timeline of every timed onebit call on every rank to `file` (Chrome trace-event JSON) and print a per-phase summary")
 	pieces := fs.Int("pieces", 0, "onebit on host buffers: cut every chunk into at most this many pieces (1: whole; 0: the calls choose by their times)")
-	overlap := fs.Bool("overlap", true, "onebit on host buffers, whole chunks, on a backend that starts collectives (mpi): compute while they travel (false: run them blocking, for same-run comparisons)")
+	overlap := fs.Bool("overlap", true, "onebit on host buffers, on a backend that starts collectives (mpi): compute while they travel where the calls choose to (false: run them blocking, for same-run comparisons)")
 	rpn := fs.Int("ranks-per-node", 0, "qgz4, qgz8, twolevel: ranks per node of the node-major layout (0: the ranks that share a machine; local backend: all)")
 	fs.Usage = func() {
 		fmt.Fprint(out, `usage: lowbit bench [flags]

@@ -713,7 +713,6 @@ func (c *mpiComm) start(ctx context.Context, a *args, send, recv []byte, count i
 	r.pin.Pin(unsafe.SliceData(send))
 	r.pin.Pin(unsafe.SliceData(recv))
 	if err := call(c.h, c.st, i, ptr(send), ptr(recv), count); err != nil {
-		r.pin.Unpin()
 		return nil, r.finish(err)
 	}
 	r.active = true
@@ -771,7 +770,7 @@ func (r *request) finish(err error) error {
 	}
 	r.err = c.end(r.kind, g, err)
 	if r.err == nil {
-		r.c.stats.Add(r.kind, r.moved, r.moved)
+		c.stats.Add(r.kind, r.moved, r.moved)
 	}
 	return r.err
 }

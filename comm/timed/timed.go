@@ -158,7 +158,7 @@ func (t *Comm) StartAllToAllBytes(ctx context.Context, send, recv []byte) (comm.
 	defer t.since(time.Now())
 	s, ok := t.Comm.(comm.Starter)
 	if !ok {
-		return done{}, t.Comm.AllToAllBytes(ctx, send, recv)
+		return comm.Done{}, t.Comm.AllToAllBytes(ctx, send, recv)
 	}
 	r, err := s.StartAllToAllBytes(ctx, send, recv)
 	return t.wrap(r, err)
@@ -169,7 +169,7 @@ func (t *Comm) StartAllGatherBytes(ctx context.Context, send, recv []byte) (comm
 	defer t.since(time.Now())
 	s, ok := t.Comm.(comm.Starter)
 	if !ok {
-		return done{}, t.Comm.AllGatherBytes(ctx, send, recv)
+		return comm.Done{}, t.Comm.AllGatherBytes(ctx, send, recv)
 	}
 	r, err := s.StartAllGatherBytes(ctx, send, recv)
 	return t.wrap(r, err)
@@ -201,12 +201,6 @@ func (q *request) Wait() error {
 	defer q.t.since(time.Now())
 	return q.r.Wait()
 }
-
-// done is the Request of a collective run blocking.
-type done struct{}
-
-func (done) Test() (bool, error) { return true, nil }
-func (done) Wait() error         { return nil }
 
 var (
 	_ comm.Comm         = (*Comm)(nil)

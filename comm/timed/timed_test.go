@@ -86,18 +86,13 @@ func (s *starter) Starts() bool { return true }
 
 func (s *starter) StartAllToAllBytes(ctx context.Context, send, recv []byte) (comm.Request, error) {
 	s.starts++
-	return doneReq{}, s.Comm.AllToAllBytes(ctx, send, recv)
+	return comm.Done{}, s.Comm.AllToAllBytes(ctx, send, recv)
 }
 
 func (s *starter) StartAllGatherBytes(ctx context.Context, send, recv []byte) (comm.Request, error) {
 	s.starts++
-	return doneReq{}, s.Comm.AllGatherBytes(ctx, send, recv)
+	return comm.Done{}, s.Comm.AllGatherBytes(ctx, send, recv)
 }
-
-type doneReq struct{}
-
-func (doneReq) Test() (bool, error) { return true, nil }
-func (doneReq) Wait() error         { return nil }
 
 // TestStarted: a timed communicator starts collectives through the one it
 // wraps when that one can, runs them blocking otherwise, moves the same
