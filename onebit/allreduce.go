@@ -537,6 +537,7 @@ func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, starter co
 
 	// Output, piece by piece as they arrive: element i of chunk j is
 	// server_scale_j * unpack(...); the first n elements replace buf.
+	unpack := outputKernel(buf)
 	for p := range k {
 		if err := st.wait(); err != nil {
 			return st.fail(c, fmt.Errorf("onebit: phase 2 all-gather: %w", err))
@@ -555,7 +556,7 @@ func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, starter co
 			hi := min(lo+len(signs)*8, len(buf))
 			for b := lo; b < hi; b += progressBlock {
 				e := min(b+progressBlock, hi)
-				signpack.UnpackScale(buf[b:e], signs[(b-lo)/8:], st.scales[j])
+				unpack(buf[b:e], signs[(b-lo)/8:], st.scales[j])
 				st.poll()
 			}
 		}
@@ -565,16 +566,41 @@ func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, starter co
 }
 
 // progressBlock is the elements a started call works on between two
-// tests of its collective: 256 KiB of float32, some tens of microseconds.
-// startMin is the padded length from which a whole-chunk call starts its
+// tests of its collective: 1 MiB of float32, some tens of microseconds of
+// a pass. Each test is a pass through Open MPI's progress engine (a poll
+// of its sockets over TCP); at 10 Gbit, 64 MiB on 4 ranks, whole chunks
+// started, 256K elements took 33.8-37.3 ms where 64K took 36.3-40.6 (6
+// interleaved runs, faster in 6) and 16K 36.7-39.7 ms; 1M elements were
+// slower again (36.6-44.3 ms in 5 runs: the collectives wait). startMin is the padded length from which a whole-chunk call starts its
 // collectives: below it the passes they could travel behind are short,
 // and the non-blocking collectives' own cost shows (4 MPI ranks sharing
 // memory, 4 KiB calls: 26-35 us started against 20-25 us blocking; 1 MiB
 // calls at 10 Gbit: the same within their spread).
 const (
-	progressBlock = 64 << 10
-	startMin      = 16 * progressBlock
+	progressBlock = 256 << 10
+	startMin      = 1 << 20
 )
+
+// streamMin is the length from which a call writes its output with
+// non-temporal stores (signpack.UnpackScaleStream): from 2M elements
+// (8 MiB) the outputs of 4 ranks fill the 32 MiB last-level cache of this
+// project's machines, and they follow a call's 29 bytes per element of
+// other traffic, so whoever reads buf next finds it in memory either way;
+// skipping the read for ownership of every line halves the bytes of the
+// output pass, which runs beside the other ranks' passes on the same
+// memory (1.32x for the pass alone, BenchmarkUnpackStreamVsUnpack).
+// Below it the ordinary stores leave the output in the cache.
+const streamMin = 2 << 20
+
+// outputKernel returns the kernel that writes the output of a call on
+// buf: signpack.UnpackScaleStream from streamMin elements on,
+// signpack.UnpackScale below.
+func outputKernel(buf []float32) func(dst []float32, src []byte, scale float32) {
+	if len(buf) >= streamMin {
+		return signpack.UnpackScaleStream
+	}
+	return signpack.UnpackScale
+}
 
 // allReduceWhole is allReduce with whole chunks (st.pieces == 1): each
 // chunk's packed bytes in one all-to-all, every rank's message in one
@@ -683,12 +709,13 @@ func (st *State) allReduceWhole(ctx context.Context, c comm.Comm, starter comm.S
 	}
 	st.span(PhaseServerCompress, 0, tw)
 	me := c.Rank()
+	unpack := outputKernel(buf)
 	if lo := me * chunkLen; !st.keep && lo < len(buf) {
 		tw = st.start()
 		hi := min(lo+chunkLen, len(buf))
 		for b := lo; b < hi; b += progressBlock {
 			e := min(b+progressBlock, hi)
-			signpack.UnpackScale(buf[b:e], msg[4+(b-lo)/8:], serverScale)
+			unpack(buf[b:e], msg[4+(b-lo)/8:], serverScale)
 			_, _ = req.Test()
 		}
 		st.span(PhaseDecompress, 0, tw)
@@ -707,7 +734,7 @@ func (st *State) allReduceWhole(ctx context.Context, c comm.Comm, starter comm.S
 		if st.keep || j == me || lo >= len(buf) {
 			continue
 		}
-		signpack.UnpackScale(buf[lo:min(lo+chunkLen, len(buf))], signs[4:], st.scales[j])
+		unpack(buf[lo:min(lo+chunkLen, len(buf))], signs[4:], st.scales[j])
 	}
 	st.span(PhaseDecompress, 0, t)
 	return nil
@@ -905,8 +932,8 @@ func (st *State) sumPiece(p int, pack []byte) {
 		if st.owner != nil {
 			st.owner(b, acc)
 		}
-		if (b-lo)/sumBlock%4 == 3 {
-			st.poll() // a pipelined call's started collectives
+		if (b-lo+sumBlock)%progressBlock == 0 {
+			st.poll() // a pipelined call's started collectives, every progressBlock
 		}
 		if pack != nil {
 			st.serverNorm.CompensatePack(pack[(b-lo)/8:], st.ServerError[b:e], acc)

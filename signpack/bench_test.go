@@ -132,3 +132,21 @@ func BenchmarkPackVsRead(b *testing.B) {
 	b.ReportMetric(mbs(med[1]), "pack-MB/s")
 	b.ReportMetric(mbs(med[2]), "generic-MB/s")
 }
+
+// BenchmarkUnpackStreamVsUnpack times UnpackScale and UnpackScaleStream in
+// alternation over the same output (rotating which goes first) and reports
+// the speed of the non-temporal stores as a multiple of the ordinary ones
+// measured in the same run ("stream/unpack"), from the median pass of
+// each, with both rates in MB/s of output written. Run it with -benchtime
+// 20x or more.
+func BenchmarkUnpackStreamVsUnpack(b *testing.B) {
+	_, packed, dst := benchBuffers(b)
+	med := samerun.Medians(b,
+		func() { signpack.UnpackScale(dst, packed, 1e-3) },
+		func() { signpack.UnpackScaleStream(dst, packed, 1e-3) },
+	)
+	mbs := func(sec float64) float64 { return 4 * benchElems / 1e6 / sec }
+	b.ReportMetric(med[0]/med[1], "stream/unpack")
+	b.ReportMetric(mbs(med[0]), "unpack-MB/s")
+	b.ReportMetric(mbs(med[1]), "stream-MB/s")
+}

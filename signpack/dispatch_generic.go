@@ -7,6 +7,10 @@ func packResidual(dst []byte, x []float32, scale float32)     { packResidualGene
 func unpackScale(dst []float32, src []byte, scale float32)    { unpackScaleGeneric(dst, src, scale) }
 func unpackScaleAdd(acc []float32, src []byte, scale float32) { unpackScaleAddGeneric(acc, src, scale) }
 
+// unpackScaleStream has no non-temporal stores on this build.
+func unpackScaleStream(dst []float32, src []byte, scale float32) { unpackScaleGeneric(dst, src, scale) }
+func streams([]float32) bool                                     { return false }
+
 // readBaseline reads every element of p (the memory-bandwidth baseline of
 // the benchmarks) and returns the OR of their bits.
 func readBaseline(p []float32) uint32 { return readGeneric(p) }

@@ -45,6 +45,19 @@ func UnpackScale(dst []float32, src []byte, scale float32) {
 	unpackScale(dst, src, scale)
 }
 
+// UnpackScaleStream is UnpackScale for an output larger than the cache
+// that is not read again soon (the 1-bit allreduce's output of a large
+// tensor): on amd64 with AVX2, and where dst[0] is 32-byte aligned (as in
+// a large slice made by make, and in its blocks at multiples of 8
+// elements), it writes dst with non-temporal stores, which skip the read
+// for ownership of every line an ordinary store makes first; a write-only
+// pass then moves half the bytes, but leaves none of dst in the cache.
+// Elsewhere it is UnpackScale. The values are UnpackScale's, bit for bit.
+func UnpackScaleStream(dst []float32, src []byte, scale float32) {
+	checkPacked("UnpackScaleStream", len(src), len(dst))
+	unpackScaleStream(dst, src, scale)
+}
+
 // UnpackScaleAdd adds scale*(+1 or -1) into every element of acc: the fused
 // "unpack, multiply by a scale, add into an accumulator" of the server side.
 // The product is exact (a sign flip of scale), so the result equals

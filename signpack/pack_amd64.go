@@ -2,7 +2,11 @@
 
 package signpack
 
-import "golang.org/x/sys/cpu"
+import (
+	"unsafe"
+
+	"golang.org/x/sys/cpu"
+)
 
 // The amd64 fast path. The assembly kernels in pack_amd64.s process whole
 // blocks of 32 elements (4 packed bytes) with AVX2; the portable kernels
@@ -39,6 +43,25 @@ func unpackScale(dst []float32, src []byte, scale float32) {
 	unpackScaleGeneric(dst, src, scale)
 }
 
+// unpackScaleStream is unpackScale with non-temporal stores where dst is
+// 32-byte aligned (VMOVNTPS requires it; Go's large allocations are
+// page-aligned, and a block of them at a multiple of 8 elements keeps it).
+// A dst that is not stays on the ordinary stores: its groups of 8 elements
+// share their byte of src, so no head can be peeled off to align it.
+func unpackScaleStream(dst []float32, src []byte, scale float32) {
+	if streams(dst) {
+		unpackScaleStreamFast(dst, src, scale)
+		return
+	}
+	unpackScale(dst, src, scale)
+}
+
+// streams reports whether unpackScaleStream writes dst with non-temporal
+// stores.
+func streams(dst []float32) bool {
+	return useAVX2 && len(dst) >= block && uintptr(unsafe.Pointer(&dst[0]))%32 == 0
+}
+
 func unpackScaleAdd(acc []float32, src []byte, scale float32) {
 	if useAVX2 {
 		unpackScaleAddFast(acc, src, scale)
@@ -72,6 +95,15 @@ func unpackScaleFast(dst []float32, src []byte, scale float32) {
 	if nb := len(dst) / block; nb > 0 {
 		_ = src[nb*block/8-1]
 		unpackScaleAVX2(&dst[0], &src[0], nb, scale)
+		dst, src = dst[nb*block:], src[nb*block/8:]
+	}
+	unpackScaleGeneric(dst, src, scale)
+}
+
+func unpackScaleStreamFast(dst []float32, src []byte, scale float32) {
+	if nb := len(dst) / block; nb > 0 {
+		_ = src[nb*block/8-1]
+		unpackScaleStreamAVX2(&dst[0], &src[0], nb, scale)
 		dst, src = dst[nb*block:], src[nb*block/8:]
 	}
 	unpackScaleGeneric(dst, src, scale)
@@ -116,6 +148,12 @@ func packResidualAVX2(dst *byte, x *float32, blocks int, scale float32)
 //
 //go:noescape
 func unpackScaleAVX2(dst *float32, src *byte, blocks int, scale float32)
+
+// unpackScaleStreamAVX2 is unpackScaleAVX2 with non-temporal stores; dst
+// must be 32-byte aligned.
+//
+//go:noescape
+func unpackScaleStreamAVX2(dst *float32, src *byte, blocks int, scale float32)
 
 // unpackScaleAddAVX2 adds ±scale into blocks*32 elements of acc.
 //

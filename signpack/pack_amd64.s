@@ -200,6 +200,40 @@ unpackLoop:
 unpackDone:
 	RET
 
+// func unpackScaleStreamAVX2(dst *float32, src *byte, blocks int, scale float32)
+//
+// unpackScaleAVX2 with non-temporal stores (dst 32-byte aligned): the
+// lines go to memory through the write-combining buffers without being
+// read for ownership first. SFENCE makes them visible before any store
+// the caller makes after it, as ordinary stores would be.
+TEXT ·unpackScaleStreamAVX2(SB), NOSPLIT, $0-28
+	MOVQ dst+0(FP), DI
+	MOVQ src+8(FP), SI
+	MOVQ blocks+16(FP), CX
+	TESTQ CX, CX
+	JZ   streamDone
+	UNPACK_SETUP
+
+streamLoop:
+	VPBROADCASTD (SI), Y0
+	SIGNED(Y4, Y1)
+	SIGNED(Y5, Y2)
+	SIGNED(Y6, Y3)
+	SIGNED(Y7, Y8)
+	VMOVNTPS Y1, (DI)
+	VMOVNTPS Y2, 32(DI)
+	VMOVNTPS Y3, 64(DI)
+	VMOVNTPS Y8, 96(DI)
+	ADDQ $4, SI
+	ADDQ $128, DI
+	DECQ CX
+	JNZ  streamLoop
+	SFENCE
+	VZEROUPPER
+
+streamDone:
+	RET
+
 // func unpackScaleAddAVX2(acc *float32, src *byte, blocks int, scale float32)
 TEXT ·unpackScaleAddAVX2(SB), NOSPLIT, $0-28
 	MOVQ acc+0(FP), DI

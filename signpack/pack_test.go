@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"path/filepath"
 	"testing"
+	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -274,6 +275,14 @@ func TestLengthsAndOffsets(t *testing.T) {
 				require.Equal(t, bitsOf(orig[off+n:]), bitsOf(fb[off+n:]), name)
 
 				copy(fb, orig)
+				k.UnpackScaleStream(out, p, 1.5)
+				for i := range out {
+					require.Equal(t, refSigned(packedBit(p, i), 1.5), out[i], "%s: stream element %d", name, i)
+				}
+				require.Equal(t, bitsOf(orig[:off]), bitsOf(fb[:off]), name)
+				require.Equal(t, bitsOf(orig[off+n:]), bitsOf(fb[off+n:]), name)
+
+				copy(fb, orig)
 				k.UnpackScaleAdd(out, p, 1.5)
 				for i := range out {
 					w := orig[off+i] + refSigned(packedBit(p, i), 1.5)
@@ -370,6 +379,9 @@ func checkSame(t *testing.T, x []float32, p []byte, scale float32) {
 		u := make([]float32, n)
 		k.UnpackScale(u, p, scale)
 		gotU[i] = bitsOf(u)
+		clear(u)
+		k.UnpackScaleStream(u, p, scale)
+		require.Equal(t, gotU[i], bitsOf(u), "UnpackScaleStream %s n=%d scale=%v", k.Name, n, scale)
 		acc := append([]float32(nil), x...)
 		k.UnpackScaleAdd(acc, p, scale)
 		gotA[i] = bitsOf(acc)
@@ -380,12 +392,45 @@ func checkSame(t *testing.T, x []float32, p []byte, scale float32) {
 	require.Equal(t, gotA[0], gotA[1], "UnpackScaleAdd n=%d scale=%v", n, scale)
 }
 
+// TestUnpackScaleStreamAligned runs UnpackScaleStream where its
+// non-temporal path applies (32-byte aligned blocks of a large slice, as
+// the 1-bit allreduce's output is) and where it does not (every other
+// offset), against the reference, with the floats around dst untouched.
+func TestUnpackScaleStreamAligned(t *testing.T) {
+	r := rand.New(rand.NewPCG(11, 12))
+	const big = 1 << 16
+	backing := make([]float32, big+64) // a large allocation: page-aligned
+	base := int(uintptr(unsafe.Pointer(&backing[0])) % 32 / 4)
+	require.Zero(t, base, "a large slice starts 32-byte aligned")
+	for _, n := range []int{32, 33, 63, 64, 1000, 4096 + 7, big} {
+		p := randBytes(r, signpack.PackedLen(n))
+		for off := range 16 {
+			for i := range backing {
+				backing[i] = sentinelFloat
+			}
+			dst := backing[off : off+n]
+			aligned := off%8 == 0 && signpack.FastPath() != "generic"
+			assert.Equal(t, aligned, signpack.Streams(dst), "n=%d off=%d: non-temporal stores", n, off)
+			signpack.UnpackScaleStream(dst, p, -0.25)
+			for i, v := range dst {
+				require.Equal(t, refSigned(packedBit(p, i), -0.25), v, "n=%d off=%d: element %d", n, off, i)
+			}
+			for i, v := range backing {
+				if i < off || i >= off+n {
+					require.Equal(t, math.Float32bits(sentinelFloat), math.Float32bits(v), "n=%d off=%d: float %d outside dst", n, off, i)
+				}
+			}
+		}
+	}
+}
+
 func TestShortBufferPanics(t *testing.T) {
 	assert.Panics(t, func() { signpack.Pack(make([]byte, 1), make([]float32, 9)) })
 	assert.Panics(t, func() { signpack.PackResidual(make([]byte, 3), make([]float32, 33), 1) })
 	assert.Panics(t, func() { signpack.Unpack(make([]float32, 17), make([]byte, 2)) })
 	assert.Panics(t, func() { signpack.UnpackScale(make([]float32, 65), make([]byte, 8), 1) })
 	assert.Panics(t, func() { signpack.UnpackScaleAdd(make([]float32, 8), nil, 1) })
+	assert.Panics(t, func() { signpack.UnpackScaleStream(make([]float32, 64), make([]byte, 7), 1) })
 	// Exactly PackedLen, and longer, are fine.
 	assert.NotPanics(t, func() { signpack.Pack(make([]byte, 2), make([]float32, 9)) })
 	assert.NotPanics(t, func() { signpack.Unpack(make([]float32, 9), make([]byte, 5)) })
@@ -397,11 +442,12 @@ func TestNoAllocs(t *testing.T) {
 	p := make([]byte, signpack.PackedLen(len(x)))
 	out := make([]float32, len(x))
 	for name, f := range map[string]func(){
-		"Pack":           func() { signpack.Pack(p, x) },
-		"PackResidual":   func() { signpack.PackResidual(p, x, 0.5) },
-		"Unpack":         func() { signpack.Unpack(out, p) },
-		"UnpackScale":    func() { signpack.UnpackScale(out, p, 2) },
-		"UnpackScaleAdd": func() { signpack.UnpackScaleAdd(out, p, 2) },
+		"Pack":              func() { signpack.Pack(p, x) },
+		"PackResidual":      func() { signpack.PackResidual(p, x, 0.5) },
+		"Unpack":            func() { signpack.Unpack(out, p) },
+		"UnpackScale":       func() { signpack.UnpackScale(out, p, 2) },
+		"UnpackScaleAdd":    func() { signpack.UnpackScaleAdd(out, p, 2) },
+		"UnpackScaleStream": func() { signpack.UnpackScaleStream(out, p, 2) },
 	} {
 		assert.Zero(t, testing.AllocsPerRun(100, f), name)
 	}
@@ -464,3 +510,6 @@ func FuzzUnpack(f *testing.F) {
 		}
 	})
 }
+
+// sentinelFloat marks the floats a kernel must not touch.
+var sentinelFloat = math.Float32frombits(0x7fc0dead)
