@@ -61,20 +61,27 @@ const (
 	wayWhole     = 1 // chunks whole, collectives started where every rank can
 	wayBlocking  = 2 // chunks whole, collectives blocking
 	tuneEvery    = 32
-	tuneSamples  = 3
+	tuneSamples  = 5
 	tuneExplored = numWays - 1
 )
 
 // tuneOpeningWays is the way of each opening call: pieces first (the first
 // call's time is not used: it pays for first touches of memory), then each
-// way three times, in turn, so that the first decision takes a median of
-// three for pieces and whole chunks and of two for blocking (the last
-// call's time comes a call later): with two of each, one disturbed call
-// (4 ranks on 2 cores) chose pieces in 4 of 16 runs at 10 Gbit, 31.6-43.6
-// ms where whole chunks took 28.1-31.7. After the opening, the way with
-// the lowest median of its last tuneSamples times runs, but for
-// tuneExplored calls in every tuneEvery, which run each other way once, so
-// that the choice follows a link or a load that changes.
+// way three times, in turn. After the opening, the way with the lowest
+// estimate runs, but for tuneExplored calls in every tuneEvery, which run
+// each other way once, so that the choice follows a link or a load that
+// changes.
+//
+// A way's estimate is the shortest of its last tuneSamples times: what
+// this machine disturbs (4 ranks on 2 cores, memory whose speed changes
+// from one moment to the next) only ever adds time, so the shortest time
+// is the way's own cost. The median of the last three, used before,
+// followed a slow spell of three calls of the running way and left it for
+// a way measured before the spell, whose estimate no longer changed: at
+// 10 Gbit, with two opening calls of each way, 4 of 16 runs chose pieces
+// (31.6-43.6 ms where whole chunks took 28.1-31.7); with three calls and
+// the median, 1 of 4 runs with a log of the tuner's times switched so,
+// to 36.4 ms at p50.
 var tuneOpeningWays = [...]int{wayPieces, wayPieces, wayWhole, wayBlocking, wayPieces, wayWhole, wayBlocking, wayPieces, wayWhole, wayBlocking}
 
 // tuner is a State's choice of way. Every field but start and last
@@ -245,18 +252,11 @@ func (t *tuner) decide(u int) int {
 	return best
 }
 
-// estimate is the median of the times recorded for way w (the mean of
-// two; +Inf for none).
+// estimate is the shortest of the times recorded for way w; +Inf for none.
 func (t *tuner) estimate(w int) float64 {
 	k := min(t.n[w], tuneSamples)
 	if k == 0 {
 		return math.Inf(1)
 	}
-	var v [tuneSamples]uint64
-	copy(v[:], t.times[w][:k])
-	slices.Sort(v[:k])
-	if k%2 == 0 {
-		return (float64(v[k/2-1]) + float64(v[k/2])) / 2
-	}
-	return float64(v[k/2])
+	return float64(slices.Min(t.times[w][:k]))
 }
