@@ -172,6 +172,15 @@ residDone:
 	VPAND   Y11, Yd, Yd \
 	VPXOR   Y10, Yd, Yd
 
+// UNPACK4 sets Y1, Y2, Y3 and Y8 to the ±scale of the 32 elements whose
+// packed dword is at (SI).
+#define UNPACK4 \
+	VPBROADCASTD (SI), Y0 \
+	SIGNED(Y4, Y1) \
+	SIGNED(Y5, Y2) \
+	SIGNED(Y6, Y3) \
+	SIGNED(Y7, Y8)
+
 // func unpackScaleAVX2(dst *float32, src *byte, blocks int, scale float32)
 TEXT ·unpackScaleAVX2(SB), NOSPLIT, $0-28
 	MOVQ dst+0(FP), DI
@@ -182,11 +191,7 @@ TEXT ·unpackScaleAVX2(SB), NOSPLIT, $0-28
 	UNPACK_SETUP
 
 unpackLoop:
-	VPBROADCASTD (SI), Y0
-	SIGNED(Y4, Y1)
-	SIGNED(Y5, Y2)
-	SIGNED(Y6, Y3)
-	SIGNED(Y7, Y8)
+	UNPACK4
 	VMOVUPS Y1, (DI)
 	VMOVUPS Y2, 32(DI)
 	VMOVUPS Y3, 64(DI)
@@ -215,11 +220,7 @@ TEXT ·unpackScaleStreamAVX2(SB), NOSPLIT, $0-28
 	UNPACK_SETUP
 
 streamLoop:
-	VPBROADCASTD (SI), Y0
-	SIGNED(Y4, Y1)
-	SIGNED(Y5, Y2)
-	SIGNED(Y6, Y3)
-	SIGNED(Y7, Y8)
+	UNPACK4
 	VMOVNTPS Y1, (DI)
 	VMOVNTPS Y2, 32(DI)
 	VMOVNTPS Y3, 64(DI)
@@ -244,11 +245,7 @@ TEXT ·unpackScaleAddAVX2(SB), NOSPLIT, $0-28
 	UNPACK_SETUP
 
 addLoop:
-	VPBROADCASTD (SI), Y0
-	SIGNED(Y4, Y1)
-	SIGNED(Y5, Y2)
-	SIGNED(Y6, Y3)
-	SIGNED(Y7, Y8)
+	UNPACK4
 
 	// acc + (±scale) with acc as the first operand, like the generic
 	// acc[i] += s, so that NaNs come out identical.
