@@ -72,16 +72,18 @@ const (
 // each other way once, so that the choice follows a link or a load that
 // changes.
 //
-// A way's estimate is the shortest of its last tuneSamples times: what
-// this machine disturbs (4 ranks on 2 cores, memory whose speed changes
-// from one moment to the next) only ever adds time, so the shortest time
-// is the way's own cost. The median of the last three, used before,
-// followed a slow spell of three calls of the running way and left it for
-// a way measured before the spell, whose estimate no longer changed: at
-// 10 Gbit, with two opening calls of each way, 4 of 16 runs chose pieces
-// (31.6-43.6 ms where whole chunks took 28.1-31.7); with three calls and
-// the median, 1 of 4 runs with a log of the tuner's times switched so,
-// to 36.4 ms at p50.
+// A way's estimate is the second shortest of its last tuneSamples times
+// (with two, their mean; with one, that one): what this machine disturbs
+// (4 ranks on 2 cores, memory whose speed changes from one moment to the
+// next) mostly adds time, so the short end of a way's times is its own
+// cost, and the second shortest keeps one lucky call from speaking for a
+// way whose times spread widely (pieces at 10 Gbit: 31-44 ms). The median
+// of the last three, used before, followed a slow spell of three calls of
+// the running way and left it for a way measured before the spell, whose
+// estimate no longer changed: at 10 Gbit, with two opening calls of each
+// way, 4 of 16 runs chose pieces (31.6-43.6 ms where whole chunks took
+// 28.1-31.7); with three calls and the median, 1 of 4 runs with a log of
+// the tuner's times switched so, to 36.4 ms at p50.
 var tuneOpeningWays = [...]int{wayPieces, wayPieces, wayWhole, wayBlocking, wayPieces, wayWhole, wayBlocking, wayPieces, wayWhole, wayBlocking}
 
 // tuner is a State's choice of way. Every field but start and last
@@ -252,11 +254,20 @@ func (t *tuner) decide(u int) int {
 	return best
 }
 
-// estimate is the shortest of the times recorded for way w; +Inf for none.
+// estimate is the second shortest of the times recorded for way w (the
+// mean of two; +Inf for none).
 func (t *tuner) estimate(w int) float64 {
 	k := min(t.n[w], tuneSamples)
-	if k == 0 {
+	switch k {
+	case 0:
 		return math.Inf(1)
+	case 1:
+		return float64(t.times[w][0])
+	case 2:
+		return (float64(t.times[w][0]) + float64(t.times[w][1])) / 2
 	}
-	return float64(slices.Min(t.times[w][:k]))
+	var v [tuneSamples]uint64
+	copy(v[:], t.times[w][:k])
+	slices.Sort(v[:k])
+	return float64(v[1])
 }

@@ -15,10 +15,11 @@ import (
 )
 
 // The tuner's decision: a fixed opening that tries every way three times,
-// then the way whose shortest recent time is lowest (a slow spell does not
-// count against a way; a time more than five calls of its way old no
-// longer counts for it), except two calls in every 32 that run each other
-// way once.
+// then the way whose second shortest recent time is lowest (a slow spell
+// of up to three calls does not count against a way, one lucky call does
+// not count for it, and a time more than five calls of its way old no
+// longer counts), except two calls in every 32 that run each other way
+// once.
 func TestTuneDecide(t *testing.T) {
 	P, W, B := onebit.WayPieces, onebit.WayWhole, onebit.WayBlocking
 	for u, want := range []int{P, P, W, B, P, W, B, P, W, B} {
@@ -29,7 +30,9 @@ func TestTuneDecide(t *testing.T) {
 		best  int
 	}{
 		{[][]uint64{{300, 290, 310}, {200, 900, 210}, {250, 240, 260}}, W},
-		{[][]uint64{{300, 290, 310}, {900, 280, 950, 940}, {350, 340, 360}}, W},
+		{[][]uint64{{300, 290, 310}, {900, 280, 950, 270, 940}, {350, 340, 360}}, W},
+		{[][]uint64{{100, 400, 410, 420, 430}, {300, 310, 320}, {350, 340, 360}}, W},
+		{[][]uint64{{300, 290}, {310, 305}, {350, 340, 360}}, P},
 		{[][]uint64{{300, 290, 310}, {400, 380, 410}, {350, 340, 360}}, P},
 		{[][]uint64{{300, 290, 310}, {400, 100, 410, 420, 430, 440, 450}, {250, 240, 900}}, B},
 	} {
