@@ -209,9 +209,28 @@ static int lb_ialltoall(MPI_Comm c, lb_state *s, int i, void *send, void *recv, 
 static int lb_iallgather(MPI_Comm c, lb_state *s, int i, void *send, void *recv, int count) {
 	return MPI_Iallgather(send, count, MPI_BYTE, recv, count, MPI_BYTE, c, &s->data_req[i]);
 }
+// opal_progress_set_yield_when_idle is Open MPI's switch of the
+// sched_yield its progress engine makes after a poll that found nothing to
+// do (mpi_yield_when_idle, set where ranks outnumber cores), returning the
+// previous setting. Weak: an MPI without it links and runs, only yielding.
+extern _Bool opal_progress_set_yield_when_idle(_Bool) __attribute__((weak));
+
+// lb_data_test tests a started collective without that yield: the caller
+// is not waiting but working between tests, and a yield there hands its
+// core to another rank in the middle of its pass.
 static int lb_data_test(lb_state *s, int i) {
 	s->data_done = 0;
-	return MPI_Test(&s->data_req[i], &s->data_done, MPI_STATUS_IGNORE);
+	_Bool y = 0;
+	if (opal_progress_set_yield_when_idle) y = opal_progress_set_yield_when_idle(0);
+	int rc = MPI_Test(&s->data_req[i], &s->data_done, MPI_STATUS_IGNORE);
+	if (opal_progress_set_yield_when_idle) opal_progress_set_yield_when_idle(y);
+	return rc;
+}
+// lb_set_yield sets the yield of opal_progress_set_yield_when_idle and
+// returns the previous setting, or -1 where the MPI has no such switch.
+static int lb_set_yield(int on) {
+	if (!opal_progress_set_yield_when_idle) return -1;
+	return opal_progress_set_yield_when_idle(on != 0);
 }
 static int lb_data_wait(lb_state *s, int i) { return MPI_Wait(&s->data_req[i], MPI_STATUS_IGNORE); }
 static int lb_agree_test(lb_state *s) {
@@ -575,6 +594,19 @@ func cDataTest(s cstate, i int) (bool, error) {
 	done := s.data_done != 0
 	unlock()
 	return done, mpiError("MPI_Test", rc)
+}
+
+// cSetYield sets whether Open MPI's progress engine yields the core after
+// a poll that found nothing to do, and returns the previous setting (1 or
+// 0), or -1 where the MPI has no such switch.
+func cSetYield(on bool) int {
+	v := C.int(0)
+	if on {
+		v = 1
+	}
+	lock()
+	defer unlock()
+	return int(C.lb_set_yield(v))
 }
 
 // cDataWait waits for the data collective started in slot i of s. Under

@@ -199,6 +199,35 @@ func TestAllToAll(t *testing.T) {
 // Test while the caller works; while one is in flight the communicator
 // refuses every other call, Close included, and after it is done it works
 // again; the traffic is counted once it is done.
+// Test on a started collective polls without Open MPI's yield of the core
+// (the caller works between its tests) and leaves the setting as it found
+// it, so that waits still yield where mpirun set mpi_yield_when_idle.
+func TestStartedTestKeepsYield(t *testing.T) {
+	ctx := testCtx(t)
+	prev := mpi.SetYield(true)
+	if prev < 0 {
+		t.Skip("this MPI has no opal_progress_set_yield_when_idle")
+	}
+	defer mpi.SetYield(prev == 1)
+	s := world.(comm.Starter)
+	for _, on := range []bool{true, false} {
+		mpi.SetYield(on)
+		send, recv := make([]byte, 1<<16), make([]byte, world.Size()<<16)
+		req, err := s.StartAllGatherBytes(ctx, send, recv)
+		require.NoError(t, err)
+		for done := false; !done; {
+			done, err = req.Test()
+			require.NoError(t, err)
+		}
+		require.NoError(t, req.Wait())
+		want := 0
+		if on {
+			want = 1
+		}
+		assert.Equal(t, want, mpi.SetYield(on), "yield %v after Test", on)
+	}
+}
+
 func TestStarted(t *testing.T) {
 	ctx := testCtx(t)
 	w, r := world.Size(), world.Rank()
