@@ -660,21 +660,22 @@ func (st *State) allReduceWhole(ctx context.Context, c comm.Comm, starter comm.S
 	// Phase 1, second half: the all-to-all of the packed chunks (chunk j
 	// to rank j). Step 3 while it travels: worker_error = x -
 	// worker_scale * sgn(x) (the signs packed again, into blockSigns: the
-	// bytes sent are in use).
+	// bytes sent are in use), a block at a time; started, only until the
+	// all-to-all is done: the blocks left run while the all-gather
+	// travels, so that neither collective waits while step 3 has work
+	// (on a fast link the two windows' own work is shorter than the wire).
 	t = st.start()
 	req, err := st.allToAll(ctx, c, starter)
 	if err != nil {
 		return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))
 	}
 	tw := st.start()
-	for b := 0; b < n; b += progressBlock {
-		e := min(b+progressBlock, n)
-		if st.worker != nil {
-			st.residualSource(st.blockSigns, b, e, workerScale)
-		} else {
-			signpack.PackResidual(st.blockSigns[:(e-b)/8], st.WorkerError[b:e], workerScale)
-		}
-		_, _ = req.Test() // its error comes again from Wait
+	left := 0 // the first element of step 3 not done yet
+	for done := false; left < n && !(done && st.started); {
+		e := min(left+progressBlock, n)
+		st.workerResidual(left, e, workerScale)
+		left = e
+		done, _ = req.Test() // its error comes again from Wait
 	}
 	st.span(PhaseWorkerError, 0, tw)
 	if err := st.finish(req, PhaseAllToAll, t); err != nil {
@@ -694,12 +695,21 @@ func (st *State) allReduceWhole(ctx context.Context, c comm.Comm, starter comm.S
 	binary.LittleEndian.PutUint32(msg[:4], math.Float32bits(serverScale))
 
 	// Phase 2: the all-gather of every rank's message, its scale and then
-	// its packed chunk. Step 8 while it travels: server_error = c -
-	// server_scale * sgn(c); then this rank's own chunk of the output.
+	// its packed chunk. Step 3's blocks left, step 8 (server_error = c -
+	// server_scale * sgn(c)) and this rank's own chunk of the output while
+	// it travels.
 	t = st.start()
 	req, err = st.allGather(ctx, c, starter)
 	if err != nil {
 		return st.fail(c, fmt.Errorf("onebit: phase 2 all-gather: %w", err))
+	}
+	if left < n {
+		tw = st.start()
+		for b := left; b < n; b += progressBlock {
+			st.workerResidual(b, min(b+progressBlock, n), workerScale)
+			_, _ = req.Test()
+		}
+		st.span(PhaseWorkerError, 0, tw)
 	}
 	tw = st.start()
 	for b := 0; b < chunkLen; b += progressBlock {
@@ -890,6 +900,17 @@ func (st *State) packSource(dst []byte, j, lo, hi int) {
 		st.worker.form(x, b)
 		st.norms[j].CompensatePack(dst[(b-lo)/8:], x, nil)
 	}
+}
+
+// workerResidual is step 3 on [lo, hi) of the padded tensor:
+// worker_error = x - scale*sgn(x), with the signs packed again into
+// blockSigns (nobody reads them).
+func (st *State) workerResidual(lo, hi int, scale float32) {
+	if st.worker != nil {
+		st.residualSource(st.blockSigns, lo, hi, scale)
+		return
+	}
+	signpack.PackResidual(st.blockSigns[:(hi-lo)/8], st.WorkerError[lo:hi], scale)
 }
 
 // residualSource is step 3 on [lo, hi) for a State with a workerSource:

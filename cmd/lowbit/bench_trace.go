@@ -182,7 +182,7 @@ func writeTraceSummary(w io.Writer, ts *tracedSize, calls int) error {
 	switch {
 	case !ts.pipelined && seen[onebit.PhaseWait]:
 		note = "not pipelined, the collectives started: all-to-all spans worker-error, all-gather spans " +
-			"server-compress and the own chunk's decompress, run while the data travels; wait is the caller blocked at their end"
+			"server-compress, the own chunk's decompress and worker-error's rest, run while the data travels; wait is the caller blocked at their end"
 	case ts.pipelined:
 		note = "pipelined: the collectives (all-to-all, all-gather) run without the caller (started by it, or on a goroutine of their own), " +
 			"overlapping the rest; wait is the caller blocked on them"
