@@ -243,7 +243,7 @@ func TestStartedAdamModes(t *testing.T) {
 // opening, pieces, whole chunks started and whole chunks blocking, the
 // same on every rank, and gives the bits of whole chunks run blocking.
 func TestTuneStartedWays(t *testing.T) {
-	const w, n, calls = 3, 1<<20 + 3, 12
+	const w, n, calls = 3, 1<<20 + 3, 18
 	want, _ := startedRun(t, w, n, 1, calls, false)
 	out := make([][]float32, 3*w)
 	pieces, started := make([][]int, w), make([][]bool, w)
@@ -271,8 +271,9 @@ func TestTuneStartedWays(t *testing.T) {
 		return nil
 	})
 	require.NoError(t, err)
-	assert.Equal(t, []int{2, 2, 1, 1, 2, 1, 1, 2, 1, 1}, pieces[0][:10], "the opening's cuts")
-	assert.Equal(t, []bool{true, true, true, false, true, true, false, true, true, false}, started[0][:10], "the opening's collectives started")
+	assert.Equal(t, []int{2, 2, 1, 1, 2, 1, 1, 2, 1, 1, 2, 1, 1, 2, 1, 1}, pieces[0][:16], "the opening's cuts")
+	assert.Equal(t, []bool{true, true, true, false, true, true, false, true, true, false, true, true, false, true, true, false},
+		started[0][:16], "the opening's collectives started")
 	for r := range w {
 		assert.Equal(t, pieces[0], pieces[r], "rank %d", r)
 		assert.Equal(t, started[0], started[r], "rank %d", r)

@@ -67,24 +67,24 @@ const (
 
 // tuneOpeningWays is the way of each opening call: pieces first (the first
 // call's time is not used: it pays for first touches of memory), then each
-// way three times, in turn. After the opening, the way with the lowest
+// way five times, in turn. After the opening, the way with the lowest
 // estimate runs, but for tuneExplored calls in every tuneEvery, which run
 // each other way once, so that the choice follows a link or a load that
 // changes.
 //
-// A way's estimate is the second shortest of its last tuneSamples times
-// (with two, their mean; with one, that one): what this machine disturbs
-// (4 ranks on 2 cores, memory whose speed changes from one moment to the
-// next) mostly adds time, so the short end of a way's times is its own
-// cost, and the second shortest keeps one lucky call from speaking for a
-// way whose times spread widely (pieces at 10 Gbit: 31-44 ms). The median
-// of the last three, used before, followed a slow spell of three calls of
-// the running way and left it for a way measured before the spell, whose
-// estimate no longer changed: at 10 Gbit, with two opening calls of each
-// way, 4 of 16 runs chose pieces (31.6-43.6 ms where whole chunks took
-// 28.1-31.7); with three calls and the median, 1 of 4 runs with a log of
-// the tuner's times switched so, to 36.4 ms at p50.
-var tuneOpeningWays = [...]int{wayPieces, wayPieces, wayWhole, wayBlocking, wayPieces, wayWhole, wayBlocking, wayPieces, wayWhole, wayBlocking}
+// A way's estimate is the median of its last tuneSamples times: one or
+// two disturbed calls (4 ranks on 2 cores, memory whose speed changes from
+// one moment to the next) move it little, and three of a way running
+// slower than its estimate move it, so that a wrong choice is left within
+// three calls. Fewer opening calls chose wrongly where the ways' times
+// overlap: with two of each and the median of three, pieces in 4 of 16
+// runs at 10 Gbit (31.6-43.6 ms where whole chunks took 28.1-31.7); with
+// three of each and the second shortest of five, whole chunks blocking in
+// 1 of 3 runs at 10 Gbit (40.1 ms against 26.4-28.1 started) and started
+// in 1 of 3 unshaped (30.1 ms against 23.1 blocking).
+var tuneOpeningWays = [...]int{wayPieces,
+	wayPieces, wayWhole, wayBlocking, wayPieces, wayWhole, wayBlocking, wayPieces, wayWhole, wayBlocking,
+	wayPieces, wayWhole, wayBlocking, wayPieces, wayWhole, wayBlocking}
 
 // tuner is a State's choice of way. Every field but start and last
 // evolves identically on every rank: only what the headers carry changes
@@ -254,20 +254,18 @@ func (t *tuner) decide(u int) int {
 	return best
 }
 
-// estimate is the second shortest of the times recorded for way w (the
-// mean of two; +Inf for none).
+// estimate is the median of the times recorded for way w (the mean of the
+// middle two of an even count; +Inf for none).
 func (t *tuner) estimate(w int) float64 {
 	k := min(t.n[w], tuneSamples)
-	switch k {
-	case 0:
+	if k == 0 {
 		return math.Inf(1)
-	case 1:
-		return float64(t.times[w][0])
-	case 2:
-		return (float64(t.times[w][0]) + float64(t.times[w][1])) / 2
 	}
 	var v [tuneSamples]uint64
 	copy(v[:], t.times[w][:k])
 	slices.Sort(v[:k])
-	return float64(v[1])
+	if k%2 == 0 {
+		return (float64(v[k/2-1]) + float64(v[k/2])) / 2
+	}
+	return float64(v[k/2])
 }

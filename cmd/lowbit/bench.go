@@ -168,7 +168,7 @@ mpi backend a call of 1M elements and more may start them and compute
 while they travel; the calls choose by the times of earlier ones: see
 onebit.AllReduce); --csv adds the columns mem_bytes_per_rank, stream_gbps,
 mem_bound_us, mem_bound_share, pieces and started when onebit runs on host
-buffers. onebit warms up with at least onebit.TuningCalls calls (12),
+buffers. onebit warms up with at least onebit.TuningCalls calls (18),
 whatever --w says, so that its timed calls run the way its calls settled
 on; --pieces fixes the cut instead, and --overlap=false runs the
 collectives blocking, for a same-run comparison.
