@@ -200,7 +200,9 @@ func (Done) Wait() error { return nil }
 type Request interface {
 	// Test moves the collective's data as far as it can without waiting
 	// and reports whether it is done, with its error once it is. It may be
-	// called again after that and reports the same.
+	// called again after that and reports the same. It is meant for the
+	// pauses of the caller's own work and does not give up the core (see
+	// comm/mpi): to wait, call Wait, not Test in a loop.
 	Test() (done bool, err error)
 	// Wait returns when the collective is done, with its error.
 	Wait() error
