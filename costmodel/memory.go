@@ -262,9 +262,10 @@ func shardedBF16States(n int64, world int, bucketBytes int64) (warm, comp int64)
 // Constants of onebit's compressed allreduce (onebit/allreduce.go) and
 // errorfeedback.Norm.
 const (
-	sumBlock  = 16 << 10 // server accumulator block
-	headerLen = 4 + 8
-	normBytes = 32*8 + 8 // errorfeedback.Norm: 32 float64 lanes and a count
+	sumBlock      = 16 << 10  // server accumulator block
+	progressBlock = 256 << 10 // the blocks of the residual passes, whose signs go to a sink
+	headerLen     = 4 + 8
+	normBytes     = 32*8 + 8 // errorfeedback.Norm: 32 float64 lanes and a count
 	// stagingBlock is the elements per rank of the float32 block that
 	// stages the sharded mode's warm-up exchanges when its worker errors
 	// are bfloat16 (onebit/sharded.go).
@@ -281,9 +282,10 @@ const (
 // buckets of one optimizer share (onebit's buckets.shareWire): the server
 // accumulator, the packed signs sent (N/8 bytes, which the phase 2 message
 // reuses), the signs received (which the gathered phase 2 messages reuse:
-// w*(4+C/8) bytes), and the pieces of a pipelined call.
+// w*(4+C/8) bytes), the sink of the signs the residual passes pack again
+// (min(progressBlock, N)/8), and piece mid of a pipelined call.
 type stateParts struct {
-	own, acc, send, recv, scratch, midSend, midRecv int64
+	own, acc, send, recv, sink, midSend, midRecv int64
 }
 
 func onebitParts(numel, w int64) stateParts {
@@ -298,6 +300,7 @@ func onebitParts(numel, w int64) stateParts {
 		acc:  4 * min(c, sumBlock),
 		send: n / 8,
 		recv: w * (4 + cb),
+		sink: min(progressBlock, n) / 8,
 	}
 	if n/8 < 4+cb {
 		p.own += 4 + cb // one rank: the server message apart
@@ -305,7 +308,7 @@ func onebitParts(numel, w int64) stateParts {
 	if pieces, pb := onebitPiecing(numel, int(w)); pieces > 1 {
 		mid := int64(pieces) / 2
 		midLen := min(pb, cb-mid*pb)
-		p.scratch, p.midSend, p.midRecv = pb, w*(midLen+4), w*(midLen+4)
+		p.midSend, p.midRecv = w*(midLen+4), w*(midLen+4)
 	}
 	return p
 }
@@ -341,7 +344,7 @@ func statesBytes(keep bool, states []stateCount) int64 {
 			wire.recv = max(wire.recv, s.p.recv)
 		}
 		wire.acc, wire.send = max(wire.acc, s.p.acc), max(wire.send, s.p.send)
-		wire.scratch, wire.midSend, wire.midRecv = max(wire.scratch, s.p.scratch), max(wire.midSend, s.p.midSend), max(wire.midRecv, s.p.midRecv)
+		wire.sink, wire.midSend, wire.midRecv = max(wire.sink, s.p.sink), max(wire.midSend, s.p.midSend), max(wire.midRecv, s.p.midRecv)
 	}
-	return own + wire.acc + wire.send + wire.recv + wire.scratch + wire.midSend + wire.midRecv
+	return own + wire.acc + wire.send + wire.recv + wire.sink + wire.midSend + wire.midRecv
 }

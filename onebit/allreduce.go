@@ -73,11 +73,14 @@ type State struct {
 	gathered  []byte    // every rank's phase 2 message, W*(4+C/8) bytes, piece-major (see msgPiece)
 	header    []byte    // this rank's scale and numel on the wire
 	headers   []byte    // every rank's header
-	scratch   []byte    // pipelined: pieceBytes of packed signs nobody reads
-	midSend   []byte    // pipelined: piece mid of phase 1, W segments each followed by the worker scale
-	midRecv   []byte    // pipelined: piece mid as received, every rank's segment and worker scale
-	wscales   []float32 // every rank's worker scale, from the header or piece mid
-	scales    []float32 // every rank's server scale, from piece 0 of phase 2
+	// blockSigns takes the signs the residual passes pack again, a block
+	// at a time (the bytes sent may still be in use): min(progressBlock,
+	// N)/8 bytes nobody reads.
+	blockSigns []byte
+	midSend    []byte    // pipelined: piece mid of phase 1, W segments each followed by the worker scale
+	midRecv    []byte    // pipelined: piece mid as received, every rank's segment and worker scale
+	wscales    []float32 // every rank's worker scale, from the header or piece mid
+	scales     []float32 // every rank's server scale, from piece 0 of phase 2
 
 	// With pieces > 1 a goroutine per call issues the collectives in order
 	// while the caller computes: ready hands it a piece, and done returns
@@ -127,9 +130,6 @@ type State struct {
 	// that this rank can start them; started is whether the call started
 	// them.
 	blocking, starts, started bool
-	// blockSigns takes the signs the residual passes of a started call
-	// pack again: progressBlock/8 bytes nobody reads.
-	blockSigns []byte
 }
 
 // workerSource forms x = pad(input) + worker_error for a State whose
@@ -210,7 +210,7 @@ func (st *State) initWire(numel, world int) {
 	st.serverMsg, st.gathered = make([]byte, 4+c/8), make([]byte, world*(4+c/8))
 	st.header, st.headers = make([]byte, headerLen), make([]byte, headerLen*world)
 	st.wscales, st.scales = make([]float32, world), make([]float32, world)
-	st.blockSigns = make([]byte, progressBlock/8)
+	st.blockSigns = make([]byte, min(progressBlock, n)/8)
 	st.SetPieces(0)
 	st.communicator = st.communicate
 }
@@ -229,14 +229,13 @@ func (st *State) setPieces(k, world int) {
 	}
 	if st.pieces > 1 && world > 1 {
 		st.mid = st.pieces / 2
-		st.scratch = make([]byte, st.pieceBytes)
 		st.midSend = make([]byte, world*(st.pieceLen(st.mid)+4))
 		st.midRecv = make([]byte, world*(st.pieceLen(st.mid)+4))
 		st.ready = make(chan struct{}, 2*st.pieces)
 		st.done = make(chan error, 2*st.pieces+1)
 	} else {
 		st.pieces, st.pieceBytes, st.mid = 1, chunkBytes, 0
-		st.scratch, st.midSend, st.midRecv = nil, nil, nil
+		st.midSend, st.midRecv = nil, nil
 		st.ready, st.done = nil, nil
 	}
 	st.pipePieces, st.pipePieceBytes, st.pipeMid = st.pieces, st.pieceBytes, st.mid
@@ -313,7 +312,7 @@ func (s *State) Reset() {
 //
 // On a communicator that starts collectives (comm.Starter: comm/mpi) the
 // caller starts each collective as soon as its data is ready and moves the
-// data of those in flight (Test) between blocks of 64K elements of its
+// data of those in flight (Test) between blocks of 256K elements of its
 // work, whole chunks or pieces: a whole-chunk call's all-to-all travels
 // while the worker error is updated, its all-gather while the server error
 // is updated and the rank's own chunk unpacked. Every rank must be able to
@@ -467,20 +466,15 @@ func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, starter co
 	}
 
 	// Step 3 while the pieces are on the wire: worker_error = x -
-	// worker_scale * sgn(x). (PackResidual packs sgn(x) again, into
-	// scratch: the bytes sent may still be in use.)
+	// worker_scale * sgn(x). (The signs are packed again, into
+	// blockSigns: the bytes sent may still be in use.)
 	t := st.start()
 	for p := range k {
 		for j := range w {
 			lo := j*chunkLen + p*st.pieceBytes*8
 			hi := lo + st.pieceLen(p)*8
 			for b := lo; b < hi; b += progressBlock {
-				e := min(b+progressBlock, hi)
-				if st.worker != nil {
-					st.residualSource(st.scratch, b, e, workerScale)
-				} else {
-					signpack.PackResidual(st.scratch[:(e-b)/8], st.WorkerError[b:e], workerScale)
-				}
+				st.workerResidual(b, min(b+progressBlock, hi), workerScale)
 				st.poll()
 			}
 		}
@@ -571,11 +565,13 @@ func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, starter co
 // of its sockets over TCP); at 10 Gbit, 64 MiB on 4 ranks, whole chunks
 // started, 256K elements took 33.8-37.3 ms where 64K took 36.3-40.6 (6
 // interleaved runs, faster in 6) and 16K 36.7-39.7 ms; 1M elements were
-// slower again (36.6-44.3 ms in 5 runs: the collectives wait). startMin is the padded length from which a whole-chunk call starts its
-// collectives: below it the passes they could travel behind are short,
-// and the non-blocking collectives' own cost shows (4 MPI ranks sharing
-// memory, 4 KiB calls: 26-35 us started against 20-25 us blocking; 1 MiB
-// calls at 10 Gbit: the same within their spread).
+// slower again (32.1-44.3 ms against 28.9-38.5 for 256K, 5 interleaved
+// runs: the collectives wait). startMin is the padded length from which a
+// whole-chunk call starts its collectives: below it the passes they could
+// travel behind are short, and the non-blocking collectives' own cost
+// shows (4 MPI ranks sharing memory, 4 KiB calls: 26-35 us started
+// against 20-25 us blocking; 1 MiB calls at 10 Gbit: the same within
+// their spread).
 const (
 	progressBlock = 256 << 10
 	startMin      = 1 << 20

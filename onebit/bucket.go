@@ -100,14 +100,14 @@ func (b *buckets) shareWire(keep bool) {
 	if len(b.states) < 2 {
 		return
 	}
-	var send, recv, scratch, midSend, midRecv, server int
+	var send, recv, signs, midSend, midRecv, server int
 	for _, st := range b.states {
 		send, recv = max(send, len(st.sendSigns)), max(recv, len(st.gathered))
-		scratch, midSend, midRecv = max(scratch, len(st.scratch)), max(midSend, len(st.midSend)), max(midRecv, len(st.midRecv))
+		signs, midSend, midRecv = max(signs, len(st.blockSigns)), max(midSend, len(st.midSend)), max(midRecv, len(st.midRecv))
 		server = max(server, len(st.server))
 	}
 	sendBuf, recvBuf := make([]byte, send), make([]byte, recv)
-	scratchBuf, midSendBuf, midRecvBuf := make([]byte, scratch), make([]byte, midSend), make([]byte, midRecv)
+	signsBuf, midSendBuf, midRecvBuf := make([]byte, signs), make([]byte, midSend), make([]byte, midRecv)
 	serverBuf := make([]float32, server)
 	for _, st := range b.states {
 		if sameStart(st.serverMsg, st.sendSigns) {
@@ -117,8 +117,9 @@ func (b *buckets) shareWire(keep bool) {
 		if !keep {
 			st.recvSigns, st.gathered = prefix(recvBuf, len(st.recvSigns)), prefix(recvBuf, len(st.gathered))
 		}
-		if st.scratch != nil {
-			st.scratch, st.midSend, st.midRecv = prefix(scratchBuf, len(st.scratch)), prefix(midSendBuf, len(st.midSend)), prefix(midRecvBuf, len(st.midRecv))
+		st.blockSigns = prefix(signsBuf, len(st.blockSigns))
+		if st.midSend != nil {
+			st.midSend, st.midRecv = prefix(midSendBuf, len(st.midSend)), prefix(midRecvBuf, len(st.midRecv))
 		}
 		st.server = prefix(serverBuf, len(st.server))
 	}

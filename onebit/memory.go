@@ -35,7 +35,7 @@ func (st *State) ownBytes() int64 {
 // other States' (State.shareWire, buckets.shareWire), as bytes.
 func (st *State) wire() [][]byte {
 	server := unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(st.server))), 4*cap(st.server))
-	return [][]byte{st.sendSigns, st.recvSigns, st.serverMsg, st.gathered, st.header, st.headers, st.scratch, st.midSend, st.midRecv, server}
+	return [][]byte{st.sendSigns, st.recvSigns, st.serverMsg, st.gathered, st.header, st.headers, st.blockSigns, st.midSend, st.midRecv, server}
 }
 
 // stateBytes is the bytes of every bucket's State, the wire buffers they
