@@ -16,6 +16,9 @@ type args struct {
 	op         comm.Op
 	root       int
 	invalid    error // this rank's own argument error, found before communicating
+	// payload is the send buffer of a tiny all-gather, which rides in the
+	// agreement (see tinyBytes); nil for every other call.
+	payload []byte
 }
 
 // The fields of the agreement vector.
@@ -33,6 +36,39 @@ const (
 // fields negated, so that one MPI_MAX reduction yields the maximum and the
 // minimum of each.
 const agreeLen = 2 * nFields
+
+// Tiny all-gathers ride in the agreement: an all-gather of at most
+// tinyBytes per rank, in a group of at most tinyMaxRanks, needs no
+// collective of its own. Every agreement vector carries, after its fields,
+// a slot of tinyWords words per rank; a rank in a tiny all-gather writes
+// its send buffer into its own slot, 4 bytes per word (so that every word
+// is non-negative), the other slots stay 0, and the MPI_MAX reduction that
+// agrees on the arguments hands every rank every slot. The slots are there
+// in every agreement, whatever the call, so that the reduction has the
+// same length on every rank even when the ranks disagree; they are read
+// only when the ranks agree on a tiny all-gather. (onebit's header, 12
+// bytes per rank, is one: its call then costs one round trip less.)
+const (
+	tinyWords    = 4
+	tinyBytes    = 4 * tinyWords
+	tinyMaxRanks = 64 // beyond, the slots would make every agreement longer than 2 KiB
+)
+
+// agreeLenFor is the length of the agreement vector of a group of size
+// ranks: agreeLen, and the tiny all-gathers' slots where the group has
+// them.
+func agreeLenFor(size int) int {
+	if size > tinyMaxRanks {
+		return agreeLen
+	}
+	return agreeLen + size*tinyWords
+}
+
+// tiny reports whether an all-gather of n bytes per rank rides in the
+// agreement of a group of size ranks.
+func tiny(n, size int) bool {
+	return n > 0 && n <= tinyBytes && size <= tinyMaxRanks
+}
 
 // fields returns a's agreement fields as rank of a group of size ranks.
 func (a *args) fields(rank, size int) [nFields]int64 {
@@ -56,12 +92,29 @@ func (a *args) fields(rank, size int) [nFields]int64 {
 }
 
 // encode writes a's agreement vector, ready for an MPI_MAX allreduce, to v
-// (len agreeLen).
+// (len agreeLenFor(size)): the fields, negated, and the slots, zero but
+// for a tiny all-gather's payload in this rank's.
 func (a *args) encode(v []int64, rank, size int) {
 	f := a.fields(rank, size)
 	for i, x := range f {
 		v[i] = x
 		v[nFields+i] = -x
+	}
+	clear(v[agreeLen:])
+	if a.payload != nil {
+		slot := v[agreeLen+rank*tinyWords : agreeLen+(rank+1)*tinyWords]
+		for i, b := range a.payload {
+			slot[i/4] |= int64(b) << (8 * (i % 4))
+		}
+	}
+}
+
+// payloads copies the n bytes of every rank's slot of a reduced agreement
+// vector v into recv (n bytes per rank, in rank order).
+func payloads(v []int64, recv []byte, n int) {
+	for i := range recv {
+		j, k := i/n, i%n
+		recv[i] = byte(v[agreeLen+j*tinyWords+k/4] >> (8 * (k % 4)))
 	}
 }
 

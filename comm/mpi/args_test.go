@@ -25,7 +25,7 @@ func agreeOn(calls []args) (bool, int, [][nFields]int64) {
 	vs := make([][]int64, len(calls))
 	all := make([][nFields]int64, len(calls))
 	for r := range calls {
-		vs[r] = make([]int64, agreeLen)
+		vs[r] = make([]int64, agreeLenFor(len(calls)))
 		calls[r].encode(vs[r], r, len(calls))
 		all[r] = calls[r].fields(r, len(calls))
 	}
@@ -54,6 +54,61 @@ func TestAgreement(t *testing.T) {
 	assert.True(t, ok)
 	assert.Equal(t, 1, inv)
 	assert.ErrorContains(t, invalidError(comm.CAllReduce, inv), "rank 1 called it with invalid arguments")
+}
+
+// A tiny all-gather's send buffers ride in the agreement's slots: after
+// the MPI_MAX reduction every rank reads every rank's bytes, whatever their
+// values (bytes with the high bit set included); the slots of a call that
+// carries none stay zero and do not disturb the fields.
+func TestTinyPayload(t *testing.T) {
+	assert.Equal(t, agreeLen+4*tinyWords, agreeLenFor(4))
+	assert.Equal(t, agreeLen, agreeLenFor(tinyMaxRanks+1))
+	assert.True(t, tiny(tinyBytes, tinyMaxRanks))
+	assert.False(t, tiny(tinyBytes+1, 2))
+	assert.False(t, tiny(0, 2))
+	assert.False(t, tiny(1, tinyMaxRanks+1))
+
+	for _, size := range []int{1, 2, 3, 5} {
+		for n := 1; n <= tinyBytes; n++ {
+			calls := make([]args, size)
+			want := make([]byte, size*n)
+			vs := make([][]int64, size)
+			for r := range calls {
+				p := want[r*n : (r+1)*n]
+				for i := range p {
+					p[i] = byte(255 - 37*r - 11*i)
+				}
+				calls[r] = args{kind: comm.CAllGather, bytes: true, send: n, recv: size * n, payload: p}
+				vs[r] = make([]int64, agreeLenFor(size))
+				calls[r].encode(vs[r], r, size)
+			}
+			v := reduceMax(vs)
+			ok, inv := decode(v)
+			require.True(t, ok)
+			require.Equal(t, size, inv)
+			got := make([]byte, size*n)
+			payloads(v, got, n)
+			require.Equal(t, want, got, "%d ranks, %d bytes", size, n)
+		}
+	}
+
+	// A rank that writes a payload among ranks in another call: the
+	// fields disagree, as without it.
+	ok, _, all := agreeOn([]args{
+		{kind: comm.CAllGather, bytes: true, send: 8, recv: 16, payload: make([]byte, 8)},
+		{kind: comm.CBarrier},
+	})
+	assert.False(t, ok)
+	var me *comm.MismatchError
+	require.ErrorAs(t, mismatch(all), &me)
+	assert.Equal(t, "kind", me.What)
+
+	v := make([]int64, agreeLenFor(3))
+	for i := range v {
+		v[i] = -1
+	}
+	(&args{kind: comm.CBarrier}).encode(v, 1, 3)
+	assert.Equal(t, make([]int64, 3*tinyWords), v[agreeLen:], "a call without payload clears the slots")
 }
 
 func TestMismatchOrder(t *testing.T) {

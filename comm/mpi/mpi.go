@@ -174,7 +174,7 @@ func newComm(h handle, o options, fromOpen bool) (*mpiComm, error) {
 		cFree(&h)
 		return nil, err
 	}
-	st, err := cStateNew(h, agreeLen)
+	st, err := cStateNew(h, agreeLenFor(s))
 	if err != nil {
 		cFree(&h)
 		return nil, err
@@ -186,7 +186,7 @@ func newComm(h handle, o options, fromOpen bool) (*mpiComm, error) {
 		fromOpen: fromOpen,
 		opts:     o,
 		st:       st,
-		agree:    agreeVec(st, agreeLen),
+		agree:    agreeVec(st, agreeLenFor(s)),
 	}
 	if o.ordered {
 		c.cnt = make([]int32, c.size)
@@ -379,7 +379,7 @@ const (
 // waits for late ranks, it answers the roll calls of ranks whose watchdog
 // fired.
 func (c *mpiComm) agreeRound(kind comm.Collective) error {
-	if err := cAgreeStart(c.h, c.st, agreeLen); err != nil {
+	if err := cAgreeStart(c.h, c.st, len(c.agree)); err != nil {
 		return err
 	}
 	var start time.Time
@@ -572,6 +572,12 @@ func (c *mpiComm) ReduceScatter(ctx context.Context, send, recv []float32, op co
 // elem is the element type of the float32 and byte variants.
 type elem interface{ byte | float32 }
 
+// asBytes returns the bytes of s (in this machine's byte order).
+func asBytes[T elem](s []T) []byte {
+	var z T
+	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(s))), len(s)*int(unsafe.Sizeof(z)))
+}
+
 // typeOf returns T's MPI data type, its size and whether it is the byte
 // variant.
 func typeOf[T elem]() (t int, size int64, bytes bool) {
@@ -608,11 +614,16 @@ func (c *mpiComm) allGatherArgs(bytes bool, send, recv int) args {
 func allGather[T elem](c *mpiComm, ctx context.Context, send, recv []T) error {
 	t, sz, bytes := typeOf[T]()
 	a := c.allGatherArgs(bytes, len(send), len(recv))
+	if c.skip == 0 && a.invalid == nil && tiny(len(send)*int(sz), c.size) {
+		a.payload = asBytes(send)
+	}
 	armed, err := c.begin(ctx, &a)
 	if err != nil {
 		return err
 	}
-	if len(send) > 0 {
+	if a.payload != nil {
+		payloads(c.agree, asBytes(recv), len(a.payload))
+	} else if len(send) > 0 {
 		err = cAllGather(c.h, unsafe.Pointer(unsafe.SliceData(send)), unsafe.Pointer(unsafe.SliceData(recv)), len(send), t)
 	}
 	if err := c.end(comm.CAllGather, armed, err); err != nil {

@@ -145,10 +145,12 @@ func TestReduceScatter(t *testing.T) {
 	}
 }
 
+// All-gathers of up to 16 bytes per rank ride in the argument agreement;
+// the lengths cover both sides of that limit, in both variants.
 func TestAllGather(t *testing.T) {
 	ctx := testCtx(t)
 	w, r := world.Size(), world.Rank()
-	for _, n := range []int{0, 1, 13} {
+	for _, n := range []int{0, 1, 3, 4, 5, 13, 16, 17, 40} {
 		send := make([]float32, n)
 		bsend := make([]byte, n)
 		for i := range send {
@@ -801,6 +803,17 @@ func TestMismatch(t *testing.T) {
 
 	err = world.AllGather(ctx, make([]float32, pick(3, 4)), make([]float32, world.Size()*pick(3, 4)))
 	requireMismatch(err, "send length", 4, 3)
+
+	// A tiny all-gather (its bytes in the agreement) against one that is
+	// not, and against another collective.
+	err = world.AllGatherBytes(ctx, make([]byte, pick(16, 17)), make([]byte, world.Size()*pick(16, 17)))
+	requireMismatch(err, "send length", 17, 16)
+	if r == 0 {
+		err = world.Barrier(ctx)
+	} else {
+		err = world.AllGatherBytes(ctx, make([]byte, 4), make([]byte, 4*world.Size()))
+	}
+	requireMismatch(err, "kind", int(comm.CAllGather), int(comm.CBarrier))
 
 	err = world.AllToAllBytes(ctx, make([]byte, world.Size()*pick(1, 2)), make([]byte, world.Size()*pick(1, 2)))
 	requireMismatch(err, "send length", 2*world.Size(), world.Size())
