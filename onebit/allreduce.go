@@ -332,8 +332,9 @@ func (s *State) Reset() {
 // the ranks of each one's time in the call: every call's header carries
 // each rank's time of its previous call, so every rank takes the same
 // decision (tune.go). The first TuningCalls calls try every way; after
-// that the fastest one runs, and two calls in every 32 each of the others,
-// to follow a change. SetPieces fixes the cut instead (whole chunks then
+// that whole chunks started run unless another way measured faster beyond
+// doubt, and then the fastest, and two calls in every 32 run each of the
+// others, to follow a change. SetPieces fixes the cut instead (whole chunks then
 // start their collectives where they can); States whose output stays
 // packed (the compact and sharded modes) keep their pieces.
 //

@@ -67,16 +67,16 @@ const (
 
 // tuneOpeningWays is the way of each opening call: pieces first (the first
 // call's time is not used: it pays for first touches of memory), then each
-// way five times, in turn. After the opening, the way with the lowest
-// estimate runs, but for tuneExplored calls in every tuneEvery, which run
-// each other way once, so that the choice follows a link or a load that
-// changes.
+// way five times, in turn. After the opening, whole chunks started run
+// unless another way beats them beyond doubt (tuneConfidence), and then
+// the one of those with the lowest estimate; but for tuneExplored calls in
+// every tuneEvery, which run each other way once, so that the choice
+// follows a link or a load that changes.
 //
 // A way's estimate is the median of its last tuneSamples times: one or
 // two disturbed calls (4 ranks on 2 cores, memory whose speed changes from
 // one moment to the next) move it little, and three of a way running
-// slower than its estimate move it, so that a wrong choice is left within
-// three calls. Fewer opening calls chose wrongly where the ways' times
+// slower than its estimate move it. Fewer opening calls chose wrongly where the ways' times
 // overlap: with two of each and the median of three, pieces in 4 of 16
 // runs at 10 Gbit (31.6-43.6 ms where whole chunks took 28.1-31.7); with
 // three of each and the second shortest of five, whole chunks blocking in
@@ -85,6 +85,26 @@ const (
 var tuneOpeningWays = [...]int{wayPieces,
 	wayPieces, wayWhole, wayBlocking, wayPieces, wayWhole, wayBlocking, wayPieces, wayWhole, wayBlocking,
 	wayPieces, wayWhole, wayBlocking, wayPieces, wayWhole, wayBlocking}
+
+// tuneConfidence is how sure the times must be that another way is faster
+// than whole chunks started for it to run: its times must be the shorter in
+// this share of the pairs of its last times and theirs (with 5 of each,
+// 20 of 25: where two ways' times come from one distribution, that happens
+// in about 5% of draws). Where the ways tie, whole chunks started run; among
+// the ways that beat them, the one with the lowest estimate. The mistakes
+// do not cost the same: whole chunks started were never far from the
+// fastest way (4 MPI ranks on 2 cores, 64 MiB: unshaped, medians 27.2
+// against 24.4 ms blocking; at 1 Gbit 104-105 against 101 ms in pieces,
+// steadily: the times on a slow link vary little, and pieces still run
+// there), where the others lose by more where they lose (10 Gbit, fast
+// memory: 26.6 ms started against 32.7-34.7 in pieces and 33-40 blocking)
+// and tie with it elsewhere (10 Gbit, slow memory: 38.3-42.0 ms started,
+// 38.3-49.1 in pieces); and the memory's speed, which decides between
+// them, changes from minute to minute. With the lowest estimate alone,
+// pieces or blocking ran in 3 of 6 runs at 10 Gbit (51-84% of the memory
+// bound), where whole chunks started ran in 6 of 6 with a margin of 5%
+// (69-91%).
+const tuneConfidence = 0.8
 
 // tuner is a State's choice of way. Every field but start and last
 // evolves identically on every rank: only what the headers carry changes
@@ -242,9 +262,9 @@ func (t *tuner) decide(u int) int {
 	if u < tuneOpening {
 		return tuneOpeningWays[u]
 	}
-	best := 0
-	for w := 1; w < numWays; w++ {
-		if t.estimate(w) < t.estimate(best) {
+	best := wayWhole
+	for _, w := range [...]int{wayBlocking, wayPieces} {
+		if t.beats(w, wayWhole) && t.estimate(w) < t.estimate(best) {
 			best = w
 		}
 	}
@@ -252,6 +272,28 @@ func (t *tuner) decide(u int) int {
 		return (best + 1 + k) % numWays
 	}
 	return best
+}
+
+// beats reports whether way a measured faster than way b beyond doubt:
+// in at least tuneConfidence of the pairs of a time of a and a time of b,
+// a's is the shorter (a tie counts half); or a has times and b none.
+func (t *tuner) beats(a, b int) bool {
+	ka, kb := min(t.n[a], tuneSamples), min(t.n[b], tuneSamples)
+	if ka == 0 || kb == 0 {
+		return ka > 0
+	}
+	wins := 0 // in halves
+	for _, x := range t.times[a][:ka] {
+		for _, y := range t.times[b][:kb] {
+			switch {
+			case x < y:
+				wins += 2
+			case x == y:
+				wins++
+			}
+		}
+	}
+	return float64(wins) >= 2*tuneConfidence*float64(ka*kb)
 }
 
 // estimate is the median of the times recorded for way w (the mean of the
