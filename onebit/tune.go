@@ -102,8 +102,8 @@ var tuneOpeningWays = [...]int{wayPieces,
 // 38.3-49.1 in pieces); and the memory's speed, which decides between
 // them, changes from minute to minute. With the lowest estimate alone,
 // pieces or blocking ran in 3 of 6 runs at 10 Gbit (51-84% of the memory
-// bound), where whole chunks started ran in 6 of 6 with a margin of 5%
-// (69-91%).
+// bound), in 3 of 6 again in the next 6; with this rule whole chunks
+// started ran in 6 of 6 (60-92%), and pieces in 3 of 3 at 1 Gbit.
 const tuneConfidence = 0.8
 
 // tuner is a State's choice of way. Every field but start and last
