@@ -101,9 +101,9 @@ var tuneOpeningWays = [...]int{wayPieces,
 // and tie with it elsewhere (10 Gbit, slow memory: 38.3-42.0 ms started,
 // 38.3-49.1 in pieces); and the memory's speed, which decides between
 // them, changes from minute to minute. With the lowest estimate alone,
-// pieces or blocking ran in 3 of 6 runs at 10 Gbit (51-84% of the memory
-// bound), in 3 of 6 again in the next 6; with this rule whole chunks
-// started ran in 6 of 6 (60-92%), and pieces in 3 of 3 at 1 Gbit.
+// pieces or blocking ran in 5 of 18 runs at 10 Gbit (51-84% of the memory
+// bound); with this rule whole chunks started ran in 6 of 6 interleaved
+// with the last 6 of those (60-92%), and pieces in 3 of 3 at 1 Gbit.
 const tuneConfidence = 0.8
 
 // tuner is a State's choice of way. Every field but start and last
