@@ -76,8 +76,9 @@ const (
 // A way's estimate is the median of its last tuneSamples times: one or
 // two disturbed calls (4 ranks on 2 cores, memory whose speed changes from
 // one moment to the next) move it little, and three of a way running
-// slower than its estimate move it. Fewer opening calls chose wrongly where the ways' times
-// overlap: with two of each and the median of three, pieces in 4 of 16
+// slower than its estimate move it. Fewer opening calls chose wrongly
+// where the ways' times overlap: with two of each and the median of
+// three, pieces in 4 of 16
 // runs at 10 Gbit (31.6-43.6 ms where whole chunks took 28.1-31.7); with
 // three of each and the second shortest of five, whole chunks blocking in
 // 1 of 3 runs at 10 Gbit (40.1 ms against 26.4-28.1 started) and started

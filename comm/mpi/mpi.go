@@ -320,7 +320,9 @@ func (c *mpiComm) begin(ctx context.Context, a *args) (armed guard, err error) {
 		armed = c.arm(ctx, a, phaseUnchecked)
 		// The caller promised agreeing arguments (SkipChecks): every rank
 		// computes the same validity, so a local error is every rank's.
+		// No agreement carries a tiny all-gather's payload.
 		c.skip--
+		a.payload = nil
 		if a.invalid != nil {
 			c.skip = 0
 			c.wd.disarm(armed)
@@ -614,8 +616,8 @@ func (c *mpiComm) allGatherArgs(bytes bool, send, recv int) args {
 func allGather[T elem](c *mpiComm, ctx context.Context, send, recv []T) error {
 	t, sz, bytes := typeOf[T]()
 	a := c.allGatherArgs(bytes, len(send), len(recv))
-	if c.skip == 0 && a.invalid == nil && tiny(len(send)*int(sz), c.size) {
-		a.payload = asBytes(send)
+	if p := asBytes(send); tiny(len(p), c.size) {
+		a.payload = p // begin drops it where no agreement runs
 	}
 	armed, err := c.begin(ctx, &a)
 	if err != nil {
