@@ -119,3 +119,55 @@ func BenchmarkNormSpeedup(b *testing.B) {
 	b.ReportMetric(mbPerSec(med[2]), "sum-fast-MB/s")
 	b.ReportMetric(mbPerSec(med[3]), "sum-generic-MB/s")
 }
+
+// BenchmarkServerSumSpeedup times the 1-bit allreduce's server sum on one
+// chunk of the onebit benchmark (4 ranks, 64 MiB: 4M elements, a packed
+// chunk from each of 4 ranks) two ways in alternation, in the same run:
+// CompensatePackSigns, and what it replaces, the packed bytes unpacked
+// into a summing block of 16K elements (signpack.UnpackScale, then
+// UnpackScaleAdd per rank) and CompensatePack of the block into the
+// server error. Each run takes the next of the four chunks of the
+// benchmark's 64 MiB residual as its server error, so that it comes from
+// memory, as in a call, not from the cache. It reports "speedup", the
+// ratio of their median times, and the speed of each on a chunk's 16 MiB
+// of floats. Run it with -benchtime 10x or more.
+func BenchmarkServerSumSpeedup(b *testing.B) {
+	const w, c, block = 4, benchElems / 4, 16 << 10
+	r, _, packed := benchBuffers(b)
+	srcs := make([][]byte, w)
+	for j := range srcs {
+		srcs[j] = packed[j*c/8 : (j+1)*c/8]
+	}
+	scales := []float32{0.25, 0.5, 0.125, 1}
+	dst := make([]byte, c/8)
+	acc := make([]float32, block)
+	var m Norm
+	next := 0
+	chunk := func() []float32 {
+		next = (next + 1) % w
+		return r[next*c : (next+1)*c]
+	}
+	med := samerun.Medians(b,
+		func() {
+			m.Reset()
+			m.CompensatePackSigns(dst, chunk(), srcs, scales)
+		},
+		func() {
+			m.Reset()
+			x := chunk()
+			for lo := 0; lo < c; lo += block {
+				signpack.UnpackScale(acc, srcs[0][lo/8:], scales[0])
+				for j := 1; j < w; j++ {
+					signpack.UnpackScaleAdd(acc, srcs[j][lo/8:], scales[j])
+				}
+				m.CompensatePack(dst[lo/8:], x[lo:lo+block], acc)
+			}
+		},
+	)
+	// The residual is shared with the Compress benchmarks; start them again
+	// from the input.
+	copy(r, bench.input)
+	b.ReportMetric(med[1]/med[0], "speedup")
+	b.ReportMetric(mbPerSec(med[0])/w, "fused-MB/s")
+	b.ReportMetric(mbPerSec(med[1])/w, "blocked-MB/s")
+}

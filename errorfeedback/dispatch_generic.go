@@ -18,3 +18,9 @@ func lanesFast(acc *[lanes]float64, x, in []float32) { lanesGeneric(acc, x, in) 
 // packLanesFast does nothing here: Norm.CompensatePack takes its portable
 // path.
 func packLanesFast(acc *[lanes]float64, dst []byte, x, in []float32) int { return 0 }
+
+// sumPackLanesFast does nothing here: Norm.CompensatePackSigns takes its
+// portable path.
+func sumPackLanesFast(acc *[lanes]float64, dst []byte, x []float32, srcs [][]byte, scales []float32) int {
+	return 0
+}

@@ -39,6 +39,65 @@ func (m *Norm) CompensatePack(dst []byte, x, in []float32) {
 	m.compensatePack(dst, x, in, packLanesFast)
 }
 
+// CompensatePackSigns is CompensatePack with in formed from packed signs:
+// in[i] = s_0(i) + s_1(i) + ... + s_k-1(i), added in that order, where
+// s_j(i) is scales[j] if element i's bit in srcs[j] is 1 and -scales[j]
+// if it is 0 (signpack's order of bits): what signpack.UnpackScale of
+// srcs[0] and signpack.UnpackScaleAdd of each srcs[j] after it would
+// leave in a buffer, bit for bit, without the buffer. It is the server's
+// sum of the 1-bit allreduce (the chunks received, scaled, added to the
+// server error), in one pass where the CPU allows (AVX2 and FMA, a run cut
+// at multiples of 32). len(scales) must be len(srcs), and dst and every
+// srcs[j] must hold signpack.PackedLen(len(x)) bytes; it panics otherwise.
+// With no srcs, in is zero.
+func (m *Norm) CompensatePackSigns(dst []byte, x []float32, srcs [][]byte, scales []float32) {
+	m.compensatePackSigns(dst, x, srcs, scales, sumPackLanesFast)
+}
+
+// sumKernel runs CompensatePackSigns's fused pass over whole blocks from
+// lane 0 and returns how many elements it did.
+type sumKernel func(acc *[lanes]float64, dst []byte, x []float32, srcs [][]byte, scales []float32) int
+
+func (m *Norm) compensatePackSigns(dst []byte, x []float32, srcs [][]byte, scales []float32, fast sumKernel) {
+	n := signpack.PackedLen(len(x))
+	if len(dst) < n || len(scales) != len(srcs) {
+		panic("errorfeedback: CompensatePackSigns: packed buffer too short or scales not one per source")
+	}
+	for _, s := range srcs {
+		if len(s) < n {
+			panic("errorfeedback: CompensatePackSigns: packed source too short")
+		}
+	}
+	if len(srcs) == 0 {
+		m.CompensatePack(dst, x, nil)
+		return
+	}
+	done := 0
+	if m.n%lanes == 0 {
+		done = fast(&m.acc, dst, x, srcs, scales)
+		m.n += done
+	}
+	// The rest (or all, without the fast kernel) an element at a time.
+	for i := done; i < len(x); i++ {
+		v := signed(srcs[0], i, scales[0])
+		for j := 1; j < len(srcs); j++ {
+			v += signed(srcs[j], i, scales[j])
+		}
+		m.addOne(&x[i], x[i]+v)
+	}
+	signpack.Pack(dst[done/8:], x[done:])
+}
+
+// signed is scale if element i's bit in packed is 1, -scale if it is 0:
+// the sign bit of scale flipped, as signpack's unpacking does.
+func signed(packed []byte, i int, scale float32) float32 {
+	bits := math.Float32bits(scale)
+	if packed[i/8]>>(7-i%8)&1 == 0 {
+		bits ^= 1 << 31
+	}
+	return math.Float32frombits(bits)
+}
+
 // packKernel runs the fused pass over whole blocks from lane 0 and returns
 // how many elements it did.
 type packKernel func(acc *[lanes]float64, dst []byte, x, in []float32) int

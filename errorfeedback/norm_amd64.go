@@ -115,3 +115,27 @@ func packLanesFast(acc *[lanes]float64, dst []byte, x, in []float32) int {
 //
 //go:noescape
 func compensatePackAVX2(acc *[lanes]float64, x, in *float32, dst *byte, blocks int)
+
+// sumPackLanesFast is Norm.CompensatePackSigns's kernel for whole blocks
+// of 32 elements starting at lane 0: it returns how many elements it did
+// (none without AVX2 and FMA).
+func sumPackLanesFast(acc *[lanes]float64, dst []byte, x []float32, srcs [][]byte, scales []float32) int {
+	nb := len(x) / lanes
+	if !useAVX2 || nb == 0 || len(srcs) == 0 {
+		return 0
+	}
+	_ = dst[nb*lanes/8-1]
+	_ = scales[len(srcs)-1]
+	for _, s := range srcs {
+		_ = s[nb*lanes/8-1]
+	}
+	sumCompensatePackAVX2(acc, &x[0], &dst[0], &srcs[0], &scales[0], len(srcs), nb)
+	return nb * lanes
+}
+
+// sumCompensatePackAVX2 is compensatePackAVX2 with in formed from the
+// packed signs of every srcs[j] (nsrc of them), each scaled by scales[j],
+// added in order of j.
+//
+//go:noescape
+func sumCompensatePackAVX2(acc *[lanes]float64, x *float32, dst *byte, srcs *[]byte, scales *float32, nsrc, blocks int)

@@ -236,3 +236,145 @@ fuseLoop:
 
 fuseRet:
 	RET
+
+// The summing kernel forms in from packed signs, as signpack's unpack
+// kernels do (see pack_amd64.s there): the 4 packed bytes of a block are
+// broadcast to every lane as one little-endian dword, VPSLLVD with
+// sumShift shifts the bit of element 8k+i (bit 8k+7-i) into the sign
+// position, and -scale XOR that sign bit is +scale for bit 1 and -scale
+// for bit 0.
+DATA sumShift<>+0(SB)/4, $24
+DATA sumShift<>+4(SB)/4, $25
+DATA sumShift<>+8(SB)/4, $26
+DATA sumShift<>+12(SB)/4, $27
+DATA sumShift<>+16(SB)/4, $28
+DATA sumShift<>+20(SB)/4, $29
+DATA sumShift<>+24(SB)/4, $30
+DATA sumShift<>+28(SB)/4, $31
+DATA sumShift<>+32(SB)/4, $16
+DATA sumShift<>+36(SB)/4, $17
+DATA sumShift<>+40(SB)/4, $18
+DATA sumShift<>+44(SB)/4, $19
+DATA sumShift<>+48(SB)/4, $20
+DATA sumShift<>+52(SB)/4, $21
+DATA sumShift<>+56(SB)/4, $22
+DATA sumShift<>+60(SB)/4, $23
+DATA sumShift<>+64(SB)/4, $8
+DATA sumShift<>+68(SB)/4, $9
+DATA sumShift<>+72(SB)/4, $10
+DATA sumShift<>+76(SB)/4, $11
+DATA sumShift<>+80(SB)/4, $12
+DATA sumShift<>+84(SB)/4, $13
+DATA sumShift<>+88(SB)/4, $14
+DATA sumShift<>+92(SB)/4, $15
+DATA sumShift<>+96(SB)/4, $0
+DATA sumShift<>+100(SB)/4, $1
+DATA sumShift<>+104(SB)/4, $2
+DATA sumShift<>+108(SB)/4, $3
+DATA sumShift<>+112(SB)/4, $4
+DATA sumShift<>+116(SB)/4, $5
+DATA sumShift<>+120(SB)/4, $6
+DATA sumShift<>+124(SB)/4, $7
+GLOBL sumShift<>(SB), RODATA|NOPTR, $128
+
+DATA sumSign<>+0(SB)/8, $0x8000000080000000
+DATA sumSign<>+8(SB)/8, $0x8000000080000000
+DATA sumSign<>+16(SB)/8, $0x8000000080000000
+DATA sumSign<>+24(SB)/8, $0x8000000080000000
+GLOBL sumSign<>(SB), RODATA|NOPTR, $32
+
+// SUM_SIGNED sets Yd to ±scale for group k of the block (shift counts at
+// sumShift+off), from the broadcast dword in Y4, +scale in Y7 and -scale
+// in Y6: VBLENDVPS picks by the sign bit alone, the element's bit.
+#define SUM_SIGNED(off, Yd) \
+	VPSLLVD   sumShift<>+off(SB), Y4, Yd \
+	VBLENDVPS Yd, Y7, Y6, Yd
+
+// SUM_ADD adds ±scale of group k into Yacc (Yacc the first operand, like
+// the generic acc[i] += s, so that NaNs come out identical). Y5 is scratch.
+#define SUM_ADD(off, Yacc) \
+	SUM_SIGNED(off, Y5) \
+	VADDPS Y5, Yacc, Yacc
+
+// SUM_FUSE forms the 8 sums x + in at off(DI), in in Ym (x first, as in
+// the generic x[i] + in[i]), stores them into x, sets Ym to their sign mask
+// (as FUSE_SQ) and adds their squares into Ylo and Yhi. Y4..Y6 are scratch.
+#define SUM_FUSE(off, Ym, Ylo, Yhi) \
+	VMOVUPS      off(DI), Y4 \
+	VADDPS       Ym, Y4, Y4 \
+	VMOVUPS      Y4, off(DI) \
+	VCMPPS       $0x15, fuseZero<>(SB), Y4, Ym \
+	VCVTPS2PD    X4, Y5 \
+	VEXTRACTF128 $1, Y4, X6 \
+	VCVTPS2PD    X6, Y6 \
+	VFMADD231PD  Y5, Y5, Ylo \
+	VFMADD231PD  Y6, Y6, Yhi
+
+// func sumCompensatePackAVX2(acc *[32]float64, x *float32, dst *byte, srcs *[]byte, scales *float32, nsrc, blocks int)
+//
+// For every block of 32 elements: in = the ±scales[j] of srcs[j]'s bits,
+// added in order of j (srcs: nsrc >= 1 slice headers, 24 bytes apart,
+// each holding blocks*4 bytes), then as compensatePackAVX2 with in.
+TEXT ·sumCompensatePackAVX2(SB), NOSPLIT, $0-56
+	MOVQ acc+0(FP), AX
+	MOVQ x+8(FP), DI
+	MOVQ dst+16(FP), DX
+	MOVQ srcs+24(FP), R8
+	MOVQ scales+32(FP), R9
+	MOVQ nsrc+40(FP), R10
+	MOVQ blocks+48(FP), CX
+	TESTQ CX, CX
+	JZ    sumFuseRet
+	LOAD_ACC
+	XORQ    R11, R11 // the byte offset of the block in every source
+
+sumFuseLoop:
+	// Source 0 sets in.
+	MOVQ         (R8), SI
+	VPBROADCASTD (SI)(R11*1), Y4
+	VBROADCASTSS (R9), Y7
+	VXORPS       sumSign<>(SB), Y7, Y6
+	SUM_SIGNED(0, Y0)
+	SUM_SIGNED(32, Y1)
+	SUM_SIGNED(64, Y2)
+	SUM_SIGNED(96, Y3)
+	MOVQ $1, R12
+	MOVQ R8, R13
+
+sumSrcLoop:
+	CMPQ R12, R10
+	JGE  sumSrcDone
+	ADDQ $24, R13
+	MOVQ (R13), SI
+	VPBROADCASTD (SI)(R11*1), Y4
+	VBROADCASTSS (R9)(R12*4), Y7
+	VXORPS       sumSign<>(SB), Y7, Y6
+	SUM_ADD(0, Y0)
+	SUM_ADD(32, Y1)
+	SUM_ADD(64, Y2)
+	SUM_ADD(96, Y3)
+	INCQ R12
+	JMP  sumSrcLoop
+
+sumSrcDone:
+	SUM_FUSE(0, Y0, Y8, Y9)
+	SUM_FUSE(32, Y1, Y10, Y11)
+	SUM_FUSE(64, Y2, Y12, Y13)
+	SUM_FUSE(96, Y3, Y14, Y15)
+	VMOVDQU   fusePerm<>(SB), Y7
+	VPACKSSDW Y1, Y0, Y0
+	VPACKSSDW Y3, Y2, Y2
+	VPACKSSWB Y2, Y0, Y0
+	VPERMD    Y0, Y7, Y0
+	VPSHUFB   fuseShuf<>(SB), Y0, Y0
+	VPMOVMSKB Y0, BX
+	MOVL      BX, (DX)
+	ADDQ $128, DI
+	ADDQ $4, DX
+	ADDQ $4, R11
+	DECQ CX
+	JNZ  sumFuseLoop
+	STORE_ACC
+
+sumFuseRet:
+	RET

@@ -158,6 +158,17 @@ func TestNormCompensatePack(t *testing.T) {
 	assert.Panics(t, func() { m.CompensatePack(make([]byte, 1), make([]float32, 9), nil) })
 }
 
+// nanLanes is a Norm's state as bits with every NaN lane the same NaN.
+func nanLanes(m Norm) [lanes + 1]uint64 {
+	b := normBits(m)
+	for i, v := range m.acc {
+		if math.IsNaN(v) {
+			b[i] = math.Float64bits(math.NaN())
+		}
+	}
+	return b
+}
+
 // normBits is a Norm's state as bits, so that NaN lanes compare equal.
 func normBits(m Norm) [lanes + 1]uint64 {
 	var b [lanes + 1]uint64
@@ -228,4 +239,92 @@ func FuzzNorm(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestNormCompensatePackSigns: the summing pass gives what unpacking every
+// source into a buffer (signpack.UnpackScale, then UnpackScaleAdd in
+// order) and CompensatePack of that buffer give, bit for bit (x, packed
+// bytes and lanes), for 1 to 5 sources, scales of either sign, zero and
+// NaN, however the run is cut, on the fast kernel and on the portable
+// path alike.
+func TestNormCompensatePackSigns(t *testing.T) {
+	rng := rand.New(rand.NewPCG(25, 26))
+	none := func(*[lanes]float64, []byte, []float32, [][]byte, []float32) int { return 0 }
+	for _, n := range []int{0, 8, 13, 32, 96, 1000, 4096, 4099} {
+		for nsrc := 1; nsrc <= 5; nsrc++ {
+			x := randomSlice(rng, n, 3)
+			if n > 3 && nsrc != 4 { // not both NaN: which of two NaNs a sum keeps is the compiler's choice
+				x[n/2] = float32(math.NaN())
+				x[3] = float32(math.Copysign(0, -1))
+			}
+			srcs := make([][]byte, nsrc)
+			scales := make([]float32, nsrc)
+			for j := range srcs {
+				srcs[j] = make([]byte, signpack.PackedLen(n))
+				for i := range srcs[j] {
+					srcs[j][i] = byte(rng.Uint32())
+				}
+				scales[j] = float32(rng.NormFloat64())
+			}
+			switch nsrc {
+			case 3:
+				scales[1] = 0
+			case 4:
+				scales[2] = float32(math.NaN())
+			}
+			in := make([]float32, n)
+			if n > 0 {
+				signpack.UnpackScale(in, srcs[0], scales[0])
+				for j := 1; j < nsrc; j++ {
+					signpack.UnpackScaleAdd(in, srcs[j], scales[j])
+				}
+			}
+			var want Norm
+			wantX := append([]float32(nil), x...)
+			wantP := make([]byte, signpack.PackedLen(n))
+			want.compensatePack(wantP, wantX, in, packLanesFast)
+			for trial := range 6 {
+				var cuts []int
+				if trial > 0 {
+					cuts = []int{8 * rng.IntN(n/8+1)}
+					if trial%2 == 0 {
+						cuts = []int{32 * rng.IntN(n/32+1)}
+					}
+				}
+				for _, k := range []struct {
+					name string
+					f    sumKernel
+				}{{"fast", sumPackLanesFast}, {"portable", none}} {
+					var got Norm
+					gx := append([]float32(nil), x...)
+					gp := make([]byte, len(wantP))
+					sub := make([][]byte, nsrc)
+					lo := 0
+					for _, hi := range append(cuts, n) {
+						for j := range sub {
+							sub[j] = srcs[j][lo/8:]
+						}
+						got.compensatePackSigns(gp[lo/8:], gx[lo:hi], sub, scales, k.f)
+						lo = hi
+					}
+					msg := fmt.Sprintf("n=%d sources=%d cuts=%v %s", n, nsrc, cuts, k.name)
+					if nsrc == 4 {
+						// A NaN scale makes every sum NaN, and a lane
+						// adds NaN to NaN: which one it keeps is the
+						// compiler's choice, so only NaN-ness counts.
+						require.Equal(t, nanLanes(want), nanLanes(got), msg)
+					} else {
+						require.Equal(t, normBits(want), normBits(got), msg)
+					}
+					requireSameBits(t, wantX, gx, "%s: x", msg)
+					require.Equal(t, wantP, gp, "%s: packed", msg)
+				}
+			}
+		}
+	}
+	var m Norm
+	src := [][]byte{make([]byte, 2)}
+	assert.Panics(t, func() { m.CompensatePackSigns(make([]byte, 1), make([]float32, 9), src, []float32{1}) })
+	assert.Panics(t, func() { m.CompensatePackSigns(make([]byte, 2), make([]float32, 9), [][]byte{{0}}, []float32{1}) })
+	assert.Panics(t, func() { m.CompensatePackSigns(make([]byte, 2), make([]float32, 9), src, nil) })
 }
