@@ -10,8 +10,11 @@ import "time"
 type Phase uint8
 
 // The phases of an AllReduce call, in the order a call starts them. A
-// pipelined call (a large tensor, sent in pieces) reports the worker,
-// server and output phases once per piece, and the step 3 pass once; its
+// pipelined call (a large tensor, sent in pieces) reports the first worker
+// pass, the server's sum and the output once per piece; step 3 over the
+// whole tensor (piece -1) in one span or more (while the caller waits for
+// phase 1's pieces, then while phase 2 travels), and step 8 and the output
+// of the rank's own chunk once each (piece -1, while phase 2 travels); its
 // collectives run without the caller (started by it on a comm.Starter, or
 // on a goroutine of their own), concurrently with the caller's phases, and
 // PhaseWait is the time the caller spends blocked on them. A call with whole chunks reports each phase once, but the output
@@ -32,25 +35,27 @@ const (
 	PhaseHeader
 	// PhaseWorkerError is the worker side's second pass, step 3,
 	// worker_error = x - worker_scale * sgn(x), over the whole tensor:
-	// pipelined while the pieces are on the wire, and with whole chunks
-	// after the all-to-all has started (while it travels, if started).
+	// pipelined while the caller waits for phase 1's pieces and then
+	// while phase 2 travels, and with whole chunks after the all-to-all
+	// has started (while it travels, if started).
 	PhaseWorkerError
 	// PhaseAllToAll is the phase 1 all-to-all of the packed worker
 	// signs (of one piece).
 	PhaseAllToAll
-	// PhaseServerReduce is the server side, steps 5-6, on one piece:
-	// unpack the chunks received, sum them scaled, add the server error;
-	// with whole chunks, packing sgn(c) too (step 9).
+	// PhaseServerReduce is the server side, steps 5, 6 and 9, on one
+	// piece: the chunks received summed, scaled, the server error added,
+	// and sgn(c) packed.
 	PhaseServerReduce
-	// PhaseServerCompress is the server side, steps 8-9, on one piece:
-	// server_error = c - server_scale * sgn(c) and pack sgn(c) (with
-	// whole chunks step 8 only, after the all-gather has started).
+	// PhaseServerCompress is the server side, step 8, server_error = c -
+	// server_scale * sgn(c), over the chunk, after the all-gather has
+	// started.
 	PhaseServerCompress
 	// PhaseAllGather is the phase 2 all-gather of the packed server
 	// chunks (of one piece).
 	PhaseAllGather
 	// PhaseDecompress is the output of one piece: unpacking every rank's
-	// server chunk, scaled, into buf.
+	// server chunk, scaled, into buf (pipelined, the other ranks'; the
+	// own chunk's is a span of its own).
 	PhaseDecompress
 	// PhaseWait is the caller blocked on collectives that run without it:
 	// a pipelined call's, or a whole-chunk call's started ones.

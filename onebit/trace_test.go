@@ -108,21 +108,30 @@ func TestTracePhasesInOrder(t *testing.T) {
 }
 
 // Pipelined, every piece goes through its phases in order: packed, sent,
-// summed, packed again, gathered, unpacked.
+// summed (its signs packed again), gathered, unpacked; step 3 and step 8
+// are passes over the whole tensor (piece -1), step 8 once the server has
+// summed every piece, and so is the output of the rank's own chunk.
 func TestTracePipelinedPieces(t *testing.T) {
 	const pieces = 4
 	chain := []onebit.Phase{onebit.PhaseCompress, onebit.PhaseAllToAll, onebit.PhaseServerReduce,
-		onebit.PhaseServerCompress, onebit.PhaseAllGather, onebit.PhaseDecompress}
+		onebit.PhaseAllGather, onebit.PhaseDecompress}
 	for _, w := range []int{2, 4} {
 		_, recs := tracedRun(t, w, 1000*w, pieces, 1, true)
 		for r, rec := range recs {
 			byPhase := map[onebit.Phase][]span{}
+			whole := map[onebit.Phase][]span{}
 			for _, s := range rec.spans {
+				if s.piece < 0 {
+					whole[s.ph] = append(whole[s.ph], s)
+					continue
+				}
 				byPhase[s.ph] = append(byPhase[s.ph], s)
 			}
 			require.Len(t, byPhase[onebit.PhaseHeader], 1, "w=%d rank %d", w, r)
-			require.Len(t, byPhase[onebit.PhaseWorkerError], 1, "w=%d rank %d", w, r)
-			assert.NotEmpty(t, byPhase[onebit.PhaseWait], "w=%d rank %d", w, r)
+			require.NotEmpty(t, whole[onebit.PhaseWorkerError], "w=%d rank %d", w, r)
+			require.Len(t, whole[onebit.PhaseServerCompress], 1, "w=%d rank %d", w, r)
+			require.Len(t, whole[onebit.PhaseDecompress], 1, "w=%d rank %d: the own chunk", w, r)
+			assert.NotEmpty(t, whole[onebit.PhaseWait], "w=%d rank %d", w, r)
 			for _, ph := range chain {
 				require.Len(t, byPhase[ph], pieces, "w=%d rank %d %s", w, r, ph)
 				for p, s := range byPhase[ph] {
@@ -135,6 +144,8 @@ func TestTracePipelinedPieces(t *testing.T) {
 					assert.False(t, next.end.Before(prev.end), "w=%d rank %d piece %d: %s ends before %s",
 						w, r, p, chain[i], chain[i-1])
 				}
+				assert.False(t, whole[onebit.PhaseServerCompress][0].start.Before(byPhase[onebit.PhaseServerReduce][p].end),
+					"w=%d rank %d: step 8 starts before piece %d is summed", w, r, p)
 			}
 		}
 	}
