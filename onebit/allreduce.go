@@ -942,9 +942,10 @@ func (st *State) residualSource(dst []byte, lo, hi int, scale float32) {
 // start), all in one pass: errorfeedback.Norm.CompensatePackSigns forms
 // each element's sum from the packed bytes themselves (4 ranks, 64 MiB, a
 // chunk's server error from memory: 1.33-1.41x faster than unpacking into
-// a block, adding and compensating it, BenchmarkServerSumSpeedup). A State whose owner reads the sums (the sharded mode) unpacks
-// them into the summing block instead, sumBlock elements at a time, so
-// that c is still in the cache when it is compensated.
+// a block, adding and compensating it, BenchmarkServerSumSpeedup). A State
+// whose owner reads the sums (the sharded mode) unpacks them into the
+// summing block instead, sumBlock elements at a time, so that c is still
+// in the cache when it is compensated.
 func (st *State) sumPiece(p int, pack []byte) {
 	t := st.start()
 	defer st.span(PhaseServerReduce, p, t)

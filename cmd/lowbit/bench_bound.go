@@ -26,17 +26,18 @@ import (
 // side needs two passes over its floats, because its scale depends on all
 // of them: the first keeps x (or c) in the error buffer, the second turns
 // it into the new error. (Reading buf again instead of keeping x costs the
-// same when n = N.) The server's accumulator is summed in cache-sized
-// blocks and not counted; neither are the scales and the header.
+// same when n = N.) The server forms its sums from the packed bytes
+// received, with no buffer; the scales and the header are not counted.
 //
-//	worker, steps 1-2: read buf 4n, read worker_error 4N, write x 4N
-//	worker, steps 3-4: read x 4N, write worker_error 4N, write signs N/8
-//	phase 1:           read the signs sent N/8, write those received N/8
-//	server, steps 5-6: read the signs received N/8, read server_error 4C,
-//	                   write c 4C
-//	server, steps 8-9: read c 4C, write server_error 4C, write signs C/8
-//	phase 2:           read the signs sent C/8, write those gathered N/8
-//	output:            read the signs gathered N/8, write buf 4n
+//	worker, steps 1, 2, 4: read buf 4n, read worker_error 4N, write x 4N,
+//	                       write signs N/8
+//	worker, step 3:        read x 4N, write worker_error 4N
+//	phase 1:               read the signs sent N/8, write those received N/8
+//	server, steps 5, 6, 9: read the signs received N/8, read server_error
+//	                       4C, write c 4C, write signs C/8
+//	server, step 8:        read c 4C, write server_error 4C
+//	phase 2:               read the signs sent C/8, write those gathered N/8
+//	output:                read the signs gathered N/8, write buf 4n
 //
 // In all 8n + 16N + 16C + 6N/8 + 2C/8: on 4 ranks about 28.8 bytes per
 // element (461 MiB for 64 MiB of float32), of which the error buffers take
