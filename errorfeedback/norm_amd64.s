@@ -182,14 +182,14 @@ DATA fuseZero<>+16(SB)/8, $0
 DATA fuseZero<>+24(SB)/8, $0
 GLOBL fuseZero<>(SB), RODATA|NOPTR, $32
 
-// FUSE_SQ forms the 8 sums x + in at off (x first, as in the generic
-// x[i] + in[i]), stores them into x, sets Ym to their sign mask (1 for
-// x >= 0, -0.0 and NaN: NLT_UQ against zero, as signpack's residual
-// kernel) and adds their squares into Ylo (elements 0..3) and Yhi (4..7).
-// Y4..Y6 are scratch.
-#define FUSE_SQ(off, Ym, Ylo, Yhi) \
+// FUSE_IN forms the 8 sums x + in of x at off(DI) and in (a register or
+// memory operand; x first, as in the generic x[i] + in[i]), stores them
+// into x, sets Ym to their sign mask (1 for x >= 0, -0.0 and NaN: NLT_UQ
+// against zero, as signpack's residual kernel) and adds their squares into
+// Ylo (elements 0..3) and Yhi (4..7). Y4..Y6 are scratch.
+#define FUSE_IN(off, in, Ym, Ylo, Yhi) \
 	VMOVUPS      off(DI), Y4 \
-	VADDPS       off(SI), Y4, Y4 \
+	VADDPS       in, Y4, Y4 \
 	VMOVUPS      Y4, off(DI) \
 	VCMPPS       $0x15, fuseZero<>(SB), Y4, Ym \
 	VCVTPS2PD    X4, Y5 \
@@ -198,6 +198,9 @@ GLOBL fuseZero<>(SB), RODATA|NOPTR, $32
 	VFMADD231PD  Y5, Y5, Ylo \
 	VFMADD231PD  Y6, Y6, Yhi
 
+// FUSE_SQ is FUSE_IN with in at off(SI).
+#define FUSE_SQ(off, Ym, Ylo, Yhi) FUSE_IN(off, off(SI), Ym, Ylo, Yhi)
+
 // FUSE_BLOCK handles one block of 32 elements and writes its 4 packed
 // bytes to (DX).
 #define FUSE_BLOCK \
@@ -205,6 +208,11 @@ GLOBL fuseZero<>(SB), RODATA|NOPTR, $32
 	FUSE_SQ(32, Y1, Y10, Y11) \
 	FUSE_SQ(64, Y2, Y12, Y13) \
 	FUSE_SQ(96, Y3, Y14, Y15) \
+	FUSE_PACK
+
+// FUSE_PACK narrows the masks of a block in Y0..Y3 to its 4 packed bytes
+// and writes them to (DX), fusePerm in Y7. Clobbers Y0, Y2 and BX.
+#define FUSE_PACK \
 	VPACKSSDW Y1, Y0, Y0 \
 	VPACKSSDW Y3, Y2, Y2 \
 	VPACKSSWB Y2, Y0, Y0 \
@@ -296,19 +304,8 @@ GLOBL sumSign<>(SB), RODATA|NOPTR, $32
 	SUM_SIGNED(off, Y5) \
 	VADDPS Y5, Yacc, Yacc
 
-// SUM_FUSE forms the 8 sums x + in at off(DI), in in Ym (x first, as in
-// the generic x[i] + in[i]), stores them into x, sets Ym to their sign mask
-// (as FUSE_SQ) and adds their squares into Ylo and Yhi. Y4..Y6 are scratch.
-#define SUM_FUSE(off, Ym, Ylo, Yhi) \
-	VMOVUPS      off(DI), Y4 \
-	VADDPS       Ym, Y4, Y4 \
-	VMOVUPS      Y4, off(DI) \
-	VCMPPS       $0x15, fuseZero<>(SB), Y4, Ym \
-	VCVTPS2PD    X4, Y5 \
-	VEXTRACTF128 $1, Y4, X6 \
-	VCVTPS2PD    X6, Y6 \
-	VFMADD231PD  Y5, Y5, Ylo \
-	VFMADD231PD  Y6, Y6, Yhi
+// SUM_FUSE is FUSE_IN with in in Ym, which then takes the mask.
+#define SUM_FUSE(off, Ym, Ylo, Yhi) FUSE_IN(off, Ym, Ym, Ylo, Yhi)
 
 // func sumCompensatePackAVX2(acc *[32]float64, x *float32, dst *byte, srcs *[]byte, scales *float32, nsrc, blocks int)
 //
@@ -361,14 +358,8 @@ sumSrcDone:
 	SUM_FUSE(32, Y1, Y10, Y11)
 	SUM_FUSE(64, Y2, Y12, Y13)
 	SUM_FUSE(96, Y3, Y14, Y15)
-	VMOVDQU   fusePerm<>(SB), Y7
-	VPACKSSDW Y1, Y0, Y0
-	VPACKSSDW Y3, Y2, Y2
-	VPACKSSWB Y2, Y0, Y0
-	VPERMD    Y0, Y7, Y0
-	VPSHUFB   fuseShuf<>(SB), Y0, Y0
-	VPMOVMSKB Y0, BX
-	MOVL      BX, (DX)
+	VMOVDQU fusePerm<>(SB), Y7
+	FUSE_PACK
 	ADDQ $128, DI
 	ADDQ $4, DX
 	ADDQ $4, R11
