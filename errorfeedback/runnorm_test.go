@@ -328,3 +328,51 @@ func TestNormCompensatePackSigns(t *testing.T) {
 	assert.Panics(t, func() { m.CompensatePackSigns(make([]byte, 2), make([]float32, 9), [][]byte{{0}}, []float32{1}) })
 	assert.Panics(t, func() { m.CompensatePackSigns(make([]byte, 2), make([]float32, 9), src, nil) })
 }
+
+// FuzzCompensatePackSigns: on any values, signs and scales the fast
+// kernel and the portable path of CompensatePackSigns agree: the same x
+// and lanes, bit for bit, but for which NaN a sum of two NaNs keeps, and
+// the same packed bytes. The data holds x (4 bytes a value), then, per
+// source, its scale and its packed bytes.
+func FuzzCompensatePackSigns(f *testing.F) {
+	f.Add([]byte{}, uint8(1), uint16(0))
+	seed := make([]byte, 4*100+3*(4+13))
+	for i := range seed {
+		seed[i] = byte(i * 37)
+	}
+	f.Add(seed, uint8(3), uint16(100))
+	f.Add(seed, uint8(1), uint16(64))
+	f.Fuzz(func(t *testing.T, data []byte, nsrc uint8, n16 uint16) {
+		k := int(nsrc%6) + 1
+		n := int(n16 % 512)
+		pl := signpack.PackedLen(n)
+		if len(data) < 4*n+k*(4+pl) {
+			return
+		}
+		x := make([]float32, n)
+		for i := range x {
+			x[i] = math.Float32frombits(binary.LittleEndian.Uint32(data[4*i:]))
+		}
+		srcs := make([][]byte, k)
+		scales := make([]float32, k)
+		off := 4 * n
+		for j := range k {
+			scales[j] = math.Float32frombits(binary.LittleEndian.Uint32(data[off:]))
+			srcs[j] = data[off+4 : off+4+pl]
+			off += 4 + pl
+		}
+		none := func(*[lanes]float64, []byte, []float32, [][]byte, []float32) int { return 0 }
+		var fast, slow Norm
+		xf, xs := append([]float32(nil), x...), append([]float32(nil), x...)
+		pf, ps := make([]byte, pl), make([]byte, pl)
+		fast.compensatePackSigns(pf, xf, srcs, scales, sumPackLanesFast)
+		slow.compensatePackSigns(ps, xs, srcs, scales, none)
+		for i := range xf {
+			if !(isNaN32(xf[i]) && isNaN32(xs[i])) {
+				require.Equal(t, math.Float32bits(xs[i]), math.Float32bits(xf[i]), "x[%d]", i)
+			}
+		}
+		require.Equal(t, ps, pf, "packed")
+		require.Equal(t, nanLanes(slow), nanLanes(fast), "lanes")
+	})
+}
