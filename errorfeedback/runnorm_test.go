@@ -127,13 +127,7 @@ func TestNormCompensatePack(t *testing.T) {
 			wantP := make([]byte, signpack.PackedLen(n))
 			signpack.Pack(wantP, wantX)
 			for trial := range 10 {
-				var cuts []int
-				if trial > 0 {
-					cuts = []int{8 * rng.IntN(n/8+1)}
-					if trial%2 == 0 {
-						cuts = []int{32 * rng.IntN(n/32+1)}
-					}
-				}
+				cuts := packCuts(rng, n, trial)
 				for _, k := range []struct {
 					name string
 					f    packKernel
@@ -167,6 +161,20 @@ func nanLanes(m Norm) [lanes + 1]uint64 {
 		}
 	}
 	return b
+}
+
+// packCuts is where trial cuts a run of n elements that is packed as it
+// goes: nowhere in trial 0, then at a whole packed byte, in even trials
+// at a whole block of lanes.
+func packCuts(rng *rand.Rand, n, trial int) []int {
+	if trial == 0 {
+		return nil
+	}
+	cuts := []int{8 * rng.IntN(n/8+1)}
+	if trial%2 == 0 {
+		cuts = []int{32 * rng.IntN(n/32+1)}
+	}
+	return cuts
 }
 
 // normBits is a Norm's state as bits, so that NaN lanes compare equal.
@@ -284,13 +292,7 @@ func TestNormCompensatePackSigns(t *testing.T) {
 			wantP := make([]byte, signpack.PackedLen(n))
 			want.compensatePack(wantP, wantX, in, packLanesFast)
 			for trial := range 6 {
-				var cuts []int
-				if trial > 0 {
-					cuts = []int{8 * rng.IntN(n/8+1)}
-					if trial%2 == 0 {
-						cuts = []int{32 * rng.IntN(n/32+1)}
-					}
-				}
+				cuts := packCuts(rng, n, trial)
 				for _, k := range []struct {
 					name string
 					f    sumKernel

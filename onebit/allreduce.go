@@ -519,26 +519,9 @@ func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, starter co
 			return st.fail(c, fmt.Errorf("onebit: phase 2 all-gather: %w", err))
 		}
 	}
-	st.residualRest(left, workerScale)
-	t := st.start()
-	for b := 0; b < chunkLen; b += progressBlock {
-		e := min(b+progressBlock, chunkLen)
-		signpack.PackResidual(st.blockSigns[:(e-b)/8], st.ServerError[b:e], serverScale)
-		st.poll()
-	}
-	st.span(PhaseServerCompress, -1, t)
 	me := c.Rank()
 	unpack := outputKernel(buf)
-	if lo := me * chunkLen; !st.keep && lo < len(buf) {
-		t = st.start()
-		hi := min(lo+chunkLen, len(buf))
-		for b := lo; b < hi; b += progressBlock {
-			e := min(b+progressBlock, hi)
-			unpack(buf[b:e], msg[4+(b-lo)/8:], serverScale)
-			st.poll()
-		}
-		st.span(PhaseDecompress, -1, t)
-	}
+	st.besidePhase2(buf, me, left, workerScale, serverScale, nil, -1)
 
 	// Output of the other ranks' chunks, piece by piece as they arrive:
 	// element i of chunk j is server_scale_j * unpack(...); the first n
@@ -710,33 +693,9 @@ func (st *State) allReduceWhole(ctx context.Context, c comm.Comm, starter comm.S
 	if err != nil {
 		return st.fail(c, fmt.Errorf("onebit: phase 2 all-gather: %w", err))
 	}
-	if left < n {
-		tw = st.start()
-		for b := left; b < n; b += progressBlock {
-			st.workerResidual(b, min(b+progressBlock, n), workerScale)
-			_, _ = req.Test()
-		}
-		st.span(PhaseWorkerError, 0, tw)
-	}
-	tw = st.start()
-	for b := 0; b < chunkLen; b += progressBlock {
-		e := min(b+progressBlock, chunkLen)
-		signpack.PackResidual(st.blockSigns[:(e-b)/8], st.ServerError[b:e], serverScale)
-		_, _ = req.Test()
-	}
-	st.span(PhaseServerCompress, 0, tw)
 	me := c.Rank()
 	unpack := outputKernel(buf)
-	if lo := me * chunkLen; !st.keep && lo < len(buf) {
-		tw = st.start()
-		hi := min(lo+chunkLen, len(buf))
-		for b := lo; b < hi; b += progressBlock {
-			e := min(b+progressBlock, hi)
-			unpack(buf[b:e], msg[4+(b-lo)/8:], serverScale)
-			_, _ = req.Test()
-		}
-		st.span(PhaseDecompress, 0, tw)
-	}
+	st.besidePhase2(buf, me, left, workerScale, serverScale, req, 0)
 	if err := st.finish(req, PhaseAllGather, t); err != nil {
 		return st.fail(c, fmt.Errorf("onebit: phase 2 all-gather: %w", err))
 	}
@@ -1170,20 +1129,52 @@ func (st *State) fill(left int, scale float32) int {
 	return left
 }
 
-// residualRest runs what is left of step 3 of a pipelined call, from
-// element left of the padded tensor on, moving the collectives in flight
-// between blocks.
-func (st *State) residualRest(left int, scale float32) {
-	n := st.world * len(st.ServerError)
-	if left >= n {
-		return
+// besidePhase2 runs the work of a call that travels beside phase 2, once
+// its all-gathers have started: what is left of step 3 (from element left
+// of the padded tensor on), step 8 (server_error = c - server_scale *
+// sgn(c), the signs packed again into blockSigns) and, unless the output
+// stays packed, this rank's own chunk of the output, from the message it
+// sent. Between blocks it moves the collectives in flight (progress with
+// req); the spans it traces are of piece piece.
+func (st *State) besidePhase2(buf []float32, me, left int, workerScale, serverScale float32, req comm.Request, piece int) {
+	chunkLen := len(st.ServerError)
+	if n := st.world * chunkLen; left < n {
+		t := st.start()
+		for b := left; b < n; b += progressBlock {
+			st.workerResidual(b, min(b+progressBlock, n), workerScale)
+			st.progress(req)
+		}
+		st.span(PhaseWorkerError, piece, t)
 	}
 	t := st.start()
-	for b := left; b < n; b += progressBlock {
-		st.workerResidual(b, min(b+progressBlock, n), scale)
-		st.poll()
+	for b := 0; b < chunkLen; b += progressBlock {
+		e := min(b+progressBlock, chunkLen)
+		signpack.PackResidual(st.blockSigns[:(e-b)/8], st.ServerError[b:e], serverScale)
+		st.progress(req)
 	}
-	st.span(PhaseWorkerError, -1, t)
+	st.span(PhaseServerCompress, piece, t)
+	if lo := me * chunkLen; !st.keep && lo < len(buf) {
+		t = st.start()
+		unpack, msg := outputKernel(buf), st.serverMsg[4:]
+		hi := min(lo+chunkLen, len(buf))
+		for b := lo; b < hi; b += progressBlock {
+			e := min(b+progressBlock, hi)
+			unpack(buf[b:e], msg[(b-lo)/8:], serverScale)
+			st.progress(req)
+		}
+		st.span(PhaseDecompress, piece, t)
+	}
+}
+
+// progress moves the data of a call's started collectives between blocks
+// of its work: req's (a whole-chunk call's, comm.Done where it runs them
+// blocking) or, with req nil, a pipelined call's (poll).
+func (st *State) progress(req comm.Request) {
+	if req == nil {
+		st.poll()
+		return
+	}
+	_, _ = req.Test() // its error comes again from Wait
 }
 
 // doneNext reports, without waiting, whether the next collective of a

@@ -78,11 +78,11 @@ const (
 // one moment to the next) move it little, and three of a way running
 // slower than its estimate move it. Fewer opening calls chose wrongly
 // where the ways' times overlap: with two of each and the median of
-// three, pieces in 4 of 16
-// runs at 10 Gbit (31.6-43.6 ms where whole chunks took 28.1-31.7); with
-// three of each and the second shortest of five, whole chunks blocking in
-// 1 of 3 runs at 10 Gbit (40.1 ms against 26.4-28.1 started) and started
-// in 1 of 3 unshaped (30.1 ms against 23.1 blocking).
+// three, pieces in 4 of 16 runs at 10 Gbit (31.6-43.6 ms where whole
+// chunks took 28.1-31.7); with three of each and the second shortest of
+// five, whole chunks blocking in 1 of 3 runs at 10 Gbit (40.1 ms against
+// 26.4-28.1 started) and started in 1 of 3 unshaped (30.1 ms against 23.1
+// blocking).
 var tuneOpeningWays = [...]int{wayPieces,
 	wayPieces, wayWhole, wayBlocking, wayPieces, wayWhole, wayBlocking, wayPieces, wayWhole, wayBlocking,
 	wayPieces, wayWhole, wayBlocking, wayPieces, wayWhole, wayBlocking}
