@@ -150,6 +150,7 @@ type mpiComm struct {
 	reqs       [maxStarted]request // the started collectives' slots (Starter)
 	inFlight   int                 // started collectives not yet seen done
 	group      guard               // the watchdog's guard of those in flight
+	agreeing   bool                // a started tiny all-gather's agreement is in flight (startTiny)
 
 	// WithOrderedReduce's buffers.
 	scratch              []float32
@@ -384,6 +385,11 @@ func (c *mpiComm) agreeRound(kind comm.Collective) error {
 	if err := cAgreeStart(c.h, c.st, len(c.agree)); err != nil {
 		return err
 	}
+	return c.agreeWait(kind)
+}
+
+// agreeWait waits for the agreement in flight, as agreeRound describes.
+func (c *mpiComm) agreeWait(kind comm.Collective) error {
 	var start time.Time
 	for {
 		done, err := cAgreeTest(c.st)
@@ -692,9 +698,23 @@ func (c *mpiComm) StartAllToAllBytes(ctx context.Context, send, recv []byte) (co
 
 // StartAllGatherBytes starts AllGatherBytes as MPI_Iallgather (see
 // comm.Starter).
+//
+// A tiny all-gather (at most 16 bytes per rank, in a group of at most 64
+// ranks: see the package documentation) rides in the argument agreement
+// alone, and then it is the agreement that is started: its MPI_Iallreduce
+// travels while the caller works, Test and Wait finish it, and an argument
+// mismatch or another rank's invalid arguments are their error (the
+// communicator stays usable, as after a blocking call's mismatch; a rank's
+// own invalid arguments are its error at once, as for any start). It is
+// the same MPI operation as the blocking AllGatherBytes, so ranks may mix
+// the two. It needs no other collective in flight, and no other may start
+// until it is done.
 func (c *mpiComm) StartAllGatherBytes(ctx context.Context, send, recv []byte) (comm.Request, error) {
 	a := c.allGatherArgs(true, len(send), len(recv))
 	n := int64(len(send)) * int64(c.size-1)
+	if tiny(len(send), c.size) && c.skip == 0 && a.invalid == nil {
+		return c.startTiny(ctx, &a, send, recv, n)
+	}
 	return c.start(ctx, &a, send, recv, len(send), n, cIAllGather)
 }
 
@@ -707,6 +727,9 @@ func (c *mpiComm) StartAllGatherBytes(ctx context.Context, send, recv []byte) (c
 func (c *mpiComm) start(ctx context.Context, a *args, send, recv []byte, count int, moved int64,
 	call func(h handle, s cstate, i int, send, recv unsafe.Pointer, count int) error) (comm.Request, error) {
 	a.started = true
+	if c.agreeing {
+		return nil, fmt.Errorf("mpi: %s: a started tiny all-gather is in flight (finish it with its Request first)", a.kind)
+	}
 	armed, err := c.begin(ctx, a)
 	if err != nil {
 		return nil, err
@@ -733,6 +756,72 @@ func (c *mpiComm) start(ctx context.Context, a *args, send, recv []byte, count i
 	return r, nil
 }
 
+// startTiny starts a tiny all-gather (StartAllGatherBytes): the agreement
+// that carries its payload, encoded as the blocking call's (no data
+// collective follows, so the two are the same MPI operation), in request
+// slot 0; Test and Wait finish it (tinyDone). The watchdog guards it from
+// here, as it guards a blocking call's agreement.
+func (c *mpiComm) startTiny(ctx context.Context, a *args, send, recv []byte, moved int64) (comm.Request, error) {
+	a.payload = send
+	if err := c.usable(a.kind); err != nil {
+		return nil, err
+	}
+	if c.inFlight > 0 {
+		return nil, fmt.Errorf("mpi: %s: a tiny started all-gather needs no other collective in flight; %d are", a.kind, c.inFlight)
+	}
+	if ctx == nil {
+		ctx = context.Background() // the comm package's rule for a nil context
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, c.giveUp(a.kind, err)
+	}
+	c.seq++
+	armed := c.arm(ctx, a, phaseAgree)
+	a.encode(c.agree, c.rank, c.size)
+	if err := cAgreeStart(c.h, c.st, len(c.agree)); err != nil {
+		c.wd.disarm(armed)
+		return nil, c.fail(a.kind, err)
+	}
+	r := &c.reqs[0]
+	r.c, r.slot, r.kind, r.moved, r.err = c, 0, a.kind, moved, nil
+	r.tiny, r.targs, r.recv = true, *a, recv
+	c.group, c.agreeing = armed, true
+	r.active = true
+	c.inFlight++
+	return r, nil
+}
+
+// tinyDone finishes a started tiny all-gather whose agreement is done, or
+// failed with err: the arguments checked, the payloads copied out. A
+// mismatch or another rank's invalid arguments (a rank with invalid ones
+// runs the blocking exchange and returns its own error) leave the
+// communicator usable.
+func (r *request) tinyDone(err error) error {
+	c, a, recv := r.c, r.targs, r.recv
+	r.tiny, c.agreeing = false, false
+	r.targs, r.recv = args{}, nil // the caller's buffers are its own again
+	if err != nil {
+		return r.finish(err)
+	}
+	c.wd.phase.Store(phaseData) // every rank has reached the call
+	agree, invalid := decode(c.agree)
+	switch {
+	case invalid < c.size:
+		err = invalidError(a.kind, invalid)
+	case !agree:
+		err = c.mismatch(&a)
+	default:
+		payloads(c.agree, recv, len(a.payload))
+		return r.finish(nil)
+	}
+	r.active = false
+	c.inFlight--
+	c.wd.disarm(c.group)
+	c.group = unguarded
+	r.err = err
+	return err
+}
+
 // request is the comm.Request of a started collective, in one of a
 // communicator's slots, reused by later starts once it is done.
 type request struct {
@@ -743,6 +832,9 @@ type request struct {
 	active bool  // started and not yet seen done
 	err    error // the collective's error, once done
 	pin    runtime.Pinner
+	tiny   bool   // a started tiny all-gather, until done (startTiny)
+	targs  args   // its arguments
+	recv   []byte // its receive buffer
 }
 
 // Test progresses the collectives in flight (MPI_Test) and reports
@@ -750,6 +842,13 @@ type request struct {
 func (r *request) Test() (bool, error) {
 	if !r.active {
 		return true, r.err
+	}
+	if r.tiny {
+		done, err := cAgreePoll(r.c.st)
+		if !done && err == nil {
+			return false, nil
+		}
+		return true, r.tinyDone(err)
 	}
 	done, err := cDataTest(r.c.st, r.slot)
 	if !done && err == nil {
@@ -762,6 +861,9 @@ func (r *request) Test() (bool, error) {
 func (r *request) Wait() error {
 	if !r.active {
 		return r.err
+	}
+	if r.tiny {
+		return r.tinyDone(r.c.agreeWait(r.kind))
 	}
 	return r.finish(cDataWait(r.c.st, r.slot))
 }

@@ -330,6 +330,50 @@ func TestStartedInFlight(t *testing.T) {
 	require.NoError(t, world.Barrier(ctx))
 }
 
+// A tiny all-gather started rides in the agreement alone: it travels
+// while the caller works and matches the blocking one on other ranks (the
+// same exchange); while it is in flight every other call is refused; a
+// length that differs is a mismatch on every rank, from Wait where it was
+// started, and the communicator stays usable.
+func TestStartedTiny(t *testing.T) {
+	needRanks(t, 2)
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	s := world.(comm.Starter)
+	send, recv := []byte{byte(r), 7, byte(3 * r)}, make([]byte, 3*w)
+	before := world.Stats()
+	if r == 1 {
+		require.NoError(t, world.AllGatherBytes(ctx, send, recv))
+	} else {
+		req, err := s.StartAllGatherBytes(ctx, send, recv)
+		require.NoError(t, err)
+		require.ErrorContains(t, world.Barrier(ctx), "in flight")
+		_, err = s.StartAllToAllBytes(ctx, make([]byte, w), make([]byte, w))
+		require.ErrorContains(t, err, "in flight")
+		for done := false; !done; {
+			done, err = req.Test()
+			require.NoError(t, err)
+		}
+		require.NoError(t, req.Wait())
+	}
+	for j := range w {
+		assert.Equal(t, []byte{byte(j), 7, byte(3 * j)}, recv[3*j:3*j+3], "rank %d", j)
+	}
+	got := world.Stats().Sub(before).PerCollective[comm.CAllGather]
+	assert.Equal(t, comm.Traffic{Calls: 1, BytesSent: int64(3 * (w - 1)), BytesRecv: int64(3 * (w - 1))}, got)
+
+	k := 4
+	if r == 1 {
+		k = 5
+	}
+	req, err := s.StartAllGatherBytes(ctx, make([]byte, k), make([]byte, k*w))
+	require.NoError(t, err)
+	var me *comm.MismatchError
+	require.ErrorAs(t, req.Wait(), &me)
+	require.ErrorAs(t, req.Wait(), &me, "again")
+	require.NoError(t, world.Barrier(ctx), "usable after the mismatch")
+}
+
 // A rank that calls the blocking variant where the others start it is a
 // mismatch on every rank, not a hang.
 func TestStartedAgainstBlocking(t *testing.T) {
