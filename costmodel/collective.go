@@ -159,20 +159,16 @@ func onebitPiecing(n int64, w int) (pieces int, pieceBytes int64) {
 }
 
 // onebitWireBytes is what each rank sends in onebit.AllReduce: with N the
-// padded length and C = N/W its chunk, the header all-gather of scale and
-// length ((W-1)*12), the phase 1 all-to-all of packed signs ((W-1)*C/8;
-// when pipelined (W-1)*4 more: the worker scales travel in it), and the
-// phase 2 all-gather of server scale and signs ((W-1)*(4+C/8)).
+// padded length and C = N/W its chunk, the header all-gather of the length
+// ((W-1)*8), the phase 1 all-to-all of packed signs and worker scales
+// ((W-1)*(C/8+4)), and the phase 2 all-gather of server scale and signs
+// ((W-1)*(4+C/8)).
 func onebitWireBytes(n int64, w int) int64 {
 	if w <= 1 {
 		return 0
 	}
 	c := onebitPaddedLen(n, w) / int64(w)
-	b := int64(w-1) * (2*(c/8) + 16)
-	if onebitPieces(n, w) > 1 {
-		b += int64(w-1) * 4
-	}
-	return b
+	return int64(w-1) * (2*(c/8) + 16)
 }
 
 // onebitSteps is onebit.AllReduce (three collectives, large tensors
@@ -182,12 +178,13 @@ func onebitWireBytes(n int64, w int) int64 {
 // server's unpack-and-sum of W chunks (N) and its compression (C),
 // unpacking the output (N): 4 + 1/W passes.
 //
-//   - header: all-gather of scale and length, after the worker norm;
-//     pipelined, of the length only, at once;
-//   - phase 1: all-to-all of the packed chunks, after packing; pipelined,
-//     packing, the worker residual and the server's sum overlap the pieces
-//     on the wire, and the worker scales travel in the piece that starts
-//     the second half;
+//   - header: all-gather of the length, at once (it travels during the
+//     first pass where the collectives are started; modelled as before
+//     it);
+//   - phase 1: all-to-all of the packed chunks, each followed by the
+//     worker scale, after packing; pipelined, packing, the worker residual
+//     and the server's sum overlap the pieces on the wire, and the worker
+//     scales travel in the piece that starts the second half;
 //   - phase 2: all-gather of server scale and signs, after the server's
 //     compression (and its sum, unpipelined); unpacking the output follows
 //     it, or overlaps its pieces when pipelined.
@@ -202,13 +199,12 @@ func onebitSteps(n int64, w int, compute float64) []step {
 	k := onebitPieces(n, w)
 	pass := compute / (4 + 1/float64(w))
 	r := float64(w - 1)
-	hdr := step{pre: pass, rounds: r, bytes: int64(w-1) * 12}
-	p1 := step{rounds: float64(k) * r, bytes: int64(w-1) * (c / 8), pieces: k}
+	hdr := step{pre: pass, rounds: r, bytes: int64(w-1) * 8}
+	p1 := step{rounds: float64(k) * r, bytes: int64(w-1) * (4 + c/8), pieces: k}
 	p2 := step{rounds: float64(k) * r, bytes: int64(w-1) * (4 + c/8), pieces: k, work: pass}
 	if k > 1 {
 		hdr.pre = 0
 		p1.work = 3 * pass
-		p1.bytes += int64(w-1) * 4
 		p2.pre = pass / float64(w)
 	} else {
 		p1.pre = pass

@@ -264,7 +264,7 @@ func shardedBF16States(n int64, world int, bucketBytes int64) (warm, comp int64)
 const (
 	sumBlock      = 16 << 10  // server accumulator block
 	progressBlock = 256 << 10 // the blocks of the residual passes, whose signs go to a sink
-	headerLen     = 4 + 8
+	headerLen     = 8
 	normBytes     = 32*8 + 8 // errorfeedback.Norm: 32 float64 lanes and a count
 	// stagingBlock is the elements per rank of the float32 block that
 	// stages the sharded mode's warm-up exchanges when its worker errors
@@ -280,7 +280,7 @@ const (
 // floats with N = onebit.PaddedLen(numel, w); the server error, N/w; the
 // header and headers, scales and norms) and the wire buffers, which the
 // buckets of one optimizer share (onebit's buckets.shareWire): the server
-// accumulator, the packed signs sent (N/8 bytes, which the phase 2 message
+// accumulator, the packed signs sent (N/8 + 4w bytes, which the phase 2 message
 // reuses), the signs received (which the gathered phase 2 messages reuse:
 // w*(4+C/8) bytes), the sink of the signs the residual passes pack again
 // (min(progressBlock, N)/8), and piece mid of a pipelined call.
@@ -298,12 +298,9 @@ func onebitParts(numel, w int64) stateParts {
 	p := stateParts{
 		own:  4*n + 4*c + (1+w)*headerLen + 2*4*w + w*normBytes, // errors, headers, scales, norms
 		acc:  4 * min(c, sumBlock),
-		send: n / 8,
+		send: n/8 + 4*w, // each segment followed by the worker scale
 		recv: w * (4 + cb),
 		sink: min(progressBlock, n) / 8,
-	}
-	if n/8 < 4+cb {
-		p.own += 4 + cb // one rank: the server message apart
 	}
 	if pieces, pb := onebitPiecing(numel, int(w)); pieces > 1 {
 		mid := int64(pieces) / 2

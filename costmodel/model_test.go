@@ -268,7 +268,9 @@ func TestPlanPredictsPipelined(t *testing.T) {
 		if onebitPieces(p.Bytes/4, p.Ranks) > 1 {
 			pipelined++
 		}
-		assert.Equal(t, onebitWireBytes(p.Bytes/4, p.Ranks), p.Wire, "%+v", p)
+		// Recorded when the header also carried a worker scale slot
+		// (12 bytes): a pipelined call sent 4 bytes more to each peer.
+		assert.Equal(t, onebitWireBytes(p.Bytes/4, p.Ranks)+int64(4*(p.Ranks-1)), p.Wire, "%+v", p)
 	}
 	assert.Equal(t, 6, pipelined, "2 links x 3 rank counts, all pipelined")
 	worst := checkPredictions(t, m.Check(pts))

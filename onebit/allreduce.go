@@ -66,12 +66,12 @@ type State struct {
 	// serverNorm sums the squares of the server's c, piece by piece.
 	serverNorm errorfeedback.Norm
 
-	sendSigns []byte    // packed worker signs, N/8 bytes, piece-major (see sendPiece)
-	recvSigns []byte    // phase 1 chunks received, N/8 bytes, piece-major
+	sendSigns []byte    // packed worker signs, N/8 + 4W bytes, piece-major (see sendPiece)
+	recvSigns []byte    // phase 1 chunks received, N/8 + 4W bytes, piece-major
 	server    []float32 // server accumulator c, one block of sumBlock floats (C if less) at a time
 	serverMsg []byte    // phase 2 message: server scale (4 bytes), then the packed server chunk (C/8)
 	gathered  []byte    // every rank's phase 2 message, W*(4+C/8) bytes, piece-major (see msgPiece)
-	header    []byte    // this rank's scale and numel on the wire
+	header    []byte    // this rank's numel and tuning fields on the wire
 	headers   []byte    // every rank's header
 	// blockSigns takes the signs the residual passes pack again, a block
 	// at a time (the bytes sent may still be in use): min(progressBlock,
@@ -79,7 +79,7 @@ type State struct {
 	blockSigns []byte
 	midSend    []byte    // pipelined: piece mid of phase 1, W segments each followed by the worker scale
 	midRecv    []byte    // pipelined: piece mid as received, every rank's segment and worker scale
-	wscales    []float32 // every rank's worker scale, from the header or piece mid
+	wscales    []float32 // every rank's worker scale, from phase 1 (see scaled)
 	sumSrcs    [][]byte  // the server's sum: the packed bytes of every rank's chunk it adds
 	sumScales  []float32 // and their scales, worker_scale_j / W
 	scales     []float32 // every rank's server scale, from piece 0 of phase 2
@@ -136,6 +136,7 @@ type State struct {
 	// that this rank can start them; started is whether the call started
 	// them.
 	blocking, starts, started bool
+	headerStart               time.Time // a started header's start, for the trace
 }
 
 // workerSource forms x = pad(input) + worker_error for a State whose
@@ -150,14 +151,13 @@ type workerSource interface {
 }
 
 // headerLen is the bytes each rank contributes to the header all-gather:
-// its worker scale (little-endian float32; 0 in a pipelined call, whose
-// scales travel later) and a little-endian uint64 whose low 40 bits are
-// the tensor length it called with, so that mismatched sizes are caught on
-// every rank even when they pad to the same N, and whose high 24 bits are
-// the fields of the choice between whole chunks and pieces (tune.go): this
-// call's pieces per chunk, whether the rank starts its collectives and how
-// long its previous call took.
-const headerLen = 4 + 8
+// a little-endian uint64 whose low 40 bits are the tensor length it called
+// with, so that mismatched sizes are caught on every rank even when they
+// pad to the same N, and whose high 24 bits are the fields of the choice
+// between whole chunks and pieces (tune.go): this call's pieces per chunk,
+// whether the rank starts its collectives and how long its previous call
+// took. The worker scales travel in phase 1 (see scaled).
+const headerLen = 8
 
 // pieceTarget is the packed bytes per destination a piece of a pipelined
 // call aims at, and maxPieces caps the pieces a chunk travels in. With 4
@@ -212,7 +212,7 @@ func (st *State) initWire(numel, world int) {
 	c := n / world
 	st.numel, st.world, st.chunkBytes = numel, world, c/8
 	st.norms = make([]errorfeedback.Norm, world)
-	st.sendSigns, st.recvSigns = make([]byte, n/8), make([]byte, n/8)
+	st.sendSigns, st.recvSigns = make([]byte, n/8+4*world), make([]byte, n/8+4*world) // a whole-chunk call's scales after its segments
 	st.serverMsg, st.gathered = make([]byte, 4+c/8), make([]byte, world*(4+c/8))
 	st.header, st.headers = make([]byte, headerLen), make([]byte, headerLen*world)
 	st.wscales, st.scales = make([]float32, world), make([]float32, world)
@@ -370,7 +370,7 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 	}
 	if len(buf) == 0 {
 		st.Reset()
-		if err := st.exchangeHeader(ctx, c, 0); err != nil {
+		if err := st.exchangeHeader(ctx, c); err != nil {
 			return fmt.Errorf("onebit: phase 1 scales: %w", err)
 		}
 		return nil
@@ -440,7 +440,7 @@ func (st *State) allReducePipelined(ctx context.Context, c comm.Comm, starter co
 			continue
 		}
 		if p == 0 {
-			if err := st.exchangeHeader(ctx, c, 0); err != nil {
+			if err := st.exchangeHeader(ctx, c); err != nil {
 				return fmt.Errorf("onebit: phase 1 header: %w", err)
 			}
 			comm.SkipChecks(c, 2*k)
@@ -596,15 +596,26 @@ func outputKernel(buf []float32) func(dst []float32, src []byte, scale float32) 
 // chunk's packed bytes in one all-to-all, every rank's message in one
 // all-gather.
 //
+// The header goes first, with the length only, and the worker scales
+// follow in the all-to-all, 4 bytes after each segment, as in piece mid
+// of a pipelined call: the header agrees on every length of the call
+// before any tensor data moves, and needs nothing the first pass makes.
+//
 // On a communicator that starts its collectives (comm.Starter: comm/mpi's
 // non-blocking ones), a tensor of at least startMin elements (padded) has
 // each collective travel while a pass that does not need it runs, and the
 // caller progresses it (Test) between blocks of that pass, on its own
 // goroutine:
 //
+//   - the header travels during the first pass, so that the all-to-all
+//     starts as soon as the pass is done: a rank that arrives late finds
+//     the others' headers there, and its own reaches them while they
+//     pack (4 ranks on 2 cores, 64 MiB at 10 Gbit: the header ended 3.7-4.5
+//     ms after the last rank's first pass where it was exchanged after it,
+//     0.8-1.4 ms now);
 //   - the first pass packs sgn(x) too (step 4 before step 3: the signs do
-//     not depend on the worker scale), so the all-to-all starts right
-//     after the header and travels while step 3 updates the worker error;
+//     not depend on the worker scale), so the all-to-all travels while
+//     step 3 updates the worker error;
 //   - the server's sum packs sgn(c) too (step 9 before step 8), so the
 //     all-gather starts once the server scale is known and travels while
 //     step 8 updates the server error and this rank unpacks its own chunk
@@ -613,33 +624,46 @@ func outputKernel(buf []float32) func(dst []float32, src []byte, scale float32) 
 //
 // Nothing spins beside the caller's work, which matters where ranks share
 // cores: the pipelined call's goroutine took more than it hid there. The
-// ranks start their collectives only if every one can (a flag in the
-// header: MPI's non-blocking collectives do not match blocking ones);
-// otherwise every rank runs them blocking, at the same points. The
-// arithmetic is the same either way, bit for bit.
+// ranks start their all-to-all and all-gather only if every one can (a
+// flag in the header: MPI's non-blocking collectives do not match blocking
+// ones); otherwise every rank runs them blocking, at the same points. (The
+// header itself is the same operation started or not: see
+// comm/mpi's StartAllGatherBytes.) The arithmetic is the same either way,
+// bit for bit.
 func (st *State) allReduceWhole(ctx context.Context, c comm.Comm, starter comm.Starter, buf []float32) error {
 	w := st.world
 	chunkLen := len(st.ServerError)
 	n := w * chunkLen
 
+	// Phase 1, first half: the header, every rank's length (checked
+	// before any tensor data moves: from there on every length of this
+	// call is agreed, and the collectives that follow skip the backend's
+	// argument check) and its tuning; started where the collectives may
+	// be.
+	hdr, err := st.startHeader(ctx, c, starter)
+	if err != nil {
+		return fmt.Errorf("onebit: phase 1 header: %w", err)
+	}
+
 	// Worker side, steps 1, 2 and 4: x = pad(buf) + worker_error (kept in
 	// the worker error buffer until step 3), its squares summed chunk by
 	// chunk, and sgn(x) packed, in one pass; worker_scale = ||x|| /
-	// sqrt(N).
+	// sqrt(N), after every segment of the all-to-all.
 	t := st.start()
 	for j := range w {
 		lo, hi := j*chunkLen, (j+1)*chunkLen
-		st.packX(st.sendSigns[lo/8:hi/8], j, buf, lo, hi)
+		dst := st.sendPiece(0, j)
+		for b := lo; b < hi; b += progressBlock {
+			e := min(b+progressBlock, hi)
+			st.packX(dst[(b-lo)/8:(e-lo)/8], j, buf, b, e)
+			st.progress(hdr)
+		}
 	}
 	workerScale := st.normScale()
+	st.putWorkerScale(workerScale)
 	st.span(PhaseCompress, 0, t)
-
-	// Phase 1, first half: all-gather of the W worker scales with every
-	// rank's numel, checked before any tensor data moves. From here on
-	// every length of this call is agreed, and the collectives that
-	// follow skip the backend's argument check.
-	if err := st.exchangeHeader(ctx, c, workerScale); err != nil {
-		return fmt.Errorf("onebit: phase 1 scales: %w", err)
+	if err := st.endHeader(hdr); err != nil {
+		return fmt.Errorf("onebit: phase 1 header: %w", err)
 	}
 	if !st.allStart() {
 		starter = nil
@@ -648,12 +672,13 @@ func (st *State) allReduceWhole(ctx context.Context, c comm.Comm, starter comm.S
 	comm.SkipChecks(c, 2)
 
 	// Phase 1, second half: the all-to-all of the packed chunks (chunk j
-	// to rank j). Step 3 while it travels: worker_error = x -
-	// worker_scale * sgn(x) (the signs packed again, into blockSigns: the
-	// bytes sent are in use), a block at a time; started, only until the
-	// all-to-all is done: the blocks left run while the all-gather
-	// travels, so that neither collective waits while step 3 has work
-	// (on a fast link the two windows' own work is shorter than the wire).
+	// to rank j), each followed by the worker scale. Step 3 while it
+	// travels: worker_error = x - worker_scale * sgn(x) (the signs packed
+	// again, into blockSigns: the bytes sent are in use), a block at a
+	// time; started, only until the all-to-all is done: the blocks left
+	// run while the all-gather travels, so that neither collective waits
+	// while step 3 has work (on a fast link the two windows' own work is
+	// shorter than the wire).
 	t = st.start()
 	req, err := st.allToAll(ctx, c, starter)
 	if err != nil {
@@ -671,6 +696,7 @@ func (st *State) allReduceWhole(ctx context.Context, c comm.Comm, starter comm.S
 	if err := st.finish(req, PhaseAllToAll, t); err != nil {
 		return st.fail(c, fmt.Errorf("onebit: phase 1 all-to-all: %w", err))
 	}
+	st.getWorkerScales()
 
 	// Server side, steps 5-7 and 9: c = sum over j, ascending, of
 	// (worker_scale_j / W) * unpack(chunk received from j), then c = c +
@@ -948,52 +974,69 @@ func (st *State) pieceLen(p int) int {
 
 // sendPiece is where the packed bytes of piece p of chunk j go. The send
 // and receive buffers of phase 1 are piece-major: piece p is one contiguous
-// all-to-all buffer of W segments, segment j for (or from) rank j. Piece
-// mid of a pipelined call has buffers of its own, where every segment is
-// followed by the sender's worker scale.
+// all-to-all buffer of W segments, segment j for (or from) rank j. In the
+// piece that carries the worker scales (scaled) every segment is followed
+// by the sender's worker scale.
 func (st *State) sendPiece(p, j int) []byte {
-	if st.pieces > 1 && p == st.mid {
-		n := st.pieceLen(p)
-		return st.midSend[j*(n+4) : j*(n+4)+n]
+	n := st.pieceLen(p)
+	if send, _, ok := st.scaled(p); ok {
+		return send[j*(n+4) : j*(n+4)+n]
 	}
-	off := p*st.pieceBytes*st.world + j*st.pieceLen(p)
-	return st.sendSigns[off : off+st.pieceLen(p)]
+	off := p*st.pieceBytes*st.world + j*n
+	return st.sendSigns[off : off+n]
 }
 
 // recvPiece is piece p of the chunk received from rank j.
 func (st *State) recvPiece(p, j int) []byte {
-	if st.pieces > 1 && p == st.mid {
-		n := st.pieceLen(p)
-		return st.midRecv[j*(n+4) : j*(n+4)+n]
+	n := st.pieceLen(p)
+	if _, recv, ok := st.scaled(p); ok {
+		return recv[j*(n+4) : j*(n+4)+n]
 	}
-	off := p*st.pieceBytes*st.world + j*st.pieceLen(p)
-	return st.recvSigns[off : off+st.pieceLen(p)]
+	off := p*st.pieceBytes*st.world + j*n
+	return st.recvSigns[off : off+n]
+}
+
+// scaled returns the send and receive buffers of piece p if its segments
+// carry the worker scales (ok): the one piece of a whole-chunk call, in
+// sendSigns and recvSigns, or piece mid of a pipelined call, in buffers of
+// its own (the pieces before it are still in flight in sendSigns).
+func (st *State) scaled(p int) (send, recv []byte, ok bool) {
+	switch {
+	case st.pieces == 1:
+		n := st.world * (st.chunkBytes + 4)
+		return st.sendSigns[:n], st.recvSigns[:n], true
+	case p == st.mid:
+		return st.midSend, st.midRecv, true
+	}
+	return nil, nil, false
 }
 
 // phase1 returns the send and receive buffers of piece p's all-to-all.
 func (st *State) phase1(p int) (send, recv []byte) {
-	if st.pieces > 1 && p == st.mid {
-		return st.midSend, st.midRecv
+	if send, recv, ok := st.scaled(p); ok {
+		return send, recv
 	}
 	off, n := p*st.pieceBytes*st.world, st.pieceLen(p)*st.world
 	return st.sendSigns[off : off+n], st.recvSigns[off : off+n]
 }
 
 // putWorkerScale writes this rank's worker scale after every segment of
-// piece mid of a pipelined call.
+// the piece that carries the scales.
 func (st *State) putWorkerScale(scale float32) {
+	send, _, _ := st.scaled(st.mid)
 	n := st.pieceLen(st.mid)
 	for j := range st.world {
-		binary.LittleEndian.PutUint32(st.midSend[j*(n+4)+n:], math.Float32bits(scale))
+		binary.LittleEndian.PutUint32(send[j*(n+4)+n:], math.Float32bits(scale))
 	}
 }
 
-// getWorkerScales reads every rank's worker scale from piece mid of a
-// pipelined call, as received, into st.wscales.
+// getWorkerScales reads every rank's worker scale from the piece that
+// carries them, as received, into st.wscales.
 func (st *State) getWorkerScales() {
+	_, recv, _ := st.scaled(st.mid)
 	n := st.pieceLen(st.mid)
 	for j := range st.world {
-		st.wscales[j] = math.Float32frombits(binary.LittleEndian.Uint32(st.midRecv[j*(n+4)+n:]))
+		st.wscales[j] = math.Float32frombits(binary.LittleEndian.Uint32(recv[j*(n+4)+n:]))
 	}
 }
 
@@ -1037,15 +1080,15 @@ func (st *State) msgScale(j int) float32 {
 // between rows (AllReduceDevice copies each to or from a device in one
 // strided copy).
 func (st *State) sendRows(p int) ([]byte, int) {
-	if st.pieces > 1 && p == st.mid {
-		return st.midSend, st.pieceLen(p) + 4
+	if send, _, ok := st.scaled(p); ok {
+		return send, st.pieceLen(p) + 4
 	}
 	return st.sendSigns[p*st.pieceBytes*st.world:], st.pieceLen(p)
 }
 
 func (st *State) recvRows(p int) ([]byte, int) {
-	if st.pieces > 1 && p == st.mid {
-		return st.midRecv, st.pieceLen(p) + 4
+	if _, recv, ok := st.scaled(p); ok {
+		return recv, st.pieceLen(p) + 4
 	}
 	return st.recvSigns[p*st.pieceBytes*st.world:], st.pieceLen(p)
 }
@@ -1277,42 +1320,74 @@ const refusedLen = math.MaxUint64
 func refuse(ctx context.Context, c comm.Comm, bad error) error {
 	w := c.Size()
 	hdr, all := make([]byte, headerLen), make([]byte, headerLen*w)
-	binary.LittleEndian.PutUint64(hdr[4:], refusedLen)
+	binary.LittleEndian.PutUint64(hdr, refusedLen)
 	if err := c.AllGatherBytes(ctx, hdr, all); err != nil {
 		return errors.Join(bad, fmt.Errorf("onebit: telling the other ranks: %w", err))
 	}
 	return bad
 }
 
-// exchangeHeader all-gathers this rank's worker scale (0 in a pipelined
-// call, where the scales travel later) together with the tensor length it
-// was called with, checks that every rank has the same length, and leaves
-// every rank's scale in st.wscales.
-func (st *State) exchangeHeader(ctx context.Context, c comm.Comm, scale float32) error {
-	binary.LittleEndian.PutUint32(st.header[0:4], math.Float32bits(scale))
-	binary.LittleEndian.PutUint64(st.header[4:12], uint64(st.numel)|st.tuning())
+// exchangeHeader all-gathers this rank's header, the tensor length it was
+// called with and its tuning fields, and checks it (readHeader).
+func (st *State) exchangeHeader(ctx context.Context, c comm.Comm) error {
+	st.putHeader()
 	t := st.start()
 	if err := c.AllGatherBytes(ctx, st.header, st.headers); err != nil {
 		return err
 	}
 	st.span(PhaseHeader, 0, t)
+	return st.readHeader()
+}
+
+// startHeader begins a whole-chunk call's header: started through s where
+// this call may start its collectives (the caller moves it with Test
+// between blocks of its first pass: see comm/mpi's StartAllGatherBytes),
+// else exchanged at once, blocking, its Request done. endHeader finishes
+// it.
+func (st *State) startHeader(ctx context.Context, c comm.Comm, s comm.Starter) (comm.Request, error) {
+	if s == nil || !st.starts {
+		return comm.Done{}, st.exchangeHeader(ctx, c)
+	}
+	st.putHeader()
+	st.headerStart = st.start()
+	return s.StartAllGatherBytes(ctx, st.header, st.headers)
+}
+
+// endHeader waits for a header startHeader started and checks it.
+func (st *State) endHeader(req comm.Request) error {
+	if _, blocking := req.(comm.Done); blocking {
+		return nil
+	}
+	tw := st.start()
+	err := req.Wait()
+	st.span(PhaseWait, -1, tw)
+	st.span(PhaseHeader, 0, st.headerStart)
+	if err != nil {
+		return err
+	}
+	return st.readHeader()
+}
+
+// putHeader writes this rank's header: the tensor length and the tuning
+// fields.
+func (st *State) putHeader() {
+	binary.LittleEndian.PutUint64(st.header, uint64(st.numel)|st.tuning())
+}
+
+// readHeader checks the gathered headers (no rank refused the call, every
+// rank has the same length) and takes the tuning fields.
+func (st *State) readHeader() error {
 	for j := range st.world {
-		if binary.LittleEndian.Uint64(st.headers[j*headerLen+4:]) == refusedLen {
+		if binary.LittleEndian.Uint64(st.headers[j*headerLen:]) == refusedLen {
 			return fmt.Errorf("onebit: rank %d refused the call (bad arguments or a failure of its own; its error says which)", j)
 		}
 	}
-	want := binary.LittleEndian.Uint64(st.headers[4:]) & lenMask
+	want := binary.LittleEndian.Uint64(st.headers) & lenMask
 	for j := 1; j < st.world; j++ {
-		if got := binary.LittleEndian.Uint64(st.headers[j*headerLen+4:]) & lenMask; got != want {
+		if got := binary.LittleEndian.Uint64(st.headers[j*headerLen:]) & lenMask; got != want {
 			return &comm.MismatchError{Collective: comm.CAllGather, What: "onebit tensor length",
 				Rank: j, Got: int(got), Want: int(want)}
 		}
 	}
-	if err := st.takeTuning(); err != nil {
-		return err
-	}
-	for j := range st.wscales {
-		st.wscales[j] = math.Float32frombits(binary.LittleEndian.Uint32(st.headers[j*headerLen:]))
-	}
-	return nil
+	return st.takeTuning()
 }

@@ -407,7 +407,7 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 		if err := st.Reset(); err != nil {
 			return refuse(ctx, c, err)
 		}
-		if err := st.wire.exchangeHeader(ctx, c, 0); err != nil {
+		if err := st.wire.exchangeHeader(ctx, c); err != nil {
 			return fmt.Errorf("onebit: phase 1 scales: %w", err)
 		}
 		return nil
@@ -432,18 +432,14 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 
 	// Phase 1: the header (with the length check), then the packed chunks
 	// in AllReduce's pieces, with the worker scales where AllReduce sends
-	// them: in the header of an unpipelined call, after every segment of
-	// piece mid of a pipelined one. Once the header is through, every
+	// them: after every segment of the only piece of an unpipelined call,
+	// of piece mid of a pipelined one. Once the header is through, every
 	// length of this call is agreed: the 2K collectives that follow skip
 	// the backend's argument check, as in AllReduce; a failure in between
 	// cancels that promise.
 	k := wire.pieces
-	headerScale := workerScale
-	if k > 1 {
-		headerScale = 0
-		wire.putWorkerScale(workerScale)
-	}
-	if err := wire.exchangeHeader(ctx, c, headerScale); err != nil {
+	wire.putWorkerScale(workerScale)
+	if err := wire.exchangeHeader(ctx, c); err != nil {
 		return fmt.Errorf("onebit: phase 1 scales: %w", err)
 	}
 	comm.SkipChecks(c, 2*k)
@@ -454,9 +450,7 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 			return fmt.Errorf("onebit: phase 1 all-to-all: %w", err)
 		}
 	}
-	if k > 1 {
-		wire.getWorkerScales()
-	}
+	wire.getWorkerScales()
 	// A rank whose server side fails still takes part in phase 2, with
 	// failedScale in place of its scale, so that its peers return an error
 	// naming it instead of waiting for it.

@@ -25,8 +25,9 @@ import (
 // goroutine.
 type startComm struct {
 	comm.Comm
-	starts *atomic.Int64
-	jobs   chan func()
+	starts  *atomic.Int64 // the data collectives started
+	headers *atomic.Int64 // the headers started (onebit.HeaderLen bytes), if not nil
+	jobs    chan func()
 }
 
 func (s *startComm) stop() {
@@ -42,6 +43,12 @@ func (s *startComm) StartAllToAllBytes(ctx context.Context, send, recv []byte) (
 }
 
 func (s *startComm) StartAllGatherBytes(ctx context.Context, send, recv []byte) (comm.Request, error) {
+	if len(send) == onebit.HeaderLen {
+		if s.headers != nil {
+			s.headers.Add(1)
+		}
+		s.starts.Add(-1) // not a data collective
+	}
 	return s.start(func() error { return s.Comm.AllGatherBytes(ctx, send, recv) }), nil
 }
 
@@ -173,6 +180,45 @@ func TestStartedNeedsEveryRank(t *testing.T) {
 		for i := range want {
 			require.Equal(t, want[i], got[i], "%d pieces buffer %d", k, i)
 		}
+	}
+}
+
+// A whole-chunk call starts its header where it may start its collectives
+// (it travels during the first pass), on every rank that may, whatever the
+// others do: a started header and a blocking one are the same exchange.
+// A pipelined call and a call too small to start exchange it blocking.
+func TestStartedHeader(t *testing.T) {
+	const w, calls = 3, 2
+	for _, tc := range []struct {
+		n, pieces int
+		blocking  []int
+		want      int64
+	}{
+		{1 << 20, 1, nil, w * calls},
+		{1 << 20, 1, []int{1}, (w - 1) * calls},
+		{1 << 20, 3, nil, 0},
+		{1000, 1, nil, 0},
+	} {
+		var starts, headers atomic.Int64
+		err := local.Run(ctxT(t), w, func(ctx context.Context, c comm.Comm) error {
+			sc := &startComm{Comm: c, starts: &starts, headers: &headers}
+			defer sc.stop()
+			st, err := onebit.NewState(tc.n, w)
+			if err != nil {
+				return err
+			}
+			st.SetPieces(tc.pieces)
+			st.SetOverlap(!slices.Contains(tc.blocking, c.Rank()))
+			buf := make([]float32, tc.n)
+			for range calls {
+				if err := onebit.AllReduce(ctx, sc, buf, st); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		require.NoError(t, err)
+		assert.Equal(t, tc.want, headers.Load(), "%+v", tc)
 	}
 }
 

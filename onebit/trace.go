@@ -9,8 +9,8 @@ import "time"
 // Phase is a step of one AllReduce call, as a Tracer sees it.
 type Phase uint8
 
-// The phases of an AllReduce call, in the order a call starts them. A
-// pipelined call (a large tensor, sent in pieces) reports the first worker
+// The phases of an AllReduce call, in the order of the algorithm's steps
+// (a call with whole chunks starts its header first). A pipelined call (a large tensor, sent in pieces) reports the first worker
 // pass, the server's sum and the output once per piece; step 3 over the
 // whole tensor (piece -1) in one span or more (while the caller waits for
 // phase 1's pieces, then while phase 2 travels), and step 8 and the output
@@ -22,16 +22,17 @@ type Phase uint8
 // others'). It runs its collectives blocking, each in its place, and
 // reports no PhaseWait; or, on a communicator that starts them
 // (comm.Starter), its collective spans run from their start to their end,
-// over the passes run meanwhile (step 3 during the all-to-all; step 8 and
-// the own chunk's output during the all-gather), and PhaseWait is the time
-// the caller spends blocked on them at their end.
+// over the passes run meanwhile (the first pass during the header; step 3
+// during the all-to-all; step 8 and the own chunk's output during the
+// all-gather), and PhaseWait is the time the caller spends blocked on them
+// at their end.
 const (
 	// PhaseCompress is the worker side's first pass: x = pad(buf) +
 	// worker_error, its sum of squares and sgn(x) packed (steps 1, 2 and
 	// 4); pipelined, of one piece.
 	PhaseCompress Phase = iota
-	// PhaseHeader is the all-gather of every rank's length (and, not
-	// pipelined, worker scale).
+	// PhaseHeader is the all-gather of every rank's length and tuning
+	// fields.
 	PhaseHeader
 	// PhaseWorkerError is the worker side's second pass, step 3,
 	// worker_error = x - worker_scale * sgn(x), over the whole tensor:

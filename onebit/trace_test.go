@@ -88,7 +88,7 @@ func TestTraceBitIdentical(t *testing.T) {
 // call reports its phases once each, in order, one after the other, but
 // the output twice (the rank's own chunk, then the others').
 func TestTracePhasesInOrder(t *testing.T) {
-	want := []onebit.Phase{onebit.PhaseCompress, onebit.PhaseHeader, onebit.PhaseAllToAll, onebit.PhaseWorkerError,
+	want := []onebit.Phase{onebit.PhaseHeader, onebit.PhaseCompress, onebit.PhaseAllToAll, onebit.PhaseWorkerError,
 		onebit.PhaseServerReduce, onebit.PhaseAllGather, onebit.PhaseServerCompress, onebit.PhaseDecompress,
 		onebit.PhaseDecompress}
 	for _, w := range []int{2, 3, 4} {

@@ -24,7 +24,7 @@ package onebit
 // outputs and error buffers.
 //
 // The fields ride in the high 24 bits of the header's length word, above
-// the 40 bits of the tensor length, so the header keeps its 12 bytes: bits
+// the 40 bits of the tensor length, so the header is that word alone: bits
 // 40-42 hold the pieces per chunk of this call (1 to 4); bit 43 says that
 // the rank can start the collectives of this call (a call of at least
 // startMin elements on a comm.Starter, with SetOverlap on), bit 44 that it
@@ -204,7 +204,7 @@ func (s *State) tuning() uint64 {
 // header says it can, and none that it runs them blocking.
 func (s *State) allStart() bool {
 	for j := range s.world {
-		w := binary.LittleEndian.Uint64(s.headers[j*headerLen+4:])
+		w := binary.LittleEndian.Uint64(s.headers[j*headerLen:])
 		if w&(1<<startBit) == 0 || w&(1<<blockingBit) != 0 {
 			return false
 		}
@@ -215,7 +215,7 @@ func (s *State) allStart() bool {
 // headerTuning returns the piece count and the previous call's time in
 // rank j's header.
 func (s *State) headerTuning(j int) (pieces int, last uint64) {
-	w := binary.LittleEndian.Uint64(s.headers[j*headerLen+4:])
+	w := binary.LittleEndian.Uint64(s.headers[j*headerLen:])
 	return int(w >> lenBits & (1<<pieceBits - 1)), w >> timeShift
 }
 
