@@ -126,7 +126,7 @@ func cmpFloat(a, b float64) int {
 // after the other and inside the call (the output twice: the rank's own
 // chunk, then the others'); the table has a summary row per rank.
 func TestBenchTraceInOrder(t *testing.T) {
-	want := []string{"call", "compress", "header", "all-to-all", "worker-error",
+	want := []string{"call", "header", "compress", "all-to-all", "worker-error",
 		"server-reduce", "all-gather", "server-compress", "decompress", "decompress"}
 	for _, w := range []int{2, 3, 4} {
 		table, f := runTraced(t, fmt.Sprintf("--b 4Ki --e 16Ki --f 4 --w 1 --n 3 --collective onebit --ranks %d", w))
