@@ -233,20 +233,17 @@ static int lb_set_yield(int on) {
 	return opal_progress_set_yield_when_idle(on != 0);
 }
 static int lb_data_wait(lb_state *s, int i) { return MPI_Wait(&s->data_req[i], MPI_STATUS_IGNORE); }
-// lb_agree_poll tests the agreement like lb_agree_test, without the
-// yield, as lb_data_test does: the caller of a started tiny all-gather
-// (comm/mpi's startTiny) works between its polls.
-static int lb_agree_poll(lb_state *s) {
+// lb_agree_test tests the agreement; with yield 0 it does so without the
+// yield of a poll that finds nothing to do, as lb_data_test does: the
+// caller of a started tiny all-gather (comm/mpi's startTiny) works between
+// its polls.
+static int lb_agree_test(lb_state *s, int yield) {
 	s->agree_done = 0;
 	_Bool y = 0;
-	if (opal_progress_set_yield_when_idle) y = opal_progress_set_yield_when_idle(0);
+	if (!yield && opal_progress_set_yield_when_idle) y = opal_progress_set_yield_when_idle(0);
 	int rc = MPI_Test(&s->agree_req, &s->agree_done, MPI_STATUS_IGNORE);
-	if (opal_progress_set_yield_when_idle) opal_progress_set_yield_when_idle(y);
+	if (!yield && opal_progress_set_yield_when_idle) opal_progress_set_yield_when_idle(y);
 	return rc;
-}
-static int lb_agree_test(lb_state *s) {
-	s->agree_done = 0;
-	return MPI_Test(&s->agree_req, &s->agree_done, MPI_STATUS_IGNORE);
 }
 
 // lb_answer answers the roll calls that have come in: the rank is waiting
@@ -534,20 +531,15 @@ func cAgreeStart(h handle, s cstate, n int) error {
 	return mpiError("MPI_Iallreduce", rc)
 }
 
-// cAgreeTest reports whether the agreement cAgreeStart started is done.
-func cAgreeTest(s cstate) (bool, error) {
+// cAgreeTest reports whether the agreement cAgreeStart started is done;
+// with yield false its poll keeps the core (lb_agree_test).
+func cAgreeTest(s cstate, yield bool) (bool, error) {
+	y := C.int(0)
+	if yield {
+		y = 1
+	}
 	lock()
-	rc := C.lb_agree_test(s)
-	done := s.agree_done != 0
-	unlock()
-	return done, mpiError("MPI_Test", rc)
-}
-
-// cAgreePoll is cAgreeTest without the yield of a poll that found
-// nothing to do (lb_agree_poll).
-func cAgreePoll(s cstate) (bool, error) {
-	lock()
-	rc := C.lb_agree_poll(s)
+	rc := C.lb_agree_test(s, y)
 	done := s.agree_done != 0
 	unlock()
 	return done, mpiError("MPI_Test", rc)

@@ -392,7 +392,7 @@ func (c *mpiComm) agreeRound(kind comm.Collective) error {
 func (c *mpiComm) agreeWait(kind comm.Collective) error {
 	var start time.Time
 	for {
-		done, err := cAgreeTest(c.st)
+		done, err := cAgreeTest(c.st, true)
 		if done || err != nil {
 			return err
 		}
@@ -844,7 +844,7 @@ func (r *request) Test() (bool, error) {
 		return true, r.err
 	}
 	if r.tiny {
-		done, err := cAgreePoll(r.c.st)
+		done, err := cAgreeTest(r.c.st, false)
 		if !done && err == nil {
 			return false, nil
 		}
