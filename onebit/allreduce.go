@@ -612,7 +612,7 @@ func outputKernel(buf []float32) func(dst []float32, src []byte, scale float32) 
 //     the others' headers there, and its own reaches them while they
 //     pack (4 ranks on 2 cores, 64 MiB at 10 Gbit: the header ended 3.7-4.5
 //     ms after the last rank's first pass where it was exchanged after it,
-//     0.8-1.4 ms now);
+//     0-1.8 ms now);
 //   - the first pass packs sgn(x) too (step 4 before step 3: the signs do
 //     not depend on the worker scale), so the all-to-all travels while
 //     step 3 updates the worker error;

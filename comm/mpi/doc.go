@@ -94,7 +94,7 @@
 // ranks may mix the two; a mismatch is an error from Wait, and the
 // communicator stays usable. No other collective may be in flight with it.
 // onebit starts its header so, during its first pass: on 4 ranks sharing 2
-// cores, 64 MiB at 10 Gbit, the header then ended 0.8-1.4 ms after the
+// cores, 64 MiB at 10 Gbit, the header then ended 0-1.8 ms after the
 // last rank's first pass, where it ended 3.7-4.5 ms after it exchanged
 // blocking at that point.
 //
