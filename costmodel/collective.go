@@ -178,9 +178,9 @@ func onebitWireBytes(n int64, w int) int64 {
 // server's unpack-and-sum of W chunks (N) and its compression (C),
 // unpacking the output (N): 4 + 1/W passes.
 //
-//   - header: all-gather of the length, at once (it travels during the
-//     first pass where the collectives are started; modelled as before
-//     it);
+//   - header: all-gather of the length, at once (where the collectives
+//     are started it travels beside the first pass; the model puts that
+//     pass before it, unpipelined);
 //   - phase 1: all-to-all of the packed chunks, each followed by the
 //     worker scale, after packing; pipelined, packing, the worker residual
 //     and the server's sum overlap the pieces on the wire, and the worker

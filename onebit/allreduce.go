@@ -136,7 +136,6 @@ type State struct {
 	// that this rank can start them; started is whether the call started
 	// them.
 	blocking, starts, started bool
-	headerStart               time.Time // a started header's start, for the trace
 }
 
 // workerSource forms x = pad(input) + worker_error for a State whose
@@ -371,7 +370,7 @@ func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error
 	if len(buf) == 0 {
 		st.Reset()
 		if err := st.exchangeHeader(ctx, c); err != nil {
-			return fmt.Errorf("onebit: phase 1 scales: %w", err)
+			return fmt.Errorf("onebit: phase 1 header: %w", err)
 		}
 		return nil
 	}
@@ -640,6 +639,7 @@ func (st *State) allReduceWhole(ctx context.Context, c comm.Comm, starter comm.S
 	// call is agreed, and the collectives that follow skip the backend's
 	// argument check) and its tuning; started where the collectives may
 	// be.
+	th := st.start()
 	hdr, err := st.startHeader(ctx, c, starter)
 	if err != nil {
 		return fmt.Errorf("onebit: phase 1 header: %w", err)
@@ -662,7 +662,7 @@ func (st *State) allReduceWhole(ctx context.Context, c comm.Comm, starter comm.S
 	workerScale := st.normScale()
 	st.putWorkerScale(workerScale)
 	st.span(PhaseCompress, 0, t)
-	if err := st.endHeader(hdr); err != nil {
+	if err := st.endHeader(hdr, th); err != nil {
 		return fmt.Errorf("onebit: phase 1 header: %w", err)
 	}
 	if !st.allStart() {
@@ -1349,20 +1349,16 @@ func (st *State) startHeader(ctx context.Context, c comm.Comm, s comm.Starter) (
 		return comm.Done{}, st.exchangeHeader(ctx, c)
 	}
 	st.putHeader()
-	st.headerStart = st.start()
 	return s.StartAllGatherBytes(ctx, st.header, st.headers)
 }
 
-// endHeader waits for a header startHeader started and checks it.
-func (st *State) endHeader(req comm.Request) error {
+// endHeader waits for a header startHeader started at t (finish) and
+// checks it; one exchanged at once has been checked already.
+func (st *State) endHeader(req comm.Request, t time.Time) error {
 	if _, blocking := req.(comm.Done); blocking {
 		return nil
 	}
-	tw := st.start()
-	err := req.Wait()
-	st.span(PhaseWait, -1, tw)
-	st.span(PhaseHeader, 0, st.headerStart)
-	if err != nil {
+	if err := st.finish(req, PhaseHeader, t); err != nil {
 		return err
 	}
 	return st.readHeader()

@@ -408,7 +408,7 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 			return refuse(ctx, c, err)
 		}
 		if err := st.wire.exchangeHeader(ctx, c); err != nil {
-			return fmt.Errorf("onebit: phase 1 scales: %w", err)
+			return fmt.Errorf("onebit: phase 1 header: %w", err)
 		}
 		return nil
 	}
@@ -440,7 +440,7 @@ func AllReduceDevice(ctx context.Context, c comm.Comm, buf accel.Span, st *Devic
 	k := wire.pieces
 	wire.putWorkerScale(workerScale)
 	if err := wire.exchangeHeader(ctx, c); err != nil {
-		return fmt.Errorf("onebit: phase 1 scales: %w", err)
+		return fmt.Errorf("onebit: phase 1 header: %w", err)
 	}
 	comm.SkipChecks(c, 2*k)
 	for p := range k {

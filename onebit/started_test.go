@@ -39,21 +39,23 @@ func (s *startComm) stop() {
 func (s *startComm) Starts() bool { return true }
 
 func (s *startComm) StartAllToAllBytes(ctx context.Context, send, recv []byte) (comm.Request, error) {
-	return s.start(func() error { return s.Comm.AllToAllBytes(ctx, send, recv) }), nil
+	return s.start(s.starts, func() error { return s.Comm.AllToAllBytes(ctx, send, recv) }), nil
 }
 
 func (s *startComm) StartAllGatherBytes(ctx context.Context, send, recv []byte) (comm.Request, error) {
+	count := s.starts
 	if len(send) == onebit.HeaderLen {
-		if s.headers != nil {
-			s.headers.Add(1)
-		}
-		s.starts.Add(-1) // not a data collective
+		count = s.headers
 	}
-	return s.start(func() error { return s.Comm.AllGatherBytes(ctx, send, recv) }), nil
+	return s.start(count, func() error { return s.Comm.AllGatherBytes(ctx, send, recv) }), nil
 }
 
-func (s *startComm) start(run func() error) comm.Request {
-	s.starts.Add(1)
+// start runs run on the communicator's goroutine and counts it in count
+// (if not nil).
+func (s *startComm) start(count *atomic.Int64, run func() error) comm.Request {
+	if count != nil {
+		count.Add(1)
+	}
 	if s.jobs == nil {
 		s.jobs = make(chan func(), 64)
 		go func() {

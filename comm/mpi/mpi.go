@@ -300,21 +300,43 @@ func (c *mpiComm) fail(kind comm.Collective, err error) error {
 // the call's arguments with every rank. On success the caller runs the
 // data collective and then calls end with armed.
 func (c *mpiComm) begin(ctx context.Context, a *args) (armed guard, err error) {
-	if err := c.usable(a.kind); err != nil {
+	armed, agreeing, err := c.open(ctx, a)
+	if err != nil || !agreeing {
+		return armed, err
+	}
+	if err := c.agreeWait(a.kind); err != nil {
+		c.wd.disarm(armed)
+		return unguarded, c.fail(a.kind, err)
+	}
+	if err := c.agreed(a); err != nil {
+		c.wd.disarm(armed)
 		return unguarded, err
 	}
-	if !a.started {
+	return armed, nil
+}
+
+// open is begin up to the agreement: it checks the communicator and ctx,
+// arms the watchdog and starts the agreement on a's arguments (agreeing),
+// unless the caller promised agreeing arguments (SkipChecks).
+func (c *mpiComm) open(ctx context.Context, a *args) (armed guard, agreeing bool, err error) {
+	if err := c.usable(a.kind); err != nil {
+		return unguarded, false, err
+	}
+	switch {
+	case !a.started:
 		if err := c.idle(a.kind); err != nil {
-			return unguarded, err
+			return unguarded, false, err
 		}
-	} else if c.inFlight == maxStarted {
-		return unguarded, fmt.Errorf("mpi: %s: %d started collectives are in flight already, the most there may be", a.kind, maxStarted)
+	case c.agreeing:
+		return unguarded, false, fmt.Errorf("mpi: %s: a started tiny all-gather is in flight (finish it with its Request first)", a.kind)
+	case c.inFlight == maxStarted:
+		return unguarded, false, fmt.Errorf("mpi: %s: %d started collectives are in flight already, the most there may be", a.kind, maxStarted)
 	}
 	if ctx == nil {
 		ctx = context.Background() // the comm package's rule for a nil context
 	}
 	if err := ctx.Err(); err != nil {
-		return unguarded, c.giveUp(a.kind, err)
+		return unguarded, false, c.giveUp(a.kind, err)
 	}
 	c.seq++
 	if c.skip > 0 {
@@ -327,31 +349,34 @@ func (c *mpiComm) begin(ctx context.Context, a *args) (armed guard, err error) {
 		if a.invalid != nil {
 			c.skip = 0
 			c.wd.disarm(armed)
-			return unguarded, a.invalid
+			return unguarded, false, a.invalid
 		}
-		return armed, nil
+		return armed, false, nil
 	}
 	armed = c.arm(ctx, a, phaseAgree)
 	a.encode(c.agree, c.rank, c.size)
-	if err := c.agreeRound(a.kind); err != nil {
+	if err := cAgreeStart(c.h, c.st, len(c.agree)); err != nil {
 		c.wd.disarm(armed)
-		return unguarded, c.fail(a.kind, err)
+		return unguarded, false, c.fail(a.kind, err)
 	}
+	return armed, true, nil
+}
+
+// agreed reads the agreement every rank has reached on a's arguments: nil,
+// or the error of a rank's invalid arguments or of a mismatch (after which
+// the communicator stays usable).
+func (c *mpiComm) agreed(a *args) error {
 	c.wd.phase.Store(phaseData) // every rank has reached the call
 	agree, invalid := decode(c.agree)
 	switch {
+	case invalid < c.size && a.invalid != nil:
+		return a.invalid
 	case invalid < c.size:
-		c.wd.disarm(armed)
-		if a.invalid != nil {
-			return unguarded, a.invalid
-		}
-		return unguarded, invalidError(a.kind, invalid)
+		return invalidError(a.kind, invalid)
 	case !agree:
-		err := c.mismatch(a)
-		c.wd.disarm(armed)
-		return unguarded, err
+		return c.mismatch(a)
 	}
-	return armed, nil
+	return nil
 }
 
 // arm arms the watchdog for call a, in phase, and returns its guard. The
@@ -378,17 +403,9 @@ const (
 	maxNap  = 10 * time.Millisecond
 )
 
-// agreeRound runs the MPI_MAX allreduce of the agreement vector. While it
-// waits for late ranks, it answers the roll calls of ranks whose watchdog
-// fired.
-func (c *mpiComm) agreeRound(kind comm.Collective) error {
-	if err := cAgreeStart(c.h, c.st, len(c.agree)); err != nil {
-		return err
-	}
-	return c.agreeWait(kind)
-}
-
-// agreeWait waits for the agreement in flight, as agreeRound describes.
+// agreeWait waits for the agreement in flight, the MPI_MAX allreduce of
+// the agreement vector. While it waits for late ranks, it answers the roll
+// calls of ranks whose watchdog fired.
 func (c *mpiComm) agreeWait(kind comm.Collective) error {
 	var start time.Time
 	for {
@@ -727,9 +744,6 @@ func (c *mpiComm) StartAllGatherBytes(ctx context.Context, send, recv []byte) (c
 func (c *mpiComm) start(ctx context.Context, a *args, send, recv []byte, count int, moved int64,
 	call func(h handle, s cstate, i int, send, recv unsafe.Pointer, count int) error) (comm.Request, error) {
 	a.started = true
-	if c.agreeing {
-		return nil, fmt.Errorf("mpi: %s: a started tiny all-gather is in flight (finish it with its Request first)", a.kind)
-	}
 	armed, err := c.begin(ctx, a)
 	if err != nil {
 		return nil, err
@@ -763,24 +777,9 @@ func (c *mpiComm) start(ctx context.Context, a *args, send, recv []byte, count i
 // here, as it guards a blocking call's agreement.
 func (c *mpiComm) startTiny(ctx context.Context, a *args, send, recv []byte, moved int64) (comm.Request, error) {
 	a.payload = send
-	if err := c.usable(a.kind); err != nil {
+	armed, _, err := c.open(ctx, a) // no other collective in flight: a is not started
+	if err != nil {
 		return nil, err
-	}
-	if c.inFlight > 0 {
-		return nil, fmt.Errorf("mpi: %s: a tiny started all-gather needs no other collective in flight; %d are", a.kind, c.inFlight)
-	}
-	if ctx == nil {
-		ctx = context.Background() // the comm package's rule for a nil context
-	}
-	if err := ctx.Err(); err != nil {
-		return nil, c.giveUp(a.kind, err)
-	}
-	c.seq++
-	armed := c.arm(ctx, a, phaseAgree)
-	a.encode(c.agree, c.rank, c.size)
-	if err := cAgreeStart(c.h, c.st, len(c.agree)); err != nil {
-		c.wd.disarm(armed)
-		return nil, c.fail(a.kind, err)
 	}
 	r := &c.reqs[0]
 	r.c, r.slot, r.kind, r.moved, r.err = c, 0, a.kind, moved, nil
@@ -800,26 +799,15 @@ func (r *request) tinyDone(err error) error {
 	c, a, recv := r.c, r.targs, r.recv
 	r.tiny, c.agreeing = false, false
 	r.targs, r.recv = args{}, nil // the caller's buffers are its own again
-	if err != nil {
-		return r.finish(err)
-	}
-	c.wd.phase.Store(phaseData) // every rank has reached the call
-	agree, invalid := decode(c.agree)
-	switch {
-	case invalid < c.size:
-		err = invalidError(a.kind, invalid)
-	case !agree:
-		err = c.mismatch(&a)
-	default:
+	if err == nil {
+		if err := c.agreed(&a); err != nil {
+			c.wd.disarm(r.settle())
+			r.err = err
+			return err
+		}
 		payloads(c.agree, recv, len(a.payload))
-		return r.finish(nil)
 	}
-	r.active = false
-	c.inFlight--
-	c.wd.disarm(c.group)
-	c.group = unguarded
-	r.err = err
-	return err
+	return r.finish(err)
 }
 
 // request is the comm.Request of a started collective, in one of a
@@ -874,6 +862,17 @@ func (r *request) Wait() error {
 // broken.
 func (r *request) finish(err error) error {
 	c := r.c
+	r.err = c.end(r.kind, r.settle(), err)
+	if r.err == nil {
+		c.stats.Add(r.kind, r.moved, r.moved)
+	}
+	return r.err
+}
+
+// settle takes r out of the collectives in flight and unpins its buffers;
+// it returns the watchdog's guard of those in flight if r was the last.
+func (r *request) settle() guard {
+	c := r.c
 	if r.active {
 		r.active = false
 		c.inFlight--
@@ -883,11 +882,7 @@ func (r *request) finish(err error) error {
 	if c.inFlight == 0 {
 		g, c.group = c.group, unguarded
 	}
-	r.err = c.end(r.kind, g, err)
-	if r.err == nil {
-		c.stats.Add(r.kind, r.moved, r.moved)
-	}
-	return r.err
+	return g
 }
 
 // Broadcast copies root's buf to every rank.

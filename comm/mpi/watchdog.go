@@ -53,7 +53,7 @@ type roller interface {
 
 // The roll call waits up to rollCallWait for the answers, polling every
 // rollCallPoll. A rank waiting in an agreement answers within about
-// maxNap (see agreeRound), so the wait is generous.
+// maxNap (see agreeWait), so the wait is generous.
 const (
 	rollCallWait = time.Second
 	rollCallPoll = 10 * time.Millisecond
