@@ -355,6 +355,12 @@ func (s *State) Reset() {
 // finds them still takes part in the header all-gather, with a length that
 // marks the call as refused, and returns its own error; every other rank
 // returns an error naming it.
+//
+// A call that returns an error may have changed buf and the error buffers
+// (a call that starts its collectives runs its first pass, which adds buf
+// into the worker error buffer, while the header that could refuse it
+// travels): Reset st, or restore both from a checkpoint, before the next
+// call.
 func AllReduce(ctx context.Context, c comm.Comm, buf []float32, st *State) error {
 	if c == nil {
 		return fmt.Errorf("onebit: nil communicator")

@@ -29,8 +29,10 @@
 # the streaming bandwidth measured in the same run) and the share of it
 # reached, and the way the calls settled on (chunks whole or in pieces;
 # lowbit bench warms a 1-bit call up with onebit.TuningCalls calls at
-# least). Last, a small message unshaped (SMALL, 4Ki): the 1-bit call
-# against the exact one.
+# least). Beside them, a small message unshaped (SMALL, 4Ki): the 1-bit
+# call against the exact one, REPS times (each run's speedup and their
+# median: one run's ratio of two p50s of some tens of microseconds moves
+# with what the 2 cores were doing in it).
 #
 # Last, unless TWOLEVEL=0, it runs scripts/bench-twolevel.sh at QSIZE: the
 # two-level allreduce (and fp16, bf16) against the flat allreduce on 2
@@ -44,7 +46,7 @@
 # allreduce takes about 3.2 s per call at 1 Gbit), QSIZE (END), QRPN (2)
 # for the quantized and down-cast run (about a minute at 64 MiB: the whole
 # script runs in about 2.5 minutes), ITERS_UNSHAPED (10), FAST (10gbit),
-# REPS (3: the FAST and unshaped runs, alternately, each with its own
+# REPS (3: the FAST, unshaped and small runs, alternately, each with its own
 # streaming bandwidth; the memory bound's share is reported per run and as
 # the median, because this machine's bandwidth changes with its
 # neighbours' load), SMALL (4Ki), GO (go).
@@ -93,15 +95,14 @@ netns_run ip netns exec "$ns" "${mpi[@]}" "${NETNS_MPI_LO[@]}" \
 	--b "$QSIZE" --e "$QSIZE" --w "$WARMUP" --n "$ITERS" >"$NETNS_TMP/quant.csv"
 
 netns_shape "$ns" lo "$FAST"
-echo "bench-net: $REPS times, alternately: $NP ranks over TCP on the loopback shaped to $FAST, and unshaped (default transport); $END, $WARMUP warm-up + $ITERS_UNSHAPED timed iterations"
+echo "bench-net: $REPS times, alternately: $NP ranks over TCP on the loopback shaped to $FAST, and unshaped (default transport); $END, $WARMUP warm-up + $ITERS_UNSHAPED timed iterations; then unshaped at $SMALL, 10 warm-up + 1000 timed iterations"
 for r in $(seq "$REPS"); do
 	netns_run ip netns exec "$ns" "${mpi[@]}" "${NETNS_MPI_LO[@]}" \
 		"${bench[@]}" --b "$END" --e "$END" --w "$WARMUP" --n "$ITERS_UNSHAPED" >"$NETNS_TMP/fast$r.csv"
 	netns_run "${mpi[@]}" "${bench[@]}" --b "$END" --e "$END" --w "$WARMUP" --n "$ITERS_UNSHAPED" >"$NETNS_TMP/unshaped$r.csv"
+	netns_run "${mpi[@]}" "${bench[@]}" --b "$SMALL" --e "$SMALL" --w 10 --n 1000 >"$NETNS_TMP/small$r.csv"
 done
 netns_del "$ns"
-echo "bench-net: $NP ranks unshaped, $SMALL, 10 warm-up + 200 timed iterations"
-netns_run "${mpi[@]}" "${bench[@]}" --b "$SMALL" --e "$SMALL" --w 10 --n 200 >"$NETNS_TMP/small.csv"
 
 # human X prints X bytes as 64M, 4K, 1G where it divides evenly (awk).
 human='function human(x) {
@@ -144,7 +145,33 @@ summary "shaped ($RATE loopback, TCP), $NP ranks:" "$NETNS_TMP/shaped.csv"
 echo
 summary "unshaped (shared memory), $NP ranks (the first of $REPS runs):" "$NETNS_TMP/unshaped1.csv"
 echo
-summary "unshaped (shared memory), $NP ranks, small messages:" "$NETNS_TMP/small.csv"
+summary "unshaped (shared memory), $NP ranks, small messages (the first of $REPS runs):" "$NETNS_TMP/small1.csv"
+
+# speedups TITLE FILE... prints the 1-bit call's speedup over the exact one
+# in each file (lowbit bench's CSV, one size), then their median.
+speedups() {
+	title=$1
+	shift
+	awk -F, -v title="$title" '
+		function run() {
+			x[++n] = t["allreduce"] / t["onebit"]
+			printf "%s, run %d: exact p50 %.1f us, 1-bit p50 %.1f us: %.2fx\n", title, n, t["allreduce"], t["onebit"], x[n]
+		}
+		FNR == 1 {
+			if (NR > 1) run()
+			for (i = 1; i <= NF; i++) col[$i] = i
+			if (!("time_p50_us" in col)) { print "bench-net: unexpected CSV header: " $0 > "/dev/stderr"; exit 1 }
+			next
+		}
+		{ t[$col["collective"]] = $col["time_p50_us"] }
+		END {
+			run()
+			for (i = 2; i <= n; i++) for (j = i; j > 1 && x[j] < x[j - 1]; j--) { y = x[j]; x[j] = x[j - 1]; x[j - 1] = y }
+			m = n % 2 ? x[(n + 1) / 2] : (x[n / 2] + x[n / 2 + 1]) / 2
+			printf "%s: median speedup over %d runs: %.2fx\n", title, n, m
+		}' "$@"
+}
+speedups "unshaped $SMALL" "$NETNS_TMP"/small[0-9]*.csv
 
 # bound TITLE FILE... prints each 1-bit row's memory bound and the share of
 # it reached, one line per file (lowbit bench's CSV), then the median share.

@@ -177,14 +177,18 @@ fi
 # In skip, a rank runs one allreduce fewer under context.Background(), and
 # the others' 2 s collective timeout (mpi.WithCollectiveTimeout) must end
 # the job within 15 s (2 s, the 1 s roll call, the stagger, mpirun's exit).
+# In started, the 2 s deadline is that of a collective started beside
+# another, which the watchdog guards with the first.
 watchdog='lowbit/mpi: rank [0-9]+: context deadline exceeded during allreduce; aborting the MPI job because MPI cannot cancel a collective'
 missing='ranks that had not reached it: \[2\]; ranks waiting in it: \[0 1\]'
 timeout='lowbit/mpi: rank [01]: collective timeout of 2s \(mpi\.WithCollectiveTimeout\) exceeded during allreduce; aborting the MPI job because MPI cannot cancel a collective: rank [01] waited [23](\.[0-9]+)?s in allreduce #3 of its communicator of 3 ranks; '$missing'$'
-for s in exit close stall skip; do
+started='lowbit/mpi: rank [01]: context deadline exceeded during alltoall; aborting the MPI job because MPI cannot cancel a collective: rank [01] waited [0-9.]+m?s in alltoall #2 of its communicator of 3 ranks; '$missing'$'
+for s in exit close stall skip started; do
 	limit=30000
 	case $s in
 	exit) want="exiting improperly|$watchdog" ;;
 	skip) want=$timeout limit=15000 ;;
+	started) want=$started ;;
 	*) want="$watchdog: .*; $missing\$" ;;
 	esac
 	log=$tmp/scenario-$s.log

@@ -83,9 +83,11 @@
 // non-blocking collectives do not match blocking ones, so every rank must
 // start the same collective: the argument agreement includes it (a rank
 // that calls the blocking variant is a mismatch on every rank), and onebit,
-// which skips the agreement, agrees on it in its header. The watchdog and
-// the context rules below hold from the first start to the end of the last
-// collective in flight.
+// which skips the agreement, agrees on it in its header. The watchdog
+// guards the collectives in flight at once together, from the first start
+// to the end of the last: the context of every one of them counts (one
+// that ends aborts the job, as below), and the collective timeout counts
+// from the first start.
 //
 // A tiny all-gather (see above) started is its argument agreement started:
 // the MPI_Iallreduce that carries its payload travels while the caller

@@ -150,6 +150,8 @@ type mpiComm struct {
 	reqs       [maxStarted]request // the started collectives' slots (Starter)
 	inFlight   int                 // started collectives not yet seen done
 	group      guard               // the watchdog's guard of those in flight
+	groupDone  <-chan struct{}     // the Done channel of the context group guards with
+	alsoDone   <-chan struct{}     // the last one added to group (watchdog.also)
 	agreeing   bool                // a started tiny all-gather's agreement is in flight (startTiny)
 
 	// WithOrderedReduce's buffers.
@@ -381,11 +383,23 @@ func (c *mpiComm) agreed(a *args) error {
 
 // arm arms the watchdog for call a, in phase, and returns its guard. The
 // first of the started collectives in flight at once guards them all,
-// until the last is done: the watchdog guards one call at a time.
+// until the last is done (the watchdog guards one call at a time); the
+// others' contexts join its guard (watchdog.also) where they can end
+// otherwise than its own.
 func (c *mpiComm) arm(ctx context.Context, a *args, phase int32) guard {
 	if a.started && c.inFlight > 0 {
+		c.wd.phase.Store(phase) // the watchdog's messages tell of the newest
+		if d := ctx.Done(); d != nil && d != c.groupDone && d != c.alsoDone {
+			if c.group == byContext {
+				c.alsoDone = d
+			} else {
+				c.groupDone = d // the guard's context from here
+			}
+			c.group = c.wd.also(ctx, a.kind, c.seq, phase, c.group)
+		}
 		return unguarded
 	}
+	c.groupDone, c.alsoDone = ctx.Done(), nil
 	return c.wd.arm(ctx, a.kind, c.seq, phase)
 }
 

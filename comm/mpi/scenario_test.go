@@ -28,6 +28,10 @@ import (
 //     status 0, as a training loop that runs one step fewer does; the
 //     others' 2s collective timeout (WithCollectiveTimeout) must abort the
 //     job with a message that names the allreduce and the last rank.
+//   - started: every rank starts an all-gather (no deadline); then every
+//     rank but the last starts an all-to-all beside it with a 2s deadline,
+//     and the last stalls; the deadline must abort the job with the
+//     watchdog's message, which names the all-to-all and the last rank.
 //
 // A rank returning from the collective is a failure of the scenario.
 const scenarioEnv = "LOWBIT_MPI_SCENARIO"
@@ -87,6 +91,31 @@ func runScenario(name string) int {
 			return 0
 		}
 		fmt.Fprintf(os.Stderr, "scenario skip: rank %d: its last allreduce returned instead of aborting\n", c.Rank())
+		return 1
+	case "started":
+		s, ok := c.(comm.Starter)
+		if !ok {
+			fmt.Fprintln(os.Stderr, "scenario started: the communicator starts no collectives")
+			return 2
+		}
+		w := c.Size()
+		// Not tiny: a data collective, in flight after its agreement.
+		if _, err := s.StartAllGatherBytes(context.Background(), make([]byte, 64), make([]byte, 64*w)); err != nil {
+			fmt.Fprintf(os.Stderr, "scenario started: rank %d: %v\n", c.Rank(), err)
+			return 1
+		}
+		if last {
+			fmt.Fprintf(os.Stderr, "scenario started: rank %d stalls on purpose\n", c.Rank())
+			time.Sleep(time.Minute)
+			return 0
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		req, err := s.StartAllToAllBytes(ctx, make([]byte, 64*w), make([]byte, 64*w))
+		if err == nil {
+			err = req.Wait()
+		}
+		fmt.Fprintf(os.Stderr, "scenario started: rank %d: the all-to-all returned (%v) instead of aborting\n", c.Rank(), err)
 		return 1
 	default:
 		fmt.Fprintf(os.Stderr, "unknown scenario %q\n", name)

@@ -10,6 +10,11 @@ import (
 	"github.com/lowbit-ml/lowbit/comm"
 )
 
+// alsoMax is the most collectives also may add to one guard: at least the
+// started collectives a communicator may have in flight at once (capi.go
+// checks).
+const alsoMax = 16
+
 // abortCode is the error code the watchdog passes to MPI_Abort; mpirun
 // exits with it.
 const abortCode = 3
@@ -19,6 +24,9 @@ type watch struct {
 	ctx  context.Context
 	kind comm.Collective
 	seq  int64 // the call's number on its communicator, from 1
+	// since is when the call was armed, where it was guarded byTimeout
+	// before (see also); zero: when the watchdog receives it.
+	since time.Time
 }
 
 // The phases of a guarded call, which tell what the watchdog can know
@@ -81,6 +89,7 @@ const (
 // call allocates nothing.
 type watchdog struct {
 	armc     chan watch
+	alsoc    chan watch // see also; buffered, drained when a guard ends
 	disarmc  chan struct{}
 	quit     chan struct{}
 	inflight atomic.Bool
@@ -107,6 +116,7 @@ type watchdog struct {
 func newWatchdog(ranks []int, self int, timeout time.Duration, peers roller, abort func(msg string)) *watchdog {
 	w := &watchdog{
 		armc:    make(chan watch),
+		alsoc:   make(chan watch, alsoMax),
 		disarmc: make(chan struct{}),
 		quit:    make(chan struct{}),
 		epoch:   time.Now(),
@@ -149,6 +159,40 @@ func (w *watchdog) arm(ctx context.Context, kind comm.Collective, seq int64, pha
 	return byContext
 }
 
+// also guards, beside the call that g (arm's result) guards and until it
+// is disarmed, a collective started while that call is in flight
+// (comm.Starter: started collectives in flight at once share one guard)
+// with a context that can end otherwise than the guarded call's, and
+// returns the guard that disarm must then be given. Its context ending
+// aborts the job as the guarded call's does: a guard byContext watches
+// both from here (registering the context allocates: the caller adds
+// only contexts it has not); a call guarded byTimeout is guarded
+// byContext from here, its timeout counted from its own start, with ctx
+// beside it; an unguarded one (no timeout) is guarded by ctx alone.
+func (w *watchdog) also(ctx context.Context, kind comm.Collective, seq int64, phase int32, g guard) guard {
+	switch g {
+	case unguarded:
+		return w.arm(ctx, kind, seq, phase)
+	case byTimeout:
+		s := w.lazy.Load()
+		if s <= 0 || !w.lazy.CompareAndSwap(s, 0) {
+			// The watchdog has taken the call over: its timeout
+			// passed, and the job ends.
+			return g
+		}
+		// The same call, now guarded byContext, and ctx beside it.
+		w.armc <- watch{
+			ctx:   context.Background(),
+			kind:  comm.Collective(w.lazyKind.Load()),
+			seq:   s,
+			since: w.epoch.Add(time.Duration(w.lazyStart.Load())),
+		}
+		g = byContext
+	}
+	w.alsoc <- watch{ctx: ctx, kind: kind, seq: seq}
+	return g
+}
+
 // disarm ends the guard arm started, once the call has returned.
 func (w *watchdog) disarm(g guard) {
 	switch g {
@@ -189,13 +233,45 @@ func (w *watchdog) run() {
 	}
 }
 
-// guard watches call a, guarded byContext, until it is disarmed.
+// guard watches call a, guarded byContext, and the collectives that also
+// added, until it is disarmed.
 func (w *watchdog) guard(a watch, tick <-chan time.Time) {
-	start := time.Now()
+	start := a.since
+	if start.IsZero() {
+		start = time.Now()
+	}
+	var (
+		ended chan watch // the added collectives whose context ended; nil (never ready) until one is added
+		stops []func() bool
+	)
+	defer func() {
+		for _, stop := range stops {
+			stop()
+		}
+		// Every collective added to this guard was sent before the
+		// disarm that ended it: none is left for the next.
+		for len(w.alsoc) > 0 {
+			<-w.alsoc
+		}
+	}()
 	for {
 		select {
 		case <-a.ctx.Done():
 			w.expired(a, start, a.ctx.Err().Error())
+			return
+		case x := <-w.alsoc:
+			if ended == nil {
+				ended = make(chan watch, 1)
+			}
+			e := ended // this guard's: a late callback's send is lost
+			stops = append(stops, context.AfterFunc(x.ctx, func() {
+				select {
+				case e <- x:
+				default: // one is enough
+				}
+			}))
+		case x := <-ended:
+			w.expired(x, start, x.ctx.Err().Error())
 			return
 		case <-tick:
 			if time.Since(start) >= w.timeout {

@@ -200,14 +200,17 @@ func TestWatchdogReturnsDuringRollCall(t *testing.T) {
 	w.disarm(armed)
 }
 
-// Calls that return around the timeout, under both guards, either return
-// unaborted or are aborted once, and the watchdog never blocks a call.
+// Calls that return around the timeout, under both guards, with or
+// without a collective's context added, either return unaborted or are
+// aborted once, and the watchdog never blocks a call.
 func TestWatchdogRace(t *testing.T) {
 	var aborts atomic.Int64
 	w := newWatchdog([]int{0, 1}, 0, 2*time.Millisecond, &fakePeers{}, func(string) { aborts.Add(1) })
 	defer w.stop()
 	deadline, cancel := context.WithTimeout(context.Background(), time.Hour)
 	defer cancel()
+	other, cancelOther := context.WithTimeout(context.Background(), time.Hour)
+	defer cancelOther()
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -217,6 +220,11 @@ func TestWatchdogRace(t *testing.T) {
 				ctx = deadline
 			}
 			g := w.arm(ctx, comm.CAllReduce, int64(i+1), phaseData)
+			if i%2 == 1 {
+				// A collective started beside it, with a context of
+				// its own.
+				g = w.also(other, comm.CAllGather, int64(i+1), phaseUnchecked, g)
+			}
 			time.Sleep(time.Duration(i%5) * time.Millisecond)
 			w.disarm(g)
 		}
@@ -227,5 +235,85 @@ func TestWatchdogRace(t *testing.T) {
 		t.Fatal("arm or disarm blocked")
 	}
 	t.Logf("%d of 300 calls aborted", aborts.Load())
+	assert.Equal(t, int64(0), w.lazy.Load())
+}
+
+// A collective started while another is in flight shares its guard
+// (also): its context ending aborts the job as the first one's does,
+// whatever guarded the first, and only while the group is in flight.
+func TestWatchdogAlso(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		timeout time.Duration
+		first   func() context.Context
+		want    guard // the first call's guard
+	}{
+		{"unguarded", 0, context.Background, unguarded},
+		{"byTimeout", time.Hour, context.Background, byTimeout},
+		{"byContext", 0, func() context.Context {
+			ctx, cancel := context.WithCancel(context.Background())
+			t.Cleanup(cancel)
+			return ctx
+		}, byContext},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			fired := make(abortRecorder, 1)
+			w := newWatchdog([]int{0, 1}, 1, c.timeout, &fakePeers{}, fired.abort)
+			defer w.stop()
+
+			// Added, then done with the group before its context ends:
+			// no abort, now or in the next group.
+			g := w.arm(c.first(), comm.CAllToAll, 1, phaseUnchecked)
+			require.Equal(t, c.want, g)
+			ctx, cancel := context.WithCancel(context.Background())
+			g = w.also(ctx, comm.CAllGather, 2, phaseUnchecked, g)
+			assert.Equal(t, byContext, g)
+			w.disarm(g)
+			cancel()
+			g = w.arm(c.first(), comm.CAllToAll, 3, phaseUnchecked)
+			time.Sleep(20 * time.Millisecond)
+			fired.none(t)
+			w.disarm(g)
+
+			// Its context ending while the group is in flight aborts.
+			g = w.arm(c.first(), comm.CAllToAll, 4, phaseUnchecked)
+			ctx, cancel = context.WithCancel(context.Background())
+			defer cancel()
+			g = w.also(ctx, comm.CAllGather, 5, phaseUnchecked, g)
+			cancel()
+			msg := fired.next(t, 5*time.Second)
+			w.disarm(g)
+			assert.Contains(t, msg, "lowbit/mpi: rank 1: context canceled during allgather; aborting the MPI job")
+			assert.Contains(t, msg, "in allgather #5 of its communicator of 2 ranks")
+			fired.none(t)
+
+			// The watchdog still serves calls.
+			g = w.arm(context.Background(), comm.CAllReduce, 6, phaseData)
+			w.disarm(g)
+			fired.none(t)
+		})
+	}
+}
+
+// A call guarded byTimeout that a collective's context joins keeps its
+// start: the timeout ends the group as it would have.
+func TestWatchdogAlsoKeepsTimeout(t *testing.T) {
+	fired := make(abortRecorder, 1)
+	w := newWatchdog([]int{0, 1}, 0, 200*time.Millisecond, &fakePeers{}, fired.abort)
+	defer w.stop()
+	start := time.Now()
+	g := w.arm(context.Background(), comm.CAllToAll, 1, phaseUnchecked)
+	require.Equal(t, byTimeout, g)
+	time.Sleep(150 * time.Millisecond)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	g = w.also(ctx, comm.CAllGather, 2, phaseUnchecked, g)
+	require.Equal(t, byContext, g)
+	msg := fired.next(t, 5*time.Second)
+	w.disarm(g)
+	assert.Contains(t, msg, "collective timeout of 200ms (mpi.WithCollectiveTimeout) exceeded during alltoall")
+	// From the first call's start, not the join's (which would be 350 ms
+	// at the earliest).
+	assert.Less(t, time.Since(start), 340*time.Millisecond)
 	assert.Equal(t, int64(0), w.lazy.Load())
 }
