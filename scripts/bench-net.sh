@@ -113,7 +113,8 @@ human='function human(x) {
 }'
 
 # summary TITLE FILE prints one line per size of lowbit bench's CSV in FILE: exact and
-# compressed p50 time, speedup, bytes each rank sent.
+# compressed p50 time, speedup, bytes each rank sent; then the speedup at the
+# last size, and the way the 1-bit calls ran there (rank 0's last call).
 summary() {
 	awk -F, -v title="$1" "$human"'
 		NR == 1 {
@@ -126,6 +127,10 @@ summary() {
 			if (!(b in seen)) { seen[b] = 1; order[++n] = b }
 			t[$col["collective"], b] = $col["time_p50_us"]
 			w[$col["collective"], b] = $col["wire_bytes_per_rank"]
+			if ($col["collective"] == "onebit" && ("pieces" in col)) {
+				way[b] = ($col["pieces"] == 1 ? "whole" : "in " $col["pieces"] " pieces") \
+					($col["started"] == "true" ? ", collectives started" : "")
+			}
 		}
 			END {
 			print title
@@ -136,7 +141,9 @@ summary() {
 					w["allreduce", b], w["onebit", b], w["allreduce", b] / w["onebit", b]
 				last = te / to
 			}
-			printf "speedup at %s: %.2fx\n", human(order[n]), last
+			printf "speedup at %s: %.2fx", human(order[n]), last
+			if (order[n] in way) printf " (1-bit chunks %s)", way[order[n]]
+			printf "\n"
 		}' "$2"
 }
 
