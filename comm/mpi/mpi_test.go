@@ -293,14 +293,24 @@ func TestStartedInFlight(t *testing.T) {
 	const n, k = 6, 40_000
 	sends, recvs := make([][]byte, n), make([][]byte, n)
 	reqs := make([]comm.Request, n)
+	// Some with contexts of their own, which the watchdog adds to the
+	// first one's guard; ending them once the collectives are done must
+	// not abort the job.
+	var cancels []context.CancelFunc
 	for i := range n {
+		cctx := ctx
+		if i%3 == 1 {
+			var cancel context.CancelFunc
+			cctx, cancel = context.WithCancel(ctx)
+			cancels = append(cancels, cancel)
+		}
 		if i%2 == 0 {
 			sends[i], recvs[i] = make([]byte, w*k), make([]byte, w*k)
 			for j := range sends[i] {
 				sends[i][j] = byte(i*13 + r*5 + j)
 			}
 			var err error
-			reqs[i], err = s.StartAllToAllBytes(ctx, sends[i], recvs[i])
+			reqs[i], err = s.StartAllToAllBytes(cctx, sends[i], recvs[i])
 			require.NoError(t, err)
 		} else {
 			sends[i], recvs[i] = make([]byte, k), make([]byte, w*k)
@@ -308,7 +318,7 @@ func TestStartedInFlight(t *testing.T) {
 				sends[i][j] = byte(i*13 + r*5 + j)
 			}
 			var err error
-			reqs[i], err = s.StartAllGatherBytes(ctx, sends[i], recvs[i])
+			reqs[i], err = s.StartAllGatherBytes(cctx, sends[i], recvs[i])
 			require.NoError(t, err)
 		}
 	}
@@ -327,6 +337,10 @@ func TestStartedInFlight(t *testing.T) {
 			}
 		}
 	}
+	for _, cancel := range cancels {
+		cancel()
+	}
+	time.Sleep(10 * time.Millisecond) // time for a guard that outlived them to abort
 	require.NoError(t, world.Barrier(ctx))
 }
 
