@@ -10,15 +10,16 @@ import "time"
 type Phase uint8
 
 // The phases of an AllReduce call, in the order of the algorithm's steps
-// (a call with whole chunks starts its header first). A pipelined call (a large tensor, sent in pieces) reports the first worker
-// pass, the server's sum and the output once per piece; step 3 over the
-// whole tensor (piece -1) in one span or more (while the caller waits for
-// phase 1's pieces, then while phase 2 travels), and step 8 and the output
-// of the rank's own chunk once each (piece -1, while phase 2 travels); its
+// (a call with whole chunks starts its header first). A pipelined call (a
+// large tensor, sent in pieces) reports the first worker pass, the
+// server's sum and the output once per piece; step 3 over the whole
+// tensor (piece -1) in one span or more (while the caller waits for phase
+// 1's pieces, then while phase 2 travels), and step 8 and the output of
+// the rank's own chunk once each (piece -1, while phase 2 travels); its
 // collectives run without the caller (started by it on a comm.Starter, or
 // on a goroutine of their own), concurrently with the caller's phases, and
-// PhaseWait is the time the caller spends blocked on them. A call with whole chunks reports each phase once, but the output
-// twice (this rank's own chunk before the all-gather ends, then the
+// PhaseWait is the time the caller spends blocked on them. A call with
+// whole chunks reports each phase once, but the output twice (this rank's own chunk before the all-gather ends, then the
 // others'). It runs its collectives blocking, each in its place, and
 // reports no PhaseWait; or, on a communicator that starts them
 // (comm.Starter), its collective spans run from their start to their end,

@@ -112,11 +112,23 @@ human='function human(x) {
 	return x
 }'
 
+# median X N returns the median of X[1..N], sorting X in place (awk).
+median='function median(x, n,   i, j, y) {
+	for (i = 2; i <= n; i++) for (j = i; j > 1 && x[j] < x[j - 1]; j--) { y = x[j]; x[j] = x[j - 1]; x[j - 1] = y }
+	return n % 2 ? x[(n + 1) / 2] : (x[n / 2] + x[n / 2 + 1]) / 2
+}'
+
+# way PIECES STARTED says how 1-bit calls ran, from lowbit bench's CSV
+# columns pieces and started (awk).
+way='function way(pieces, started) {
+	return (pieces == 1 ? "whole" : "in " pieces " pieces") (started == "true" ? ", collectives started" : "")
+}'
+
 # summary TITLE FILE prints one line per size of lowbit bench's CSV in FILE: exact and
 # compressed p50 time, speedup, bytes each rank sent; then the speedup at the
 # last size, and the way the 1-bit calls ran there (rank 0's last call).
 summary() {
-	awk -F, -v title="$1" "$human"'
+	awk -F, -v title="$1" "$human$way"'
 		NR == 1 {
 			for (i = 1; i <= NF; i++) col[$i] = i
 			if (!("time_p50_us" in col) || !("wire_bytes_per_rank" in col)) { print "bench-net: unexpected CSV header: " $0 > "/dev/stderr"; exit 1 }
@@ -127,10 +139,7 @@ summary() {
 			if (!(b in seen)) { seen[b] = 1; order[++n] = b }
 			t[$col["collective"], b] = $col["time_p50_us"]
 			w[$col["collective"], b] = $col["wire_bytes_per_rank"]
-			if ($col["collective"] == "onebit" && ("pieces" in col)) {
-				way[b] = ($col["pieces"] == 1 ? "whole" : "in " $col["pieces"] " pieces") \
-					($col["started"] == "true" ? ", collectives started" : "")
-			}
+			if ($col["collective"] == "onebit" && ("pieces" in col)) ran[b] = way($col["pieces"], $col["started"])
 		}
 			END {
 			print title
@@ -142,7 +151,7 @@ summary() {
 				last = te / to
 			}
 			printf "speedup at %s: %.2fx", human(order[n]), last
-			if (order[n] in way) printf " (1-bit chunks %s)", way[order[n]]
+			if (order[n] in ran) printf " (1-bit chunks %s)", ran[order[n]]
 			printf "\n"
 		}' "$2"
 }
@@ -159,7 +168,7 @@ summary "unshaped (shared memory), $NP ranks, small messages (the first of $REPS
 speedups() {
 	title=$1
 	shift
-	awk -F, -v title="$title" '
+	awk -F, -v title="$title" "$median"'
 		function run() {
 			x[++n] = t["allreduce"] / t["onebit"]
 			printf "%s, run %d: exact p50 %.1f us, 1-bit p50 %.1f us: %.2fx\n", title, n, t["allreduce"], t["onebit"], x[n]
@@ -173,9 +182,7 @@ speedups() {
 		{ t[$col["collective"]] = $col["time_p50_us"] }
 		END {
 			run()
-			for (i = 2; i <= n; i++) for (j = i; j > 1 && x[j] < x[j - 1]; j--) { y = x[j]; x[j] = x[j - 1]; x[j - 1] = y }
-			m = n % 2 ? x[(n + 1) / 2] : (x[n / 2] + x[n / 2 + 1]) / 2
-			printf "%s: median speedup over %d runs: %.2fx\n", title, n, m
+			printf "%s: median speedup over %d runs: %.2fx\n", title, n, median(x, n)
 		}' "$@"
 }
 speedups "unshaped $SMALL" "$NETNS_TMP"/small[0-9]*.csv
@@ -185,7 +192,7 @@ speedups "unshaped $SMALL" "$NETNS_TMP"/small[0-9]*.csv
 bound() {
 	title=$1
 	shift
-	awk -F, -v title="$title" "$human"'
+	awk -F, -v title="$title" "$human$median$way"'
 		FNR == 1 {
 			for (i = 1; i <= NF; i++) col[$i] = i
 			if (!("mem_bound_share" in col) || !("pieces" in col)) { print "bench-net: unexpected CSV header: " $0 > "/dev/stderr"; exit 1 }
@@ -195,14 +202,11 @@ bound() {
 			printf "%s %s: 1-bit p50 %.2f ms, memory bound %.2f ms (%.1f MiB per rank at %.2f GB/s): %.0f%% of it reached; chunks %s\n",
 				title, human($col["bytes"]), $col["time_p50_us"] / 1000, $col["mem_bound_us"] / 1000,
 				$col["mem_bytes_per_rank"] / 1048576, $col["stream_gbps"], 100 * $col["mem_bound_share"],
-				($col["pieces"] == 1 ? "whole" : "in " $col["pieces"] " pieces") \
-				($col["started"] == "true" ? ", collectives started" : "")
+				way($col["pieces"], $col["started"])
 			share[++n] = 100 * $col["mem_bound_share"]
 		}
 		END {
-			for (i = 2; i <= n; i++) for (j = i; j > 1 && share[j] < share[j - 1]; j--) { x = share[j]; share[j] = share[j - 1]; share[j - 1] = x }
-			m = n % 2 ? share[(n + 1) / 2] : (share[n / 2] + share[n / 2 + 1]) / 2
-			printf "%s: median share of the memory bound over %d runs: %.0f%%\n", title, n, m
+			printf "%s: median share of the memory bound over %d runs: %.0f%%\n", title, n, median(share, n)
 		}' "$@"
 }
 echo

@@ -263,6 +263,8 @@ func (w *watchdog) guard(a watch, tick <-chan time.Time) {
 			if ended == nil {
 				ended = make(chan watch, 1)
 			}
+			// The callback takes a copy: capturing ended itself would move
+			// it to the heap on every guard, also those that add nothing.
 			e := ended // this guard's: a late callback's send is lost
 			stops = append(stops, context.AfterFunc(x.ctx, func() {
 				select {
