@@ -339,8 +339,9 @@ func (s *State) Reset() {
 // each rank's time of its previous call, so every rank takes the same
 // decision (tune.go). The first TuningCalls calls try every way; after
 // that whole chunks started run unless another way measured faster beyond
-// doubt, and then the fastest, and two calls in every 32 run each of the
-// others, to follow a change. SetPieces fixes the cut instead (whole chunks then
+// doubt, and then the fastest, once a confirmation (whole chunks started
+// and it in turn, six calls each) has borne that out; two calls in every
+// 32 run each of the others, to follow a change. SetPieces fixes the cut instead (whole chunks then
 // start their collectives where they can); States whose output stays
 // packed (the compact and sharded modes) keep their pieces.
 //

@@ -48,3 +48,19 @@ func TuneWay(u int, times ...[]uint64) int {
 	}
 	return t.decide(u)
 }
+
+// TuneRun drives a new State's tuner through calls calls, as the headers
+// do: the group's time of call u, run in way w, is time(u, w). It returns
+// the way of every call.
+func TuneRun(calls int, time func(u, way int) uint64) []int {
+	var t tuner
+	ways := make([]int, calls)
+	var last uint64
+	for u := range ways {
+		ways[u] = t.way
+		t.take(last) // call u's header: the time of call u-1
+		last = time(u, t.way)
+		t.way = t.nextWay
+	}
+	return ways
+}

@@ -63,6 +63,14 @@ const (
 	tuneEvery    = 32
 	tuneSamples  = 5
 	tuneExplored = numWays - 1
+	// tuneConfirm is how many calls a confirmation runs: whole chunks
+	// started and the challenger in turn, tuneSamples of each, and the
+	// two calls whose times a decision does not have yet.
+	tuneConfirm = 2 * (tuneSamples + 1)
+	// tuneRecheck: while a confirmed way other than whole chunks started
+	// runs, one call in every tuneRecheck runs whole chunks started, so
+	// that their times stay fresh.
+	tuneRecheck = 8
 )
 
 // tuneOpeningWays is the way of each opening call: pieces first (the first
@@ -107,6 +115,18 @@ var tuneOpeningWays = [...]int{wayPieces,
 // with the last 6 of those (60-92%), and pieces in 3 of 3 at 1 Gbit.
 const tuneConfidence = 0.8
 
+// A way other than whole chunks started runs for good only once it has
+// been confirmed: when the times first say it beats them, the next
+// tuneConfirm calls run whole chunks started and it in turn, so that both
+// ways' times are fresh and taken under the same conditions, and the
+// decision after them stands (until the times change it again). Without
+// it a way chosen from times that overlapped by chance (about 5% of draws
+// for two ways of one distribution, see tuneConfidence) or from whole
+// chunks' calls that something else disturbed ran until the samples of
+// whole chunks were replaced one exploration at a time, up to
+// tuneSamples*tuneEvery calls: one 10 Gbit bench-net row ran in pieces at
+// 63% of the memory bound where whole chunks started reached 70-80%.
+
 // tuner is a State's choice of way. Every field but start and last
 // evolves identically on every rank: only what the headers carry changes
 // it.
@@ -123,6 +143,11 @@ type tuner struct {
 
 	times [numWays][tuneSamples]uint64 // per way: the latest times, a ring
 	n     [numWays]int                 // times recorded per way
+
+	kept       int  // 1 + the way other than whole chunks started that a confirmation confirmed; 0: none
+	cand       int  // the way under confirmation
+	confirm    int  // calls of the running confirmation left; 0: none running
+	confirming bool // the confirmation ran its last call: the next decision stands
 }
 
 // SetPieces fixes the number of pieces each chunk travels in on the
@@ -237,38 +262,93 @@ func (s *State) takeTuning() error {
 	if !s.tunes() {
 		return nil
 	}
-	t := &s.tune
-	if t.calls >= 2 { // the previous call is not the first
-		var sum uint64
-		all := true
-		for j := range s.world {
-			_, last := s.headerTuning(j)
-			sum += last
-			all = all && last > 0
-		}
-		if all { // every rank's previous call went through
-			w := t.prevWay
-			t.times[w][t.n[w]%tuneSamples] = sum / uint64(s.world)
-			t.n[w]++
-		}
+	var sum uint64
+	all := true
+	for j := range s.world {
+		_, last := s.headerTuning(j)
+		sum += last
+		all = all && last > 0
 	}
-	t.calls++
-	t.prevWay = t.way
-	t.nextWay = t.decide(t.calls)
+	if !all { // some rank's previous call failed, or there was none
+		sum = 0
+	}
+	s.tune.take(sum / uint64(s.world))
 	return nil
 }
 
-// decide returns the way of call u (counted from 0).
+// take records the group's time of the previous call (0: none, or some
+// rank's failed) and decides the next call's way.
+func (t *tuner) take(last uint64) {
+	if t.calls >= 2 && last > 0 { // the previous call is not the first
+		w := t.prevWay
+		t.times[w][t.n[w]%tuneSamples] = last
+		t.n[w]++
+	}
+	t.calls++
+	t.prevWay = t.way
+	t.nextWay = t.next(t.calls)
+}
+
+// next returns the way of call u (counted from 0), running and starting
+// confirmations: a way other than whole chunks started that the times
+// choose runs once a confirmation has confirmed it.
+func (t *tuner) next(u int) int {
+	if u < tuneOpening {
+		return tuneOpeningWays[u]
+	}
+	if t.confirm > 0 {
+		t.confirm--
+		t.confirming = t.confirm == 0
+		if t.confirm%2 == 1 {
+			return wayWhole
+		}
+		return t.cand
+	}
+	best := t.best()
+	ended := t.confirming
+	t.confirming = false
+	switch {
+	case best == wayWhole:
+		t.kept = 0
+	case ended: // a confirmation's fresh times chose it: it stands
+		t.kept = 1 + best
+	case t.kept != 1+best: // a challenger: confirm it first
+		t.cand, t.confirm = best, tuneConfirm-1
+		return wayWhole
+	}
+	if best != wayWhole && (u-tuneOpening)%tuneRecheck == tuneRecheck-1 {
+		return wayWhole
+	}
+	return t.explore(u, best)
+}
+
+// decide returns the way of call u (counted from 0) from the times
+// alone, without confirmations: the opening's, then the best way's but in
+// the exploring calls.
 func (t *tuner) decide(u int) int {
 	if u < tuneOpening {
 		return tuneOpeningWays[u]
 	}
+	return t.explore(u, t.best())
+}
+
+// best returns the way the times choose: whole chunks started, unless
+// another way beats them beyond doubt, and then the one of those with the
+// lowest estimate.
+func (t *tuner) best() int {
 	best := wayWhole
 	for _, w := range [...]int{wayBlocking, wayPieces} {
 		if t.beats(w, wayWhole) && t.estimate(w) < t.estimate(best) {
 			best = w
 		}
 	}
+	return best
+}
+
+// explore returns the way of call u when best is the way chosen: best,
+// but for tuneExplored calls in every tuneEvery, which run each other way
+// once.
+func (t *tuner) explore(u, best int) int {
 	if k := (u-tuneOpening)%tuneEvery - (tuneEvery - tuneExplored); k >= 0 {
 		return (best + 1 + k) % numWays
 	}

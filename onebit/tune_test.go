@@ -143,3 +143,84 @@ func bitsOf(x []float32) []uint32 {
 	}
 	return b
 }
+
+// tuneTimes is a run's group time per call: way w takes mean[w] plus a
+// uniform draw of width spread, and the opening's calls of whole chunks
+// started (calls 2, 5, ...) take open more, as when something else ran
+// then.
+func tuneTimes(seed uint64, mean [3]uint64, spread, open uint64) func(u, way int) uint64 {
+	rng := rand.New(rand.NewPCG(seed, 11))
+	return func(u, way int) uint64 {
+		x := mean[way] + rng.Uint64N(spread+1)
+		if u < onebit.TuningCalls && way == onebit.WayWhole {
+			x += open
+		}
+		return x
+	}
+}
+
+// settledWays counts, over the calls from call from on, the calls that
+// ran each way outside the exploring calls (two in every 32) and the
+// rechecking ones (one in every 8).
+func settledWays(ways []int, from int) map[int]int {
+	n := map[int]int{}
+	for u := from; u < len(ways); u++ {
+		if (u-16)%32 < 30 && (u-16)%8 != 7 {
+			n[ways[u]]++
+		}
+	}
+	return n
+}
+
+// A way chosen from an opening whose times misled (whole chunks' calls
+// disturbed, or the ways' times overlapping by chance) is confirmed
+// against fresh times of whole chunks started before it runs for good:
+// the wrong choice runs a few calls, not until the exploring calls have
+// replaced whole chunks' samples (up to 160 calls).
+func TestTuneConfirms(t *testing.T) {
+	P, W, B := onebit.WayPieces, onebit.WayWhole, onebit.WayBlocking
+	// The opening's whole-chunk calls ran slow; after it whole chunks are
+	// the fastest.
+	ways := onebit.TuneRun(200, tuneTimes(1, [3]uint64{300, 280, 320}, 10, 200))
+	assert.Equal(t, []int{W, P, W, P, W, P, W, P, W, P, W, P}, ways[16:28], "the confirmation of pieces")
+	n := settledWays(ways, 30)
+	assert.Equal(t, 0, n[P]+n[B], "after it, whole chunks started: %v", n)
+
+	// Pieces faster beyond doubt (a slow link: 101 against 104 ms) are
+	// confirmed once and then run.
+	ways = onebit.TuneRun(200, tuneTimes(2, [3]uint64{1010, 1040, 1100}, 10, 0))
+	n = settledWays(ways, 30)
+	assert.Equal(t, 0, n[W]+n[B], "pieces, confirmed: %v", n)
+	assert.Equal(t, []int{W, P, W, P, W, P, W, P, W, P, W, P}, ways[16:28], "the confirmation of pieces")
+
+	// The link changes: pieces were faster and confirmed, then whole
+	// chunks become faster. Rechecking them one call in eight finds it
+	// within 24 calls (the exploring calls alone took up to 64).
+	slow := tuneTimes(3, [3]uint64{1010, 1040, 1100}, 10, 0)
+	fast := tuneTimes(4, [3]uint64{300, 280, 320}, 10, 0)
+	ways = onebit.TuneRun(200, func(u, w int) uint64 {
+		if u < 60 {
+			return slow(u, w)
+		}
+		return fast(u, w)
+	})
+	assert.Equal(t, 0, settledWays(ways[:60], 30)[W], "pieces before the change")
+	n = settledWays(ways, 60+24)
+	assert.Equal(t, 0, n[P]+n[B], "whole chunks 24 calls after the change: %v", n)
+
+	// Whole chunks 7% faster than pieces, their times overlapping, the
+	// opening's whole-chunk calls a little slower than later (30 or 60
+	// more): over 100 runs, the calls after call 30 that ran another way
+	// outside the exploring and rechecking calls. Without confirmations
+	// 131 and 4533 of 17000 (pieces kept up to 160 calls); with them 7
+	// and 0.
+	for _, open := range []uint64{30, 60} {
+		other := 0
+		for seed := range uint64(100) {
+			ways := onebit.TuneRun(200, tuneTimes(100+seed, [3]uint64{300, 280, 320}, 40, open))
+			n := settledWays(ways, 30)
+			other += n[P] + n[B]
+		}
+		assert.LessOrEqual(t, other, 100*170/100, "opening slower by %d: calls that ran another way than whole chunks started", open)
+	}
+}
