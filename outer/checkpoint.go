@@ -32,6 +32,12 @@ const (
 	errorBufferSuffix     = "outer:f%d:b%d"
 )
 
+// AccumulatorName names CodecSparse's error accumulator (flat, every
+// parameter element): optim.WorkerErrorName + "/outer:accumulator", which
+// optim.IsErrorBuffer recognises (so that Checkpoint.ResetErrors drops it,
+// and the accumulator restarts from zero).
+const AccumulatorName = optim.WorkerErrorName + "/outer:accumulator"
+
 // WorkerErrorName and ServerErrorName name the 1-bit error buffers of
 // bucket k of fragment f: optim.WorkerErrorName (ServerErrorName) + "/" +
 // "outer:f<f>:b<k>", which optim.IsErrorBuffer recognises (so that
@@ -94,6 +100,9 @@ func (o *Optimizer) State() (*optim.Checkpoint, error) {
 		ck.AddTensor(TensorLaunch, []int{m}, o.snap[:m])
 		ck.AddTensor(TensorPendingGlobal, []int{m}, o.stage[:m])
 		ck.AddTensor(TensorPendingMomentum, []int{m}, o.work[:m])
+	}
+	if o.sp != nil {
+		ck.AddTensor(AccumulatorName, []int{o.n}, o.sp.acc)
 	}
 	if o.states != nil {
 		ck.Ints[IntBucketBytes] = int64(o.bbytes)
@@ -194,8 +203,15 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 	}
 	var errs [][2][]float32
 	reset := ck.ErrorsReset
-	if o.states != nil && !reset && ck.Rank != o.rank {
-		return fmt.Errorf("%w: made by rank %d, this is rank %d (the 1-bit error buffers are per rank; load ck.ResetErrors() to restart them)", bad, ck.Rank, o.rank)
+	perRank := o.states != nil || o.sp != nil
+	if perRank && !reset && ck.Rank != o.rank {
+		return fmt.Errorf("%w: made by rank %d, this is rank %d (the error buffers are per rank; load ck.ResetErrors() to restart them)", bad, ck.Rank, o.rank)
+	}
+	var acc []float32
+	if o.sp != nil && !reset {
+		if acc, err = ck.TensorData(AccumulatorName, o.n); err != nil {
+			return err
+		}
 	}
 	if o.states != nil && !reset {
 		if b, ok := ck.Ints[IntBucketBytes]; !ok || b != int64(o.bbytes) {
@@ -250,6 +266,13 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 		copy(o.stage, pendingG)
 		copy(o.work, pendingU)
 	}
+	if o.sp != nil {
+		if reset {
+			clear(o.sp.acc)
+		} else {
+			copy(o.sp.acc, acc)
+		}
+	}
 	i := 0
 	for _, sts := range o.states {
 		for _, st := range sts {
@@ -262,8 +285,8 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 			i++
 		}
 	}
-	if reset && o.states != nil {
-		o.log.Warn("loaded a checkpoint whose error buffers were reset: the 1-bit error feedback restarts from zero",
+	if reset && perRank {
+		o.log.Warn("loaded a checkpoint whose error buffers were reset: the error feedback restarts from zero",
 			zap.String("algorithm", o.algorithm), zap.Int("made_on_world", ck.World))
 	}
 	o.calls, o.pending, o.launchedAt = calls, int(pending), launchedAt

@@ -69,6 +69,7 @@ type Optimizer struct {
 
 	down    *quant.DownCast
 	i8      *int8Codec
+	sp      *sparseCodec      // CodecSparse (W > 1)
 	buckets [][]int           // CodecOneBit, per fragment: bucket k is frag[buckets[f][k]:buckets[f][k+1]]
 	states  [][]*onebit.State // CodecOneBit, per fragment and bucket (W > 1)
 	bbytes  int               // CodecOneBit bucket bytes in effect
@@ -266,6 +267,15 @@ func (o *Optimizer) build() error {
 			if err := o.makeBuckets(); err != nil {
 				return err
 			}
+		case CodecSparse:
+			smallest := o.n
+			for f := range F {
+				smallest = min(smallest, o.bounds[f+1]-o.bounds[f])
+			}
+			if cfg.SparseChunk > smallest {
+				return fmt.Errorf("outer: sparse chunks of %d elements, but a fragment has %d: want SparseChunk at most the smallest fragment", cfg.SparseChunk, smallest)
+			}
+			o.sp = newSparseCodec(cfg, o.n, largest, o.world)
 		}
 	}
 	return nil
@@ -303,8 +313,13 @@ func (o *Optimizer) makeBuckets() error {
 func (o *Optimizer) agreeConfig(ctx context.Context, local error) error {
 	cfg := o.cfg
 	vals := []int64{0, int64(cfg.H), int64(cfg.Fragments), int64(cfg.Delay), int64(cfg.Codec), int64(o.n),
-		int64(cfg.BucketBytes), int64(optim.HyperBool(cfg.Nesterov)), int64(math.Float32bits(cfg.LR)), int64(math.Float32bits(cfg.Momentum)), int64(cfg.Scale)}
-	names := []string{"", "H", "Fragments", "Delay", "Codec", "parameter elements", "BucketBytes", "Nesterov", "LR bits", "Momentum bits", "Scale"}
+		int64(cfg.BucketBytes), int64(optim.HyperBool(cfg.Nesterov)), int64(math.Float32bits(cfg.LR)), int64(math.Float32bits(cfg.Momentum)), int64(cfg.Scale),
+		0, 0, 0, 0}
+	if cfg.Codec == CodecSparse {
+		copy(vals[11:], []int64{int64(math.Float32bits(cfg.Density)), int64(cfg.SparseChunk), int64(cfg.SparseBits), int64(math.Float32bits(cfg.Decay))})
+	}
+	names := []string{"", "H", "Fragments", "Delay", "Codec", "parameter elements", "BucketBytes", "Nesterov", "LR bits", "Momentum bits", "Scale",
+		"Density bits", "SparseChunk", "SparseBits", "Decay bits"}
 	if local != nil {
 		vals[0] = 1
 	}
@@ -813,6 +828,8 @@ func (o *Optimizer) exchange(ctx context.Context, f int) error {
 			err = o.down.AllReduce(ctx, o.xc, w)
 		case CodecInt8:
 			err = o.i8.allReduce(ctx, o.xc, w)
+		case CodecSparse:
+			err = o.sp.allReduce(ctx, o.xc, w, o.sp.acc[lo:hi])
 		}
 		if err != nil {
 			return fmt.Errorf("%s average: %w", o.cfg.Codec, err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"runtime"
 	"strings"
 	"testing"
@@ -22,6 +23,10 @@ import (
 func config(codec outer.Codec, h, frags, delay int) outer.Config {
 	cfg := outer.DefaultConfig()
 	cfg.H, cfg.Fragments, cfg.Delay, cfg.Codec = h, frags, delay, codec
+	if codec == outer.CodecSparse {
+		// Chunks that fit the small tests' fragments: 2 of 4 entries.
+		cfg.SparseChunk, cfg.Density = 4, 0.5
+	}
 	return cfg
 }
 
@@ -31,7 +36,7 @@ func innerConfig() optim.AdamConfig {
 	return a
 }
 
-var allCodecs = []outer.Codec{outer.CodecFP32, outer.CodecBF16, outer.CodecInt8, outer.CodecOneBit}
+var allCodecs = []outer.Codec{outer.CodecFP32, outer.CodecBF16, outer.CodecInt8, outer.CodecOneBit, outer.CodecSparse}
 
 // Every rank holds the same θ_g and u after every exchange, with every
 // codec, with and without fragments and delay.
@@ -83,7 +88,12 @@ func TestBytesPerCodec(t *testing.T) {
 		got := newPerRank[int64](w)
 		runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
 			ps := newParams(t, []int{1 << 14, 1 << 14})
-			o, err := outer.NewAdam(ctx, c, ps, config(codec, h, 1, 0), innerConfig())
+			cfg := config(codec, h, 1, 0)
+			if codec == outer.CodecSparse {
+				d := outer.DefaultConfig()
+				cfg.SparseChunk, cfg.Density = d.SparseChunk, d.Density
+			}
+			o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
 			if err != nil {
 				return err
 			}
@@ -111,6 +121,10 @@ func TestBytesPerCodec(t *testing.T) {
 	ratio := float64(bytes[outer.CodecFP32]) / float64(bytes[outer.CodecOneBit])
 	t.Logf("fp32/1bit: %.1fx", ratio)
 	assert.Greater(t, ratio, 28.0)
+	// The sparse codec's all-gather: 8 chunks of 4096, each a 4-byte scale
+	// and 64 entries of 12 + 1 bits (104 bytes), to 3 peers.
+	assert.Equal(t, 3*8*(4+104)+3*4, int(bytes[outer.CodecSparse]))
+	t.Logf("fp32/sparse: %.1fx", float64(bytes[outer.CodecFP32])/float64(bytes[outer.CodecSparse]))
 }
 
 // checkpointCase is a configuration resumed at several points.
@@ -130,6 +144,8 @@ func TestResumeBitIdentical(t *testing.T) {
 		{config(outer.CodecOneBit, 6, 2, 3), []int{3, 4, 6, 7, 9}}, // in flight at 3-5 and 6-8
 		{config(outer.CodecInt8, 6, 3, 1), []int{2, 4, 5}},
 		{config(outer.CodecBF16, 5, 2, 2), []int{2, 3, 5, 6}}, // in flight at 2-3, 5-6
+		{config(outer.CodecSparse, 4, 1, 0), []int{3, 8}},
+		{config(outer.CodecSparse, 6, 2, 3), []int{3, 4, 6, 7, 9}},
 	} {
 		for _, at := range k.at {
 			cfg := k.cfg
@@ -220,9 +236,22 @@ func TestConfigValidate(t *testing.T) {
 		{"Momentum", func(c *outer.Config) { c.Momentum = 1 }},
 		{"BucketBytes", func(c *outer.Config) { c.BucketBytes = optim.PerParameter }},
 		{"Scale", func(c *outer.Config) { c.Scale = 7 }},
+		{"Density", func(c *outer.Config) { c.Codec, c.Density = outer.CodecSparse, 0 }},
+		{"Density", func(c *outer.Config) { c.Codec, c.Density = outer.CodecSparse, 1.5 }},
+		{"Density", func(c *outer.Config) { c.Codec, c.Density = outer.CodecSparse, float32(math.NaN()) }},
+		{"SparseChunk", func(c *outer.Config) { c.Codec, c.SparseChunk = outer.CodecSparse, 63 }}, // below 1/Density = 64
+		{"SparseChunk", func(c *outer.Config) { c.Codec, c.SparseChunk = outer.CodecSparse, 0 }},
+		{"SparseBits", func(c *outer.Config) { c.Codec, c.SparseBits = outer.CodecSparse, 3 }},
+		{"Decay", func(c *outer.Config) { c.Codec, c.Decay = outer.CodecSparse, -0.1 }},
+		{"Decay", func(c *outer.Config) { c.Codec, c.Decay = outer.CodecSparse, 1.01 }},
 	} {
 		cfg := outer.DefaultConfig()
 		k.change(&cfg)
+		if k.field == "SparseChunk" || k.field == "Density" || k.field == "SparseBits" || k.field == "Decay" {
+			other := cfg
+			other.Codec = outer.CodecFP32
+			require.NoError(t, other.Validate(), "another codec ignores %s", k.field)
+		}
 		var ce *optim.ConfigError
 		err := cfg.Validate()
 		require.ErrorAs(t, err, &ce, k.field)
@@ -263,6 +292,20 @@ func TestNewBadInputOnEveryRank(t *testing.T) {
 			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
 			return err
 		}, "25 fragments of 20 parameter elements"},
+		{"sparse chunks longer than a fragment", func(ctx context.Context, c comm.Comm, bad bool) error {
+			cfg := config(outer.CodecSparse, 4, 3, 0)
+			cfg.SparseChunk = 7 // the fragments have 6 and 7 elements
+			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
+			return err
+		}, "sparse chunks of 7 elements, but a fragment has 6"},
+		{"another sparse density", func(ctx context.Context, c comm.Comm, bad bool) error {
+			cfg := config(outer.CodecSparse, 4, 1, 0)
+			if bad {
+				cfg.Density = 0.75
+			}
+			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
+			return err
+		}, "has Density bits"},
 		{"another H", func(ctx context.Context, c comm.Comm, bad bool) error {
 			cfg := outer.DefaultConfig()
 			if bad {
@@ -295,7 +338,7 @@ func TestNewBadInputOnEveryRank(t *testing.T) {
 			for r, err := range errs.v {
 				require.Error(t, err, "rank %d", r)
 				assert.NotErrorIs(t, err, comm.ErrAborted)
-				if k.name == "more fragments than elements" || r == 1 {
+				if k.name == "more fragments than elements" || k.name == "sparse chunks longer than a fragment" || r == 1 {
 					assert.Contains(t, err.Error(), k.want, "rank %d", r)
 				} else {
 					assert.Contains(t, err.Error(), "rank 1", "rank %d", r)
@@ -469,6 +512,7 @@ func TestLoadRefusesOtherSettings(t *testing.T) {
 		{func(c *outer.Config) { c.Fragments = 3 }, "made with outer_fragments 3, this optimizer has 2"},
 		{func(c *outer.Config) { c.Delay = 2 }, "made with outer_delay 2, this optimizer has 1"},
 		{func(c *outer.Config) { c.Momentum = 0.5 }, "made with outer_momentum 0.5, this optimizer has 0.9"},
+		{func(c *outer.Config) { c.Codec, c.SparseChunk, c.Density = outer.CodecSparse, 4, 0.5 }, "made with outer_codec sparse, this optimizer has 1bit"},
 	} {
 		cfg := base
 		k.change(&cfg)
@@ -512,7 +556,15 @@ func TestLoadRefusesOtherSettings(t *testing.T) {
 // optim.IsErrorBuffer and ResetErrors find them; a reset checkpoint loads
 // on a group of another size.
 func TestErrorBuffersAndResetErrors(t *testing.T) {
-	cfg := config(outer.CodecOneBit, 2, 2, 0)
+	t.Run("1bit", func(t *testing.T) {
+		checkErrorBuffers(t, config(outer.CodecOneBit, 2, 2, 0), []string{outer.WorkerErrorName(0, 0), outer.ServerErrorName(0, 0), outer.WorkerErrorName(1, 0), outer.ServerErrorName(1, 0)})
+	})
+	t.Run("sparse", func(t *testing.T) {
+		checkErrorBuffers(t, config(outer.CodecSparse, 2, 2, 0), []string{outer.AccumulatorName})
+	})
+}
+
+func checkErrorBuffers(t *testing.T, cfg outer.Config, want []string) {
 	cks := newPerRank[*optim.Checkpoint](3)
 	runRanks(t, 3, func(ctx context.Context, c comm.Comm) error {
 		ps := newParams(t, sizes)
@@ -537,7 +589,7 @@ func TestErrorBuffersAndResetErrors(t *testing.T) {
 			names = append(names, ts.Name)
 		}
 	}
-	assert.Equal(t, []string{outer.WorkerErrorName(0, 0), outer.ServerErrorName(0, 0), outer.WorkerErrorName(1, 0), outer.ServerErrorName(1, 0)}, names)
+	assert.Equal(t, want, names)
 	runRanks(t, 3, func(ctx context.Context, c comm.Comm) error {
 		o, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
 		if err != nil {
@@ -611,7 +663,7 @@ func TestCloseIdempotentNoLeak(t *testing.T) {
 // Step allocates nothing in steady state (one process; exchanges
 // included).
 func TestStepAllocatesNothing(t *testing.T) {
-	for _, cfg := range []outer.Config{config(outer.CodecOneBit, 3, 1, 0), config(outer.CodecFP32, 4, 2, 1)} {
+	for _, cfg := range []outer.Config{config(outer.CodecOneBit, 3, 1, 0), config(outer.CodecFP32, 4, 2, 1), config(outer.CodecSparse, 3, 1, 0)} {
 		ctx := context.Background()
 		ps := newParams(t, sizes)
 		o, err := outer.NewAdam(ctx, nil, ps, cfg, innerConfig())
@@ -634,7 +686,7 @@ func TestStepAllocatesNothing(t *testing.T) {
 // goroutine per launch): the allocations per Step of both ranks, comm/local
 // included, are reported (0 when measured).
 func TestStepAllocationsTwoRanks(t *testing.T) {
-	for _, cfg := range []outer.Config{config(outer.CodecOneBit, 2, 1, 0), config(outer.CodecOneBit, 2, 2, 1)} {
+	for _, cfg := range []outer.Config{config(outer.CodecOneBit, 2, 1, 0), config(outer.CodecOneBit, 2, 2, 1), config(outer.CodecSparse, 2, 1, 0)} {
 		cs, err := local.New(2)
 		require.NoError(t, err)
 		ctx := context.Background()

@@ -3,13 +3,15 @@ package outer_test
 // A float64 reference of the outer optimizer, written from the design
 // (docs/outer.md) and the 1-bit allreduce's spec, sharing no code with
 // the implementation: W ranks, inner AdamW per rank, the fragment
-// schedule, the delayed merge, the fp32 average and the 1-bit momentum
-// compression with error feedback on both sides.
+// schedule, the delayed merge, the fp32 average, the 1-bit momentum
+// compression with error feedback on both sides, and the sparse codec's
+// accumulators, top-k selection and 1- or 2-bit values.
 
 import (
 	"context"
 	"fmt"
 	"math"
+	"sort"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -29,6 +31,10 @@ type refConfig struct {
 	alr, b1, b2 float64 // inner Adam
 	eps, wd     float64
 	n           int
+	// The sparse codec: chunk length, share sent, value bits, decay.
+	sparse         bool
+	chunk, vbits   int
+	density, decay float64
 }
 
 type refSim struct {
@@ -39,6 +45,7 @@ type refSim struct {
 	pending     int
 	launched    int
 	snap        [][]float64 // [rank] θ_local of the pending fragment at launch
+	acc         [][]float64 // [rank] the sparse codec's accumulator
 	t           int
 }
 
@@ -54,6 +61,7 @@ func newRef(c refConfig, init []float32) *refSim {
 		s.m = append(s.m, make([]float64, c.n))
 		s.v = append(s.v, make([]float64, c.n))
 		s.snap = append(s.snap, nil)
+		s.acc = append(s.acc, make([]float64, c.n))
 		we, se := make([][]float64, c.F), make([][]float64, c.F)
 		for f := range c.F {
 			lo, hi := s.frag(f)
@@ -151,6 +159,67 @@ func (s *refSim) compress(f int, xs [][]float64) []float64 {
 	return out[:m]
 }
 
+// sparse is the sparse codec's exchange of the pseudo-gradients deltas
+// (one per rank) of the fragment at lo: each rank's accumulator decays and
+// takes its delta, each chunk sends its top k entries by magnitude (ties:
+// the lower offset) as sign times the mean magnitude sent (1 bit) or the
+// mean of those below or at and above it (2 bits), and keeps the rest; the
+// result is the mean over the ranks of what they sent.
+func (s *refSim) sparse(lo int, deltas [][]float64) []float64 {
+	c := s.c
+	m := len(deltas[0])
+	avg := make([]float64, m)
+	for r := range c.W {
+		e := s.acc[r][lo : lo+m]
+		for i := range e {
+			e[i] = c.decay*e[i] + deltas[r][i]
+		}
+		for a := 0; a < m; a += c.chunk {
+			b := min(a+c.chunk, m)
+			k := max(1, min(b-a, int(math.Round(c.density*float64(b-a)))))
+			idx := make([]int, b-a)
+			for i := range idx {
+				idx[i] = a + i
+			}
+			sort.SliceStable(idx, func(x, y int) bool { return math.Abs(e[idx[x]]) > math.Abs(e[idx[y]]) })
+			idx = idx[:k]
+			mean := 0.0
+			for _, i := range idx {
+				mean += math.Abs(e[i])
+			}
+			mean /= float64(k)
+			lo, hi := mean, mean
+			if c.vbits == 2 {
+				var sl, sh float64
+				var nl, nh int
+				for _, i := range idx {
+					if math.Abs(e[i]) >= mean {
+						sh, nh = sh+math.Abs(e[i]), nh+1
+					} else {
+						sl, nl = sl+math.Abs(e[i]), nl+1
+					}
+				}
+				hi, lo = sh/float64(nh), sh/float64(nh)
+				if nl > 0 {
+					lo = sl / float64(nl)
+				}
+			}
+			for _, i := range idx {
+				v := lo
+				if c.vbits == 2 && math.Abs(e[i]) >= mean {
+					v = hi
+				}
+				if e[i] < 0 {
+					v = -v
+				}
+				e[i] -= v
+				avg[i] += v / float64(c.W)
+			}
+		}
+	}
+	return avg
+}
+
 // step runs call t: every rank's inner step on grad(r, t, ·), then the
 // merge and the launch that are due.
 func (s *refSim) step() {
@@ -210,12 +279,19 @@ func (s *refSim) step() {
 			s.u[i] = ub[i-lo]
 		}
 	} else {
+		var avg []float64
+		if c.sparse && c.W > 1 {
+			avg = s.sparse(lo, deltas)
+		}
 		for i := lo; i < hi; i++ {
 			d := 0.0
 			for r := range c.W {
 				d += deltas[r][i-lo]
 			}
 			d /= float64(c.W)
+			if avg != nil {
+				d = avg[i-lo]
+			}
 			s.u[i] = c.mu*s.u[i] + d
 			step := s.u[i]
 			if c.nesterov {
@@ -251,7 +327,12 @@ func TestReference(t *testing.T) {
 			{outer.CodecOneBit, 6, 2, 3, onebit.ScaleMeanAbs},
 			{outer.CodecBF16, 4, 2, 1, 0},
 			{outer.CodecInt8, 4, 2, 1, 0},
+			{outer.CodecSparse, 4, 1, 0, 1},
+			{outer.CodecSparse, 6, 3, 2, 1},
+			{outer.CodecSparse, 4, 1, 0, 2},
+			{outer.CodecSparse, 6, 2, 3, 2},
 		} {
+			// (For CodecSparse, scale is the value bits.)
 			t.Run(fmt.Sprintf("W%d/%s/H%d/F%d/D%d/scale%d", w, k.codec, k.h, k.f, k.d, k.scale), func(t *testing.T) {
 				checkReference(t, w, k.codec, k.h, k.f, k.d, k.scale)
 			})
@@ -263,6 +344,13 @@ func checkReference(t *testing.T, w int, codec outer.Codec, h, frags, delay int,
 	const calls = 20
 	cfg := outer.DefaultConfig()
 	cfg.H, cfg.Fragments, cfg.Delay, cfg.Codec, cfg.Scale = h, frags, delay, codec, scale
+	if codec == outer.CodecSparse {
+		// 2 of each chunk of 5 (the last one of a fragment shorter),
+		// momentum as DiLoCo's (the sparse codec does not need it, the
+		// reference checks it goes through).
+		cfg.Scale, cfg.SparseBits = onebit.ScaleRMS, int(scale)
+		cfg.SparseChunk, cfg.Density, cfg.Decay = 5, 0.4, 0.9
+	}
 	acfg := optim.DefaultAdamConfig()
 	acfg.LR, acfg.WeightDecay = 0.01, 0.1
 	n := 0
@@ -270,7 +358,8 @@ func checkReference(t *testing.T, w int, codec outer.Codec, h, frags, delay int,
 		n += s
 	}
 	rc := refConfig{W: w, H: h, F: frags, D: delay, oneBit: codec == outer.CodecOneBit, meanAbs: scale == onebit.ScaleMeanAbs, lr: float64(cfg.LR), mu: float64(cfg.Momentum),
-		nesterov: cfg.Nesterov, alr: float64(acfg.LR), b1: float64(acfg.Beta1), b2: float64(acfg.Beta2), eps: float64(acfg.Eps), wd: float64(acfg.WeightDecay), n: n}
+		nesterov: cfg.Nesterov, alr: float64(acfg.LR), b1: float64(acfg.Beta1), b2: float64(acfg.Beta2), eps: float64(acfg.Eps), wd: float64(acfg.WeightDecay), n: n,
+		sparse: codec == outer.CodecSparse, chunk: cfg.SparseChunk, vbits: cfg.SparseBits, density: float64(cfg.Density), decay: float64(cfg.Decay)}
 	ref := newRef(rc, flat(newParams(t, sizes)))
 	// Real runs: every rank's parameters after every call, and θ_g and u
 	// after the calls with no exchange in flight.

@@ -1,0 +1,339 @@
+package outer
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+	"math/bits"
+
+	"github.com/lowbit-ml/lowbit/comm"
+)
+
+// sparseCodec is CodecSparse's exchange (SparseLoCo-style, docs/outer.md):
+// every rank keeps an error accumulator e of its pseudo-gradients over the
+// flat parameters, e = Decay*e + delta at each exchange of a fragment; per
+// chunk of the fragment (Config.SparseChunk elements, the last one
+// shorter) it sends the k entries of e of largest magnitude, k =
+// ceil(Density * chunk length), each as its offset within the chunk and a
+// value of SparseBits bits, and keeps e minus what it sent. The messages,
+// all of one length, are all-gathered; every rank decodes them in rank
+// order into one sum and divides it by W: the same bytes in the same
+// order, so the same average on every rank.
+//
+// A chunk's message is its scales (little-endian float32: one with 1-bit
+// values, the magnitude of every entry sent; two with 2-bit values, the
+// magnitudes of the entries below and above the mean magnitude of those
+// sent, each the mean of its group), then its k entries as a little-endian
+// bit stream, each entry offBits bits of offset (ascending within the
+// chunk) and SparseBits bits of value (bit 0 the sign, set for negative;
+// with 2 bits, bit 1 selects the upper magnitude), padded to a whole byte.
+type sparseCodec struct {
+	chunk   int     // elements per chunk
+	density float64 // share of a chunk's entries sent
+	vbits   int     // value bits: 1 or 2
+	obits   int     // offset bits: enough for chunk-1
+	decay   float32
+
+	acc  []float32 // the error accumulator e, flat over every parameter element
+	send []byte    // this rank's message, as long as the largest fragment's
+	recv []byte    // W messages
+	mag  []float32 // a chunk's magnitudes, for the selection
+}
+
+func newSparseCodec(cfg Config, n, largest, w int) *sparseCodec {
+	s := &sparseCodec{
+		chunk: cfg.SparseChunk, density: float64(cfg.Density), vbits: cfg.SparseBits,
+		obits: max(1, bits.Len(uint(cfg.SparseChunk-1))), decay: cfg.Decay,
+		acc: make([]float32, n), mag: make([]float32, cfg.SparseChunk),
+	}
+	msg := s.msgLen(largest)
+	s.send, s.recv = make([]byte, msg), make([]byte, w*msg)
+	return s
+}
+
+// k is the number of entries sent of a chunk of l elements: density * l
+// rounded to the nearest integer, at least 1 and at most l.
+func (s *sparseCodec) k(l int) int {
+	return max(1, min(l, int(math.Round(s.density*float64(l)))))
+}
+
+// scales is the number of float32 scales of a chunk's message.
+func (s *sparseCodec) scales() int { return s.vbits }
+
+// chunkLen is the bytes of the message of a chunk of l elements.
+func (s *sparseCodec) chunkLen(l int) int {
+	return 4*s.scales() + (s.k(l)*(s.obits+s.vbits)+7)/8
+}
+
+// msgLen is the bytes of the message of a fragment of m elements.
+func (s *sparseCodec) msgLen(m int) int {
+	full, rest := m/s.chunk, m%s.chunk
+	n := full * s.chunkLen(s.chunk)
+	if rest > 0 {
+		n += s.chunkLen(rest)
+	}
+	return n
+}
+
+// allReduce replaces delta, the pseudo-gradient of the fragment whose
+// accumulator is e, with the average over c's ranks of what each sends of
+// its accumulator, updating e.
+func (s *sparseCodec) allReduce(ctx context.Context, c comm.Comm, delta, e []float32) error {
+	w, m := c.Size(), len(delta)
+	msg := s.msgLen(m)
+	send := s.send[:msg]
+	at := 0
+	for lo := 0; lo < m; lo += s.chunk {
+		hi := min(lo+s.chunk, m)
+		x := e[lo:hi]
+		for i, d := range delta[lo:hi] {
+			x[i] = s.decay*x[i] + d
+		}
+		at += s.encode(send[at:at+s.chunkLen(hi-lo)], x)
+	}
+	if err := c.AllGatherBytes(ctx, send, s.recv[:w*msg]); err != nil {
+		return fmt.Errorf("sparse all-gather: %w", err)
+	}
+	clear(delta)
+	for r := range w {
+		if err := s.decodeAdd(delta, s.recv[r*msg:(r+1)*msg]); err != nil {
+			return fmt.Errorf("sparse message of rank %d: %w", r, err)
+		}
+	}
+	fw := float32(w)
+	for i := range delta {
+		delta[i] /= fw
+	}
+	return nil
+}
+
+// encode writes the message of chunk x into dst (chunkLen(len(x)) bytes)
+// and subtracts what it stands for from x. It returns len(dst).
+func (s *sparseCodec) encode(dst []byte, x []float32) int {
+	l, k := len(x), s.k(len(x))
+	mag := s.mag[:l]
+	for i, v := range x {
+		mag[i] = abs32(v)
+	}
+	thr := kthLargest(mag, k) // reorders mag
+	var sum float64
+	s.selected(x, thr, k, func(_ int, v float32) { sum += float64(abs32(v)) })
+	lo := float32(sum / float64(k))
+	hi, cut := lo, float32(math.Inf(1))
+	if s.vbits == 2 {
+		// Two magnitudes: the means of the entries sent below and at or
+		// above their mean magnitude.
+		cut = lo
+		var sl, sh float64
+		var nl, nh int
+		s.selected(x, thr, k, func(_ int, v float32) {
+			if a := abs32(v); a >= cut {
+				sh += float64(a)
+				nh++
+			} else {
+				sl += float64(a)
+				nl++
+			}
+		})
+		hi = float32(sh / float64(nh)) // nh >= 1: the largest is at least the mean
+		lo = hi
+		if nl > 0 {
+			lo = float32(sl / float64(nl))
+		}
+		binary.LittleEndian.PutUint32(dst[4:], math.Float32bits(hi))
+	}
+	binary.LittleEndian.PutUint32(dst, math.Float32bits(lo))
+	bw := bitWriter{buf: dst[4*s.scales():]}
+	s.selected(x, thr, k, func(i int, v float32) {
+		code, sent := uint64(0), lo
+		if abs32(v) >= cut {
+			code, sent = 2, hi
+		}
+		if math.Signbit(float64(v)) {
+			code |= 1
+			sent = -sent
+		}
+		bw.write(uint64(i), s.obits)
+		bw.write(code, s.vbits)
+		x[i] -= sent
+	})
+	bw.flush()
+	return s.chunkLen(l)
+}
+
+// selected calls fn with the offset and value of each entry of x that a
+// message sends, in ascending order: those whose magnitude exceeds thr,
+// and those equal to it, the first ones, until k.
+func (s *sparseCodec) selected(x []float32, thr float32, k int, fn func(i int, v float32)) {
+	above := 0
+	for _, v := range x {
+		if abs32(v) > thr {
+			above++
+		}
+	}
+	ties := k - above
+	for i, v := range x {
+		a := abs32(v)
+		if a > thr || a == thr && ties > 0 {
+			if a == thr {
+				ties--
+			}
+			fn(i, v)
+		}
+	}
+}
+
+// errSparseMessage is wrapped by every error of a malformed message.
+var errSparseMessage = errors.New("malformed sparse message")
+
+// decodeAdd adds what msg (a fragment's message) stands for to dst, the
+// fragment. It rejects a message whose scales are not finite and
+// non-negative, or whose offsets fall outside their chunk or do not
+// ascend, with dst partly updated.
+func (s *sparseCodec) decodeAdd(dst []float32, msg []byte) error {
+	m := len(dst)
+	if len(msg) != s.msgLen(m) {
+		return fmt.Errorf("%w: %d bytes for %d elements, want %d", errSparseMessage, len(msg), m, s.msgLen(m))
+	}
+	at := 0
+	for lo := 0; lo < m; lo += s.chunk {
+		hi := min(lo+s.chunk, m)
+		n := s.chunkLen(hi - lo)
+		if err := s.decodeChunk(dst[lo:hi], msg[at:at+n]); err != nil {
+			return fmt.Errorf("chunk at element %d: %w", lo, err)
+		}
+		at += n
+	}
+	return nil
+}
+
+func (s *sparseCodec) decodeChunk(dst []float32, msg []byte) error {
+	var sc [2]float32
+	for j := range s.scales() {
+		v := math.Float32frombits(binary.LittleEndian.Uint32(msg[4*j:]))
+		if !(v >= 0) || math.IsInf(float64(v), 1) {
+			return fmt.Errorf("%w: scale %d is %v", errSparseMessage, j, v)
+		}
+		sc[j] = v
+	}
+	br := bitReader{buf: msg[4*s.scales():]}
+	prev := -1
+	for range s.k(len(dst)) {
+		off := int(br.read(s.obits))
+		code := br.read(s.vbits)
+		if off <= prev || off >= len(dst) {
+			return fmt.Errorf("%w: offset %d after %d in a chunk of %d", errSparseMessage, off, prev, len(dst))
+		}
+		prev = off
+		v := sc[0]
+		if code&2 != 0 {
+			v = sc[1]
+		}
+		if code&1 != 0 {
+			v = -v
+		}
+		dst[off] += v
+	}
+	return nil
+}
+
+// kthLargest returns the k-th largest of a (1 <= k <= len(a)), reordering
+// a (quickselect, median of three pivots; no allocation).
+func kthLargest(a []float32, k int) float32 {
+	lo, hi := 0, len(a)-1
+	want := k - 1 // index in descending order
+	for lo < hi {
+		mid := lo + (hi-lo)/2
+		// Median of three to a[hi].
+		if a[mid] > a[lo] {
+			a[mid], a[lo] = a[lo], a[mid]
+		}
+		if a[hi] > a[lo] {
+			a[hi], a[lo] = a[lo], a[hi]
+		}
+		if a[mid] > a[hi] {
+			a[mid], a[hi] = a[hi], a[mid]
+		}
+		p := a[hi]
+		// Three-way partition, descending: > p, == p, < p.
+		i, j, t := lo, lo, hi
+		for j <= t {
+			switch {
+			case a[j] > p:
+				a[i], a[j] = a[j], a[i]
+				i++
+				j++
+			case a[j] < p:
+				a[j], a[t] = a[t], a[j]
+				t--
+			default:
+				j++
+			}
+		}
+		switch {
+		case want < i:
+			hi = i - 1
+		case want > t:
+			lo = t + 1
+		default:
+			return p
+		}
+	}
+	return a[want]
+}
+
+func abs32(v float32) float32 { return math.Float32frombits(math.Float32bits(v) &^ (1 << 31)) }
+
+// bitWriter appends little-endian bit fields to buf.
+type bitWriter struct {
+	buf  []byte
+	acc  uint64
+	n    int // bits in acc
+	next int // next byte of buf
+}
+
+func (w *bitWriter) write(v uint64, nbits int) {
+	w.acc |= v << w.n
+	w.n += nbits
+	for w.n >= 8 {
+		w.buf[w.next] = byte(w.acc)
+		w.next++
+		w.acc >>= 8
+		w.n -= 8
+	}
+}
+
+func (w *bitWriter) flush() {
+	if w.n > 0 {
+		w.buf[w.next] = byte(w.acc)
+		w.next++
+	}
+	clear(w.buf[w.next:])
+}
+
+// bitReader reads what bitWriter wrote; past the end of buf it reads
+// zeros (the caller's length check keeps it within).
+type bitReader struct {
+	buf  []byte
+	acc  uint64
+	n    int
+	next int
+}
+
+func (r *bitReader) read(nbits int) uint64 {
+	for r.n < nbits {
+		var b byte
+		if r.next < len(r.buf) {
+			b = r.buf[r.next]
+		}
+		r.acc |= uint64(b) << r.n
+		r.next++
+		r.n += 8
+	}
+	v := r.acc & (1<<nbits - 1)
+	r.acc >>= nbits
+	r.n -= nbits
+	return v
+}
