@@ -199,6 +199,11 @@ func Cases(ranksPerNode int) []Case {
 			cfg.H, cfg.Fragments, cfg.Delay, cfg.Codec = 2, 2, 1, outer.CodecOneBit
 			return outer.NewAdam(ctx, c, ps, cfg, optim.DefaultAdamConfig())
 		}),
+		optimizer("outer.Optimizer.Step (sparse, 2 fragments, exchange in flight): resized gradient", resize, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+			cfg := outer.DefaultConfigFor(outer.CodecSparse)
+			cfg.H, cfg.Fragments, cfg.Delay, cfg.SparseChunk, cfg.Density = 2, 2, 1, 8, 0.25
+			return outer.NewAdam(ctx, c, ps, cfg, optim.DefaultAdamConfig())
+		}),
 		optimizer("outer.Optimizer.Step (int8, delay 1): step after Close", closeIt, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 			cfg := outer.DefaultConfig()
 			cfg.H, cfg.Delay, cfg.Codec = 2, 1, outer.CodecInt8

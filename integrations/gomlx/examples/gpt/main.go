@@ -75,6 +75,9 @@ type options struct {
 	outerLR        float64
 	outerMomentum  float64
 	outerMeanAbs   bool // diloco:1bit's scales are means of |x| (outer.Config.Scale)
+	// diloco:sparse's Density, SparseChunk, SparseBits and Decay.
+	outerDensity, outerDecay     float64
+	outerSparseChunk, outerSBits int
 	seed           uint64
 	target         float64
 	stopAtTarget   bool // end each run at its first validation at or below target
@@ -105,6 +108,8 @@ func (o *options) hyper() hyper {
 	if o.outerMeanAbs {
 		oc.Scale = onebit.ScaleMeanAbs
 	}
+	oc.Density, oc.Decay = float32(o.outerDensity), float32(o.outerDecay)
+	oc.SparseChunk, oc.SparseBits = o.outerSparseChunk, o.outerSBits
 	return hyper{lr: float32(o.lr), freezeStep: fs, outer: oc}
 }
 
@@ -152,6 +157,10 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.Float64Var(&o.outerLR, "outer-lr", float64(def.LR), "diloco: the outer Nesterov SGD's learning rate")
 	fs.Float64Var(&o.outerMomentum, "outer-momentum", float64(def.Momentum), "diloco: the outer Nesterov SGD's momentum, in [0, 1)")
 	fs.BoolVar(&o.outerMeanAbs, "outer-mean-abs", false, "diloco:1bit: scales are means of |x| (onebit.ScaleMeanAbs) instead of root mean squares")
+	fs.Float64Var(&o.outerDensity, "outer-density", float64(def.Density), "diloco:sparse: share of each chunk's entries sent, in (0, 1]")
+	fs.IntVar(&o.outerSparseChunk, "outer-sparse-chunk", def.SparseChunk, "diloco:sparse: chunk length in elements (at least 1/-outer-density)")
+	fs.IntVar(&o.outerSBits, "outer-sparse-bits", def.SparseBits, "diloco:sparse: bits per value sent, 1 or 2")
+	fs.Float64Var(&o.outerDecay, "outer-decay", float64(def.Decay), "diloco:sparse: decay of the error accumulator, in [0, 1]")
 	fs.Var(&size.Value[int]{P: &o.outerBucket, Min: 0, Max: 1 << 30}, "outer-bucket-bytes", "diloco:1bit: bucket `size` in bytes within a fragment, each bucket its own scales (0: 25 MiB, one bucket; 4Ki: finer scales, more collectives)")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the split, the batches and rank 0's initial weights")
 	fs.Float64Var(&o.target, "target", 2.75, "validation loss (nats per byte) for the time-to-target column (0: none)")

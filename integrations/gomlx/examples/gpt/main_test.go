@@ -105,7 +105,7 @@ func TestParseRuns(t *testing.T) {
 			[]string{"adam bf16", "diloco fp32", "diloco fp32", "diloco int8", "diloco 1bit"}, ""},
 		{"diloco:1bit", "fp32", true, []string{"adam", "diloco 1bit"}, ""},
 		{"diloco", "fp16", true, []string{"adam fp16", "diloco fp32"}, ""},
-		{"diloco:fp16", "fp32", false, nil, `unknown codec "fp16" for diloco (want fp32, bf16, int8 or 1bit)`},
+		{"diloco:fp16", "fp32", false, nil, `unknown codec "fp16" for diloco (want fp32, bf16, int8, 1bit or sparse)`},
 	} {
 		runs, err := parseRuns(tc.list, tc.reduce, tc.compare)
 		if tc.err != "" {

@@ -195,7 +195,7 @@ func parseRun(entry, reduce string) (runSpec, error) {
 		}
 		cd, err := outer.ParseCodec(codec)
 		if err != nil {
-			return runSpec{}, fmt.Errorf("unknown codec %q for diloco (want fp32, bf16, int8 or 1bit)", codec)
+			return runSpec{}, fmt.Errorf("unknown codec %q for diloco (want fp32, bf16, int8, 1bit or sparse)", codec)
 		}
 		s.codec = cd
 		return s, nil
