@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strconv"
 	"time"
 
 	"go.uber.org/zap"
@@ -323,21 +324,36 @@ func (o *Optimizer) makeBuckets() error {
 
 // agreeConfig is the constructor's agreement: every rank's refusal flag
 // and settings, all-gathered; the first rank that refused or whose
-// settings differ from rank 0's is named on every other rank.
+// settings differ from rank 0's is named on every other rank, with both
+// values as the settings print them.
 func (o *Optimizer) agreeConfig(ctx context.Context, local error) error {
 	cfg := o.cfg
-	vals := []int64{0, int64(cfg.H), int64(cfg.Fragments), int64(cfg.Delay), int64(cfg.Codec), int64(o.n),
-		int64(cfg.BucketBytes), int64(optim.HyperBool(cfg.Nesterov)), int64(math.Float32bits(cfg.LR)), int64(math.Float32bits(cfg.Momentum)), int64(cfg.Scale)}
-	names := []string{"", "H", "Fragments", "Delay", "Codec", "parameter elements", "BucketBytes", "Nesterov", "LR bits", "Momentum bits", "Scale"}
+	settings := []struct {
+		name   string
+		v      int64
+		format func(int64) string
+	}{
+		{"", 0, nil},
+		{"H", int64(cfg.H), formatInt},
+		{"Fragments", int64(cfg.Fragments), formatInt},
+		{"Delay", int64(cfg.Delay), formatInt},
+		{"Codec", int64(cfg.Codec), func(v int64) string { return Codec(v).String() }},
+		{"parameter elements", int64(o.n), formatInt},
+		{"BucketBytes", int64(cfg.BucketBytes), formatInt},
+		{"Nesterov", int64(optim.HyperBool(cfg.Nesterov)), func(v int64) string { return strconv.FormatBool(v != 0) }},
+		{"LR", int64(math.Float32bits(cfg.LR)), formatFloat32Bits},
+		{"Momentum", int64(math.Float32bits(cfg.Momentum)), formatFloat32Bits},
+		{"Scale", int64(cfg.Scale), formatScale},
+	}
 	if local != nil {
-		vals[0] = 1
+		settings[0].v = 1
 	}
 	if o.world == 1 {
 		return local
 	}
-	send := make([]byte, 8*len(vals))
-	for i, v := range vals {
-		binary.LittleEndian.PutUint64(send[8*i:], uint64(v))
+	send := make([]byte, 8*len(settings))
+	for i, s := range settings {
+		binary.LittleEndian.PutUint64(send[8*i:], uint64(s.v))
 	}
 	recv := make([]byte, len(send)*o.world)
 	if err := o.c.AllGatherBytes(ctx, send, recv); err != nil {
@@ -356,14 +372,33 @@ func (o *Optimizer) agreeConfig(ctx context.Context, local error) error {
 		}
 	}
 	for r := 1; r < o.world; r++ {
-		for i := 1; i < len(vals); i++ {
-			if get(r, i) != get(0, i) {
-				return fmt.Errorf("outer: New: rank %d has %s %d, rank 0 has %d: every rank must use the same settings and parameters",
-					r, names[i], get(r, i), get(0, i))
+		for i := 1; i < len(settings); i++ {
+			if s := settings[i]; get(r, i) != get(0, i) {
+				return fmt.Errorf("outer: New: rank %d has %s %s, rank 0 has %s: every rank must use the same settings and parameters",
+					r, s.name, s.format(get(r, i)), s.format(get(0, i)))
 			}
 		}
 	}
 	return nil
+}
+
+func formatInt(v int64) string { return strconv.FormatInt(v, 10) }
+
+// formatFloat32Bits prints the float32 whose bits are v, as
+// strconv.FormatFloat does (the shortest decimal that reads back to it).
+func formatFloat32Bits(v int64) string {
+	return strconv.FormatFloat(float64(math.Float32frombits(uint32(v))), 'g', -1, 32)
+}
+
+// formatScale names a 1-bit scale as Config.Scale's doc does.
+func formatScale(v int64) string {
+	switch onebit.Scale(v) {
+	case onebit.ScaleRMS:
+		return "onebit.ScaleRMS"
+	case onebit.ScaleMeanAbs:
+		return "onebit.ScaleMeanAbs"
+	}
+	return fmt.Sprintf("onebit.Scale(%d)", v)
 }
 
 // Params returns the parameters (the inner optimizer's), in order.
