@@ -321,6 +321,9 @@ func (a *Adam) State() (*optim.Checkpoint, error) {
 	m, we := a.m, [][]float32(nil)
 	if a.cp != nil {
 		m, we = a.cp.moments()
+		if a.cp.loose != nil {
+			ck.Ints[IntForeignMomentum] = 1
+		}
 	}
 	for i, p := range a.params {
 		shape := p.Shape()
@@ -347,6 +350,12 @@ func (a *Adam) State() (*optim.Checkpoint, error) {
 // checkpoint made with another BucketBytes, or before buckets existed (with
 // per-parameter error buffers), is refused unless its errors were reset
 // that way.
+//
+// StateCompact refuses a momentum it cannot pack (not ±scale per chunk of
+// this group, times the masks: a hand-made one), unless the checkpoint
+// says another group gathered it (IntForeignMomentum, as Regroup sets
+// it): it then holds it as float32, 4 more bytes per parameter, until the
+// next compression step, which is StateFull's bit for bit.
 func (a *Adam) Load(ck *optim.Checkpoint) error {
 	fs, err := a.f.CheckLoad(ck, optim.StageWarmup, optim.StageCompression)
 	if err != nil {
@@ -447,7 +456,7 @@ func (a *Adam) loadCompact(ck *optim.Checkpoint, stage optim.Stage) (func(), err
 			return nil, err
 		}
 	}
-	return a.cp.load(m, we, stage == optim.StageCompression)
+	return a.cp.load(m, we, stage == optim.StageCompression, ck.Ints[IntForeignMomentum] != 0)
 }
 
 // Close releases the communicators that ReduceTwoLevel averaging split off

@@ -13,6 +13,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math"
+	"slices"
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/optim"
@@ -30,6 +31,11 @@ type compact struct {
 	off   []int
 	fresh bool
 	mask  [][]float32 // per parameter, nil when unmasked
+	// loose holds the momentum as float32, per parameter, from the Load
+	// of a checkpoint whose momentum another group gathered (Regroup's:
+	// IntForeignMomentum) and whose chunks this group cannot pack, until
+	// the next compression step has formed x from it; nil otherwise.
+	loose [][]float32
 }
 
 // newCompact makes the buckets and the shared momentum and worker error
@@ -82,7 +88,8 @@ func (c *compact) compressed(ctx context.Context, cm comm.Comm, cfg optim.AdamCo
 	a1 := optim.OneMinus(cfg.Beta1)
 	nb := len(c.bkt.states)
 	for k, st := range c.bkt.states {
-		if c.fresh {
+		switch {
+		case c.fresh:
 			// x = 0 + (beta1*m + (1-beta1)*g), m the warm-up's, in place.
 			for _, sg := range c.segs[k] {
 				m := c.momentum(k, sg)
@@ -91,7 +98,13 @@ func (c *compact) compressed(ctx context.Context, cm comm.Comm, cfg optim.AdamCo
 					m[i] = 0 + (float32(cfg.Beta1*m[i]) + float32(a1*g[i]))
 				}
 			}
-		} else {
+		case c.loose != nil:
+			// x = worker_error + (beta1*m + (1-beta1)*g), m the loaded one.
+			for _, sg := range c.segs[k] {
+				x := st.WorkerError[sg.lo:sg.hi]
+				addMomentum(x, c.loose[sg.param][sg.off:], c.params[sg.param].GradData()[sg.off:], cfg.Beta1, a1)
+			}
+		default:
 			for lo, m := range st.outputs() {
 				c.formX(k, st, lo, m, cfg.Beta1, a1)
 			}
@@ -103,7 +116,7 @@ func (c *compact) compressed(ctx context.Context, cm comm.Comm, cfg optim.AdamCo
 			c.update(k, lo, m, v, cfg, lr, c1, c2, bound)
 		}
 	}
-	c.fresh = false
+	c.fresh, c.loose = false, nil
 	return nil
 }
 
@@ -124,11 +137,16 @@ func (c *compact) masked(k, lo int, m []float32) {
 func (c *compact) formX(k int, st *State, lo int, m []float32, beta1, a1 float32) {
 	c.masked(k, lo, m)
 	for sp := range c.spans(k, lo, lo+len(m)) {
-		g, ms := sp.of(c.params[sp.sg.param].GradData()), sp.at(m, lo)
-		x := st.WorkerError[sp.a:sp.b]
-		for j := range x {
-			x[j] = x[j] + (float32(beta1*ms[j]) + float32(a1*g[j]))
-		}
+		addMomentum(st.WorkerError[sp.a:sp.b], sp.at(m, lo), sp.of(c.params[sp.sg.param].GradData()), beta1, a1)
+	}
+}
+
+// addMomentum adds the local momentum to x: x += beta1*m + (1-beta1)*g,
+// rounded as optim.Momentum and the compressed allreduce round it.
+func addMomentum(x, m, g []float32, beta1, a1 float32) {
+	m, g = m[:len(x)], g[:len(x)]
+	for j := range x {
+		x[j] = x[j] + (float32(beta1*m[j]) + float32(a1*g[j]))
 	}
 }
 
@@ -143,15 +161,23 @@ func (c *compact) update(k, lo int, m []float32, v [][]float32, cfg optim.AdamCo
 }
 
 // moments returns every parameter's momentum as StateFull holds it, in
-// new buffers: the warm-up's float32 one while fresh, else the gathered
-// one, masked. The worker errors are zero while fresh: we says so (nil).
+// new buffers: the warm-up's float32 one while fresh, the loaded one while
+// loose, else the gathered one, masked; and the worker errors (zero while
+// fresh).
 func (c *compact) moments() (m [][]float32, we [][]float32) {
 	m = make([][]float32, len(c.params))
 	for i, p := range c.params {
 		m[i] = make([]float32, p.Numel())
+		if c.loose != nil {
+			copy(m[i], c.loose[i])
+		}
 	}
 	we = make([][]float32, len(c.bkt.states))
 	for k, st := range c.bkt.states {
+		if c.loose != nil {
+			we[k] = st.WorkerError
+			continue
+		}
 		if c.fresh {
 			for _, sg := range c.segs[k] {
 				copy(m[sg.param][sg.off:], c.momentum(k, sg))
@@ -174,10 +200,12 @@ func (c *compact) moments() (m [][]float32, we [][]float32) {
 // worker errors we (per bucket): with every worker error zero (or none,
 // in the warm-up), the momentum goes into the shared buffer as float32
 // (fresh); otherwise it must be a gathered momentum, ±scale per chunk
-// (masked), which load packs into each State's gathered buffer: a
-// momentum that is not is refused. Nothing changes before the returned
-// commit is called.
-func (c *compact) load(m, we [][]float32, compressing bool) (commit func(), err error) {
+// (masked), which load packs into each State's gathered buffer. A
+// momentum that is not is refused, unless foreign says another group
+// gathered it (IntForeignMomentum): it is then held as float32 (loose)
+// until the next compression step. Nothing changes before the returned
+// commit is called; m and we may be the checkpoint's (load copies them).
+func (c *compact) load(m, we [][]float32, compressing, foreign bool) (commit func(), err error) {
 	fresh := !compressing
 	if compressing {
 		fresh = true
@@ -191,7 +219,7 @@ func (c *compact) load(m, we [][]float32, compressing bool) (commit func(), err 
 	}
 	if fresh {
 		return func() {
-			c.fresh = true
+			c.fresh, c.loose = true, nil
 			clear(c.mw)
 			for k, segs := range c.segs {
 				for _, sg := range segs {
@@ -206,19 +234,36 @@ func (c *compact) load(m, we [][]float32, compressing bool) (commit func(), err 
 	scales := make([][]float32, len(c.bkt.states))
 	for k, st := range c.bkt.states {
 		g, sc, err := c.pack(k, st, m)
+		if err != nil && foreign {
+			return c.loadLoose(m, we), nil
+		}
 		if err != nil {
 			return nil, err
 		}
 		gathered[k], scales[k] = g, sc
 	}
 	return func() {
-		c.fresh = false
+		c.fresh, c.loose = false, nil
 		for k, st := range c.bkt.states {
 			copy(st.gathered, gathered[k])
 			copy(st.scales, scales[k])
 			copy(st.WorkerError, we[k])
 		}
 	}, nil
+}
+
+// loadLoose is load's commit of a momentum held as float32 (loose).
+func (c *compact) loadLoose(m, we [][]float32) func() {
+	loose := make([][]float32, len(m))
+	for i, x := range m {
+		loose[i] = slices.Clone(x)
+	}
+	return func() {
+		c.fresh, c.loose = false, loose
+		for k, st := range c.bkt.states {
+			copy(st.WorkerError, we[k])
+		}
+	}
 }
 
 // pack is bucket k's momentum m (per parameter) as the phase 2 messages
@@ -293,7 +338,7 @@ func (c *compact) pack(k int, st *State, m [][]float32) ([]byte, []float32, erro
 // stateBytes is the bytes of the shared momentum and worker error buffer
 // and every bucket's State (whose worker error buffers are in it).
 func (c *compact) stateBytes() int64 {
-	n := optim.Float32Bytes(c.mw) + c.bkt.stateBytes()
+	n := optim.Float32Bytes(c.mw) + optim.Float32Bytes(c.loose...) + c.bkt.stateBytes()
 	for _, st := range c.bkt.states {
 		n -= optim.Float32Bytes(st.WorkerError)
 	}

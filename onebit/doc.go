@@ -36,7 +36,7 @@
 // figures lose most of their wire buffers' 0.25 (64M parameters: 13.04,
 // 9.15, 7.04 and 4.54). Regroup
 // carries the error feedback of every mode, and of Lamb and ZeroOneAdam,
-// to another number of ranks.
+// to another number of ranks, from and to one rank included.
 //
 // # Elements with no variance
 //

@@ -527,6 +527,9 @@ func (o *Lamb) State() (*optim.Checkpoint, error) {
 	m, vFresh, we := o.m, o.vFresh, []float32(nil)
 	if o.cp != nil {
 		m, vFresh, we = o.compactState()
+		if o.cp.loose != nil {
+			ck.Ints[IntForeignMomentum] = 1
+		}
 	}
 	for i, p := range o.params {
 		lo, hi := o.offs[i], o.offs[i+1]
@@ -564,10 +567,11 @@ func (o *Lamb) State() (*optim.Checkpoint, error) {
 // gathers (±scale per chunk, divided by the scaling and times the mask);
 // before it, non-zero worker errors, or a v_fresh other than StateFull's
 // (zero in the warm-up, the frozen v after). A checkpoint whose error
-// buffers were reset is not refused for its momentum (made on another
-// group size, it was gathered in other chunks): StateCompact then holds m
-// as float32, 4 more bytes per parameter, until the next compression
-// step.
+// buffers were reset, or that Regroup made for another group size
+// (IntForeignMomentum), is not refused for its momentum (it was gathered
+// in other chunks): StateCompact then holds m as float32, 4 more bytes per
+// parameter, until the next compression step, which is StateFull's bit
+// for bit.
 func (o *Lamb) Load(ck *optim.Checkpoint) error {
 	if err := o.load(ck); err != nil {
 		return fmt.Errorf("onebit: 1-bit LAMB: %w", err)
@@ -657,7 +661,8 @@ func (o *Lamb) load(ck *optim.Checkpoint) error {
 			cscaling[i] = float32(floats[3*i+2])
 		}
 		var err error
-		if commit, err = o.compactLoad(cm, cvf, cv, cwe, cscaling, fs.Stage, ints[1] != 0, ck.ErrorsReset); err != nil {
+		foreign := ck.ErrorsReset || ck.Ints[IntForeignMomentum] != 0
+		if commit, err = o.compactLoad(cm, cvf, cv, cwe, cscaling, fs.Stage, ints[1] != 0, foreign); err != nil {
 			return err
 		}
 	}

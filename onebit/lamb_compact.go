@@ -22,8 +22,9 @@ package onebit
 // Checkpoints are StateFull's. Loading one repacks m, which must then be
 // exactly what the compressed allreduce of this group gathers, or (before
 // the first compression step) takes the warm-up's m as float32. The one
-// exception is a checkpoint whose error buffers were reset, typically to
-// move to another group size, whose chunks cannot pack m: m stays float32
+// exception is a checkpoint whose momentum another group gathered (its
+// error buffers reset to move it, or regrouped by Regroup, which says so
+// with IntForeignMomentum), whose chunks cannot pack m: m stays float32
 // in a buffer of its own (loose) until the next compression step has used
 // it as m_last.
 
@@ -55,9 +56,10 @@ type lambCompact struct {
 	// gathered output of the last compressed allreduce.
 	fresh bool
 	// loose holds m as float32 in a buffer of its own from the Load of a
-	// checkpoint whose error buffers were reset and whose m this group
-	// cannot pack (made on another group size: other chunks) until the
-	// next compression step, which needs it as m_last; nil otherwise.
+	// checkpoint whose momentum another group gathered (errors reset, or
+	// IntForeignMomentum) and which this group cannot pack (other chunks)
+	// until the next compression step, which needs it as m_last; nil
+	// otherwise.
 	loose []float32
 	// last and lastScales are the gathered messages and scales of the
 	// step before (m_last), copied before the allreduce overwrites them.
@@ -373,14 +375,16 @@ func (o *Lamb) unpackMomentum(m []float32, g []byte, scales, scaling []float32) 
 // warm-up, v after) and zero worker errors; otherwise m must be a gathered
 // momentum, ±scale per chunk divided by the scaling and times the masks,
 // which is packed into the State's gathered buffer. In the compression
-// stage a checkpoint whose errors were reset (reset) may hold any m, as
-// one made on another group size does: m then stays float32 in a buffer
-// of its own (loose) until the next compression step. Anything else is
-// refused. Nothing changes before the returned commit is called.
+// stage a checkpoint whose momentum another group gathered (foreign: its
+// errors reset to move it, or IntForeignMomentum, as Regroup sets it) may
+// hold any m: m then stays float32 in a buffer of its own (loose) until
+// the next compression step, and the worker errors (we) are taken as they
+// are. Anything else is refused. Nothing changes before the returned
+// commit is called.
 //
 // m and vFresh are new buffers that compactLoad may keep; v is the
 // checkpoint's, per parameter.
-func (o *Lamb) compactLoad(m, vFresh []float32, v [][]float32, we []float32, scaling []float32, stage optim.Stage, scaled, reset bool) (commit func(), err error) {
+func (o *Lamb) compactLoad(m, vFresh []float32, v [][]float32, we []float32, scaling []float32, stage optim.Stage, scaled, foreign bool) (commit func(), err error) {
 	c := o.cp
 	refuse := func(what string) error {
 		return fmt.Errorf("%w: %s, a state StateCompact cannot hold: load it with StateFull", optim.ErrIncompatibleCheckpoint, what)
@@ -388,6 +392,9 @@ func (o *Lamb) compactLoad(m, vFresh []float32, v [][]float32, we []float32, sca
 	loose := func() {
 		c.fresh, c.loose = false, m
 		copy(o.vFresh, vFresh)
+		if we != nil {
+			copy(o.ef.WorkerError, we)
+		}
 	}
 	if stage == optim.StageWarmup || !scaled {
 		bad := ""
@@ -418,14 +425,14 @@ func (o *Lamb) compactLoad(m, vFresh []float32, v [][]float32, we []float32, sca
 				copy(o.vFresh, m)
 				clear(o.ef.WorkerError)
 			}, nil
-		case reset && stage == optim.StageCompression:
+		case foreign && stage == optim.StageCompression:
 			return loose, nil
 		}
 		return nil, refuse(bad)
 	}
 	g, scales, err := o.pack(m, scaling)
 	if err != nil {
-		if reset {
+		if foreign {
 			return loose, nil
 		}
 		return nil, err

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"maps"
 	"slices"
-	"strconv"
 	"strings"
 
 	"github.com/lowbit-ml/lowbit/optim"
@@ -13,31 +12,50 @@ import (
 // Regroup makes the checkpoint that rank of a group of world ranks loads to
 // continue the run whose every rank saved one of old (old[r] made by rank
 // r of a group of len(old)), keeping the error feedback instead of
-// resetting it (optim.Checkpoint.ResetErrors):
+// resetting it (optim.Checkpoint.ResetErrors). It carries the checkpoints
+// of the three 1-bit optimizers in every StateMode, from and to any number
+// of ranks, one included:
 //
-//   - every worker error buffer of the new group is the mean over the old
-//     ranks of theirs, element by element (summed in float64, rounded
-//     once): what the compressed average still owes the ranks is their
-//     mean, and it stays the same to float32 rounding;
+//   - on the same number of ranks the result is a copy of old[rank], bit
+//     for bit: a resume through Regroup is the resume without it;
+//   - otherwise every worker error buffer of the new group is the mean
+//     over the old ranks of theirs, element by element (summed in
+//     float64, rounded once): what the compressed average still owes the
+//     ranks is their mean, and it stays the same to float32 rounding;
 //   - the server errors (and the sharded mode's update errors) belong to
 //     elements, not ranks: they are cut out of the old ranks' chunks and
 //     cut again into the new group's, element for element, unchanged;
 //   - the sharded mode's moments (StateSharded) are re-cut the same way,
-//     unchanged;
+//     unchanged, from the old ranks' shards or, from one rank (where the
+//     mode runs as StateFull), from its whole moments;
 //   - everything else comes from old[rank % len(old)], as after
 //     ResetErrors: in the compression stages every rank holds the same
 //     state anyway (0/1 Adam's local steps between synchronizations
 //     aside, where a new rank continues from that old rank's parameters).
 //
-// Padding elements start at zero. On one rank there is no compression and
-// no error buffer: the mean owed is dropped with them. The result is a new
-// checkpoint made, as far as Load can tell, by rank of world ranks; old is
-// not changed. Checkpoints of another algorithm than the three 1-bit
-// optimizers, of different steps or stages, or with their errors already
-// reset, are refused, as is an old set that is not every rank's.
+// Padding elements start at zero. A run on one rank has no compression
+// and no error buffers: a group grown from it starts its error buffers at
+// zero. A group of one rank has none either: the mean owed is dropped
+// with them. In the compression stage of 1-bit Adam and 1-bit LAMB
+// (StateFull, StateCompact) the momentum was gathered in the old group's
+// chunks, which StateCompact cannot pack into the new group's where a new
+// chunk spans two old ones: the result says so (IntForeignMomentum), and
+// StateCompact then holds the momentum as float32 until its next step has
+// used it, taking StateFull's steps, bit for bit, from the same result.
+//
+// The result is a new checkpoint made, as far as Load can tell, by rank
+// of world ranks; old is not changed. Checkpoints of another algorithm
+// are refused, the error saying what moves them to another number of
+// ranks (ResetErrors for the exact optimizers and for package outer's,
+// zero.Consolidate for zero.Adam's), as are checkpoints of different
+// steps or stages, with their errors already reset, or an old set that
+// is not every rank's.
 func Regroup(old []*optim.Checkpoint, world, rank int) (*optim.Checkpoint, error) {
 	if err := checkRegroup(old, world, rank); err != nil {
 		return nil, fmt.Errorf("onebit: Regroup: %w", err)
+	}
+	if world == len(old) {
+		return cloneCheckpoint(old[rank]), nil
 	}
 	src := old[rank%len(old)]
 	out := &optim.Checkpoint{
@@ -45,30 +63,28 @@ func Regroup(old []*optim.Checkpoint, world, rank int) (*optim.Checkpoint, error
 		Ints: maps.Clone(src.Ints), Floats: maps.Clone(src.Floats),
 	}
 	g := newRegrouper(old, world, rank)
+	ebs := g.errorBuffers()
 	for _, t := range src.Tensors {
 		switch {
 		case optim.IsErrorBuffer(t.Name):
-			if world == 1 {
-				continue
+			// Made below, from every old rank's.
+			if !slices.ContainsFunc(ebs, func(b errorBuffer) bool { return b.worker == t.Name || b.server == t.Name }) {
+				return nil, fmt.Errorf("onebit: Regroup: %w: error buffer %q names no parameter or bucket of the run", optim.ErrIncompatibleCheckpoint, t.Name)
 			}
-			n, err := g.sizeOf(t.Name)
-			if err != nil {
-				return nil, fmt.Errorf("onebit: Regroup: %w", err)
-			}
-			var data []float32
-			if strings.HasPrefix(t.Name, optim.WorkerErrorName) {
-				data, err = g.mean(t.Name, n)
-			} else {
-				data, err = g.rechunk(t.Name, n)
-			}
-			if err != nil {
-				return nil, fmt.Errorf("onebit: Regroup: %w", err)
-			}
-			out.AddTensor(t.Name, []int{len(data)}, data)
-		case g.sharded && (strings.HasPrefix(t.Name, ExpAvgShardPrefix) || strings.HasPrefix(t.Name, ExpAvgSqShardPrefix)):
+		case g.sharded && g.isMoment(t.Name):
 			// Re-cut below, after the parameters.
 		default:
 			out.AddTensor(t.Name, t.Shape, t.Data)
+		}
+	}
+	if world > 1 {
+		for _, b := range ebs {
+			we, se, err := g.errors(b)
+			if err != nil {
+				return nil, fmt.Errorf("onebit: Regroup: %w", err)
+			}
+			out.AddTensor(b.worker, []int{len(we)}, we)
+			out.AddTensor(b.server, []int{len(se)}, se)
 		}
 	}
 	if g.sharded {
@@ -76,17 +92,51 @@ func Regroup(old []*optim.Checkpoint, world, rank int) (*optim.Checkpoint, error
 			return nil, fmt.Errorf("onebit: Regroup: %w", err)
 		}
 	}
+	if _, ok := out.Ints[IntBuckets]; ok {
+		out.Ints[IntBuckets] = 0 // one rank has no buckets
+		if world > 1 {
+			out.Ints[IntBuckets] = int64(len(g.buckets))
+		}
+	}
+	delete(out.Ints, IntForeignMomentum)
+	if world > 1 && !g.sharded && src.Stage == optim.StageCompression && src.Algorithm != optim.AlgorithmZeroOneAdam {
+		out.Ints[IntForeignMomentum] = 1
+	}
 	return out, nil
+}
+
+// IntForeignMomentum is 1 in a checkpoint of 1-bit Adam or 1-bit LAMB
+// whose momentum another group gathered than the one it is made for:
+// Regroup's onto another number of ranks in the compression stage, and a
+// StateCompact rank's that still holds such a momentum. StateFull takes
+// any momentum. StateCompact keeps it as the bits and scales of its own
+// group's chunks: it takes a momentum with the flag that it cannot pack as
+// float32 (4 bytes per parameter more) until its next compression step
+// has used it, and refuses one without.
+const IntForeignMomentum = "foreign_momentum"
+
+// outerPrefix starts the algorithm names of package outer's checkpoints
+// (outer.AlgorithmPrefix; outer imports onebit).
+const outerPrefix = "outer-"
+
+// zeroAlgorithm is the algorithm name of zero.Adam's checkpoints.
+const zeroAlgorithm = "zero-adam"
+
+// cloneCheckpoint is a deep copy of ck.
+func cloneCheckpoint(ck *optim.Checkpoint) *optim.Checkpoint {
+	out := *ck
+	out.Ints, out.Floats = maps.Clone(ck.Ints), maps.Clone(ck.Floats)
+	out.Tensors = nil
+	for _, t := range ck.Tensors {
+		out.AddTensor(t.Name, t.Shape, t.Data)
+	}
+	return &out
 }
 
 // checkRegroup refuses what Regroup cannot do.
 func checkRegroup(old []*optim.Checkpoint, world, rank int) error {
 	if len(old) == 0 {
 		return fmt.Errorf("no checkpoints")
-	}
-	if len(old) == 1 {
-		return fmt.Errorf("%w: a run on one rank has no error feedback to regroup: load its checkpoint through ResetErrors on the new group (StateFull)",
-			optim.ErrIncompatibleCheckpoint)
 	}
 	if world < 1 || rank < 0 || rank >= world {
 		return fmt.Errorf("rank %d of %d ranks", rank, world)
@@ -95,10 +145,19 @@ func checkRegroup(old []*optim.Checkpoint, world, rank int) error {
 	if a == nil {
 		return fmt.Errorf("checkpoint 0 is nil")
 	}
-	switch a.Algorithm {
-	case optim.AlgorithmOnebitAdam, optim.AlgorithmOnebitLamb, optim.AlgorithmZeroOneAdam:
+	switch {
+	case a.Algorithm == optim.AlgorithmOnebitAdam, a.Algorithm == optim.AlgorithmOnebitLamb, a.Algorithm == optim.AlgorithmZeroOneAdam:
+	case strings.HasPrefix(a.Algorithm, outerPrefix):
+		return fmt.Errorf("%w: algorithm %q is the outer optimizer's (package outer), which Regroup does not carry: "+
+			"on the same number of ranks load each rank's checkpoint as it is; on another, load old[r %% %d].ResetErrors() on new rank r "+
+			"(the outer optimizer accepts that on any group size, its 1-bit codec's error feedback, if any, restarting from zero; docs/outer.md)",
+			optim.ErrIncompatibleCheckpoint, a.Algorithm, len(old))
+	case a.Algorithm == zeroAlgorithm:
+		return fmt.Errorf("%w: algorithm %q has no error feedback to regroup: zero.Consolidate joins its shards into a checkpoint that loads on any group size",
+			optim.ErrIncompatibleCheckpoint, a.Algorithm)
 	default:
-		return fmt.Errorf("%w: algorithm %q has no error feedback to regroup (it loads on any group size as it is)", optim.ErrIncompatibleCheckpoint, a.Algorithm)
+		return fmt.Errorf("%w: algorithm %q has no error feedback to regroup: load ck.ResetErrors() on the new group (it drops nothing from such a checkpoint)",
+			optim.ErrIncompatibleCheckpoint, a.Algorithm)
 	}
 	for r, ck := range old {
 		switch {
@@ -125,16 +184,18 @@ func checkRegroup(old []*optim.Checkpoint, world, rank int) error {
 type regrouper struct {
 	old         []*optim.Checkpoint
 	world, rank int
+	algorithm   string
 	sharded     bool
 	names       []string // the parameters, in order
 	sizes       []int    // their element counts
 	shapes      [][]int
 	n           int   // every parameter's elements
-	buckets     []int // every bucket's elements (flat order), when the run had buckets
+	buckets     []int // every bucket's elements (flat order): every parameter's when perParam
+	perParam    bool  // error buffers per parameter (optim.PerParameter, or made before buckets)
 }
 
 func newRegrouper(old []*optim.Checkpoint, world, rank int) *regrouper {
-	g := &regrouper{old: old, world: world, rank: rank, sharded: modeOf(old[0]) == StateSharded}
+	g := &regrouper{old: old, world: world, rank: rank, algorithm: old[0].Algorithm, sharded: modeOf(old[0]) == StateSharded}
 	prefix := optim.ParamTensorName("")
 	for _, t := range old[0].Tensors {
 		if name, ok := strings.CutPrefix(t.Name, prefix); ok {
@@ -144,38 +205,71 @@ func newRegrouper(old []*optim.Checkpoint, world, rank int) *regrouper {
 			g.n += len(t.Data)
 		}
 	}
-	if bytes, ok := old[0].Ints[IntBucketBytes]; ok {
-		if bytes == optim.PerParameter {
-			g.buckets = g.sizes
-		} else {
-			per := max(int(bytes)/4, 1)
-			for lo := 0; lo < g.n; lo += per {
-				g.buckets = append(g.buckets, min(per, g.n-lo))
-			}
+	bytes, ok := old[0].Ints[IntBucketBytes]
+	switch {
+	case !ok || bytes == optim.PerParameter:
+		g.perParam = true
+		g.buckets = g.sizes
+	default:
+		if bytes == 0 { // 0/1 Adam on one rank recorded none before Regroup took one rank
+			bytes = optim.DefaultBucketBytes
+		}
+		per := max(int(bytes)/4, 1)
+		for lo := 0; lo < g.n; lo += per {
+			g.buckets = append(g.buckets, min(per, g.n-lo))
 		}
 	}
 	return g
 }
 
-// sizeOf is the element count of the tensor an error buffer belongs to:
-// the fused buffer of every parameter, bucket k, or a parameter.
-func (g *regrouper) sizeOf(name string) (int, error) {
-	rest := name[strings.IndexByte(name+"/", '/'):]
-	if rest == "" {
-		return g.n, nil
+// errorBuffer is a pair of error buffers of a tensor of n elements: the
+// fused buffer of every parameter (1-bit LAMB), a bucket or a parameter.
+type errorBuffer struct {
+	worker, server string
+	n              int
+}
+
+// errorBuffers are the run's error buffers on more than one rank.
+func (g *regrouper) errorBuffers() []errorBuffer {
+	if g.algorithm == optim.AlgorithmOnebitLamb {
+		return []errorBuffer{{FusedWorkerError, FusedServerError, g.n}}
 	}
-	rest = rest[1:]
-	if ks, ok := strings.CutPrefix(rest, "bucket:"); ok && g.buckets != nil {
-		k, err := strconv.Atoi(ks)
-		if err != nil || k < 0 || k >= len(g.buckets) {
-			return 0, fmt.Errorf("%w: error buffer %q names no bucket of %d", optim.ErrIncompatibleCheckpoint, name, len(g.buckets))
+	out := make([]errorBuffer, len(g.buckets))
+	for k, n := range g.buckets {
+		out[k] = errorBuffer{BucketWorkerErrorName(k), BucketServerErrorName(k), n}
+		if g.perParam {
+			out[k] = errorBuffer{WorkerErrorPrefix + g.names[k], ServerErrorPrefix + g.names[k], n}
 		}
-		return g.buckets[k], nil
 	}
-	if i := slices.Index(g.names, rest); i >= 0 {
-		return g.sizes[i], nil
+	return out
+}
+
+// errors are the new rank's buffers of b: zero from one rank; otherwise
+// the old ranks' mean worker error and the server errors re-cut.
+func (g *regrouper) errors(b errorBuffer) (we, se []float32, err error) {
+	if len(g.old) == 1 {
+		n := PaddedLen(b.n, g.world)
+		return make([]float32, n), make([]float32, n/g.world), nil
 	}
-	return 0, fmt.Errorf("%w: error buffer %q names no parameter or bucket", optim.ErrIncompatibleCheckpoint, name)
+	if we, err = g.mean(b.worker, b.n); err != nil {
+		return nil, nil, err
+	}
+	f, err := g.flat(b.server, b.n)
+	if err != nil {
+		return nil, nil, err
+	}
+	return we, g.chunk(f), nil
+}
+
+// isMoment says whether the tensor called name is one of the sharded
+// mode's moments: a shard, or a whole one (made on one rank).
+func (g *regrouper) isMoment(name string) bool {
+	for _, pre := range [...]string{ExpAvgShardPrefix, ExpAvgSqShardPrefix, optim.ExpAvgPrefix, optim.ExpAvgSqPrefix} {
+		if strings.HasPrefix(name, pre) {
+			return true
+		}
+	}
+	return false
 }
 
 // tensor is rank r's tensor called name, with at least n elements.
@@ -237,30 +331,31 @@ func (g *regrouper) chunk(flat []float32) []float32 {
 	return out
 }
 
-// rechunk is the new rank's chunk of the buffer called name, which the
-// old ranks hold chunk by chunk.
-func (g *regrouper) rechunk(name string, n int) ([]float32, error) {
-	f, err := g.flat(name, n)
-	if err != nil {
-		return nil, err
-	}
-	return g.chunk(f), nil
-}
-
 // moments writes the sharded mode's moments for the new group into out:
 // shards of every bucket, or, on one rank (where the sharded mode runs as
-// StateFull), every parameter's moments whole.
+// StateFull), every parameter's moments whole. They come from the old
+// ranks' shards, or whole from a run on one rank.
 func (g *regrouper) moments(out *optim.Checkpoint) error {
 	for _, pre := range [...]struct{ shard, whole string }{
 		{ExpAvgShardPrefix, optim.ExpAvgPrefix}, {ExpAvgSqShardPrefix, optim.ExpAvgSqPrefix},
 	} {
 		all := make([]float32, 0, g.n) // the moment of every element, flat
-		for k, n := range g.buckets {
-			f, err := g.flat(bucketShardName(pre.shard, k), n)
-			if err != nil {
-				return err
+		if len(g.old) == 1 {
+			for i, name := range g.names {
+				x, err := g.tensor(0, pre.whole+name, g.sizes[i])
+				if err != nil {
+					return err
+				}
+				all = append(all, x[:g.sizes[i]]...)
 			}
-			all = append(all, f...)
+		} else {
+			for k, n := range g.buckets {
+				f, err := g.flat(bucketShardName(pre.shard, k), n)
+				if err != nil {
+					return err
+				}
+				all = append(all, f...)
+			}
 		}
 		if len(all) != g.n {
 			return fmt.Errorf("%w: the moments hold %d elements, the parameters %d", optim.ErrIncompatibleCheckpoint, len(all), g.n)

@@ -4,7 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -16,6 +19,7 @@ import (
 	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // regroupCase is an optimizer whose checkpoints Regroup carries from one
@@ -25,26 +29,54 @@ type regroupCase struct {
 	mk   func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error)
 }
 
-func regroupCases() []regroupCase {
-	adam := func(mode onebit.StateMode, bb int) func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-		cfg := adamConfigForResume(2)
-		cfg.StateMode, cfg.BucketBytes = mode, bb
-		return func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-			return onebit.NewAdam(context.Background(), c, ps, cfg)
-		}
+// regroupAdam is 1-bit Adam as the regroup tests run it: the warm-up ends
+// at step 2, weight decay, a mask on w1, mode and buckets of bb bytes.
+func regroupAdam(mode onebit.StateMode, bb int) func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+	cfg := adamConfigForResume(2)
+	cfg.StateMode, cfg.BucketBytes = mode, bb
+	return func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		return onebit.NewAdam(context.Background(), c, ps, cfg)
 	}
-	lamb := onebit.DefaultLambConfig()
-	lamb.FreezeStep = 2
+}
+
+// byMode makes an optimizer's constructor for a StateMode.
+type byMode func(onebit.StateMode) func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error)
+
+// regroupAdamIn is regroupAdam with buckets of bb bytes, by mode.
+func regroupAdamIn(bb int) byMode {
+	return func(mode onebit.StateMode) func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		return regroupAdam(mode, bb)
+	}
+}
+
+// regroupLamb is 1-bit LAMB as the regroup tests run it: the warm-up ends
+// at step 2, weight decay, a mask on w1, mode.
+func regroupLamb(mode onebit.StateMode) func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+	cfg := onebit.DefaultLambConfig()
+	cfg.FreezeStep, cfg.LR, cfg.WeightDecay, cfg.StateMode = 2, 0.01, 0.01, mode
+	cfg.ExpAvgMask = adamConfigForResume(2).ExpAvgMask
+	return newLamb(cfg)
+}
+
+func regroupCases() []regroupCase {
 	zo := onebit.DefaultZeroOneAdamConfig()
 	zo.VarFreezeStep, zo.LocalStepScaler = 2, 2
+	bf16 := func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		cfg := shardedBF16(2, onebit.BF16WorkerError|onebit.BF16Variance)
+		return onebit.NewAdam(context.Background(), c, ps, cfg)
+	}
 	return []regroupCase{
-		{"1-bit Adam", adam(onebit.StateFull, 0)},
-		{"1-bit Adam, buckets of 24 bytes", adam(onebit.StateFull, 24)},
-		{"1-bit Adam, per parameter", adam(onebit.StateFull, optim.PerParameter)},
-		{"1-bit Adam compact", adam(onebit.StateCompact, 24)},
-		{"1-bit Adam sharded", adam(onebit.StateSharded, 0)},
-		{"1-bit Adam sharded, buckets of 24 bytes", adam(onebit.StateSharded, 24)},
-		{"1-bit LAMB", newLamb(lamb)},
+		{"1-bit Adam", regroupAdam(onebit.StateFull, 0)},
+		{"1-bit Adam, buckets of 24 bytes", regroupAdam(onebit.StateFull, 24)},
+		{"1-bit Adam, per parameter", regroupAdam(onebit.StateFull, optim.PerParameter)},
+		{"1-bit Adam compact", regroupAdam(onebit.StateCompact, 0)},
+		{"1-bit Adam compact, buckets of 24 bytes", regroupAdam(onebit.StateCompact, 24)},
+		{"1-bit Adam compact, buckets of 44 bytes", regroupAdam(onebit.StateCompact, 44)},
+		{"1-bit Adam sharded", regroupAdam(onebit.StateSharded, 0)},
+		{"1-bit Adam sharded, buckets of 24 bytes", regroupAdam(onebit.StateSharded, 24)},
+		{"1-bit Adam sharded bf16", bf16},
+		{"1-bit LAMB", regroupLamb(onebit.StateFull)},
+		{"1-bit LAMB compact", regroupLamb(onebit.StateCompact)},
 		{"0/1 Adam", newZeroOne(zo)},
 	}
 }
@@ -221,7 +253,6 @@ func TestRegroupRefusals(t *testing.T) {
 	mk := regroupCases()[0].mk
 	two, _ := regroupRun(t, 2, mk, nil, 1, 4)
 	other, _ := regroupRun(t, 2, mk, nil, 1, 3)
-	one, _ := regroupRun(t, 1, mk, nil, 1, 3)
 	exact, _ := regroupRun(t, 2, func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 		return optim.NewAdam(context.Background(), c, ps, optim.DefaultAdamConfig())
 	}, nil, 1, 1)
@@ -230,11 +261,10 @@ func TestRegroupRefusals(t *testing.T) {
 		old  []*optim.Checkpoint
 		msg  string
 	}{
-		{"a rank missing", two[:1], "one rank"},
+		{"a rank missing", two[:1], "every rank's"},
 		{"out of order", []*optim.Checkpoint{two[1], two[0]}, "rank order"},
 		{"steps differ", []*optim.Checkpoint{two[0], other[1]}, "not one run's"},
 		{"errors reset", []*optim.Checkpoint{two[0].ResetErrors(), two[1]}, "reset already"},
-		{"one rank", one, "one rank"},
 		{"exact Adam", exact, "no error feedback"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -245,8 +275,6 @@ func TestRegroupRefusals(t *testing.T) {
 	}
 	_, err := onebit.Regroup(two, 3, 3)
 	require.Error(t, err)
-	_, err = onebit.Regroup(two, 2, 0)
-	require.NoError(t, err, "the same group size is a copy")
 	ck := two[0]
 	ck.Tensors = append([]optim.Tensor(nil), ck.Tensors...)
 	for i := range ck.Tensors {
@@ -257,4 +285,269 @@ func TestRegroupRefusals(t *testing.T) {
 	_, err = onebit.Regroup([]*optim.Checkpoint{ck, two[1]}, 3, 0)
 	require.Error(t, err)
 	assert.True(t, errors.Is(err, optim.ErrIncompatibleCheckpoint))
+}
+
+// checkpointBits is a checkpoint's content, float bits for floats and
+// tensors by name, for comparisons bit for bit.
+type checkpointBits struct {
+	Algorithm   string
+	World, Rank int
+	Stage       optim.Stage
+	ErrorsReset bool
+	Ints        map[string]int64
+	Floats      map[string]uint64
+	Tensors     map[string][]uint32 // shape, then data
+}
+
+// ckBits is ck's checkpointBits.
+func ckBits(ck *optim.Checkpoint) checkpointBits {
+	b := checkpointBits{Algorithm: ck.Algorithm, World: ck.World, Rank: ck.Rank, Stage: ck.Stage, ErrorsReset: ck.ErrorsReset,
+		Ints: map[string]int64{}, Floats: map[string]uint64{}, Tensors: map[string][]uint32{}}
+	maps.Copy(b.Ints, ck.Ints)
+	for k, v := range ck.Floats {
+		b.Floats[k] = math.Float64bits(v)
+	}
+	for _, t := range ck.Tensors {
+		var x []uint32
+		for _, d := range t.Shape {
+			x = append(x, uint32(d))
+		}
+		b.Tensors[t.Name] = append(append(x, math.MaxUint32), bitsOf(t.Data)...)
+	}
+	return b
+}
+
+// A compact run resumes in StateCompact on another number of ranks with
+// its error feedback, whatever the buckets (the default: one bucket of the
+// 35 elements, in chunks of 24 on 2 and 3 ranks, 16 on 4, 40 on 5; 84
+// bytes: buckets of 21 and 14 elements, cutting parameters; one per
+// parameter): the regrouped checkpoints load in StateCompact and train on
+// exactly as StateFull does from them, bit for bit (parameters and the
+// checkpoints that follow), for 1-bit Adam and 1-bit LAMB. The new chunks
+// can pack the momentum only where each lies within one old chunk (2 to 3
+// ranks and back with the default size); elsewhere StateCompact holds it
+// as float32 for a step.
+func TestRegroupCompactResumesCompact(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		mk   byMode
+	}{
+		{"1-bit Adam", regroupAdamIn(0)},
+		{"1-bit Adam, buckets of 84 bytes", regroupAdamIn(84)},
+		{"1-bit Adam, per parameter", regroupAdamIn(optim.PerParameter)},
+		{"1-bit LAMB", regroupLamb},
+	} {
+		for _, ws := range [][2]int{{2, 3}, {3, 2}, {4, 3}, {4, 1}, {2, 5}} {
+			t.Run(fmt.Sprintf("%s/%d to %d", tc.name, ws[0], ws[1]), func(t *testing.T) {
+				old, _ := regroupRun(t, ws[0], tc.mk(onebit.StateCompact), nil, 1, 6)
+				cks := regroupAll(t, old, ws[1])
+				if ws[1] > 1 {
+					assert.Equal(t, int64(1), cks[0].Ints[onebit.IntForeignMomentum])
+					kept := false
+					for _, tn := range cks[0].Tensors {
+						if strings.HasPrefix(tn.Name, optim.WorkerErrorName) {
+							kept = kept || slices.ContainsFunc(tn.Data, func(x float32) bool { return x != 0 })
+						}
+					}
+					assert.True(t, kept, "the worker errors are kept")
+				}
+				full, fullParams := regroupRun(t, ws[1], tc.mk(onebit.StateFull), cks, 7, 4)
+				compact, compactParams := regroupRun(t, ws[1], tc.mk(onebit.StateCompact), cks, 7, 4)
+				require.Equal(t, fullParams, compactParams)
+				for r := range compact {
+					delete(compact[r].Ints, onebit.IntStateMode)
+					assert.Equal(t, ckBits(full[r]), ckBits(compact[r]), "rank %d's checkpoint", r)
+				}
+			})
+		}
+	}
+}
+
+// StateCompact holding a regrouped momentum as float32 says so in its
+// checkpoints until its next step, and takes them back: a checkpoint taken
+// right after the Load loads again; StateBytes is back to its value before
+// the Load after the next step.
+func TestRegroupCompactStateWhileLoose(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		mk   byMode
+	}{
+		{"1-bit Adam", regroupAdamIn(0)},
+		{"1-bit LAMB", regroupLamb},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			// 35 elements: chunks of 24 on 2 ranks (and 3), of 16 on 4.
+			old, _ := regroupRun(t, 2, tc.mk(onebit.StateCompact), nil, 1, 6)
+			cks := regroupAll(t, old, 4)
+			_, want := regroupRun(t, 4, tc.mk(onebit.StateFull), cks, 7, 2)
+			got := make([][][]uint32, 4)
+			require.NoError(t, local.Run(adamCtx(t), 4, func(ctx context.Context, c comm.Comm) error {
+				ps := adamParams(t, []int{3, 7}, []int{13}, []int{1})
+				opt, err := tc.mk(onebit.StateCompact)(c, ps)
+				if err != nil {
+					return err
+				}
+				built := opt.(optim.MemoryReporter).StateBytes()
+				if err := opt.Load(cks[c.Rank()]); err != nil {
+					return err
+				}
+				again, err := opt.State()
+				if err != nil {
+					return err
+				}
+				if again.Ints[onebit.IntForeignMomentum] != 1 {
+					return fmt.Errorf("the checkpoint of a loose momentum does not say so")
+				}
+				if err := opt.Load(again); err != nil {
+					return err
+				}
+				for s := 7; s < 9; s++ {
+					adamGrads(ps, c.Rank()%3, s)
+					if err := opt.Step(ctx); err != nil {
+						return err
+					}
+				}
+				if after := opt.(optim.MemoryReporter).StateBytes(); after != built {
+					return fmt.Errorf("StateBytes %d after construction, %d after the steps", built, after)
+				}
+				got[c.Rank()] = adamBits(ps)
+				return nil
+			}))
+			assert.Equal(t, want, got)
+		})
+	}
+}
+
+// Regroup to the same number of ranks is a copy of each rank's own
+// checkpoint, bit for bit, in every optimizer and mode (one rank
+// included), and a resume through it is the resume without it.
+func TestRegroupSameWorldIsACopy(t *testing.T) {
+	for _, tc := range regroupCases() {
+		t.Run(tc.name, func(t *testing.T) {
+			for _, w := range []int{1, 3} {
+				old, _ := regroupRun(t, w, tc.mk, nil, 1, 6)
+				same := regroupAll(t, old, w)
+				for r := range w {
+					require.Equal(t, ckBits(old[r]), ckBits(same[r]), "W=%d rank %d", w, r)
+				}
+				wantCks, want := regroupRun(t, w, tc.mk, old, 7, 3)
+				gotCks, got := regroupRun(t, w, tc.mk, same, 7, 3)
+				require.Equal(t, want, got, "W=%d: the resume through Regroup", w)
+				for r := range w {
+					require.Equal(t, ckBits(wantCks[r]), ckBits(gotCks[r]), "W=%d rank %d after the resume", w, r)
+				}
+			}
+		})
+	}
+}
+
+// A run on one rank grows to more ranks and back, in every optimizer and
+// mode (StateSharded included, which runs as StateFull on one rank): the
+// new ranks' error buffers start at zero (there were none), the sharded
+// moments are the one rank's whole ones cut into shards, bit for bit; the
+// checkpoints load on the new group and train on (the same parameters on
+// every rank but in 0/1 Adam's local steps), the modes with a full
+// momentum exactly as after ResetErrors; and Regroup back to one rank
+// gives the one rank's checkpoint back, bit for bit.
+func TestRegroupFromOneRank(t *testing.T) {
+	for _, tc := range regroupCases() {
+		t.Run(tc.name, func(t *testing.T) {
+			one, _ := regroupRun(t, 1, tc.mk, nil, 1, 6)
+			sharded := one[0].Ints[onebit.IntStateMode] == int64(onebit.StateSharded)
+			for _, w := range []int{2, 3} {
+				cks := regroupAll(t, one, w)
+				for _, ck := range cks {
+					for _, tn := range ck.Tensors {
+						if optim.IsErrorBuffer(tn.Name) {
+							require.Equal(t, make([]float32, len(tn.Data)), tn.Data, "%s starts at zero", tn.Name)
+						}
+					}
+				}
+				if sharded {
+					for _, pre := range []struct{ shard, whole string }{
+						{onebit.ExpAvgShardPrefix, optim.ExpAvgPrefix}, {onebit.ExpAvgSqShardPrefix, optim.ExpAvgSqPrefix},
+					} {
+						var whole []float32
+						for _, p := range []string{"w0", "w1", "w2"} {
+							whole = append(whole, one[0].Tensor(pre.whole+p).Data...)
+						}
+						var shards []float32
+						for k := 0; k < int(cks[0].Ints[onebit.IntBuckets]); k++ {
+							name := pre.shard + "bucket:" + strconv.Itoa(k)
+							shards = append(shards, byElement(cks, name, numelOf(t, cks[0], name))...)
+						}
+						assert.Equal(t, bitsOf(whole), bitsOf(shards), "%s on %d ranks", pre.shard, w)
+					}
+				}
+				grown, params := regroupRun(t, w, tc.mk, cks, 7, 3)
+				if !strings.HasPrefix(tc.name, "0/1") {
+					for r := 1; r < w; r++ {
+						assert.Equal(t, params[0], params[r], "W=%d: rank %d's parameters", w, r)
+					}
+				}
+				if !sharded {
+					reset := make([]*optim.Checkpoint, w)
+					for r := range reset {
+						reset[r] = one[0].ResetErrors()
+					}
+					_, want := regroupRun(t, w, tc.mk, reset, 7, 3)
+					assert.Equal(t, want, params, "W=%d: as after ResetErrors", w)
+				}
+				back, err := onebit.Regroup(cks, 1, 0)
+				require.NoError(t, err)
+				assert.Equal(t, ckBits(one[0]), ckBits(back), "back on one rank from %d", w)
+				// The grown run shrinks back to one rank and trains on.
+				shrunk, err := onebit.Regroup(grown, 1, 0)
+				require.NoError(t, err)
+				regroupRun(t, 1, tc.mk, []*optim.Checkpoint{shrunk}, 10, 2)
+			}
+		})
+	}
+}
+
+// Regroup refuses the checkpoints of the optimizers without error
+// feedback of their own to regroup, saying what loads them on another
+// number of ranks, and that advice works: the outer optimizer (a 1-bit
+// codec's, whose error buffers Regroup does not carry) and exact Adam load
+// old[r % W].ResetErrors() on rank r of a group of another size.
+func TestRegroupOtherAlgorithms(t *testing.T) {
+	outerAdam := func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		cfg := outer.DefaultConfig()
+		cfg.H, cfg.Codec = 2, outer.CodecOneBit
+		return outer.NewAdam(context.Background(), c, ps, cfg, optim.DefaultAdamConfig())
+	}
+	exact := func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		return optim.NewAdam(context.Background(), c, ps, optim.DefaultAdamConfig())
+	}
+	for _, tc := range []struct {
+		name string
+		mk   func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error)
+		msg  []string
+	}{
+		{"outer", outerAdam, []string{`"outer-adam" is the outer optimizer's`, "ResetErrors()", "docs/outer.md"}},
+		{"exact Adam", exact, []string{"no error feedback", "ResetErrors()"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			two, _ := regroupRun(t, 2, tc.mk, nil, 1, 3)
+			for _, w := range []int{2, 3} {
+				_, err := onebit.Regroup(two, w, 0)
+				require.Error(t, err)
+				assert.ErrorIs(t, err, optim.ErrIncompatibleCheckpoint)
+				for _, m := range tc.msg {
+					assert.Contains(t, err.Error(), m)
+				}
+				assert.NotContains(t, err.Error(), "as it is)")
+			}
+			reset := make([]*optim.Checkpoint, 3)
+			for r := range reset {
+				reset[r] = two[r%2].ResetErrors()
+			}
+			cks, _ := regroupRun(t, 3, tc.mk, reset, 4, 2)
+			steps := cks[0].Ints[optim.IntStep]
+			if tc.name == "outer" {
+				steps = cks[0].Ints[outer.IntCalls]
+			}
+			assert.Equal(t, int64(5), steps)
+		})
+	}
 }

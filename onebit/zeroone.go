@@ -199,11 +199,10 @@ func NewZeroOneAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg
 	}
 	if world := o.f.World(); world > 1 {
 		o.flat, o.fused = flatten[float32](sizes)
-		if o.bkt, err = newBuckets(o.params, world, cfg.BucketBytes, false); err != nil {
-			return nil, fmt.Errorf("onebit: 0/1 Adam: %w", err)
-		}
-	} else {
-		o.bkt = &buckets{}
+	}
+	// On one rank: no buckets, but their size in the checkpoints (Regroup).
+	if o.bkt, err = newBuckets(o.params, o.f.World(), cfg.BucketBytes, false); err != nil {
+		return nil, fmt.Errorf("onebit: 0/1 Adam: %w", err)
 	}
 	o.f.Handle(optim.StagePhaseA, o.phaseA)
 	o.f.Handle(optim.StagePhaseB, o.phaseB)

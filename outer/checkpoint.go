@@ -3,6 +3,7 @@ package outer
 import (
 	"fmt"
 	"math"
+	"strconv"
 	"strings"
 
 	"go.uber.org/zap"
@@ -60,11 +61,11 @@ func ServerErrorName(f, k int) string {
 // resumed run merges it at the same step. The settings that decide the steps are recorded as
 // hyperparameters (optim.HyperPrefix + "outer_h", "outer_fragments",
 // "outer_delay", "outer_codec", "outer_lr", "outer_momentum",
-// "outer_nesterov"). It refuses after an exchange failed.
+// "outer_nesterov", "outer_scale"). It refuses after a failure (see Step).
 func (o *Optimizer) State() (*optim.Checkpoint, error) {
 	o.settle()
 	if o.broken != nil {
-		return nil, fmt.Errorf("outer: state: an exchange failed, the state is not one a run can resume from: %w", o.broken)
+		return nil, fmt.Errorf("outer: state: a step failed, the state is not one a run can resume from: %w", o.broken)
 	}
 	ick, err := o.inner.State()
 	if err != nil {
@@ -116,10 +117,18 @@ func (o *Optimizer) State() (*optim.Checkpoint, error) {
 	return ck, nil
 }
 
-// formatHyper prints a recorded setting, the codec by name.
+// formatHyper prints a recorded setting as the constructor's agreement
+// does: the codec and the scale by name, Nesterov as true or false.
 func formatHyper(name string, v float64) string {
-	if name == "outer_codec" && v == math.Trunc(v) && v >= 0 && v < float64(numCodecs) {
-		return Codec(v).String()
+	if v == math.Trunc(v) && math.Abs(v) < 1<<31 {
+		switch name {
+		case "outer_codec":
+			return Codec(v).String()
+		case "outer_scale":
+			return formatScale(int64(v))
+		case "outer_nesterov":
+			return strconv.FormatBool(v != 0)
+		}
 	}
 	return optim.FormatHyper(v)
 }
@@ -173,9 +182,13 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 		return fmt.Errorf("%w: negative counters", bad)
 	}
 	if pending >= 0 {
-		if o.cfg.Delay == 0 || pending >= int64(o.cfg.Fragments) || launchedAt < 1 || launchedAt > calls ||
-			calls >= launchedAt+int64(o.cfg.Delay) || o.launchAt(launchedAt) != int(pending) {
+		switch merge := launchedAt + int64(o.cfg.Delay); {
+		case o.cfg.Delay == 0 || pending >= int64(o.cfg.Fragments):
+			return fmt.Errorf("%w: an exchange of fragment %d pending, which %d fragments with delay %d cannot have", bad, pending, o.cfg.Fragments, o.cfg.Delay)
+		case launchedAt < 1 || launchedAt > calls || o.launchAt(launchedAt) != int(pending):
 			return fmt.Errorf("%w: inconsistent pending exchange: fragment %d launched at step %d, %d steps taken", bad, pending, launchedAt, calls)
+		case calls >= merge:
+			return fmt.Errorf("%w: pending exchange past its merge: fragment %d, launched at step %d, merges at step %d, and the checkpoint was made after step %d", bad, pending, launchedAt, merge, calls)
 		}
 	} else if pending != -1 {
 		return fmt.Errorf("%w: pending fragment %d", bad, pending)

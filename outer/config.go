@@ -21,10 +21,11 @@ const (
 	// CodecBF16 averages them with bfloat16 on the wire and float32 sums
 	// (quant.DownCast): about 2(W-1)/W * 2 bytes per element.
 	CodecBF16
-	// CodecInt8 averages them with int8 codes and one float32 scale per
-	// group of Int8GroupSize elements, in two phases (all-to-all, owner
-	// sums in float32, all-gather): about 2(W-1)/W * (1 + 4/256) bytes per
-	// element.
+	// CodecInt8 averages them with symmetric int8 codes (-127 to 127,
+	// scale amax/127, so that ±amax come back exactly as ±127*scale) and
+	// one float32 scale per group of Int8GroupSize elements, in two phases
+	// (all-to-all, owner sums in float32, all-gather): about
+	// 2(W-1)/W * (1 + 4/256) bytes per element.
 	CodecInt8
 	// CodecOneBit compresses the outer momentum, mu*u + delta, with
 	// lowbit's error-compensated 1-bit allreduce (onebit.AllReduce, error

@@ -6,15 +6,15 @@
 // every rank continues from. The spec page is docs/outer.md.
 //
 // The pseudo-gradients travel with a codec chosen in Config.Codec: exact
-// float32, bfloat16, int8 with one scale per 256 elements, or lowbit's
-// error-compensated 1-bit allreduce. The 1-bit codec compresses the outer
-// momentum, as 1-bit Adam does, not the raw pseudo-gradient: each rank
-// compresses x_i = μ·u + Δ_i (error feedback on both sides, buffers kept
-// across outer steps), the average ū is the new momentum, identical on
-// every rank, and the averaged pseudo-gradient it implies, Δ̄ = ū - μ·u,
-// gives the Nesterov step θ_g -= lr·(Δ̄ + μ·ū). Compressing the raw
-// pseudo-gradient diverged under the Nesterov step in a simulation;
-// compressing the momentum was stable.
+// float32, bfloat16, symmetric int8 with one scale per 256 elements, or
+// lowbit's error-compensated 1-bit allreduce. The 1-bit codec compresses
+// the outer momentum, as 1-bit Adam does, not the raw pseudo-gradient:
+// each rank compresses x_i = μ·u + Δ_i (error feedback on both sides,
+// buffers kept across outer steps), the average ū is the new momentum,
+// identical on every rank, and the averaged pseudo-gradient it implies,
+// Δ̄ = ū - μ·u, gives the Nesterov step θ_g -= lr·(Δ̄ + μ·ū). Compressing
+// the raw pseudo-gradient diverged under the Nesterov step in a
+// simulation; compressing the momentum was stable.
 //
 // Streaming (Config.Fragments, Config.Delay): the flat concatenation of
 // the parameters is cut into F fragments that exchange at staggered
@@ -31,8 +31,10 @@
 // optim.FlagCarrier (carried flags cost one small agreement per Step,
 // which a loop that carries none does not pay). Between exchanges the
 // ranks' parameters differ: Global holds the parameters every rank agrees
-// on, the ones to evaluate. Errors reach every rank: a rank that fails
-// between exchanges tells the others at the next agreement, whose Step
-// then fails on every rank naming it. OuterStats reports the exchanges
-// and the compute utilization.
+// on, the ones to evaluate. Errors reach every rank: a rank whose Step
+// fails tells the others, as a failure, at their next agreement, whose
+// Step then fails on every rank naming it; from there every rank is failed
+// alike and every later Step fails at once, without communicating, until
+// Load (see Step, which also says which context governs what).
+// OuterStats reports the exchanges and the compute utilization.
 package outer

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strconv"
 	"time"
 
 	"go.uber.org/zap"
@@ -22,12 +23,25 @@ import (
 // NewAdam).
 const AlgorithmPrefix = "outer-"
 
-// The status words of an exchange's agreement.
+// The status words of an agreement (an exchange's, or the carried flags').
 const (
 	statusOK        = 0
 	statusNonFinite = 1 // this rank's pseudo-gradient holds a NaN or Inf
-	statusRefused   = 2 // this rank failed since the last exchange
+	statusRefused   = 2 // this rank's StepFlags.Refuse is set: the call stops, the run may go on
+	// statusFailed + d: this rank's Step failed d calls before the
+	// agreement's call; every rank is broken from this agreement on.
+	statusFailed = 3
+	// maxFailedAgo bounds d so that statusFailed + d is exact in a float32.
+	maxFailedAgo = 1<<24 - statusFailed
 )
+
+// verdict is what an agreement decided.
+type verdict struct {
+	failed    int   // the first rank whose Step failed, -1 none
+	failedAt  int64 // the call at which it failed
+	refused   int   // the first rank whose StepFlags.Refuse is set, -1 none
+	nonFinite bool  // some rank's pseudo-gradient holds a NaN or Inf
+}
 
 // span is the part of one parameter that falls in a fragment.
 type span struct {
@@ -83,10 +97,17 @@ type Optimizer struct {
 	launchedAt               int64 // the call that launched pending
 	inFlight                 bool  // the goroutine of pending is running or has not been waited for
 	flight                   chan error
-	flightCtx                context.Context
-	flightFn                 func()
+	// flightCtx is the optimizer's own context (Delay > 0), which the
+	// exchanges in flight run on: not the launching Step's, which may
+	// end as soon as that Step returns. Close cancels it.
+	flightCtx  context.Context
+	stopFlight context.CancelFunc
+	flightFn   func()
 
-	broken error // set by a failed exchange: every later Step fails until Load
+	// broken is set by a failure: of this rank's Step, of another rank's
+	// (heard at an agreement), or of an exchange. Every later Step fails at
+	// once, without communicating, until Load.
+	broken error
 	closed bool
 
 	innerBytes    int64
@@ -186,6 +207,10 @@ func newOptimizer(ctx context.Context, c comm.Comm, inner optim.Optimizer, cfg C
 			}
 			o.xc, o.split = xc, true
 			o.async = comm.CanOverlap(c, xc)
+			// The exchanges in flight outlive the Step that launches them:
+			// they run on a context of the optimizer's own (the values of
+			// New's, not its deadline or cancellation).
+			o.flightCtx, o.stopFlight = context.WithCancel(context.WithoutCancel(ctx))
 			if !o.async {
 				o.log.Info("the communicator cannot run collectives concurrently: delayed exchanges run at their launch, merged after the delay (same results, no overlap)")
 			}
@@ -309,26 +334,44 @@ func (o *Optimizer) makeBuckets() error {
 
 // agreeConfig is the constructor's agreement: every rank's refusal flag
 // and settings, all-gathered; the first rank that refused or whose
-// settings differ from rank 0's is named on every other rank.
+// settings differ from rank 0's is named on every other rank, with both
+// values as the settings print them.
 func (o *Optimizer) agreeConfig(ctx context.Context, local error) error {
 	cfg := o.cfg
-	vals := []int64{0, int64(cfg.H), int64(cfg.Fragments), int64(cfg.Delay), int64(cfg.Codec), int64(o.n),
-		int64(cfg.BucketBytes), int64(optim.HyperBool(cfg.Nesterov)), int64(math.Float32bits(cfg.LR)), int64(math.Float32bits(cfg.Momentum)), int64(cfg.Scale),
-		0, 0, 0, 0}
-	if cfg.Codec == CodecSparse {
-		copy(vals[11:], []int64{int64(math.Float32bits(cfg.Density)), int64(cfg.SparseChunk), int64(cfg.SparseBits), int64(math.Float32bits(cfg.Decay))})
+	settings := []struct {
+		name   string
+		v      int64
+		format func(int64) string
+	}{
+		{"", 0, nil},
+		{"H", int64(cfg.H), formatInt},
+		{"Fragments", int64(cfg.Fragments), formatInt},
+		{"Delay", int64(cfg.Delay), formatInt},
+		{"Codec", int64(cfg.Codec), func(v int64) string { return Codec(v).String() }},
+		{"parameter elements", int64(o.n), formatInt},
+		{"BucketBytes", int64(cfg.BucketBytes), formatInt},
+		{"Nesterov", int64(optim.HyperBool(cfg.Nesterov)), func(v int64) string { return strconv.FormatBool(v != 0) }},
+		{"LR", int64(math.Float32bits(cfg.LR)), formatFloat32Bits},
+		{"Momentum", int64(math.Float32bits(cfg.Momentum)), formatFloat32Bits},
+		{"Scale", int64(cfg.Scale), formatScale},
+		{"Density", 0, formatFloat32Bits},
+		{"SparseChunk", 0, formatInt},
+		{"SparseBits", 0, formatInt},
+		{"Decay", 0, formatFloat32Bits},
 	}
-	names := []string{"", "H", "Fragments", "Delay", "Codec", "parameter elements", "BucketBytes", "Nesterov", "LR bits", "Momentum bits", "Scale",
-		"Density bits", "SparseChunk", "SparseBits", "Decay bits"}
+	if cfg.Codec == CodecSparse { // the other codecs ignore them
+		settings[11].v, settings[12].v = int64(math.Float32bits(cfg.Density)), int64(cfg.SparseChunk)
+		settings[13].v, settings[14].v = int64(cfg.SparseBits), int64(math.Float32bits(cfg.Decay))
+	}
 	if local != nil {
-		vals[0] = 1
+		settings[0].v = 1
 	}
 	if o.world == 1 {
 		return local
 	}
-	send := make([]byte, 8*len(vals))
-	for i, v := range vals {
-		binary.LittleEndian.PutUint64(send[8*i:], uint64(v))
+	send := make([]byte, 8*len(settings))
+	for i, s := range settings {
+		binary.LittleEndian.PutUint64(send[8*i:], uint64(s.v))
 	}
 	recv := make([]byte, len(send)*o.world)
 	if err := o.c.AllGatherBytes(ctx, send, recv); err != nil {
@@ -347,14 +390,33 @@ func (o *Optimizer) agreeConfig(ctx context.Context, local error) error {
 		}
 	}
 	for r := 1; r < o.world; r++ {
-		for i := 1; i < len(vals); i++ {
-			if get(r, i) != get(0, i) {
-				return fmt.Errorf("outer: New: rank %d has %s %d, rank 0 has %d: every rank must use the same settings and parameters",
-					r, names[i], get(r, i), get(0, i))
+		for i := 1; i < len(settings); i++ {
+			if s := settings[i]; get(r, i) != get(0, i) {
+				return fmt.Errorf("outer: New: rank %d has %s %s, rank 0 has %s: every rank must use the same settings and parameters",
+					r, s.name, s.format(get(r, i)), s.format(get(0, i)))
 			}
 		}
 	}
 	return nil
+}
+
+func formatInt(v int64) string { return strconv.FormatInt(v, 10) }
+
+// formatFloat32Bits prints the float32 whose bits are v, as
+// strconv.FormatFloat does (the shortest decimal that reads back to it).
+func formatFloat32Bits(v int64) string {
+	return strconv.FormatFloat(float64(math.Float32frombits(uint32(v))), 'g', -1, 32)
+}
+
+// formatScale names a 1-bit scale as Config.Scale's doc does.
+func formatScale(v int64) string {
+	switch onebit.Scale(v) {
+	case onebit.ScaleRMS:
+		return "onebit.ScaleRMS"
+	case onebit.ScaleMeanAbs:
+		return "onebit.ScaleMeanAbs"
+	}
+	return fmt.Sprintf("onebit.Scale(%d)", v)
 }
 
 // Params returns the parameters (the inner optimizer's), in order.
@@ -378,7 +440,9 @@ func (o *Optimizer) Global() []float32 { return o.global }
 func (o *Optimizer) Momentum() []float32 { return o.mom }
 
 // Stats reports progress and traffic: Steps counts the Step calls (inner
-// steps, skipped ones included), Skipped the inner steps that the inner
+// steps, skipped ones included; after a failure it is the same on every
+// rank, the calls the group completed before the agreement that heard of
+// it), Skipped the inner steps that the inner
 // optimizer skipped on this rank (non-finite local gradient), Stage the
 // inner optimizer's stage, and BytesSent what this rank sent on c in its
 // exchanges.
@@ -439,15 +503,39 @@ func (o *Optimizer) nextLaunch(t int64) int64 {
 // Step runs one inner step on this rank's gradients; at the calls where a
 // fragment's exchange is due it also runs the exchange (see the package
 // doc). Every rank calls it together, as with every optimizer, but only
-// exchange calls communicate.
+// exchange calls communicate (and, while flags are carried, every call:
+// see CarryFlags).
 //
-// A rank whose inner step fails (or that is closed, or whose parameters
-// changed size) does not return at once: it waits for the exchange in
-// flight, then takes part in the agreement of the next exchange, refusing
-// it, and returns its own error; every other rank's Step at that exchange
-// returns an error naming it. Nothing global (θ_g, u, error buffers)
-// changes. After such an error, or any error of an exchange, every later
-// Step fails: Load a checkpoint to go on.
+// Contexts: ctx governs the collectives this Step runs itself: the carried
+// flags' agreement, an exchange's agreement, and an exchange run within
+// the Step (Delay 0, or a delayed exchange on a communicator that cannot
+// overlap collectives, which runs at its launch). An exchange in flight
+// (Delay > 0) runs, from its launch to its merge, on a context of the
+// optimizer's own, which Close cancels (after waiting for it), not on the
+// launching Step's ctx: ending a Step's ctx after the Step returned never
+// touches it. The Step that merges it waits for it whatever its own ctx
+// (as comm.Request.Wait does): the exchange needs no further call from the
+// peers, so the wait ends when the exchange does, or when the backend
+// reports a failure.
+//
+// Failures reach every rank, and every rank ends in the same state. A rank
+// whose Step fails (its inner step fails, or it is closed, or its
+// parameters changed size) tells the others at their next agreement, with
+// a status of its own (not a refusal): without carried flags, the
+// agreement of the next exchange (the failing Step waits for the exchange
+// in flight, then for that agreement: at most H inner steps of the others'
+// compute); with carried flags, the agreement of this call's exchange if
+// one launches now, otherwise the flags' agreement at the start of the
+// next call (a rank that fails before its inner step, being closed or
+// resized, tells them in this call's flags agreement). The failing rank
+// returns its own error; every other rank's Step at that agreement
+// returns an error naming it and the call it failed at ("rank 1 failed at
+// step 6"). Nothing global (θ_g, u, error buffers) changes. From then on
+// every rank is failed, with the same call count (Stats().Steps), and
+// every later Step fails at once on every rank, without communicating, so
+// that a loop that goes on calling Step after an error never blocks. The
+// same holds after any error of an exchange (a communicator error) on the
+// ranks that get it. Load a checkpoint to go on: Load clears the failure.
 func (o *Optimizer) Step(ctx context.Context) error {
 	if ctx == nil {
 		ctx = context.Background()
@@ -463,7 +551,7 @@ func (o *Optimizer) Step(ctx context.Context) error {
 func (o *Optimizer) step(ctx context.Context) error {
 	t := o.calls + 1
 	if o.broken != nil {
-		return fmt.Errorf("outer: step %d: an earlier exchange failed (load a checkpoint to go on): %w", t, o.broken)
+		return fmt.Errorf("outer: step %d: an earlier step failed (load a checkpoint to go on): %w", t, o.broken)
 	}
 	if o.flags != nil {
 		if err := o.agreeFlags(ctx, t); err != nil {
@@ -475,7 +563,7 @@ func (o *Optimizer) step(ctx context.Context) error {
 	t1 := time.Now()
 	o.tInner += t1.Sub(t0)
 	if failure != nil {
-		err := o.refuse(ctx, t, failure)
+		err := o.tellFailure(ctx, t, failure)
 		o.tExch += time.Since(t1)
 		return err
 	}
@@ -494,30 +582,52 @@ func (o *Optimizer) step(ctx context.Context) error {
 }
 
 // agreeFlags is the per-step agreement of the carried flags, before
-// anything of call t changes: a rank's Refuse, then the Veto, stop the
-// call on every rank with nothing changed.
+// anything of call t changes: a rank that cannot take the call (closed,
+// resized) fails it on every rank; otherwise a rank's Refuse, then the
+// Veto, stop the call on every rank with nothing changed. It also hears of
+// a rank whose inner step failed at call t-1.
 func (o *Optimizer) agreeFlags(ctx context.Context, t int64) error {
 	sf := o.flags
+	failure := o.check(t)
 	status := float32(statusOK)
-	if sf.Refuse != nil {
+	switch {
+	case failure != nil:
+		o.settle()
+		o.broken = failure
+		status = statusFailed
+	case sf.Refuse != nil:
 		status = statusRefused
 	}
 	start := time.Now()
-	by, _, err := o.agree(ctx, status)
+	v, err := o.agree(ctx, status, t)
 	o.tExch += time.Since(start)
+	mine := failure
+	if mine == nil {
+		mine = sf.Refuse
+	}
 	switch {
-	case err != nil && sf.Refuse != nil:
-		return errors.Join(sf.Refuse, fmt.Errorf("outer: step %d: telling the other ranks: %w", t, err))
+	case err != nil && mine != nil:
+		return errors.Join(mine, fmt.Errorf("outer: step %d: telling the other ranks: %w", t, err))
 	case err != nil:
 		return fmt.Errorf("outer: step %d: %w", t, err)
+	case failure != nil:
+		return failure
+	case v.failed >= 0:
+		o.broken = v.failure()
+		return fmt.Errorf("outer: step %d: %w; every later Step fails until Load", t, o.broken)
 	case sf.Refuse != nil:
 		return sf.Refuse
-	case by >= 0:
-		return fmt.Errorf("outer: step %d: rank %d refused it (its error says why); nothing changed", t, by)
+	case v.refused >= 0:
+		return fmt.Errorf("outer: step %d: rank %d refused it (its error says why); nothing changed", t, v.refused)
 	case sf.Veto != nil:
 		return sf.Veto(sf.Agreed)
 	}
 	return nil
+}
+
+// failure is the error of a rank that heard of another's failure.
+func (v verdict) failure() error {
+	return fmt.Errorf("rank %d failed at step %d (its error says why)", v.failed, v.failedAt)
 }
 
 // CarryFlags makes every following Step carry sf (optim.FlagCarrier); nil
@@ -525,9 +635,10 @@ func (o *Optimizer) agreeFlags(ctx context.Context, t int64) error {
 // own: while flags are carried every Step begins with one, before the
 // inner step, an all-gather of a status word and the flags per rank
 // (4(W-1)(1+len(sf.Local)) bytes sent, one latency-bound round), so that
-// Refuse and Veto change nothing on any rank, and so that a rank whose
-// inner step fails is heard at the next Step rather than at the next
-// exchange. Without flags the Steps between exchanges communicate
+// Refuse and Veto change nothing on any rank (a refusal stops one call;
+// the run may go on), and so that a rank whose inner step fails is heard,
+// as a failure that leaves every rank failed (see Step), at the next Step
+// rather than at the next exchange. Without flags the Steps between exchanges communicate
 // nothing. Every rank calls it before the same Step, with flags of the
 // same length. It communicates nothing.
 func (o *Optimizer) CarryFlags(sf *optim.StepFlags) error {
@@ -587,8 +698,8 @@ func (o *Optimizer) innerLR() (optim.LRSetter, error) {
 	return ls, nil
 }
 
-// innerStep runs this rank's checks and inner step of call t.
-func (o *Optimizer) innerStep(ctx context.Context, t int64) error {
+// check is this rank's own checks before the inner step of call t.
+func (o *Optimizer) check(t int64) error {
 	if o.closed {
 		return fmt.Errorf("outer: step %d: %w", t, optim.ErrClosed)
 	}
@@ -596,6 +707,14 @@ func (o *Optimizer) innerStep(ctx context.Context, t int64) error {
 		if len(p.Data()) != o.sizes[i] || len(p.GradData()) != o.sizes[i] {
 			return fmt.Errorf("outer: step %d: parameter %q: value or gradient no longer holds the %d elements it had at construction", t, p.Name, o.sizes[i])
 		}
+	}
+	return nil
+}
+
+// innerStep runs this rank's checks and inner step of call t.
+func (o *Optimizer) innerStep(ctx context.Context, t int64) error {
+	if err := o.check(t); err != nil {
+		return err
 	}
 	if err := o.inner.Step(ctx); err != nil {
 		return fmt.Errorf("outer: step %d: inner step: %w", t, err)
@@ -607,29 +726,40 @@ func (o *Optimizer) innerStep(ctx context.Context, t int64) error {
 	return nil
 }
 
-// refuse tells the other ranks, at the next exchange's agreement, that
-// this rank failed at call t, and returns failure.
-func (o *Optimizer) refuse(ctx context.Context, t int64, failure error) error {
+// tellFailure tells the other ranks at their next agreement that this rank
+// failed at call t, and returns failure. That agreement is, with carried
+// flags, the exchange agreement of call t if an exchange launches at t,
+// otherwise the flags agreement at the start of call t+1; without, the
+// agreement of the next exchange. This rank's call count becomes the
+// others' once they hear of it, so that every rank is failed with the
+// same count.
+func (o *Optimizer) tellFailure(ctx context.Context, t int64, failure error) error {
 	o.settle()
-	at := o.nextLaunch(t)
 	o.broken = failure
-	if _, _, err := o.agree(ctx, statusRefused); err != nil {
-		return errors.Join(failure, fmt.Errorf("outer: telling the other ranks at the exchange of step %d: %w", at, err))
+	at := o.nextLaunch(t)
+	calls := at // the others take calls t..at, then the exchange's agreement
+	if o.flags != nil && at != t {
+		at, calls = t+1, t // the flags agreement, before call t+1 counts
+	}
+	o.calls = calls
+	if _, err := o.agree(ctx, statusFailed+float32(min(at-t, maxFailedAgo)), at); err != nil {
+		return errors.Join(failure, fmt.Errorf("outer: telling the other ranks at the agreement of step %d: %w", at, err))
 	}
 	return failure
 }
 
 // agree all-gathers every rank's status word and carried flags (see
-// CarryFlags), and writes the flags' maximum over the ranks into Agreed.
-// It returns the first rank that refused (-1: none) and whether some
-// rank's pseudo-gradient is not finite.
-func (o *Optimizer) agree(ctx context.Context, status float32) (by int, nonFinite bool, err error) {
+// CarryFlags) at the agreement of call at, and writes the flags' maximum
+// over the ranks into Agreed.
+func (o *Optimizer) agree(ctx context.Context, status float32, at int64) (verdict, error) {
+	v := verdict{failed: -1, refused: -1}
 	sf := o.flags
 	if o.world == 1 {
 		if sf != nil {
 			copy(sf.Agreed, sf.Local)
 		}
-		return -1, status == statusNonFinite, nil
+		v.nonFinite = status == statusNonFinite
+		return v, nil
 	}
 	o.status[0] = status
 	if sf != nil {
@@ -639,7 +769,7 @@ func (o *Optimizer) agree(ctx context.Context, status float32) (by int, nonFinit
 	// the one communicator Close never closes, so that a Step after
 	// Close still reaches the other ranks.
 	if err := o.c.AllGather(ctx, o.status, o.statuses); err != nil {
-		return -1, false, fmt.Errorf("agreement: %w", err)
+		return v, fmt.Errorf("agreement: %w", err)
 	}
 	n := len(o.status)
 	if sf != nil {
@@ -651,19 +781,23 @@ func (o *Optimizer) agree(ctx context.Context, status float32) (by int, nonFinit
 			sf.Agreed[i] = m
 		}
 	}
-	by = -1
 	for r := range o.world {
-		switch o.statuses[r*n] {
-		case statusOK:
-		case statusNonFinite:
-			nonFinite = true
-		default:
-			if by < 0 {
-				by = r
+		switch w := o.statuses[r*n]; {
+		case w == statusOK:
+		case w == statusNonFinite:
+			v.nonFinite = true
+		case w == statusRefused:
+			if v.refused < 0 {
+				v.refused = r
+			}
+		case v.failed < 0:
+			v.failed, v.failedAt = r, at
+			if w >= statusFailed && w <= statusFailed+maxFailedAgo {
+				v.failedAt = at - int64(w-statusFailed)
 			}
 		}
 	}
-	return by, nonFinite, nil
+	return v, nil
 }
 
 // launch starts the exchange of fragment f at call t: pseudo-gradient,
@@ -692,15 +826,20 @@ func (o *Optimizer) launch(ctx context.Context, t int64, f int) error {
 	if !finite {
 		status = statusNonFinite
 	}
-	by, nonFinite, err := o.agree(ctx, status)
+	v, err := o.agree(ctx, status, t)
 	switch {
 	case err != nil:
 		o.broken = err
 		return fmt.Errorf("outer: step %d: exchange of fragment %d: %w", t, f, err)
-	case by >= 0:
-		o.broken = fmt.Errorf("rank %d failed before the exchange of step %d (its error says why)", by, t)
-		return fmt.Errorf("outer: step %d: exchange of fragment %d refused: %w", t, f, o.broken)
-	case nonFinite:
+	case v.failed >= 0:
+		o.broken = v.failure()
+		return fmt.Errorf("outer: step %d: exchange of fragment %d not run: %w; every later Step fails until Load", t, f, o.broken)
+	case v.refused >= 0:
+		// Only a flags agreement carries refusals: rank v.refused is at
+		// another call than this one.
+		o.broken = fmt.Errorf("rank %d refused a step where this rank launched an exchange: the ranks are at different calls (every rank must carry flags from the same call)", v.refused)
+		return fmt.Errorf("outer: step %d: exchange of fragment %d: %w", t, f, o.broken)
+	case v.nonFinite:
 		o.outerSkipped++
 		o.resetLocal(f)
 		o.log.Warn("skipping an outer step: non-finite pseudo-gradient on some rank; every rank restarts the fragment from the global parameters",
@@ -726,7 +865,7 @@ func (o *Optimizer) launch(ctx context.Context, t int64, f int) error {
 		}
 		return nil
 	}
-	o.flightCtx, o.inFlight = ctx, true
+	o.inFlight = true
 	go o.flightFn()
 	return nil
 }
@@ -849,15 +988,20 @@ func (o *Optimizer) exchange(ctx context.Context, f int) error {
 
 // Close waits for the exchange in flight, if any (every rank launched it
 // together, and it completes without any further call from the peers),
-// and closes the inner optimizer when NewAdam made it. It communicates
-// nothing and is idempotent; a Step after it fails (on every rank, at the
-// next exchange: see Step). Params, Stats and State still work.
+// cancels the optimizer's own context (the one exchanges in flight run
+// on), and closes the inner optimizer when NewAdam made it. It
+// communicates nothing and is idempotent; a Step after it fails, and the
+// other ranks hear of it at their next agreement (see Step). Params, Stats
+// and State still work.
 func (o *Optimizer) Close() error {
 	if o.closed {
 		return nil
 	}
 	o.closed = true
 	o.settle()
+	if o.stopFlight != nil {
+		o.stopFlight() // nothing is in flight now
+	}
 	var errs []error
 	if o.split {
 		errs = append(errs, o.xc.Close())

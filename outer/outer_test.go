@@ -16,6 +16,7 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/outer"
 )
@@ -305,7 +306,7 @@ func TestNewBadInputOnEveryRank(t *testing.T) {
 			}
 			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
 			return err
-		}, "has Density bits"},
+		}, "rank 1 has Density 0.75, rank 0 has 0.5"},
 		{"another H", func(ctx context.Context, c comm.Comm, bad bool) error {
 			cfg := outer.DefaultConfig()
 			if bad {
@@ -314,6 +315,21 @@ func TestNewBadInputOnEveryRank(t *testing.T) {
 			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
 			return err
 		}, "has H 7, rank 0 has 50"},
+		{"another codec", func(ctx context.Context, c comm.Comm, bad bool) error {
+			return newWith(t, ctx, c, bad, func(cfg *outer.Config) { cfg.Codec = outer.CodecInt8 })
+		}, "rank 1 has Codec int8, rank 0 has fp32"},
+		{"another Nesterov", func(ctx context.Context, c comm.Comm, bad bool) error {
+			return newWith(t, ctx, c, bad, func(cfg *outer.Config) { cfg.Nesterov = false })
+		}, "rank 1 has Nesterov false, rank 0 has true"},
+		{"another LR", func(ctx context.Context, c comm.Comm, bad bool) error {
+			return newWith(t, ctx, c, bad, func(cfg *outer.Config) { cfg.LR = 0.3 })
+		}, "rank 1 has LR 0.3, rank 0 has 0.7"},
+		{"another Momentum", func(ctx context.Context, c comm.Comm, bad bool) error {
+			return newWith(t, ctx, c, bad, func(cfg *outer.Config) { cfg.Momentum = 0.5 })
+		}, "rank 1 has Momentum 0.5, rank 0 has 0.9"},
+		{"another Scale", func(ctx context.Context, c comm.Comm, bad bool) error {
+			return newWith(t, ctx, c, bad, func(cfg *outer.Config) { cfg.Scale = onebit.ScaleMeanAbs })
+		}, "rank 1 has Scale onebit.ScaleMeanAbs, rank 0 has onebit.ScaleRMS"},
 		{"inner optimizer that communicates", func(ctx context.Context, c comm.Comm, bad bool) error {
 			ps := newParams(t, sizes)
 			var ic comm.Comm
@@ -338,7 +354,7 @@ func TestNewBadInputOnEveryRank(t *testing.T) {
 			for r, err := range errs.v {
 				require.Error(t, err, "rank %d", r)
 				assert.NotErrorIs(t, err, comm.ErrAborted)
-				if k.name == "more fragments than elements" || k.name == "sparse chunks longer than a fragment" || r == 1 {
+				if k.name == "more fragments than elements" || k.name == "sparse chunks longer than a fragment" || r == 1 || strings.HasPrefix(k.name, "another ") {
 					assert.Contains(t, err.Error(), k.want, "rank %d", r)
 				} else {
 					assert.Contains(t, err.Error(), "rank 1", "rank %d", r)
@@ -346,6 +362,20 @@ func TestNewBadInputOnEveryRank(t *testing.T) {
 			}
 		})
 	}
+}
+
+// newWith makes an outer optimizer of the default config, changed by
+// change on the bad rank, and closes it.
+func newWith(t testing.TB, ctx context.Context, c comm.Comm, bad bool, change func(*outer.Config)) error {
+	cfg := outer.DefaultConfig()
+	if bad {
+		change(&cfg)
+	}
+	o, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
+	if err == nil {
+		o.Close()
+	}
+	return err
 }
 
 // An inner optimizer that communicates at a step (one that checkpoints as
@@ -457,7 +487,9 @@ func TestFailureReachesEveryRankAtTheNextExchange(t *testing.T) {
 }
 
 // A non-finite pseudo-gradient on one rank skips the outer step on every
-// rank: θ_g and u unchanged, every rank restarts from θ_g.
+// rank: θ_g and u unchanged, every rank restarts from θ_g. (The +Inf put
+// in a parameter here becomes NaN in the inner AdamW's weight decay:
+// TestInfPseudoGradientSkipsOnEveryRank has pseudo-gradients of ±Inf.)
 func TestNonFiniteSkipsOnEveryRank(t *testing.T) {
 	const w, h = 2, 3
 	out := newPerRank[[]float32](w)
@@ -491,16 +523,8 @@ func TestNonFiniteSkipsOnEveryRank(t *testing.T) {
 // Load refuses a checkpoint of other settings, naming both values, and
 // changes nothing.
 func TestLoadRefusesOtherSettings(t *testing.T) {
-	ctx := context.Background()
 	base := config(outer.CodecOneBit, 6, 2, 1)
-	ps := newParams(t, sizes)
-	o, err := outer.NewAdam(ctx, nil, ps, base, innerConfig())
-	require.NoError(t, err)
-	defer o.Close()
-	for i := 1; i <= 5; i++ {
-		setGrads(ps, 0, i)
-		require.NoError(t, o.Step(ctx))
-	}
+	o := stepped(t, base, 5)
 	before, err := o.State()
 	require.NoError(t, err)
 	for _, k := range []struct {
@@ -512,20 +536,15 @@ func TestLoadRefusesOtherSettings(t *testing.T) {
 		{func(c *outer.Config) { c.Fragments = 3 }, "made with outer_fragments 3, this optimizer has 2"},
 		{func(c *outer.Config) { c.Delay = 2 }, "made with outer_delay 2, this optimizer has 1"},
 		{func(c *outer.Config) { c.Momentum = 0.5 }, "made with outer_momentum 0.5, this optimizer has 0.9"},
+		{func(c *outer.Config) { c.LR = 0.5 }, "made with outer_lr 0.5, this optimizer has 0.7"},
+		{func(c *outer.Config) { c.Nesterov = false }, "made with outer_nesterov false, this optimizer has true"},
+		{func(c *outer.Config) { c.Scale = onebit.ScaleMeanAbs }, "made with outer_scale onebit.ScaleMeanAbs, this optimizer has onebit.ScaleRMS"},
 		{func(c *outer.Config) { c.Codec, c.SparseChunk, c.Density = outer.CodecSparse, 4, 0.5 }, "made with outer_codec sparse, this optimizer has 1bit"},
 	} {
 		cfg := base
 		k.change(&cfg)
-		qs := newParams(t, sizes)
-		other, err := outer.NewAdam(ctx, nil, qs, cfg, innerConfig())
+		ck, err := stepped(t, cfg, 3).State()
 		require.NoError(t, err)
-		for i := 1; i <= 3; i++ {
-			setGrads(qs, 0, i)
-			require.NoError(t, other.Step(ctx))
-		}
-		ck, err := other.State()
-		require.NoError(t, err)
-		require.NoError(t, other.Close())
 		err = o.Load(ck)
 		require.ErrorIs(t, err, optim.ErrIncompatibleCheckpoint)
 		assert.ErrorContains(t, err, k.want)
@@ -550,6 +569,42 @@ func TestLoadRefusesOtherSettings(t *testing.T) {
 		}
 	}
 	assert.Zero(t, n, "one rank has no error buffers")
+}
+
+// stepped returns an outer optimizer of cfg on one process after calls
+// Steps; the test's cleanup closes it.
+func stepped(t *testing.T, cfg outer.Config, calls int) *outer.Optimizer {
+	t.Helper()
+	ctx := context.Background()
+	ps := newParams(t, sizes)
+	o, err := outer.NewAdam(ctx, nil, ps, cfg, innerConfig())
+	require.NoError(t, err)
+	t.Cleanup(func() { o.Close() })
+	for i := 1; i <= calls; i++ {
+		setGrads(ps, 0, i)
+		require.NoError(t, o.Step(ctx))
+	}
+	return o
+}
+
+// A checkpoint whose pending exchange is past its merge (the merge was due
+// at or before the call the checkpoint was made after) is refused, saying
+// so, and changes nothing.
+func TestLoadRefusesPendingPastItsMerge(t *testing.T) {
+	o := stepped(t, config(outer.CodecFP32, 6, 2, 2), 3) // fragment 1 launches at 3 and merges at 5
+	ck, err := o.State()
+	require.NoError(t, err)
+	require.Equal(t, int64(1), ck.Ints[outer.IntPending])
+	require.Equal(t, int64(3), ck.Ints[outer.IntLaunchedAt])
+	ck.Ints[outer.IntCalls] = 4
+	require.NoError(t, o.Load(ck), "merge still ahead")
+	for _, calls := range []int64{5, 6} {
+		ck.Ints[outer.IntCalls] = calls
+		err := o.Load(ck)
+		require.ErrorIs(t, err, optim.ErrIncompatibleCheckpoint)
+		assert.ErrorContains(t, err, fmt.Sprintf("pending exchange past its merge: fragment 1, launched at step 3, merges at step 5, and the checkpoint was made after step %d", calls))
+		assert.Equal(t, int64(4), o.Stats().Steps, "the refused Load changed the optimizer")
+	}
 }
 
 // The error buffers of a multi-rank 1-bit run are named so that

@@ -16,6 +16,13 @@ import (
 // everything in float32, so that the fast and the portable kernels and the
 // reference agree bit for bit. A value dequantizes to code * scale.
 //
+// The formula is DeepSpeed's, and it is not symmetric: +amax maps to
+// 2^(bits-1), clamped to 2^(bits-1)-1, so +amax comes back as
+// amax*(1-1/2^(bits-1)) (1/128 less with int8, 1/8 less with int4) while
+// -amax comes back exactly. (package outer's int8 codec, which quantizes
+// twice per exchange with no error feedback, uses a symmetric scale,
+// amax/127, instead.)
+//
 // Non-finite inputs: NaN is skipped when the group's amax is taken and
 // quantizes to the lowest code; a group holding ±Inf (or values above
 // MaxFloat32/2) has q_scale 0 and dequantizes to NaN. Gradients that need

@@ -223,6 +223,8 @@ func Cases(ranksPerNode int) []Case {
 				return err
 			}, nil
 		}},
+		failingOuter("outer.Optimizer.Step (fp32, H=4): inner step fails on one rank between exchanges, every rank steps on", false),
+		failingOuter("outer.Optimizer.Step (fp32, H=4, carried flags): inner step fails on one rank between exchanges, every rank steps on", true),
 		refusing("onebit.Adam.Step: StepFlags.Refuse on one rank", func(ctx context.Context, c comm.Comm, ps []*optim.Param) (flagCarrier, error) {
 			return onebit.NewAdam(ctx, c, ps, onebit.DefaultAdamConfig())
 		}),
@@ -337,6 +339,69 @@ func refusing(name string, mk func(ctx context.Context, c comm.Comm, ps []*optim
 		}
 		return func(ctx context.Context) error { return o.Step(ctx) }, nil
 	}}
+}
+
+// failingInner is a local Adam whose Step fails once fail is set.
+type failingInner struct {
+	*optim.Adam
+	fail bool
+}
+
+func (a *failingInner) Step(ctx context.Context) error {
+	if a.fail {
+		return errors.New("the inner optimizer failed")
+	}
+	return a.Adam.Step(ctx)
+}
+
+// failingOuter is the case of an outer optimizer (H=4) whose inner
+// optimizer fails on the bad rank at the call after the first, between
+// exchanges, with or without carried flags; every rank goes on calling
+// Step after its error, as a loop that ignores errors would (stepOn).
+func failingOuter(name string, flags bool) Case {
+	return Case{name, func(ctx context.Context, c comm.Comm, bad bool) (func(context.Context) error, error) {
+		in, err := optim.NewAdam(ctx, nil, params(false), optim.DefaultAdamConfig())
+		if err != nil {
+			return nil, err
+		}
+		fi := &failingInner{Adam: in}
+		cfg := outer.DefaultConfig()
+		cfg.H = 4 // the calls under test are 2, 3 and the exchange at 4
+		o, err := outer.New(ctx, c, fi, cfg)
+		if err != nil {
+			return nil, err
+		}
+		if err := o.Step(ctx); err != nil {
+			return nil, fmt.Errorf("first step: %w", err)
+		}
+		if flags {
+			if err := o.CarryFlags(&optim.StepFlags{Local: make([]float32, 1)}); err != nil {
+				return nil, err
+			}
+		}
+		fi.fail = bad
+		return func(ctx context.Context) error { return stepOn(ctx, o, cfg.H-1) }, nil
+	}}
+}
+
+// stepOn calls Step until one fails (at most n calls), then once more: a
+// loop that goes on after an error must get an error at once from every
+// later Step, on every rank, without waiting for the others (a rank left
+// waiting there is released only when another rank's function returns and
+// aborts the group, which the matrix reports). It returns both errors
+// joined, or nil (which the matrix reports as a missing error) when no
+// Step failed or the one after the failure did not.
+func stepOn(ctx context.Context, o optim.Optimizer, n int) error {
+	for range n {
+		if err := o.Step(ctx); err != nil {
+			again := o.Step(ctx)
+			if again == nil {
+				return nil
+			}
+			return errors.Join(err, again)
+		}
+	}
+	return nil
 }
 
 // optimizer is the case of an optimizer's Step: built on every rank, one
