@@ -838,3 +838,35 @@ func TestNewWrapsLamb(t *testing.T) {
 	}
 	assert.Equal(t, run(-1), run(at))
 }
+
+// StateBytes counts the inner optimizer's state and the outer buffers:
+// with the sparse codec at W = 4, 1 fragment, on n elements: inner AdamW
+// 8n, θ_g and u 8n, the exchange buffer 4n, the accumulator 4n, and the
+// messages and a chunk's magnitudes (small).
+func TestStateBytes(t *testing.T) {
+	const w = 4
+	n := 1 << 14
+	for _, codec := range allCodecs {
+		got := newPerRank[int64](w)
+		runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+			cfg := config(codec, 4, 1, 0)
+			if codec == outer.CodecSparse {
+				d := outer.DefaultConfig()
+				cfg.SparseChunk, cfg.Density = d.SparseChunk, d.Density
+			}
+			o, err := outer.NewAdam(ctx, c, newParams(t, []int{n / 2, n / 2}), cfg, innerConfig())
+			if err != nil {
+				return err
+			}
+			defer o.Close()
+			got.set(c.Rank(), o.StateBytes())
+			return nil
+		})
+		per := float64(got.v[0]) / float64(n)
+		t.Logf("%s: %.2f bytes per parameter", codec, per)
+		assert.GreaterOrEqual(t, per, 20.0, "%s: inner Adam, θ_g, u and the exchange buffer", codec)
+		if codec == outer.CodecSparse {
+			assert.InDelta(t, 24.0+4.0/64*13/8*(w+1)/4+4.0*4096/float64(n), per, 0.01)
+		}
+	}
+}

@@ -1,0 +1,32 @@
+package outer
+
+import "github.com/lowbit-ml/lowbit/optim"
+
+var _ optim.MemoryReporter = (*Optimizer)(nil)
+
+// StateBytes returns the bytes of the optimizer's buffers on this rank
+// (optim.MemoryReporter): the inner optimizer's (when it reports them),
+// θ_g, u, the exchange's buffers and the codec's state: the 1-bit error
+// buffers and staging, the int8 messages, the sparse accumulator and
+// messages. The parameters and gradients are not counted.
+func (o *Optimizer) StateBytes() int64 {
+	n := optim.Float32Bytes(o.global, o.mom, o.work, o.snap, o.stage)
+	if m, ok := o.inner.(optim.MemoryReporter); ok {
+		n += m.StateBytes()
+	}
+	if o.down != nil {
+		n += o.down.StateBytes()
+	}
+	if q := o.i8; q != nil {
+		n += int64(cap(q.send)+cap(q.recv)+cap(q.gsend)+cap(q.grecv)) + optim.Float32Bytes(q.chunk, q.acc, q.scales)
+	}
+	if s := o.sp; s != nil {
+		n += optim.Float32Bytes(s.acc, s.mag) + int64(cap(s.send)+cap(s.recv))
+	}
+	for _, sts := range o.states {
+		for _, st := range sts {
+			n += st.StateBytes()
+		}
+	}
+	return n
+}
