@@ -31,8 +31,6 @@ const (
 	gemmCols = 192
 )
 
-var blasImpl gonum.Implementation
-
 // gemm computes c = alpha*a*op(b) + beta*c for row-major a (m x k, leading
 // dimension lda), op(b) (k x n: b itself, leading dimension ldb, or, with
 // bT, the transpose of the n x k matrix b) and c (m x n, leading dimension
@@ -50,7 +48,7 @@ func gemm(bT bool, m, n, k int, alpha float32, a []float32, lda int, b []float32
 			if bT {
 				bj = b[j*ldb:]
 			}
-			blasImpl.Sgemm(blas.NoTrans, tb, mi, nj, k, alpha, a[i*lda:], lda, bj, ldb, beta, c[i*ldc+j:], ldc)
+			gonum.Implementation{}.Sgemm(blas.NoTrans, tb, mi, nj, k, alpha, a[i*lda:], lda, bj, ldb, beta, c[i*ldc+j:], ldc)
 		}
 	}
 }
