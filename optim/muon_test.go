@@ -755,3 +755,22 @@ func TestNewtonSchulzOrthogonalizes(t *testing.T) {
 		assert.True(t, d > 0.4 && d < 1.5, "diagonal %d = %g", i, d)
 	}
 }
+
+// A checkpoint keeps both groups' fixed learning rates (the last SetLR's
+// and SetAdamLR's), which a Load restores, as PyTorch restores a param
+// group's lr.
+func TestMuonCheckpointKeepsLearningRates(t *testing.T) {
+	ctx := context.Background()
+	ps := testParams(t, 1, []int{3, 4}, []int{4})
+	opt, err := NewMuon(ctx, nil, ps, DefaultMuonConfig())
+	require.NoError(t, err)
+	require.NoError(t, opt.SetLR(0.03))
+	require.NoError(t, opt.SetAdamLR(0.005))
+	ck, err := opt.State()
+	require.NoError(t, err)
+	back, err := NewMuon(ctx, nil, testParams(t, 1, []int{3, 4}, []int{4}), DefaultMuonConfig())
+	require.NoError(t, err)
+	require.NoError(t, back.Load(ck))
+	assert.Equal(t, float32(0.03), back.LR())
+	assert.Equal(t, float32(0.005), back.AdamLR())
+}
