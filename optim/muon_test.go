@@ -774,3 +774,48 @@ func TestMuonCheckpointKeepsLearningRates(t *testing.T) {
 	assert.Equal(t, float32(0.03), back.LR())
 	assert.Equal(t, float32(0.005), back.AdamLR())
 }
+
+// Muon's Step carries the training loop's flags in its agreement, as the
+// other optimizers' do.
+func TestMuonCarriesFlags(t *testing.T) {
+	err := local.Run(context.Background(), 2, func(ctx context.Context, c comm.Comm) error {
+		ps := testParams(t, 1, []int{3, 4}, []int{4})
+		opt, err := NewMuon(ctx, c, ps, DefaultMuonConfig())
+		if err != nil {
+			return err
+		}
+		sf := &StepFlags{Local: []float32{float32(c.Rank() + 1), 0}}
+		if err := opt.CarryFlags(sf); err != nil {
+			return err
+		}
+		muonGrads(ps, c.Rank(), 1)
+		if err := opt.Step(ctx); err != nil {
+			return err
+		}
+		assert.Equal(t, []float32{2, 0}, sf.Agreed)
+		if c.Rank() == 0 {
+			sf.Refuse = fmt.Errorf("stop")
+		}
+		err = opt.Step(ctx)
+		if c.Rank() == 0 {
+			assert.EqualError(t, err, "stop")
+		} else {
+			assert.ErrorContains(t, err, "rank 0 refused the step")
+		}
+		assert.Equal(t, int64(1), opt.Stats().Steps)
+		return nil
+	})
+	require.NoError(t, err)
+}
+
+// In every reduction mode the ranks end bit-identical.
+func TestMuonReduceModes(t *testing.T) {
+	for _, mode := range []ReduceMode{ReduceFP16, ReduceBF16, ReduceTwoLevel} {
+		cfg := DefaultMuonConfig()
+		cfg.Reduce = mode
+		got := muonRun(t, 2, 3, cfg, nil)
+		for i := range got[0] {
+			require.Equal(t, bits(got[0][i]), bits(got[1][i]), "%s: parameter %d", mode, i)
+		}
+	}
+}
