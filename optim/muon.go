@@ -2,6 +2,7 @@ package optim
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -254,10 +255,7 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*Param, cfg MuonConfig, 
 		// Every rank takes part, so that one rank's bad input is an error
 		// on every rank rather than a hang.
 		if err := agreeMuon(ctx, c, params, muon, cfg, bad != nil); err != nil {
-			if bad != nil {
-				return nil, fmt.Errorf("%w (and %w)", bad, err)
-			}
-			return nil, err
+			return nil, errors.Join(bad, err)
 		}
 	}
 	if bad != nil {
