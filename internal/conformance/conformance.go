@@ -1,6 +1,8 @@
 // Package conformance loads the JSON conformance vectors produced by the
 // independent reference implementation of the lowbit spec, and runs the
-// kinds lowbit implements against the implementation.
+// kinds lowbit implements against the implementation. It also replays
+// optimizer step files (KindOptimizer: a recorded data-parallel run of
+// Muon with an auxiliary Adam, RunOptimizerRank).
 //
 // The vectors the project tests against live in this package's testdata
 // folder; Dir returns its path for tests.
