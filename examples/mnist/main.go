@@ -500,7 +500,7 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 				fmt.Fprintf(stdout, "%s resumed from step %d of %d\n", r.optimizer, r.resumedFrom, r.steps)
 			}
 			if r.resumedWorld > 0 && r.resumedWorld != r.workers {
-				fmt.Fprintf(stdout, "%s resumed on %d ranks from a checkpoint of %d ranks: %s\n", r.optimizer, r.workers, r.resumedWorld, carriedBy(r.optimizer))
+				fmt.Fprintf(stdout, "%s resumed on %d ranks from a checkpoint of %d ranks: %s\n", r.optimizer, r.workers, r.resumedWorld, r.carried)
 			}
 			fmt.Fprintf(stdout, "%s final parameters: fnv64 %016x\n", r.optimizer, r.finalHash)
 		}
