@@ -25,7 +25,7 @@
 // With -backend mpi this process is one rank of an mpirun job:
 //
 //	go build -tags mpi -o gpt ./examples/gpt
-//	mpirun -np 4 ./gpt -backend mpi -compare -optimizer onebit-adam
+//	mpirun --allow-run-as-root --oversubscribe -np 4 ./gpt -backend mpi -compare -optimizer onebit-adam
 package main
 
 import (
@@ -92,6 +92,10 @@ type options struct {
 	out             io.Writer // rank 0's notes (the resume's learning rate); nil: none
 
 	late lateOptions // -late-bytes, -late-from (late.go)
+
+	// allowInprocess is -allow-inprocess-under-mpi: -backend local even
+	// where the environment says this process is one rank of an MPI job.
+	allowInprocess bool
 }
 
 func (o *options) hyper() hyper {
@@ -137,6 +141,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.steps, "steps", 600, "training steps per run")
 	fs.IntVar(&o.workers, "workers", 4, "in-process ranks (-backend local)")
 	fs.StringVar(&o.backend, "backend", "local", "local (goroutine ranks) or mpi (one rank of an mpirun job; build with -tags mpi)")
+	fs.BoolVar(&o.allowInprocess, "allow-inprocess-under-mpi", false, "run -backend local's in-process ranks even where the environment says this process is one rank of an MPI job (mpirun without -backend mpi): each of the job's processes then trains on its own")
 	fs.Var(&size.CountValue[int]{P: &o.batch, Min: 1, Max: 1 << 20}, "batch", "global batch: `count` of sequences, split over the ranks (16, 1k, 1Ki)")
 	fs.IntVar(&o.model.dModel, "d-model", 64, "embedding width")
 	fs.IntVar(&o.model.layers, "layers", 2, "transformer blocks")
@@ -266,6 +271,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	o, err := parseFlags(args, stderr)
 	if err != nil {
 		return err
+	}
+	if o.backend == "local" && !o.allowInprocess {
+		if err := local.CheckNotUnderMPI(); err != nil {
+			return fmt.Errorf("-backend local: %w; give -backend mpi (a binary built with -tags mpi), or -allow-inprocess-under-mpi to run in-process ranks anyway", err)
+		}
 	}
 	o.out = stdout
 	if o.corpus == "" {
