@@ -40,6 +40,13 @@ var mpiSizeVars = [...]string{"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORL
 // PMIx (Open MPI 5, srun --mpi=pmix), PMI.
 var mpiRankVars = [...]string{"PMIX_RANK", "PMI_RANK"}
 
+// MPIEnvVars returns the environment variables MPIEnvironment reads, in
+// the order it reads them (a test that must not see a launcher's clears
+// them).
+func MPIEnvVars() []string {
+	return append(mpiSizeVars[:len(mpiSizeVars):len(mpiSizeVars)], mpiRankVars[:]...)
+}
+
 // MPIEnvironment reports whether this process's environment says it is one
 // rank of an MPI job, and that job: the first of OMPI_COMM_WORLD_SIZE,
 // PMI_SIZE and MV2_COMM_WORLD_SIZE that is set gives its size; PMIX_RANK

@@ -8,19 +8,12 @@ import (
 	"github.com/lowbit-ml/lowbit/comm"
 )
 
-// clearMPIEnv unsets, for the test, every variable MPIEnvironment reads,
-// so that it sees what the test sets only (the suite may itself run under
-// mpirun).
-func clearMPIEnv(t *testing.T) {
-	for _, v := range []string{"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK"} {
-		t.Setenv(v, "")
-	}
-}
 
 // TestMPIEnvironment: the variables of Open MPI, MPICH/Intel MPI (Hydra)
 // and MVAPICH2 give the job's size, PMIx's and PMI's rank alone a job of
 // unknown size; none set (or set empty) is no job.
 func TestMPIEnvironment(t *testing.T) {
+	assert.Equal(t, []string{"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK"}, comm.MPIEnvVars())
 	for _, c := range []struct {
 		env  map[string]string
 		ok   bool
@@ -39,7 +32,10 @@ func TestMPIEnvironment(t *testing.T) {
 		{map[string]string{"OMPI_COMM_WORLD_SIZE": "many"}, true, comm.MPIJob{Variable: "OMPI_COMM_WORLD_SIZE", Value: "many"}, "an MPI job (OMPI_COMM_WORLD_SIZE=many)"},
 	} {
 		t.Run(c.text, func(t *testing.T) {
-			clearMPIEnv(t)
+			// Only what the test sets: the suite may run under mpirun.
+			for _, v := range comm.MPIEnvVars() {
+				t.Setenv(v, "")
+			}
 			for k, v := range c.env {
 				t.Setenv(k, v)
 			}

@@ -6,6 +6,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
 )
 
@@ -13,7 +14,7 @@ import (
 // job of several ranks or of an unknown number, with the job named, and
 // allowed outside one and in a one-rank job.
 func TestCheckNotUnderMPI(t *testing.T) {
-	for _, v := range []string{"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK"} {
+	for _, v := range comm.MPIEnvVars() {
 		t.Setenv(v, "")
 	}
 	require.NoError(t, local.CheckNotUnderMPI(), "no launcher")

@@ -10,6 +10,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
 )
 
 // trainTo runs the program on n in-process ranks to global step to, from
@@ -58,7 +60,7 @@ func TestMinimal(t *testing.T) {
 // run its in-process ranks, which would make every process of the job
 // train on its own and write the same checkpoints.
 func TestInprocessUnderMPI(t *testing.T) {
-	for _, v := range []string{"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK"} {
+	for _, v := range comm.MPIEnvVars() {
 		t.Setenv(v, "")
 	}
 	t.Setenv("OMPI_COMM_WORLD_SIZE", "2")

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/internal/cliflag/flagtest"
 )
 
@@ -102,7 +103,7 @@ func TestBadFlagExit(t *testing.T) {
 // the job train on its own and write the same checkpoints, before it
 // reads anything; -allow-inprocess-under-mpi goes on (to the bad -data).
 func TestInprocessUnderMPI(t *testing.T) {
-	for _, v := range []string{"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK"} {
+	for _, v := range comm.MPIEnvVars() {
 		t.Setenv(v, "")
 	}
 	t.Setenv("OMPI_COMM_WORLD_SIZE", "2")
