@@ -8,7 +8,6 @@ import (
 	"github.com/lowbit-ml/lowbit/comm"
 )
 
-
 // TestMPIEnvironment: the variables of Open MPI, MPICH/Intel MPI (Hydra)
 // and MVAPICH2 give the job's size, PMIx's and PMI's rank alone a job of
 // unknown size; none set (or set empty) is no job.
