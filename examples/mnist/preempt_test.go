@@ -231,16 +231,11 @@ func TestResumeOtherWorld(t *testing.T) {
 		if name == "zero-adam" {
 			carried = "moments re-sharded (zero.Consolidate)"
 		}
-		// The stop is in the compression stage (freeze step 10), but
-		// for the compact modes, stopped in their warm-up: a compact
-		// checkpoint of the compression stage regrouped onto another
-		// number of ranks does not load in StateCompact yet when a
-		// bucket spans several chunks, as the example's default
-		// buckets do (issue 49, finding 3).
-		stop := 20
-		if name == compact || name == lambCompact {
-			stop = 8
-		}
+		// The stop is in the compression stage (freeze step 10), for the
+		// compact modes too: a compact checkpoint regrouped onto another
+		// number of ranks loads in StateCompact with the example's default
+		// buckets, which span several chunks (issue 49, finding 3).
+		const stop = 20
 		for _, ws := range [][2]int{{4, 3}, {3, 4}} {
 			t.Run(name+"/"+string(rune('0'+ws[0]))+"to"+string(rune('0'+ws[1])), func(t *testing.T) {
 				cfg := smallConfig(name)
