@@ -22,7 +22,7 @@ import (
 // SaveFile writes one atomically; LoadFile reads one back and rejects a
 // truncated or corrupted file.
 type Checkpoint struct {
-	Algorithm string // "adam", "lamb", "onebit-adam", "onebit-lamb", "zeroone-adam"
+	Algorithm string // "adam", "lamb", "muon", "onebit-adam", "onebit-lamb", "zeroone-adam"
 	World     int    // group size it was made on
 	Rank      int    // rank that made it
 	Stage     Stage

@@ -70,6 +70,11 @@ type FrameConfig struct {
 	// other than the learning rate (see Hyper): every checkpoint records
 	// them and CheckLoad refuses one made with other values.
 	Hypers []Hyper
+	// Check, when not nil, is the optimizer's own check of step t (the
+	// learning rate of a second parameter group, say), run with the
+	// frame's checks before the finite-gradient agreement: an error is a
+	// refusal of the step, as the frame's own are (see Step).
+	Check func(t int64) error
 }
 
 // Frame is the part of an optimizer step that every lowbit optimizer
@@ -99,6 +104,7 @@ type Frame struct {
 	closed          bool // Close was called: every later Step is refused
 	hypers          []Hyper
 	flags           *StepFlags // carried by every Step's agreement; nil: none
+	check           func(t int64) error
 
 	lr    float32  // the fixed learning rate
 	sched Schedule // overrides lr when not nil
@@ -126,6 +132,7 @@ func NewFrame(cfg FrameConfig) *Frame {
 		stage:     cfg.Stage,
 		avg:       cfg.Averager,
 		hypers:    slices.Clone(cfg.Hypers),
+		check:     cfg.Check,
 	}
 	if f.log == nil {
 		f.log = zap.NewNop()
@@ -230,6 +237,11 @@ func (f *Frame) prepare(t int64) (lr float32, i int, refusal error) {
 	}
 	if f.closed {
 		return 0, 0, fmt.Errorf("%w (%s)", ErrClosed, f.name)
+	}
+	if f.check != nil {
+		if err := f.check(t); err != nil {
+			return 0, 0, fmt.Errorf("%s step %d: %w", f.name, t, err)
+		}
 	}
 	return lr, i, nil
 }
@@ -479,26 +491,8 @@ func (f *Frame) CheckLoad(ck *Checkpoint, stages ...Stage) (FrameState, error) {
 		return st, err
 	}
 	st.Stage = ck.Stage
-	if fp, ok := ck.Ints[IntLRSchedule]; ok {
-		own := ScheduleFingerprint(f.sched)
-		switch {
-		case fp == own:
-		case fp == 0:
-			return st, fmt.Errorf("%w: made with a fixed learning rate, this optimizer has schedule %s (to switch on purpose, delete the checkpoint's %q and %q entries)",
-				ErrIncompatibleCheckpoint, f.sched, IntLRSchedule, FloatLR)
-		case own == 0:
-			return st, fmt.Errorf("%w: made with a learning-rate schedule (fingerprint %016x), this optimizer has a fixed learning rate: SetSchedule the same schedule before Load (or delete the checkpoint's %q and %q entries)",
-				ErrIncompatibleCheckpoint, uint64(fp), IntLRSchedule, FloatLR)
-		default:
-			return st, fmt.Errorf("%w: made with another learning-rate schedule (fingerprint %016x), this optimizer has %s (fingerprint %016x)",
-				ErrIncompatibleCheckpoint, uint64(fp), f.sched, uint64(own))
-		}
-	}
-	if lr, ok := ck.Floats[FloatLR]; ok {
-		if math.IsNaN(lr) || math.IsInf(lr, 0) || lr < 0 || float64(float32(lr)) != lr {
-			return st, fmt.Errorf("%w: learning rate %v is not a finite, non-negative float32", ErrIncompatibleCheckpoint, lr)
-		}
-		st.lr, st.hasLR = float32(lr), true
+	if st.lr, st.hasLR, err = loadLR(ck, FloatLR, IntLRSchedule, f.sched); err != nil {
+		return st, err
 	}
 	if st.mode, err = modeOf(ck); err != nil {
 		return st, err
@@ -507,6 +501,37 @@ func (f *Frame) CheckLoad(ck *Checkpoint, stages ...Stage) (FrameState, error) {
 		return st, err
 	}
 	return st, nil
+}
+
+// loadLR reads and checks the learning-rate state of one parameter group
+// from ck, by CheckLoad's rules: the schedule fingerprint under schedKey
+// against own, the group's schedule (nil: a fixed learning rate), and the
+// fixed learning rate under lrKey, returned with has true when ck holds
+// it. Errors wrap ErrIncompatibleCheckpoint.
+func loadLR(ck *Checkpoint, lrKey, schedKey string, own Schedule) (lr float32, has bool, err error) {
+	if fp, ok := ck.Ints[schedKey]; ok {
+		mine := ScheduleFingerprint(own)
+		switch {
+		case fp == mine:
+		case fp == 0:
+			return 0, false, fmt.Errorf("%w: made with a fixed learning rate, this optimizer has schedule %s (to switch on purpose, delete the checkpoint's %q and %q entries)",
+				ErrIncompatibleCheckpoint, own, schedKey, lrKey)
+		case mine == 0:
+			return 0, false, fmt.Errorf("%w: made with a learning-rate schedule (fingerprint %016x), this optimizer has a fixed learning rate: SetSchedule the same schedule before Load (or delete the checkpoint's %q and %q entries)",
+				ErrIncompatibleCheckpoint, uint64(fp), schedKey, lrKey)
+		default:
+			return 0, false, fmt.Errorf("%w: made with another learning-rate schedule (fingerprint %016x), this optimizer has %s (fingerprint %016x)",
+				ErrIncompatibleCheckpoint, uint64(fp), own, uint64(mine))
+		}
+	}
+	v, ok := ck.Floats[lrKey]
+	if !ok {
+		return 0, false, nil
+	}
+	if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 || float64(float32(v)) != v {
+		return 0, false, fmt.Errorf("%w: learning rate %v is not a finite, non-negative float32", ErrIncompatibleCheckpoint, v)
+	}
+	return float32(v), true, nil
 }
 
 // Restore applies what CheckLoad read: counters, stage and, when the

@@ -1,7 +1,10 @@
 // Package optim holds what every lowbit optimizer shares: the trainable
 // parameter type, the Optimizer interface a training loop calls once per
 // step, the exact baselines (Adam/AdamW and LAMB, whose gradients are
-// averaged with an exact allreduce), and the checkpoint format.
+// averaged with an exact allreduce), exact Muon (momentum orthogonalized by
+// Newton-Schulz for the matrices, an auxiliary AdamW for the other
+// parameters, in one Step: NewMuon, docs/muon.md), and the checkpoint
+// format.
 //
 // Checkpoints are per rank (SaveFile streams them to disk atomically,
 // LoadFile refuses a damaged file, Load refuses another algorithm, world

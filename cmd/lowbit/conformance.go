@@ -17,15 +17,17 @@ import (
 func init() {
 	register(command{
 		name:  "conformance",
-		usage: "run every conformance JSON file in DIR against lowbit",
+		usage: "run a conformance JSON file, or every one in DIR, against lowbit",
 		run:   conformanceMain,
 	})
 }
 
-// conformanceMain runs every case in DIR and prints one line per case, then
-// "N passed, M failed, K skipped". Kinds lowbit does not implement yet are
-// skipped, never passed. With --backend mpi (under mpirun -np W) only the
-// cases of world size W run, and rank 0 prints.
+// conformanceMain runs the case in FILE, or every case in DIR, and prints
+// one line per case, then "N passed, M failed, K skipped". Kinds lowbit
+// does not implement yet are skipped, never passed. An optimizer step file
+// (muon_w3.json) is replayed step by step and its line gives the largest
+// deviation of any parameter after any step. With --backend mpi (under
+// mpirun -np W) only the cases of world size W run, and rank 0 prints.
 func conformanceMain(args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("conformance", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -34,7 +36,7 @@ func conformanceMain(args []string, stdout, stderr io.Writer) error {
 	rpn := fs.Int("ranks-per-node", 0, "mpi backend: ranks per node of the qgz layout (0: the ranks that share memory); "+
 		"the local backend lays out each qgz case as the case says")
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), "usage: lowbit conformance [--backend local|mpi] [--ranks-per-node K] [--timeout D] DIR")
+		fmt.Fprintln(fs.Output(), "usage: lowbit conformance [--backend local|mpi] [--ranks-per-node K] [--timeout D] FILE|DIR")
 		fs.PrintDefaults()
 	}
 	if err := cliflag.Parse(fs, args); err != nil {
@@ -42,7 +44,7 @@ func conformanceMain(args []string, stdout, stderr io.Writer) error {
 	}
 	switch {
 	case fs.NArg() != 1:
-		return cliflag.Usagef("want exactly one directory, got %q", fs.Args())
+		return cliflag.Usagef("want exactly one file or directory, got %q", fs.Args())
 	case *backend != "local" && *backend != "mpi":
 		return cliflag.Bad(fs, "backend", "unknown backend (want %s)", backends)
 	case *timeout <= 0:
@@ -89,10 +91,12 @@ func conformanceMain(args []string, stdout, stderr io.Writer) error {
 	return nil
 }
 
-// caseResult is the outcome of one case: skip reason or error.
+// caseResult is the outcome of one case: skip reason or error, and what
+// the PASS line adds to the case's description.
 type caseResult struct {
 	skip string
 	err  error
+	note string
 }
 
 type conformanceTally struct{ passed, failed, skipped int }
@@ -107,7 +111,7 @@ func (t *conformanceTally) report(w io.Writer, c *conformance.Case, r caseResult
 		fmt.Fprintf(w, "FAIL  %-10s %-24s %v\n", c.Kind, c.Name, r.err)
 	default:
 		t.passed++
-		fmt.Fprintf(w, "PASS  %-10s %-24s %s\n", c.Kind, c.Name, describe(c))
+		fmt.Fprintf(w, "PASS  %-10s %-24s %s%s\n", c.Kind, c.Name, describe(c), r.note)
 	}
 }
 
@@ -129,12 +133,24 @@ func describe(c *conformance.Case) string {
 		if q, err := c.RSC(); err == nil {
 			return fmt.Sprintf("%d ranks, %s tensors", q.World, size.FormatCount(int64(len(q.Shapes))))
 		}
+	case conformance.KindOptimizer:
+		if r, err := c.OptimizerRun(); err == nil {
+			return fmt.Sprintf("%s, %d ranks, %d tensors, %d steps", r.Optimizer, r.World, len(r.Shapes), len(r.Steps))
+		}
 	}
 	return ""
 }
 
 func notImplemented(c *conformance.Case) caseResult {
+	if c.Kind == conformance.KindOptimizer {
+		return caseResult{skip: fmt.Sprintf("optimizer %q is not replayed by this command (only %q)", c.Optimizer, conformance.OptimizerMuon)}
+	}
 	return caseResult{skip: fmt.Sprintf("kind %q not implemented yet", c.Kind)}
+}
+
+// deviation is the note of a replayed optimizer step file.
+func deviation(worst float64) string {
+	return fmt.Sprintf(", largest deviation %.3g (tolerance %g)", worst, conformance.OptimizerTolerance)
 }
 
 // runCaseLocal runs one case on in-process ranks of the case's world size.
@@ -158,6 +174,26 @@ func runCaseLocal(c *conformance.Case, timeout time.Duration) caseResult {
 			return conformance.RunOnebitRank(ctx, cm, c)
 		})
 		return caseResult{err: err}
+	case conformance.KindOptimizer:
+		if !conformance.Replays(c) {
+			break
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		var worst float64
+		errs := make([]error, c.WorldSize())
+		err := runRanks(ctx, "local", len(errs), func(ctx context.Context, cm comm.Comm) error {
+			d, err := conformance.RunOptimizerRank(ctx, cm, c)
+			if cm.Rank() == 0 {
+				worst = d
+			}
+			errs[cm.Rank()] = err
+			return err
+		})
+		if err != nil && sameErrors(errs) {
+			err = errs[0] // the ranks replay the same run: say it once
+		}
+		return caseResult{err: err, note: deviation(worst)}
 	case "qgz":
 		q, err := c.QGZ()
 		if err != nil {
@@ -177,6 +213,17 @@ func runCaseLocal(c *conformance.Case, timeout time.Duration) caseResult {
 	return notImplemented(c)
 }
 
+// sameErrors reports whether every error of errs says the same as the
+// first, which is not nil.
+func sameErrors(errs []error) bool {
+	for _, err := range errs {
+		if err == nil || err.Error() != errs[0].Error() {
+			return false
+		}
+	}
+	return true
+}
+
 // runCaseOn runs one case as this rank of cm. Every rank reaches the same
 // verdict: a failure on any rank fails the case everywhere. The returned
 // error is for failures of the communicator itself. qgz cases run on the
@@ -184,12 +231,16 @@ func runCaseLocal(c *conformance.Case, timeout time.Duration) caseResult {
 // skipped when it is not theirs.
 func runCaseOn(ctx context.Context, cm comm.Comm, c *conformance.Case, timeout time.Duration, rpn int) (caseResult, error) {
 	var err error
+	var note string
+	if c.Kind == conformance.KindOptimizer && !conformance.Replays(c) {
+		return notImplemented(c), nil
+	}
 	switch c.Kind {
 	case "signpack":
 		err = conformance.RunSignpack(c)
 	case "quant":
 		err = conformance.RunQuant(c)
-	case "onebit", "rsc", "qgz":
+	case "onebit", "rsc", "qgz", conformance.KindOptimizer:
 		if w := c.WorldSize(); w != cm.Size() {
 			return caseResult{skip: fmt.Sprintf("needs %d ranks, the world has %d", w, cm.Size())}, nil
 		}
@@ -199,6 +250,10 @@ func runCaseOn(ctx context.Context, cm comm.Comm, c *conformance.Case, timeout t
 			err = conformance.RunOnebitRank(cctx, cm, c)
 		case "rsc":
 			err = conformance.RunRSCRank(cctx, cm, c)
+		case conformance.KindOptimizer:
+			var worst float64
+			worst, err = conformance.RunOptimizerRank(cctx, cm, c)
+			note = deviation(worst)
 		case "qgz":
 			// A bad layout is the same error on every rank: the case fails.
 			l, lerr := comm.NewLayout(cctx, cm, rpn)
@@ -231,5 +286,5 @@ func runCaseOn(ctx context.Context, cm comm.Comm, c *conformance.Case, timeout t
 	if err == nil && flag[0] != 0 {
 		err = fmt.Errorf("failed on rank %d", int(flag[0])-1)
 	}
-	return caseResult{err: err}, nil
+	return caseResult{err: err, note: note}, nil
 }

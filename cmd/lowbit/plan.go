@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"text/tabwriter"
+	"time"
 
 	"github.com/lowbit-ml/lowbit/costmodel"
 	"github.com/lowbit-ml/lowbit/internal/cliflag"
@@ -63,7 +64,7 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 		strings.Join(outerRowNames(), ", ")+"; fp16, outer-bf16 and outer-int8 are not calibrated; with --outer-h and no --collective the four outer rows follow the default ones")
 	fs.StringVar(&cfg.measurements, "measurements", "", "calibrate from this file of scripts/plan-calibrate.sh (default: the built-in runs recorded on the development machine)")
 	fs.Float64Var(&j.CompressBps, "compress-rate", 0, "float32 bytes/s a 1-rank onebit.AllReduce gets through on your hardware (default: measured on the calibration machine; time yours with lowbit bench --backend local --ranks 1 --collective onebit: bytes/p50)")
-	fs.Float64Var(&j.Alpha, "alpha", 0, "seconds per latency-bound message round (default: fitted on the calibration link nearest in rate)")
+	fs.Var(&seconds{p: &j.Alpha}, "alpha", "`duration` of one latency-bound message round, as --step-compute takes it (10us, 1.5ms; a bare number is seconds: 10e-6) (default: fitted on the calibration link nearest in rate)")
 	fs.Float64Var(&j.Ineff, "ineff", 0, "time per byte over the line rate's, 1 = line rate (default: fitted on the calibration link nearest in rate, at least 1 for an uncalibrated link)")
 	fs.Var(&size.Value[int64]{P: &j.BucketBytes, Min: 4, Max: 1 << 40}, "bucket", "fused bucket `size` in bytes: the gradient goes in calls of this many bytes (optim.DefaultBucketBytes, like DDP)")
 	fs.DurationVar(&j.StepCompute, "step-compute", 0, "forward and backward time of one step, added to each step time (no overlap with communication, but for the outer optimizer's delayed exchanges: --outer-delay)")
@@ -169,6 +170,33 @@ func (v *optionalSize) String() string {
 		return ""
 	}
 	return v.Value.String()
+}
+
+// seconds is a flag of a time kept in seconds (a float64 field of
+// costmodel.Job) that takes a duration, as flag.Duration does (10us,
+// 300ms), or a bare number of seconds (10e-6), as --alpha took before it
+// took durations. Unset (0) it prints nothing, so that neither -h nor an
+// error offers 0 as a value.
+type seconds struct{ p *float64 }
+
+func (s *seconds) Set(v string) error {
+	if d, err := time.ParseDuration(v); err == nil {
+		*s.p = d.Seconds()
+		return nil
+	}
+	f, err := strconv.ParseFloat(v, 64)
+	if err != nil {
+		return errors.New("not a duration such as 10us or 1.5ms (or a number of seconds)")
+	}
+	*s.p = f
+	return nil
+}
+
+func (s *seconds) String() string {
+	if s.p == nil || *s.p == 0 {
+		return ""
+	}
+	return time.Duration(math.Round(*s.p * float64(time.Second))).String()
 }
 
 func planMain(args []string, stdout, stderr io.Writer) error {

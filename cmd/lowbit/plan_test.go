@@ -118,6 +118,28 @@ func TestPlanCommandJSONUnchanged(t *testing.T) {
 	assert.Equal(t, string(want), out.String())
 }
 
+// --alpha takes a duration, as --step-compute does, and still a bare
+// number of seconds (docs/plan.md's examples): 10us and 10e-6 print the
+// same plan, to the byte.
+func TestPlanAlphaDuration(t *testing.T) {
+	want, err := os.ReadFile("testdata/plan/overrides.json")
+	require.NoError(t, err)
+	for _, alpha := range []string{"10us", "10µs", "0.01ms", "10e-6"} {
+		var out bytes.Buffer
+		require.NoError(t, planMain(strings.Fields("--params 1.3e9 --ranks 64 --link 10gbit --collective allreduce,onebit,fp16 "+
+			"--step-compute 500ms --compress-rate 1e10 --alpha "+alpha+" --json"), &out, io.Discard), alpha)
+		assert.Equal(t, string(want), out.String(), alpha)
+	}
+	cfg, err := parsePlanFlags([]string{"--alpha", "1.5ms"}, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, 1.5e-3, cfg.job.Alpha)
+	for _, bad := range []string{"-1us", "fast", "10xs", "2s"} {
+		_, err := parsePlanFlags([]string{"--alpha", bad}, io.Discard)
+		assert.True(t, cliflag.IsUsage(err), "%s: %v", bad, err)
+		assert.Contains(t, err.Error(), "--alpha", bad)
+	}
+}
+
 // costmodel names the Job fields that replaced a fitted figure; the
 // command names its flags instead, in the text and in the JSON.
 func TestPlanNamesFlags(t *testing.T) {

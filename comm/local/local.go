@@ -733,3 +733,24 @@ func (w *world) split() {
 		}
 	}
 }
+
+// CheckNotUnderMPI returns an error when the environment says this process
+// is one rank of an MPI job of more than one rank, or of an unknown number
+// (comm.MPIEnvironment), and nil otherwise (a one-rank job included).
+// There, a program that runs its ranks in this process (New, Run) runs, in
+// each of the job's processes, a group of its own: as many independent
+// trainings as the launcher started processes, each writing the same
+// files. A program that picks its backend calls it before it chooses this
+// one, unless its user asked for in-process ranks anyway.
+func CheckNotUnderMPI() error {
+	job, ok := comm.MPIEnvironment()
+	if !ok || job.Size == 1 {
+		return nil
+	}
+	n := "each of its processes"
+	if job.Size > 1 {
+		n = fmt.Sprintf("each of its %d processes", job.Size)
+	}
+	return fmt.Errorf("local: this process is one rank of %s, and in-process ranks would make %s train a model of its own and write the same files as the others",
+		job, n)
+}

@@ -16,6 +16,7 @@ import (
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/optim/zero"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // checkpointConfig is what -checkpoint, -checkpoint-every, -resume and
@@ -218,6 +219,9 @@ type restored struct {
 	// (optim.FloatLR); hasLR is false for a checkpoint that records none.
 	lr    float32
 	hasLR bool
+	// carried is how a resume on another number of ranks carried the
+	// state over.
+	carried carry
 }
 
 // candidate is one usable checkpoint file of a rank.
@@ -402,7 +406,7 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 	}
 	if res.fromWorld != w && k.rank == 0 {
 		fmt.Fprintf(warn, "mnist: -resume: %s checkpoint of step %d was made on %d ranks, this run has %d: continuing, %s\n",
-			k.name, res.step, res.fromWorld, w, carriedBy(k.name))
+			k.name, res.step, res.fromWorld, w, res.carried)
 	}
 	return res, nil
 }
@@ -441,25 +445,65 @@ func (k *checkpointer) otherWorld(total, w int) (key int64, world int) {
 	return key, world
 }
 
-// carriedBy says how the optimizer called name continues on another
-// number of ranks (see reworld).
-func carriedBy(name string) string {
-	switch name {
-	case "zero-adam":
-		return "moments re-sharded (zero.Consolidate)"
-	case "onebit-adam", sharded, "onebit-lamb", "zeroone-adam":
+// carry is how a checkpoint made on another number of ranks continues on
+// this run's (see reworld).
+type carry int
+
+const (
+	// carryCopy: the state is the same on every rank (the exact
+	// optimizers): new rank r loads old rank r mod W's, through
+	// ResetErrors, which lets it load on another number of ranks.
+	carryCopy carry = iota
+	// carryRegroup: the 1-bit optimizers, in every state mode: each new
+	// rank loads onebit.Regroup of every old rank's checkpoint, the error
+	// feedback kept and sharded moments re-cut.
+	carryRegroup
+	// carryConsolidate: zero-adam loads zero.Consolidate of every old
+	// rank's shard of the moments.
+	carryConsolidate
+	// carryRefused: the outer optimizer (diloco) resumes on the number of
+	// ranks that made it only.
+	carryRefused
+)
+
+// carryOf says how a checkpoint ck continues on another number of ranks,
+// from the algorithm that made it, not from the optimizer's name: every
+// mode of the 1-bit optimizers (onebit-adam-compact, -sharded,
+// -sharded-bf16, onebit-lamb-compact) records its 1-bit algorithm, so none
+// can fall to ResetErrors, which drops the error feedback (and which the
+// sharded mode's moment shards refuse).
+func carryOf(ck *optim.Checkpoint) carry {
+	switch a := ck.Algorithm; {
+	case a == optim.AlgorithmOnebitAdam || a == optim.AlgorithmOnebitLamb || a == optim.AlgorithmZeroOneAdam:
+		return carryRegroup
+	case a == zero.Algorithm:
+		return carryConsolidate
+	case strings.HasPrefix(a, outer.AlgorithmPrefix):
+		return carryRefused
+	}
+	return carryCopy
+}
+
+// String says what a resume on another number of ranks carries over.
+func (c carry) String() string {
+	switch c {
+	case carryRegroup:
 		return "error feedback carried over (onebit.Regroup)"
+	case carryConsolidate:
+		return "moments re-sharded (zero.Consolidate)"
+	case carryRefused:
+		return "refused"
 	}
 	return "the same state on every rank"
 }
 
 // reworld loads the checkpoint of key made on world ranks into this run of
-// w ranks: the 1-bit optimizers load onebit.Regroup of every old rank's
-// checkpoint (the error feedback kept, sharded moments re-cut), zero-adam
-// the consolidation of every old rank's shard (zero.Consolidate), and the
-// exact optimizers, whose state is the same on every rank, old rank (rank
-// mod world)'s checkpoint (through ResetErrors, which lets it load on
-// another number of ranks: they have no error buffers).
+// w ranks, as carryOf says for the algorithm that made it: the 1-bit
+// optimizers (every state mode) load onebit.Regroup of every old rank's
+// checkpoint, zero-adam the consolidation of every old rank's shard
+// (zero.Consolidate), and the exact optimizers, whose state is the same
+// on every rank, old rank (rank mod world)'s checkpoint through
+// ResetErrors; diloco is refused.
 func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world, w int) (*restored, error) {
 	find := func(r int) (*candidate, error) {
 		for slot := range 2 {
@@ -486,11 +530,12 @@ func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world,
 		return nil, err
 	}
 	var load *optim.Checkpoint
-	switch k.name {
-	case diloco:
-		return nil, fmt.Errorf("-resume: %s: made on %d ranks, this run has %d: diloco resumes on the number of ranks that made it only (each rank's inner Adam moments and pending exchanges are its own)",
-			cand.path, world, w)
-	case "zero-adam":
+	how := carryOf(cand.ck)
+	switch how {
+	case carryRefused:
+		return nil, fmt.Errorf("-resume: %s: made on %d ranks, this run has %d: %s resumes on the number of ranks that made it only (each rank's inner Adam moments and pending exchanges are its own)",
+			cand.path, world, w, k.name)
+	case carryConsolidate:
 		cks, err := all()
 		if err != nil {
 			return nil, err
@@ -498,7 +543,7 @@ func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world,
 		if load, err = zero.Consolidate(cks); err != nil {
 			return nil, fmt.Errorf("-resume: %w", err)
 		}
-	case "onebit-adam", sharded, "onebit-lamb", "zeroone-adam":
+	case carryRegroup:
 		cks, err := all()
 		if err != nil {
 			return nil, err
@@ -519,6 +564,7 @@ func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world,
 	res.lr, res.hasLR = checkpointLR(load)
 	res.gen = cand.gen + 1 // a new trajectory: its files must not mix with the old one's
 	res.fromWorld = world
+	res.carried = how
 	return res, nil
 }
 
@@ -538,10 +584,17 @@ func (k *checkpointer) apply(opt optim.Optimizer, path string, ck *optim.Checkpo
 	return res, nil
 }
 
-// checkpointLR returns the fixed learning rate ck records, if any.
+// checkpointLR returns the fixed learning rate ck records, if any: the
+// optimizer's own, or for the outer optimizer (diloco), whose learning
+// rate (SetLR, LR) is its inner optimizer's, the one it records under
+// outer.InnerPrefix.
 func checkpointLR(ck *optim.Checkpoint) (float32, bool) {
-	lr, ok := ck.Floats[optim.FloatLR]
-	return float32(lr), ok
+	for _, name := range []string{optim.FloatLR, outer.InnerPrefix + optim.FloatLR} {
+		if lr, ok := ck.Floats[name]; ok {
+			return float32(lr), true
+		}
+	}
+	return 0, false
 }
 
 // resumeLR applies the examples' learning-rate rule to opt, which has just

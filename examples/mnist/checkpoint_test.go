@@ -204,6 +204,29 @@ func TestResumeLR(t *testing.T) {
 	}
 }
 
+// TestResumeLRDiloco: the outer optimizer's learning rate is its inner
+// Adam's, which its checkpoint records under outer.InnerPrefix: a resume
+// says it continues with the checkpoint's, as Load restored it, not that
+// the checkpoint records none.
+func TestResumeLRDiloco(t *testing.T) {
+	train, test := loadTestdata(t)
+	cfg := smallConfig(diloco) // lr 2e-3
+	cfg.epochs = 1
+	cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 4}
+	_, errs := trainRanks(t, 2, train, test, cfg, stopOn(0, 8))
+	require.NoError(t, errs[0])
+	cfg.checkpoint.resume = true
+	cfg.hyper.lr = 1e-3 // the default of -lr, not given
+	var warn syncBuffer
+	cfg.warn = &warn
+	res, errs := trainRanks(t, 2, train, test, cfg, nil)
+	for r := range 2 {
+		require.NoError(t, errs[r], "rank %d", r)
+		assert.Equal(t, 8, res[r].resumedFrom, "rank %d", r)
+	}
+	assert.Contains(t, warn.String(), "mnist: -resume: diloco: lr 0.002 from the checkpoint\n")
+}
+
 func TestCheckpointFlags(t *testing.T) {
 	for _, c := range []struct {
 		args []string

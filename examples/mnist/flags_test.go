@@ -1,9 +1,15 @@
 package main
 
 import (
+	"bytes"
+	"context"
 	"io"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/internal/cliflag/flagtest"
 )
 
@@ -32,4 +38,25 @@ func TestCountFlags(t *testing.T) {
 	flagtest.Options(t, parseFlags, map[string]flagtest.OptionCount[*options]{
 		"batch": {Min: 1, Max: 1 << 20, Get: func(o *options) int64 { return int64(o.batch) }},
 	})
+}
+
+// TestInprocessUnderMPI: started by mpirun (the environment says this
+// process is one rank of a job of 2) without -backend mpi, the example
+// refuses to run its in-process ranks, which would make every process of
+// the job train on its own and write the same checkpoints, unless
+// -allow-inprocess-under-mpi asks for them.
+func TestInprocessUnderMPI(t *testing.T) {
+	for _, v := range comm.MPIEnvVars() {
+		t.Setenv(v, "")
+	}
+	t.Setenv("OMPI_COMM_WORLD_SIZE", "2")
+	args := []string{"-data", "testdata", "-workers", "2", "-epochs", "1", "-batch", "100", "-evals", "1", "-quiet", "-optimizer", "adam"}
+	err := run(context.Background(), args, io.Discard, io.Discard)
+	require.Error(t, err)
+	assert.Equal(t, "-backend local: local: this process is one rank of an MPI job of 2 ranks (OMPI_COMM_WORLD_SIZE=2), "+
+		"and in-process ranks would make each of its 2 processes train a model of its own and write the same files as the others; "+
+		"give -backend mpi (a binary built with -tags mpi), or -allow-inprocess-under-mpi to run in-process ranks anyway", err.Error())
+	var out bytes.Buffer
+	require.NoError(t, run(context.Background(), append(args, "-allow-inprocess-under-mpi"), &out, io.Discard))
+	assert.Contains(t, out.String(), "adam")
 }

@@ -93,6 +93,10 @@ type options struct {
 	outer      outer.Config // diloco's -outer-* flags, codec parsed
 	outerCodec string       // -outer-codec
 
+	// allowInprocess is -allow-inprocess-under-mpi: -backend local even
+	// where the environment says this process is one rank of an MPI job.
+	allowInprocess bool
+
 	workersSet bool // -workers was given explicitly
 	lrSet      bool // -lr was given explicitly: it wins over a checkpoint's
 }
@@ -103,6 +107,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.SetOutput(stderr)
 	fs.IntVar(&o.workers, "workers", defaultWorkers, "data-parallel workers (ranks); with -backend mpi the mpirun -np decides")
 	fs.StringVar(&o.backend, "backend", "local", "communicator: local (goroutine ranks in this process) or mpi (run under mpirun; build with -tags mpi)")
+	fs.BoolVar(&o.allowInprocess, "allow-inprocess-under-mpi", false, "run -backend local's in-process ranks even where the environment says this process is one rank of an MPI job (mpirun without -backend mpi): each of the job's processes then trains on its own")
 	fs.StringVar(&o.optimizer, "optimizer", "onebit-adam", "optimizer: "+strings.Join(optimizerNames, ", "))
 	fs.BoolVar(&o.compare, "compare", false, "train the exact and the compressed optimizer one after the other from the same seed (adam vs onebit-adam and its state modes (onebit-adam-compact, onebit-adam-sharded, onebit-adam-sharded-bf16), lamb vs onebit-lamb, adam vs zeroone-adam, adam vs zero-adam)")
 	fs.IntVar(&o.freezeStep, "freeze-step", defaultFreezeStep, "warm-up steps of onebit-adam (every state mode), onebit-lamb and zeroone-adam (exact steps before compression starts)")
@@ -317,6 +322,11 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 	if err != nil {
 		return err
 	}
+	if o.backend == "local" && !o.allowInprocess {
+		if err := local.CheckNotUnderMPI(); err != nil {
+			return fmt.Errorf("-backend local: %w; give -backend mpi (a binary built with -tags mpi), or -allow-inprocess-under-mpi to run in-process ranks anyway", err)
+		}
+	}
 	names, _ := runOrder(o.optimizer, o.compare)
 	if o.cpuprofile != "" {
 		f, err := os.Create(o.cpuprofile)
@@ -500,7 +510,7 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 				fmt.Fprintf(stdout, "%s resumed from step %d of %d\n", r.optimizer, r.resumedFrom, r.steps)
 			}
 			if r.resumedWorld > 0 && r.resumedWorld != r.workers {
-				fmt.Fprintf(stdout, "%s resumed on %d ranks from a checkpoint of %d ranks: %s\n", r.optimizer, r.workers, r.resumedWorld, carriedBy(r.optimizer))
+				fmt.Fprintf(stdout, "%s resumed on %d ranks from a checkpoint of %d ranks: %s\n", r.optimizer, r.workers, r.resumedWorld, r.carried)
 			}
 			fmt.Fprintf(stdout, "%s final parameters: fnv64 %016x\n", r.optimizer, r.finalHash)
 		}

@@ -30,8 +30,9 @@ const diloco = "diloco"
 
 // sharded is 1-bit Adam with its moments sharded over the ranks
 // (onebit.StateSharded, docs/sharded.md): the wire bytes of onebit-adam,
-// less optimizer state. Its warm-up averages in fp32 only, and its
-// checkpoints resume on the number of ranks that made them only.
+// less optimizer state. Its warm-up averages in fp32 only; its
+// checkpoints resume on another number of ranks through onebit.Regroup,
+// which re-cuts the moment shards.
 const sharded = "onebit-adam-sharded"
 
 // compact and shardedBF16 are 1-bit Adam's other state modes: compact

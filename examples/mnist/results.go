@@ -44,6 +44,7 @@ type savedResult struct {
 	Evals                         []savedEval
 	InitHash, FinalHash           uint64
 	ResumedFrom, ResumedWorld     int
+	Carried                       string // how the resume on ResumedWorld ranks carried the state over
 }
 
 type savedEval struct {
@@ -79,6 +80,7 @@ func saveResult(dir string, cfg trainConfig, res *result) error {
 		Wall: res.wall, Compute: res.compute, Comm: res.comm, Compress: res.compress,
 		BytesSent: res.bytesSent, LastStepBytes: res.lastStepBytes, Loss: res.loss,
 		InitHash: res.initHash, FinalHash: res.finalHash, ResumedFrom: res.resumedFrom, ResumedWorld: res.resumedWorld,
+		Carried: res.carried,
 	}
 	for _, s := range resultFlags(cfg, res.workers) {
 		sr.Settings[s.flag] = s.value
@@ -131,6 +133,7 @@ func loadResult(dir string, cfg trainConfig, world int) (*result, error) {
 		wall: sr.Wall, compute: sr.Compute, comm: sr.Comm, compress: sr.Compress,
 		bytesSent: sr.BytesSent, lastStepBytes: sr.LastStepBytes, loss: sr.Loss,
 		initHash: sr.InitHash, finalHash: sr.FinalHash, resumedFrom: sr.ResumedFrom, resumedWorld: sr.ResumedWorld,
+		carried: sr.Carried,
 	}
 	for _, e := range sr.Evals {
 		res.evals = append(res.evals, loadEval(e))

@@ -77,6 +77,9 @@ type result struct {
 	// resumedWorld is the number of ranks that made the checkpoint -resume
 	// continued from (0 for none).
 	resumedWorld int
+	// carried says how that resume carried the state over from another
+	// number of ranks (carry.String); "" for none.
+	carried string
 	// preempted is the step after which the run stopped on request (stop),
 	// with its checkpoint saved; 0 for a run that finished. A preempted
 	// result holds nothing else.
@@ -190,7 +193,7 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 		return nil, err
 	} else if back != nil {
 		step = back.step
-		res.resumedFrom, res.resumedWorld = back.step, back.fromWorld
+		res.resumedFrom, res.resumedWorld, res.carried = back.step, back.fromWorld, back.carried.String()
 		copy(lossHist, back.lossHist)
 		res.evals = back.evals
 		before = back.elapsed

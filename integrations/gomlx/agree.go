@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // The first training graph runs two agreements, each one allgather of a
@@ -239,7 +240,11 @@ func (o *Optimizer) settings(ck *optim.Checkpoint) (*settings, error) {
 		return nil, fmt.Errorf("lbgomlx: the lowbit optimizer's settings: %w", err)
 	}
 	st.Tensors = nil
-	if err := lrConflict(o.lrSrc, o.lrParam, st.Ints[optim.IntLRSchedule] != 0, o.lrs != nil); err != nil {
+	// The learning rate, its schedule, the step counters and the
+	// gradient reduction are the innermost optimizer's (the outer
+	// optimizer's SetLR sets its inner one's).
+	in := innermost(st)
+	if err := lrConflict(o.lrSrc, o.lrParam, in.Ints[optim.IntLRSchedule] != 0, o.lrs != nil); err != nil {
 		return nil, err
 	}
 	var b strings.Builder
@@ -253,7 +258,7 @@ func (o *Optimizer) settings(ck *optim.Checkpoint) (*settings, error) {
 		add("lowbit state", "none restored (the lowbit optimizer starts afresh)")
 	}
 	add("lowbit stage", "%s", st.Stage)
-	add("lowbit steps", "%d applied (%d skipped)", st.Ints[optim.IntStep], st.Ints[optim.IntSkipped])
+	add("lowbit steps", "%d applied (%d skipped)", in.Ints[optim.IntStep], in.Ints[optim.IntSkipped])
 	add("learning rate from", "%s", o.lrSrc)
 	switch o.lrSrc {
 	case lrStore:
@@ -265,19 +270,19 @@ func (o *Optimizer) settings(ck *optim.Checkpoint) (*settings, error) {
 	case lrGraph:
 		add("learning rate", "computed by the graph from learning_rate %s", formatParam(o.lrParam))
 	default:
-		if fp := st.Ints[optim.IntLRSchedule]; fp != 0 {
+		if fp := in.Ints[optim.IntLRSchedule]; fp != 0 {
 			add("learning rate", "the lowbit optimizer's schedule (fingerprint %016x)", uint64(fp))
 		} else {
-			add("learning rate", "%v", float32(st.Floats[optim.FloatLR]))
+			add("learning rate", "%v", float32(in.Floats[optim.FloatLR]))
 		}
 	}
-	if mode, ok := st.Ints[optim.IntGradReduce]; ok {
+	if mode, ok := in.Ints[optim.IntGradReduce]; ok {
 		add("gradient reduction", "%s", optim.ReduceMode(mode))
 	}
 	for _, name := range slices.Sorted(maps.Keys(st.Floats)) {
 		// A wrapping optimizer (outer.Optimizer) records its inner one's
 		// hyperparameters under a prefix of its own ("inner/hyper/...").
-		if strings.HasPrefix(name, optim.HyperPrefix) || strings.Contains(name, "/"+optim.HyperPrefix) {
+		if isHyper(name) {
 			add(name, "%s", optim.FormatHyper(st.Floats[name]))
 		}
 	}
@@ -303,6 +308,42 @@ func (o *Optimizer) settings(ck *optim.Checkpoint) (*settings, error) {
 	}
 	s.values, s.perVar = hashValues(data)
 	return s, nil
+}
+
+// innermost returns the counters and scalars of a lowbit optimizer's
+// checkpoint ck that its innermost optimizer recorded, seen through the
+// optimizers that wrap another: outer.Optimizer records its inner
+// optimizer's under outer.InnerPrefix, and its learning rate (SetLR, LR),
+// schedule, step counters and gradient reduction are that optimizer's.
+// It is ck itself for an optimizer that wraps none; otherwise a checkpoint
+// of those Ints and Floats only, their names without the prefix. Every
+// check of a learning rate, a schedule or a step counter in a checkpoint
+// reads it there.
+func innermost(ck *optim.Checkpoint) *optim.Checkpoint {
+	for {
+		in := &optim.Checkpoint{Algorithm: ck.Algorithm, Stage: ck.Stage, Ints: map[string]int64{}, Floats: map[string]float64{}}
+		for name, v := range ck.Ints {
+			if rest, ok := strings.CutPrefix(name, outer.InnerPrefix); ok {
+				in.Ints[rest] = v
+			}
+		}
+		for name, v := range ck.Floats {
+			if rest, ok := strings.CutPrefix(name, outer.InnerPrefix); ok {
+				in.Floats[rest] = v
+			}
+		}
+		if len(in.Ints) == 0 && len(in.Floats) == 0 {
+			return ck
+		}
+		ck = in
+	}
+}
+
+// isHyper reports whether the checkpoint entry name is a recorded
+// hyperparameter: optim.HyperPrefix at the top, or under a wrapping
+// optimizer's prefix ("inner/hyper/...").
+func isHyper(name string) bool {
+	return strings.HasPrefix(name, optim.HyperPrefix) || strings.Contains(name, "/"+optim.HyperPrefix)
 }
 
 // splitGlobal cuts the lowbit optimizer's flat global parameters g into
@@ -332,8 +373,8 @@ func (o *Optimizer) splitGlobal(g []float32) ([][]float32, error) {
 func (o *Optimizer) warnUnchecked(ck, st *optim.Checkpoint) {
 	var missing []string
 	for name := range st.Floats {
-		if _, ok := ck.Floats[name]; !ok && strings.HasPrefix(name, optim.HyperPrefix) {
-			missing = append(missing, strings.TrimPrefix(name, optim.HyperPrefix))
+		if _, ok := ck.Floats[name]; !ok && isHyper(name) {
+			missing = append(missing, strings.Replace(name, optim.HyperPrefix, "", 1))
 		}
 	}
 	if len(missing) > 0 {
@@ -341,9 +382,9 @@ func (o *Optimizer) warnUnchecked(ck, st *optim.Checkpoint) {
 		o.warn(fmt.Sprintf("the restored checkpoint does not record the hyperparameters %s (made before they were recorded): "+
 			"the optimizer keeps its own values, unchecked", strings.Join(missing, ", ")), zap.Strings("hyperparameters", missing))
 	}
-	if m, ok := ck.Ints[optim.IntGradReduce]; ok && m != st.Ints[optim.IntGradReduce] {
+	if m, ok := innermost(ck).Ints[optim.IntGradReduce]; ok && m != innermost(st).Ints[optim.IntGradReduce] {
 		o.warn(fmt.Sprintf("the restored checkpoint was made with gradient reduction %s, this optimizer uses %s: the resumed run is not bit-identical",
-			optim.ReduceMode(m), optim.ReduceMode(st.Ints[optim.IntGradReduce])))
+			optim.ReduceMode(m), optim.ReduceMode(innermost(st).Ints[optim.IntGradReduce])))
 	}
 }
 

@@ -138,3 +138,16 @@ func TestResumeCommonStep(t *testing.T) {
 		check("(rank 0: steps 5, 6; rank 1: steps 3, 4)")
 	})
 }
+
+// TestCommonStepAdvice: ranks of which some hold no checkpoint (a resume on
+// more ranks than saved) are told to make the new ranks' lowbit state from
+// every old rank's (onebit.Regroup, which keeps the error feedback), not
+// to reset its error buffers, which drops the error feedback and which
+// 1-bit Adam's StateSharded refuses.
+func TestCommonStepAdvice(t *testing.T) {
+	_, err := commonStep([][]int64{{5, 6}, nil})
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "(rank 0: steps 5, 6; rank 1: none)")
+	assert.Contains(t, err.Error(), "whose newest lowbit state is made from every old rank's, onebit.Regroup for the 1-bit optimizers")
+	assert.NotContains(t, err.Error(), "reset")
+}

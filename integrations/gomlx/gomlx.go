@@ -1093,7 +1093,8 @@ func (o *Optimizer) warnLoaded(ck *optim.Checkpoint, gs int64, lrBefore float32)
 	if o.rank() != 0 {
 		return
 	}
-	if lr, ok := ck.Floats[optim.FloatLR]; ok && o.lrSrc == lrLowbit && ck.Ints[optim.IntLRSchedule] == 0 && float32(lr) != lrBefore {
+	in := innermost(ck) // the outer optimizer's learning rate is its inner one's
+	if lr, ok := in.Floats[optim.FloatLR]; ok && o.lrSrc == lrLowbit && in.Ints[optim.IntLRSchedule] == 0 && float32(lr) != lrBefore {
 		o.warn(fmt.Sprintf("resumed at global step %d with the checkpoint's learning rate %v instead of the optimizer's %v (its config's LR): "+
 			"the lowbit optimizer's Load restores it, as PyTorch's load_state_dict does. To train on with another, set it in the store "+
 			"(store.SetParam(optimizer.ParamLearningRate, lr)): the hook hands GoMLX's learning rate to the optimizer every step",

@@ -235,31 +235,34 @@ func TestLearningRateCosineSchedule(t *testing.T) {
 
 // TestLearningRateConflict: a lowbit schedule together with GoMLX's
 // learning rate is refused at the first step, on every rank, with an
-// error that says what to do; so is GoMLX's learning rate set on one rank
-// only.
+// error that says what to do, the outer optimizer's (its inner Adam's,
+// which its state records under outer.InnerPrefix) too; so is GoMLX's
+// learning rate set on one rank only.
 func TestLearningRateConflict(t *testing.T) {
-	scheduled := func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
-		o, err := optim.NewAdam(ctx, c, p, optim.DefaultAdamConfig())
-		if err != nil {
-			return nil, err
+	for _, name := range []string{"adam", "outer"} {
+		scheduled := func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+			o, err := builderLR(name, 0.01)(ctx, c, p)
+			if err != nil {
+				return nil, err
+			}
+			s, err := optim.CosineDecay(0.01, 0.001, 100)
+			if err == nil {
+				err = o.(optim.LRSetter).SetSchedule(s)
+			}
+			return o, err
 		}
-		s, err := optim.CosineDecay(0.01, 0.001, 100)
-		if err == nil {
-			err = o.SetSchedule(s)
+		runs := runSpecs(t, 2, 3, func(int) rankSpec {
+			return rankSpec{build: scheduled, params: map[string]any{optimizer.ParamLearningRate: 0.05}}
+		})
+		for r, run := range runs {
+			require.Error(t, run.err, "%s, rank %d", name, r)
+			assert.Contains(t, run.err.Error(), "lbgomlx: the store sets GoMLX's learning rate (learning_rate = 0.05) and the lowbit optimizer has a schedule", "%s, rank %d", name, r)
+			assert.Contains(t, run.err.Error(), "keep one", "%s, rank %d", name, r)
+			assert.Empty(t, run.losses, "%s, rank %d", name, r)
 		}
-		return o, err
-	}
-	runs := runSpecs(t, 2, 3, func(int) rankSpec {
-		return rankSpec{build: scheduled, params: map[string]any{optimizer.ParamLearningRate: 0.05}}
-	})
-	for r, run := range runs {
-		require.Error(t, run.err, "rank %d", r)
-		assert.Contains(t, run.err.Error(), "lbgomlx: the store sets GoMLX's learning rate (learning_rate = 0.05) and the lowbit optimizer has a schedule", "rank %d", r)
-		assert.Contains(t, run.err.Error(), "keep one", "rank %d", r)
-		assert.Empty(t, run.losses, "rank %d", r)
 	}
 
-	runs = runSpecs(t, 2, 3, func(r int) rankSpec {
+	runs := runSpecs(t, 2, 3, func(r int) rankSpec {
 		s := rankSpec{build: adam}
 		if r == 1 {
 			s.params = map[string]any{optimizer.ParamLearningRate: 0.05}

@@ -1,6 +1,8 @@
 // Package conformance loads the JSON conformance vectors produced by the
 // independent reference implementation of the lowbit spec, and runs the
-// kinds lowbit implements against the implementation.
+// kinds lowbit implements against the implementation. It also replays
+// optimizer step files (KindOptimizer: a recorded data-parallel run of
+// Muon with an auxiliary Adam, RunOptimizerRank).
 //
 // The vectors the project tests against live in this package's testdata
 // folder; Dir returns its path for tests.
@@ -67,6 +69,10 @@ type Case struct {
 	Input  []Float `json:"input"`
 	Packed []int   `json:"packed"`
 
+	// Optimizer names the optimizer of an optimizer step file, which has
+	// no kind of its own: LoadFile gives it KindOptimizer.
+	Optimizer string `json:"optimizer"`
+
 	// onebit
 	World  int          `json:"world"`
 	Numel  int          `json:"numel"`
@@ -87,8 +93,21 @@ type OnebitStep struct {
 	ServerError [][]Float `json:"server_error"`
 }
 
-// Load reads every *.json file in dir, in name order.
-func Load(dir string) ([]*Case, error) {
+// Load reads the conformance file at path, or every *.json file in the
+// folder at path, in name order.
+func Load(path string) ([]*Case, error) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return nil, fmt.Errorf("conformance: %w", err)
+	}
+	if !fi.IsDir() {
+		c, err := LoadFile(path)
+		if err != nil {
+			return nil, err
+		}
+		return []*Case{c}, nil
+	}
+	dir := path
 	paths, err := filepath.Glob(filepath.Join(dir, "*.json"))
 	if err != nil {
 		return nil, err
@@ -118,8 +137,11 @@ func LoadFile(path string) (*Case, error) {
 	if err := json.Unmarshal(b, c); err != nil {
 		return nil, fmt.Errorf("conformance: %s: %w", path, err)
 	}
+	if c.Kind == "" && c.Optimizer != "" {
+		c.Kind = KindOptimizer
+	}
 	if c.Kind == "" {
-		return nil, fmt.Errorf("conformance: %s: no kind", path)
+		return nil, fmt.Errorf("conformance: %s: no kind (nor optimizer)", path)
 	}
 	if c.Name == "" {
 		c.Name = strings.TrimSuffix(filepath.Base(path), ".json")

@@ -89,7 +89,7 @@ func (c *Case) decode(kind string, v any) error {
 // on one rank.
 func (c *Case) WorldSize() int {
 	switch c.Kind {
-	case "onebit":
+	case "onebit", KindOptimizer:
 		return c.World
 	case "qgz":
 		if q, err := c.QGZ(); err == nil {

@@ -184,26 +184,11 @@ func TestLateLoss(t *testing.T) {
 	defer backend.Finalize()
 	x, y, n := valWindows(text, m.context, windows, 0, 1)
 	require.Equal(t, windows, n)
-	logits, err := model.NewExec(backend, newStore(), logitsFn(m))
-	require.NoError(t, err)
-	out, err := logits.Exec(tensors.FromFlatDataAndDimensions(x, n, m.context))
-	require.NoError(t, err)
-	lg := tensors.MustCopyFlatData[float32](out[0])
 	var sum, all float64
 	count := 0
-	for i, b := range y {
-		row := lg[i*vocab : (i+1)*vocab]
-		mx := math.Inf(-1)
-		for _, v := range row {
-			mx = max(mx, float64(v))
-		}
-		var z float64
-		for _, v := range row {
-			z += math.Exp(float64(v) - mx)
-		}
-		nll := mx + math.Log(z) - float64(row[b])
+	for i, nll := range targetNLLs(t, m, newStore(), x, y, n) {
 		all += nll
-		if set[b] {
+		if set[y[i]] {
 			sum += nll
 			count++
 		}
@@ -333,7 +318,7 @@ func TestLateRun(t *testing.T) {
 	assert.Contains(t, out, `late bytes "0123456789": training windows holding one`)
 	b, err := os.ReadFile(md)
 	require.NoError(t, err)
-	assert.Contains(t, string(b), "| optimizer | val loss | late-byte loss | bits/byte |")
+	assert.Contains(t, string(b), "| optimizer | val loss | s.e. | late-byte loss | bits/byte |")
 
 	path := filepath.Join(dir, "plain.json")
 	var plain bytes.Buffer

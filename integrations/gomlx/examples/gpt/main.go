@@ -12,9 +12,11 @@
 // split into training and validation files by a shuffle seeded by -seed,
 // the same on every rank, and every rank trains on its own shard of each
 // global batch. Each run is validated on the same windows of the
-// validation text; the table gives the final validation loss (nats per
-// byte and bits per byte), the bytes each rank sent, and the time to the
-// -target validation loss.
+// validation text: -val-windows windows for the curve, every window that
+// tiles it at the end (final.go); the table gives the final validation
+// loss (nats per byte and bits per byte) with its standard error, the
+// curve's last one, the bytes each rank sent, and the time to the -target
+// validation loss.
 //
 // From integrations/gomlx (nothing is downloaded: the pure-Go backend is
 // linked in):
@@ -25,7 +27,7 @@
 // With -backend mpi this process is one rank of an mpirun job:
 //
 //	go build -tags mpi -o gpt ./examples/gpt
-//	mpirun -np 4 ./gpt -backend mpi -compare -optimizer onebit-adam
+//	mpirun --allow-run-as-root --oversubscribe -np 4 ./gpt -backend mpi -compare -optimizer onebit-adam
 package main
 
 import (
@@ -83,6 +85,7 @@ type options struct {
 	stopAtTarget   bool // end each run at its first validation at or below target
 	evalEvery      int
 	valWindows     int
+	finalWindows   int // -final-windows: 0 for the whole validation text
 	jsonPath       string
 	plotPath       string
 	mdPath         string
@@ -95,6 +98,10 @@ type options struct {
 	out             io.Writer // rank 0's notes (the resume's learning rate); nil: none
 
 	late lateOptions // -late-bytes, -late-from (late.go)
+
+	// allowInprocess is -allow-inprocess-under-mpi: -backend local even
+	// where the environment says this process is one rank of an MPI job.
+	allowInprocess bool
 }
 
 func (o *options) hyper() hyper {
@@ -142,6 +149,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.steps, "steps", 600, "training steps per run")
 	fs.IntVar(&o.workers, "workers", 4, "in-process ranks (-backend local)")
 	fs.StringVar(&o.backend, "backend", "local", "local (goroutine ranks) or mpi (one rank of an mpirun job; build with -tags mpi)")
+	fs.BoolVar(&o.allowInprocess, "allow-inprocess-under-mpi", false, "run -backend local's in-process ranks even where the environment says this process is one rank of an MPI job (mpirun without -backend mpi): each of the job's processes then trains on its own")
 	fs.Var(&size.CountValue[int]{P: &o.batch, Min: 1, Max: 1 << 20}, "batch", "global batch: `count` of sequences, split over the ranks (16, 1k, 1Ki)")
 	fs.IntVar(&o.model.dModel, "d-model", 64, "embedding width")
 	fs.IntVar(&o.model.layers, "layers", 2, "transformer blocks")
@@ -166,7 +174,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.Float64Var(&o.target, "target", 2.75, "validation loss (nats per byte) for the time-to-target column (0: none)")
 	fs.BoolVar(&o.stopAtTarget, "stop-at-target", false, "end each run at its first validation at or below -target (its steps, tokens and losses are then those of that step): time to target on a slow link without the rest of the run")
 	fs.IntVar(&o.evalEvery, "eval-every", 0, "validate every this many steps (0: 20 times per run)")
-	fs.IntVar(&o.valWindows, "val-windows", 64, "validation sequences, evenly spaced over the validation text")
+	fs.IntVar(&o.valWindows, "val-windows", 64, "validation sequences of the curve's evaluations, evenly spaced over the validation text")
+	fs.IntVar(&o.finalWindows, "final-windows", 0, "validation sequences of the final evaluation, evenly spaced among those that tile the validation text (0, or more than there are: all of them, each byte of the text a target once)")
 	fs.StringVar(&o.jsonPath, "json", "", "write the results as JSON to this file")
 	fs.StringVar(&o.plotPath, "plot", "", "draw validation loss against tokens, one curve per run, into this SVG file")
 	fs.StringVar(&o.mdPath, "markdown", "", "write the results table as Markdown to this file")
@@ -207,6 +216,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("eval-every", "want 0 (20 times per run) to %d", maxSteps)
 	case o.valWindows < 1 || o.valWindows > 1<<20:
 		return bad("val-windows", "want 1 to %d", 1<<20)
+	case o.finalWindows < 0 || o.finalWindows > 1<<24:
+		return bad("final-windows", "want 0 (the whole validation text) to %d", 1<<24)
 	case o.outerH < 1 || o.outerH > maxSteps:
 		return bad("outer-h", "want 1 to %d", maxSteps)
 	case !(o.outerLR > 0) || o.outerLR > 10:
@@ -275,6 +286,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	o, err := parseFlags(args, stderr)
 	if err != nil {
 		return err
+	}
+	if o.backend == "local" && !o.allowInprocess {
+		if err := local.CheckNotUnderMPI(); err != nil {
+			return fmt.Errorf("-backend local: %w; give -backend mpi (a binary built with -tags mpi), or -allow-inprocess-under-mpi to run in-process ranks anyway", err)
+		}
 	}
 	o.out = stdout
 	if o.corpus == "" {

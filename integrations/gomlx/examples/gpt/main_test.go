@@ -14,14 +14,16 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/internal/cliflag/flagtest"
 )
 
 // tiny are the flags of a model small enough for a test: 2 local ranks,
-// the first MiB of the default corpus.
+// the first MiB of the default corpus, a final evaluation of 128 windows
+// (-final-windows 0 for the whole validation text, 652 windows).
 func tiny(extra ...string) []string {
 	return append([]string{"-workers", "2", "-d-model", "32", "-heads", "2", "-ffn", "64", "-context", "32",
-		"-batch", "8", "-max-bytes", "1Mi", "-quiet"}, extra...)
+		"-batch", "8", "-max-bytes", "1Mi", "-final-windows", "128", "-quiet"}, extra...)
 }
 
 // runJSON runs the example with args and returns its -json runs.
@@ -39,14 +41,15 @@ func runJSON(t *testing.T, args ...string) ([]jsonRun, string) {
 
 // TestConvergence is the example's convergence test: the tiny transformer
 // on 2 local ranks, Adam and then 1-bit Adam from the same seed on the same
-// tokens. Both must learn (validation loss well below the 5.55 nats of a
-// uniform guess over 256 bytes), and 1-bit Adam must end within 3% of
-// Adam's validation loss while sending at least 3x fewer bytes.
+// tokens, the final validation over the whole validation text. Both must
+// learn (validation loss well below the 5.55 nats of a uniform guess over
+// 256 bytes), and 1-bit Adam must end within 3% of Adam's validation loss
+// while sending at least 3x fewer bytes.
 func TestConvergence(t *testing.T) {
 	if testing.Short() {
 		t.Skip("trains two models")
 	}
-	runs, _ := runJSON(t, tiny("-compare", "-optimizer", "onebit-adam", "-steps", "150", "-lr", "3e-3")...)
+	runs, _ := runJSON(t, tiny("-compare", "-optimizer", "onebit-adam", "-steps", "150", "-lr", "3e-3", "-final-windows", "0")...)
 	require.Len(t, runs, 2)
 	adam, onebit := runs[0], runs[1]
 	require.Equal(t, "adam", adam.Optimizer)
@@ -298,4 +301,25 @@ func TestResumeLR(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestInprocessUnderMPI: started by mpirun (the environment says this
+// process is one rank of a job of 2) without -backend mpi, the example
+// refuses to run its in-process ranks, which would make every process of
+// the job train on its own and write the same checkpoints, before it
+// reads anything; -allow-inprocess-under-mpi goes on (to the bad -corpus).
+func TestInprocessUnderMPI(t *testing.T) {
+	for _, v := range comm.MPIEnvVars() {
+		t.Setenv(v, "")
+	}
+	t.Setenv("OMPI_COMM_WORLD_SIZE", "2")
+	args := []string{"-corpus", filepath.Join(t.TempDir(), "nosuch")}
+	err := run(context.Background(), args, io.Discard, io.Discard)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "-backend local: local: this process is one rank of an MPI job of 2 ranks (OMPI_COMM_WORLD_SIZE=2)")
+	assert.Contains(t, err.Error(), "give -backend mpi (a binary built with -tags mpi), or -allow-inprocess-under-mpi")
+	err = run(context.Background(), append(args, "-allow-inprocess-under-mpi"), io.Discard, io.Discard)
+	require.Error(t, err)
+	assert.NotContains(t, err.Error(), "MPI job")
+	assert.Contains(t, err.Error(), "no such file or directory")
 }

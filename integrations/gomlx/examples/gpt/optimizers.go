@@ -32,8 +32,7 @@ const diloco = "diloco"
 // sharded is 1-bit Adam with its moments sharded over the ranks
 // (onebit.StateSharded, docs/sharded.md): the wire bytes of onebit-adam,
 // less optimizer state. A name of its own, as :REDUCE names the gradient
-// averaging: its warm-up averages in fp32 only, and its checkpoints resume
-// on the number of ranks that made them only.
+// averaging: its warm-up averages in fp32 only.
 const sharded = "onebit-adam-sharded"
 
 // compact and shardedBF16 are 1-bit Adam's other state modes: compact

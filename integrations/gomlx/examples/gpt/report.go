@@ -37,12 +37,34 @@ func printHeader(w io.Writer, o *options, data *corpus, workers int) {
 	h := o.hyper()
 	fmt.Fprintf(w, "runs: %s; %d steps of %d sequences (%d tokens), lr %g, freeze step %d, seed %d\n",
 		strings.Join(labels, ", "), o.steps, o.batch, o.batch*o.model.context, o.lr, h.freezeStep, o.seed)
+	fmt.Fprintln(w, validationDesc(o, data))
 	if d := lateDesc(o, data); d != "" {
 		fmt.Fprintln(w, d)
 	}
 	if d := outerDesc(o); d != "" {
 		fmt.Fprintln(w, d)
 	}
+}
+
+// validationDesc says what the two evaluations cover: the curve's, every
+// -eval-every steps, and the final one (finalEval).
+func validationDesc(o *options, data *corpus) string {
+	tiles := (len(data.val) - 1) / o.model.context
+	final := fmt.Sprintf("all %d windows that tile the validation text (each of its bytes a target once)", tiles)
+	if o.finalWindows > 0 && o.finalWindows < tiles {
+		final = fmt.Sprintf("%d of the %d windows that tile the validation text, evenly spaced", o.finalWindows, tiles)
+	}
+	return fmt.Sprintf("validation (windows of %d bytes): the curve on %d windows, the final val loss on %s, with its standard error",
+		o.model.context+1, min(o.valWindows, len(data.val)-o.model.context), final)
+}
+
+// relStderr is the final validation loss's standard error relative to
+// it, in percent.
+func (r *result) relStderr() float64 {
+	if r.valLoss == 0 {
+		return 0
+	}
+	return 100 * r.final.stderr / r.valLoss
 }
 
 // outerDesc describes diloco's settings when a run is diloco, "" if none
@@ -100,7 +122,7 @@ func progressPrinter(w io.Writer, quiet bool) progressFunc {
 func report(w io.Writer, o *options, results []*result) {
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintf(tw, "optimizer\tval loss\t%sbits/byte\ttrain loss\tsteps\ttokens\ttrain time\tcomm\tto %.3g\tsent/rank\tlast step\tskipped\t\n", lateHeader(o), o.target)
+	fmt.Fprintf(tw, "optimizer\tval loss\ts.e.\t%sbits/byte\tcurve val\ttrain loss\tsteps\ttokens\ttrain time\tcomm\tto %.3g\tsent/rank\tlast step\tskipped\t\n", lateHeader(o), o.target)
 	for _, r := range results {
 		tt := "-"
 		if o.target <= 0 {
@@ -110,8 +132,8 @@ func report(w io.Writer, o *options, results []*result) {
 		} else {
 			tt = "not reached"
 		}
-		fmt.Fprintf(tw, "%s\t%.4f\t%s%.4f\t%.4f\t%d\t%d\t%.1fs\t%.0f%%\t%s\t%s\t%s\t%d\t\n",
-			r.spec.label(), r.valLoss, lateCell(o, r), bitsPerByte(r.valLoss), r.trainLoss, r.steps, r.tokens,
+		fmt.Fprintf(tw, "%s\t%.4f\t±%.2f%%\t%s%.4f\t%.4f\t%.4f\t%d\t%d\t%.1fs\t%.0f%%\t%s\t%s\t%s\t%d\t\n",
+			r.spec.label(), r.valLoss, r.relStderr(), lateCell(o, r), bitsPerByte(r.valLoss), r.curveLoss, r.trainLoss, r.steps, r.tokens,
 			r.wall.Seconds(), 100*r.commShare(), tt, human(r.bytes), human(r.lastBytes), r.skipped)
 	}
 	tw.Flush()
@@ -178,10 +200,17 @@ func human(b float64) string {
 
 // jsonRun is one run in the -json file.
 type jsonRun struct {
-	Optimizer        string      `json:"optimizer"`
-	Reduce           string      `json:"reduce"`
-	ValLoss          float64     `json:"val_loss"`
-	ValBitsPerByte   float64     `json:"val_bits_per_byte"`
+	Optimizer      string  `json:"optimizer"`
+	Reduce         string  `json:"reduce"`
+	ValLoss        float64 `json:"val_loss"`
+	ValBitsPerByte float64 `json:"val_bits_per_byte"`
+	// ValStderr is val_loss's standard error (nats per byte), from the
+	// spread of the final evaluation's windows, ValWindows of them;
+	// CurveValLoss the last evaluation of the curve (-val-windows
+	// windows). val_loss is the final evaluation's.
+	ValStderr        float64     `json:"val_loss_stderr"`
+	ValWindows       int         `json:"val_windows"`
+	CurveValLoss     float64     `json:"curve_val_loss"`
 	TrainLoss        float64     `json:"train_loss"`
 	Steps            int         `json:"steps"`
 	ResumedAt        int         `json:"resumed_at"` // the checkpoint's step, 0: not resumed
@@ -237,6 +266,7 @@ func writeJSON(path string, o *options, results []*result) error {
 		j := jsonRun{
 			Optimizer: r.spec.name, Reduce: r.spec.reduceName(),
 			ValLoss: r.valLoss, ValBitsPerByte: bitsPerByte(r.valLoss), TrainLoss: r.trainLoss,
+			ValStderr: r.final.stderr, ValWindows: r.final.windows, CurveValLoss: r.curveLoss,
 			Steps: r.steps, ResumedAt: r.resumedAt, Tokens: r.tokens, WallS: r.wall.Seconds(), CommS: r.commTime.Seconds(),
 			Target: o.target, BytesSentPerRank: r.bytes, LastStepBytes: r.lastBytes, Skipped: r.skipped,
 			Workers: r.workers, Backend: o.backend, Curve: r.evals,
@@ -277,8 +307,9 @@ func writeMarkdown(path string, o *options, data *corpus, results []*result) err
 		fmt.Fprintf(&b, "%s; the late-byte loss is the validation loss on the positions whose next byte is one of them.\n\n", strings.ToUpper(d[:1])+d[1:])
 		lateCol, lateSep = " late-byte loss |", "---:|"
 	}
-	fmt.Fprintf(&b, "| optimizer | val loss |%s bits/byte | vs exact | train loss | sent/rank | time to target | skipped |\n", lateCol)
-	fmt.Fprintf(&b, "|---|---:|%s---:|---:|---:|---:|---:|---:|\n", lateSep)
+	fmt.Fprintf(&b, "%s.\n\n", strings.ToUpper(validationDesc(o, data)[:1])+validationDesc(o, data)[1:])
+	fmt.Fprintf(&b, "| optimizer | val loss | s.e. |%s bits/byte | curve val | vs exact | train loss | sent/rank | time to target | skipped |\n", lateCol)
+	fmt.Fprintf(&b, "|---|---:|---:|%s---:|---:|---:|---:|---:|---:|---:|\n", lateSep)
 	for _, r := range results {
 		vs := ""
 		if bl := findBaseline(results, r); bl != nil {
@@ -294,8 +325,8 @@ func writeMarkdown(path string, o *options, data *corpus, results []*result) err
 		if lateCol != "" {
 			late = " " + formatLate(r.lateLoss()) + " |"
 		}
-		fmt.Fprintf(&b, "| %s | %.4f |%s %.4f | %s | %.4f | %s | %s | %d |\n",
-			r.spec.label(), r.valLoss, late, bitsPerByte(r.valLoss), vs, r.trainLoss, human(r.bytes), tt, r.skipped)
+		fmt.Fprintf(&b, "| %s | %.4f | ±%.2f%% |%s %.4f | %.4f | %s | %.4f | %s | %s | %d |\n",
+			r.spec.label(), r.valLoss, r.relStderr(), late, bitsPerByte(r.valLoss), r.curveLoss, vs, r.trainLoss, human(r.bytes), tt, r.skipped)
 	}
 	if d := outerDesc(o); d != "" {
 		fmt.Fprintf(&b, "\n%s.\n", strings.ToUpper(d[:1])+d[1:])

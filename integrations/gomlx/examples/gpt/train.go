@@ -39,12 +39,17 @@ type evalPoint struct {
 // result is one run, as every rank agrees on it (averaged over the ranks
 // where they differ).
 type result struct {
-	spec       runSpec
-	workers    int
-	steps      int
-	resumedAt  int // the step a checkpoint resumed the run at, 0 for none
-	tokens     int64
-	valLoss    float64       // nats per byte
+	spec      runSpec
+	workers   int
+	steps     int
+	resumedAt int // the step a checkpoint resumed the run at, 0 for none
+	tokens    int64
+	// final is the final evaluation, over the whole validation text
+	// (finalEval); valLoss is its loss, nats per byte, and curveLoss that
+	// of the curve's last evaluation (-val-windows windows).
+	final      finalResult
+	valLoss    float64
+	curveLoss  float64
 	trainLoss  float64       // mean of the last tenth of the steps
 	wall       time.Duration // training time: the steps, validations excluded
 	commTime   time.Duration // in collectives during the steps
@@ -191,6 +196,10 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 	if err != nil {
 		return nil, err
 	}
+	fin, err := newFinalEval(backend, store, o.model, data.val, o.finalWindows, rank, w)
+	if err != nil {
+		return nil, err
+	}
 	totalWindows := min(o.valWindows, len(data.val)-o.model.context)
 	sums := make([]float32, 1)
 	// validate evaluates this rank's variables; evaluate, below, the
@@ -293,6 +302,15 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 		}
 		res.evals = append(res.evals, e)
 	}
+	// The final evaluation, of the model every rank agrees on (diloco's
+	// global parameters), outside the training time.
+	if err := opt.WithGlobalValues(func() error {
+		var err error
+		res.final, err = fin.eval(ctx, c)
+		return err
+	}); err != nil {
+		return nil, err
+	}
 	var st optim.Stats
 	var outs outer.OuterStats
 	lo := opt.Optimizer()
@@ -310,7 +328,7 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 	}
 	fw := float64(w)
 	last := res.evals[len(res.evals)-1]
-	res.valLoss = last.ValLoss
+	res.valLoss, res.curveLoss = res.final.loss, last.ValLoss
 	res.tokens = last.Tokens
 	res.trainLoss = float64(agg[0]) / fw
 	res.wall = time.Duration(float64(agg[1]) / fw * float64(time.Second))

@@ -3,7 +3,7 @@
 // train.Loop with GoMLX's progress bar, checkpoints it resumes from.
 //
 //	go run . -ranks 4                           # 4 ranks in this process
-//	go build -tags mpi . && mpirun -np 4 ./minimal -mpi   # 4 processes
+//	go build -tags mpi . && mpirun --allow-run-as-root --oversubscribe -np 4 ./minimal -mpi   # 4 processes
 package main
 
 import (
@@ -58,6 +58,9 @@ func main() {
 
 func run(ctx context.Context) error {
 	if !*useMPI {
+		if err := local.CheckNotUnderMPI(); err != nil { // started by mpirun without -mpi
+			return fmt.Errorf("%w: give -mpi", err)
+		}
 		return local.Run(ctx, *ranks, trainRank) // a goroutine per rank
 	}
 	c, err := mpi.Open() // this process is one rank of mpirun -np W

@@ -10,6 +10,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
 )
 
 // trainTo runs the program on n in-process ranks to global step to, from
@@ -51,4 +53,21 @@ func TestMinimal(t *testing.T) {
 	require.Len(t, files, 2, "Keep(2)")
 	assert.Contains(t, files[0], "-step-00000120.json", "Keep(2): steps 120 and 200, once each")
 	assert.Contains(t, files[1], "-step-00000200.json")
+}
+
+// TestInprocessUnderMPI: started by mpirun (the environment says this
+// process is one rank of a job of 2) without -mpi, the program refuses to
+// run its in-process ranks, which would make every process of the job
+// train on its own and write the same checkpoints.
+func TestInprocessUnderMPI(t *testing.T) {
+	for _, v := range comm.MPIEnvVars() {
+		t.Setenv(v, "")
+	}
+	t.Setenv("OMPI_COMM_WORLD_SIZE", "2")
+	*ranks, *steps, *dir, *progress = 2, 10, t.TempDir(), false
+	err := run(context.Background())
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "local: this process is one rank of an MPI job of 2 ranks (OMPI_COMM_WORLD_SIZE=2)")
+	assert.Contains(t, err.Error(), ": give -mpi")
+	assert.NoDirExists(t, filepath.Join(*dir, "rank-0"), "nothing written")
 }

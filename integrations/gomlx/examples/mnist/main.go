@@ -12,7 +12,7 @@
 // With -backend mpi this process is one rank of an mpirun job:
 //
 //	go build -tags mpi -o mnist-gomlx ./examples/mnist
-//	mpirun -np 4 ./mnist-gomlx -backend mpi
+//	mpirun --allow-run-as-root --oversubscribe -np 4 ./mnist-gomlx -backend mpi
 package main
 
 import (
@@ -75,6 +75,9 @@ type options struct {
 	checkpoint      string // directory of the GoMLX checkpoints, "" for none
 	checkpointEvery int
 	progress        bool
+	// allowInprocess is -allow-inprocess-under-mpi: -backend local even
+	// where the environment says this process is one rank of an MPI job.
+	allowInprocess bool
 }
 
 func parseFlags(args []string, stderr io.Writer) (*options, error) {
@@ -84,6 +87,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.SetOutput(stderr)
 	fs.StringVar(&o.backend, "backend", "local", "local (goroutine ranks) or mpi (one rank of an mpirun job; build with -tags mpi)")
 	fs.IntVar(&o.workers, "workers", 4, "in-process ranks (-backend local)")
+	fs.BoolVar(&o.allowInprocess, "allow-inprocess-under-mpi", false, "run -backend local's in-process ranks even where the environment says this process is one rank of an MPI job (mpirun without -backend mpi): each of the job's processes then trains on its own")
 	fs.StringVar(&opts, "optimizers", "adam,onebit-adam", "comma-separated lowbit optimizers to train with, one after the other: adam, onebit-adam")
 	fs.StringVar(&o.data, "data", "../../data/mnist", "directory of the four MNIST IDX files")
 	fs.IntVar(&o.steps, "steps", 600, "training steps")
@@ -364,6 +368,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	o, err := parseFlags(args, stderr)
 	if err != nil {
 		return err
+	}
+	if o.backend == "local" && !o.allowInprocess {
+		if err := local.CheckNotUnderMPI(); err != nil {
+			return fmt.Errorf("-backend local: %w; give -backend mpi (a binary built with -tags mpi), or -allow-inprocess-under-mpi to run in-process ranks anyway", err)
+		}
 	}
 	train, err := load(o.data, "train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz")
 	if err != nil {

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/internal/cliflag/flagtest"
 )
 
@@ -94,4 +95,25 @@ func TestCountFlags(t *testing.T) {
 // TestBadFlagExit: the binary prints one line for a bad value and exits 2.
 func TestBadFlagExit(t *testing.T) {
 	flagtest.Exit(t, "mnist", []string{"-batch", "12Q"}, []string{"-optimizers", "sgd"}, []string{"-nosuch"}, []string{"stray"})
+}
+
+// TestInprocessUnderMPI: started by mpirun (the environment says this
+// process is one rank of a job of 2) without -backend mpi, the example
+// refuses to run its in-process ranks, which would make every process of
+// the job train on its own and write the same checkpoints, before it
+// reads anything; -allow-inprocess-under-mpi goes on (to the bad -data).
+func TestInprocessUnderMPI(t *testing.T) {
+	for _, v := range comm.MPIEnvVars() {
+		t.Setenv(v, "")
+	}
+	t.Setenv("OMPI_COMM_WORLD_SIZE", "2")
+	args := []string{"-data", "no/such/dir"}
+	err := run(context.Background(), args, io.Discard, io.Discard)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "-backend local: local: this process is one rank of an MPI job of 2 ranks (OMPI_COMM_WORLD_SIZE=2)")
+	assert.Contains(t, err.Error(), "give -backend mpi (a binary built with -tags mpi), or -allow-inprocess-under-mpi")
+	err = run(context.Background(), append(args, "-allow-inprocess-under-mpi"), io.Discard, io.Discard)
+	require.Error(t, err)
+	assert.NotContains(t, err.Error(), "MPI job")
+	assert.Contains(t, err.Error(), "make mnist-data")
 }

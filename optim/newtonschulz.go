@@ -1,0 +1,115 @@
+package optim
+
+import (
+	"math"
+
+	"gonum.org/v1/gonum/blas"
+	"gonum.org/v1/gonum/blas/gonum"
+)
+
+// The Newton-Schulz iteration of Muon, in float32, with gonum's BLAS
+// (gonum.Implementation, the pure-Go one, whose float32 kernels are
+// assembly on amd64) for the matrix products. The implementation is used
+// directly rather than through blas32, whose implementation is a global
+// that another package could swap.
+//
+// Determinism: every element of a product is accumulated by one kernel
+// call over the whole inner dimension, in index order, whatever the tiling
+// below, so the result depends only on the inputs and the architecture's
+// kernels, never on timing: ranks on the same architecture compute the
+// same bits. (gonum's Go kernels, used where it has no assembly, may be
+// compiled with fused multiply-adds: ranks of different architectures may
+// then differ in the last bits.)
+
+// Tiles of the products: no call to gonum's Sgemm covers more than 3 of its
+// 64x64 blocks of the result, below the 4 at which it spawns goroutines
+// (allocating on every call). A tile of gemmRows x gemmCols outputs also
+// keeps the slice of the right-hand matrix it reads (its k rows of
+// gemmCols columns) in cache across the tile's rows.
+const (
+	gemmRows = 64
+	gemmCols = 192
+)
+
+// gemm computes c = alpha*a*op(b) + beta*c for row-major a (m x k, leading
+// dimension lda), op(b) (k x n: b itself, leading dimension ldb, or, with
+// bT, the transpose of the n x k matrix b) and c (m x n, leading dimension
+// ldc), tile by tile (see gemmRows). It allocates nothing.
+func gemm(bT bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
+	tb := blas.NoTrans
+	if bT {
+		tb = blas.Trans
+	}
+	for i := 0; i < m; i += gemmRows {
+		mi := min(gemmRows, m-i)
+		for j := 0; j < n; j += gemmCols {
+			nj := min(gemmCols, n-j)
+			bj := b[j:]
+			if bT {
+				bj = b[j*ldb:]
+			}
+			gonum.Implementation{}.Sgemm(blas.NoTrans, tb, mi, nj, k, alpha, a[i*lda:], lda, bj, ldb, beta, c[i*ldc+j:], ldc)
+		}
+	}
+}
+
+// nsWork holds the work matrices of the Newton-Schulz iteration for one
+// matrix shape, m x n with m <= n (a wider-than-tall view of the
+// parameter): x and y are m x n, a and b are m x m. Parameters of the same
+// shape share one nsWork.
+type nsWork struct {
+	m, n       int
+	x, y, a, b []float32
+}
+
+func newNSWork(m, n int) *nsWork {
+	return &nsWork{
+		m: m, n: n,
+		x: make([]float32, m*n), y: make([]float32, m*n),
+		a: make([]float32, m*m), b: make([]float32, m*m),
+	}
+}
+
+// bytes is the memory of w's matrices.
+func (w *nsWork) bytes() int64 { return Float32Bytes(w.x, w.y, w.a, w.b) }
+
+// normalize divides x by its Frobenius norm plus eps (the norm summed in
+// float64, the divisor rounded once to float32). It returns false, leaving
+// x as it is, when x is zero (the update of a zero matrix is zero, even
+// with eps 0).
+func (w *nsWork) normalize(eps float32) bool {
+	ss := SumSquares(w.x)
+	if ss == 0 {
+		return false
+	}
+	d := float32(math.Sqrt(ss) + float64(eps))
+	for i, v := range w.x {
+		w.x[i] = v / d
+	}
+	return true
+}
+
+// iterate runs steps Newton-Schulz iterations on x, in place:
+//
+//	A = X X^T
+//	B = b*A + c*A A
+//	X = a*X + B X
+//
+// with (a, b, c) = coef, products rounded to float32 and added in
+// float32.
+func (w *nsWork) iterate(coef [3]float32, steps int) {
+	m, n := w.m, w.n
+	ca, cb, cc := coef[0], coef[1], coef[2]
+	for range steps {
+		gemm(true, m, m, n, 1, w.x, n, w.x, n, 0, w.a, m)
+		gemm(false, m, m, m, 1, w.a, m, w.a, m, 0, w.b, m)
+		for i, v := range w.a {
+			w.b[i] = float32(cb*v) + float32(cc*w.b[i])
+		}
+		for i, v := range w.x {
+			w.y[i] = ca * v
+		}
+		gemm(false, m, n, m, 1, w.b, m, w.x, n, 1, w.y, n)
+		w.x, w.y = w.y, w.x
+	}
+}
