@@ -91,7 +91,8 @@ type Config struct {
 	Delay int
 	// Codec is how pseudo-gradients travel. Default CodecFP32.
 	Codec Codec
-	// LR is the outer learning rate, finite and > 0. Default 0.7.
+	// LR is the outer learning rate, finite and >= 0 (0: θ_g stays where
+	// it is, the codecs' state updates as it would). Default 0.7.
 	LR float32
 	// Momentum is the outer momentum, in [0, 1). Default 0.9.
 	Momentum float32
@@ -158,7 +159,7 @@ func DefaultConfigFor(c Codec) Config {
 }
 
 // sparseLR is CodecSparse's default outer learning rate.
-const sparseLR = 2
+const sparseLR = 4
 
 // Validate reports the first invalid field as a *optim.ConfigError. The
 // constructors return exactly this error.
@@ -174,8 +175,8 @@ func (c Config) Validate() error {
 			Want: fmt.Sprintf("in [0, H/Fragments = %d] (one exchange in flight at a time)", c.H/c.Fragments)}
 	case !c.Codec.Valid():
 		return &optim.ConfigError{Config: cfg, Field: "Codec", Value: c.Codec, Want: "one of " + strings.Join(codecNames[:], ", ")}
-	case !(c.LR > 0) || math.IsInf(float64(c.LR), 1):
-		return &optim.ConfigError{Config: cfg, Field: "LR", Value: c.LR, Want: "finite and > 0"}
+	case !(c.LR >= 0) || math.IsInf(float64(c.LR), 1):
+		return &optim.ConfigError{Config: cfg, Field: "LR", Value: c.LR, Want: "finite and >= 0"}
 	case !(c.Momentum >= 0 && c.Momentum < 1):
 		return &optim.ConfigError{Config: cfg, Field: "Momentum", Value: c.Momentum, Want: "in [0, 1)"}
 	case c.Scale != onebit.ScaleRMS && c.Scale != onebit.ScaleMeanAbs:

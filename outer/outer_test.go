@@ -233,7 +233,7 @@ func TestConfigValidate(t *testing.T) {
 		{"Delay", func(c *outer.Config) { c.H, c.Fragments, c.Delay = 10, 2, 6 }},
 		{"Delay", func(c *outer.Config) { c.Delay = -1 }},
 		{"Codec", func(c *outer.Config) { c.Codec = 9 }},
-		{"LR", func(c *outer.Config) { c.LR = 0 }},
+		{"LR", func(c *outer.Config) { c.LR = -1 }},
 		{"Momentum", func(c *outer.Config) { c.Momentum = 1 }},
 		{"BucketBytes", func(c *outer.Config) { c.BucketBytes = optim.PerParameter }},
 		{"Scale", func(c *outer.Config) { c.Scale = 7 }},

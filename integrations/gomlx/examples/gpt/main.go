@@ -111,13 +111,14 @@ func (o *options) hyper() hyper {
 	}
 	oc := outer.DefaultConfig()
 	oc.H, oc.Fragments, oc.Delay, oc.BucketBytes = o.outerH, o.outerFragments, o.outerDelay, o.outerBucket
-	oc.LR, oc.Momentum = float32(o.outerLR), float32(o.outerMomentum)
 	if o.outerMeanAbs {
 		oc.Scale = onebit.ScaleMeanAbs
 	}
 	oc.Density, oc.Decay = float32(o.outerDensity), float32(o.outerDecay)
 	oc.SparseChunk, oc.SparseBits = o.outerSparseChunk, o.outerSBits
-	return hyper{lr: float32(o.lr), freezeStep: fs, outer: oc}
+	h := hyper{lr: float32(o.lr), freezeStep: fs, outer: oc, outerLR: o.outerLR, outerMomentum: o.outerMomentum}
+	h.outer = h.outerFor(outer.CodecFP32)
+	return h
 }
 
 // defaultOuterH is -outer-h's default: 25 inner steps per outer step, 24
@@ -162,8 +163,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.outerFragments, "outer-fragments", 1, "diloco: fragments of the parameters, exchanged staggered (Streaming DiLoCo), 1 to -outer-h")
 	fs.IntVar(&o.outerDelay, "outer-delay", 0, "diloco: inner steps an exchange overlaps before its result is merged, 0 to -outer-h/-outer-fragments")
 	def := outer.DefaultConfig()
-	fs.Float64Var(&o.outerLR, "outer-lr", float64(def.LR), "diloco: the outer Nesterov SGD's learning rate")
-	fs.Float64Var(&o.outerMomentum, "outer-momentum", float64(def.Momentum), "diloco: the outer Nesterov SGD's momentum, in [0, 1)")
+	fs.Float64Var(&o.outerLR, "outer-lr", -1, "diloco: the outer SGD's learning rate (-1: the codec's default, outer.DefaultConfigFor: fp32, bf16, int8 0.7, 1bit 1, sparse "+fmt.Sprint(outer.DefaultConfigFor(outer.CodecSparse).LR)+")")
+	fs.Float64Var(&o.outerMomentum, "outer-momentum", -1, "diloco: the outer Nesterov SGD's momentum, in [0, 1) (-1: the codec's default: fp32, bf16, int8 0.9, 1bit and sparse 0)")
 	fs.BoolVar(&o.outerMeanAbs, "outer-mean-abs", false, "diloco:1bit: scales are means of |x| (onebit.ScaleMeanAbs) instead of root mean squares")
 	fs.Float64Var(&o.outerDensity, "outer-density", float64(def.Density), "diloco:sparse: share of each chunk's entries sent, in (0, 1]")
 	fs.IntVar(&o.outerSparseChunk, "outer-sparse-chunk", def.SparseChunk, "diloco:sparse: chunk length in elements (at least 1/-outer-density)")
@@ -220,8 +221,10 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("final-windows", "want 0 (the whole validation text) to %d", 1<<24)
 	case o.outerH < 1 || o.outerH > maxSteps:
 		return bad("outer-h", "want 1 to %d", maxSteps)
-	case !(o.outerLR > 0) || o.outerLR > 10:
-		return bad("outer-lr", "want a learning rate in (0, 10]")
+	case o.outerLR != -1 && (!(o.outerLR > 0) || o.outerLR > 10):
+		return bad("outer-lr", "want a learning rate in (0, 10], or -1 for the codec's default")
+	case o.outerMomentum != -1 && !(o.outerMomentum >= 0 && o.outerMomentum < 1):
+		return bad("outer-momentum", "want a momentum in [0, 1), or -1 for the codec's default")
 	case o.checkpointEvery < 1 || o.checkpointEvery > maxSteps:
 		return bad("checkpoint-every", "want 1 to %d", maxSteps)
 	case m.dModel < 1 || m.dModel > maxWidth:
@@ -240,7 +243,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	if err := o.late.check(fs); err != nil {
 		return nil, err
 	}
-	if err := o.hyper().outer.Validate(); err != nil {
+	if err := o.hyper().outerFor(outer.CodecSparse).Validate(); err != nil {
 		var ce *optim.ConfigError
 		name := "outer-h"
 		if errors.As(err, &ce) {
@@ -255,6 +258,14 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 				name = "outer-lr"
 			case "Momentum":
 				name = "outer-momentum"
+			case "Density":
+				name = "outer-density"
+			case "SparseChunk":
+				name = "outer-sparse-chunk"
+			case "SparseBits":
+				name = "outer-sparse-bits"
+			case "Decay":
+				name = "outer-decay"
 			}
 		}
 		return bad(name, "%v", err)

@@ -14,6 +14,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/lowbit-ml/lowbit/outer"
+
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/internal/cliflag/flagtest"
 )
@@ -131,8 +133,9 @@ func TestParseRuns(t *testing.T) {
 // each diloco run sends far fewer bytes than Adam, and the report and the
 // JSON give its outer steps and compute utilization.
 func TestDiloco(t *testing.T) {
-	runs, out := runJSON(t, tiny("-optimizer", "adam,diloco:fp32,diloco:1bit", "-steps", "40", "-outer-h", "5", "-lr", "3e-3")...)
-	require.Len(t, runs, 3)
+	runs, out := runJSON(t, tiny("-optimizer", "adam,diloco:fp32,diloco:1bit,diloco:sparse", "-steps", "40", "-outer-h", "5", "-lr", "3e-3",
+		"-outer-sparse-chunk", "512", "-outer-density", "0.25")...)
+	require.Len(t, runs, 4)
 	adam := runs[0]
 	assert.Nil(t, adam.Outer)
 	for _, r := range runs[1:] {
@@ -145,12 +148,18 @@ func TestDiloco(t *testing.T) {
 		assert.Equal(t, int64(8), r.Outer.Exchanges, r.Reduce)
 		assert.Equal(t, 5, r.Outer.H)
 		assert.Equal(t, r.Reduce, r.Outer.Codec)
+		codec, err := outer.ParseCodec(r.Reduce)
+		require.NoError(t, err)
+		def := outer.DefaultConfigFor(codec)
+		assert.Equal(t, float64(def.LR), r.Outer.LR, "%s: the codec's default outer learning rate", r.Reduce)
+		assert.Equal(t, float64(def.Momentum), r.Outer.Momentum, "%s: the codec's default outer momentum", r.Reduce)
 		assert.True(t, r.Outer.Utilization > 0 && r.Outer.Utilization <= 1, "utilization %v", r.Outer.Utilization)
 		assert.Greater(t, adam.BytesSentPerRank, 3*r.BytesSentPerRank, r.Reduce)
 		assert.Contains(t, out, "diloco "+r.Reduce+": 8 outer steps (0 skipped), compute utilization ")
 		assert.Contains(t, out, "diloco "+r.Reduce+" vs adam: validation loss ")
 	}
 	assert.Greater(t, runs[1].BytesSentPerRank, 10*runs[2].BytesSentPerRank, "1bit against fp32")
+	assert.Contains(t, out, "sparse: outer SGD lr 4 momentum 0, 0.25 of each 512-element chunk sent in 1 bit(s), accumulator decay 0.95")
 }
 
 // TestCheckpointOfAnotherModel: a checkpoint of another model size is

@@ -228,8 +228,28 @@ type hyper struct {
 	// zeroone-adam.
 	freezeStep int
 	// outer is diloco's outer optimizer (-outer-h, -outer-fragments,
-	// -outer-delay; its codec is the run's).
+	// -outer-delay; its codec is the run's), with the fp32 codec's outer
+	// step; outerFor gives a codec's.
 	outer outer.Config
+	// outerLR and outerMomentum are -outer-lr and -outer-momentum, < 0
+	// where the codec's default (outer.DefaultConfigFor) applies.
+	outerLR, outerMomentum float64
+}
+
+// outerFor returns diloco's settings with codec c: the flags, and where
+// -outer-lr or -outer-momentum were not given, c's measured defaults
+// (outer.DefaultConfigFor).
+func (h hyper) outerFor(c outer.Codec) outer.Config {
+	cfg := h.outer
+	def := outer.DefaultConfigFor(c)
+	cfg.Codec, cfg.LR, cfg.Momentum = c, def.LR, def.Momentum
+	if h.outerLR >= 0 {
+		cfg.LR = float32(h.outerLR)
+	}
+	if h.outerMomentum >= 0 {
+		cfg.Momentum = float32(h.outerMomentum)
+	}
+	return cfg
 }
 
 // newOptimizer builds the optimizer of run r over params, communicating on
@@ -265,8 +285,7 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		cfg.VarFreezeStep = max(1, h.freezeStep)
 		return onebit.NewZeroOneAdam(ctx, c, params, cfg)
 	case diloco:
-		cfg := h.outer
-		cfg.Codec = r.codec
+		cfg := h.outerFor(r.codec)
 		inner := adam
 		inner.Reduce = optim.ReduceFP32 // local: the inner Adam never communicates
 		return outer.NewAdam(ctx, c, params, cfg, inner)

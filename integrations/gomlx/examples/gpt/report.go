@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"fmt"
+	"github.com/lowbit-ml/lowbit/outer"
 	"io"
 	"math"
 	"os"
@@ -70,18 +71,28 @@ func (r *result) relStderr() float64 {
 // outerDesc describes diloco's settings when a run is diloco, "" if none
 // is.
 func outerDesc(o *options) string {
+	var d string
+	seen := map[outer.Codec]bool{}
+	h := o.hyper()
 	for _, r := range o.runs {
-		if r.name == diloco {
-			c := o.hyper().outer
-			d := fmt.Sprintf("diloco: inner Adam (lr %g), outer Nesterov SGD lr %g momentum %g every %d steps (-outer-h), %d fragments, delay %d",
-				o.lr, c.LR, c.Momentum, c.H, c.Fragments, c.Delay)
+		if r.name != diloco || seen[r.codec] {
+			continue
+		}
+		c := h.outerFor(r.codec)
+		if len(seen) == 0 {
+			d = fmt.Sprintf("diloco: inner Adam (lr %g), an outer step every %d steps (-outer-h), %d fragments, delay %d",
+				o.lr, c.H, c.Fragments, c.Delay)
 			if c.BucketBytes > 0 {
 				d += fmt.Sprintf(", 1-bit buckets of %d bytes", c.BucketBytes)
 			}
-			return d
+		}
+		seen[r.codec] = true
+		d += fmt.Sprintf("; %s: outer SGD lr %g momentum %g", r.codec, c.LR, c.Momentum)
+		if c.Codec == outer.CodecSparse {
+			d += fmt.Sprintf(", %g of each %d-element chunk sent in %d bit(s), accumulator decay %g", c.Density, c.SparseChunk, c.SparseBits, c.Decay)
 		}
 	}
-	return ""
+	return d
 }
 
 // outerLine says, for a diloco run, how many outer steps it took and its
@@ -246,6 +257,8 @@ type jsonOuter struct {
 	Delay       int     `json:"delay"`
 	BucketBytes int     `json:"bucket_bytes"` // 0: outer's default`
 	Codec       string  `json:"codec"`
+	LR          float64 `json:"lr"`       // the outer learning rate
+	Momentum    float64 `json:"momentum"` // the outer momentum
 	Exchanges   int64   `json:"exchanges"`
 	Skipped     int64   `json:"skipped_exchanges"`
 	Utilization float64 `json:"utilization"` // mean over the ranks
@@ -280,8 +293,9 @@ func writeJSON(path string, o *options, results []*result) error {
 			j.LateBytes, j.LateFrom, j.LateValLoss = o.late.chars, o.lateFrom(), r.lateLoss()
 		}
 		if r.outer != nil {
-			c := o.hyper().outer
+			c := o.hyper().outerFor(r.spec.codec)
 			j.Outer = &jsonOuter{H: c.H, Fragments: c.Fragments, Delay: c.Delay, BucketBytes: c.BucketBytes, Codec: r.spec.codec.String(),
+				LR: float64(c.LR), Momentum: float64(c.Momentum),
 				Exchanges: r.outer.exchanges, Skipped: r.outer.skipped, Utilization: r.outer.utilization}
 		}
 		if math.IsNaN(j.TrainLoss) {
