@@ -93,7 +93,11 @@ func DefaultZeroOneAdamConfig() ZeroOneAdamConfig {
 // does u go through the compressed allreduce, which resynchronizes the
 // parameters and the momentum. Between those steps the ranks' parameters
 // differ (that is the point of local steps); after each of them they are
-// identical again, bit for bit.
+// identical again, bit for bit. A synchronization due after steps at
+// learning rate 0 only has nothing to average (no parameter has moved,
+// and u, which weights the momenta by the step sizes, is zero): it is
+// taken as a local step, and the ranks' momenta stay their own until the
+// next synchronization with lr > 0.
 //
 // The accumulator u is kept as the parameters at the last
 // synchronization (the anchor): at a synchronization u = p - anchor, which
@@ -377,10 +381,16 @@ func (o *ZeroOneAdam) phaseB(ctx context.Context, t int64, lr float32) error {
 	// lr/(1-beta1^t) with bias correction (the same float32 product as in
 	// zeroOneLocalStep).
 	o.lrs += float64(float32(lr * c1))
-	sync := t%o.localInterval == 0
 	lrs := float32(o.lrs)
+	// A synchronization after steps at learning rate 0 only (lrs 0) has
+	// nothing to average: no parameter has moved from the anchor, and u,
+	// the momentum weighted by the step sizes, is zero. It is taken as a
+	// local step, and the momenta stay the ranks' own until the next one;
+	// the elements whose v is zero are marked as at any synchronization.
+	due := t%o.localInterval == 0
+	sync := due && lrs != 0
 	bound := ratioBound(cfg.Beta1, cfg.Beta2)
-	late := sync && o.late.n > 0
+	late := due && o.late.n > 0
 	if late {
 		if err := o.exchangeLate(ctx, true); err != nil {
 			return err
