@@ -205,16 +205,8 @@ func NewAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg AdamCo
 	}
 	a.f.Handle(optim.StageWarmup, a.warmup)
 	a.f.Handle(optim.StageCompression, a.compressed)
-	a.countLate()
+	a.late.stale = true
 	return a, nil
-}
-
-// countLate counts the elements whose v is zero in the compression stage
-// (not in StateSharded, whose shards keep their own count).
-func (a *Adam) countLate() {
-	if a.sh == nil && a.f.Stage() == optim.StageCompression {
-		a.late.reset(countZeros(a.vflat), a.f.World())
-	}
 }
 
 // Step applies one update; see optim.Optimizer. In warm-up it overwrites
@@ -257,7 +249,7 @@ func (a *Adam) warmup(ctx context.Context, t int64, lr float32) error {
 			a.c2 = optim.BiasCorrection(cfg.Beta2, t)
 		}
 		a.f.Enter(optim.StageCompression)
-		a.countLate()
+		a.late.stale = true
 	}
 	return nil
 }
@@ -276,11 +268,13 @@ func (a *Adam) compressed(ctx context.Context, t int64, lr float32) error {
 	if a.sh != nil {
 		return a.sh.compressed(ctx, a.f.Comm(), cfg, lr, c1, a.c2)
 	}
-	late := a.late.n > 0
+	late := a.late.ready(a.f.World(), a.vflat)
 	if late {
 		a.late.start()
+		off := 0
 		for i, p := range a.params {
-			a.late.pack(a.v[i], p.GradData())
+			a.late.pack(off, p.GradData()[:len(a.v[i])])
+			off += len(a.v[i])
 		}
 		if err := a.late.exchange(ctx, a.f.Comm()); err != nil {
 			return err
@@ -306,9 +300,7 @@ func (a *Adam) compressed(ctx context.Context, t int64, lr float32) error {
 		}
 	}
 	if late {
-		for i := range a.params {
-			a.late.mark(a.v[i])
-		}
+		a.late.mark(0, a.vflat)
 		a.late.done()
 	}
 	return nil
@@ -457,7 +449,7 @@ func (a *Adam) Load(ck *optim.Checkpoint) error {
 	}
 	a.c2 = float32(c2)
 	a.f.Restore(fs)
-	a.countLate()
+	a.late.stale = true
 	return nil
 }
 

@@ -95,10 +95,11 @@
 //     set to 2^-100 at the end of the step, on every rank alike: from the
 //     next step on it trains by the bound above, as a v of zero did
 //     before the rule;
-//   - StateSharded, whose ranks hold v of their own chunks only, gathers
-//     a bit per element of which v is zero once after the warm-up and
-//     after each Load (N/8 bytes in all), and keeps it (N/8 bytes per
-//     rank, only while some element is left).
+//   - the elements whose v is zero are kept as a bit per element (N/8
+//     bytes, only while some element is left), so that a step visits them
+//     without reading v; StateSharded, whose ranks hold v of their own
+//     chunks only, gathers it from the owners once after the warm-up and
+//     after each Load (N/8 bytes in all).
 //
 // Every decision depends on v and on the gathered bits, the same on every
 // rank: the ranks stay bit-identical, and a checkpoint (which holds v)

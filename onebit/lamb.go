@@ -315,7 +315,7 @@ func (o *Lamb) warmup(ctx context.Context, t int64, lr float32) error {
 		}
 		o.frozenAt = t
 		o.f.Enter(optim.StageCompression)
-		o.countLate()
+		o.late.stale = true
 	}
 	return nil
 }
@@ -324,7 +324,7 @@ func (o *Lamb) warmup(ctx context.Context, t int64, lr float32) error {
 // spec; an element whose v is zero takes no step, and has its v marked at
 // the end of the step if some rank gave it gradient (see unseen).
 func (o *Lamb) compressed(ctx context.Context, t int64, lr float32) error {
-	late := o.late.n > 0
+	late := o.late.ready(o.f.World(), o.v)
 	if late {
 		if err := o.packLate(ctx); err != nil {
 			return err
@@ -702,15 +702,8 @@ func (o *Lamb) load(ck *optim.Checkpoint) error {
 	}
 	o.frozenAt, o.scaled = ints[0], ints[1] != 0
 	o.f.Restore(fs)
-	o.countLate()
+	o.late.stale = true
 	return nil
-}
-
-// countLate counts the elements whose v is zero in the compression stage.
-func (o *Lamb) countLate() {
-	if o.f.Stage() == optim.StageCompression {
-		o.late.reset(countZeros(o.v), o.f.World())
-	}
 }
 
 // packLate writes, when some element's v is zero, whether this rank
@@ -719,14 +712,14 @@ func (o *Lamb) countLate() {
 func (o *Lamb) packLate(ctx context.Context) error {
 	o.late.start()
 	for i, p := range o.params {
-		o.late.pack(o.v[o.offs[i]:o.offs[i+1]], p.GradData())
+		o.late.pack(o.offs[i], p.GradData()[:o.offs[i+1]-o.offs[i]])
 	}
 	return o.late.exchange(ctx, o.f.Comm())
 }
 
 // markLate: see packLate.
 func (o *Lamb) markLate() {
-	o.late.mark(o.v)
+	o.late.mark(0, o.v)
 	o.late.done()
 }
 

@@ -90,7 +90,7 @@ func lateRun(t *testing.T, build func(context.Context, comm.Comm, []*optim.Param
 		return ps
 	}
 	grads := func(ps []*optim.Param, r, s int) { lateGrads(ps, r, s, late, tiny) }
-	return historyRun(t, w, ck, from, to, params, grads, build)
+	return historyRun(t, w, ck, 0, from, to, params, grads, build)
 }
 
 // TestLateElementsTrain is the probe of the second review: 2 ranks, lr

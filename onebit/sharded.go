@@ -582,6 +582,6 @@ func (s *sharded) restore(ck *optim.Checkpoint, rs *optim.Restore) (finish func(
 // and, with BF16 flags, the bfloat16 buffers and the warm-up's staging
 // block.
 func (s *sharded) stateBytes() int64 {
-	n := optim.Float32Bytes(s.mflat, s.vflat, s.mskBuf, s.block) + s.bkt.stateBytes() + s.late.bytes() + 8*int64(cap(s.late.zero))
+	n := optim.Float32Bytes(s.mflat, s.vflat, s.mskBuf, s.block) + s.bkt.stateBytes() + s.late.bytes()
 	return n + 2*int64(cap(s.weFlat)+cap(s.vbFlat))
 }

@@ -215,14 +215,12 @@ func NewZeroOneAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg
 	}
 	o.f.Handle(optim.StagePhaseA, o.phaseA)
 	o.f.Handle(optim.StagePhaseB, o.phaseB)
-	o.countLate()
+	o.late.stale = true
 	return o, nil
 }
 
-// countLate counts the elements whose v is zero.
-func (o *ZeroOneAdam) countLate() {
-	o.late.reset(countZeros(o.v...), o.f.World())
-}
+// lateReady says whether some element has v zero (see unseen.ready).
+func (o *ZeroOneAdam) lateReady() bool { return o.late.ready(o.f.World(), o.v...) }
 
 // exchangeLate writes, when some element's v is zero, whether this rank
 // gave it gradient (since the last synchronization when moved: its
@@ -230,20 +228,25 @@ func (o *ZeroOneAdam) countLate() {
 // of the step, marks the v of those some rank gave gradient.
 func (o *ZeroOneAdam) exchangeLate(ctx context.Context, moved bool) error {
 	o.late.start()
+	off := 0
 	for i, p := range o.params {
+		g := p.GradData()[:len(o.v[i])]
 		if moved {
-			o.late.packMoved(o.v[i], o.m[i], p.GradData())
+			o.late.packMoved(off, o.m[i], g)
 		} else {
-			o.late.pack(o.v[i], p.GradData())
+			o.late.pack(off, g)
 		}
+		off += len(g)
 	}
 	return o.late.exchange(ctx, o.f.Comm())
 }
 
 // markLate: see exchangeLate.
 func (o *ZeroOneAdam) markLate() {
+	off := 0
 	for _, v := range o.v {
-		o.late.mark(v)
+		o.late.mark(off, v)
+		off += len(v)
 	}
 	o.late.done()
 }
@@ -317,7 +320,7 @@ func (o *ZeroOneAdam) phaseA(ctx context.Context, t int64, lr float32) error {
 	}
 	c1, c2 := o.corrections(t)
 	bound := ratioBound(cfg.Beta1, cfg.Beta2)
-	late := !varStep && o.late.n > 0
+	late := !varStep && o.lateReady()
 	if late {
 		if err := o.exchangeLate(ctx, false); err != nil {
 			return err
@@ -328,8 +331,11 @@ func (o *ZeroOneAdam) phaseA(ctx context.Context, t int64, lr float32) error {
 			return err
 		}
 	}
+	off := 0 // parameter i's first element in the order of o.late
 	for i, p := range o.params {
 		g := p.GradData()
+		lo := off
+		off += len(g)
 		if len(g) == 0 {
 			continue
 		}
@@ -340,7 +346,7 @@ func (o *ZeroOneAdam) phaseA(ctx context.Context, t int64, lr float32) error {
 				optim.Mul(g, o.masks[i])
 			}
 			if late {
-				clearUnseen(g, o.v[i])
+				o.late.erase(lo, g)
 			}
 			optim.Momentum(o.m[i], g, cfg.Beta1)
 		}
@@ -350,7 +356,7 @@ func (o *ZeroOneAdam) phaseA(ctx context.Context, t int64, lr float32) error {
 		o.markLate()
 	}
 	if varStep {
-		o.countLate()
+		o.late.stale = true
 		o.varCounter++
 		if o.varCounter == int64(cfg.VarUpdateScaler) {
 			o.varCounter = 0
@@ -390,7 +396,7 @@ func (o *ZeroOneAdam) phaseB(ctx context.Context, t int64, lr float32) error {
 	due := t%o.localInterval == 0
 	sync := due && lrs != 0
 	bound := ratioBound(cfg.Beta1, cfg.Beta2)
-	late := due && o.late.n > 0
+	late := due && o.lateReady()
 	if late {
 		if err := o.exchangeLate(ctx, true); err != nil {
 			return err
@@ -620,7 +626,7 @@ func (o *ZeroOneAdam) load(ck *optim.Checkpoint) error {
 	o.localInterval, o.localCounter = ints[3], ints[4]
 	o.lrs = lrs
 	o.f.Restore(fs)
-	o.countLate()
+	o.late.stale = true
 	return nil
 }
 
