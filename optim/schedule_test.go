@@ -321,7 +321,7 @@ func TestScheduledResumeIsBitIdentical(t *testing.T) {
 // included). Negative, NaN and infinite ones are still refused.
 func TestLRZero(t *testing.T) {
 	const steps = 6
-	for _, name := range []string{"adam", "lamb"} {
+	for _, name := range []string{"adam", "lamb", "muon"} {
 		t.Run(name, func(t *testing.T) {
 			build := func(lr float32) (Optimizer, []*Param) {
 				ps := testParams(t, 1, []int{7}, []int{2, 3})
@@ -329,10 +329,15 @@ func TestLRZero(t *testing.T) {
 				cfg.LR, cfg.WeightDecay = lr, 0.1
 				var opt Optimizer
 				var err error
-				if name == "adam" {
+				switch name {
+				case "adam":
 					opt, err = NewAdam(context.Background(), nil, ps, cfg)
-				} else {
+				case "lamb":
 					opt, err = NewLamb(context.Background(), nil, ps, LambConfig{AdamConfig: cfg, MaxCoeff: 10, MinCoeff: 0.01})
+				default: // both groups at lr: the matrix by Muon, the vector by AdamW
+					mc := DefaultMuonConfig()
+					mc.LR, mc.AdamLR, mc.WeightDecay, mc.AdamWeightDecay = lr, lr, 0.1, 0.1
+					opt, err = NewMuon(context.Background(), nil, ps, mc)
 				}
 				require.NoError(t, err)
 				return opt, ps
@@ -365,6 +370,9 @@ func TestLRZero(t *testing.T) {
 			d, err := CosineDecay(0.01, 0, 2)
 			require.NoError(t, err)
 			require.NoError(t, ls.SetSchedule(d)) // 0 from step 3 on, the next is step 7
+			if m, ok := on.(*Muon); ok {
+				require.NoError(t, m.SetAdamSchedule(d)) // SetSchedule drives the Muon group
+			}
 			before := snapshot(on.Params())
 			fillGrads(on.Params(), 0, steps+1)
 			require.NoError(t, on.Step(context.Background()))
