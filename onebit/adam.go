@@ -20,10 +20,11 @@ type AdamConfig struct {
 	// exact Adam; from step FreezeStep+1 on the variance is frozen and the
 	// momentum is communicated compressed; >= 0. Default 100. 0
 	// compresses from the first step with v = 0 (rarely what you want:
-	// every step is then a sign step of lr*optim.AdamRatioBound). An
-	// element whose frozen v is zero or tiny (first given gradient after
-	// the warm-up) steps by at most lr*optim.AdamRatioBound, the most
-	// exact Adam could step it: see the package doc.
+	// the first step moves nothing, and every later one is a sign step of
+	// lr). An element whose frozen v is tiny, or zero and then given
+	// gradient (first given gradient after the warm-up), steps by at most
+	// lr*CapFactor*optim.AdamRatioBound; one whose gradient is always zero
+	// does not move: see the package doc.
 	FreezeStep int
 	// ExpAvgMask optionally maps a parameter name to a mask as long as the
 	// parameter, multiplied into its momentum after every compressed
@@ -85,7 +86,8 @@ const (
 // p -= lr * (m_hat/(sqrt(v_hat)+eps) + wd*p), with the frozen v_hat and the
 // ratio m_hat/(sqrt(v_hat)+eps) clipped to the largest exact Adam can reach
 // (optim.AdamRatioBound; see the package doc on late and tiny-variance
-// elements). There is no discarded first compression step.
+// elements, and on elements with no gradient, which do not move). There is
+// no discarded first compression step.
 //
 // A step in which some rank's gradient is not finite is skipped on every
 // rank (one tiny allreduce of a flag before anything changes). A checkpoint
@@ -110,6 +112,7 @@ type Adam struct {
 	bf16  BF16State
 	sh    *sharded // StateSharded on more than one rank: m, v, bkt and avg are nil
 	cp    *compact // StateCompact on more than one rank: m and mflat are nil
+	late  unseen   // the elements whose frozen v is zero (not with sh)
 }
 
 var (
@@ -202,6 +205,7 @@ func NewAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg AdamCo
 	}
 	a.f.Handle(optim.StageWarmup, a.warmup)
 	a.f.Handle(optim.StageCompression, a.compressed)
+	a.late.stale = true
 	return a, nil
 }
 
@@ -245,13 +249,16 @@ func (a *Adam) warmup(ctx context.Context, t int64, lr float32) error {
 			a.c2 = optim.BiasCorrection(cfg.Beta2, t)
 		}
 		a.f.Enter(optim.StageCompression)
+		a.late.stale = true
 	}
 	return nil
 }
 
 // compressed is a compression-stage step: local momentum, compressed
 // allreduce, mask, update with the frozen v, its ratio bounded as exact
-// Adam's (see the package doc).
+// Adam's (see the package doc); an element whose v is zero takes no step,
+// and has its v marked at the end of the step if some rank gave it
+// gradient (see unseen).
 func (a *Adam) compressed(ctx context.Context, t int64, lr float32) error {
 	cfg := a.cfg
 	c1 := float32(1)
@@ -261,21 +268,40 @@ func (a *Adam) compressed(ctx context.Context, t int64, lr float32) error {
 	if a.sh != nil {
 		return a.sh.compressed(ctx, a.f.Comm(), cfg, lr, c1, a.c2)
 	}
-	if a.cp != nil {
-		return a.cp.compressed(ctx, a.f.Comm(), cfg, a.v, lr, c1, a.c2)
-	}
-	bound := ratioBound(cfg.Beta1, cfg.Beta2)
-	for i, p := range a.params {
-		optim.Momentum(a.m[i], p.GradData(), cfg.Beta1)
-	}
-	if err := a.bkt.allReduce(ctx, a.f.Comm(), a.mflat); err != nil {
-		return fmt.Errorf("momentum: %w", err)
-	}
-	for i, p := range a.params {
-		if a.mask[i] != nil {
-			optim.Mul(a.m[i], a.mask[i])
+	late := a.late.ready(a.f.World(), a.vflat)
+	if late {
+		a.late.start()
+		off := 0
+		for i, p := range a.params {
+			a.late.pack(off, p.GradData()[:len(a.v[i])])
+			off += len(a.v[i])
 		}
-		optim.AdamUpdateBounded(p.Data(), a.m[i], a.v[i], lr, cfg.WeightDecay, c1, a.c2, cfg.Eps, bound)
+		if err := a.late.exchange(ctx, a.f.Comm()); err != nil {
+			return err
+		}
+	}
+	if a.cp != nil {
+		if err := a.cp.compressed(ctx, a.f.Comm(), cfg, a.v, lr, c1, a.c2); err != nil {
+			return err
+		}
+	} else {
+		bound := ratioBound(cfg.Beta1, cfg.Beta2)
+		for i, p := range a.params {
+			optim.Momentum(a.m[i], p.GradData(), cfg.Beta1)
+		}
+		if err := a.bkt.allReduce(ctx, a.f.Comm(), a.mflat); err != nil {
+			return fmt.Errorf("momentum: %w", err)
+		}
+		for i, p := range a.params {
+			if a.mask[i] != nil {
+				optim.Mul(a.m[i], a.mask[i])
+			}
+			optim.AdamUpdateBounded(p.Data(), a.m[i], a.v[i], lr, cfg.WeightDecay, c1, a.c2, cfg.Eps, bound)
+		}
+	}
+	if late {
+		a.late.mark(0, a.vflat)
+		a.late.done()
 	}
 	return nil
 }
@@ -432,6 +458,7 @@ func (a *Adam) Load(ck *optim.Checkpoint) error {
 	}
 	a.c2 = float32(c2)
 	a.f.Restore(fs)
+	a.late.stale = true
 	return nil
 }
 

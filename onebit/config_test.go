@@ -37,7 +37,7 @@ func adamCases[C any](get func(*C) *optim.AdamConfig) []badCase[C] {
 		return badCase[C]{Field: field, Mod: func(c *C) { f(get(c)) }}
 	}
 	return []badCase[C]{
-		set("LR", func(a *optim.AdamConfig) { a.LR = 0 }),
+		set("LR", func(a *optim.AdamConfig) { a.LR = -1 }),
 		set("LR", func(a *optim.AdamConfig) { a.LR = inf }),
 		set("Beta1", func(a *optim.AdamConfig) { a.Beta1 = 1 }),
 		set("Beta2", func(a *optim.AdamConfig) { a.Beta2 = nan }),

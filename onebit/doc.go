@@ -57,22 +57,55 @@
 //     and the bound falls continuously as cap*KneeRatio/|r| down to 1, the
 //     ratio exact Adam takes under a steady gradient.
 //
-// An element first given gradient after the warm-up (v frozen at zero: the
-// embedding row of a token first seen then), or whose v is tiny or
-// underflowed, thus steps by lr in the direction of its compressed
-// momentum: it trains at about exact Adam's rate (on the probe of
-// TestLateElementsTrain, 1.95 against exact Adam's 1.99 in 200 steps for
-// 1-bit Adam, 0.66 for 1-bit LAMB, 3.4 for 0/1 Adam), and while it gets no
-// gradient it only jitters, the error feedback cancelling its compression
-// noise: by about lr in 1-bit Adam and 1-bit LAMB, and in 0/1 Adam by about
-// the learning rates summed over a local interval (up to LocalStepClipper
-// steps of lr: the momentum a synchronization hands it keeps its sign
-// through the local steps). On the GPT example (integrations/gomlx/
-// examples/gpt, -late-bytes) the rows of bytes that never occur moved by
-// 0.0017 RMS in 300 steps under 1-bit Adam and 0.040 under 0/1 Adam (lr
-// 0.002), against initial values of 0.089 RMS. The reference divides that noise by eps instead, and
+// An element whose v is tiny, or first given gradient after the warm-up
+// (the embedding row of a token first seen then), thus steps by lr in the
+// direction of its compressed momentum: it trains at about exact Adam's
+// rate (on the probe of TestLateElementsTrain, 1.94 against exact Adam's
+// 1.99 in 200 steps for 1-bit Adam, 0.65 for 1-bit LAMB, 3.4 for 0/1
+// Adam). The reference divides its compression noise by eps instead, and
 // takes steps of about lr*scale/1e-8 (a byte-level GPT's loss jumps when
 // such a token first shows up). The rule is a function of the step's
-// values alone: nothing is added to the state or to checkpoints. Adam
-// with FreezeStep 0 (v zero everywhere) thus takes sign steps of lr.
+// values alone: nothing is added to the state or to checkpoints.
+//
+// # Elements with no gradient
+//
+// Deliberately differs from the reference, too: an element whose gradient
+// has been zero on every rank at every step does not move (with weight
+// decay, it decays exactly as exact Adam decays it), in every optimizer
+// and mode, as in exact Adam. The compressed momentum alone would move it:
+// 1-bit compression gives every element of a chunk ±scale, and the error
+// feedback only cancels that noise over time (before this rule the rows
+// of bytes that never occur in the GPT example, integrations/gomlx/
+// examples/gpt -late-bytes, moved by 0.0017 RMS in 300 steps under 1-bit
+// Adam and 0.040 under 0/1 Adam, whose local steps carry the momentum of
+// a synchronization, against initial values of 0.089 RMS). So:
+//
+//   - an element whose v is exactly zero (no gradient has reached its
+//     variance: the warm-up's, or 0/1 Adam's variance steps) takes the
+//     ratio 0 in every compression-stage update (optim.RatioBound.Of),
+//     StateSharded's decompressed updates included; 0/1 Adam also keeps
+//     its momentum at zero (the compressed gradient of phase A is not
+//     added to it, and a synchronization sets it to zero);
+//   - at every compressed step while some element's v is zero, every rank
+//     writes a bit per such element, whether it gave it gradient (in 0/1
+//     Adam's phase B, since the last synchronization: the bits travel at
+//     synchronizations), the bits are or-ed over the ranks (one
+//     AllGatherBytes of a bit per such element; none when there is none,
+//     the usual case), and each element some rank gave gradient has its v
+//     set to 2^-100 at the end of the step, on every rank alike: from the
+//     next step on it trains by the bound above, as a v of zero did
+//     before the rule;
+//   - the elements whose v is zero are kept as a bit per element (N/8
+//     bytes, only while some element is left), so that a step visits them
+//     without reading v; StateSharded, whose ranks hold v of their own
+//     chunks only, gathers it from the owners once after the warm-up and
+//     after each Load (N/8 bytes in all).
+//
+// Every decision depends on v and on the gathered bits, the same on every
+// rank: the ranks stay bit-identical, and a checkpoint (which holds v)
+// resumes bit-identically. An element whose gradient is too small for
+// float32 to square into v (below about 1e-22) counts as one without
+// gradient until the compression stage sees it. Adam with FreezeStep 0
+// (v zero everywhere) thus moves nothing in its first step, and from the
+// second on takes sign steps of lr where the first gave gradient.
 package onebit

@@ -147,7 +147,7 @@ func TestErrorPrefixOnce(t *testing.T) {
 		})
 	}
 
-	_, err := optim.CosineDecay(0, 0, 10)
+	_, err := optim.CosineDecay(-1, 0, 10)
 	assertPrefixOnce(t, "CosineDecay", err)
 	_, err = optim.ConstantLR(-1)
 	assertPrefixOnce(t, "ConstantLR", err)

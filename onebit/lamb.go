@@ -32,9 +32,11 @@ type LambConfig struct {
 	// averaged gradients) before the compression stage; at least 1, since
 	// the compression stage scales every update by the trust ratios
 	// averaged over the warm-up. Default 100000. An element whose frozen
-	// v is zero or tiny (first given gradient after the warm-up) has its
-	// update's ratio bounded, so that it trains at about exact Adam's
-	// rate instead of stepping by lr*scale/eps: see the package doc.
+	// v is tiny, or zero and then given gradient (first given gradient
+	// after the warm-up), has its update's ratio bounded, so that it
+	// trains at about exact Adam's rate instead of stepping by
+	// lr*scale/eps; one whose gradient is always zero does not move: see
+	// the package doc.
 	FreezeStep int
 	// CoeffBeta is the decay of the running average of the warm-up trust
 	// ratios (coeff_freeze) that scales every compression-stage update;
@@ -124,6 +126,7 @@ type Lamb struct {
 
 	mViews [][]float32 // m per parameter, for the frame's size check
 	avg    *optim.GradAverager
+	late   unseen // the elements whose frozen v is zero
 }
 
 var (
@@ -312,17 +315,36 @@ func (o *Lamb) warmup(ctx context.Context, t int64, lr float32) error {
 		}
 		o.frozenAt = t
 		o.f.Enter(optim.StageCompression)
+		o.late.stale = true
 	}
 	return nil
 }
 
 // compressed is one step of the compression stage, numbered as in the
-// spec.
+// spec; an element whose v is zero takes no step, and has its v marked at
+// the end of the step if some rank gave it gradient (see unseen).
 func (o *Lamb) compressed(ctx context.Context, t int64, lr float32) error {
-	cfg := &o.cfg
-	if o.cp != nil {
-		return o.compactStep(ctx, t, lr)
+	late := o.late.ready(o.f.World(), o.v)
+	if late {
+		if err := o.packLate(ctx); err != nil {
+			return err
+		}
 	}
+	var err error
+	if o.cp != nil {
+		err = o.compactStep(ctx, t, lr)
+	} else {
+		err = o.fullStep(ctx, t, lr)
+	}
+	if err == nil && late {
+		o.markLate()
+	}
+	return err
+}
+
+// fullStep is a compression step in StateFull.
+func (o *Lamb) fullStep(ctx context.Context, t int64, lr float32) error {
+	cfg := &o.cfg
 	// 2. The scaling, on the first compression step only (from m before
 	// this step's update).
 	if !o.scaled {
@@ -457,7 +479,7 @@ func (o *Lamb) corrections(t int64) (c1, c2, c2Fresh float32) {
 //	g_rec   = (m - b1*m_last)/(1-b1)
 //	v_fresh = b2*v_fresh + (1-b2)*g_rec^2
 //	denom   = sqrt(v*c2) + eps
-//	upd_pre = b.Clip(m*c1/denom)
+//	upd_pre = b.Of(m*c1/denom, v)
 //	u       = upd_pre + wd*p
 //
 // It returns the largest denom/(sqrt(v_fresh*c2Fresh)+eps) (0 if none is
@@ -490,7 +512,7 @@ func lambFresh(u, p, m, v, vfIn, vfOut []float32, s, b1, b2, wd, c1, c2, c2Fresh
 		if r := d / dr; r > ratio {
 			ratio = r
 		}
-		pre := b.Clip(float32(mi*c1) / d)
+		pre := b.Of(float32(mi*c1)/d, v[i])
 		up := pre + float32(wd*p[i])
 		u[i] = up
 		preSq += float64(pre) * float64(pre)
@@ -685,7 +707,25 @@ func (o *Lamb) load(ck *optim.Checkpoint) error {
 	}
 	o.frozenAt, o.scaled = ints[0], ints[1] != 0
 	o.f.Restore(fs)
+	o.late.stale = true
 	return nil
+}
+
+// packLate writes, when some element's v is zero, whether this rank
+// gives it gradient, and or-s every rank's (see unseen); markLate, at the
+// end of the step, marks the v of those some rank gave gradient.
+func (o *Lamb) packLate(ctx context.Context) error {
+	o.late.start()
+	for i, p := range o.params {
+		o.late.pack(o.offs[i], p.GradData()[:o.offs[i+1]-o.offs[i]])
+	}
+	return o.late.exchange(ctx, o.f.Comm())
+}
+
+// markLate: see packLate.
+func (o *Lamb) markLate() {
+	o.late.mark(0, o.v)
+	o.late.done()
 }
 
 // compileMasks checks the exp_avg masks against params and returns them

@@ -208,7 +208,7 @@ func lambDescend(p, m, v []float32, wd, c1, c2, eps float32, b optim.RatioBound,
 	m, v = m[:len(p)], v[:len(p)]
 	for i := range p {
 		d := lambDenom(v[i], c2, eps)
-		pre := b.Clip(float32(m[i]*c1) / d)
+		pre := b.Of(float32(m[i]*c1)/d, v[i])
 		up := pre + float32(wd*p[i])
 		p[i] -= float32(step * up)
 	}

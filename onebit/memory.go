@@ -61,10 +61,10 @@ func (a *Adam) StateBytes() int64 {
 		return a.sh.stateBytes()
 	}
 	if a.cp != nil {
-		return optim.Float32Bytes(a.vflat) + optim.Float32Bytes(a.mask...) + a.cp.stateBytes() + a.avg.StateBytes()
+		return optim.Float32Bytes(a.vflat) + optim.Float32Bytes(a.mask...) + a.cp.stateBytes() + a.avg.StateBytes() + a.late.bytes()
 	}
 	return optim.Float32Bytes(a.mflat, a.vflat) + optim.Float32Bytes(a.mask...) +
-		a.bkt.stateBytes() + a.avg.StateBytes()
+		a.bkt.stateBytes() + a.avg.StateBytes() + a.late.bytes()
 }
 
 // StateBytes returns the bytes of every buffer o allocated and keeps: m, v,
@@ -80,7 +80,7 @@ func (a *Adam) StateBytes() int64 {
 // optim.MemoryReporter.
 func (o *Lamb) StateBytes() int64 {
 	n := optim.Float32Bytes(o.m, o.v, o.vFresh, o.scratch) + optim.Float32Bytes(o.masks...)
-	return n + o.ef.StateBytes() + o.cp.stateBytes() + o.avg.StateBytes()
+	return n + o.ef.StateBytes() + o.cp.stateBytes() + o.avg.StateBytes() + o.late.bytes()
 }
 
 // StateBytes returns the bytes of every buffer o allocated and keeps: m, v,
@@ -90,7 +90,7 @@ func (o *Lamb) StateBytes() int64 {
 func (o *ZeroOneAdam) StateBytes() int64 {
 	n := optim.Float32Bytes(o.m...) + optim.Float32Bytes(o.v...) + optim.Float32Bytes(o.anchor...)
 	n += optim.Float32Bytes(o.flat) + optim.Float32Bytes(o.masks...)
-	return n + o.bkt.stateBytes() + o.avg.StateBytes()
+	return n + o.bkt.stateBytes() + o.avg.StateBytes() + o.late.bytes()
 }
 
 // distinctBytes is the capacity of the memory under bufs, each backing

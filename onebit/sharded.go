@@ -194,6 +194,9 @@ type sharded struct {
 	// The numbers of the step in progress, read by the owners' hooks.
 	beta1, eps, c1, c2 float32
 	bound              optim.RatioBound
+
+	// late: the elements whose v is zero, which take no step (late.go).
+	late shardLate
 }
 
 // newSharded cuts the parameters into buckets of bytes (as StateFull
@@ -284,6 +287,9 @@ func (b bf16Worker) keep(r []float32, lo int) {
 // elements [lo, lo+len(u)): p -= lr * (u + wd*p), rounded as
 // optim.AdamUpdate rounds it.
 func (s *sharded) apply(k, lo int, u []float32, lr, wd float32) {
+	if s.late.zero != nil {
+		s.clearLate(k, lo, u)
+	}
 	for sp := range s.spans(k, lo, lo+len(u)) {
 		p, us := sp.of(s.params[sp.sg.param].Data()), sp.at(u, lo)
 		for j := range p {
@@ -308,7 +314,7 @@ func ratio(dst, m, v []float32, c1, c2, eps float32) {
 // [off, off+len(c)) of the chunk), called by the compressed allreduce
 // between its steps 5 and 6: c, the averaged compressed gradient,
 // updates m, and is replaced by the bounded ratio the owner's update
-// takes (0 for padding).
+// takes (0 for padding and where v is zero).
 func (s *sharded) update(k, off int, c []float32) {
 	valid := max(0, min(len(c), s.owned[k]-off))
 	m := s.m[k][off : off+valid]
@@ -321,13 +327,13 @@ func (s *sharded) update(k, off int, c []float32) {
 		for i := range m {
 			vi := math.Float32frombits(uint32(v[i]) << 16)
 			d := float32(math.Sqrt(float64(vi*s.c2))) + s.eps
-			c[i] = s.bound.Clip(float32(m[i]*s.c1) / d)
+			c[i] = s.bound.Of(float32(m[i]*s.c1)/d, vi)
 		}
 	} else {
 		v := s.v[k][off : off+valid]
 		for i := range m {
 			d := float32(math.Sqrt(float64(v[i]*s.c2))) + s.eps
-			c[i] = s.bound.Clip(float32(m[i]*s.c1) / d)
+			c[i] = s.bound.Of(float32(m[i]*s.c1)/d, v[i])
 		}
 	}
 	clear(c[valid:])
@@ -387,6 +393,7 @@ func (s *sharded) freeze() {
 // switch does not raise the optimizer's peak memory.
 func (s *sharded) setCompressing(on bool) {
 	s.compressing = on
+	s.late.known, s.late.zero = false, nil
 	if s.bf16&BF16Variance != 0 {
 		switch {
 		case on && s.vb == nil:
@@ -419,10 +426,35 @@ func sum(xs []int) int {
 
 // compressed is a compression-stage step (steps 1-8): per bucket, the
 // gradient added into the worker error, the compressed allreduce with the
-// owners' update as its server step, and the decompressed update applied.
+// owners' update as its server step, and the decompressed update applied;
+// an element whose v is zero takes no step, and has its v marked at the
+// end of the step if some rank gave it gradient (see unseen).
 func (s *sharded) compressed(ctx context.Context, c comm.Comm, cfg optim.AdamConfig, lr, c1, c2 float32) error {
 	s.beta1, s.eps, s.c1, s.c2 = cfg.Beta1, cfg.Eps, c1, c2
 	s.bound = ratioBound(cfg.Beta1, cfg.Beta2)
+	if !s.late.known {
+		if err := s.gatherLate(ctx, c); err != nil {
+			return err
+		}
+	}
+	late := s.late.n > 0
+	if late {
+		s.packLate()
+		if err := s.late.exchange(ctx, c); err != nil {
+			return err
+		}
+	}
+	if err := s.compressBuckets(ctx, c, cfg, lr); err != nil {
+		return err
+	}
+	if late {
+		s.markLate()
+	}
+	return nil
+}
+
+// compressBuckets is steps 1-8 on every bucket.
+func (s *sharded) compressBuckets(ctx context.Context, c comm.Comm, cfg optim.AdamConfig, lr float32) error {
 	nb := len(s.bkt.states)
 	for k, st := range s.bkt.states {
 		if st.worker == nil {
@@ -550,6 +582,6 @@ func (s *sharded) restore(ck *optim.Checkpoint, rs *optim.Restore) (finish func(
 // and, with BF16 flags, the bfloat16 buffers and the warm-up's staging
 // block.
 func (s *sharded) stateBytes() int64 {
-	n := optim.Float32Bytes(s.mflat, s.vflat, s.mskBuf, s.block) + s.bkt.stateBytes()
+	n := optim.Float32Bytes(s.mflat, s.vflat, s.mskBuf, s.block) + s.bkt.stateBytes() + s.late.bytes()
 	return n + 2*int64(cap(s.weFlat)+cap(s.vbFlat))
 }

@@ -29,10 +29,11 @@ type ZeroOneAdamConfig struct {
 	// VarFreezeStep is the last step of phase A, after which the variance
 	// is frozen and local steps begin; at least 1. Default 100000. In
 	// every step, local steps and synchronizations included, the ratio
-	// m_hat/(sqrt(v_hat)+eps) of an element whose v is zero or tiny (no
-	// gradient at the variance updates so far) is bounded, so that it
-	// trains at about exact Adam's rate instead of stepping by lr*m/eps:
-	// see the package doc.
+	// m_hat/(sqrt(v_hat)+eps) of an element whose v is tiny, or zero (no
+	// gradient at the variance updates so far) and then given gradient, is
+	// bounded, so that it trains at about exact Adam's rate instead of
+	// stepping by lr*m/eps; one whose gradient is always zero does not
+	// move: see the package doc.
 	VarFreezeStep int
 	// VarUpdateScaler (kappa) is the number of variance updates after
 	// which the interval between them doubles; at least 1. Default 16.
@@ -92,7 +93,11 @@ func DefaultZeroOneAdamConfig() ZeroOneAdamConfig {
 // does u go through the compressed allreduce, which resynchronizes the
 // parameters and the momentum. Between those steps the ranks' parameters
 // differ (that is the point of local steps); after each of them they are
-// identical again, bit for bit.
+// identical again, bit for bit. A synchronization due after steps at
+// learning rate 0 only has nothing to average (no parameter has moved,
+// and u, which weights the momenta by the step sizes, is zero): it is
+// taken as a local step, and the ranks' momenta stay their own until the
+// next synchronization with lr > 0.
 //
 // The accumulator u is kept as the parameters at the last
 // synchronization (the anchor): at a synchronization u = p - anchor, which
@@ -126,6 +131,9 @@ type ZeroOneAdam struct {
 	localCounter  int64   // phase-B steps since localInterval last doubled
 	lrs           float64 // learning rates summed since the last synchronization
 	avg           *optim.GradAverager
+	// late: the elements whose v is zero, which take no step (late.go);
+	// their momentum is kept at zero on every synchronization.
+	late unseen
 }
 
 var (
@@ -206,7 +214,40 @@ func NewZeroOneAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg
 	}
 	o.f.Handle(optim.StagePhaseA, o.phaseA)
 	o.f.Handle(optim.StagePhaseB, o.phaseB)
+	o.late.stale = true
 	return o, nil
+}
+
+// lateReady says whether some element has v zero (see unseen.ready).
+func (o *ZeroOneAdam) lateReady() bool { return o.late.ready(o.f.World(), o.v...) }
+
+// exchangeLate writes, when some element's v is zero, whether this rank
+// gave it gradient (since the last synchronization when moved: its
+// momentum too), and or-s every rank's (see unseen); markLate, at the end
+// of the step, marks the v of those some rank gave gradient.
+func (o *ZeroOneAdam) exchangeLate(ctx context.Context, moved bool) error {
+	o.late.start()
+	off := 0
+	for i, p := range o.params {
+		g := p.GradData()[:len(o.v[i])]
+		if moved {
+			o.late.packMoved(off, o.m[i], g)
+		} else {
+			o.late.pack(off, g)
+		}
+		off += len(g)
+	}
+	return o.late.exchange(ctx, o.f.Comm())
+}
+
+// markLate: see exchangeLate.
+func (o *ZeroOneAdam) markLate() {
+	off := 0
+	for _, v := range o.v {
+		o.late.mark(off, v)
+		off += len(v)
+	}
+	o.late.done()
 }
 
 // Params returns the parameters, in the order given to NewZeroOneAdam.
@@ -262,6 +303,11 @@ func (o *ZeroOneAdam) corrections(t int64) (c1, c2 float32) {
 	return optim.BiasCorrection(o.cfg.Beta1, t), optim.BiasCorrection(o.cfg.Beta2, o.varUpdates)
 }
 
+// phaseA is a step of phase A. An element whose v is zero takes no step;
+// on the steps that compress the gradient its momentum stays as it is
+// (the compressed gradient is ±scale everywhere) and its v is marked at
+// the end of the step if some rank gave it gradient (see unseen); a
+// variance step gives it the variance of its averaged gradient.
 func (o *ZeroOneAdam) phaseA(ctx context.Context, t int64, lr float32) error {
 	cfg := &o.cfg
 	varStep := t%o.varInterval == 0
@@ -273,13 +319,22 @@ func (o *ZeroOneAdam) phaseA(ctx context.Context, t int64, lr float32) error {
 	}
 	c1, c2 := o.corrections(t)
 	bound := ratioBound(cfg.Beta1, cfg.Beta2)
+	late := !varStep && o.lateReady()
+	if late {
+		if err := o.exchangeLate(ctx, false); err != nil {
+			return err
+		}
+	}
 	if !varStep {
 		if err := o.allReduceGrads(ctx); err != nil {
 			return err
 		}
 	}
+	off := 0 // parameter i's first element in the order of o.late
 	for i, p := range o.params {
 		g := p.GradData()
+		lo := off
+		off += len(g)
 		if len(g) == 0 {
 			continue
 		}
@@ -289,11 +344,18 @@ func (o *ZeroOneAdam) phaseA(ctx context.Context, t int64, lr float32) error {
 			if o.masks[i] != nil {
 				optim.Mul(g, o.masks[i])
 			}
+			if late {
+				o.late.erase(lo, g)
+			}
 			optim.Momentum(o.m[i], g, cfg.Beta1)
 		}
 		optim.AdamUpdateBounded(p.Data(), o.m[i], o.v[i], lr, cfg.WeightDecay, c1, c2, cfg.Eps, bound)
 	}
+	if late {
+		o.markLate()
+	}
 	if varStep {
+		o.late.stale = true
 		o.varCounter++
 		if o.varCounter == int64(cfg.VarUpdateScaler) {
 			o.varCounter = 0
@@ -312,6 +374,11 @@ func (o *ZeroOneAdam) phaseA(ctx context.Context, t int64, lr float32) error {
 	return nil
 }
 
+// phaseB is a step of phase B. An element whose v is zero takes no step
+// (its weight decay aside), in the local steps as at the
+// synchronizations, which set its momentum to zero; a synchronization
+// marks its v if some rank gave it gradient since the last one (see
+// unseen).
 func (o *ZeroOneAdam) phaseB(ctx context.Context, t int64, lr float32) error {
 	cfg := &o.cfg
 	c1, c2 := o.corrections(t)
@@ -319,9 +386,21 @@ func (o *ZeroOneAdam) phaseB(ctx context.Context, t int64, lr float32) error {
 	// lr/(1-beta1^t) with bias correction (the same float32 product as in
 	// zeroOneLocalStep).
 	o.lrs += float64(float32(lr * c1))
-	sync := t%o.localInterval == 0
 	lrs := float32(o.lrs)
+	// A synchronization after steps at learning rate 0 only (lrs 0) has
+	// nothing to average: no parameter has moved from the anchor, and u,
+	// the momentum weighted by the step sizes, is zero. It is taken as a
+	// local step, and the momenta stay the ranks' own until the next one;
+	// the elements whose v is zero are marked as at any synchronization.
+	due := t%o.localInterval == 0
+	sync := due && lrs != 0
 	bound := ratioBound(cfg.Beta1, cfg.Beta2)
+	late := due && o.lateReady()
+	if late {
+		if err := o.exchangeLate(ctx, true); err != nil {
+			return err
+		}
+	}
 	for i, p := range o.params {
 		g := p.GradData()
 		if len(g) == 0 {
@@ -352,8 +431,11 @@ func (o *ZeroOneAdam) phaseB(ctx context.Context, t int64, lr float32) error {
 			}
 			// m = -u/lrs; p = anchor + u/(sqrt(v)+eps), the new anchor,
 			// moved by at most lrs times its ratio bound.
-			zeroOneArrive(p.Data(), o.m[i], o.anchor[i], u, lrs, bound)
+			zeroOneArrive(p.Data(), o.m[i], o.anchor[i], u, o.v[i], lrs, bound)
 		}
+	}
+	if late {
+		o.markLate()
 	}
 	if sync {
 		o.lrs = 0
@@ -406,7 +488,7 @@ func zeroOneLocalStep(p, m, v, g, anchor []float32, b1, lr, wd, c1, c2, eps floa
 			mi := float32(b1*m[i]) + float32(a1*g[i])
 			m[i] = mi
 			d := float32(math.Sqrt(float64(float32(v[i]*c2)))) + eps
-			upd := b.Clip(float32(mi*c1)/d) + float32(wd*p[i])
+			upd := b.Of(float32(mi*c1)/d, v[i]) + float32(wd*p[i])
 			p[i] -= float32(lr * upd)
 		}
 		return
@@ -416,7 +498,7 @@ func zeroOneLocalStep(p, m, v, g, anchor []float32, b1, lr, wd, c1, c2, eps floa
 		mi := float32(b1*m[i]) + float32(a1*g[i])
 		m[i] = mi
 		d := float32(math.Sqrt(float64(float32(v[i]*c2)))) + eps
-		upd := b.Clip(float32(mi*c1)/d) + float32(wd*p[i])
+		upd := b.Of(float32(mi*c1)/d, v[i]) + float32(wd*p[i])
 		pi := p[i] - float32(lr*upd)
 		p[i] = pi
 		g[i] = (pi - anchor[i]) * d
@@ -429,10 +511,16 @@ func zeroOneLocalStep(p, m, v, g, anchor []float32, b1, lr, wd, c1, c2, eps floa
 // d = sqrt(v*c2)+eps, and m = -u/lrs, and makes p the new anchor: the
 // synchronization moves p from the anchor as far as steps of ratio u/(d*lrs)
 // would, bounded as every step's ratio is. Where that ratio is within
-// b.Cap, p = anchor + u/d exactly as without the bound.
-func zeroOneArrive(p, m, anchor, u []float32, lrs float32, b optim.RatioBound) {
-	m, anchor, u = m[:len(p)], anchor[:len(p)], u[:len(p)]
+// b.Cap, p = anchor + u/d exactly as without the bound. Where v is zero,
+// p stays where the local steps left it (its weight decay only: the same
+// on every rank), m is zero, and p is the new anchor.
+func zeroOneArrive(p, m, anchor, u, v []float32, lrs float32, b optim.RatioBound) {
+	m, anchor, u, v = m[:len(p)], anchor[:len(p)], u[:len(p)], v[:len(p)]
 	for i := range p {
+		if v[i] == 0 {
+			m[i], anchor[i] = 0, p[i]
+			continue
+		}
 		ui := u[i]
 		du := ui / m[i]
 		if r := du / lrs; r > b.Cap || r < -b.Cap {
@@ -537,6 +625,7 @@ func (o *ZeroOneAdam) load(ck *optim.Checkpoint) error {
 	o.localInterval, o.localCounter = ints[3], ints[4]
 	o.lrs = lrs
 	o.f.Restore(fs)
+	o.late.stale = true
 	return nil
 }
 

@@ -89,7 +89,10 @@ const (
 // DefaultAdamConfig and change what you need: the zero value is not the
 // defaults (it turns bias correction off and sets the learning rate to 0).
 type AdamConfig struct {
-	// LR is the learning rate, finite and > 0. Default 1e-3.
+	// LR is the learning rate, finite and >= 0. Default 1e-3. At 0 (as
+	// PyTorch allows: a warm-up that starts at 0) every step updates the
+	// moments and counters as at any other learning rate and leaves the
+	// parameters bit for bit where they are.
 	LR float32
 	// Beta1 and Beta2 are the decay rates of the first and second moments,
 	// each in [0, 1). Defaults 0.9 and 0.999.
@@ -121,14 +124,14 @@ func DefaultAdamConfig() AdamConfig {
 }
 
 // Validate reports the first invalid field as a *ConfigError: a learning
-// rate that is not finite and > 0, a beta outside [0, 1), an eps or
+// rate that is negative or not finite, a beta outside [0, 1), an eps or
 // weight decay that is negative or not finite, an unknown reduction mode
 // or a negative RanksPerNode. NewAdam returns exactly this error.
 func (c AdamConfig) Validate() error {
 	const cfg = "optim.AdamConfig"
 	switch {
 	case checkLR(c.LR) != nil:
-		return &ConfigError{cfg, "LR", c.LR, "finite and > 0"}
+		return &ConfigError{cfg, "LR", c.LR, "finite and >= 0"}
 	case !(c.Beta1 >= 0 && c.Beta1 < 1):
 		return &ConfigError{cfg, "Beta1", c.Beta1, "in [0, 1)"}
 	case !(c.Beta2 >= 0 && c.Beta2 < 1):

@@ -34,7 +34,7 @@ func adamCases[C any](get func(*C) *AdamConfig) []badCase[C] {
 		return badCase[C]{Field: field, Mod: func(c *C) { f(get(c)) }}
 	}
 	return []badCase[C]{
-		set("LR", func(a *AdamConfig) { a.LR = 0 }),
+		set("LR", func(a *AdamConfig) { a.LR = -0.001 }),
 		set("LR", func(a *AdamConfig) { a.LR = -1 }),
 		set("LR", func(a *AdamConfig) { a.LR = nan }),
 		set("LR", func(a *AdamConfig) { a.LR = inf }),

@@ -100,8 +100,15 @@ func AdamRatioBound(beta1, beta2 float32) float32 {
 // doc). A ratio within Cap is left alone. Beyond Cap it is clipped to Cap,
 // up to Knee, where the variance is so small next to the momentum that it
 // no longer tells the element's scale: there the bound falls as Cap*Knee/|r|
-// down to 1, the ratio of exact Adam under a steady gradient, which an
-// element with v zero takes. The bound is continuous in r.
+// down to 1, the ratio of exact Adam under a steady gradient. The bound
+// is continuous in r.
+//
+// An element whose v is exactly zero has had no gradient reach its
+// variance: Of gives it the ratio 0, the one exact Adam gives an element
+// whose gradient has always been zero, where Clip would give it a step of
+// its compressed momentum, which 1-bit compression makes ±scale for every
+// element (package onebit marks the variance of an element that is then
+// given gradient, so that it trains).
 type RatioBound struct {
 	// Cap is the largest ratio left to any element, >= 1.
 	Cap float32
@@ -129,20 +136,31 @@ func (b RatioBound) Clip(r float32) float32 {
 	return c
 }
 
+// Of is the ratio r of an element whose variance is v, bounded: 0 where v
+// is exactly zero, b.Clip(r) elsewhere.
+func (b RatioBound) Of(r, v float32) float32 {
+	if v == 0 {
+		return 0
+	}
+	return b.Clip(r)
+}
+
 // AdamUpdateBounded is AdamUpdate with the per-element ratio
 // (m*c1)/(sqrt(v*c2)+eps) bounded by b before the weight decay is added:
 //
-//	update = b.Clip((m*c1) / (sqrt(v*c2) + eps)) + wd*p
+//	update = b.Of((m*c1) / (sqrt(v*c2) + eps), v) + wd*p
 //	p     -= lr * update
 //
-// Where the ratio is within b.Cap (NaN included) the result is bit for bit
-// AdamUpdate's.
+// Where the ratio is within b.Cap (NaN included) and v is not zero, the
+// result is bit for bit AdamUpdate's; where v is exactly zero, p takes
+// its weight decay only (with wd 0 it does not move), as in AdamUpdate
+// when m is zero too.
 func AdamUpdateBounded(p, m, v []float32, lr, wd, c1, c2, eps float32, b RatioBound) {
 	m = m[:len(p)]
 	v = v[:len(p)]
 	for i := range p {
 		d := sqrt32(float32(v[i]*c2)) + eps
-		u := b.Clip(float32(m[i]*c1)/d) + float32(wd*p[i])
+		u := b.Of(float32(m[i]*c1)/d, v[i]) + float32(wd*p[i])
 		p[i] -= float32(lr * u)
 	}
 }

@@ -87,8 +87,10 @@ func TestAdamRatioBound(t *testing.T) {
 
 // TestRatioBound: Clip leaves ratios within the cap alone (NaN too), clips
 // to the cap up to the knee, then falls continuously as cap*knee/|r| down
-// to 1, symmetrically; AdamUpdateBounded is AdamUpdate bit for bit where
-// no ratio exceeds the cap.
+// to 1, symmetrically; Of is 0 where v is exactly zero and Clip
+// elsewhere; AdamUpdateBounded is AdamUpdate bit for bit where no ratio
+// exceeds the cap, and moves an element whose v is zero by its weight
+// decay only.
 func TestRatioBound(t *testing.T) {
 	b := RatioBound{Cap: 10, Knee: 1000}
 	for _, tc := range []struct{ r, want float32 }{
@@ -112,8 +114,18 @@ func TestRatioBound(t *testing.T) {
 	got := slices.Clone(p)
 	AdamUpdateBounded(got, m, v, 0.01, 0.1, 1.2, 1.5, 1e-8, b)
 	assert.Equal(t, want, got, "within the cap")
-	// v = 0: the step is lr*(1 + wd*p) in the direction of m.
+	// v tiny: the step is lr*(1 + wd*p) in the direction of m.
 	got = []float32{1}
-	AdamUpdateBounded(got, []float32{0.3}, []float32{0}, 0.01, 0, 1, 1, 1e-8, b)
+	AdamUpdateBounded(got, []float32{0.3}, []float32{0x1p-126}, 0.01, 0, 1, 1, 1e-8, b)
 	assert.Equal(t, float32(1-0.01), got[0])
+	// v exactly zero: no gradient ever reached it; the weight decay only.
+	assert.Equal(t, float32(0), b.Of(1e9, 0))
+	assert.Equal(t, float32(1), b.Of(1e9, 0x1p-149))
+	assert.Equal(t, b.Clip(-2000), b.Of(-2000, 1e-20))
+	got = []float32{1, -2}
+	AdamUpdateBounded(got, []float32{0.3, -0.7}, []float32{0, 0}, 0.01, 0, 1, 1, 1e-8, b)
+	assert.Equal(t, []float32{1, -2}, got, "v = 0, no weight decay: no step")
+	got = []float32{1}
+	AdamUpdateBounded(got, []float32{0.3}, []float32{0}, 0.01, 0.1, 1, 1, 1e-8, b)
+	assert.Equal(t, 1-float32(0.01*float32(0.1*1)), got[0], "v = 0: the weight decay only")
 }

@@ -117,7 +117,7 @@ func TestLambConfigValidation(t *testing.T) {
 		func(c *LambConfig) { c.MinCoeff, c.MaxCoeff = 2, 1 },
 		func(c *LambConfig) { c.MaxCoeff = float32(math.Inf(1)) },
 		func(c *LambConfig) { c.LR = -1 },
-		func(c *LambConfig) { c.LR = 0 },
+		func(c *LambConfig) { c.LR = float32(math.Inf(1)) },
 		func(c *LambConfig) { c.LR = float32(math.NaN()) },
 	} {
 		cfg := DefaultLambConfig()

@@ -29,7 +29,7 @@ const (
 // MuonConfig holds the hyper-parameters of Muon and of its auxiliary
 // AdamW. Start from DefaultMuonConfig: the zero value is not the defaults.
 type MuonConfig struct {
-	// LR is the learning rate of the Muon group, finite and > 0. Default
+	// LR is the learning rate of the Muon group, finite and >= 0. Default
 	// 0.02.
 	LR float32
 	// Momentum is the decay of the momentum, in [0, 1). Default 0.95.
@@ -59,7 +59,7 @@ type MuonConfig struct {
 	// head). A selection that gives Muon no parameter is refused (it would
 	// silently be AdamW). Every name at most once. Default nil.
 	Params []string
-	// AdamLR is the learning rate of the auxiliary AdamW, finite and > 0.
+	// AdamLR is the learning rate of the auxiliary AdamW, finite and >= 0.
 	// Default 3e-4.
 	AdamLR float32
 	// AdamBeta1 and AdamBeta2 are its moment decays, each in [0, 1).
@@ -104,7 +104,7 @@ func (c MuonConfig) Validate() error {
 	finite := func(x float32) bool { return !math.IsNaN(float64(x)) && !math.IsInf(float64(x), 0) }
 	switch {
 	case checkLR(c.LR) != nil:
-		return &ConfigError{cfg, "LR", c.LR, "finite and > 0"}
+		return &ConfigError{cfg, "LR", c.LR, "finite and >= 0"}
 	case !(c.Momentum >= 0 && c.Momentum < 1):
 		return &ConfigError{cfg, "Momentum", c.Momentum, "in [0, 1)"}
 	case c.NSSteps < 1 || c.NSSteps > maxNSSteps:
@@ -116,7 +116,7 @@ func (c MuonConfig) Validate() error {
 	case !nonNegFinite(c.WeightDecay):
 		return &ConfigError{cfg, "WeightDecay", c.WeightDecay, "finite and >= 0"}
 	case checkLR(c.AdamLR) != nil:
-		return &ConfigError{cfg, "AdamLR", c.AdamLR, "finite and > 0"}
+		return &ConfigError{cfg, "AdamLR", c.AdamLR, "finite and >= 0"}
 	case !(c.AdamBeta1 >= 0 && c.AdamBeta1 < 1):
 		return &ConfigError{cfg, "AdamBeta1", c.AdamBeta1, "in [0, 1)"}
 	case !(c.AdamBeta2 >= 0 && c.AdamBeta2 < 1):

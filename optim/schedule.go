@@ -17,8 +17,9 @@ type Schedule interface {
 	// LR returns the learning rate of step t, counted from 1 over the
 	// steps actually applied (a step skipped for a non-finite gradient
 	// does not advance t, as it does not advance Adam's bias correction).
-	// It must be finite and > 0; an optimizer refuses to take a step
-	// whose learning rate is not, and changes nothing.
+	// It must be finite and >= 0; an optimizer refuses to take a step
+	// whose learning rate is not, and changes nothing. A step at 0 is a
+	// step: the moments and counters update, the parameters do not move.
 	LR(t int64) float32
 	// String describes the schedule and all its parameters. Checkpoints
 	// record a fingerprint of it (see IntLRSchedule), and Load refuses a
@@ -34,23 +35,26 @@ type Schedule interface {
 // Adam sums the step sizes it actually applied.
 type LRSetter interface {
 	// SetLR fixes the learning rate of the following steps, replacing any
-	// schedule. lr must be finite and > 0: anything else is refused with
-	// an error and changes nothing.
+	// schedule. lr must be finite and >= 0 (0, as PyTorch allows, updates
+	// the optimizer's state and leaves the parameters where they are):
+	// anything else is refused with an error and changes nothing.
 	SetLR(lr float32) error
 	// SetSchedule makes s choose the learning rate of every following
 	// step; nil returns to the fixed learning rate (the config's, or the
 	// last SetLR's). A schedule whose learning rate for the next step is
-	// not finite and > 0 is refused with an error and changes nothing.
+	// not finite and >= 0 is refused with an error and changes nothing.
 	SetSchedule(s Schedule) error
 	// LR returns the learning rate the next step will use.
 	LR() float32
 }
 
 // checkLR returns an error (without the package prefix: its callers add
-// theirs) unless lr is a usable learning rate: finite and > 0.
+// theirs) unless lr is a usable learning rate: finite and >= 0. A
+// learning rate of 0 is one (a warm-up that starts at 0): its steps update
+// the moments and leave the parameters where they are.
 func checkLR(lr float32) error {
-	if !(lr > 0) || math.IsInf(float64(lr), 1) {
-		return fmt.Errorf("learning rate %v must be finite and > 0", lr)
+	if !(lr >= 0) || math.IsInf(float64(lr), 1) {
+		return fmt.Errorf("learning rate %v must be finite and >= 0", lr)
 	}
 	return nil
 }
@@ -75,7 +79,7 @@ func ScheduleFingerprint(s Schedule) int64 {
 func fmtF(x float32) string { return strconv.FormatFloat(float64(x), 'g', -1, 32) }
 
 // ConstantLR returns the schedule whose learning rate is lr at every step,
-// for use as the schedule after LinearWarmup. lr must be finite and > 0.
+// for use as the schedule after LinearWarmup. lr must be finite and >= 0.
 func ConstantLR(lr float32) (Schedule, error) {
 	if err := checkLR(lr); err != nil {
 		return nil, fmt.Errorf("optim: constant schedule: %w", err)
@@ -129,10 +133,10 @@ func (w *linearWarmup) String() string {
 //
 //	LR(t) = final + (base-final) * (1 + cos(pi * min(t-1, steps)/steps)) / 2
 //
-// computed in float64 and rounded once. It needs base > 0, 0 <= final <=
-// base, both finite, and steps >= 1. With final 0 the learning rate first
-// reaches 0 at step steps+1, which an optimizer refuses to take: train for
-// steps steps, or give final > 0.
+// computed in float64 and rounded once. It needs 0 <= final <= base, both
+// finite, and steps >= 1. With final 0 the learning rate reaches 0 at
+// step steps+1 and stays there: the steps after it update the moments
+// and leave the parameters where they are.
 func CosineDecay(base, final float32, steps int64) (Schedule, error) {
 	if err := checkLR(base); err != nil {
 		return nil, fmt.Errorf("optim: cosine decay: base %w", err)
@@ -166,9 +170,10 @@ func (c *cosineDecay) String() string {
 //
 //	LR(t) = base * gamma^floor((t-1)/every)
 //
-// computed in float64 and rounded once. It needs base finite and > 0,
+// computed in float64 and rounded once. It needs base finite and >= 0,
 // gamma in (0, 1] and every >= 1. A learning rate that decays so far that
-// it rounds to 0 in float32 is refused by the optimizer at that step.
+// it rounds to 0 in float32 is a learning rate of 0: the parameters stop
+// moving.
 func StepDecay(base, gamma float32, every int64) (Schedule, error) {
 	if err := checkLR(base); err != nil {
 		return nil, fmt.Errorf("optim: step decay: base %w", err)

@@ -3,6 +3,7 @@ package optim
 import (
 	"context"
 	"math"
+	"strings"
 	"sync"
 	"testing"
 
@@ -61,13 +62,12 @@ func TestSchedulesByHand(t *testing.T) {
 func TestSchedulesRejectBadParameters(t *testing.T) {
 	nan, inf := float32(math.NaN()), float32(math.Inf(1))
 	for name, err := range map[string]error{
-		"constant 0":          second(ConstantLR(0)),
 		"constant -1":         second(ConstantLR(-1)),
 		"constant NaN":        second(ConstantLR(nan)),
 		"constant Inf":        second(ConstantLR(inf)),
 		"warm-up 0 steps":     second(LinearWarmup(0, constantLR(1))),
 		"warm-up nil":         second(LinearWarmup(3, nil)),
-		"cosine base 0":       second(CosineDecay(0, 0, 10)),
+		"cosine base -1":      second(CosineDecay(-1, -1, 10)),
 		"cosine final > base": second(CosineDecay(1, 2, 10)),
 		"cosine final < 0":    second(CosineDecay(1, -1, 10)),
 		"cosine final NaN":    second(CosineDecay(1, nan, 10)),
@@ -140,7 +140,7 @@ func TestSetLRRejectsBadInput(t *testing.T) {
 	opt, err := NewAdam(context.Background(), nil, ps, DefaultAdamConfig())
 	require.NoError(t, err)
 	require.NoError(t, opt.SetLR(0.5))
-	for _, lr := range []float32{0, -1, float32(math.NaN()), float32(math.Inf(1)), float32(math.Inf(-1))} {
+	for _, lr := range []float32{-1, -1e-30, float32(math.NaN()), float32(math.Inf(1)), float32(math.Inf(-1))} {
 		assert.Error(t, opt.SetLR(lr), "%v", lr)
 		assert.Equal(t, float32(0.5), opt.LR())
 	}
@@ -180,7 +180,7 @@ func TestBadScheduleFailsEveryRankWithoutTraffic(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		if err := opt.SetSchedule(fnSchedule{func(t int64) float32 { return 0.1 - 0.05*float32(t) }, "linear-to-negative"}); err != nil {
+		if err := opt.SetSchedule(fnSchedule{func(t int64) float32 { return 0.1 - 0.075*float32(t) }, "linear-to-negative"}); err != nil {
 			return err
 		}
 		fillGrads(ps, c.Rank(), 1)
@@ -188,7 +188,7 @@ func TestBadScheduleFailsEveryRankWithoutTraffic(t *testing.T) {
 			return err
 		}
 		sent := opt.Stats().BytesSent
-		err = opt.Step(ctx) // lr 0 at step 2
+		err = opt.Step(ctx) // lr -0.05 at step 2
 		mu.Lock()
 		errs = append(errs, err)
 		mu.Unlock()
@@ -198,7 +198,7 @@ func TestBadScheduleFailsEveryRankWithoutTraffic(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, errs, 3)
 	for _, e := range errs {
-		assert.ErrorContains(t, e, "learning rate 0 must be finite and > 0")
+		assert.ErrorContains(t, e, "must be finite and >= 0")
 	}
 }
 
@@ -312,4 +312,74 @@ func TestScheduledResumeIsBitIdentical(t *testing.T) {
 	mid, _ := run(1, k, nil, nil)
 	got, _ := run(k+1, total, mid, testParams(t, 99, []int{4, 2}, []int{5}))
 	assert.Equal(t, want, got)
+}
+
+// TestLRZero: a learning rate of 0 is one: Adam and LAMB take it in their
+// config and from SetLR, ConstantLR(0) and a cosine decay to 0 are
+// schedules, and a step at 0 updates the moments as one at 0.01 does
+// while the parameters stay bit for bit where they are (weight decay
+// included). Negative, NaN and infinite ones are still refused.
+func TestLRZero(t *testing.T) {
+	const steps = 6
+	for _, name := range []string{"adam", "lamb", "muon"} {
+		t.Run(name, func(t *testing.T) {
+			build := func(lr float32) (Optimizer, []*Param) {
+				ps := testParams(t, 1, []int{7}, []int{2, 3})
+				cfg := DefaultAdamConfig()
+				cfg.LR, cfg.WeightDecay = lr, 0.1
+				var opt Optimizer
+				var err error
+				switch name {
+				case "adam":
+					opt, err = NewAdam(context.Background(), nil, ps, cfg)
+				case "lamb":
+					opt, err = NewLamb(context.Background(), nil, ps, LambConfig{AdamConfig: cfg, MaxCoeff: 10, MinCoeff: 0.01})
+				default: // both groups at lr: the matrix by Muon, the vector by AdamW
+					mc := DefaultMuonConfig()
+					mc.LR, mc.AdamLR, mc.WeightDecay, mc.AdamWeightDecay = lr, lr, 0.1, 0.1
+					opt, err = NewMuon(context.Background(), nil, ps, mc)
+				}
+				require.NoError(t, err)
+				return opt, ps
+			}
+			zero, zps := build(0)
+			on, _ := build(0.01)
+			init := snapshot(zps)
+			for s := 1; s <= steps; s++ {
+				for _, o := range []Optimizer{zero, on} {
+					fillGrads(o.Params(), 0, s)
+					require.NoError(t, o.Step(context.Background()))
+				}
+				assert.Equal(t, init, snapshot(zps), "step %d: a parameter moved at lr 0", s)
+			}
+			a, err := zero.State()
+			require.NoError(t, err)
+			b, err := on.State()
+			require.NoError(t, err)
+			for _, tn := range b.Tensors {
+				if !strings.HasPrefix(tn.Name, "param/") {
+					assert.Equal(t, bits(tn.Data), bits(a.Tensor(tn.Name).Data), "%s after %d steps", tn.Name, steps)
+				}
+			}
+			ls := on.(LRSetter)
+			require.NoError(t, ls.SetLR(0))
+			assert.Zero(t, ls.LR())
+			c, err := ConstantLR(0)
+			require.NoError(t, err)
+			require.NoError(t, ls.SetSchedule(c))
+			d, err := CosineDecay(0.01, 0, 2)
+			require.NoError(t, err)
+			require.NoError(t, ls.SetSchedule(d)) // 0 from step 3 on, the next is step 7
+			if m, ok := on.(*Muon); ok {
+				require.NoError(t, m.SetAdamSchedule(d)) // SetSchedule drives the Muon group
+			}
+			before := snapshot(on.Params())
+			fillGrads(on.Params(), 0, steps+1)
+			require.NoError(t, on.Step(context.Background()))
+			assert.Equal(t, before, snapshot(on.Params()), "a step of the cosine decay at 0 moved a parameter")
+			for _, bad := range []float32{-1e-30, float32(math.NaN()), float32(math.Inf(1))} {
+				assert.Error(t, ls.SetLR(bad), "%v", bad)
+			}
+		})
+	}
 }

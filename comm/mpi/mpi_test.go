@@ -775,7 +775,9 @@ func TestOnebitMatchesLocal(t *testing.T) {
 // each of its state modes (the ordered communicator sums in rank order, as
 // comm/local does): warm-up and compression, in several buckets, the
 // sharded mode's reduce-scatter and all-gather and its bfloat16 buffers
-// included.
+// included; every 11th element never gets a gradient (the bits of such
+// elements are all-gathered at every compression step, after the sharded
+// mode's gather of which they are).
 func TestOnebitAdamModesMatchLocal(t *testing.T) {
 	ctx := testCtx(t)
 	w, r := world.Size(), world.Rank()
@@ -810,9 +812,17 @@ func TestOnebitAdamModesMatchLocal(t *testing.T) {
 			for s := range steps {
 				for i := range p.GradData() {
 					p.GradData()[i] = float32(math.Cos(float64(s*7919+c.Rank()*104729+3*i))) * float32(1+c.Rank())
+					if i%11 == 0 {
+						p.GradData()[i] = 0
+					}
 				}
 				if err := opt.Step(ctx); err != nil {
 					return nil, err
+				}
+			}
+			for i := 0; i < n; i += 11 {
+				if x := float32(math.Sin(float64(i))); p.Data()[i] != x {
+					return nil, fmt.Errorf("element %d never had a gradient and moved from %v to %v", i, x, p.Data()[i])
 				}
 			}
 			return p.Data(), nil

@@ -317,14 +317,6 @@ type Optimizer struct {
 	lrVar   *model.Variable
 	lrParam float64
 	lrs     optim.LRSetter
-	// lrZero is set for a step whose GoMLX learning rate is 0: the lowbit
-	// optimizer runs it at the smallest positive one and the parameters
-	// are then put back from held, exactly as they were.
-	lrZero bool
-	held   [][]float32
-	// heldGlobal is the global parameters before a step at learning rate
-	// 0 of an optimizer whose ranks run apart (see Step).
-	heldGlobal []float32
 
 	meanMetrics bool
 	meanBuf     []float32
@@ -657,14 +649,6 @@ func (o *Optimizer) Step(loss float64) error {
 		localErr = o.stepLR()
 	}
 	o.loss = loss
-	var globalBefore []float32
-	if localErr == nil && o.lrZero {
-		o.holdParams()
-		if g := o.global(); g != nil {
-			o.heldGlobal = append(o.heldGlobal[:0], g...)
-			globalBefore = o.heldGlobal
-		}
-	}
 	var err error
 	if o.sf != nil {
 		err = o.carriedStep(localErr)
@@ -673,18 +657,6 @@ func (o *Optimizer) Step(loss float64) error {
 	}
 	if err != nil {
 		return err
-	}
-	// With an optimizer whose ranks run apart, the step may have merged an
-	// exchange, which changed the global parameters and set this rank's to
-	// them: putting the held values back would undo it, so they stay (the
-	// inner step at the smallest positive learning rate moved a parameter
-	// by at most a denormal). An exchange skipped for a non-finite
-	// pseudo-gradient, which resets the parameters to the unchanged global
-	// ones, is not told apart: the held values are put back.
-	if o.lrZero && (globalBefore == nil || slices.Equal(globalBefore, o.global())) {
-		for i, p := range o.params {
-			copy(p.Data(), o.held[i])
-		}
 	}
 	o.steps++
 	// A skipped step changes nothing, but for an optimizer whose ranks run
@@ -770,23 +742,10 @@ func (o *Optimizer) WithGlobalValues(fn func() error) (err error) {
 	return fn()
 }
 
-// holdParams copies the parameters' values into o.held.
-func (o *Optimizer) holdParams() {
-	if o.held == nil {
-		o.held = make([][]float32, len(o.params))
-		for i, p := range o.params {
-			o.held[i] = make([]float32, len(p.Data()))
-		}
-	}
-	for i, p := range o.params {
-		copy(o.held[i], p.Data())
-	}
-}
-
 // stepLR sets o.lr to the learning rate of the step in progress: GoMLX's,
 // which it hands to the lowbit optimizer, or the lowbit optimizer's own.
 func (o *Optimizer) stepLR() error {
-	o.lr, o.lrZero = 0, false
+	o.lr = 0
 	if o.lrSrc == lrLowbit {
 		if o.lrs != nil {
 			o.lr = o.lrs.LR()
@@ -797,7 +756,6 @@ func (o *Optimizer) stepLR() error {
 	if err != nil {
 		return err
 	}
-	o.lrZero = lr == math.SmallestNonzeroFloat32
 	if err := o.lrs.SetLR(lr); err != nil {
 		return fmt.Errorf("lbgomlx: GoMLX's learning rate: %w", err)
 	}

@@ -97,10 +97,8 @@ func paramFloat(raw any) (float64, error) {
 // storeLR reads GoMLX's learning rate of the step that just ran from v
 // (the value GoMLX's own optimizer would have used in it) as a learning
 // rate for the lowbit optimizer. 0 (where GoMLX's cosine schedule starts
-// its warm-up) becomes the smallest positive float32: lowbit's optimizers
-// refuse a learning rate of 0; Step runs such a step at that one, which
-// updates the moments as GoMLX's Adam does at 0, and then puts every
-// parameter back as it was.
+// its warm-up) is handed on as it is: a lowbit optimizer's step at 0
+// updates the moments, as GoMLX's Adam does at 0, and moves no parameter.
 func storeLR(v *model.Variable) (float32, error) {
 	val, err := v.Value()
 	if err != nil {
@@ -115,14 +113,11 @@ func storeLR(v *model.Variable) (float32, error) {
 	default:
 		return 0, fmt.Errorf("lbgomlx: GoMLX's learning rate %s is a %s scalar, want float32 or float64", v.Path(), val.Shape())
 	}
-	switch lr := float32(f); {
-	case math.IsNaN(f) || f < 0 || math.IsInf(float64(lr), 0):
+	lr := float32(f)
+	if math.IsNaN(f) || f < 0 || math.IsInf(float64(lr), 0) {
 		return 0, fmt.Errorf("lbgomlx: GoMLX's learning rate %s is %v, want finite and >= 0", v.Path(), f)
-	case lr == 0:
-		return math.SmallestNonzeroFloat32, nil
-	default:
-		return lr, nil
 	}
+	return lr, nil
 }
 
 // lrConflict returns the error of a lowbit optimizer that has its own

@@ -36,11 +36,11 @@ func TestNewConfigError(t *testing.T) {
 		build Builder
 		want  string
 	}{
-		{"adam LR 0", func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+		{"adam LR -1", func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
 			cfg := optim.DefaultAdamConfig()
-			cfg.LR = 0
+			cfg.LR = -1
 			return optim.NewAdam(ctx, c, p, cfg)
-		}, "lbgomlx: New: the optimizer's config: optim: AdamConfig.LR = 0: want finite and > 0"},
+		}, "lbgomlx: New: the optimizer's config: optim: AdamConfig.LR = -1: want finite and >= 0"},
 		{"onebit-adam FreezeStep -1", func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
 			cfg := onebit.DefaultAdamConfig()
 			cfg.FreezeStep = -1

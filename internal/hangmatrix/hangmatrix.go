@@ -272,8 +272,8 @@ type spoiler func(o optim.Optimizer) error
 func resize(o optim.Optimizer) error { resizeGrad(o.Params()[1]); return nil }
 
 // badSchedule sets a schedule that SetSchedule accepts (its first answer
-// is valid) and whose learning rate at the step itself is 0, which the step
-// refuses.
+// is valid) and whose learning rate at the step itself is negative, which
+// the step refuses.
 func badSchedule(o optim.Optimizer) error {
 	s, ok := o.(optim.LRSetter)
 	if !ok {
@@ -282,7 +282,7 @@ func badSchedule(o optim.Optimizer) error {
 	return s.SetSchedule(&fading{})
 }
 
-// fading answers 1e-3 once, then 0.
+// fading answers 1e-3 once, then -1e-3.
 type fading struct{ calls int }
 
 func (f *fading) LR(int64) float32 {
@@ -290,7 +290,7 @@ func (f *fading) LR(int64) float32 {
 	if f.calls == 1 {
 		return 1e-3
 	}
-	return 0
+	return -1e-3
 }
 func (f *fading) String() string { return "fading" }
 
