@@ -80,17 +80,17 @@ type options struct {
 	// diloco:sparse's Density, SparseChunk, SparseBits and Decay.
 	outerDensity, outerDecay     float64
 	outerSparseChunk, outerSBits int
-	seed           uint64
-	target         float64
-	stopAtTarget   bool // end each run at its first validation at or below target
-	evalEvery      int
-	valWindows     int
-	finalWindows   int // -final-windows: 0 for the whole validation text
-	jsonPath       string
-	plotPath       string
-	mdPath         string
-	quiet          bool
-	progress       bool
+	seed                         uint64
+	target                       float64
+	stopAtTarget                 bool // end each run at its first validation at or below target
+	evalEvery                    int
+	valWindows                   int
+	finalWindows                 int // -final-windows: 0 for the whole validation text
+	jsonPath                     string
+	plotPath                     string
+	mdPath                       string
+	quiet                        bool
+	progress                     bool
 
 	checkpoint      string // directory of the GoMLX checkpoints, "" for none
 	checkpointEvery int
