@@ -46,10 +46,10 @@ import (
 // The result is a new checkpoint made, as far as Load can tell, by rank
 // of world ranks; old is not changed. Checkpoints of another algorithm
 // are refused, the error saying what moves them to another number of
-// ranks (ResetErrors for the exact optimizers and for package outer's,
-// zero.Consolidate for zero.Adam's), as are checkpoints of different
-// steps or stages, with their errors already reset, or an old set that
-// is not every rank's.
+// ranks (ResetErrors for the exact optimizers, outer.Regroup for package
+// outer's, zero.Consolidate for zero.Adam's), as are checkpoints of
+// different steps or stages, with their errors already reset, or an old
+// set that is not every rank's.
 func Regroup(old []*optim.Checkpoint, world, rank int) (*optim.Checkpoint, error) {
 	if err := checkRegroup(old, world, rank); err != nil {
 		return nil, fmt.Errorf("onebit: Regroup: %w", err)
@@ -149,9 +149,9 @@ func checkRegroup(old []*optim.Checkpoint, world, rank int) error {
 	case a.Algorithm == optim.AlgorithmOnebitAdam, a.Algorithm == optim.AlgorithmOnebitLamb, a.Algorithm == optim.AlgorithmZeroOneAdam:
 	case strings.HasPrefix(a.Algorithm, outerPrefix):
 		return fmt.Errorf("%w: algorithm %q is the outer optimizer's (package outer), which Regroup does not carry: "+
-			"on the same number of ranks load each rank's checkpoint as it is; on another, load old[r %% %d].ResetErrors() on new rank r "+
-			"(the outer optimizer accepts that on any group size, its 1-bit codec's error feedback, if any, restarting from zero; docs/outer.md)",
-			optim.ErrIncompatibleCheckpoint, a.Algorithm, len(old))
+			"outer.Regroup does (a copy on the same number of ranks; on another, old[r %% %d]'s state with the sparse accumulators' mean, "+
+			"its 1-bit codec's error feedback restarting from zero, as old[r %% %d].ResetErrors() would; docs/outer.md)",
+			optim.ErrIncompatibleCheckpoint, a.Algorithm, len(old), len(old))
 	case a.Algorithm == zeroAlgorithm:
 		return fmt.Errorf("%w: algorithm %q has no error feedback to regroup: zero.Consolidate joins its shards into a checkpoint that loads on any group size",
 			optim.ErrIncompatibleCheckpoint, a.Algorithm)

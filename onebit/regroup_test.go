@@ -524,7 +524,7 @@ func TestRegroupOtherAlgorithms(t *testing.T) {
 		mk   func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error)
 		msg  []string
 	}{
-		{"outer", outerAdam, []string{`"outer-adam" is the outer optimizer's`, "ResetErrors()", "docs/outer.md"}},
+		{"outer", outerAdam, []string{`"outer-adam" is the outer optimizer's`, "outer.Regroup", "ResetErrors()", "docs/outer.md"}},
 		{"exact Adam", exact, []string{"no error feedback", "ResetErrors()"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -221,8 +221,13 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 		return fmt.Errorf("%w: made by rank %d, this is rank %d (the error buffers are per rank; load ck.ResetErrors() to restart them)", bad, ck.Rank, o.rank)
 	}
 	var acc []float32
-	if o.sp != nil && !reset {
+	switch {
+	case o.sp != nil && !reset:
 		if acc, err = ck.TensorData(AccumulatorName, o.n); err != nil {
+			return err
+		}
+	case o.sp != nil && ck.Tensor(TensorRegroupedAccumulator) != nil:
+		if acc, err = ck.TensorData(TensorRegroupedAccumulator, o.n); err != nil {
 			return err
 		}
 	}
@@ -280,7 +285,7 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 		copy(o.work, pendingU)
 	}
 	if o.sp != nil {
-		if reset {
+		if acc == nil {
 			clear(o.sp.acc)
 		} else {
 			copy(o.sp.acc, acc)
@@ -298,7 +303,10 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 			i++
 		}
 	}
-	if reset && perRank {
+	if reset && o.sp != nil && acc != nil {
+		o.log.Info("loaded a regrouped checkpoint: the sparse accumulator is the old ranks' mean",
+			zap.String("algorithm", o.algorithm), zap.Int("made_on_world", ck.World))
+	} else if reset && perRank {
 		o.log.Warn("loaded a checkpoint whose error buffers were reset: the error feedback restarts from zero",
 			zap.String("algorithm", o.algorithm), zap.Int("made_on_world", ck.World))
 	}
