@@ -23,7 +23,7 @@ var sparseChunks = []struct {
 	chunk   int
 	density float32
 	bits    int
-}{{4096, 1.0 / 64, 1}, {4096, 1.0 / 64, 2}, {7, 0.3, 1}, {7, 0.3, 2}, {100, 1, 2}}
+}{{4096, 1.0 / 64, 1}, {4096, 1.0 / 48, 2}, {7, 0.3, 1}, {7, 0.3, 2}, {100, 1, 2}}
 
 // What a message stands for plus what the encoder keeps is what it was
 // given (error feedback telescopes), the entries sent are the k of
