@@ -74,7 +74,7 @@ demo-net: mnist-data
 ## out/gpt.md (the table), out/gpt.json, out/gpt.svg.
 demo-gpt:
 	cd integrations/gomlx && GOMLX_BACKEND=go $(GO) run ./examples/gpt \
-	  -optimizer adam,onebit-adam,onebit-adam-compact,onebit-adam-sharded,onebit-adam-sharded-bf16,zeroone-adam,lamb,onebit-lamb,onebit-lamb-compact,zero-adam:int8,zero-adam:int4,adam:fp16,adam:bf16,diloco:fp32,diloco:int8,diloco:1bit \
+	  -optimizer adam,onebit-adam,onebit-adam-compact,onebit-adam-sharded,onebit-adam-sharded-bf16,zeroone-adam,lamb,onebit-lamb,onebit-lamb-compact,zero-adam:int8,zero-adam:int4,adam:fp16,adam:bf16,diloco:fp32,diloco:int8,diloco:1bit,diloco:sparse \
 	  -json ../../out/gpt.json -plot ../../out/gpt.svg -markdown ../../out/gpt.md
 
 ## demo-gpt-net: the GPT example on 4 MPI ranks over a loopback shaped to

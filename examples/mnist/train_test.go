@@ -157,7 +157,7 @@ func TestRunErrors(t *testing.T) {
 		{[]string{"-data", "testdata", "-batch", "1000"}, "larger than the 500 training examples"},
 		{[]string{"-data", "testdata", "-batch", "2", "-workers", "4"}, "smaller than the 4 workers"},
 		{[]string{"extra"}, "unexpected arguments"},
-		{[]string{"-optimizer", "diloco", "-outer-codec", "int4"}, `invalid value "int4" for --outer-codec: want one of fp32, bf16, int8, 1bit`},
+		{[]string{"-optimizer", "diloco", "-outer-codec", "int4"}, `invalid value "int4" for --outer-codec: want one of fp32, bf16, int8, 1bit, sparse`},
 		{[]string{"-optimizer", "diloco", "-outer-h", "0"}, `invalid value "0" for --outer-h: want >= 1`},
 		{[]string{"-optimizer", "diloco", "-outer-h", "10", "-outer-fragments", "4", "-outer-delay", "3"}, `invalid value "3" for --outer-delay: want in [0, H/Fragments = 2]`},
 	} {

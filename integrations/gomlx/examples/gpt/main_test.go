@@ -107,9 +107,9 @@ func TestParseRuns(t *testing.T) {
 		{"onebit-adam-sharded", "bf16", true, nil, `reduction "bf16" for onebit-adam-sharded: it averages in fp32 only`},
 		{"onebit-adam:sharded", "fp32", false, nil, "1-bit Adam with sharded moments is -optimizer onebit-adam-sharded"},
 		{"adam,diloco,diloco:fp32,diloco:int8,diloco:1bit", "bf16", false,
-			[]string{"adam bf16", "diloco fp32", "diloco fp32", "diloco int8", "diloco 1bit"}, ""},
+			[]string{"adam bf16", "diloco sparse", "diloco fp32", "diloco int8", "diloco 1bit"}, ""},
 		{"diloco:1bit", "fp32", true, []string{"adam", "diloco 1bit"}, ""},
-		{"diloco", "fp16", true, []string{"adam fp16", "diloco fp32"}, ""},
+		{"diloco", "fp16", true, []string{"adam fp16", "diloco sparse"}, ""},
 		{"diloco:fp16", "fp32", false, nil, `unknown codec "fp16" for diloco (want fp32, bf16, int8, 1bit or sparse)`},
 	} {
 		runs, err := parseRuns(tc.list, tc.reduce, tc.compare)
