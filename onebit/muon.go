@@ -103,13 +103,17 @@ func (c MuonConfig) Validate() error {
 // (frozen variance, no exchange) for the AdamW group.
 //
 // A step in which some rank's gradient is not finite is skipped on every
-// rank. A momentum that would not be finite (a gradient near the float32
-// limit, or a non-finite momentum loaded) is an error on every rank with
-// nothing changed: in the warm-up after the averaging (the averaged
-// gradients aside), in the compression stage before anything, its rank
-// refusing the step in the per-step agreement. A zero momentum matrix
-// gives a zero update. After an error from the communicator the state is
-// undefined: load a checkpoint.
+// rank. A momentum that is or would be non-finite is an error on every
+// rank: a non-finite one loaded, or in the compression stage one that
+// this rank's gradient would make so, is refused by its rank in the
+// per-step agreement, nothing changed; in the warm-up one that the
+// averaged gradient would make so (a gradient near the float32 limit) is
+// found after the averaging, nothing changed but the averaged gradients.
+// A zero momentum matrix gives a zero update from its rank (in a bucket
+// it shares with other parameters its elements carry the bucket's
+// compression noise, which the error feedback cancels over the steps).
+// After an error from the communicator the state is undefined: load a
+// checkpoint.
 type Muon struct {
 	f      *optim.Frame
 	cfg    MuonConfig
