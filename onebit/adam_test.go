@@ -610,7 +610,6 @@ func TestAdamStepAllocatesNothingOnTwoRanks(t *testing.T) {
 }
 
 func adamAllocsOnTwoRanks(t *testing.T, mode onebit.StateMode) {
-	const runs = 20
 	cs, err := local.New(2)
 	require.NoError(t, err)
 	ctx := adamCtx(t)
@@ -635,23 +634,7 @@ func adamAllocsOnTwoRanks(t *testing.T, mode onebit.StateMode) {
 		})
 	}
 	wg.Wait()
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for range runs + 1 { // AllocsPerRun makes one extra warm-up call
-			if err := opts[1].Step(ctx); err != nil {
-				t.Error(err)
-				return
-			}
-		}
-	}()
-	allocs := testing.AllocsPerRun(runs, func() {
-		if err := opts[0].Step(ctx); err != nil {
-			t.Error(err)
-		}
-	})
-	<-done
-	assert.Zero(t, allocs)
+	assert.Zero(t, stepAllocsOnTwoRanks(t, func() error { return opts[0].Step(ctx) }, func() error { return opts[1].Step(ctx) }))
 }
 
 // Four in-process ranks fit w to the mean of their targets 0, 1, 2, 3:

@@ -1,5 +1,6 @@
 // Package onebit holds the error-compensated 1-bit compressed allreduce and
-// the optimizers built on it: 1-bit Adam, 1-bit LAMB and 0/1 Adam.
+// the optimizers built on it: 1-bit Adam, 1-bit LAMB, 0/1 Adam and 1-bit
+// Muon.
 //
 // AllReduce averages a float32 buffer over the ranks of a comm.Comm while
 // sending one bit per element (plus a scale per chunk); the error the
@@ -9,13 +10,15 @@
 // device ranks mix. The collective follows the spec page onebit.md step by
 // step (allreduce.go).
 //
-// Adam (1-bit Adam), Lamb (1-bit LAMB) and ZeroOneAdam (0/1 Adam) are
-// optim.Optimizers built on it; each type's documentation gives its
-// algorithm. Adam and ZeroOneAdam compress in fused buckets of their
-// config's BucketBytes (optim.PerParameter: one tensor at a time), with the
-// error buffers of bucket k named BucketWorkerErrorName(k) and
-// BucketServerErrorName(k) in checkpoints; Lamb compresses the momenta of
-// the whole model as one buffer.
+// Adam (1-bit Adam), Lamb (1-bit LAMB), ZeroOneAdam (0/1 Adam) and Muon
+// (1-bit Muon: each rank's momentum orthogonalized, the updates averaged
+// through the exchange; docs/muon.md) are optim.Optimizers built on it;
+// each type's documentation gives its algorithm. Adam, ZeroOneAdam and
+// Muon compress in fused buckets of their config's BucketBytes
+// (optim.PerParameter: one tensor at a time), with the error buffers of
+// bucket k named BucketWorkerErrorName(k) and BucketServerErrorName(k) in
+// checkpoints; Lamb compresses the momenta of the whole model as one
+// buffer.
 //
 // # Memory
 //
@@ -35,8 +38,11 @@
 // buckets share one set of wire buffers, so on a model of many buckets the
 // figures lose most of their wire buffers' 0.25 (64M parameters: 13.04,
 // 9.15, 7.04 and 4.54). Regroup
-// carries the error feedback of every mode, and of Lamb and ZeroOneAdam,
-// to another number of ranks, from and to one rank included.
+// carries the error feedback of every mode, and of Lamb, ZeroOneAdam and
+// Muon, to another number of ranks, from and to one rank included. Muon
+// keeps 13 bytes per element of a Muon matrix on 4 ranks (this rank's
+// momentum, its slot of the exchange, the error buffers), besides the
+// wire buffers and the Newton-Schulz work matrices (docs/muon.md).
 //
 // # Elements with no variance
 //

@@ -64,3 +64,6 @@ func TuneRun(calls int, time func(u, way int) uint64) []int {
 	}
 	return ways
 }
+
+// MuonBucketStates is the State of every bucket of o.
+func MuonBucketStates(o *Muon) []*State { return o.bkt.states }

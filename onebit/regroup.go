@@ -13,8 +13,8 @@ import (
 // continue the run whose every rank saved one of old (old[r] made by rank
 // r of a group of len(old)), keeping the error feedback instead of
 // resetting it (optim.Checkpoint.ResetErrors). It carries the checkpoints
-// of the three 1-bit optimizers in every StateMode, from and to any number
-// of ranks, one included:
+// of the 1-bit optimizers (1-bit Adam in every StateMode, 1-bit LAMB, 0/1
+// Adam and 1-bit Muon), from and to any number of ranks, one included:
 //
 //   - on the same number of ranks the result is a copy of old[rank], bit
 //     for bit: a resume through Regroup is the resume without it;
@@ -28,6 +28,10 @@ import (
 //   - the sharded mode's moments (StateSharded) are re-cut the same way,
 //     unchanged, from the old ranks' shards or, from one rank (where the
 //     mode runs as StateFull), from its whole moments;
+//   - 1-bit Muon's momenta, each rank's own, become their mean over the
+//     old ranks on every new rank (summed in float64, rounded once): the
+//     average of the ranks' averages of their own gradients, which is the
+//     momentum of their averaged gradients, exact Muon's;
 //   - everything else comes from old[rank % len(old)], as after
 //     ResetErrors: in the compression stages every rank holds the same
 //     state anyway (0/1 Adam's local steps between synchronizations
@@ -73,6 +77,12 @@ func Regroup(old []*optim.Checkpoint, world, rank int) (*optim.Checkpoint, error
 			}
 		case g.sharded && g.isMoment(t.Name):
 			// Re-cut below, after the parameters.
+		case src.Algorithm == AlgorithmMuon && strings.HasPrefix(t.Name, optim.MomentumBufferPrefix):
+			m, err := g.mean(t.Name, len(t.Data))
+			if err != nil {
+				return nil, fmt.Errorf("onebit: Regroup: %w", err)
+			}
+			out.AddTensor(t.Name, t.Shape, m[:len(t.Data)])
 		default:
 			out.AddTensor(t.Name, t.Shape, t.Data)
 		}
@@ -99,7 +109,7 @@ func Regroup(old []*optim.Checkpoint, world, rank int) (*optim.Checkpoint, error
 		}
 	}
 	delete(out.Ints, IntForeignMomentum)
-	if world > 1 && !g.sharded && src.Stage == optim.StageCompression && src.Algorithm != optim.AlgorithmZeroOneAdam {
+	if world > 1 && !g.sharded && src.Stage == optim.StageCompression && src.Algorithm != optim.AlgorithmZeroOneAdam && src.Algorithm != AlgorithmMuon {
 		out.Ints[IntForeignMomentum] = 1
 	}
 	return out, nil
@@ -146,7 +156,8 @@ func checkRegroup(old []*optim.Checkpoint, world, rank int) error {
 		return fmt.Errorf("checkpoint 0 is nil")
 	}
 	switch {
-	case a.Algorithm == optim.AlgorithmOnebitAdam, a.Algorithm == optim.AlgorithmOnebitLamb, a.Algorithm == optim.AlgorithmZeroOneAdam:
+	case a.Algorithm == optim.AlgorithmOnebitAdam, a.Algorithm == optim.AlgorithmOnebitLamb, a.Algorithm == optim.AlgorithmZeroOneAdam,
+		a.Algorithm == AlgorithmMuon:
 	case strings.HasPrefix(a.Algorithm, outerPrefix):
 		return fmt.Errorf("%w: algorithm %q is the outer optimizer's (package outer), which Regroup does not carry: "+
 			"outer.Regroup does (a copy on the same number of ranks; on another, old[r %% %d]'s state with the sparse accumulators' mean, "+

@@ -78,6 +78,7 @@ func regroupCases() []regroupCase {
 		{"1-bit LAMB", regroupLamb(onebit.StateFull)},
 		{"1-bit LAMB compact", regroupLamb(onebit.StateCompact)},
 		{"0/1 Adam", newZeroOne(zo)},
+		{"1-bit Muon", regroupMuon},
 	}
 }
 

@@ -8,8 +8,6 @@ import (
 	"slices"
 	"strings"
 
-	"go.uber.org/zap"
-
 	"github.com/lowbit-ml/lowbit/comm"
 )
 
@@ -210,8 +208,7 @@ type Muon struct {
 	v    [][]float32  // per parameter: AdamW's second moment (nil for Muon's)
 	work []*nsWork    // one per matrix shape
 
-	adamLR    float32
-	adamSched Schedule
+	adam *GroupLR // the AdamW group's learning rate
 }
 
 // muonMatrix is one parameter of the Muon group.
@@ -264,7 +261,7 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*Param, cfg MuonConfig, 
 	o := &Muon{
 		cfg: cfg, params: slices.Clone(params),
 		m: make([][]float32, len(params)), v: make([][]float32, len(params)),
-		adamLR: cfg.AdamLR,
+		adam: NewGroupLR("AdamW group", "SetAdamLR", cfg.AdamLR, FloatAdamLR, IntAdamLRSchedule),
 	}
 	work := map[[2]int]*nsWork{}
 	for i, p := range o.params {
@@ -295,7 +292,7 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*Param, cfg MuonConfig, 
 	o.f = NewFrame(FrameConfig{
 		Name: "optim: Muon", Algorithm: AlgorithmMuon, Comm: c, Params: o.params, Sizes: o.m,
 		LR: cfg.LR, Stage: StageExact, Logger: ops.Logger, Averager: avg,
-		Hypers: cfg.hypers(muon), Check: o.checkAdamLR,
+		Hypers: cfg.hypers(muon), Check: o.adam.Check,
 	})
 	o.f.Handle(StageExact, o.update)
 	return o, nil
@@ -338,26 +335,6 @@ func selectMuon(params []*Param, names []string) ([]bool, error) {
 	return muon, nil
 }
 
-// checkAdamLR is the frame's Check: the AdamW group's scheduled learning
-// rate of step t must be usable.
-func (o *Muon) checkAdamLR(t int64) error {
-	if o.adamSched == nil {
-		return nil
-	}
-	if err := checkLR(o.adamSched.LR(t)); err != nil {
-		return fmt.Errorf("AdamW group's schedule %s: %w", o.adamSched, err)
-	}
-	return nil
-}
-
-// adamLRAt is the AdamW group's learning rate of step t.
-func (o *Muon) adamLRAt(t int64) float32 {
-	if o.adamSched != nil {
-		return o.adamSched.LR(t)
-	}
-	return o.adamLR
-}
-
 // update is the exact stage's StepFunc.
 func (o *Muon) update(ctx context.Context, t int64, lr float32) error {
 	if err := o.avg.Average(ctx); err != nil {
@@ -388,7 +365,7 @@ func (o *Muon) update(ctx context.Context, t int64, lr float32) error {
 		mt.ns.iterate(cfg.NSCoefficients, cfg.NSSteps)
 		applyNS(p.Data(), mt.ns.x, mt.rows, mt.cols, decay, float32(float64(lr)*float64(mt.scale)))
 	}
-	alr := o.adamLRAt(t)
+	alr := o.adam.At(t)
 	c1, c2 := BiasCorrection(cfg.AdamBeta1, t), BiasCorrection(cfg.AdamBeta2, t)
 	for _, i := range o.aux {
 		p := o.params[i]
@@ -497,10 +474,9 @@ func (o *Muon) LR() float32 { return o.f.LR() }
 // SetAdamLR fixes the AdamW group's learning rate of the following steps,
 // replacing its schedule, as LRSetter.SetLR does for the Muon group.
 func (o *Muon) SetAdamLR(lr float32) error {
-	if err := checkLR(lr); err != nil {
-		return fmt.Errorf("optim: Muon: AdamW group: %w", err)
+	if err := o.adam.Set(lr); err != nil {
+		return fmt.Errorf("optim: Muon: %w", err)
 	}
-	o.adamLR, o.adamSched = lr, nil
 	return nil
 }
 
@@ -508,18 +484,14 @@ func (o *Muon) SetAdamLR(lr float32) error {
 // following step (nil: back to the fixed one), as LRSetter.SetSchedule
 // does for the Muon group.
 func (o *Muon) SetAdamSchedule(s Schedule) error {
-	if s != nil {
-		t := o.f.Applied() + 1
-		if err := checkLR(s.LR(t)); err != nil {
-			return fmt.Errorf("optim: Muon: AdamW group: schedule %s at step %d: %w", s, t, err)
-		}
+	if err := o.adam.SetSchedule(s, o.f.Applied()+1); err != nil {
+		return fmt.Errorf("optim: Muon: %w", err)
 	}
-	o.adamSched = s
 	return nil
 }
 
 // AdamLR returns the AdamW group's learning rate of the next step.
-func (o *Muon) AdamLR() float32 { return o.adamLRAt(o.f.Applied() + 1) }
+func (o *Muon) AdamLR() float32 { return o.adam.At(o.f.Applied() + 1) }
 
 // CarryFlags makes every following Step carry sf in its per-step
 // agreement; see FlagCarrier.
@@ -531,8 +503,7 @@ func (o *Muon) CarryFlags(sf *StepFlags) error { return o.f.CarryFlags(sf) }
 // checkpoint is the same apart from its Rank field.
 func (o *Muon) State() (*Checkpoint, error) {
 	ck := o.f.Checkpoint()
-	ck.Floats[FloatAdamLR] = float64(o.adamLR)
-	ck.Ints[IntAdamLRSchedule] = ScheduleFingerprint(o.adamSched)
+	o.adam.Save(ck)
 	for i, p := range o.params {
 		shape := p.Shape()
 		ck.AddTensor(ParamTensorName(p.Name), shape, p.Data())
@@ -557,9 +528,9 @@ func (o *Muon) Load(ck *Checkpoint) error {
 	if err != nil {
 		return err
 	}
-	alr, hasALR, err := loadLR(ck, FloatAdamLR, IntAdamLRSchedule, o.adamSched)
+	applyALR, err := o.adam.CheckLoad(ck)
 	if err != nil {
-		return fmt.Errorf("AdamW group: %w", err)
+		return err
 	}
 	rs := ck.Restore()
 	for i, p := range o.params {
@@ -575,13 +546,7 @@ func (o *Muon) Load(ck *Checkpoint) error {
 		return err
 	}
 	o.f.Restore(st)
-	if hasALR {
-		if alr != o.adamLR {
-			o.f.Logger().Warn("loaded a checkpoint with another AdamW-group learning rate: the checkpoint's replaces this optimizer's (call SetAdamLR after Load to keep yours)",
-				zap.String("algorithm", AlgorithmMuon), zap.Float32("checkpoint_lr", alr), zap.Float32("replaced_lr", o.adamLR))
-		}
-		o.adamLR = alr
-	}
+	applyALR(o.f.Logger(), AlgorithmMuon)
 	return nil
 }
 

@@ -23,6 +23,17 @@ const (
 // the same selection of Muon parameters (muon, nil when bad) and the same
 // settings; every rank returns the same error otherwise.
 func agreeMuon(ctx context.Context, c comm.Comm, params []*Param, muon []bool, cfg MuonConfig, bad bool) error {
+	return AgreeMuon(ctx, c, "optim: Muon", params, muon, cfg, nil, bad)
+}
+
+// AgreeMuon is NewMuon's agreement for an optimizer built on Muon (name
+// prefixes its errors, "onebit: Muon" say): one all-gather of a 32-byte
+// digest per rank, after which every rank returns the same error unless
+// no rank found its own input bad (bad) and every rank has the same
+// parameter names and shapes, the same selection muon (nil when bad), the
+// same cfg (every field but Params) and the same extra settings, each as
+// a uint64. Every rank of c (more than one) calls it together.
+func AgreeMuon(ctx context.Context, c comm.Comm, name string, params []*Param, muon []bool, cfg MuonConfig, extra []uint64, bad bool) error {
 	mine := make([]byte, 8*(1+agreeOnFields)) // its own allocation, as cgo backends need
 	if bad {
 		mine[0] = 1
@@ -53,28 +64,31 @@ func agreeMuon(ctx context.Context, c comm.Comm, params []*Param, muon []bool, c
 		for _, v := range []int{cfg.NSSteps, int(cfg.Reduce), cfg.RanksPerNode} {
 			h.u64(uint64(v))
 		}
+		for _, v := range extra {
+			h.u64(v)
+		}
 		binary.LittleEndian.PutUint64(mine[8*(1+agreeOnSettings):], h.sum())
 	}
 	n := len(mine)
 	all := make([]byte, n*c.Size())
 	if err := c.AllGatherBytes(ctx, mine, all); err != nil {
-		return fmt.Errorf("optim: Muon: comparing parameters and settings across ranks: %w", err)
+		return fmt.Errorf("%s: comparing parameters and settings across ranks: %w", name, err)
 	}
 	for r := range c.Size() {
 		if all[r*n] != 0 {
-			return fmt.Errorf("optim: Muon: rank %d was given an invalid configuration or invalid parameters (its error says which)", r)
+			return fmt.Errorf("%s: rank %d was given an invalid configuration or invalid parameters (its error says which)", name, r)
 		}
 	}
 	what := [agreeOnFields]string{
 		agreeOnParams:   "the parameters (names, shapes or order) differ",
 		agreeOnMuon:     "the parameters that use Muon differ",
-		agreeOnSettings: "the settings differ (every MuonConfig field must be the same on every rank)",
+		agreeOnSettings: "the settings differ (every field of the config must be the same on every rank)",
 	}
 	for f := range agreeOnFields {
 		at := 8 * (1 + f)
 		for r := 1; r < c.Size(); r++ {
 			if binary.LittleEndian.Uint64(all[r*n+at:]) != binary.LittleEndian.Uint64(all[at:]) {
-				return fmt.Errorf("optim: Muon: ranks disagree: %s between rank %d and rank 0", what[f], r)
+				return fmt.Errorf("%s: ranks disagree: %s between rank %d and rank 0", name, what[f], r)
 			}
 		}
 	}

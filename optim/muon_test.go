@@ -13,6 +13,7 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/internal/muonref"
 )
 
 // refMuon is Muon with an auxiliary Adam in float64, written from the
@@ -38,29 +39,6 @@ func newRefMuon(cfg MuonConfig, ps []*Param, muon []bool) *refMuon {
 		r.v = append(r.v, make([]float64, p.Numel()))
 	}
 	return r
-}
-
-// matmul returns a (n x k) times b (k x m), row-major.
-func matmul(a, b []float64, n, k, m int) []float64 {
-	c := make([]float64, n*m)
-	for i := range n {
-		for l := range k {
-			for j := range m {
-				c[i*m+j] += a[i*k+l] * b[l*m+j]
-			}
-		}
-	}
-	return c
-}
-
-func transpose(a []float64, n, m int) []float64 {
-	t := make([]float64, len(a))
-	for i := range n {
-		for j := range m {
-			t[j*n+i] = a[i*m+j]
-		}
-	}
-	return t
 }
 
 func (r *refMuon) step(grads [][]float64) {
@@ -89,33 +67,8 @@ func (r *refMuon) step(grads [][]float64) {
 				u[k] = (1-mu)*g[k] + mu*m[k]
 			}
 		}
-		x, n1, n2 := u, rows, cols
-		if rows > cols {
-			x, n1, n2 = transpose(u, rows, cols), cols, rows
-		}
-		norm := 0.0
-		for _, e := range x {
-			norm += e * e
-		}
-		norm = math.Sqrt(norm) + float64(c.NSEps)
-		for k := range x {
-			x[k] /= norm
-		}
-		a, b, cc := float64(c.NSCoefficients[0]), float64(c.NSCoefficients[1]), float64(c.NSCoefficients[2])
-		for range c.NSSteps {
-			A := matmul(x, transpose(x, n1, n2), n1, n2, n1)
-			AA := matmul(A, A, n1, n1, n1)
-			for k := range A {
-				A[k] = b*A[k] + cc*AA[k]
-			}
-			BX := matmul(A, x, n1, n1, n2)
-			for k := range x {
-				x[k] = a*x[k] + BX[k]
-			}
-		}
-		if rows > cols {
-			x = transpose(x, cols, rows)
-		}
+		coef := [3]float64{float64(c.NSCoefficients[0]), float64(c.NSCoefficients[1]), float64(c.NSCoefficients[2])}
+		x := muonref.Orthogonalize(u, rows, cols, coef, c.NSSteps, float64(c.NSEps))
 		scale := math.Sqrt(math.Max(1, float64(rows)/float64(cols)))
 		lr := float64(c.LR)
 		for k := range p {
@@ -135,13 +88,7 @@ var muonShapes = [][]int{{6, 10}, {10, 6}, {4, 3, 5}, {1, 8}, {5, 5}, {7}, {}}
 // from float64 by far more than its rounding of a full-rank matrix).
 func muonGrads(ps []*Param, rank, step int) {
 	for i, p := range ps {
-		x := uint32(step*7919 + rank*104729 + i*31 + 1)
-		for j := range p.GradData() {
-			x ^= x << 13
-			x ^= x >> 17
-			x ^= x << 5
-			p.GradData()[j] = (float32(x>>8)/(1<<24) - 0.5) * float32(1+rank)
-		}
+		muonref.Noise(p.GradData(), uint32(step*7919+rank*104729+i*31+1), float32(1+rank))
 	}
 }
 

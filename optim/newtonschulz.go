@@ -113,3 +113,63 @@ func (w *nsWork) iterate(coef [3]float32, steps int) {
 		w.x, w.y = w.y, w.x
 	}
 }
+
+// Orthogonalizer runs Muon's orthogonalization on matrices of one shape,
+// rows x cols or its transpose, with work matrices of its own: for
+// optimizers built on Muon outside this package (package onebit's 1-bit
+// Muon). Its arithmetic is Muon's, bit for bit. Orthogonalize allocates
+// nothing.
+type Orthogonalizer struct{ w *nsWork }
+
+// NewOrthogonalizer returns an Orthogonalizer for matrices of rows x cols
+// or cols x rows, both at least 1.
+func NewOrthogonalizer(rows, cols int) *Orthogonalizer {
+	return &Orthogonalizer{newNSWork(min(rows, cols), max(rows, cols))}
+}
+
+// StateBytes is the memory of o's work matrices: 4(2rc + 2r²) bytes, r
+// the smaller dimension and c the larger.
+func (o *Orthogonalizer) StateBytes() int64 { return o.w.bytes() }
+
+// Orthogonalize writes into dst, a rows x cols matrix in the parameter's
+// row-major layout, scale times Muon's orthogonalized update from the
+// momentum m (already updated with the gradient g) and g, with cfg's
+// Momentum, Nesterov, NSEps, NSCoefficients and NSSteps (see Muon):
+//
+//	u = (1-mu)*g + mu*m   (Nesterov; else u = m)
+//	X = u, transposed when rows > cols
+//	X = X / (||X||_F + eps)
+//	NSSteps times: A = X X^T; B = b*A + c*A A; X = a*X + B X
+//	dst = scale * X, transposed back
+//
+// each product rounded to float32. It returns false, with dst zeroed, when
+// u is zero. dst may be m or g. With scale 1, p = p*(1-lr*wd) -
+// lr*max(1, rows/cols)^0.5*dst (the factor rounded once to float32, each
+// product to float32) is Muon's update bit for bit. It panics when the
+// matrix is not o's shape or a slice is shorter than rows*cols.
+func (o *Orthogonalizer) Orthogonalize(dst, m, g []float32, rows, cols int, cfg MuonConfig, scale float32) bool {
+	w := o.w
+	if min(rows, cols) != w.m || max(rows, cols) != w.n {
+		panic("optim: Orthogonalize: a matrix of another shape than the Orthogonalizer's")
+	}
+	loadNS(w.x, m[:rows*cols], g, rows, cols, cfg.Momentum, cfg.Nesterov)
+	dst = dst[:rows*cols]
+	if !w.normalize(cfg.NSEps) {
+		clear(dst)
+		return false
+	}
+	w.iterate(cfg.NSCoefficients, cfg.NSSteps)
+	if rows <= cols {
+		for k, v := range w.x {
+			dst[k] = float32(scale * v)
+		}
+		return true
+	}
+	for r := range rows {
+		row := dst[r*cols : (r+1)*cols]
+		for c := range row {
+			row[c] = float32(scale * w.x[c*rows+r])
+		}
+	}
+	return true
+}

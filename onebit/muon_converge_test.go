@@ -1,0 +1,219 @@
+package onebit_test
+
+import (
+	"context"
+	"math"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/onebit"
+	"github.com/lowbit-ml/lowbit/optim"
+)
+
+// A small convergence problem for 1-bit Muon: a student network
+// y = W2 tanh(W1 x + b1) + b2 (W1 64 x 32, W2 10 x 64 by Muon, the biases
+// by the auxiliary AdamW) regresses on a fixed teacher of the same form,
+// each rank on batches of its own, the loss measured on a held-out set.
+const (
+	mlpIn, mlpHidden, mlpOut = 32, 64, 10
+	mlpBatch                 = 16 // per rank
+	mlpTest                  = 256
+)
+
+// mlpTask is the teacher and the held-out set.
+type mlpTask struct {
+	w1, b1, w2, b2 []float32
+	testX, testY   []float32
+	seed           uint64 // of the training batches
+}
+
+func newMLPTask() *mlpTask {
+	rng := rand.New(rand.NewPCG(1, 2))
+	t := &mlpTask{}
+	t.w1, t.b1 = mlpInit(rng, mlpHidden*mlpIn, 1/math.Sqrt(mlpIn)), mlpInit(rng, mlpHidden, 0.5)
+	t.w2, t.b2 = mlpInit(rng, mlpOut*mlpHidden, 1.5/math.Sqrt(mlpHidden)), mlpInit(rng, mlpOut, 0.5)
+	t.testX = mlpInit(rng, mlpTest*mlpIn, 1)
+	t.testY = make([]float32, mlpTest*mlpOut)
+	h := make([]float32, mlpHidden)
+	for n := range mlpTest {
+		mlpForward(t.w1, t.b1, t.w2, t.b2, t.testX[n*mlpIn:(n+1)*mlpIn], h, t.testY[n*mlpOut:(n+1)*mlpOut])
+	}
+	return t
+}
+
+func mlpInit(rng *rand.Rand, n int, scale float64) []float32 {
+	x := make([]float32, n)
+	for i := range x {
+		x[i] = float32(rng.NormFloat64() * scale)
+	}
+	return x
+}
+
+// mlpForward computes the hidden activations h and the output y of x.
+func mlpForward(w1, b1, w2, b2, x, h, y []float32) {
+	for j := range mlpHidden {
+		s := b1[j]
+		for i, xi := range x {
+			s += w1[j*mlpIn+i] * xi
+		}
+		h[j] = float32(math.Tanh(float64(s)))
+	}
+	for k := range mlpOut {
+		s := b2[k]
+		for j, hj := range h {
+			s += w2[k*mlpHidden+j] * hj
+		}
+		y[k] = s
+	}
+}
+
+// mlpParams returns the student's parameters, the same on every rank.
+func mlpParams() []*optim.Param {
+	rng := rand.New(rand.NewPCG(3, 4))
+	w1 := optim.NewParam("w1", mlpHidden, mlpIn)
+	copy(w1.Data(), mlpInit(rng, mlpHidden*mlpIn, 1/math.Sqrt(mlpIn)))
+	w2 := optim.NewParam("w2", mlpOut, mlpHidden)
+	copy(w2.Data(), mlpInit(rng, mlpOut*mlpHidden, 1/math.Sqrt(mlpHidden)))
+	return []*optim.Param{w1, optim.NewParam("b1", mlpHidden), w2, optim.NewParam("b2", mlpOut)}
+}
+
+// grad writes the gradient of the mean squared error (halved) of rank r's
+// batch of step s into ps.
+func (t *mlpTask) grad(ps []*optim.Param, r, s int) {
+	rng := rand.New(rand.NewPCG(uint64(r+1)+t.seed<<32, uint64(s)))
+	w1, b1, w2, b2 := ps[0].Data(), ps[1].Data(), ps[2].Data(), ps[3].Data()
+	g := [4][]float32{ps[0].GradData(), ps[1].GradData(), ps[2].GradData(), ps[3].GradData()}
+	for _, x := range g {
+		clear(x)
+	}
+	x, h, y, want, ty := make([]float32, mlpIn), make([]float32, mlpHidden), make([]float32, mlpOut), make([]float32, mlpOut), make([]float32, mlpHidden)
+	dh := make([]float32, mlpHidden)
+	const inv = 1.0 / mlpBatch
+	for range mlpBatch {
+		for i := range x {
+			x[i] = float32(rng.NormFloat64())
+		}
+		mlpForward(t.w1, t.b1, t.w2, t.b2, x, ty, want)
+		mlpForward(w1, b1, w2, b2, x, h, y)
+		clear(dh)
+		for k := range mlpOut {
+			e := (y[k] - want[k]) * inv
+			g[3][k] += e
+			for j, hj := range h {
+				g[2][k*mlpHidden+j] += e * hj
+				dh[j] += e * w2[k*mlpHidden+j]
+			}
+		}
+		for j, hj := range h {
+			d := dh[j] * (1 - hj*hj)
+			g[1][j] += d
+			for i, xi := range x {
+				g[0][j*mlpIn+i] += d * xi
+			}
+		}
+	}
+}
+
+// loss is the held-out mean squared error (halved) of ps.
+func (t *mlpTask) loss(ps []*optim.Param) float64 {
+	h, y := make([]float32, mlpHidden), make([]float32, mlpOut)
+	var l float64
+	for n := range mlpTest {
+		mlpForward(ps[0].Data(), ps[1].Data(), ps[2].Data(), ps[3].Data(), t.testX[n*mlpIn:(n+1)*mlpIn], h, y)
+		for k, yk := range y {
+			d := float64(yk - t.testY[n*mlpOut+k])
+			l += d * d / 2
+		}
+	}
+	return l / mlpTest
+}
+
+// mlpTrain trains the student for steps steps on w ranks with the
+// optimizer mk makes and returns rank 0's held-out loss.
+func mlpTrain(t testing.TB, task *mlpTask, w, steps int, mk func(context.Context, comm.Comm, []*optim.Param) (optim.Optimizer, error)) float64 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var mu sync.Mutex
+	var loss float64
+	err := local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
+		ps := mlpParams()
+		opt, err := mk(ctx, c, ps)
+		if err != nil {
+			return err
+		}
+		defer opt.Close()
+		for s := 1; s <= steps; s++ {
+			task.grad(ps, c.Rank(), s)
+			if err := opt.Step(ctx); err != nil {
+				return err
+			}
+		}
+		if c.Rank() == 0 {
+			mu.Lock()
+			loss = task.loss(ps)
+			mu.Unlock()
+		}
+		return nil
+	})
+	require.NoError(t, err)
+	return loss
+}
+
+// mlpSchedules sets cosine schedules on both groups of a Muon optimizer
+// (exact or 1-bit): 0.02 to 0.0002 for Muon, 3e-3 to 3e-5 for AdamW, so
+// that the final loss is not the noise of a constant step.
+func mlpSchedules(o interface {
+	SetSchedule(optim.Schedule) error
+	SetAdamSchedule(optim.Schedule) error
+}, steps int) error {
+	ms, err := optim.CosineDecay(0.02, 0.0002, int64(steps))
+	if err != nil {
+		return err
+	}
+	as, err := optim.CosineDecay(3e-3, 3e-5, int64(steps))
+	if err != nil {
+		return err
+	}
+	if err := o.SetSchedule(ms); err != nil {
+		return err
+	}
+	return o.SetAdamSchedule(as)
+}
+
+// 1-bit Muon with its defaults trains the student of mlpTask on 4 ranks
+// to within 25% of exact Muon's held-out loss in 300 steps (measured:
+// 12.2% above; the scheme itself, each rank's momentum orthogonalized and
+// the updates averaged exactly, 14.0% above: docs/muon.md), and far below
+// where it started.
+func TestMuonConverges(t *testing.T) {
+	if testing.Short() || cvRace {
+		t.Skip("the convergence run takes a second; skipped in -short mode and under the race detector")
+	}
+	const w, steps = 4, 300
+	task := newMLPTask()
+	start := task.loss(mlpParams())
+	exact := mlpTrain(t, task, w, steps, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		o, err := optim.NewMuon(ctx, c, ps, optim.DefaultMuonConfig())
+		if err != nil {
+			return nil, err
+		}
+		return o, mlpSchedules(o, steps)
+	})
+	got := mlpTrain(t, task, w, steps, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		o, err := onebit.NewMuon(ctx, c, ps, onebit.DefaultMuonConfig())
+		if err != nil {
+			return nil, err
+		}
+		return o, mlpSchedules(o, steps)
+	})
+	t.Logf("held-out loss after %d steps on %d ranks: start %.4f, exact Muon %.4f, 1-bit Muon %.4f (%+.1f%%)", steps, w, start, exact, got, 100*(got/exact-1))
+	require.Less(t, got, 1.25*exact)
+	require.Less(t, got, start/5)
+}
