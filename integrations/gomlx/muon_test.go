@@ -77,11 +77,20 @@ func transposeParams(t *testing.T, ps []*optim.Param, names ...string) []*optim.
 		require.NoError(t, err)
 		if len(sh) == 2 && contains(names, p.Name) {
 			q = optim.NewParam(p.Name, sh[1], sh[0])
-			transpose(q.Data(), p.Data(), sh[0], sh[1])
+			transposeTo(q.Data(), p.Data(), sh[0], sh[1])
 		}
 		out[i] = q
 	}
 	return out
+}
+
+// transposeTo writes the transpose of src, rows x cols, into dst.
+func transposeTo(dst, src []float32, rows, cols int) {
+	for i := range rows {
+		for j := range cols {
+			dst[j*rows+i] = src[i*cols+j]
+		}
+	}
 }
 
 func contains(list []string, s string) bool {
@@ -117,7 +126,7 @@ func TestMuonTransposed(t *testing.T) {
 				g[i] = float32((i*5+k+step*3)%13)/13 - 0.4
 			}
 			if sh := p.Shape(); transposed && len(sh) == 2 && p.Name != "head" {
-				transpose(p.GradData(), g, sh[1], sh[0])
+				transposeTo(p.GradData(), g, sh[1], sh[0])
 			} else {
 				copy(p.GradData(), g)
 			}
@@ -127,7 +136,7 @@ func TestMuonTransposed(t *testing.T) {
 	opt, err := muon(ctx, nil, ps)
 	require.NoError(t, err)
 	defer opt.Close()
-	tr, ok := opt.(*Transposed)
+	tr, ok := opt.(*optim.Transposed)
 	require.True(t, ok, "%T", opt)
 	assert.Equal(t, []string{"w1", "w2"}, tr.Inner().(*optim.Muon).MuonParams())
 	assert.Equal(t, ps, opt.Params())
@@ -141,7 +150,7 @@ func TestMuonTransposed(t *testing.T) {
 	asIs, err := NewMuon(muonConfig(), WithMuonLayout(OutputsFirst))(ctx, nil, mk())
 	require.NoError(t, err)
 	defer asIs.Close()
-	_, isTransposed := asIs.(*Transposed)
+	_, isTransposed := asIs.(*optim.Transposed)
 	assert.False(t, isTransposed)
 
 	for step := range 3 {
@@ -183,14 +192,14 @@ func TestMuonSelectionOverride(t *testing.T) {
 	cfg.Params = []string{"/output/dense/weights"}
 	opt, err := NewMuon(cfg)(ctx, nil, ps)
 	require.NoError(t, err)
-	assert.Equal(t, []string{"/output/dense/weights"}, opt.(*Transposed).Inner().(*optim.Muon).MuonParams())
+	assert.Equal(t, []string{"/output/dense/weights"}, opt.(*optim.Transposed).Inner().(*optim.Muon).MuonParams())
 	require.NoError(t, opt.Close())
 
 	opt, err = NewMuon(muonConfig(), WithMuonSelect(func(ps []*optim.Param) []string {
 		return HiddenMatrices(ps)[4:] // the feed-forward matrices only
 	}))(ctx, nil, ps)
 	require.NoError(t, err)
-	assert.Equal(t, []string{"/layer_0/ff1/dense/weights", "/layer_0/ff2/dense/weights"}, opt.(*Transposed).Inner().(*optim.Muon).MuonParams())
+	assert.Equal(t, []string{"/layer_0/ff1/dense/weights", "/layer_0/ff2/dense/weights"}, opt.(*optim.Transposed).Inner().(*optim.Muon).MuonParams())
 	require.NoError(t, opt.Close())
 
 	// A selection of nil selects nothing (for optim.MuonConfig, nil would
@@ -221,7 +230,7 @@ func TestMuonLearningRate(t *testing.T) {
 	for r, run := range runs {
 		require.NoError(t, run.err, "rank %d", r)
 		assert.Equal(t, []float32{0.05, 0.05, 0.05}, run.lrs, "rank %d", r)
-		m := run.opt.Optimizer().(*Transposed).Inner().(*optim.Muon)
+		m := run.opt.Optimizer().(*optim.Transposed).Inner().(*optim.Muon)
 		assert.Equal(t, float32(0.05), m.LR(), "rank %d", r)
 		assert.Equal(t, float32(1e-2), m.AdamLR(), "rank %d", r)
 	}
