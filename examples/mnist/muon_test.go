@@ -1,8 +1,6 @@
 package main
 
 import (
-	"os"
-	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -83,24 +81,13 @@ func TestMuonResumeLR(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			rc := cfg
-			rc.checkpoint.dir = t.TempDir()
-			require.NoError(t, os.CopyFS(rc.checkpoint.dir, os.DirFS(stopped)))
-			rc.checkpoint.resume = true
 			rc.hyper.lr, rc.lrSet = c.lr, c.lrSet
 			rc.hyper.muonLR, rc.muonLRSet = c.muonLR, c.muonLRSet
-			var warn syncBuffer
-			rc.warn = &warn
-			res, errs := trainRanks(t, 2, train, test, rc, nil)
-			for r := range 2 {
-				require.NoError(t, errs[r], "rank %d", r)
-				assert.Equal(t, 2, res[r].resumedFrom, "rank %d", r)
-			}
-			assert.Contains(t, warn.String(), "mnist: -resume: muon: "+c.line+"\n")
-			assert.Equal(t, 1, strings.Count(warn.String(), ": lr "), "one line, from rank 0:\n%s", warn.String())
+			got := checkResumeLR(t, train, test, rc, stopped, 2, "muon: "+c.line)
 			if c.same {
-				assert.Equal(t, want, res[0].finalHash, "the checkpoint's learning rates: bit-identical to the uninterrupted run")
+				assert.Equal(t, want, got, "the checkpoint's learning rates: bit-identical to the uninterrupted run")
 			} else {
-				assert.NotEqual(t, want, res[0].finalHash, "the flag changed a learning rate")
+				assert.NotEqual(t, want, got, "the flag changed a learning rate")
 			}
 		})
 	}
