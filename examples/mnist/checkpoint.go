@@ -628,18 +628,28 @@ func resumeLR(opt optim.Optimizer, back *restored, lr float32, explicit bool) (s
 	return fmt.Sprintf("lr %v from the checkpoint", back.lr), nil
 }
 
-// muonOf returns the Muon that -optimizer muon wraps in opt, nil for
-// another optimizer.
-func muonOf(opt optim.Optimizer) *optim.Muon {
+// twoGroups is an optimizer with Muon's two learning rates (optim.Muon):
+// SetLR and LR are its Muon group's, SetAdamLR and AdamLR its AdamW
+// group's.
+type twoGroups interface {
+	optim.LRSetter
+	AdamLR() float32
+	SetAdamLR(lr float32) error
+	SetAdamSchedule(s optim.Schedule) error
+}
+
+// muonOf returns the Muon that -optimizer muon wraps in opt
+// (optim.Transposed), nil for another optimizer.
+func muonOf(opt optim.Optimizer) twoGroups {
 	if t, ok := opt.(*optim.Transposed); ok {
-		m, _ := t.Inner().(*optim.Muon)
-		return m
+		opt = t.Inner()
 	}
-	return nil
+	m, _ := opt.(twoGroups)
+	return m
 }
 
 // adamGroup is Muon's AdamW group as an optim.LRSetter, for resumeLR.
-type adamGroup struct{ m *optim.Muon }
+type adamGroup struct{ m twoGroups }
 
 func (a adamGroup) SetLR(lr float32) error             { return a.m.SetAdamLR(lr) }
 func (a adamGroup) SetSchedule(s optim.Schedule) error { return a.m.SetAdamSchedule(s) }
@@ -648,7 +658,7 @@ func (a adamGroup) LR() float32                        { return a.m.AdamLR() }
 // resumeMuonLR applies resumeLR's rule to Muon's Muon group, which -muon-lr
 // sets: the checkpoint's learning rate, which Load restored, unless
 // -muon-lr was given (explicit), whose value lr then wins.
-func resumeMuonLR(m *optim.Muon, lr float32, explicit bool) (string, error) {
+func resumeMuonLR(m twoGroups, lr float32, explicit bool) (string, error) {
 	if !explicit {
 		return fmt.Sprintf("muon lr %v from the checkpoint", m.LR()), nil
 	}
