@@ -41,7 +41,8 @@ const (
 
 // StateOptimizers lists the optimizers lowbit plan prints, in its order:
 // those StateBytes knows but OptLamb, whose state depends on the largest
-// tensor, which a plan does not know.
+// tensor, which a plan does not know. Exact Muon's state depends on which
+// parameters are matrices and of which shapes: MuonStateBytes.
 func StateOptimizers() []string {
 	return []string{OptAdam, OptZeroAdam, OptOnebitAdam, OptOnebitAdamCompact, OptOnebitAdamSharded, OptOnebitAdamShardedBF16, OptOnebitLamb, OptOnebitLambCompact, OptZeroOneAdam}
 }
@@ -167,6 +168,35 @@ func StateBytes(optimizer string, tensors []int64, world int, bucketBytes int64)
 		return 16*n + statesBytes(false, states), nil
 	}
 	return 0, fmt.Errorf("costmodel: unknown optimizer %q", optimizer)
+}
+
+// MuonStateBytes returns the bytes of exact Muon's state (optim.Muon's
+// StateBytes, with float32 gradient averaging; the same on every rank) for
+// the Muon parameters, given as matrices of rows x cols elements (a tensor
+// of higher rank as its first dimension by the product of the others), and
+// other float32 elements updated by its auxiliary AdamW: the momentum of
+// every matrix, 4 bytes per element; the Newton-Schulz work matrices, for
+// each distinct shape r x c with r <= c (a matrix and its transpose share
+// them), 4(2rc + 2r²) bytes; AdamW's two moments, 8 bytes per other
+// element.
+func MuonStateBytes(matrices [][2]int64, other int64) (int64, error) {
+	if other < 0 {
+		return 0, fmt.Errorf("costmodel: invalid state size: %d elements of AdamW", other)
+	}
+	n := 8 * other
+	seen := map[[2]int64]bool{}
+	for _, m := range matrices {
+		if m[0] < 0 || m[1] < 0 {
+			return 0, fmt.Errorf("costmodel: invalid state size: a %d x %d matrix", m[0], m[1])
+		}
+		r, c := min(m[0], m[1]), max(m[0], m[1])
+		n += 4 * r * c
+		if r > 0 && !seen[[2]int64{r, c}] {
+			seen[[2]int64{r, c}] = true
+			n += 4 * (2*r*c + 2*r*r)
+		}
+	}
+	return n, nil
 }
 
 // DefaultBucketBytes is optim.DefaultBucketBytes, what a bucketBytes of 0

@@ -1,12 +1,14 @@
 package costmodel_test
 
 import (
+	"context"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/lowbit-ml/lowbit/costmodel"
+	"github.com/lowbit-ml/lowbit/optim"
 )
 
 // The formulas' leading terms; onebit's TestStateBytes checks them to the
@@ -100,5 +102,39 @@ func TestStateBytesLargeAndBad(t *testing.T) {
 	_, err = costmodel.StateBytes(costmodel.OptAdam, []int64{1}, 0, 0)
 	assert.Error(t, err)
 	_, err = costmodel.StateBytes(costmodel.OptAdam, []int64{1}, 4, -4)
+	assert.Error(t, err)
+}
+
+// MuonStateBytes is exact Muon's StateBytes to the byte: the momentum of
+// every matrix, one set of Newton-Schulz work matrices per distinct shape
+// (a matrix and its transpose share one), AdamW's moments of the rest.
+func TestMuonStateBytes(t *testing.T) {
+	shapes := [][]int{{8, 16}, {16, 8}, {12, 12}, {3, 2, 4}, {0, 5}, {16}, {7}}
+	var params []*optim.Param
+	var matrices [][2]int64
+	var other int64
+	for i, sh := range shapes {
+		params = append(params, optim.NewParam(string(rune('a'+i)), sh...))
+		if len(sh) < 2 {
+			other += int64(sh[0])
+			continue
+		}
+		rows, cols := int64(sh[0]), int64(1)
+		for _, d := range sh[1:] {
+			cols *= int64(d)
+		}
+		matrices = append(matrices, [2]int64{rows, cols})
+	}
+	m, err := optim.NewMuon(context.Background(), nil, params, optim.DefaultMuonConfig())
+	require.NoError(t, err)
+	defer m.Close()
+	got, err := costmodel.MuonStateBytes(matrices, other)
+	require.NoError(t, err)
+	assert.Equal(t, m.StateBytes(), got)
+	// The momentum, 4 bytes per Muon element, and AdamW's 8 per other.
+	assert.Equal(t, 4*(128+128+144+24)+8*23+4*(2*128+2*64)+4*(2*144+2*144)+4*(2*24+2*9), int(got))
+	_, err = costmodel.MuonStateBytes(nil, -1)
+	assert.Error(t, err)
+	_, err = costmodel.MuonStateBytes([][2]int64{{-1, 3}}, 0)
 	assert.Error(t, err)
 }

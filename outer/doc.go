@@ -1,5 +1,7 @@
 // Package outer is a DiLoCo-style outer optimizer for slow links: each
-// rank runs an inner optimizer (AdamW) on its own gradients for H steps
+// rank runs an inner optimizer (AdamW: NewAdam; Muon with its auxiliary
+// AdamW, MuLoCo's setting: NewMuon; any local optimizer: New) on its own
+// gradients for H steps
 // without communicating, then the ranks average their pseudo-gradients
 // Δ_i = θ_g - θ_i and take one outer step, Nesterov momentum SGD (lr 0.7,
 // momentum 0.9 by default), which gives the new global parameters θ_g

@@ -58,76 +58,83 @@ func TestBytesCountedWithDelay(t *testing.T) {
 func TestCarryFlags(t *testing.T) {
 	const w, h, calls = 3, 3, 8
 	cfg := config(outer.CodecOneBit, h, 1, 1)
-	run := func(stopAt int, refuse bool) [][]float32 {
-		out := newPerRank[[]float32](w)
-		runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
-			ps := newParams(t, sizes)
-			o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+	want := runStopped(t, adamInner, cfg, w, calls, -1, false)
+	for _, at := range []int{1, 2, 3, 4} { // an exchange at 3, its merge at 4
+		assert.Equal(t, want, runStopped(t, adamInner, cfg, w, calls, at, false), "veto at call %d", at)
+		assert.Equal(t, want, runStopped(t, adamInner, cfg, w, calls, at, true), "refusal at call %d", at)
+	}
+}
+
+// runStopped runs calls Steps of an outer optimizer of config cfg with
+// inner optimizer k on w ranks, carrying flags, and returns every rank's
+// parameters and θ_g at the end. At call stopAt (-1: none) rank 2 asks
+// for a veto (refuse false) or rank 1 refuses (refuse true); it checks
+// that every rank's Step fails as it should with nothing changed, and
+// makes the same call again.
+func runStopped(t *testing.T, k innerKind, cfg outer.Config, w, calls, stopAt int, refuse bool) [][]float32 {
+	out := newPerRank[[]float32](w)
+	runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+		ps := k.params(t)
+		o, err := k.build(ctx, c, ps, cfg)
+		if err != nil {
+			return err
+		}
+		defer o.Close()
+		sf := &optim.StepFlags{Local: []float32{0, float32(c.Rank())}}
+		sf.Veto = func(agreed []float32) error {
+			if agreed[0] != 0 {
+				return errVeto
+			}
+			return nil
+		}
+		require.NoError(t, o.CarryFlags(sf))
+		stopAt := stopAt // this rank's
+		for i := 1; i <= calls; i++ {
+			setGrads(ps, c.Rank(), i)
+			stopped := i == stopAt
+			sf.Local[0] = 0
+			if stopped && !refuse && c.Rank() == 2 {
+				sf.Local[0] = 1 // one rank asks: every rank vetoes
+			}
+			if stopped && refuse && c.Rank() == 1 {
+				sf.Refuse = errors.New("no gradients here")
+			}
+			before := append(flat(ps), o.Global()...)
+			err := o.Step(ctx)
+			sf.Refuse = nil
+			if stopped {
+				switch {
+				case !refuse:
+					if !errors.Is(err, errVeto) {
+						return fmt.Errorf("rank %d: step %d: %v, want the veto", c.Rank(), i, err)
+					}
+				case c.Rank() == 1:
+					if err == nil || err.Error() != "no gradients here" {
+						return fmt.Errorf("rank 1: step %d: %v, want its own refusal", i, err)
+					}
+				default:
+					if err == nil || !assert.Contains(t, err.Error(), "rank 1 refused") {
+						return fmt.Errorf("rank %d: step %d: %v, want rank 1's refusal", c.Rank(), i, err)
+					}
+				}
+				if !assert.Equal(t, before, append(flat(ps), o.Global()...), "rank %d: the stopped step changed something", c.Rank()) {
+					return errors.New("changed")
+				}
+				if sf.Agreed[1] != float32(w-1) {
+					return fmt.Errorf("rank %d: agreed %v, want the maximum %d", c.Rank(), sf.Agreed, w-1)
+				}
+				i-- // the same call again
+				stopAt = -1
+				continue
+			}
 			if err != nil {
 				return err
 			}
-			defer o.Close()
-			sf := &optim.StepFlags{Local: []float32{0, float32(c.Rank())}}
-			sf.Veto = func(agreed []float32) error {
-				if agreed[0] != 0 {
-					return errVeto
-				}
-				return nil
-			}
-			require.NoError(t, o.CarryFlags(sf))
-			stopAt := stopAt // this rank's
-			for i := 1; i <= calls; i++ {
-				setGrads(ps, c.Rank(), i)
-				stopped := i == stopAt
-				sf.Local[0] = 0
-				if stopped && !refuse && c.Rank() == 2 {
-					sf.Local[0] = 1 // one rank asks: every rank vetoes
-				}
-				if stopped && refuse && c.Rank() == 1 {
-					sf.Refuse = errors.New("no gradients here")
-				}
-				before := append(flat(ps), o.Global()...)
-				err := o.Step(ctx)
-				sf.Refuse = nil
-				if stopped {
-					switch {
-					case !refuse:
-						if !errors.Is(err, errVeto) {
-							return fmt.Errorf("rank %d: step %d: %v, want the veto", c.Rank(), i, err)
-						}
-					case c.Rank() == 1:
-						if err == nil || err.Error() != "no gradients here" {
-							return fmt.Errorf("rank 1: step %d: %v, want its own refusal", i, err)
-						}
-					default:
-						if err == nil || !assert.Contains(t, err.Error(), "rank 1 refused") {
-							return fmt.Errorf("rank %d: step %d: %v, want rank 1's refusal", c.Rank(), i, err)
-						}
-					}
-					if !assert.Equal(t, before, append(flat(ps), o.Global()...), "rank %d: the stopped step changed something", c.Rank()) {
-						return errors.New("changed")
-					}
-					if sf.Agreed[1] != float32(w-1) {
-						return fmt.Errorf("rank %d: agreed %v, want the maximum %d", c.Rank(), sf.Agreed, w-1)
-					}
-					i-- // the same call again
-					stopAt = -1
-					continue
-				}
-				if err != nil {
-					return err
-				}
-			}
-			out.set(c.Rank(), append(flat(ps), o.Global()...))
-			return nil
-		})
-		return out.v
-	}
-	want := run(-1, false)
-	for _, at := range []int{1, 2, 3, 4} { // an exchange at 3, its merge at 4
-		assert.Equal(t, want, run(at, false), "veto at call %d", at)
-		assert.Equal(t, want, run(at, true), "refusal at call %d", at)
-	}
+		}
+		out.set(c.Rank(), append(flat(ps), o.Global()...))
+		return nil
+	})
+	return out.v
 }
 
 var errVeto = errors.New("stop requested")

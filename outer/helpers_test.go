@@ -11,6 +11,7 @@ import (
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // sizes are the parameter sizes of the small tests.
@@ -30,6 +31,41 @@ func newParams(t testing.TB, sizes []int) []*optim.Param {
 		ps = append(ps, p)
 	}
 	return ps
+}
+
+// newShaped returns parameters of the given shapes, named and valued as
+// newParams's.
+func newShaped(t testing.TB, shapes [][]int) []*optim.Param {
+	var sizes []int
+	for _, sh := range shapes {
+		n := 1
+		for _, d := range sh {
+			n *= d
+		}
+		sizes = append(sizes, n)
+	}
+	ps := newParams(t, sizes)
+	for k, p := range ps {
+		q, err := optim.NewParamFrom(p.Name, p.Data(), shapes[k]...)
+		require.NoError(t, err)
+		ps[k] = q
+	}
+	return ps
+}
+
+// innerKind makes the parameters of a test and an outer optimizer with
+// one kind of inner optimizer over them.
+type innerKind struct {
+	params func(t testing.TB) []*optim.Param
+	build  func(ctx context.Context, c comm.Comm, ps []*optim.Param, cfg outer.Config) (*outer.Optimizer, error)
+}
+
+// adamInner is outer.NewAdam with innerConfig over newParams(t, sizes).
+var adamInner = innerKind{
+	params: func(t testing.TB) []*optim.Param { return newParams(t, sizes) },
+	build: func(ctx context.Context, c comm.Comm, ps []*optim.Param, cfg outer.Config) (*outer.Optimizer, error) {
+		return outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+	},
 }
 
 // grad is the gradient element i (flat) of rank r at call t: it depends on

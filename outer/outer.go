@@ -131,17 +131,35 @@ var (
 // Validate error on that rank, and with an error naming that rank on the
 // others.
 func NewAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg Config, inner optim.AdamConfig, opts ...optim.Option) (*Optimizer, error) {
-	var local error
-	if err := cfg.Validate(); err != nil {
-		local = err
-	}
+	return newOwned(ctx, c, cfg, opts, func() (optim.Optimizer, error) {
+		return optim.NewAdam(ctx, nil, params, inner, opts...)
+	})
+}
+
+// NewMuon returns an outer optimizer over params whose inner optimizer is
+// exact Muon with its auxiliary AdamW, config inner (optim.NewMuon on no
+// communicator: local, each rank orthogonalizes the momentum of its own
+// gradients), MuLoCo's setting. Every rank of c calls it together; it
+// communicates (see New). An invalid cfg or inner, or parameters inner
+// cannot take (a parameter marked for Muon that is not a matrix, a
+// selection with no Muon parameter), is refused with its error on that
+// rank, and with an error naming that rank on the others. SetLR,
+// SetSchedule and LR drive the Muon group's learning rate; the AdamW
+// group's is the inner optimizer's (Inner().(*optim.Muon).SetAdamLR).
+func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg Config, inner optim.MuonConfig, opts ...optim.Option) (*Optimizer, error) {
+	return newOwned(ctx, c, cfg, opts, func() (optim.Optimizer, error) {
+		return optim.NewMuon(ctx, nil, params, inner, opts...)
+	})
+}
+
+// newOwned returns an outer optimizer whose inner optimizer, made by
+// build on this rank when cfg is valid, it owns (closes in Close).
+func newOwned(ctx context.Context, c comm.Comm, cfg Config, opts []optim.Option, build func() (optim.Optimizer, error)) (*Optimizer, error) {
+	local := cfg.Validate()
 	var in optim.Optimizer
 	if local == nil {
-		a, err := optim.NewAdam(ctx, nil, params, inner, opts...)
-		if err != nil {
-			local = err
-		} else {
-			in = a
+		if in, local = build(); local != nil {
+			in = nil // a constructor's typed nil
 		}
 	}
 	o, err := newOptimizer(ctx, c, in, cfg, opts, local)

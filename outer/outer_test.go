@@ -151,8 +151,8 @@ func TestResumeBitIdentical(t *testing.T) {
 		for _, at := range k.at {
 			cfg := k.cfg
 			t.Run(fmt.Sprintf("%s/F%d/D%d/at%d", cfg.Codec, cfg.Fragments, cfg.Delay, at), func(t *testing.T) {
-				whole := runResume(t, w, cfg, calls, -1)
-				resumed := runResume(t, w, cfg, calls, at)
+				whole := runResume(t, adamInner, w, cfg, calls, -1)
+				resumed := runResume(t, adamInner, w, cfg, calls, at)
 				for r := range w {
 					require.Equal(t, whole[r], resumed[r], "rank %d", r)
 				}
@@ -161,15 +161,16 @@ func TestResumeBitIdentical(t *testing.T) {
 	}
 }
 
-// runResume runs calls steps on w ranks and returns every rank's
-// parameters, θ_g and u at the end; with at >= 0, it checkpoints after
-// call at, closes the optimizer, and continues in a fresh one (made with
-// other initial values, to prove they come from the checkpoint).
-func runResume(t *testing.T, w int, cfg outer.Config, calls, at int) [][]float32 {
+// runResume runs calls steps of an outer optimizer with inner optimizer
+// k on w ranks and returns every rank's parameters, θ_g and u at the end;
+// with at >= 0, it checkpoints after call at, closes the optimizer, and
+// continues in a fresh one (made with other initial values, to prove they
+// come from the checkpoint).
+func runResume(t *testing.T, k innerKind, w int, cfg outer.Config, calls, at int) [][]float32 {
 	out := newPerRank[[]float32](w)
 	runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
-		ps := newParams(t, sizes)
-		o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+		ps := k.params(t)
+		o, err := k.build(ctx, c, ps, cfg)
 		if err != nil {
 			return err
 		}
@@ -196,13 +197,13 @@ func runResume(t *testing.T, w int, cfg outer.Config, calls, at int) [][]float32
 			if err := back.UnmarshalBinary(b); err != nil {
 				return err
 			}
-			ps = newParams(t, sizes)
+			ps = k.params(t)
 			for _, p := range ps {
 				for j := range p.Data() {
 					p.Data()[j] = 42
 				}
 			}
-			if o, err = outer.NewAdam(ctx, c, ps, cfg, innerConfig()); err != nil {
+			if o, err = k.build(ctx, c, ps, cfg); err != nil {
 				return err
 			}
 			if err := o.Load(&back); err != nil {

@@ -584,12 +584,12 @@ func (k *checkpointer) apply(opt optim.Optimizer, path string, ck *optim.Checkpo
 	return res, nil
 }
 
-// checkpointLR returns the fixed learning rate ck records, if any: the
-// optimizer's own, or for the outer optimizer (diloco), whose learning
-// rate (SetLR, LR) is its inner optimizer's, the one it records under
-// outer.InnerPrefix.
+// checkpointLR returns the fixed learning rate ck records that -lr
+// replaces, if any: the optimizer's own; for Muon its AdamW group's; for
+// the outer optimizer (diloco), whose learning rate (SetLR, LR) is its
+// inner optimizer's, the one it records under outer.InnerPrefix.
 func checkpointLR(ck *optim.Checkpoint) (float32, bool) {
-	for _, name := range []string{optim.FloatLR, outer.InnerPrefix + optim.FloatLR} {
+	for _, name := range []string{optim.FloatAdamLR, optim.FloatLR, outer.InnerPrefix + optim.FloatLR} {
 		if lr, ok := ck.Floats[name]; ok {
 			return float32(lr), true
 		}
@@ -609,6 +609,9 @@ func resumeLR(opt optim.Optimizer, back *restored, lr float32, explicit bool) (s
 		had = fmt.Sprintf("the checkpoint had %v", back.lr)
 	}
 	ls, ok := opt.(optim.LRSetter)
+	if m := muonOf(opt); m != nil {
+		ls, ok = adamGroup{m}, true // -lr is Muon's AdamW group's
+	}
 	if explicit {
 		if !ok {
 			return "", fmt.Errorf("-lr %v: the optimizer cannot change its learning rate (not an optim.LRSetter)", lr)
@@ -623,6 +626,47 @@ func resumeLR(opt optim.Optimizer, back *restored, lr float32, explicit bool) (s
 		return fmt.Sprintf("lr %v, the default of -lr (%s)", lr, had), nil
 	}
 	return fmt.Sprintf("lr %v from the checkpoint", back.lr), nil
+}
+
+// twoGroups is an optimizer with Muon's two learning rates (optim.Muon):
+// SetLR and LR are its Muon group's, SetAdamLR and AdamLR its AdamW
+// group's.
+type twoGroups interface {
+	optim.LRSetter
+	AdamLR() float32
+	SetAdamLR(lr float32) error
+	SetAdamSchedule(s optim.Schedule) error
+}
+
+// muonOf returns the Muon that -optimizer muon wraps in opt
+// (optim.Transposed), nil for another optimizer.
+func muonOf(opt optim.Optimizer) twoGroups {
+	if t, ok := opt.(*optim.Transposed); ok {
+		opt = t.Inner()
+	}
+	m, _ := opt.(twoGroups)
+	return m
+}
+
+// adamGroup is Muon's AdamW group as an optim.LRSetter, for resumeLR.
+type adamGroup struct{ m twoGroups }
+
+func (a adamGroup) SetLR(lr float32) error             { return a.m.SetAdamLR(lr) }
+func (a adamGroup) SetSchedule(s optim.Schedule) error { return a.m.SetAdamSchedule(s) }
+func (a adamGroup) LR() float32                        { return a.m.AdamLR() }
+
+// resumeMuonLR applies resumeLR's rule to Muon's Muon group, which -muon-lr
+// sets: the checkpoint's learning rate, which Load restored, unless
+// -muon-lr was given (explicit), whose value lr then wins.
+func resumeMuonLR(m twoGroups, lr float32, explicit bool) (string, error) {
+	if !explicit {
+		return fmt.Sprintf("muon lr %v from the checkpoint", m.LR()), nil
+	}
+	line := fmt.Sprintf("muon lr %v from -muon-lr (the checkpoint had %v)", lr, m.LR())
+	if err := m.SetLR(lr); err != nil {
+		return "", fmt.Errorf("-muon-lr: %w", err)
+	}
+	return line, nil
 }
 
 // history reads the example's own part of ck: step, losses, evaluations and

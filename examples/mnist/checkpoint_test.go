@@ -182,26 +182,36 @@ func TestResumeLR(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			rc := cfg
-			rc.checkpoint.dir = t.TempDir()
-			require.NoError(t, os.CopyFS(rc.checkpoint.dir, os.DirFS(stopped)))
-			rc.checkpoint.resume = true
 			rc.hyper.lr, rc.lrSet = c.lr, c.explicit
-			var warn syncBuffer
-			rc.warn = &warn
-			res, errs := trainRanks(t, 2, train, test, rc, nil)
-			for r := range 2 {
-				require.NoError(t, errs[r], "rank %d", r)
-				assert.Equal(t, 17, res[r].resumedFrom, "rank %d", r)
-			}
-			assert.Contains(t, warn.String(), "mnist: -resume: onebit-adam: "+c.line+"\n")
-			assert.Equal(t, 1, strings.Count(warn.String(), ": lr "), "one line, from rank 0:\n%s", warn.String())
+			got := checkResumeLR(t, train, test, rc, stopped, 17, "onebit-adam: "+c.line)
 			if c.same {
-				assert.Equal(t, want, res[0].finalHash, "the checkpoint's learning rate: bit-identical to the uninterrupted run")
+				assert.Equal(t, want, got, "the checkpoint's learning rate: bit-identical to the uninterrupted run")
 			} else {
-				assert.NotEqual(t, want, res[0].finalHash, "-lr %v changed the learning rate", c.lr)
+				assert.NotEqual(t, want, got, "-lr %v changed the learning rate", c.lr)
 			}
 		})
 	}
+}
+
+// checkResumeLR resumes rc on 2 ranks from a copy of the checkpoints in
+// stopped, made at step at: every rank resumes from at, and rank 0 says
+// line (after "mnist: -resume: ") in its one line about the learning
+// rate. It returns rank 0's final parameter hash.
+func checkResumeLR(t *testing.T, train, test *dataset, rc trainConfig, stopped string, at int, line string) uint64 {
+	t.Helper()
+	rc.checkpoint.dir = t.TempDir()
+	require.NoError(t, os.CopyFS(rc.checkpoint.dir, os.DirFS(stopped)))
+	rc.checkpoint.resume = true
+	var warn syncBuffer
+	rc.warn = &warn
+	res, errs := trainRanks(t, 2, train, test, rc, nil)
+	for r := range 2 {
+		require.NoError(t, errs[r], "rank %d", r)
+		assert.Equal(t, at, res[r].resumedFrom, "rank %d", r)
+	}
+	assert.Contains(t, warn.String(), "mnist: -resume: "+line+"\n")
+	assert.Equal(t, 1, strings.Count(warn.String(), ": lr "), "one line, from rank 0:\n%s", warn.String())
+	return res[0].finalHash
 }
 
 // TestResumeLRDiloco: the outer optimizer's learning rate is its inner

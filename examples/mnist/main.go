@@ -58,6 +58,7 @@ const (
 	defaultEpochs     = 4
 	defaultBatch      = 128
 	defaultLR         = 1e-3
+	defaultMuonLR     = 0.02 // Muon's published default
 	defaultFreezeStep = 200
 	defaultSeed       = 1
 	defaultEvals      = 3
@@ -81,6 +82,7 @@ type options struct {
 	epochs     int
 	batch      int
 	lr         float64
+	muonLR     float64 // -muon-lr: muon's Muon group's; -lr is its AdamW's
 	seed       uint64
 	plot       string
 	data       string
@@ -99,6 +101,7 @@ type options struct {
 
 	workersSet bool // -workers was given explicitly
 	lrSet      bool // -lr was given explicitly: it wins over a checkpoint's
+	muonLRSet  bool // -muon-lr was given explicitly: likewise
 }
 
 func parseFlags(args []string, stderr io.Writer) (*options, error) {
@@ -116,7 +119,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.epochs, "epochs", defaultEpochs, "passes over the training set")
 	o.batch = defaultBatch
 	fs.Var(&size.CountValue[int]{P: &o.batch, Min: 1, Max: 1 << 20}, "batch", "global batch: `count` of examples, split over the workers (128, 4096, 4k, 1Ki)")
-	fs.Float64Var(&o.lr, "lr", defaultLR, "learning rate; with -resume, given explicitly, it replaces the checkpoint's (otherwise the checkpoint's is kept)")
+	fs.Float64Var(&o.lr, "lr", defaultLR, "learning rate (muon: its AdamW's, for the biases); with -resume, given explicitly, it replaces the checkpoint's (otherwise the checkpoint's is kept)")
+	fs.Float64Var(&o.muonLR, "muon-lr", defaultMuonLR, "muon: the learning rate of the weight matrices; with -resume as -lr")
 	fs.Uint64Var(&o.seed, "seed", defaultSeed, "seed of the initial weights and of the shuffling")
 	fs.StringVar(&o.plot, "plot", "", "write training loss and test accuracy curves to this PNG file")
 	fs.StringVar(&o.data, "data", "data/mnist", "directory holding the four MNIST IDX files")
@@ -149,6 +153,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 			o.workersSet = true
 		case "lr":
 			o.lrSet = true
+		case "muon-lr":
+			o.muonLRSet = true
 		}
 	})
 	bad := func(name, format string, args ...any) (*options, error) {
@@ -163,6 +169,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("epochs", "want 1 to %d", maxEpochs)
 	case !(o.lr > 0) || o.lr > 10:
 		return bad("lr", "want a learning rate in (0, 10]")
+	case !(o.muonLR > 0) || o.muonLR > 10:
+		return bad("muon-lr", "want a learning rate in (0, 10]")
 	case o.freezeStep < 0:
 		return bad("freeze-step", "want at least 0")
 	case o.localSteps < 1:
@@ -346,13 +354,14 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 	}
 	reduce, scatter, _ := parseReduces(o.optimizer, o.reduce) // checked by parseFlags
 	cfg := trainConfig{
-		hyper:         hyper{lr: float32(o.lr), freezeStep: o.freezeStep, reduce: reduce, scatter: scatter, localStepScaler: o.localSteps, outer: o.outer},
+		hyper:         hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), freezeStep: o.freezeStep, reduce: reduce, scatter: scatter, localStepScaler: o.localSteps, outer: o.outer},
 		epochs:        o.epochs,
 		batch:         o.batch,
 		seed:          o.seed,
 		evalsPerEpoch: o.evals,
 		checkpoint:    o.checkpoint,
 		lrSet:         o.lrSet,
+		muonLRSet:     o.muonLRSet,
 		warn:          stderr,
 	}
 	if p != nil && o.checkpoint.dir != "" {

@@ -15,7 +15,7 @@ import (
 
 // optimizerNames are the values of -optimizer, in the order -help lists
 // them.
-var optimizerNames = []string{"adam", "lamb", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "onebit-lamb", lambCompact, "zeroone-adam", "zero-adam", diloco}
+var optimizerNames = []string{"adam", "lamb", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "onebit-lamb", lambCompact, "zeroone-adam", "zero-adam", diloco, muon}
 
 // lambCompact is 1-bit LAMB in StateCompact: onebit-lamb's steps bit for
 // bit in less memory.
@@ -27,6 +27,14 @@ const lambCompact = "onebit-lamb-compact"
 // Nesterov SGD. The ranks' parameters differ between exchanges; the model
 // evaluated is the one every rank agrees on, the global parameters.
 const diloco = "diloco"
+
+// muon is exact Muon (optim.NewMuon) with the default selection: the two
+// weight matrices, w1 and w2, by Muon with -muon-lr, the biases by its
+// auxiliary AdamW with -lr. The model stores its weights as [inputs,
+// outputs] (x*W), so Muon gets their transposes (optim.NewTransposed), the
+// layout its recipe's scale max(1, rows/cols)^0.5 assumes. It has no
+// compressed counterpart for -compare yet.
+const muon = "muon"
 
 // sharded is 1-bit Adam with its moments sharded over the ranks
 // (onebit.StateSharded, docs/sharded.md): the wire bytes of onebit-adam,
@@ -82,12 +90,19 @@ func runOrder(name string, compare bool) ([]string, error) {
 	if b, ok := baseline[name]; ok {
 		return []string{b, name}, nil
 	}
+	if compressedOf[name] == "" {
+		return nil, fmt.Errorf("-compare: %s has no compressed counterpart", name)
+	}
 	return []string{name, compressedOf[name]}, nil
 }
 
 // hyper are the optimizer settings the flags choose.
 type hyper struct {
+	// lr is the learning rate of every optimizer but muon's Muon group:
+	// muon's auxiliary AdamW's (-lr).
 	lr float32
+	// muonLR is muon's Muon group's learning rate (-muon-lr).
+	muonLR float32
 	// freezeStep is the warm-up of the 1-bit optimizers: FreezeStep of
 	// onebit-adam, onebit-adam-sharded and onebit-lamb, VarFreezeStep of
 	// zeroone-adam.
@@ -181,6 +196,22 @@ func newOptimizer(ctx context.Context, name string, c comm.Comm, params []*optim
 		return onebit.NewZeroOneAdam(ctx, c, params, cfg)
 	case diloco:
 		return outer.NewAdam(ctx, c, params, h.outer, adam)
+	case muon:
+		cfg := optim.DefaultMuonConfig() // Params nil: every matrix, w1 and w2
+		cfg.LR, cfg.AdamLR, cfg.Reduce = h.muonLR, h.lr, h.reduce
+		var matrices []string
+		for _, p := range params {
+			if len(p.Shape()) >= 2 {
+				matrices = append(matrices, p.Name)
+			}
+		}
+		t, err := optim.NewTransposed(params, matrices, func(ps []*optim.Param) (optim.Optimizer, error) {
+			return optim.NewMuon(ctx, c, ps, cfg)
+		})
+		if err != nil {
+			return nil, err // not a typed nil
+		}
+		return t, nil
 	case "zero-adam":
 		cfg := zero.DefaultConfig()
 		cfg.AdamConfig = adam

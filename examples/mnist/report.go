@@ -21,6 +21,9 @@ func printHeader(w io.Writer, o *options, names []string, workers, examples int)
 			break
 		}
 	}
+	if slices.Contains(names, muon) {
+		fmt.Fprintf(w, ", muon: Muon lr %g (-muon-lr) for w1 and w2, AdamW lr %g (-lr) for the biases", o.muonLR, o.lr)
+	}
 	if slices.Contains(names, diloco) {
 		c := o.outer
 		fmt.Fprintf(w, ", diloco: H %d, %d fragments, delay %d, %s pseudo-gradients, outer Nesterov lr %g momentum %g", c.H, c.Fragments, c.Delay, c.Codec, c.LR, c.Momentum)

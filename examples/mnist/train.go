@@ -30,6 +30,9 @@ type trainConfig struct {
 	// then continues with hyper.lr, otherwise with the checkpoint's
 	// learning rate (see resumeLR).
 	lrSet bool
+	// muonLRSet is the same for -muon-lr (hyper.muonLR), muon's Muon
+	// group's learning rate.
+	muonLRSet bool
 	// stop, when not nil, is asked at every step boundary of a run with
 	// -checkpoint (but the one it starts at and the last) whether this
 	// process was asked to stop (SIGTERM, SIGINT). The ranks agree on it in
@@ -201,6 +204,13 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 		line, err := resumeLR(opt, back, cfg.hyper.lr, cfg.lrSet)
 		if err != nil {
 			return nil, err
+		}
+		if m := muonOf(opt); m != nil {
+			ml, err := resumeMuonLR(m, cfg.hyper.muonLR, cfg.muonLRSet)
+			if err != nil {
+				return nil, err
+			}
+			line += ", " + ml
 		}
 		if rank == 0 {
 			fmt.Fprintf(warn, "mnist: -resume: %s: %s\n", cfg.optimizer, line)

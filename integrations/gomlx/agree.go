@@ -276,6 +276,15 @@ func (o *Optimizer) settings(ck *optim.Checkpoint) (*settings, error) {
 			add("learning rate", "%v", float32(in.Floats[optim.FloatLR]))
 		}
 	}
+	if alr, ok := in.Floats[optim.FloatAdamLR]; ok {
+		// Muon's AdamW group: its learning rate is the lowbit optimizer's
+		// own (the hook's is the Muon group's), compared here only.
+		if fp := in.Ints[optim.IntAdamLRSchedule]; fp != 0 {
+			add("AdamW group's learning rate", "the lowbit optimizer's schedule (fingerprint %016x)", uint64(fp))
+		} else {
+			add("AdamW group's learning rate", "%v", float32(alr))
+		}
+	}
 	if mode, ok := in.Ints[optim.IntGradReduce]; ok {
 		add("gradient reduction", "%s", optim.ReduceMode(mode))
 	}

@@ -31,7 +31,7 @@ func TestOneAgreementPerStep(t *testing.T) {
 		build Builder
 	}{
 		{"adam", adam}, {"lamb", lamb}, {"onebit-adam", withFreeze(3)}, {"onebit-lamb", withLambFreeze(3)},
-		{"zeroone-adam", zeroOneAdamLocal}, {"zero-adam", zeroAdam},
+		{"zeroone-adam", zeroOneAdamLocal}, {"zero-adam", zeroAdam}, {"muon", muon},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			const steps = 10

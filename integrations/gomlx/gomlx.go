@@ -1,6 +1,7 @@
 // Package gomlx trains a GoMLX model data-parallel with any lowbit optimizer
 // (exact Adam or LAMB, 1-bit Adam, 1-bit LAMB, 0/1 Adam, sharded Adam, the
-// DiLoCo-style outer optimizer of package outer) inside GoMLX's own
+// DiLoCo-style outer optimizer of package outer, Muon: NewMuon, which
+// gives Muon the hidden matrices and AdamW the rest) inside GoMLX's own
 // training loop: train.NewTrainer, train.Loop, the progress bar, the
 // metrics and the checkpoint package stay as they are.
 // Its errors and warnings start "lbgomlx:", the name the README imports it
@@ -52,7 +53,9 @@
 // the first step. A learning rate of 0 from GoMLX (the first step of its
 // cosine warm-up) updates the lowbit optimizer's moments and moves no
 // parameter. The ranks' learning rates are compared at every step, in the
-// per-step agreement.
+// per-step agreement. With Muon (NewMuon) that learning rate is the Muon
+// group's; the AdamW group's is the lowbit optimizer's own
+// (MuonConfig.AdamLR), compared at the first step.
 //
 // # Warnings
 //

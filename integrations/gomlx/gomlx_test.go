@@ -328,6 +328,7 @@ func TestLoopEveryOptimizer(t *testing.T) {
 		{"adam", adam, false}, {"lamb", lamb, false}, {"onebit-adam", onebitAdam, false},
 		{"onebit-adam-sharded", withShardedFreeze(5), false}, {"onebit-lamb", onebitLamb, false},
 		{"zeroone-adam", zeroOneAdam, false}, {"zeroone-adam-local", zeroOneAdamLocal, true}, {"zero-adam", zeroAdam, false},
+		{"muon", muon, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			const steps = 30
@@ -439,8 +440,18 @@ func optimizerGlobalStep(s *model.Store) int64 {
 
 // TestLoopNonFiniteGradient: a gradient that is NaN on rank 1 at step 4
 // while every loss is finite (0*sqrt(0)) is skipped on every rank and the
-// loop goes on.
+// loop goes on (1-bit Adam, and Muon, whose transposed copies of the
+// matrices take the skip too).
 func TestLoopNonFiniteGradient(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		build Builder
+	}{{"onebit-adam", onebitAdam}, {"muon", muon}} {
+		t.Run(tc.name, func(t *testing.T) { checkNonFiniteGradient(t, tc.build) })
+	}
+}
+
+func checkNonFiniteGradient(t *testing.T, build Builder) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	const steps = 8
@@ -449,7 +460,7 @@ func TestLoopNonFiniteGradient(t *testing.T) {
 		r := c.Rank()
 		backend, err := gobackend.New("")
 		require.NoError(t, err)
-		opt, err := New(ctx, c, onebitAdam)
+		opt, err := New(ctx, c, build)
 		require.NoError(t, err)
 		defer opt.Close()
 		store := newStore(int64(100 + r))
@@ -836,6 +847,7 @@ func TestResumeBitIdentical(t *testing.T) {
 		{name: "zeroone-adam", build: zeroOneAdamLocal, steps: 12, cut: 7,
 			atCut: optim.StagePhaseB, atEnd: optim.StagePhaseB, compressed: true, apart: true},
 		{name: "zero-adam", build: zeroAdam, steps: 12, cut: 6},
+		{name: "muon", build: muon, steps: 12, cut: 6},
 	} {
 		t.Run(tc.name, func(t *testing.T) { checkResume(t, tc) })
 	}

@@ -67,6 +67,7 @@ type options struct {
 	batch      int
 	model      modelConfig
 	lr         float64
+	muonLR     float64 // -muon-lr: Muon's; -lr is its auxiliary AdamW's
 	freezeStep int
 	// outerH, outerFragments and outerDelay are diloco's H, Fragments
 	// and Delay (outer.Config).
@@ -95,6 +96,7 @@ type options struct {
 	checkpoint      string // directory of the GoMLX checkpoints, "" for none
 	checkpointEvery int
 	lrSet           bool      // -lr was given: on a resume it wins over the checkpoint's
+	muonLRSet       bool      // -muon-lr was given: likewise
 	out             io.Writer // rank 0's notes (the resume's learning rate); nil: none
 
 	late lateOptions // -late-bytes, -late-from (late.go)
@@ -116,7 +118,7 @@ func (o *options) hyper() hyper {
 	}
 	oc.Density, oc.Decay = float32(o.outerDensity), float32(o.outerDecay)
 	oc.SparseChunk, oc.SparseBits = o.outerSparseChunk, o.outerSBits
-	h := hyper{lr: float32(o.lr), freezeStep: fs, outer: oc, outerLR: o.outerLR, outerMomentum: o.outerMomentum}
+	h := hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), freezeStep: fs, outer: oc, outerLR: o.outerLR, outerMomentum: o.outerMomentum}
 	h.outer = h.outerFor(outer.CodecFP32)
 	return h
 }
@@ -128,6 +130,10 @@ func (o *options) hyper() hyper {
 // setting it is recorded in the checkpoints and fixed for the whole run,
 // so it does not follow -steps.
 const defaultOuterH = 25
+
+// defaultMuonLR is -muon-lr's default: the published default of Muon's
+// learning rate (Keller Jordan's recipe, optim.DefaultMuonConfig).
+const defaultMuonLR = 0.02
 
 // Bounds of the flags that size the run: beyond them a typo would start a
 // run of years or a million goroutines.
@@ -157,7 +163,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.model.heads, "heads", 4, "attention heads")
 	fs.IntVar(&o.model.ffn, "ffn", 256, "feed-forward width")
 	fs.IntVar(&o.model.context, "context", 64, "sequence length in bytes")
-	fs.Float64Var(&o.lr, "lr", 2e-3, "learning rate; on a resume, given explicitly, it replaces the checkpoint's (otherwise the checkpoint's is kept)")
+	fs.Float64Var(&o.lr, "lr", 2e-3, "learning rate (muon: its AdamW's, for the embeddings, the head, biases and norms); on a resume, given explicitly, it replaces the checkpoint's (otherwise the checkpoint's is kept)")
+	fs.Float64Var(&o.muonLR, "muon-lr", defaultMuonLR, "muon: the learning rate of the hidden matrices (attention and feed-forward); on a resume as -lr")
 	fs.IntVar(&o.freezeStep, "freeze-step", -1, "exact warm-up steps of the 1-bit optimizers (-1: a fifth of -steps)")
 	fs.IntVar(&o.outerH, "outer-h", defaultOuterH, "diloco: inner steps per outer step (each fragment's); fixed for the whole run, not derived from -steps")
 	fs.IntVar(&o.outerFragments, "outer-fragments", 1, "diloco: fragments of the parameters, exchanged staggered (Streaming DiLoCo), 1 to -outer-h")
@@ -191,7 +198,10 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	if fs.NArg() > 0 {
 		return nil, cliflag.Usagef("unexpected arguments %q", fs.Args())
 	}
-	fs.Visit(func(f *flag.Flag) { o.lrSet = o.lrSet || f.Name == "lr" })
+	fs.Visit(func(f *flag.Flag) {
+		o.lrSet = o.lrSet || f.Name == "lr"
+		o.muonLRSet = o.muonLRSet || f.Name == "muon-lr"
+	})
 	bad := func(name, format string, args ...any) (*options, error) {
 		return nil, cliflag.Bad(fs, name, format, args...)
 	}
@@ -205,6 +215,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("steps", "want 1 to %d", maxSteps)
 	case !(o.lr > 0) || o.lr > 10:
 		return bad("lr", "want a learning rate in (0, 10]")
+	case !(o.muonLR > 0) || o.muonLR > 10:
+		return bad("muon-lr", "want a learning rate in (0, 10]")
 	case !(o.valFrac > 0 && o.valFrac < 1):
 		return bad("val-frac", "want a share between 0 and 1")
 	case !(o.target >= 0) || o.target > 1e6:

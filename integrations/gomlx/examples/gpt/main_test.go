@@ -72,9 +72,9 @@ func TestConvergence(t *testing.T) {
 // 20 ends with the validation loss of the run never stopped, to the bit
 // (1-bit Adam, and with its moments sharded over the 2 ranks: both stop in
 // their compression stage; diloco with the 1-bit codec, stopped between
-// two exchanges, when the ranks' parameters differ).
+// two exchanges, when the ranks' parameters differ; exact Muon).
 func TestResume(t *testing.T) {
-	for _, name := range []string{"onebit-adam", "onebit-adam-sharded", "diloco:1bit"} {
+	for _, name := range []string{"onebit-adam", "onebit-adam-sharded", "diloco:1bit", "muon"} {
 		t.Run(name, func(t *testing.T) {
 			dir := t.TempDir()
 			args := tiny("-optimizer", name, "-freeze-step", "5", "-outer-h", "4", "-checkpoint", dir, "-checkpoint-every", "5")
@@ -111,6 +111,8 @@ func TestParseRuns(t *testing.T) {
 		{"diloco:1bit", "fp32", true, []string{"adam", "diloco 1bit"}, ""},
 		{"diloco", "fp16", true, []string{"adam fp16", "diloco sparse"}, ""},
 		{"diloco:fp16", "fp32", false, nil, `unknown codec "fp16" for diloco (want fp32, bf16, int8, 1bit or sparse)`},
+		{"adam,muon,muon:bf16", "fp32", false, []string{"adam", "muon", "muon bf16"}, ""},
+		{"muon", "fp32", true, nil, "-compare: muon has no compressed counterpart; give the runs as a list instead (-optimizer adam,muon)"},
 	} {
 		runs, err := parseRuns(tc.list, tc.reduce, tc.compare)
 		if tc.err != "" {
@@ -331,4 +333,34 @@ func TestInprocessUnderMPI(t *testing.T) {
 	require.Error(t, err)
 	assert.NotContains(t, err.Error(), "MPI job")
 	assert.Contains(t, err.Error(), "no such file or directory")
+}
+
+// TestMuon: exact Muon (-optimizer muon) on the tiny transformer learns, and
+// the header names its two learning rates. On a resume -muon-lr and -lr
+// each replace their own group's learning rate from the checkpoint, and
+// the run says which (the checkpoint's continue bit-identically: TestResume).
+func TestMuon(t *testing.T) {
+	var stderr bytes.Buffer
+	path := filepath.Join(t.TempDir(), "runs.json")
+	var out bytes.Buffer
+	dir := t.TempDir()
+	args := tiny("-optimizer", "muon", "-checkpoint", dir, "-checkpoint-every", "10", "-json", path)
+	require.NoError(t, run(context.Background(), append(args, "-steps", "30", "-lr", "3e-3"), &out, &stderr))
+	var runs []jsonRun
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(b, &runs))
+	require.Len(t, runs, 1)
+	assert.Equal(t, "muon", runs[0].Optimizer)
+	assert.Less(t, runs[0].ValLoss, math.Log(256)-1, "muon learned")
+	assert.Zero(t, runs[0].Skipped)
+	t.Logf("muon, 30 steps: validation loss %.4f", runs[0].ValLoss)
+
+	out.Reset()
+	require.NoError(t, run(context.Background(), append(args, "-steps", "31", "-muon-lr", "0.01", "-quiet=false"), &out, io.Discard))
+	assert.Contains(t, out.String(), "muon: the hidden matrices (attention, feed-forward) by Muon, lr 0.01 (-muon-lr); the embeddings, the output head, biases and norms by AdamW, lr 0.002 (-lr)")
+	assert.Contains(t, out.String(), "muon: resumed at step 30: muon lr 0.01 from -muon-lr (the checkpoint had 0.02), adam lr 0.003 from the checkpoint\n")
+	out.Reset()
+	require.NoError(t, run(context.Background(), append(args, "-steps", "32", "-lr", "1e-3"), &out, io.Discard))
+	assert.Contains(t, out.String(), "muon: resumed at step 31: muon lr 0.01 from the checkpoint, adam lr 0.001 from -lr (the checkpoint had 0.003)\n")
 }

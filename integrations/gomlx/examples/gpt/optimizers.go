@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	lbgomlx "github.com/lowbit-ml/lowbit/integrations/gomlx"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/optim/zero"
@@ -15,7 +16,7 @@ import (
 
 // optimizerNames are the optimizers -optimizer takes, in the order -help
 // lists them.
-var optimizerNames = []string{"adam", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "zeroone-adam", "lamb", "onebit-lamb", lambCompact, "zero-adam", diloco}
+var optimizerNames = []string{"adam", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "zeroone-adam", "lamb", "onebit-lamb", lambCompact, "zero-adam", diloco, muon}
 
 // lambCompact is 1-bit LAMB in StateCompact: onebit-lamb's steps bit for
 // bit in less memory.
@@ -28,6 +29,13 @@ const lambCompact = "onebit-lamb-compact"
 // names the codec of the exchanges: fp32 (the default), bf16, int8 or
 // 1bit; -reduce does not apply to it.
 const diloco = "diloco"
+
+// muon is exact Muon (optim.NewMuon through lbgomlx.NewMuon): the hidden
+// matrices (lbgomlx.HiddenMatrices: attention and feed-forward) by Muon
+// with -muon-lr, the embeddings, the output head, biases and norms by its
+// auxiliary AdamW with -lr. It has no compressed counterpart for -compare
+// yet.
+const muon = "muon"
 
 // sharded is 1-bit Adam with its moments sharded over the ranks
 // (onebit.StateSharded, docs/sharded.md): the wire bytes of onebit-adam,
@@ -139,6 +147,9 @@ func parseRuns(list, reduce string, compare bool) ([]runSpec, error) {
 		if !slices.Contains(optimizerNames, name) {
 			return nil, fmt.Errorf("unknown -optimizer %q (want one of %s)", name, strings.Join(optimizerNames, ", "))
 		}
+		if pair[1] == "" {
+			return nil, fmt.Errorf("-compare: %s has no compressed counterpart; give the runs as a list instead (-optimizer adam,%s)", name, name)
+		}
 		var runs []runSpec
 		for _, n := range pair {
 			r := n
@@ -222,7 +233,11 @@ func parseRun(entry, reduce string) (runSpec, error) {
 
 // hyper are the optimizer settings the flags choose.
 type hyper struct {
+	// lr is the learning rate of Adam, LAMB, the 1-bit optimizers,
+	// diloco's inner Adam and Muon's auxiliary AdamW (-lr).
 	lr float32
+	// muonLR is Muon's learning rate (-muon-lr).
+	muonLR float32
 	// freezeStep is the exact warm-up of the 1-bit optimizers: FreezeStep
 	// of onebit-adam, onebit-adam-sharded and onebit-lamb, VarFreezeStep of
 	// zeroone-adam.
@@ -289,6 +304,11 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		inner := adam
 		inner.Reduce = optim.ReduceFP32 // local: the inner Adam never communicates
 		return outer.NewAdam(ctx, c, params, cfg, inner)
+	case muon:
+		cfg := optim.DefaultMuonConfig()
+		cfg.LR, cfg.AdamLR = h.muonLR, h.lr
+		cfg.Reduce = r.reduce
+		return lbgomlx.NewMuon(cfg)(ctx, c, params)
 	case "zero-adam":
 		cfg := zero.DefaultConfig()
 		cfg.AdamConfig = adam

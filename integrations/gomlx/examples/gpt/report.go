@@ -45,6 +45,21 @@ func printHeader(w io.Writer, o *options, data *corpus, workers int) {
 	if d := outerDesc(o); d != "" {
 		fmt.Fprintln(w, d)
 	}
+	if d := muonDesc(o); d != "" {
+		fmt.Fprintln(w, d)
+	}
+}
+
+// muonDesc describes Muon's two learning rates when a run is muon, "" if
+// none is.
+func muonDesc(o *options) string {
+	for _, r := range o.runs {
+		if r.name == muon {
+			return fmt.Sprintf("muon: the hidden matrices (attention, feed-forward) by Muon, lr %g (-muon-lr); the embeddings, the output head, biases and norms by AdamW, lr %g (-lr)",
+				o.muonLR, o.lr)
+		}
+	}
+	return ""
 }
 
 // validationDesc says what the two evaluations cover: the curve's, every
@@ -341,6 +356,9 @@ func writeMarkdown(path string, o *options, data *corpus, results []*result) err
 		}
 		fmt.Fprintf(&b, "| %s | %.4f | ±%.2f%% |%s %.4f | %.4f | %s | %.4f | %s | %s | %d |\n",
 			r.spec.label(), r.valLoss, r.relStderr(), late, bitsPerByte(r.valLoss), r.curveLoss, vs, r.trainLoss, human(r.bytes), tt, r.skipped)
+	}
+	if d := muonDesc(o); d != "" {
+		fmt.Fprintf(&b, "\n%s.\n", strings.ToUpper(d[:1])+d[1:])
 	}
 	if d := outerDesc(o); d != "" {
 		fmt.Fprintf(&b, "\n%s.\n", strings.ToUpper(d[:1])+d[1:])

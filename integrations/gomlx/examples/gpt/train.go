@@ -360,8 +360,10 @@ func mean(v []float64) float64 {
 // runs just before the lowbit hook, once the first training graph has
 // loaded the state): Load restored the checkpoint's fixed learning rate,
 // as PyTorch's load_state_dict does; -lr given on the command line wins and
-// is set with SetLR. Either way rank 0 prints which learning rate the run
-// continues with and where it came from.
+// is set with SetLR. Muon has two: -muon-lr is its Muon group's (SetLR),
+// -lr its AdamW group's (SetAdamLR), each with the same rule. Either way
+// rank 0 prints which learning rates the run continues with and where
+// they came from.
 func resumeLR(opt *lbgomlx.Optimizer, r runSpec, o *options, rank int) train.OnStepFn {
 	first := true
 	return func(l *train.Loop, _ []*tensors.Tensor) error {
@@ -379,12 +381,22 @@ func resumeLR(opt *lbgomlx.Optimizer, r runSpec, o *options, rank int) train.OnS
 		if !ok {
 			return fmt.Errorf("%s cannot change its learning rate (not an optim.LRSetter)", r.label())
 		}
-		line := fmt.Sprintf("lr %v from the checkpoint", ls.LR())
-		if o.lrSet {
-			lr := o.hyper().lr
-			line = fmt.Sprintf("lr %v from -lr (the checkpoint had %v)", lr, ls.LR())
-			if err := ls.SetLR(lr); err != nil {
-				return fmt.Errorf("-lr: %w", err)
+		h := o.hyper()
+		var line string
+		if a := adamGroup(opt.Optimizer()); a != nil {
+			mu, err := resumeOne("muon lr", "-muon-lr", o.muonLRSet, h.muonLR, ls.LR, ls.SetLR)
+			if err != nil {
+				return err
+			}
+			ad, err := resumeOne("adam lr", "-lr", o.lrSet, h.lr, a.AdamLR, a.SetAdamLR)
+			if err != nil {
+				return err
+			}
+			line = mu + ", " + ad
+		} else {
+			var err error
+			if line, err = resumeOne("lr", "-lr", o.lrSet, h.lr, ls.LR, ls.SetLR); err != nil {
+				return err
 			}
 		}
 		if rank == 0 && o.out != nil {
@@ -392,4 +404,41 @@ func resumeLR(opt *lbgomlx.Optimizer, r runSpec, o *options, rank int) train.OnS
 		}
 		return nil
 	}
+}
+
+// resumeOne applies the resume's rule to one learning rate, called name
+// and set by flag: the flag's value lr when it was given (set), else the
+// checkpoint's, which get returns; it says which.
+func resumeOne(name, flag string, set bool, lr float32, get func() float32, put func(float32) error) (string, error) {
+	if !set {
+		return fmt.Sprintf("%s %v from the checkpoint", name, get()), nil
+	}
+	line := fmt.Sprintf("%s %v from %s (the checkpoint had %v)", name, lr, flag, get())
+	if err := put(lr); err != nil {
+		return "", fmt.Errorf("%s: %w", flag, err)
+	}
+	return line, nil
+}
+
+// adamGrouper is an optimizer with an auxiliary AdamW group of its own
+// learning rate: Muon.
+type adamGrouper interface {
+	AdamLR() float32
+	SetAdamLR(float32) error
+}
+
+// adamGroup returns opt, or the optimizer it wraps (Inner), as an
+// adamGrouper; nil when neither is one.
+func adamGroup(opt optim.Optimizer) adamGrouper {
+	for opt != nil {
+		if a, ok := opt.(adamGrouper); ok {
+			return a
+		}
+		in, ok := opt.(interface{ Inner() optim.Optimizer })
+		if !ok {
+			return nil
+		}
+		opt = in.Inner()
+	}
+	return nil
 }

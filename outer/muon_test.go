@@ -1,0 +1,141 @@
+package outer_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
+)
+
+// muonShapes are the parameters of the Muon tests: two matrices, a
+// vector (the auxiliary AdamW's) and a tensor of rank 3 (a 3 x 8 matrix).
+var muonShapes = [][]int{{6, 10}, {10, 6}, {5}, {3, 2, 4}}
+
+// muonNumel is the number of elements of muonShapes.
+const muonNumel = 60 + 60 + 5 + 24
+
+func muonConfig() optim.MuonConfig {
+	m := optim.DefaultMuonConfig()
+	m.AdamLR = 0.01
+	m.WeightDecay = 0.01
+	return m
+}
+
+// muonInner is outer.NewMuon with muonConfig over muonShapes.
+var muonInner = innerKind{
+	params: func(t testing.TB) []*optim.Param { return newShaped(t, muonShapes) },
+	build: func(ctx context.Context, c comm.Comm, ps []*optim.Param, cfg outer.Config) (*outer.Optimizer, error) {
+		return outer.NewMuon(ctx, c, ps, cfg, muonConfig())
+	},
+}
+
+// Muon as the inner optimizer (MuLoCo's setting), on 2 and 3 ranks, with
+// every codec, with and without fragments and delay: every rank holds the
+// same θ_g and u, and resuming from a checkpoint (mid-period, at an
+// exchange, with an exchange in flight) is bit-identical.
+func TestMuonInner(t *testing.T) {
+	const calls = 10
+	initial := flat(newShaped(t, muonShapes))
+	for _, w := range []int{2, 3} {
+		for _, codec := range allCodecs {
+			for _, k := range []checkpointCase{
+				{config(codec, 3, 1, 0), []int{3, 4}},
+				{config(codec, 4, 2, 1), []int{2, 5}}, // fragment 1 in flight at 2, fragment 0 at 4
+			} {
+				cfg := k.cfg
+				t.Run(fmt.Sprintf("W%d/%s/F%d/D%d", w, codec, cfg.Fragments, cfg.Delay), func(t *testing.T) {
+					whole := runResume(t, muonInner, w, cfg, calls, -1)
+					global := whole[0][muonNumel:]
+					for r := 1; r < w; r++ {
+						require.Equal(t, global, whole[r][muonNumel:], "θ_g and u of rank %d", r)
+					}
+					assert.NotEqual(t, initial, global[:muonNumel], "θ_g never moved")
+					for _, at := range k.at {
+						assert.Equal(t, whole, runResume(t, muonInner, w, cfg, calls, at), "resumed after call %d", at)
+					}
+				})
+			}
+		}
+	}
+}
+
+// Carried flags with Muon inside: a veto and a refusal at an exchange and
+// at its merge stop the call on every rank with nothing changed, and the
+// run ends as one that never stopped.
+func TestMuonInnerCarryFlags(t *testing.T) {
+	const w, calls = 3, 8
+	cfg := config(outer.CodecOneBit, 3, 1, 1)
+	want := runStopped(t, muonInner, cfg, w, calls, -1, false)
+	for _, at := range []int{3, 4} { // an exchange at 3, its merge at 4
+		assert.Equal(t, want, runStopped(t, muonInner, cfg, w, calls, at, false), "veto at call %d", at)
+		assert.Equal(t, want, runStopped(t, muonInner, cfg, w, calls, at, true), "refusal at call %d", at)
+	}
+}
+
+// NewMuon's checkpoint is "outer-muon", with Muon's state under inner/;
+// SetLR and LR are the Muon group's, the AdamW group's is the inner
+// optimizer's, and a checkpoint keeps both.
+func TestMuonInnerStateAndLR(t *testing.T) {
+	runRanks(t, 2, func(ctx context.Context, c comm.Comm) error {
+		ps := newShaped(t, muonShapes)
+		o, err := outer.NewMuon(ctx, c, ps, config(outer.CodecInt8, 2, 1, 0), muonConfig())
+		if err != nil {
+			return err
+		}
+		defer o.Close()
+		mu, ok := o.Inner().(*optim.Muon)
+		require.True(t, ok, "inner %T", o.Inner())
+		assert.Equal(t, []string{"a", "b", "d"}, mu.MuonParams())
+		assert.Equal(t, float32(0.02), o.LR())
+		require.NoError(t, o.SetLR(0.03))
+		require.NoError(t, mu.SetAdamLR(0.002))
+		for i := 1; i <= 3; i++ {
+			setGrads(ps, c.Rank(), i)
+			require.NoError(t, o.Step(ctx))
+		}
+		ck, err := o.State()
+		require.NoError(t, err)
+		assert.Equal(t, "outer-muon", ck.Algorithm)
+		assert.Equal(t, float64(float32(0.03)), ck.Floats[outer.InnerPrefix+optim.FloatLR])
+		assert.Equal(t, float64(float32(0.002)), ck.Floats[outer.InnerPrefix+optim.FloatAdamLR])
+		for _, want := range []string{"a", "b", "d"} {
+			assert.NotNil(t, ck.Tensor(outer.InnerPrefix+optim.MomentumBufferPrefix+want), "momentum of %s", want)
+		}
+		assert.NotNil(t, ck.Tensor(outer.InnerPrefix+optim.ExpAvgSqPrefix+"c"))
+		return nil
+	})
+}
+
+// A parameter marked for Muon that is not a matrix, on one rank, is an
+// error on every rank: its own on that rank, one naming it on the others.
+func TestMuonInnerBadInputOnEveryRank(t *testing.T) {
+	const w = 3
+	errs := newPerRank[error](w)
+	runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+		m := muonConfig()
+		if c.Rank() == 1 {
+			m.Params = []string{"a", "c"}
+		}
+		o, err := outer.NewMuon(ctx, c, newShaped(t, muonShapes), outer.DefaultConfig(), m)
+		if err == nil {
+			o.Close()
+		}
+		errs.set(c.Rank(), err)
+		return nil
+	})
+	for r, err := range errs.v {
+		require.Error(t, err, "rank %d", r)
+		want := "rank 1"
+		if r == 1 {
+			want = `parameter "c" of shape [5] is marked for Muon but is not a matrix`
+		}
+		assert.True(t, strings.Contains(err.Error(), want), "rank %d: %v", r, err)
+	}
+}
