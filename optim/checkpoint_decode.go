@@ -5,7 +5,6 @@ package optim
 
 import (
 	"bufio"
-	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -20,7 +19,8 @@ import (
 // Bytes that are not a whole, intact checkpoint of a known version are
 // refused with an error wrapping ErrCorruptCheckpoint, and ck is left
 // unchanged. It never panics and never allocates more than the input
-// can describe.
+// can describe; it decodes the bytes where they lie in b, copying nothing
+// beside what it returns.
 func (ck *Checkpoint) UnmarshalBinary(b []byte) error {
 	h, err := checkHeader(b[:min(len(b), ckHeaderLen)], uint64(max(len(b)-ckHeaderLen, 0)))
 	if err != nil {
@@ -30,7 +30,8 @@ func (ck *Checkpoint) UnmarshalBinary(b []byte) error {
 	if got := crc32.Checksum(payload, castagnoli); got != h.crc {
 		return checksumError(got, h.crc)
 	}
-	out, err := decodePayload(bytes.NewReader(payload), h, false)
+	d := decoder{mem: payload, left: h.size}
+	out, err := d.payload(h)
 	if err != nil {
 		return err
 	}
@@ -76,19 +77,18 @@ func checksumError(got, want uint32) error {
 	return fmt.Errorf("%w: checksum mismatch (CRC-32C %08x, header says %08x)", ErrCorruptCheckpoint, got, want)
 }
 
-// decodePayload decodes the payload that h describes from r, which holds
-// at least h.size bytes. With verify it computes the checksum of what it
-// reads and refuses a mismatch; a payload that is damaged in a way the
-// decoder notices first is still reported as a checksum mismatch, as
-// UnmarshalBinary, which checks the checksum before decoding, reports it.
-// Every allocation is bounded by the payload bytes not yet read.
-func decodePayload(r io.Reader, h ckHeader, verify bool) (Checkpoint, error) {
-	d := decoder{r: r, left: h.size, sum: verify, chunk: int(min(h.size, 4*ckChunk))}
+// payload decodes the payload that h describes, whose h.size bytes d
+// holds. With d.sum it computes the checksum of what it reads and refuses
+// a mismatch; a payload that is damaged in a way the decoder notices first
+// is still reported as a checksum mismatch, as UnmarshalBinary, which
+// checks the checksum before decoding, reports it. Every allocation is
+// bounded by the payload bytes not yet read.
+func (d *decoder) payload(h ckHeader) (Checkpoint, error) {
 	out := d.checkpoint(h.version)
 	if d.err == nil && d.left != 0 {
 		d.fail("%d unread bytes at the end of the payload", d.left)
 	}
-	if !verify || d.readErr != nil {
+	if !d.sum || d.readErr != nil {
 		if d.err != nil {
 			return Checkpoint{}, d.err
 		}
@@ -97,7 +97,7 @@ func decodePayload(r io.Reader, h ckHeader, verify bool) (Checkpoint, error) {
 	if d.err != nil {
 		out = Checkpoint{} // garbage: let the collector have it while the rest is read
 		for d.left > 0 && d.readErr == nil {
-			d.read(d.buf()[:min(d.left, uint64(len(d.buf())))])
+			d.next(d.left)
 		}
 		if d.readErr != nil {
 			return Checkpoint{}, d.readErr
@@ -112,20 +112,21 @@ func decodePayload(r io.Reader, h ckHeader, verify bool) (Checkpoint, error) {
 	return out, nil
 }
 
-// decoder reads a payload from r: left is how many of its bytes remain,
-// and bounds every allocation. The first error sticks and every later read
-// returns zero values; readErr is set, to the same error, when reading
-// failed rather than the bytes read being invalid.
+// decoder reads a payload from r, or, with r nil, from mem, the payload
+// in memory: left is how many of its bytes remain, and bounds every
+// allocation. The first error sticks and every later read returns zero
+// values; readErr is set, to the same error, when reading failed rather
+// than the bytes read being invalid.
 type decoder struct {
 	r       io.Reader
+	mem     []byte // with r nil, the payload's bytes not read yet
 	left    uint64
 	sum     bool   // compute crc
 	crc     uint32 // CRC-32C of the bytes read
 	err     error
 	readErr error
-	small   [8]byte
 	chunk   int    // size of scratch
-	scratch []byte // for tensor data and long strings
+	scratch []byte // what is read from r, a chunk at a time
 }
 
 func (d *decoder) fail(format string, args ...any) {
@@ -140,6 +141,27 @@ func (d *decoder) buf() []byte {
 		d.scratch = make([]byte, max(d.chunk&^3, 8))
 	}
 	return d.scratch
+}
+
+// next returns the next bytes of the payload, at most n of them (n at
+// least 1 and at most d.left), or nil once reading failed: in memory, the
+// n bytes themselves, not a copy; from r, as many as the scratch buffer
+// holds, read into it (at least 8, a multiple of 4).
+func (d *decoder) next(n uint64) []byte {
+	if d.r == nil {
+		p := d.mem[:n:n]
+		d.mem = d.mem[n:]
+		d.left -= n
+		if d.sum {
+			d.crc = crc32.Update(d.crc, castagnoli, p)
+		}
+		return p
+	}
+	p := d.buf()[:min(n, uint64(len(d.buf())))]
+	if !d.read(p) {
+		return nil
+	}
+	return p
 }
 
 // read fills p, which is no longer than d.left, from r.
@@ -182,17 +204,25 @@ func (d *decoder) need(n uint64, what, suffix string) bool {
 }
 
 func (d *decoder) u32(what, suffix string) uint32 {
-	if !d.need(4, what, suffix) || !d.read(d.small[:4]) {
+	if !d.need(4, what, suffix) {
 		return 0
 	}
-	return binary.LittleEndian.Uint32(d.small[:4])
+	p := d.next(4)
+	if p == nil {
+		return 0
+	}
+	return binary.LittleEndian.Uint32(p)
 }
 
 func (d *decoder) u64(what string) uint64 {
-	if !d.need(8, what, "") || !d.read(d.small[:]) {
+	if !d.need(8, what, "") {
 		return 0
 	}
-	return binary.LittleEndian.Uint64(d.small[:])
+	p := d.next(8)
+	if p == nil {
+		return 0
+	}
+	return binary.LittleEndian.Uint64(p)
 }
 
 func (d *decoder) str(what string) string {
@@ -203,8 +233,8 @@ func (d *decoder) str(what string) string {
 	var sb strings.Builder
 	sb.Grow(int(n))
 	for n > 0 {
-		p := d.buf()[:min(n, uint64(len(d.buf())))]
-		if !d.read(p) {
+		p := d.next(n)
+		if p == nil {
 			return ""
 		}
 		sb.Write(p)
@@ -316,11 +346,11 @@ func (d *decoder) tensor() Tensor {
 	}
 	t.Data = make([]float32, n)
 	for x := t.Data; len(x) > 0; {
-		p := d.buf()
-		k := min(len(x), len(p)/4)
-		if !d.read(p[:4*k]) {
+		p := d.next(4 * uint64(len(x)))
+		if p == nil {
 			return t
 		}
+		k := len(p) / 4
 		for i := range x[:k] {
 			x[i] = math.Float32frombits(binary.LittleEndian.Uint32(p[4*i:]))
 		}
@@ -392,8 +422,9 @@ func decodeStream(r io.Reader, size int64) (*Checkpoint, error) {
 	if err != nil {
 		return nil, err
 	}
+	d := decoder{r: r, left: h.size, sum: true, chunk: int(min(h.size, 4*ckChunk))}
 	ck := new(Checkpoint)
-	if *ck, err = decodePayload(r, h, true); err != nil {
+	if *ck, err = d.payload(h); err != nil {
 		return nil, err
 	}
 	switch _, err := io.ReadFull(r, hb[:1]); {
