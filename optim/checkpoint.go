@@ -92,8 +92,8 @@ const (
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 // Tensor returns the first tensor called name, or nil. It scans
-// ck.Tensors: code that looks up every parameter's tensors uses Restore,
-// which indexes them once.
+// ck.Tensors: code that looks up every parameter's tensors uses Index or
+// Restore, which index them once.
 func (ck *Checkpoint) Tensor(name string) *Tensor {
 	for i := range ck.Tensors {
 		if ck.Tensors[i].Name == name {
@@ -103,20 +103,27 @@ func (ck *Checkpoint) Tensor(name string) *Tensor {
 	return nil
 }
 
-// tensorIndex finds the tensors of one checkpoint by name in constant
+// TensorIndex finds the tensors of one checkpoint by name in constant
 // time. It is built on first use, from ck.Tensors as they are then, and
-// belongs to one operation (a Restore, a CheckCompatible): the checkpoint
-// itself holds no index, so that it stays a plain value that goroutines
-// may read, and copy, concurrently. A hit is checked against the tensor's
-// name and anything else falls back to Checkpoint.Tensor, so an index
-// made stale by a caller changing ck.Tensors still finds what a scan
-// finds.
-type tensorIndex struct {
+// belongs to one operation (a Load, a Restore, a consolidation): the
+// checkpoint itself holds no index, so that it stays a plain value that
+// goroutines may read, and copy, concurrently. A hit is checked against
+// the tensor's name and anything else falls back to Checkpoint.Tensor, so
+// an index made stale by a caller changing ck.Tensors still finds what a
+// scan finds. A TensorIndex is not safe for concurrent use.
+type TensorIndex struct {
 	ck  *Checkpoint
 	pos map[string]int // first position of each name
 }
 
-func (x *tensorIndex) find(name string) *Tensor {
+// Index returns an index of ck's tensors by name, for an operation that
+// looks up many of them: looking up every parameter's tensors then takes
+// time linear in their number rather than a scan of ck.Tensors each.
+func (ck *Checkpoint) Index() *TensorIndex { return &TensorIndex{ck: ck} }
+
+// Tensor returns the first tensor called name, or nil, as
+// Checkpoint.Tensor does.
+func (x *TensorIndex) Tensor(name string) *Tensor {
 	if x.pos == nil {
 		x.pos = make(map[string]int, len(x.ck.Tensors))
 		for i, t := range x.ck.Tensors {
@@ -146,6 +153,11 @@ func (ck *Checkpoint) TensorData(name string, n int) ([]float32, error) {
 	return tensorData(name, ck.Tensor(name), n)
 }
 
+// TensorData is Checkpoint.TensorData through the index.
+func (x *TensorIndex) TensorData(name string, n int) ([]float32, error) {
+	return tensorData(name, x.Tensor(name), n)
+}
+
 // tensorData is TensorData for the tensor t found under name (nil when
 // there is none).
 func tensorData(name string, t *Tensor, n int) ([]float32, error) {
@@ -166,7 +178,7 @@ func tensorData(name string, t *Tensor, n int) ([]float32, error) {
 // A Restore indexes the checkpoint's tensors by name once, so that staging
 // every tensor of a checkpoint costs time linear in their number.
 type Restore struct {
-	idx tensorIndex
+	idx TensorIndex
 	ops []restoreCopy
 	err error
 }
@@ -174,7 +186,7 @@ type Restore struct {
 type restoreCopy struct{ dst, src []float32 }
 
 // Restore starts staging copies out of ck.
-func (ck *Checkpoint) Restore() *Restore { return &Restore{idx: tensorIndex{ck: ck}} }
+func (ck *Checkpoint) Restore() *Restore { return &Restore{idx: TensorIndex{ck: ck}} }
 
 // Tensor stages copying the tensor called name, which must hold len(dst)
 // elements, into dst. After the first error it does nothing.
@@ -182,7 +194,7 @@ func (r *Restore) Tensor(name string, dst []float32) {
 	if r.err != nil {
 		return
 	}
-	src, err := tensorData(name, r.idx.find(name), len(dst))
+	src, err := r.idx.TensorData(name, len(dst))
 	if err != nil {
 		r.err = err
 		return
@@ -250,9 +262,9 @@ func (ck *Checkpoint) CheckCompatible(algorithm string, world int, params []*Par
 			}
 		}
 	}
-	idx := tensorIndex{ck: ck}
+	idx := ck.Index()
 	for _, p := range params {
-		t := idx.find(ParamTensorName(p.Name))
+		t := idx.Tensor(ParamTensorName(p.Name))
 		if t == nil {
 			return fmt.Errorf("%w: parameter %q is not in the checkpoint", ErrIncompatibleCheckpoint, p.Name)
 		}
