@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -53,6 +52,12 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	}
 	j := &cfg.job
 	j.Params, j.BucketBytes = 1.3e9, optim.DefaultBucketBytes
+	// The plan's sentences name the flags that set a figure (--alpha), not
+	// the Job fields.
+	j.FieldNames = make(map[string]string, len(planFlags))
+	for field, name := range planFlags {
+		j.FieldNames[field] = "--" + name
+	}
 	fs := flag.NewFlagSet("plan", flag.ContinueOnError)
 	fs.SetOutput(out)
 	fs.Var(&size.CountValue[int64]{P: &j.Params, Min: 1, Max: costmodel.MaxParams}, "params", "model parameters: float32 gradient elements (`count`: 7B, 1.3B, 340M, 137k; B is billion)")
@@ -185,24 +190,7 @@ func planMain(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	a := &p.Assumptions
-	a.AlphaFrom, a.IneffFrom, a.CompressFrom = flagNames(a.AlphaFrom), flagNames(a.IneffFrom), flagNames(a.CompressFrom)
 	return writePlan(stdout, p, cfg, cal.Source)
-}
-
-// jobField is a costmodel.Job field as costmodel's Assumptions name the
-// one that replaced a fitted figure ("Job.Alpha").
-var jobField = regexp.MustCompile(`\bJob\.([A-Z][A-Za-z]*)\b`)
-
-// flagNames rewrites the costmodel.Job fields that s names as the flags
-// that set them (Job.Alpha: --alpha), so that the plan says what to type.
-func flagNames(s string) string {
-	return jobField.ReplaceAllStringFunc(s, func(m string) string {
-		if f, ok := planFlags[strings.TrimPrefix(m, "Job.")]; ok {
-			return "--" + f
-		}
-		return m
-	})
 }
 
 func writeFit(w io.Writer, m *costmodel.Model, checks []costmodel.Check, source string, holdout, asJSON bool) error {
