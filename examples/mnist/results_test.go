@@ -48,9 +48,8 @@ func TestResultRoundTrip(t *testing.T) {
 	got.loss, want.loss = nil, nil
 	assert.Equal(t, want, got)
 
-	for _, carried := range []string{} { _ = carried }
 	for _, carried := range []string{"", carryCopy.String(), carryConsolidate.String(), carryRefused.String()} {
-		_ = carried
+		assert.Equal(t, carried, carriedOf(carriedCode(carried)))
 	}
 }
 
