@@ -127,6 +127,7 @@ type decoder struct {
 	readErr error
 	chunk   int    // size of scratch
 	scratch []byte // what is read from r, a chunk at a time
+	zero    [8]byte
 }
 
 func (d *decoder) fail(format string, args ...any) {
@@ -203,26 +204,23 @@ func (d *decoder) need(n uint64, what, suffix string) bool {
 	return true
 }
 
+// word returns the next n bytes (4 or 8) for what (followed by suffix),
+// or 8 zero bytes once an error has stuck.
+func (d *decoder) word(n uint64, what, suffix string) []byte {
+	if d.need(n, what, suffix) {
+		if p := d.next(n); p != nil {
+			return p
+		}
+	}
+	return d.zero[:]
+}
+
 func (d *decoder) u32(what, suffix string) uint32 {
-	if !d.need(4, what, suffix) {
-		return 0
-	}
-	p := d.next(4)
-	if p == nil {
-		return 0
-	}
-	return binary.LittleEndian.Uint32(p)
+	return binary.LittleEndian.Uint32(d.word(4, what, suffix))
 }
 
 func (d *decoder) u64(what string) uint64 {
-	if !d.need(8, what, "") {
-		return 0
-	}
-	p := d.next(8)
-	if p == nil {
-		return 0
-	}
-	return binary.LittleEndian.Uint64(p)
+	return binary.LittleEndian.Uint64(d.word(8, what, ""))
 }
 
 func (d *decoder) str(what string) string {
