@@ -2,7 +2,7 @@
 GO      ?= go
 FUZZTIME ?= 10s
 
-.PHONY: gpu-check all build test test-unit test-race test-mpi test-integrations conformance bench bench-net lint fuzz demo demo-net demo-gpt demo-gpt-net demo-gpt-rates mnist-data ptx soak
+.PHONY: gpu-check all build test test-unit test-race test-mpi test-integrations conformance bench bench-net lint fuzz demo demo-net demo-gpt demo-gpt-net demo-gpt-rates mnist-data ptx soak cluster-hostfile
 
 all: build
 
@@ -65,6 +65,13 @@ demo: mnist-data
 ## wall time of both. Needs root and Open MPI.
 demo-net: mnist-data
 	./scripts/demo-net.sh
+
+## cluster-hostfile: the Open MPI hostfile recipe of docs/cluster.md on two
+## "machines" (network namespaces joined by a veth pair): the MNIST example
+## on its test set across both, then machine B lost, then the job resumed
+## on machine A alone. Needs root and Open MPI; about 15 s.
+cluster-hostfile:
+	./scripts/cluster-hostfile.sh
 
 ## demo-gpt: the GoMLX GPT example's convergence table (integrations/gomlx/
 ## examples/gpt): Adam, 1-bit Adam in its state modes (compact, sharded,

@@ -228,7 +228,7 @@ type Concurrent interface {
 // typically as CanOverlap(wrapped).
 func CanOverlap(cs ...Comm) bool {
 	for _, c := range cs {
-		k, ok := As[Concurrent](c)
+		k, ok := c.(Concurrent) // never a wrapped one's (see Wrapper)
 		if !ok || !k.Concurrent() {
 			return false
 		}

@@ -73,18 +73,13 @@ func NewLayout(ctx context.Context, c Comm, ranksPerNode int) (*Layout, error) {
 	rpn := ranksPerNode
 	var intra Comm
 	if rpn == 0 {
-		ns, ok := As[NodeSplitter](c)
-		if ok {
-			intra, err = ns.SplitNode(ctx)
-			if errors.Is(err, errors.ErrUnsupported) {
-				ok = false
-			} else if err != nil {
-				return nil, fmt.Errorf("comm: layout: %w", err)
-			}
-		}
-		if !ok {
+		intra, err = SplitNode(ctx, c)
+		switch {
+		case errors.Is(err, errors.ErrUnsupported):
 			rpn = 1
-		} else {
+		case err != nil:
+			return nil, fmt.Errorf("comm: layout: %w", err)
+		default:
 			rpn = intra.Size()
 			// Second agreement: the nodes the backend found must be of
 			// one size and node-major.

@@ -18,12 +18,13 @@ import (
 // implements a capability itself is found first, before the communicator it
 // wraps.
 //
-// Two capabilities depend on the wrapper itself, and As hands them through
+// Two capabilities depend on the wrapper itself, and the functions that
+// use them (not As, which finds every capability alike) hand them through
 // a wrapper only in a form that is safe for it:
 //
-//   - NodeSplitter makes communicators. Found through a wrapper that does
-//     not implement SplitNode, it learns the node from the wrapped
-//     communicator and then makes the node's communicator with the
+//   - NodeSplitter makes communicators. SplitNode, finding it through a
+//     wrapper that does not implement SplitNode, learns the node from the
+//     wrapped communicator and then makes the node's communicator with the
 //     wrapper's own Split, so the wrapper sees the node's traffic as it
 //     sees that of any communicator split off it. A wrapper that must see
 //     every split-off communicator's calls therefore implements Split
@@ -34,10 +35,10 @@ import (
 //     no NodeSplitter (see NodeSplitter).
 //   - Concurrent promises that the wrapper's own state (counters, logs,
 //     fault plans shared with the communicators split off it) is safe for
-//     collectives that overlap from several goroutines. As never finds it
-//     through a wrapper: a wrapper that is goroutine-safe says so by
-//     implementing Concurrent, typically as CanOverlap(wrapped), and
-//     otherwise its collectives do not overlap (CanOverlap reports false).
+//     collectives that overlap from several goroutines. CanOverlap never
+//     takes it from a wrapped communicator: a wrapper that is
+//     goroutine-safe says so by implementing Concurrent, typically as
+//     CanOverlap(wrapped), and otherwise its collectives do not overlap.
 //
 // A wrapper whose calls are not one to one with the wrapped communicator's
 // (one that adds collectives of its own, say) must not implement Unwrap:
@@ -51,28 +52,15 @@ type Wrapper interface {
 // outermost first, and returns the first it finds. T is an interface type,
 // one of the optional capabilities such as CheckSkipper.
 //
-// Two capabilities are special (see Wrapper). A Concurrent is found only
-// on c itself, never through a wrapper. A NodeSplitter found through a
-// wrapper is returned as one whose SplitNode makes the node communicator
-// with c's Split: it calls the wrapped SplitNode, agrees on the node's
-// smallest rank in one AllReduce on the node communicator that returns,
-// closes that communicator and splits c by it; these calls on the wrapped
-// communicators are not seen by the wrappers in between.
+// As finds every capability alike. Two are used through functions that
+// apply their rule for wrappers (see Wrapper): split off a node with
+// SplitNode rather than through the NodeSplitter As finds, and ask
+// CanOverlap, not the Concurrent As finds, whether collectives may
+// overlap.
 func As[T any](c Comm) (T, bool) {
 	var zero T
-	outer := c
-	for depth := 0; c != nil; depth++ {
+	for c != nil {
 		if t, ok := c.(T); ok {
-			if depth == 0 {
-				return t, true
-			}
-			switch any((*T)(nil)).(type) {
-			case *Concurrent:
-				return zero, false
-			case *NodeSplitter:
-				var ns NodeSplitter = splitVia{outer: outer, inner: any(t).(NodeSplitter)}
-				return any(ns).(T), true
-			}
 			return t, true
 		}
 		w, ok := c.(Wrapper)
@@ -84,7 +72,26 @@ func As[T any](c Comm) (T, bool) {
 	return zero, false
 }
 
-// splitVia is the NodeSplitter As returns for a wrapper that does not
+// SplitNode splits off the ranks that share this rank's node, through the
+// NodeSplitter As finds in c, and returns errors.ErrUnsupported (wrapped)
+// where there is none. Found on c itself, it is c's SplitNode. Found
+// through a wrapper, the node communicator is made with c's Split: SplitNode
+// calls the wrapped SplitNode, agrees on the node's smallest rank in one
+// AllReduce on the node communicator that returns, closes that
+// communicator and splits c by it; these calls on the wrapped
+// communicators are not seen by the wrappers in between.
+func SplitNode(ctx context.Context, c Comm) (Comm, error) {
+	ns, ok := As[NodeSplitter](c)
+	if !ok {
+		return nil, fmt.Errorf("comm: node split: %w", errors.ErrUnsupported)
+	}
+	if _, own := c.(NodeSplitter); !own {
+		ns = splitVia{outer: c, inner: ns}
+	}
+	return ns.SplitNode(ctx)
+}
+
+// splitVia is the NodeSplitter SplitNode uses for a wrapper that does not
 // implement one: inner tells which ranks share a node, outer's Split makes
 // their communicator.
 type splitVia struct {

@@ -60,6 +60,11 @@ func TestWrapperKeepsCapabilities(t *testing.T) {
 	assert.False(t, ok, "a wrapper without Unwrap hides the capability")
 	_, ok = comm.As[comm.NodeSplitter](nil)
 	assert.False(t, ok, "nil has no capabilities")
+	ns, ok := comm.As[comm.NodeSplitter](wrapped{wrapped{inner}})
+	require.True(t, ok)
+	assert.Equal(t, inner, ns, "As returns the capability it finds, whatever its type")
+	_, err = comm.SplitNode(context.Background(), opaque{inner})
+	assert.ErrorIs(t, err, errors.ErrUnsupported, "SplitNode without a NodeSplitter")
 }
 
 // safe is a wrapper that says it is goroutine-safe: it may overlap
@@ -79,8 +84,8 @@ func TestWrapperConcurrentNotInherited(t *testing.T) {
 	assert.True(t, comm.CanOverlap(inner))
 	assert.False(t, comm.CanOverlap(wrapped{inner}), "a wrapper does not inherit Concurrent")
 	assert.False(t, comm.CanOverlap(wrapped{wrapped{inner}}))
-	_, ok := comm.As[comm.Concurrent](wrapped{inner})
-	assert.False(t, ok, "As does not find Concurrent through a wrapper")
+	k, ok := comm.As[comm.Concurrent](wrapped{inner})
+	assert.True(t, ok && k.Concurrent(), "As finds Concurrent through a wrapper like any capability; CanOverlap does not take it")
 	assert.False(t, comm.CanOverlap(opaque{inner}))
 
 	assert.True(t, comm.CanOverlap(safe{wrapped{inner}}), "a wrapper that says so may")
@@ -147,7 +152,8 @@ func TestWrapperNodeLayout(t *testing.T) {
 
 // counting is a wrapper that counts the barriers of every communicator
 // split off it (its Split wraps what the wrapped Split returns), but does
-// not implement SplitNode: it relies on As to find the node layout.
+// not implement SplitNode: it relies on comm.SplitNode to find the node
+// layout.
 type counting struct {
 	comm.Comm
 	barriers *atomic.Int64
@@ -210,18 +216,16 @@ func TestWrapperNodeCommIsWrapped(t *testing.T) {
 	}
 }
 
-// TestWrapperNodeCommGroups: the node communicators As makes through a
-// wrapper group the ranks of each node (3 x 2 here): a broadcast from a
-// node's first rank reaches that node's ranks and no others.
+// TestWrapperNodeCommGroups: the node communicators comm.SplitNode makes
+// through a wrapper group the ranks of each node (3 x 2 here): a broadcast
+// from a node's first rank reaches that node's ranks and no others.
 func TestWrapperNodeCommGroups(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	var got [6]float32
 	err := local.Run(ctx, 6, func(ctx context.Context, c comm.Comm) error {
 		var n atomic.Int64
-		ns, ok := comm.As[comm.NodeSplitter](wrapped{counting{c, &n}})
-		require.True(t, ok)
-		node, err := ns.SplitNode(ctx)
+		node, err := comm.SplitNode(ctx, wrapped{counting{c, &n}})
 		if err != nil {
 			return err
 		}

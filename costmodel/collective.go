@@ -127,7 +127,7 @@ func onebitPadUnit(w int) int64 {
 	return int64(w) * int64(w/g*8)
 }
 
-// The pipelining of onebit.AllReduce (onebit/allreduce.go: pieceTarget,
+// The pipelining of onebit.AllReduce (onebit/pipeline.go: pieceTarget,
 // maxPieces, State.setPieces): each chunk's packed bytes travel in pieces
 // of about 64 KiB per destination, at most 4. TestOnebitStepsFollowAlgorithm
 // checks the copy against the collective's behaviour on the local backend.

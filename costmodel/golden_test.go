@@ -115,6 +115,27 @@ func TestGoldenPredictions(t *testing.T) {
 	checkSame(g.Holdout, ho, "holdout")
 }
 
+// Job.FieldNames gives the plan's sentences a front end's names of the
+// fields that replaced, or would replace, a fitted figure; a field it
+// does not name stays Job.<field>.
+func TestPlanFieldNames(t *testing.T) {
+	cal, err := Builtin()
+	require.NoError(t, err)
+	j := Job{Params: 340e6, Ranks: 8, Link: 1.25e9, LinkName: "10gbit", BucketBytes: 25 << 20,
+		Alpha: 1e-5, Ineff: 1.2, CompressBps: 2e10, FieldNames: map[string]string{"Alpha": "--alpha", "Ineff": "-i"}}
+	p, err := cal.Model.Plan(j)
+	require.NoError(t, err)
+	assert.Equal(t, "--alpha", p.Assumptions.AlphaFrom)
+	assert.Equal(t, "-i", p.Assumptions.IneffFrom)
+	assert.Equal(t, "Job.CompressBps", p.Assumptions.CompressFrom)
+
+	j.CompressBps, j.FieldNames = 0, map[string]string{"CompressBps": "the rate"}
+	p, err = cal.Model.Plan(j)
+	require.NoError(t, err)
+	assert.Equal(t, "Job.Alpha", p.Assumptions.AlphaFrom)
+	assert.Contains(t, p.Assumptions.CompressFrom, "; set the rate to your hardware's")
+}
+
 // A Job that Plan cannot use names its field.
 func TestJobValidate(t *testing.T) {
 	cal, err := Builtin()

@@ -289,8 +289,8 @@ func shardedBF16States(n int64, world int, bucketBytes int64) (warm, comp int64)
 	return warm + block, comp + block
 }
 
-// Constants of onebit's compressed allreduce (onebit/allreduce.go) and
-// errorfeedback.Norm.
+// Constants of onebit's compressed allreduce (onebit/allreduce.go,
+// onebit/header.go) and errorfeedback.Norm.
 const (
 	sumBlock      = 16 << 10  // server accumulator block
 	progressBlock = 256 << 10 // the blocks of the residual passes, whose signs go to a sink

@@ -54,6 +54,21 @@ type Job struct {
 	// [0, OuterH/OuterFragments]. The 1-bit codec's buckets are
 	// BucketBytes.
 	OuterH, OuterFragments, OuterDelay int
+	// FieldNames, when not nil, gives the names the plan's sentences
+	// (Assumptions' AlphaFrom, IneffFrom and CompressFrom) call the fields
+	// of Job by, keyed by field name: a front end's spelling of them, such
+	// as lowbit plan's flags ("Alpha": "--alpha"). A field it does not
+	// name is "Job." and its name ("Job.Alpha").
+	FieldNames map[string]string
+}
+
+// fieldName is what the plan's sentences call field field of j (see
+// FieldNames).
+func (j Job) fieldName(field string) string {
+	if name, ok := j.FieldNames[field]; ok {
+		return name
+	}
+	return "Job." + field
 }
 
 // Row is one collective's predicted step.
@@ -89,7 +104,8 @@ type Row struct {
 
 // Assumptions is what a plan's numbers rest on, each with where it comes
 // from: the calibration (a sentence saying which part of it), or the Job
-// field that replaced it ("Job.Alpha", "Job.Ineff", "Job.CompressBps").
+// field that replaced it ("Job.Alpha", "Job.Ineff", "Job.CompressBps", or
+// the names Job.FieldNames gives them).
 type Assumptions struct {
 	Alpha        float64 `json:"alpha_s"`
 	AlphaFrom    string  `json:"alpha_from"`
@@ -147,10 +163,10 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 		a.IneffFrom = fmt.Sprintf("line rate: the %s loopback fit (%.2f) is below 1, which a real link does not do", f.RateName, f.Ineff)
 	}
 	if j.Alpha > 0 {
-		a.Alpha, a.AlphaFrom = j.Alpha, "Job.Alpha"
+		a.Alpha, a.AlphaFrom = j.Alpha, j.fieldName("Alpha")
 	}
 	if j.Ineff > 0 {
-		a.Ineff, a.IneffFrom = j.Ineff, "Job.Ineff"
+		a.Ineff, a.IneffFrom = j.Ineff, j.fieldName("Ineff")
 	}
 	f.Alpha, f.Ineff = a.Alpha, a.Ineff
 	if j.Sharing == Shared {
@@ -168,9 +184,9 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 	if c1 := m.computeSeconds(one, min(n, per), setup{Ranks: 1, Sharing: PerRank}); c1 > 0 {
 		a.CompressBps = float64(4*onebitPaddedLen(min(n, per), 1)) / c1
 	}
-	a.CompressFrom = "measured on the calibration machine, 1 rank, at the bucket size; set Job.CompressBps to your hardware's"
+	a.CompressFrom = "measured on the calibration machine, 1 rank, at the bucket size; set " + j.fieldName("CompressBps") + " to your hardware's"
 	if m.CompressBps > 0 {
-		a.CompressFrom = "Job.CompressBps"
+		a.CompressFrom = j.fieldName("CompressBps")
 	}
 	predictStep := func(c collective) prediction {
 		var p prediction

@@ -209,3 +209,18 @@ func BenchmarkLoadFileSpeed(b *testing.B) {
 		})
 	}
 }
+
+// UnmarshalBinary allocates the checkpoint it returns and little beside
+// it: it converts the tensors' bytes where they lie in its input instead
+// of copying them through a buffer first.
+func TestUnmarshalBinaryAllocations(t *testing.T) {
+	ck := memCheckpoint(1<<20, 4)
+	b, err := ck.MarshalBinary()
+	require.NoError(t, err)
+	state := stateBytes(ck)
+	var back Checkpoint
+	alloc := allocatedDuring(func() { err = back.UnmarshalBinary(b) })
+	require.NoError(t, err)
+	require.Equal(t, ck, &back)
+	require.LessOrEqual(t, alloc, state+4<<10, "UnmarshalBinary allocated %d bytes for a %d-byte state", alloc, state)
+}

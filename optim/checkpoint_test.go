@@ -646,6 +646,27 @@ func TestRestoreIndexFollowsChangedTensors(t *testing.T) {
 	assert.Equal(t, []float32{1}, x)
 }
 
+// Checkpoint.Index, which optim/zero's Load and Consolidate look tensors up
+// through, finds what Tensor and TensorData find: the first of two tensors
+// of one name, nil and an incompatibility for a missing one, a size check.
+func TestCheckpointIndex(t *testing.T) {
+	ck := sampleCheckpoint()
+	ck.Tensors = append(ck.Tensors, Tensor{Name: "param/w", Shape: []int{1}, Data: []float32{9}})
+	idx := ck.Index()
+	for _, tn := range ck.Tensors {
+		assert.Same(t, ck.Tensor(tn.Name), idx.Tensor(tn.Name), tn.Name)
+	}
+	assert.Nil(t, idx.Tensor("param/none"))
+	w, err := idx.TensorData("param/w", 6)
+	require.NoError(t, err)
+	assert.Equal(t, []float32{1, -2, 3.5}, w[:3])
+	_, err = idx.TensorData("param/w", 1)
+	assert.ErrorIs(t, err, ErrIncompatibleCheckpoint)
+	_, err = idx.TensorData("param/none", 1)
+	assert.ErrorIs(t, err, ErrIncompatibleCheckpoint)
+	assert.ErrorContains(t, err, `tensor "param/none" is missing`)
+}
+
 // Goroutines may load one checkpoint at once (every rank loading the same
 // consolidated checkpoint): looking tensors up changes nothing in it, so
 // the race detector finds nothing here.

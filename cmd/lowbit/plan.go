@@ -7,12 +7,10 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"regexp"
 	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
-	"time"
 
 	"github.com/lowbit-ml/lowbit/costmodel"
 	"github.com/lowbit-ml/lowbit/internal/cliflag"
@@ -54,6 +52,12 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	}
 	j := &cfg.job
 	j.Params, j.BucketBytes = 1.3e9, optim.DefaultBucketBytes
+	// The plan's sentences name the flags that set a figure (--alpha), not
+	// the Job fields.
+	j.FieldNames = make(map[string]string, len(planFlags))
+	for field, name := range planFlags {
+		j.FieldNames[field] = "--" + name
+	}
 	fs := flag.NewFlagSet("plan", flag.ContinueOnError)
 	fs.SetOutput(out)
 	fs.Var(&size.CountValue[int64]{P: &j.Params, Min: 1, Max: costmodel.MaxParams}, "params", "model parameters: float32 gradient elements (`count`: 7B, 1.3B, 340M, 137k; B is billion)")
@@ -161,44 +165,6 @@ func outerRowNames() []string {
 	return names
 }
 
-// optionalSize is a size flag without a default: unset (0) it prints
-// nothing, so that neither -h nor an error offers 0 as a value.
-type optionalSize struct{ size.Value[int64] }
-
-func (v *optionalSize) String() string {
-	if v.P == nil || *v.P == 0 {
-		return ""
-	}
-	return v.Value.String()
-}
-
-// seconds is a flag of a time kept in seconds (a float64 field of
-// costmodel.Job) that takes a duration, as flag.Duration does (10us,
-// 300ms), or a bare number of seconds (10e-6), as --alpha took before it
-// took durations. Unset (0) it prints nothing, so that neither -h nor an
-// error offers 0 as a value.
-type seconds struct{ p *float64 }
-
-func (s *seconds) Set(v string) error {
-	if d, err := time.ParseDuration(v); err == nil {
-		*s.p = d.Seconds()
-		return nil
-	}
-	f, err := strconv.ParseFloat(v, 64)
-	if err != nil {
-		return errors.New("not a duration such as 10us or 1.5ms (or a number of seconds)")
-	}
-	*s.p = f
-	return nil
-}
-
-func (s *seconds) String() string {
-	if s.p == nil || *s.p == 0 {
-		return ""
-	}
-	return time.Duration(math.Round(*s.p * float64(time.Second))).String()
-}
-
 func planMain(args []string, stdout, stderr io.Writer) error {
 	cfg, err := parsePlanFlags(args, stderr)
 	if err != nil {
@@ -224,24 +190,7 @@ func planMain(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	a := &p.Assumptions
-	a.AlphaFrom, a.IneffFrom, a.CompressFrom = flagNames(a.AlphaFrom), flagNames(a.IneffFrom), flagNames(a.CompressFrom)
 	return writePlan(stdout, p, cfg, cal.Source)
-}
-
-// jobField is a costmodel.Job field as costmodel's Assumptions name the
-// one that replaced a fitted figure ("Job.Alpha").
-var jobField = regexp.MustCompile(`\bJob\.([A-Z][A-Za-z]*)\b`)
-
-// flagNames rewrites the costmodel.Job fields that s names as the flags
-// that set them (Job.Alpha: --alpha), so that the plan says what to type.
-func flagNames(s string) string {
-	return jobField.ReplaceAllStringFunc(s, func(m string) string {
-		if f, ok := planFlags[strings.TrimPrefix(m, "Job.")]; ok {
-			return "--" + f
-		}
-		return m
-	})
 }
 
 func writeFit(w io.Writer, m *costmodel.Model, checks []costmodel.Check, source string, holdout, asJSON bool) error {
@@ -418,54 +367,4 @@ func writeMemory(w io.Writer, params int64, ranks int, cfg *planConfig) error {
 	}
 	_, err := fmt.Fprintln(w, "state: every buffer the optimizer owns at its peak (moments, error buffers, staging and packing buffers); params and grads: 8 bytes per parameter; activations and the framework's own memory not included. onebit-adam-compact is 1-bit Adam with StateMode StateCompact (the same steps as StateFull, bit for bit); onebit-adam-sharded is 1-bit Adam with StateMode StateSharded (docs/sharded.md), onebit-adam-sharded-bf16 the same with BF16 BF16WorkerError|BF16Variance, at its peak (the compression stage); zeroone-adam counts the model as one tensor (one bucket per parameter adds a little per tensor).")
 	return err
-}
-
-// formatRate writes bytes per second as bits per second.
-func formatRate(bps float64) string {
-	b := bps * 8
-	switch {
-	case b >= 1e12:
-		return strconv.FormatFloat(b/1e12, 'g', 4, 64) + " Tbit/s"
-	case b >= 1e9:
-		return strconv.FormatFloat(b/1e9, 'g', 4, 64) + " Gbit/s"
-	case b >= 1e6:
-		return strconv.FormatFloat(b/1e6, 'g', 4, 64) + " Mbit/s"
-	}
-	return strconv.FormatFloat(b/1e3, 'g', 4, 64) + " kbit/s"
-}
-
-// formatSeconds writes a duration in seconds with three significant
-// digits and a readable unit.
-func formatSeconds(s float64) string {
-	switch {
-	case s == 0:
-		return "0"
-	case s < 1e-3:
-		return strconv.FormatFloat(s*1e6, 'f', 0, 64) + "µs"
-	case s < 1:
-		ms := s * 1e3
-		prec := 2
-		if ms >= 100 {
-			prec = 0
-		} else if ms >= 10 {
-			prec = 1
-		}
-		return strconv.FormatFloat(ms, 'f', prec, 64) + "ms"
-	}
-	return strconv.FormatFloat(s, 'f', 2, 64) + "s"
-}
-
-// bytesDecimal writes a byte count with a decimal unit.
-func bytesDecimal(b float64) string {
-	switch {
-	case b >= 1e12:
-		return fmt.Sprintf("%.2f TB", b/1e12)
-	case b >= 1e9:
-		return fmt.Sprintf("%.2f GB", b/1e9)
-	case b >= 1e6:
-		return fmt.Sprintf("%.1f MB", b/1e6)
-	case b >= 1e3:
-		return fmt.Sprintf("%.1f kB", b/1e3)
-	}
-	return fmt.Sprintf("%.0f B", b)
 }

@@ -7,8 +7,6 @@ package timed
 
 import (
 	"context"
-	"errors"
-	"fmt"
 	"sync/atomic"
 	"time"
 
@@ -121,17 +119,13 @@ func (t *Comm) Split(ctx context.Context, color, key int) (comm.Comm, error) {
 func (t *Comm) Unwrap() comm.Comm { return t.Comm }
 
 // SplitNode splits off the ranks of this rank's node through the wrapped
-// communicator's comm.NodeSplitter, timed like Split, and wraps the result
-// so its calls are counted too. Without one it returns
+// communicator's comm.NodeSplitter (comm.SplitNode), timed like Split, and
+// wraps the result so its calls are counted too. Without one it returns
 // errors.ErrUnsupported (the layout then takes one rank per node, as it
 // would for the wrapped communicator).
 func (t *Comm) SplitNode(ctx context.Context) (comm.Comm, error) {
-	ns, ok := comm.As[comm.NodeSplitter](t.Comm)
-	if !ok {
-		return nil, fmt.Errorf("timed: node split: %w", errors.ErrUnsupported)
-	}
 	defer t.since(time.Now())
-	c, err := ns.SplitNode(ctx)
+	c, err := comm.SplitNode(ctx, t.Comm)
 	if c == nil || err != nil {
 		return c, err
 	}

@@ -93,9 +93,9 @@ func (a *Adam) load(ck *optim.Checkpoint) error {
 	}
 	type cp struct{ dst, src []float32 }
 	ops := make([]cp, 0, 3*len(a.params))
-	ts := tensorsOf(ck)
+	ts := ck.Index()
 	for i, p := range a.params {
-		src, err := tensorData(ts, optim.ParamTensorName(p.Name), p.Numel())
+		src, err := ts.TensorData(optim.ParamTensorName(p.Name), p.Numel())
 		if err != nil {
 			return err
 		}
@@ -108,14 +108,14 @@ func (a *Adam) load(ck *optim.Checkpoint) error {
 		}{{optim.ExpAvgPrefix, a.m}, {optim.ExpAvgSqPrefix, a.v}} {
 			dst := mv.dst[s.off : s.off+k]
 			if consolidated {
-				src, err := tensorData(ts, mv.prefix+p.Name, p.Numel())
+				src, err := ts.TensorData(mv.prefix+p.Name, p.Numel())
 				if err != nil {
 					return err
 				}
 				ops = append(ops, cp{dst, src[s.lo:s.hi]})
 				continue
 			}
-			src, err := tensorData(ts, mv.prefix+p.Name, k)
+			src, err := ts.TensorData(mv.prefix+p.Name, k)
 			if err != nil {
 				return err
 			}
@@ -199,9 +199,9 @@ func Consolidate(cks []*optim.Checkpoint) (*optim.Checkpoint, error) {
 		}
 		out.Floats[name] = v
 	}
-	ts := make([]map[string]*optim.Tensor, w)
+	ts := make([]*optim.TensorIndex, w)
 	for r, ck := range byRank {
-		ts[r] = tensorsOf(ck)
+		ts[r] = ck.Index()
 	}
 	prefix := optim.ParamTensorName("")
 	for _, t := range first.Tensors {
@@ -210,7 +210,7 @@ func Consolidate(cks []*optim.Checkpoint) (*optim.Checkpoint, error) {
 			continue
 		}
 		for r := range byRank {
-			u := ts[r][t.Name]
+			u := ts[r].Tensor(t.Name)
 			if u == nil || !slices.Equal(u.Shape, t.Shape) || !sameBits(u.Data, t.Data) {
 				return nil, fmt.Errorf("zero: consolidate: %w: parameter %q differs between rank 0 and rank %d (checkpoints of different steps?)",
 					optim.ErrIncompatibleCheckpoint, name, r)
@@ -226,7 +226,7 @@ func Consolidate(cks []*optim.Checkpoint) (*optim.Checkpoint, error) {
 				if err != nil {
 					return nil, fmt.Errorf("zero: consolidate: rank %d: %w", r, err)
 				}
-				u := ts[r][mname]
+				u := ts[r].Tensor(mname)
 				if u == nil {
 					return nil, fmt.Errorf("zero: consolidate: %w: rank %d lacks %q", optim.ErrIncompatibleCheckpoint, r, mname)
 				}
@@ -245,31 +245,6 @@ func Consolidate(cks []*optim.Checkpoint) (*optim.Checkpoint, error) {
 		}
 	}
 	return out, nil
-}
-
-// tensorsOf indexes the tensors of ck by name, the first of each name as
-// ck.Tensor finds it, so that looking up every parameter's tensors takes
-// time linear in their number rather than a scan of ck.Tensors each.
-func tensorsOf(ck *optim.Checkpoint) map[string]*optim.Tensor {
-	ts := make(map[string]*optim.Tensor, len(ck.Tensors))
-	for i := range ck.Tensors {
-		if t := &ck.Tensors[i]; ts[t.Name] == nil {
-			ts[t.Name] = t
-		}
-	}
-	return ts
-}
-
-// tensorData is optim.Checkpoint.TensorData for the tensors ts indexes.
-func tensorData(ts map[string]*optim.Tensor, name string, n int) ([]float32, error) {
-	t := ts[name]
-	if t == nil {
-		return nil, fmt.Errorf("%w: tensor %q is missing", optim.ErrIncompatibleCheckpoint, name)
-	}
-	if len(t.Data) != n {
-		return nil, fmt.Errorf("%w: tensor %q holds %d elements, want %d", optim.ErrIncompatibleCheckpoint, name, len(t.Data), n)
-	}
-	return t.Data, nil
 }
 
 func sameBits(x, y []float32) bool {

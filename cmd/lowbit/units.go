@@ -1,0 +1,102 @@
+package main
+
+// The units lowbit plan reads and writes: durations in seconds, sizes,
+// rates and byte counts.
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"strconv"
+	"time"
+
+	"github.com/lowbit-ml/lowbit/size"
+)
+
+// optionalSize is a size flag without a default: unset (0) it prints
+// nothing, so that neither -h nor an error offers 0 as a value.
+type optionalSize struct{ size.Value[int64] }
+
+func (v *optionalSize) String() string {
+	if v.P == nil || *v.P == 0 {
+		return ""
+	}
+	return v.Value.String()
+}
+
+// seconds is a flag of a time kept in seconds (a float64 field of
+// costmodel.Job) that takes a duration, as flag.Duration does (10us,
+// 300ms), or a bare number of seconds (10e-6), as --alpha took before it
+// took durations. Unset (0) it prints nothing, so that neither -h nor an
+// error offers 0 as a value.
+type seconds struct{ p *float64 }
+
+func (s *seconds) Set(v string) error {
+	if d, err := time.ParseDuration(v); err == nil {
+		*s.p = d.Seconds()
+		return nil
+	}
+	f, err := strconv.ParseFloat(v, 64)
+	if err != nil {
+		return errors.New("not a duration such as 10us or 1.5ms (or a number of seconds)")
+	}
+	*s.p = f
+	return nil
+}
+
+func (s *seconds) String() string {
+	if s.p == nil || *s.p == 0 {
+		return ""
+	}
+	return time.Duration(math.Round(*s.p * float64(time.Second))).String()
+}
+
+// formatRate writes bytes per second as bits per second.
+func formatRate(bps float64) string {
+	b := bps * 8
+	switch {
+	case b >= 1e12:
+		return strconv.FormatFloat(b/1e12, 'g', 4, 64) + " Tbit/s"
+	case b >= 1e9:
+		return strconv.FormatFloat(b/1e9, 'g', 4, 64) + " Gbit/s"
+	case b >= 1e6:
+		return strconv.FormatFloat(b/1e6, 'g', 4, 64) + " Mbit/s"
+	}
+	return strconv.FormatFloat(b/1e3, 'g', 4, 64) + " kbit/s"
+}
+
+// formatSeconds writes a duration in seconds with three significant
+// digits and a readable unit.
+func formatSeconds(s float64) string {
+	switch {
+	case s == 0:
+		return "0"
+	case s < 1e-3:
+		return strconv.FormatFloat(s*1e6, 'f', 0, 64) + "µs"
+	case s < 1:
+		ms := s * 1e3
+		prec := 2
+		if ms >= 100 {
+			prec = 0
+		} else if ms >= 10 {
+			prec = 1
+		}
+		return strconv.FormatFloat(ms, 'f', prec, 64) + "ms"
+	}
+	return strconv.FormatFloat(s, 'f', 2, 64) + "s"
+}
+
+// bytesDecimal writes a byte count with a decimal unit.
+func bytesDecimal(b float64) string {
+	switch {
+	case b >= 1e12:
+		return fmt.Sprintf("%.2f TB", b/1e12)
+	case b >= 1e9:
+		return fmt.Sprintf("%.2f GB", b/1e9)
+	case b >= 1e6:
+		return fmt.Sprintf("%.1f MB", b/1e6)
+	case b >= 1e3:
+		return fmt.Sprintf("%.1f kB", b/1e3)
+	}
+	return fmt.Sprintf("%.0f B", b)
+}
