@@ -15,7 +15,7 @@ import (
 
 // optimizerNames are the values of -optimizer, in the order -help lists
 // them.
-var optimizerNames = []string{"adam", "lamb", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "onebit-lamb", lambCompact, "zeroone-adam", "zero-adam", diloco, muon}
+var optimizerNames = []string{"adam", "lamb", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "onebit-lamb", lambCompact, "zeroone-adam", "zero-adam", diloco, muon, onebitMuon}
 
 // lambCompact is 1-bit LAMB in StateCompact: onebit-lamb's steps bit for
 // bit in less memory.
@@ -32,9 +32,15 @@ const diloco = "diloco"
 // weight matrices, w1 and w2, by Muon with -muon-lr, the biases by its
 // auxiliary AdamW with -lr. The model stores its weights as [inputs,
 // outputs] (x*W), so Muon gets their transposes (optim.NewTransposed), the
-// layout its recipe's scale max(1, rows/cols)^0.5 assumes. It has no
-// compressed counterpart for -compare yet.
+// layout its recipe's scale max(1, rows/cols)^0.5 assumes. onebitMuon is
+// its compressed counterpart for -compare.
 const muon = "muon"
+
+// onebitMuon is 1-bit Muon (onebit.NewMuon): muon's selection, layout and
+// learning rates; after its exact warm-up (-freeze-step) each rank
+// orthogonalizes its own momentum and the updates go through the
+// error-compensated 1-bit allreduce (docs/muon.md).
+const onebitMuon = "onebit-muon"
 
 // sharded is 1-bit Adam with its moments sharded over the ranks
 // (onebit.StateSharded, docs/sharded.md): the wire bytes of onebit-adam,
@@ -70,12 +76,14 @@ var baseline = map[string]string{
 	"zeroone-adam": "adam",
 	"zero-adam":    "adam",
 	diloco:         "adam",
+	onebitMuon:     muon,
 }
 
 // compressedOf is the compressed optimizer an exact one is compared with.
 var compressedOf = map[string]string{
 	"adam": "onebit-adam",
 	"lamb": "onebit-lamb",
+	muon:   onebitMuon,
 }
 
 // runOrder returns the optimizers one invocation trains: name alone, or
@@ -196,7 +204,7 @@ func newOptimizer(ctx context.Context, name string, c comm.Comm, params []*optim
 		return onebit.NewZeroOneAdam(ctx, c, params, cfg)
 	case diloco:
 		return outer.NewAdam(ctx, c, params, h.outer, adam)
-	case muon:
+	case muon, onebitMuon:
 		cfg := optim.DefaultMuonConfig() // Params nil: every matrix, w1 and w2
 		cfg.LR, cfg.AdamLR, cfg.Reduce = h.muonLR, h.lr, h.reduce
 		var matrices []string
@@ -206,6 +214,11 @@ func newOptimizer(ctx context.Context, name string, c comm.Comm, params []*optim
 			}
 		}
 		t, err := optim.NewTransposed(params, matrices, func(ps []*optim.Param) (optim.Optimizer, error) {
+			if name == onebitMuon {
+				ocfg := onebit.DefaultMuonConfig()
+				ocfg.MuonConfig, ocfg.FreezeStep = cfg, h.freezeStep
+				return onebit.NewMuon(ctx, c, ps, ocfg)
+			}
 			return optim.NewMuon(ctx, c, ps, cfg)
 		})
 		if err != nil {

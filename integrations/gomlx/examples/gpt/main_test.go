@@ -72,9 +72,10 @@ func TestConvergence(t *testing.T) {
 // 20 ends with the validation loss of the run never stopped, to the bit
 // (1-bit Adam, and with its moments sharded over the 2 ranks: both stop in
 // their compression stage; diloco with the 1-bit codec, stopped between
-// two exchanges, when the ranks' parameters differ; exact Muon).
+// two exchanges, when the ranks' parameters differ; exact Muon; 1-bit Muon
+// in its compression stage).
 func TestResume(t *testing.T) {
-	for _, name := range []string{"onebit-adam", "onebit-adam-sharded", "diloco:1bit", "muon"} {
+	for _, name := range []string{"onebit-adam", "onebit-adam-sharded", "diloco:1bit", "muon", "onebit-muon"} {
 		t.Run(name, func(t *testing.T) {
 			dir := t.TempDir()
 			args := tiny("-optimizer", name, "-freeze-step", "5", "-outer-h", "4", "-checkpoint", dir, "-checkpoint-every", "5")
@@ -112,7 +113,7 @@ func TestParseRuns(t *testing.T) {
 		{"diloco", "fp16", true, []string{"adam fp16", "diloco sparse"}, ""},
 		{"diloco:fp16", "fp32", false, nil, `unknown codec "fp16" for diloco (want fp32, bf16, int8, 1bit or sparse)`},
 		{"adam,muon,muon:bf16", "fp32", false, []string{"adam", "muon", "muon bf16"}, ""},
-		{"muon", "fp32", true, nil, "-compare: muon has no compressed counterpart; give the runs as a list instead (-optimizer adam,muon)"},
+		{"muon", "fp32", true, []string{"muon", "onebit-muon"}, ""},
 	} {
 		runs, err := parseRuns(tc.list, tc.reduce, tc.compare)
 		if tc.err != "" {

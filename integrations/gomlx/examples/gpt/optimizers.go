@@ -16,7 +16,7 @@ import (
 
 // optimizerNames are the optimizers -optimizer takes, in the order -help
 // lists them.
-var optimizerNames = []string{"adam", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "zeroone-adam", "lamb", "onebit-lamb", lambCompact, "zero-adam", diloco, muon}
+var optimizerNames = []string{"adam", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "zeroone-adam", "lamb", "onebit-lamb", lambCompact, "zero-adam", diloco, muon, onebitMuon}
 
 // lambCompact is 1-bit LAMB in StateCompact: onebit-lamb's steps bit for
 // bit in less memory.
@@ -33,9 +33,16 @@ const diloco = "diloco"
 // muon is exact Muon (optim.NewMuon through lbgomlx.NewMuon): the hidden
 // matrices (lbgomlx.HiddenMatrices: attention and feed-forward) by Muon
 // with -muon-lr, the embeddings, the output head, biases and norms by its
-// auxiliary AdamW with -lr. It has no compressed counterpart for -compare
-// yet.
+// auxiliary AdamW with -lr; onebitMuon is its compressed counterpart for
+// -compare.
 const muon = "muon"
+
+// onebitMuon is 1-bit Muon (onebit.NewMuon through lbgomlx.MuonBuilder):
+// the same selection and learning rates as muon; after its exact warm-up
+// (-freeze-step) each rank orthogonalizes its own momentum and the updates,
+// with the AdamW group's momenta as 1-bit Adam's, go through the
+// error-compensated 1-bit allreduce (docs/muon.md).
+const onebitMuon = "onebit-muon"
 
 // sharded is 1-bit Adam with its moments sharded over the ranks
 // (onebit.StateSharded, docs/sharded.md): the wire bytes of onebit-adam,
@@ -70,6 +77,7 @@ var baseline = map[string]string{
 	lambCompact:    "lamb",
 	"zero-adam":    "adam",
 	diloco:         "adam",
+	onebitMuon:     muon,
 }
 
 // compressedOf is the compressed optimizer -compare pairs an exact one
@@ -77,6 +85,7 @@ var baseline = map[string]string{
 var compressedOf = map[string]string{
 	"adam": "onebit-adam",
 	"lamb": "onebit-lamb",
+	muon:   onebitMuon,
 }
 
 // runSpec is one training run: an optimizer and its gradient reduction.
@@ -309,6 +318,16 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		cfg.LR, cfg.AdamLR = h.muonLR, h.lr
 		cfg.Reduce = r.reduce
 		return lbgomlx.NewMuon(cfg)(ctx, c, params)
+	case onebitMuon:
+		cfg := onebit.DefaultMuonConfig()
+		cfg.LR, cfg.AdamLR = h.muonLR, h.lr
+		cfg.Reduce = r.reduce
+		cfg.FreezeStep = h.freezeStep
+		return lbgomlx.MuonBuilder(func(ctx context.Context, c comm.Comm, params []*optim.Param, sel []string) (optim.Optimizer, error) {
+			cfg := cfg
+			cfg.Params = sel
+			return onebit.NewMuon(ctx, c, params, cfg)
+		})(ctx, c, params)
 	case "zero-adam":
 		cfg := zero.DefaultConfig()
 		cfg.AdamConfig = adam
