@@ -297,9 +297,7 @@ type Optimizer struct {
 	loss     float64 // the loss of the step in progress, for the veto's error
 	lr       float32 // the learning rate of the step in progress
 	vetoed   bool    // the veto stopped the step in progress
-	skipped  int64
-	steps    int64 // Steps the hook ran (skipped included)
-	restored bool  // whether the lowbit state came from a checkpoint
+	restored bool    // whether the lowbit state came from a checkpoint
 	closed   bool
 	attached bool // AttachToLoop was called
 	manual   bool // WithManualStep: the program calls Step itself
@@ -322,8 +320,9 @@ type Optimizer struct {
 	// (-1: none) Checkpoint loaded, for Save before the first step.
 	loadedDir  string
 	loadedStep int64
-	// saved is, per Handler, the global step and the count of steps of
-	// the last Save: a Save with nothing trained since writes nothing.
+	// saved is, per Handler, the global step and the lowbit optimizer's
+	// count of steps (optim.Stats.Steps) of the last Save: a Save with
+	// nothing trained since writes nothing.
 	saved map[*checkpoint.Handler][2]int64
 }
 

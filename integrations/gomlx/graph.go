@@ -129,7 +129,6 @@ func (o *Optimizer) init(store *model.Store, backend compute.Backend, lrErr erro
 	}
 	o.opt = opt
 	o.lrs, _ = opt.(optim.LRSetter)
-	o.skipped = opt.Stats().Skipped
 	localErr = o.carryFlags()
 	var ck *optim.Checkpoint
 	if localErr == nil {

@@ -48,7 +48,6 @@ func (o *Optimizer) restoreLocal() (*optim.Checkpoint, error) {
 	if err := o.opt.Load(ck); err != nil {
 		return nil, fmt.Errorf("lbgomlx: restoring the lowbit state of global step %d: %w", gs, err)
 	}
-	o.skipped = o.opt.Stats().Skipped
 	o.restored = true
 	o.warnLoaded(ck, gs, lrBefore)
 	return ck, o.writeBack()
@@ -179,7 +178,7 @@ func (o *Optimizer) Save(h *checkpoint.Handler) error {
 	if o.opt == nil {
 		return o.saveUnbuilt(h)
 	}
-	at := [2]int64{o.globalStep(), o.steps}
+	at := [2]int64{o.globalStep(), o.opt.Stats().Steps}
 	if last, ok := o.saved[h]; ok && last == at {
 		return nil // saved already, nothing trained since
 	}

@@ -118,6 +118,7 @@ func (o *Optimizer) Step(loss float64) error {
 		localErr = o.stepLR()
 	}
 	o.loss = loss
+	skipped := o.opt.Stats().Skipped
 	var err error
 	if o.sf != nil {
 		err = o.carriedStep(localErr)
@@ -127,19 +128,15 @@ func (o *Optimizer) Step(loss float64) error {
 	if err != nil {
 		return err
 	}
-	o.steps++
 	// A skipped step changes nothing, but for an optimizer whose ranks run
 	// apart: its local skip may come with an exchange that moved the
 	// parameters to the global ones.
-	skipped := o.opt.Stats().Skipped
-	write := skipped == o.skipped || o.global() != nil
-	o.skipped = skipped
-	if write {
+	if o.opt.Stats().Skipped == skipped || o.global() != nil {
 		if err := o.writeBack(); err != nil {
 			return err
 		}
 	}
-	return o.setGlobalStep(o.globalStep() + 1)
+	return o.incGlobalStep()
 }
 
 // GlobalHolder is implemented by the lowbit optimizers whose ranks'
@@ -364,8 +361,14 @@ func globalStepOf(store *model.Store) int64 {
 
 func (o *Optimizer) globalStep() int64 { return globalStepOf(o.store) }
 
-func (o *Optimizer) setGlobalStep(s int64) error {
-	if err := optimizer.GetGlobalStepVar(o.store).SetValue(tensors.FromScalar(s)); err != nil {
+// incGlobalStep adds one to GoMLX's global step, in place: its variable
+// keeps its tensor.
+func (o *Optimizer) incGlobalStep() error {
+	val, err := optimizer.GetGlobalStepVar(o.store).Value()
+	if err == nil {
+		err = tensors.MutableFlatData(val, func(f []int64) { f[0]++ })
+	}
+	if err != nil {
 		return fmt.Errorf("lbgomlx: global step: %w", err)
 	}
 	return nil
