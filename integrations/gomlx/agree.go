@@ -183,32 +183,59 @@ func varsError(lists []string) error {
 	return fmt.Errorf("lbgomlx: the ranks have other trainable variables (every rank must build the same model): %s", strings.Join(diffs, "; "))
 }
 
-// exchangeText gives every rank every rank's s: an allgather of the
-// lengths, then one of the texts, padded to the longest.
+// exchangeText gives every rank every rank's s (see allGatherVar).
 func (o *Optimizer) exchangeText(s string) ([]string, error) {
+	all, err := o.allGatherVar([]byte(s), false)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]string, len(all))
+	for r, b := range all {
+		out[r] = string(b)
+	}
+	return out, nil
+}
+
+// allGatherVar gives every rank every rank's mine, whatever its length, in
+// rank order: an allgather of the lengths, then one of the bytes, padded
+// to the longest. A rank that has nothing to send (absent true) takes part
+// and is nil in the result; every other rank's entry is not nil, even
+// empty.
+func (o *Optimizer) allGatherVar(mine []byte, absent bool) ([][]byte, error) {
 	size := o.size()
+	if absent {
+		mine = nil
+	} else if mine == nil {
+		mine = []byte{}
+	}
 	if size == 1 {
-		return []string{s}, nil
+		return [][]byte{mine}, nil
+	}
+	n := int64(len(mine))
+	if absent {
+		n = -1
 	}
 	lens := make([]byte, 8*size)
-	if err := o.c.AllGatherBytes(o.ctx, binary.LittleEndian.AppendUint64(nil, uint64(len(s))), lens); err != nil {
+	if err := o.c.AllGatherBytes(o.ctx, binary.LittleEndian.AppendUint64(nil, uint64(n)), lens); err != nil {
 		return nil, err
 	}
 	most := 0
 	for r := range size {
-		most = max(most, int(binary.LittleEndian.Uint64(lens[8*r:])))
+		most = max(most, int(int64(binary.LittleEndian.Uint64(lens[8*r:]))))
 	}
-	mine := make([]byte, most)
-	copy(mine, s)
+	padded := make([]byte, most)
+	copy(padded, mine)
 	all := make([]byte, most*size)
 	if most > 0 {
-		if err := o.c.AllGatherBytes(o.ctx, mine, all); err != nil {
+		if err := o.c.AllGatherBytes(o.ctx, padded, all); err != nil {
 			return nil, err
 		}
 	}
-	out := make([]string, size)
+	out := make([][]byte, size)
 	for r := range size {
-		out[r] = string(all[most*r : most*r+int(binary.LittleEndian.Uint64(lens[8*r:]))])
+		if k := int64(binary.LittleEndian.Uint64(lens[8*r:])); k >= 0 {
+			out[r] = all[most*r : most*r+int(k) : most*r+int(k)]
+		}
 	}
 	return out, nil
 }

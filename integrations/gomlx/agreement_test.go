@@ -99,3 +99,44 @@ func TestOneAgreementPerStep(t *testing.T) {
 		})
 	}
 }
+
+// TestAllGatherVar: the variable-length allgather behind the exchange of
+// the settings' texts and of the checkpoint steps gives every rank every
+// rank's bytes in rank order, whatever their lengths: an empty entry stays
+// empty (not nil), a rank with nothing to send is nil; on one rank, its
+// own; and ranks that all send nothing still agree.
+func TestAllGatherVar(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	sent := [][]byte{[]byte("alpha"), {}, nil, []byte("xy")}
+	var mu sync.Mutex
+	got := make([][][]byte, len(sent))
+	require.NoError(t, local.Run(ctx, len(sent), func(ctx context.Context, c comm.Comm) error {
+		o := &Optimizer{ctx: ctx, c: c}
+		all, err := o.allGatherVar(sent[c.Rank()], sent[c.Rank()] == nil)
+		if err != nil {
+			return err
+		}
+		none, err := o.allGatherVar([]byte("ignored"), true)
+		if err != nil {
+			return err
+		}
+		assert.Equal(t, make([][]byte, len(sent)), none)
+		mu.Lock()
+		defer mu.Unlock()
+		got[c.Rank()] = all
+		return nil
+	}))
+	for r, all := range got {
+		require.Len(t, all, len(sent), "rank %d", r)
+		for i, want := range sent {
+			assert.Equal(t, want == nil, all[i] == nil, "rank %d's entry of rank %d: nil", r, i)
+			assert.Equal(t, string(want), string(all[i]), "rank %d's entry of rank %d", r, i)
+		}
+	}
+	one, err := (&Optimizer{ctx: ctx}).allGatherVar(nil, false)
+	require.NoError(t, err)
+	require.Len(t, one, 1)
+	assert.NotNil(t, one[0], "one rank's empty entry")
+	assert.Empty(t, one[0])
+}

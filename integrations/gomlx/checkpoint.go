@@ -127,49 +127,25 @@ func (o *Optimizer) logResume(all [][]int64, common int64, dir string, moved []s
 }
 
 // exchangeSteps gives every rank the ascending steps each rank holds; a
-// rank that failed (failed true) sends none and is nil in the result. Two
-// allgathers: the counts, then the steps.
+// rank that failed (failed true) sends none and is nil in the result (see
+// allGatherVar).
 func (o *Optimizer) exchangeSteps(steps []int64, failed bool) ([][]int64, error) {
-	size := o.size()
-	if size == 1 {
-		if failed {
-			return [][]int64{nil}, nil
-		}
-		return [][]int64{slices.Clip(append([]int64{}, steps...))}, nil
+	mine := make([]byte, 8*len(steps))
+	for i, s := range steps {
+		binary.LittleEndian.PutUint64(mine[8*i:], uint64(s))
 	}
-	n := int64(len(steps))
-	if failed {
-		n = -1
-	}
-	counts := make([]byte, 8*size)
-	if err := o.c.AllGatherBytes(o.ctx, binary.LittleEndian.AppendUint64(nil, uint64(n)), counts); err != nil {
+	recv, err := o.allGatherVar(mine, failed)
+	if err != nil {
 		return nil, fmt.Errorf("lbgomlx: Checkpoint: exchanging the checkpoint steps: %w", err)
 	}
-	most := 0
-	for r := range size {
-		most = max(most, int(int64(binary.LittleEndian.Uint64(counts[8*r:]))))
-	}
-	mine := make([]byte, 8*most)
-	if !failed {
-		for i, s := range steps {
-			binary.LittleEndian.PutUint64(mine[8*i:], uint64(s))
-		}
-	}
-	recv := make([]byte, len(mine)*size)
-	if most > 0 {
-		if err := o.c.AllGatherBytes(o.ctx, mine, recv); err != nil {
-			return nil, fmt.Errorf("lbgomlx: Checkpoint: exchanging the checkpoint steps: %w", err)
-		}
-	}
-	all := make([][]int64, size)
-	for r := range size {
-		k := int64(binary.LittleEndian.Uint64(counts[8*r:]))
-		if k < 0 {
+	all := make([][]int64, len(recv))
+	for r, b := range recv {
+		if b == nil {
 			continue
 		}
-		all[r] = make([]int64, k)
+		all[r] = make([]int64, len(b)/8)
 		for i := range all[r] {
-			all[r][i] = int64(binary.LittleEndian.Uint64(recv[8*(most*r+i):]))
+			all[r][i] = int64(binary.LittleEndian.Uint64(b[8*i:]))
 		}
 	}
 	return all, nil

@@ -148,3 +148,24 @@ func formatParam(f float64) string {
 	}
 	return strconv.FormatFloat(f, 'g', -1, 64)
 }
+
+// stepLR sets o.lr to the learning rate of the step in progress: GoMLX's,
+// which it hands to the lowbit optimizer, or the lowbit optimizer's own.
+func (o *Optimizer) stepLR() error {
+	o.lr = 0
+	if o.lrSrc == lrLowbit {
+		if o.lrs != nil {
+			o.lr = o.lrs.LR()
+		}
+		return nil
+	}
+	lr, err := storeLR(o.lrVar)
+	if err != nil {
+		return err
+	}
+	if err := o.lrs.SetLR(lr); err != nil {
+		return fmt.Errorf("lbgomlx: GoMLX's learning rate: %w", err)
+	}
+	o.lr = lr
+	return nil
+}
