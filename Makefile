@@ -77,7 +77,7 @@ cluster-hostfile:
 ## examples/gpt): Adam, 1-bit Adam in its state modes (compact, sharded,
 ## sharded bf16), 0/1 Adam, LAMB, 1-bit LAMB (and compact), zero-adam int8
 ## and int4, Adam with fp16 and bf16 averaging, the outer optimizer with fp32,
-## int8 and 1-bit pseudo-gradients, 4 in-process ranks, same seed and tokens;
+## int8, 1-bit and sparse pseudo-gradients, 4 in-process ranks, same seed and tokens;
 ## out/gpt.md (the table), out/gpt.json, out/gpt.svg.
 demo-gpt:
 	cd integrations/gomlx && GOMLX_BACKEND=go $(GO) run ./examples/gpt \
