@@ -59,7 +59,7 @@ func Regroup(old []*optim.Checkpoint, world, rank int) (*optim.Checkpoint, error
 		return nil, fmt.Errorf("onebit: Regroup: %w", err)
 	}
 	if world == len(old) {
-		return cloneCheckpoint(old[rank]), nil
+		return old[rank].Clone(), nil
 	}
 	src := old[rank%len(old)]
 	out := &optim.Checkpoint{
@@ -131,17 +131,6 @@ const outerPrefix = "outer-"
 
 // zeroAlgorithm is the algorithm name of zero.Adam's checkpoints.
 const zeroAlgorithm = "zero-adam"
-
-// cloneCheckpoint is a deep copy of ck.
-func cloneCheckpoint(ck *optim.Checkpoint) *optim.Checkpoint {
-	out := *ck
-	out.Ints, out.Floats = maps.Clone(ck.Ints), maps.Clone(ck.Floats)
-	out.Tensors = nil
-	for _, t := range ck.Tensors {
-		out.AddTensor(t.Name, t.Shape, t.Data)
-	}
-	return &out
-}
 
 // checkRegroup refuses what Regroup cannot do.
 func checkRegroup(old []*optim.Checkpoint, world, rank int) error {

@@ -37,6 +37,21 @@ func IsErrorBuffer(name string) bool {
 	return false
 }
 
+// Clone returns a deep copy of ck (nil for a nil ck): what Load sees in
+// it, nothing shared with ck.
+func (ck *Checkpoint) Clone() *Checkpoint {
+	if ck == nil {
+		return nil
+	}
+	out := *ck
+	out.Ints, out.Floats = maps.Clone(ck.Ints), maps.Clone(ck.Floats)
+	out.Tensors = nil
+	for _, t := range ck.Tensors {
+		out.AddTensor(t.Name, t.Shape, t.Data)
+	}
+	return &out
+}
+
 // ResetErrors is the explicit request to load ck on a group of another
 // size, or on another rank, at the price of the error feedback. It returns
 // a deep copy of ck without its error buffers (see IsErrorBuffer) and with

@@ -2,7 +2,6 @@ package outer
 
 import (
 	"fmt"
-	"maps"
 	"strings"
 
 	"github.com/lowbit-ml/lowbit/optim"
@@ -39,13 +38,7 @@ func Regroup(old []*optim.Checkpoint, world, rank int) (*optim.Checkpoint, error
 		return nil, fmt.Errorf("outer: regroup: %w", err)
 	}
 	if world == len(old) {
-		ck := old[rank]
-		out := &optim.Checkpoint{Algorithm: ck.Algorithm, World: ck.World, Rank: ck.Rank, Stage: ck.Stage,
-			ErrorsReset: ck.ErrorsReset, Ints: maps.Clone(ck.Ints), Floats: maps.Clone(ck.Floats)}
-		for _, t := range ck.Tensors {
-			out.AddTensor(t.Name, t.Shape, t.Data)
-		}
-		return out, nil
+		return old[rank].Clone(), nil
 	}
 	out := old[rank%len(old)].ResetErrors()
 	if old[0].Tensor(AccumulatorName) != nil {

@@ -118,8 +118,14 @@ func (s *sparseCodec) encode(dst []byte, x []float32) int {
 		mag[i] = abs32(v)
 	}
 	thr := kthLargest(mag, k) // reorders mag
+	ties := k                 // the entries of magnitude thr sent: k less those above it
+	for _, a := range mag {
+		if a > thr {
+			ties--
+		}
+	}
 	var sum float64
-	s.selected(x, thr, k, func(_ int, v float32) { sum += float64(abs32(v)) })
+	s.selected(x, thr, ties, func(_ int, v float32) { sum += float64(abs32(v)) })
 	lo := float32(sum / float64(k))
 	hi, cut := lo, float32(math.Inf(1))
 	if s.vbits == 2 {
@@ -128,7 +134,7 @@ func (s *sparseCodec) encode(dst []byte, x []float32) int {
 		cut = lo
 		var sl, sh float64
 		var nl, nh int
-		s.selected(x, thr, k, func(_ int, v float32) {
+		s.selected(x, thr, ties, func(_ int, v float32) {
 			if a := abs32(v); a >= cut {
 				sh += float64(a)
 				nh++
@@ -146,7 +152,7 @@ func (s *sparseCodec) encode(dst []byte, x []float32) int {
 	}
 	binary.LittleEndian.PutUint32(dst, math.Float32bits(lo))
 	bw := bitWriter{buf: dst[4*s.scales():]}
-	s.selected(x, thr, k, func(i int, v float32) {
+	s.selected(x, thr, ties, func(i int, v float32) {
 		code, sent := uint64(0), lo
 		if abs32(v) >= cut {
 			code, sent = 2, hi
@@ -165,15 +171,8 @@ func (s *sparseCodec) encode(dst []byte, x []float32) int {
 
 // selected calls fn with the offset and value of each entry of x that a
 // message sends, in ascending order: those whose magnitude exceeds thr,
-// and those equal to it, the first ones, until k.
-func (s *sparseCodec) selected(x []float32, thr float32, k int, fn func(i int, v float32)) {
-	above := 0
-	for _, v := range x {
-		if abs32(v) > thr {
-			above++
-		}
-	}
-	ties := k - above
+// and the first ties of those equal to it.
+func (s *sparseCodec) selected(x []float32, thr float32, ties int, fn func(i int, v float32)) {
 	for i, v := range x {
 		a := abs32(v)
 		if a > thr || a == thr && ties > 0 {
