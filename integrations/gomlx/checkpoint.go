@@ -205,7 +205,7 @@ func commonStep(all [][]int64) (int64, error) {
 	more := ""
 	if someNone {
 		more = " (to resume on more ranks than made the checkpoints, give each new rank a copy of rank 0's directory " +
-			"whose newest lowbit state is made from every old rank's, onebit.Regroup for the 1-bit optimizers: the README's \"Changing the number of ranks\")"
+			"whose newest lowbit state is made from every old rank's, onebit.Regroup for the 1-bit optimizers: docs/gomlx.md, \"Changing the number of ranks\")"
 	}
 	return -1, fmt.Errorf("lbgomlx: no checkpoint of a global step that every rank holds (%s), so the ranks cannot resume together: "+
 		"delete every rank's checkpoint directory (or move its %s* and %s* files away) to start afresh, or put back the missing ranks' checkpoints%s",

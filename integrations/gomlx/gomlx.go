@@ -5,9 +5,10 @@
 // training loop: train.NewTrainer, train.Loop, the progress bar, the
 // metrics and the checkpoint package stay as they are.
 // Its errors and warnings start "lbgomlx:", the name the README imports it
-// as; the README holds a complete program, the table of GoMLX settings and
-// their lowbit equivalents, and the recipes to resume, change the number
-// of ranks and run on several machines.
+// as; the README holds a complete program, and docs/gomlx.md at the
+// repository root the table of GoMLX settings and their lowbit
+// equivalents, and the recipes to resume, change the number of ranks and
+// run on several machines.
 //
 // An Optimizer is a GoMLX optimizer.Interface. Its UpdateGraph does not
 // update a variable: it hands the gradient of every trainable variable out

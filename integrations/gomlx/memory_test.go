@@ -108,7 +108,7 @@ func (b *bigRank) step(t testing.TB) {
 }
 
 // stateMiB is the size of the lowbit state of TestCheckpointMemory:
-// LOWBIT_GOMLX_STATE_MIB, 24 by default (the figures of the README are
+// LOWBIT_GOMLX_STATE_MIB, 24 by default (the figures of docs/measured.md are
 // from 256).
 func stateMiB(t testing.TB) int {
 	if s := os.Getenv("LOWBIT_GOMLX_STATE_MIB"); s != "" {

@@ -32,7 +32,7 @@ func modeBuilder(lamb bool, f int, mode onebit.StateMode, bf onebit.BF16State) B
 	}
 }
 
-// TestRegroupEveryMode: the README's recipe for changing the number of
+// TestRegroupEveryMode: docs/gomlx.md's recipe for changing the number of
 // ranks (every new rank starts from a copy of old rank 0's directory
 // whose newest lowbit state is onebit.Regroup of every old rank's) resumes
 // every 1-bit optimizer and state mode from 2 ranks on 3 in the

@@ -169,7 +169,7 @@ func TestSaveBeforeFirstStep(t *testing.T) {
 // TestWarnings: what a user must know although training goes on reaches
 // them without a logger, through Warnings and WithWarnings: the
 // checkpoint's learning rate replacing the config's on resume, error
-// feedback reset (the change of ranks recipe of the README: 2 ranks' 1-bit
+// feedback reset (the change of ranks recipe of docs/gomlx.md: 2 ranks' 1-bit
 // Adam in compression resumed on 3, every new rank from rank 0's files
 // with optim.Checkpoint.ResetErrors), GoMLX optimizer settings of the
 // store that the lowbit optimizer does not use. Before, they went to the
@@ -253,7 +253,7 @@ func TestWarnings(t *testing.T) {
 		assert.Empty(t, warnings[r], "rank %d", r)
 	}
 
-	// From 3 ranks to 2 with onebit.Regroup (the README's recipe that
+	// From 3 ranks to 2 with onebit.Regroup (docs/gomlx.md's recipe that
 	// keeps the error feedback): every new rank's newest lowbit state is
 	// made from all 3 old ranks', and nothing warns of a reset.
 	steps, err = stateSteps(rankDir(0))

@@ -37,7 +37,7 @@
 # within twice this. 3 s covers the MNIST example's stop (0.15 s) on a
 # loaded machine, and keeps the soak's interrupted jobs ending within its
 # 10 s goal; a model whose step plus save takes longer needs more (see
-# examples/mnist/README.md, Preemption).
+# docs/mnist.md, Preemption).
 NETNS_MPI_STOP_S=${OMPI_MCA_odls_base_sigkill_timeout:-3}
 
 # NETNS_MPIRUN is mpirun as every script starts it: as root, more ranks

@@ -23,7 +23,7 @@ import (
 // text), and states the standard error of its mean. Fewer windows save
 // time (the default corpus's validation text is about 24,500 windows of
 // 65 bytes), at a cost: 8,192 left a standard error of 0.21% on the
-// default model after 100 steps (README).
+// default model after 100 steps (docs/measured.md).
 
 // finalBatch is the number of windows the final evaluation runs at once:
 // a few MB of logits and attention weights with the default model, and

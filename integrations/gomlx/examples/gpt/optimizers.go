@@ -208,7 +208,7 @@ func parseRun(entry, reduce string) (runSpec, error) {
 	}
 	s := runSpec{name: name}
 	if name == diloco {
-		codec := "sparse" // not -reduce: a codec of its own; the default the one measured best (README)
+		codec := "sparse" // not -reduce: a codec of its own; the default the one measured best (docs/outer.md)
 		if _, c, ok := strings.Cut(strings.TrimSpace(entry), ":"); ok && c != "" {
 			codec = c
 		}

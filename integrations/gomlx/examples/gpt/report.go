@@ -325,7 +325,7 @@ func writeJSON(path string, o *options, results []*result) error {
 	return writeFile(path, append(b, '\n'))
 }
 
-// writeMarkdown writes the results table as Markdown (the README's table).
+// writeMarkdown writes the results table as Markdown (docs/measured.md's tables).
 func writeMarkdown(path string, o *options, data *corpus, results []*result) error {
 	var b strings.Builder
 	fmt.Fprintf(&b, "%s; %d ranks (%s backend); %d steps of %d sequences of %d bytes (%d tokens per run); lr %g, freeze step %d, seed %d; corpus %d training files (%.1f MB), %d validation files.\n\n",

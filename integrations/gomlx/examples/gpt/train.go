@@ -122,7 +122,8 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 	}
 	// ops_sequential: GoMLX's parallel op scheduler shares one worker pool
 	// per backend; with several ranks in one process each rank gets its
-	// own backend and runs its ops in order (see the README).
+	// own backend and runs its ops in order (docs/gpt.md, "What the
+	// transformer found").
 	backend, err := gobackend.New("ops_sequential")
 	if err != nil {
 		return nil, err
