@@ -235,9 +235,9 @@ func TestStateBytes(t *testing.T) {
 	t.Logf("bytes per parameter per rank, %d parameters in %d tensors, default buckets", n, len(memShapes))
 	t.Logf("%-24s %2s %8s %8s %8s %10s %11s", "optimizer", "W", "built", "peak", "steady", "heap peak", "heap steady")
 	worlds := []int{2, 4, 8}
-	peaks := map[string][]float64{} // the README's table: peak per optimizer and world
+	peaks := map[string][]float64{} // docs/measured.md's "Optimizer state per rank": peak per optimizer and world
 	defer func() {
-		t.Logf("peak bytes per parameter per rank (README's table):")
+		t.Logf("peak bytes per parameter per rank (docs/measured.md, Optimizer state per rank):")
 		t.Logf("%-24s %6s %6s %6s", "optimizer", "W = 2", "W = 4", "W = 8")
 		for _, o := range memOptimizers {
 			if p := peaks[o.name]; len(p) == len(worlds) {
