@@ -302,6 +302,14 @@ type Optimizer struct {
 	attached bool // AttachToLoop was called
 	manual   bool // WithManualStep: the program calls Step itself
 
+	// quiet is set when sf rides in the exchanges' agreements only (an
+	// exchangeFlagCarrier, outer.Optimizer): the steps between exchanges
+	// communicate nothing, and each rank decides its own inner steps.
+	quiet bool
+	// warnedSkip is set once quiet's first local skip of an inner step
+	// (a non-finite loss) went to Warnings.
+	warnedSkip bool
+
 	// The learning rate (see lr.go): its source, GoMLX's variable that
 	// holds it for lrStore and lrGraph, and the lowbit optimizer as an
 	// optim.LRSetter (nil when it is not one).
