@@ -185,7 +185,7 @@ func (o *Optimizer) tellFailure(ctx context.Context, t int64, failure error) err
 	o.broken = failure
 	at := o.nextLaunch(t)
 	calls := at // the others take calls t..at, then the exchange's agreement
-	if o.flags != nil && at != t {
+	if o.flags != nil && !o.quiet && at != t {
 		at, calls = t+1, t // the flags agreement, before call t+1 counts
 	}
 	o.calls = calls

@@ -30,8 +30,11 @@
 // every rank; only the exchange calls communicate), Stats, State and Load
 // (bit-identical resume, with an exchange in flight too), Close; and
 // optim.LRSetter (the inner optimizer's learning rate) and
-// optim.FlagCarrier (carried flags cost one small agreement per Step,
-// which a loop that carries none does not pay). Between exchanges the
+// optim.FlagCarrier (flags carried by CarryFlags cost one small agreement
+// per Step, which a loop that carries none does not pay;
+// CarryFlagsAtExchanges carries them in the exchanges' agreements only, so
+// that no Step between exchanges communicates: each rank decides its own
+// inner steps, and the ranks agree at the exchanges). Between exchanges the
 // ranks' parameters differ: Global holds the parameters every rank agrees
 // on, the ones to evaluate. Errors reach every rank: a rank whose Step
 // fails tells the others, as a failure, at their next agreement, whose

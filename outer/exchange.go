@@ -53,6 +53,15 @@ func (o *Optimizer) launch(ctx context.Context, t int64, f int) error {
 		// another call than this one.
 		o.broken = fmt.Errorf("rank %d refused a step where this rank launched an exchange: the ranks are at different calls (every rank must carry flags from the same call)", v.refused)
 		return fmt.Errorf("outer: step %d: exchange of fragment %d: %w", t, f, o.broken)
+	}
+	if sf := o.flags; o.quiet && sf.Veto != nil {
+		// Flags carried at the exchanges: the Veto decides the exchange,
+		// from the flags agreed just now, before it changes anything.
+		if err := sf.Veto(sf.Agreed); err != nil {
+			return err
+		}
+	}
+	switch {
 	case v.nonFinite:
 		o.outerSkipped++
 		o.resetLocal(f)

@@ -25,6 +25,8 @@ type failingInner struct {
 	*optim.Adam
 	fail bool
 	put  float32
+	// flags are the flags runFailing carries, nil none.
+	flags *optim.StepFlags
 }
 
 var errInnerFailed = errors.New("the inner optimizer failed")
@@ -67,8 +69,9 @@ func runRanksWithin(t *testing.T, w int, d time.Duration, fn func(ctx context.Co
 }
 
 // A rank whose Step fails (its inner optimizer fails, or its gradient
-// changed size) tells the others as a failure, with or without carried
-// flags: every rank's Step fails at the agreement that hears of it (the
+// changed size, or, with flags carried at the exchanges, it refuses the
+// call) tells the others as a failure, with or without carried flags:
+// every rank's Step fails at the agreement that hears of it (the
 // others naming the rank and the call it failed at), every rank ends with
 // the same call count, and every later Step fails at once on every rank,
 // sending nothing, so that a loop that goes on after an error never
@@ -77,25 +80,33 @@ func runRanksWithin(t *testing.T, w int, d time.Duration, fn func(ctx context.Co
 func TestFailureLeavesEveryRankFailed(t *testing.T) {
 	const w, h, calls, after = 3, 4, 12, 3
 	for _, k := range []struct {
-		cfg    outer.Config
-		flags  bool
-		resize bool // the gradient changes size, rather than the inner step failing
-		at     int  // the call that fails on rank 1
-		heard  int  // the call whose Step fails on the other ranks
-		steps  int  // every rank's Stats().Steps after the failure
+		cfg   outer.Config
+		flags flagMode
+		spoil spoilMode
+		at    int // the call that fails on rank 1
+		heard int // the call whose Step fails on the other ranks
+		steps int // every rank's Stats().Steps after the failure
 	}{
-		{config(outer.CodecFP32, h, 1, 0), false, false, 2, 4, 4},
-		{config(outer.CodecFP32, h, 1, 0), true, false, 2, 3, 2}, // the case: heard at the next call's flags agreement
-		{config(outer.CodecFP32, h, 1, 0), true, false, 4, 4, 4}, // an exchange call: heard at its agreement
-		{config(outer.CodecFP32, h, 1, 0), true, true, 2, 2, 1},  // before the inner step: heard at the same call
-		{config(outer.CodecOneBit, h, 2, 1), false, false, 3, 4, 4},
-		{config(outer.CodecOneBit, h, 2, 1), true, false, 3, 4, 3},
-		{config(outer.CodecOneBit, h, 2, 1), true, false, 6, 6, 6},
-		{config(outer.CodecOneBit, h, 2, 1), true, true, 5, 5, 4},
-		{config(outer.CodecInt8, h, 1, 2), true, false, 5, 6, 5}, // exchange in flight
-		{config(outer.CodecInt8, h, 1, 2), false, true, 5, 8, 8},
+		{config(outer.CodecFP32, h, 1, 0), noFlags, innerFails, 2, 4, 4},
+		{config(outer.CodecFP32, h, 1, 0), perStep, innerFails, 2, 3, 2}, // the case: heard at the next call's flags agreement
+		{config(outer.CodecFP32, h, 1, 0), perStep, innerFails, 4, 4, 4}, // an exchange call: heard at its agreement
+		{config(outer.CodecFP32, h, 1, 0), perStep, resized, 2, 2, 1},    // before the inner step: heard at the same call
+		{config(outer.CodecOneBit, h, 2, 1), noFlags, innerFails, 3, 4, 4},
+		{config(outer.CodecOneBit, h, 2, 1), perStep, innerFails, 3, 4, 3},
+		{config(outer.CodecOneBit, h, 2, 1), perStep, innerFails, 6, 6, 6},
+		{config(outer.CodecOneBit, h, 2, 1), perStep, resized, 5, 5, 4},
+		{config(outer.CodecInt8, h, 1, 2), perStep, innerFails, 5, 6, 5}, // exchange in flight
+		{config(outer.CodecInt8, h, 1, 2), noFlags, resized, 5, 8, 8},
+		// Flags carried at the exchanges: heard at the next exchange's
+		// agreement, as without flags; a refusal is a failure.
+		{config(outer.CodecFP32, h, 1, 0), atExchanges, innerFails, 2, 4, 4},
+		{config(outer.CodecFP32, h, 1, 0), atExchanges, refused, 2, 4, 4},
+		{config(outer.CodecFP32, h, 1, 0), atExchanges, refused, 4, 4, 4},
+		{config(outer.CodecOneBit, h, 2, 1), atExchanges, refused, 5, 6, 6},
+		{config(outer.CodecOneBit, h, 2, 1), atExchanges, resized, 3, 4, 4},
+		{config(outer.CodecInt8, h, 1, 2), atExchanges, refused, 5, 8, 8}, // exchange in flight
 	} {
-		name := fmt.Sprintf("%s/F%d/D%d/flags=%v/resize=%v/at%d", k.cfg.Codec, k.cfg.Fragments, k.cfg.Delay, k.flags, k.resize, k.at)
+		name := fmt.Sprintf("%s/F%d/D%d/%s/%s/at%d", k.cfg.Codec, k.cfg.Fragments, k.cfg.Delay, k.flags, k.spoil, k.at)
 		t.Run(name, func(t *testing.T) {
 			want := runFailing(t, w, k.cfg, calls, k.flags, nil)
 			first := newPerRank[error](w)
@@ -106,9 +117,12 @@ func TestFailureLeavesEveryRankFailed(t *testing.T) {
 				if err == nil {
 					if c.Rank() == 1 && i == k.at-1 {
 						// Spoil call at on rank 1.
-						if k.resize {
+						switch k.spoil {
+						case resized:
 							ps[1].Grad = tensor.New(tensor.WithShape(ps[1].Numel()+1), tensor.Of(tensor.Float32))
-						} else {
+						case refused:
+							fi.flags.Refuse = errRefused
+						default:
 							fi.fail = true
 						}
 					}
@@ -135,6 +149,9 @@ func TestFailureLeavesEveryRankFailed(t *testing.T) {
 				}
 				if c.Rank() == 1 {
 					fi.fail = false
+					if fi.flags != nil {
+						fi.flags.Refuse = nil
+					}
 					ps[1].Grad = tensor.New(tensor.WithShape(ps[1].Numel()), tensor.Of(tensor.Float32))
 				}
 				return true, nil // load the checkpoint of call at-1 and go on from call at
@@ -146,9 +163,13 @@ func TestFailureLeavesEveryRankFailed(t *testing.T) {
 				named := fmt.Sprintf("rank 1 failed at step %d", k.at)
 				if r == 1 {
 					assert.Equal(t, k.at, firstAt.v[r], "rank 1 fails at its own failing call")
-					if k.resize {
+					switch k.spoil {
+					case resized:
 						assert.ErrorContains(t, first.v[r], fmt.Sprintf("outer: step %d: parameter \"b\"", k.at))
-					} else {
+					case refused:
+						assert.ErrorIs(t, first.v[r], errRefused)
+						assert.ErrorContains(t, first.v[r], fmt.Sprintf("outer: step %d:", k.at))
+					default:
 						assert.ErrorIs(t, first.v[r], errInnerFailed)
 						assert.ErrorContains(t, first.v[r], fmt.Sprintf("outer: step %d: inner step", k.at))
 					}
@@ -176,10 +197,36 @@ func TestFailureLeavesEveryRankFailed(t *testing.T) {
 // on from call loadAt.
 type onStep func(ctx context.Context, c comm.Comm, o *outer.Optimizer, fi *failingInner, ps []*optim.Param, i int, err error) (reload bool, _ error)
 
+// flagMode is how runFailing carries a step flag.
+type flagMode int
+
+const (
+	noFlags     flagMode = iota
+	perStep              // CarryFlags
+	atExchanges          // CarryFlagsAtExchanges
+)
+
+func (m flagMode) String() string {
+	return [...]string{"no-flags", "flags-per-step", "flags-at-exchanges"}[m]
+}
+
+// spoilMode is how TestFailureLeavesEveryRankFailed spoils a call.
+type spoilMode int
+
+const (
+	innerFails spoilMode = iota // the inner optimizer's Step fails
+	resized                     // a gradient changes size
+	refused                     // StepFlags.Refuse is set
+)
+
+func (m spoilMode) String() string { return [...]string{"inner-fails", "resized", "refused"}[m] }
+
+var errRefused = errors.New("no gradients here")
+
 // runFailing runs calls Steps on w ranks over failingInner optimizers,
-// with a step flag carried when flags is set, and returns every rank's
-// parameters and θ_g at the end. Without on, a Step error fails the run.
-func runFailing(t *testing.T, w int, cfg outer.Config, calls int, flags bool, on onStep, loadAt ...int) [][]float32 {
+// carrying a step flag as flags says, and returns every rank's parameters
+// and θ_g at the end. Without on, a Step error fails the run.
+func runFailing(t *testing.T, w int, cfg outer.Config, calls int, flags flagMode, on onStep, loadAt ...int) [][]float32 {
 	out := newPerRank[[]float32](w)
 	runRanksWithin(t, w, 10*time.Second, func(ctx context.Context, c comm.Comm) error {
 		ps := newParams(t, sizes)
@@ -189,8 +236,13 @@ func runFailing(t *testing.T, w int, cfg outer.Config, calls int, flags bool, on
 		}
 		defer fi.Close()
 		defer o.Close()
-		if flags {
-			if err := o.CarryFlags(&optim.StepFlags{Local: []float32{float32(c.Rank())}}); err != nil {
+		if flags != noFlags {
+			fi.flags = &optim.StepFlags{Local: []float32{float32(c.Rank())}}
+			carry := o.CarryFlags
+			if flags == atExchanges {
+				carry = o.CarryFlagsAtExchanges
+			}
+			if err := carry(fi.flags); err != nil {
 				return err
 			}
 		}

@@ -4,12 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/internal/commtest"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/outer"
 )
@@ -158,6 +161,143 @@ func TestLearningRate(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, o.SetSchedule(sched))
 		assert.Equal(t, float32(0.04), o.LR())
+		return nil
+	})
+}
+
+// Flags carried at the exchanges (CarryFlagsAtExchanges): a Step that
+// launches no exchange sends nothing, neither a byte (the communicator's
+// own count, and Stats().LastStepBytes) nor a collective (a counting
+// wrapper under the optimizer); an exchange's Step sends what it sends
+// without flags plus 4 bytes per flag in its agreement; Agreed is written
+// at the exchanges only, the maximum over the ranks; and the run ends
+// bit-identical to one that carries no flags. The exchanges run within
+// their Steps (no delay) so that every byte sent is a Step's.
+func TestCarryFlagsAtExchangesSendsNothingBetween(t *testing.T) {
+	const w, h, calls = 3, 4, 12
+	for _, cfg := range []outer.Config{
+		config(outer.CodecFP32, h, 1, 0),
+		config(outer.CodecOneBit, h, 2, 0), // exchanges at the calls 2, 4, 6, ...
+		config(outer.CodecSparse, h, 2, 0),
+	} {
+		t.Run(fmt.Sprintf("%s/F%d", cfg.Codec, cfg.Fragments), func(t *testing.T) {
+			run := func(carry bool) ([][]float32, [][]int64) {
+				out := newPerRank[[]float32](w)
+				sent := newPerRank[[]int64](w) // per call: bytes, collectives
+				runRanksWithin(t, w, 10*time.Second, func(ctx context.Context, c comm.Comm) error {
+					cc := commtest.New(c, 0)
+					ps := newParams(t, sizes)
+					o, err := outer.NewAdam(ctx, cc, ps, cfg, innerConfig())
+					if err != nil {
+						return err
+					}
+					defer o.Close()
+					sf := &optim.StepFlags{Local: []float32{float32(c.Rank()), 0}, Agreed: make([]float32, 2)}
+					if carry {
+						require.NoError(t, o.CarryFlagsAtExchanges(sf))
+					}
+					exchanges := o.OuterStats().Exchanges
+					var per []int64
+					for i := 1; i <= calls; i++ {
+						setGrads(ps, c.Rank(), i)
+						sf.Agreed[0], sf.Local[1] = -1, float32(i)
+						bytes, calls := c.Stats().Total().BytesSent, cc.Count().Calls
+						if err := o.Step(ctx); err != nil {
+							return err
+						}
+						bytes = c.Stats().Total().BytesSent - bytes
+						if o.Stats().LastStepBytes != bytes {
+							return fmt.Errorf("call %d: LastStepBytes %d, the communicator counted %d", i, o.Stats().LastStepBytes, bytes)
+						}
+						per = append(per, bytes, cc.Count().Calls-calls)
+						exchanged := o.OuterStats().Exchanges != exchanges
+						exchanges = o.OuterStats().Exchanges
+						switch {
+						case !carry:
+						case exchanged && sf.Agreed[0] != float32(w-1):
+							return fmt.Errorf("call %d, an exchange: agreed %v, want the maximum over the ranks %d", i, sf.Agreed, w-1)
+						case exchanged && sf.Agreed[1] != float32(i):
+							return fmt.Errorf("call %d, an exchange: agreed %v, want this call's flags", i, sf.Agreed)
+						case !exchanged && sf.Agreed[0] != -1:
+							return fmt.Errorf("call %d, no exchange: Agreed written (%v)", i, sf.Agreed)
+						}
+					}
+					out.set(c.Rank(), append(flat(ps), o.Global()...))
+					sent.set(c.Rank(), per)
+					return nil
+				})
+				return out.v, sent.v
+			}
+			bare, bareSent := run(false)
+			got, gotSent := run(true)
+			assert.Equal(t, bare, got, "carrying flags changed the run")
+			for r := range w {
+				for i := 1; i <= calls; i++ {
+					bytes, colls := gotSent[r][2*i-2], gotSent[r][2*i-1]
+					if bareSent[r][2*i-2] == 0 {
+						assert.Zero(t, bytes, "rank %d, call %d: bytes sent between exchanges", r, i)
+						assert.Zero(t, colls, "rank %d, call %d: collectives between exchanges", r, i)
+						continue
+					}
+					// The agreement's all-gather: 4 bytes per flag to each of the W-1 others.
+					assert.Equal(t, bareSent[r][2*i-2]+int64(4*2*(w-1)), bytes, "rank %d, call %d: an exchange's bytes", r, i)
+					assert.Equal(t, bareSent[r][2*i-1], colls, "rank %d, call %d: an exchange's collectives", r, i)
+				}
+			}
+		})
+	}
+}
+
+// Flags carried at the exchanges: the Veto is asked at an exchange's call
+// only, with the flags agreed there, and a veto there stops the exchange
+// on every rank alike: θ_g and u unchanged, every rank keeps its own
+// parameters, the call counts, and the run goes on (the fragment's next
+// exchange carries both periods' progress). A flag set between exchanges
+// only vetoes nothing (no rank hears of it).
+func TestCarryFlagsAtExchangesVeto(t *testing.T) {
+	const w, h, calls = 3, 4, 10
+	cfg := config(outer.CodecFP32, h, 1, 0)
+	runRanksWithin(t, w, 10*time.Second, func(ctx context.Context, c comm.Comm) error {
+		ps := newParams(t, sizes)
+		o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+		if err != nil {
+			return err
+		}
+		defer o.Close()
+		asked := 0
+		sf := &optim.StepFlags{Local: []float32{0}, Veto: func(agreed []float32) error {
+			asked++
+			if agreed[0] != 0 {
+				return errVeto
+			}
+			return nil
+		}}
+		require.NoError(t, o.CarryFlagsAtExchanges(sf))
+		for i := 1; i <= calls; i++ {
+			setGrads(ps, c.Rank(), i)
+			sf.Local[0] = 0
+			if c.Rank() == 2 && (i == 2 || i == 4) { // a non-exchange call, then an exchange's
+				sf.Local[0] = 1
+			}
+			g, u := slices.Clone(o.Global()), slices.Clone(o.Momentum())
+			err := o.Step(ctx)
+			if i != 4 {
+				if err != nil {
+					return fmt.Errorf("call %d: %w", i, err)
+				}
+				continue
+			}
+			if !errors.Is(err, errVeto) {
+				return fmt.Errorf("rank %d: call 4: %v, want the veto", c.Rank(), err)
+			}
+			assert.Equal(t, g, o.Global(), "rank %d: θ_g changed", c.Rank())
+			assert.Equal(t, u, o.Momentum(), "rank %d: u changed", c.Rank())
+			assert.NotEqual(t, g, flat(ps), "rank %d: the rank's own parameters were reset", c.Rank())
+			assert.Equal(t, int64(4), o.Stats().Steps, "rank %d: the vetoed call counts", c.Rank())
+			assert.Zero(t, o.OuterStats().Exchanges, "rank %d", c.Rank())
+		}
+		assert.Equal(t, 2, asked, "rank %d: the Veto is asked at the exchanges' calls only", c.Rank())
+		assert.Equal(t, int64(1), o.OuterStats().Exchanges, "rank %d: the exchange at call 8", c.Rank())
 		return nil
 	})
 }

@@ -67,6 +67,9 @@ type Optimizer struct {
 
 	status, statuses []float32 // the agreement: status word, then the carried flags, per rank
 	flags            *optim.StepFlags
+	// quiet is set while flags are carried at the exchanges only
+	// (CarryFlagsAtExchanges): no Step between exchanges communicates.
+	quiet bool
 
 	calls                    int64
 	outerSteps, outerSkipped int64
@@ -411,8 +414,9 @@ func (o *Optimizer) nextLaunch(t int64) int64 {
 // Step runs one inner step on this rank's gradients; at the calls where a
 // fragment's exchange is due it also runs the exchange (see the package
 // doc). Every rank calls it together, as with every optimizer, but only
-// exchange calls communicate (and, while flags are carried, every call:
-// see CarryFlags).
+// exchange calls communicate (and, while flags are carried with
+// CarryFlags, every call; CarryFlagsAtExchanges carries them in the
+// exchanges' agreements only).
 //
 // Contexts: ctx governs the collectives this Step runs itself: the carried
 // flags' agreement, an exchange's agreement, and an exchange run within
@@ -432,10 +436,11 @@ func (o *Optimizer) nextLaunch(t int64) int64 {
 // a status of its own (not a refusal): without carried flags, the
 // agreement of the next exchange (the failing Step waits for the exchange
 // in flight, then for that agreement: at most H inner steps of the others'
-// compute); with carried flags, the agreement of this call's exchange if
-// one launches now, otherwise the flags' agreement at the start of the
-// next call (a rank that fails before its inner step, being closed or
-// resized, tells them in this call's flags agreement). The failing rank
+// compute; so too with flags carried at the exchanges, where a Refuse is
+// such a failure); with flags carried by CarryFlags, the agreement of this
+// call's exchange if one launches now, otherwise the flags' agreement at
+// the start of the next call (a rank that fails before its inner step,
+// being closed or resized, tells them in this call's flags agreement). The failing rank
 // returns its own error; every other rank's Step at that agreement
 // returns an error naming it and the call it failed at ("rank 1 failed at
 // step 6"). Nothing global (θ_g, u, error buffers) changes. From then on
@@ -461,7 +466,15 @@ func (o *Optimizer) step(ctx context.Context) error {
 	if o.broken != nil {
 		return fmt.Errorf("outer: step %d: an earlier step failed (load a checkpoint to go on): %w", t, o.broken)
 	}
-	if o.flags != nil {
+	switch {
+	case o.quiet && o.flags.Refuse != nil:
+		// No agreement now: this rank cannot take the call, a failure
+		// the others hear of at the next exchange's agreement.
+		t1 := time.Now()
+		err := o.tellFailure(ctx, t, fmt.Errorf("outer: step %d: this rank refused it: %w", t, o.flags.Refuse))
+		o.tExch += time.Since(t1)
+		return err
+	case o.flags != nil && !o.quiet:
 		if err := o.agreeFlags(ctx, t); err != nil {
 			return err
 		}
@@ -491,16 +504,61 @@ func (o *Optimizer) step(ctx context.Context) error {
 
 // CarryFlags makes every following Step carry sf (optim.FlagCarrier); nil
 // stops carrying. The outer optimizer has no per-step agreement of its
-// own: while flags are carried every Step begins with one, before the
-// inner step, an all-gather of a status word and the flags per rank
+// own: while flags are carried this way every Step begins with one, before
+// the inner step, an all-gather of a status word and the flags per rank
 // (4(W-1)(1+len(sf.Local)) bytes sent, one latency-bound round), so that
 // Refuse and Veto change nothing on any rank (a refusal stops one call;
 // the run may go on), and so that a rank whose inner step fails is heard,
 // as a failure that leaves every rank failed (see Step), at the next Step
-// rather than at the next exchange. Without flags the Steps between exchanges communicate
-// nothing. Every rank calls it before the same Step, with flags of the
-// same length. It communicates nothing.
+// rather than at the next exchange. Without flags, or with flags carried
+// at the exchanges only (CarryFlagsAtExchanges), the Steps between
+// exchanges communicate nothing. Every rank calls it before the same Step,
+// with flags of the same length. It communicates nothing.
 func (o *Optimizer) CarryFlags(sf *optim.StepFlags) error {
+	o.quiet = false
+	return o.carry(sf)
+}
+
+// CarryFlagsAtExchanges makes every following Step carry sf in the
+// agreements the exchanges run anyway, and nowhere else: the Steps between
+// exchanges communicate nothing, as without flags (nil stops carrying).
+// What the ranks run apart for, their inner steps, each decides on its own
+// flags; what they share, the exchange, waits for every rank's:
+//
+//   - Refuse, at any call, is this rank's failure to take it: its inner
+//     step does not run, and the call fails as a failing inner step does
+//     (see Step): Step returns an error wrapping Refuse on this rank (its
+//     Step waits for the others' next exchange), the others hear of it at
+//     the next exchange's agreement (this call's, if it launches one) with
+//     an error naming this rank and the call, and from there every rank is
+//     failed, with the same Stats().Steps, until Load.
+//   - Agreed is written at each exchange's agreement only (and at the
+//     agreement that tells the others of a failure): the maximum over the
+//     ranks of Local as set for that call. A flag raised between exchanges
+//     reaches the other ranks only if it is still set at the next
+//     exchange's call (a stop request stays set until it is acted on).
+//   - Veto is called only at an exchange's call, after its agreement (the
+//     inner steps of the call are taken on every rank, as at every call)
+//     and before the exchange changes anything: Agreed is the same on every
+//     rank, so a Veto decided from it alone stops the exchange on every
+//     rank alike: θ_g, u and the codec's state do not change, every rank
+//     keeps its own parameters (the fragment's next exchange carries the
+//     progress of both periods), the call counts (Stats().Steps: the
+//     exchanges' clock), and Step returns the Veto's error. To skip this
+//     rank's own inner step at any call, give it a non-finite gradient:
+//     every lowbit optimizer skips such a step, counted in Stats().Skipped,
+//     and changes nothing.
+//
+// Every rank calls it before the same Step, with flags of the same length
+// (a difference is an error of the next exchange's agreement). It
+// communicates nothing.
+func (o *Optimizer) CarryFlagsAtExchanges(sf *optim.StepFlags) error {
+	o.quiet = sf != nil
+	return o.carry(sf)
+}
+
+// carry sets the carried flags and sizes the agreement's buffers.
+func (o *Optimizer) carry(sf *optim.StepFlags) error {
 	n := 1
 	if sf != nil {
 		if len(sf.Agreed) != len(sf.Local) {

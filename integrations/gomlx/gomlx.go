@@ -113,6 +113,29 @@
 // on some rank while every loss is finite is skipped on every rank by the
 // lowbit optimizer (optim.Stats.Skipped counts it) and the loop goes on.
 //
+// The outer optimizer (outer.Optimizer) has no per-step agreement, and its
+// ranks run apart between exchanges: the hook's flags ride in its
+// exchanges' agreements only (outer.Optimizer.CarryFlagsAtExchanges), so
+// that a step that does not exchange communicates nothing. What each rank
+// does alone, its inner step, it decides alone; what the ranks share, the
+// exchange, waits for every rank's word. A rank that fails to read its
+// gradients between exchanges returns its error once the others reach the
+// next exchange (its Step waits there: at most H steps of their compute),
+// where every other rank's step fails naming it and the step it failed at;
+// from there every rank is failed, at the same lowbit step count (resume
+// from a checkpoint to go on). A rank whose loss is not finite skips its
+// own inner step (the optimizer's Stats().Skipped counts it, a warning says
+// so the first time) while the others step on, and the step counts on
+// every rank; at the exchange its pseudo-gradient is what its other inner
+// steps made. (GoMLX's train.Loop then stops on that rank with its own
+// error: run the loop on there to go on with the others, or end the
+// program, which releases them: a rank's function returning under
+// local.Run, mpirun ending every rank.) The ranks' learning rates are
+// compared at each exchange, those of its step: ranks that differ there
+// fail that step on every rank with an error naming both values, the
+// exchange not run (the global parameters unchanged; each rank's own
+// inner step of that step is taken, and counted in the global step).
+//
 // An error inside GoMLX's own TrainStep (a graph that fails to build or to
 // run on one rank) never reaches the hook on that rank: train.Loop returns
 // it there. The other ranks are released by the communicator: under
@@ -302,6 +325,14 @@ type Optimizer struct {
 	closed   bool
 	attached bool // AttachToLoop was called
 	manual   bool // WithManualStep: the program calls Step itself
+
+	// quiet is set when sf rides in the exchanges' agreements only (an
+	// exchangeFlagCarrier, outer.Optimizer): the steps between exchanges
+	// communicate nothing, and each rank decides its own inner steps.
+	quiet bool
+	// warnedSkip is set once quiet's first local skip of an inner step
+	// (a non-finite loss) went to Warnings.
+	warnedSkip bool
 
 	// The learning rate (see lr.go): its source, GoMLX's variable that
 	// holds it for lrStore and lrGraph, and the lowbit optimizer as an

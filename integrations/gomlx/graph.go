@@ -141,26 +141,45 @@ func (o *Optimizer) init(store *model.Store, backend compute.Backend, lrErr erro
 	ck = nil
 	if err := o.agreeOnSettings(set, localErr); err != nil {
 		_ = opt.Close()
-		o.opt, o.sf, o.lrs, o.restored = nil, nil, nil, false
+		o.opt, o.sf, o.quiet, o.lrs, o.restored = nil, nil, false, nil, false
 		return err
 	}
 	o.warnUnusedSettings()
 	o.log.Info("lowbit optimizer ready", zap.Int("rank", o.rank()), zap.Int("ranks", o.size()),
 		zap.Int("variables", len(o.vars)), zap.Bool("restored", o.restored),
-		zap.Int64("global_step", o.globalStep()), zap.Bool("flags_carried", o.sf != nil),
+		zap.Int64("global_step", o.globalStep()), zap.Bool("flags_carried", o.sf != nil), zap.Bool("flags_at_exchanges_only", o.quiet),
 		zap.Stringer("learning_rate", o.lrSrc))
 	return nil
 }
 
+// exchangeFlagCarrier is implemented by the lowbit optimizers whose ranks
+// run apart between exchanges and that can carry the step's flags in the
+// exchanges' agreements only (outer.Optimizer.CarryFlagsAtExchanges): the
+// Optimizer carries them that way, so that no step between exchanges
+// communicates.
+type exchangeFlagCarrier interface {
+	CarryFlagsAtExchanges(sf *optim.StepFlags) error
+}
+
 // carryFlags makes the lowbit optimizer carry the step's flags in its own
-// agreement, when it can.
+// agreements, when it can: at its exchanges only when it is an
+// exchangeFlagCarrier, otherwise at every step.
 func (o *Optimizer) carryFlags() error {
-	fc, ok := o.opt.(optim.FlagCarrier)
-	if !ok {
+	sf := &optim.StepFlags{Local: make([]float32, numFlags)}
+	var err error
+	switch fc := o.opt.(type) {
+	case exchangeFlagCarrier:
+		sf.Veto = o.vetoExchange
+		err = fc.CarryFlagsAtExchanges(sf)
+		o.quiet = true
+	case optim.FlagCarrier:
+		sf.Veto = o.veto
+		err = fc.CarryFlags(sf)
+	default:
 		return nil
 	}
-	sf := &optim.StepFlags{Local: make([]float32, numFlags), Veto: o.veto}
-	if err := fc.CarryFlags(sf); err != nil {
+	if err != nil {
+		o.quiet = false
 		return fmt.Errorf("lbgomlx: %w", err)
 	}
 	o.sf = sf

@@ -223,8 +223,12 @@ func (o *Optimizer) setFlags(f []float32, localErr error) {
 // carriedStep runs the lowbit optimizer's Step with the flags carried in
 // its agreement: a rank with localErr refuses the step there, and veto
 // stops it on every rank when some loss is not finite or the ranks'
-// learning rates differ, before anything changes.
+// learning rates differ, before anything changes. With the flags carried
+// at the exchanges only (quiet) the step is quietStep's.
 func (o *Optimizer) carriedStep(localErr error) error {
+	if o.quiet {
+		return o.quietStep(localErr)
+	}
 	sf := o.sf
 	o.setFlags(sf.Local, localErr)
 	clear(sf.Agreed)
@@ -245,11 +249,77 @@ func (o *Optimizer) carriedStep(localErr error) error {
 	return fmt.Errorf("lbgomlx: %w", err)
 }
 
+// quietStep runs the Step of a lowbit optimizer whose ranks run apart and
+// that carries the flags in its exchanges' agreements only (see the
+// package documentation): nothing is agreed between exchanges. A rank with
+// localErr refuses the step, a failure the other ranks hear of at the next
+// exchange; a rank whose loss is not finite skips its own inner step (its
+// gradient made non-finite, which the inner optimizer skips and counts)
+// while the others step on; vetoExchange stops an exchange on every rank
+// when the ranks' learning rates differ there.
+func (o *Optimizer) quietStep(localErr error) error {
+	sf := o.sf
+	o.setFlags(sf.Local, localErr)
+	clear(sf.Agreed)
+	sf.Refuse = localErr
+	o.vetoed = false
+	if localErr == nil && sf.Local[flagLoss] != 0 {
+		o.skipInnerStep()
+	}
+	err := o.opt.Step(o.ctx)
+	sf.Refuse = nil
+	switch {
+	case err == nil:
+		return nil
+	case localErr != nil:
+		return err
+	case o.vetoed:
+		// The exchange did not run; the call's inner steps did, and the
+		// optimizer counted the call: so do the variables and the global
+		// step.
+		if werr := o.writeBack(); werr != nil {
+			return errors.Join(err, werr)
+		}
+		return errors.Join(err, o.incGlobalStep())
+	case sf.Agreed[flagFailed] != 0:
+		return fmt.Errorf("lbgomlx: another rank failed to get its gradients; nothing changed at this exchange: %w", err)
+	}
+	return fmt.Errorf("lbgomlx: %w", err)
+}
+
+// skipInnerStep makes this rank's coming inner step a skipped one: its
+// loss is not finite. It writes a NaN into the first gradient, which every
+// lowbit optimizer skips (counted in Stats().Skipped) with nothing
+// changed.
+func (o *Optimizer) skipInnerStep() {
+	o.params[0].GradData()[0] = float32(math.NaN())
+	text := fmt.Sprintf("global step %d: the loss is not finite on this rank (%g): its own inner step is skipped, the other ranks step on", o.globalStep()+1, o.loss)
+	if o.warnedSkip {
+		o.log.Warn(text)
+		return
+	}
+	o.warnedSkip = true
+	o.warn(text + " (warned once; Stats().Skipped counts them)")
+}
+
 // veto is the StepFlags.Veto of the carried flags: it stops the step on
 // every rank when some rank's loss is not finite or the ranks' learning
 // rates differ.
 func (o *Optimizer) veto(agreed []float32) error {
 	if err := o.agreedError(agreed); err != nil {
+		o.vetoed = true
+		return err
+	}
+	return nil
+}
+
+// vetoExchange is the StepFlags.Veto of flags carried at the exchanges
+// only: it stops an exchange on every rank when the ranks' learning rates
+// differ at its step. A non-finite loss is each rank's own business there
+// (see quietStep).
+func (o *Optimizer) vetoExchange(agreed []float32) error {
+	if err := o.lrError(agreed, "the exchange of this step did not run on any rank (the global parameters did not change; "+
+		"each rank's own inner step did)"); err != nil {
 		o.vetoed = true
 		return err
 	}
@@ -262,9 +332,15 @@ func (o *Optimizer) agreedError(agreed []float32) error {
 		return fmt.Errorf("lbgomlx: global step %d: the loss is not finite on some rank (here %g); the step is skipped on every rank and no variable changed",
 			o.globalStep()+1, o.loss)
 	}
+	return o.lrError(agreed, "no variable changed")
+}
+
+// lrError is the error of agreed flags whose learning rates differ, ending
+// with what the step did; nil when they are the same.
+func (o *Optimizer) lrError(agreed []float32, did string) error {
 	if hi, lo := agreed[flagLR], -agreed[flagNegLR]; hi != lo {
 		return fmt.Errorf("lbgomlx: global step %d: the ranks' learning rates differ, from %v to %v (here %v, from %s): "+
-			"every rank must set the same; no variable changed", o.globalStep()+1, lo, hi, o.lr, o.lrSrc)
+			"every rank must set the same; %s", o.globalStep()+1, lo, hi, o.lr, o.lrSrc, did)
 	}
 	return nil
 }

@@ -223,8 +223,10 @@ func Cases(ranksPerNode int) []Case {
 				return err
 			}, nil
 		}},
-		failingOuter("outer.Optimizer.Step (fp32, H=4): inner step fails on one rank between exchanges, every rank steps on", false),
-		failingOuter("outer.Optimizer.Step (fp32, H=4, carried flags): inner step fails on one rank between exchanges, every rank steps on", true),
+		failingOuter("outer.Optimizer.Step (fp32, H=4): inner step fails on one rank between exchanges, every rank steps on", noFlags, false),
+		failingOuter("outer.Optimizer.Step (fp32, H=4, carried flags): inner step fails on one rank between exchanges, every rank steps on", flagsPerStep, false),
+		failingOuter("outer.Optimizer.Step (fp32, H=4, flags carried at the exchanges): inner step fails on one rank between exchanges, every rank steps on", flagsAtExchanges, false),
+		failingOuter("outer.Optimizer.Step (1bit, H=4, flags carried at the exchanges): StepFlags.Refuse on one rank between exchanges, every rank steps on", flagsAtExchanges, true),
 		refusing("onebit.Adam.Step: StepFlags.Refuse on one rank", func(ctx context.Context, c comm.Comm, ps []*optim.Param) (flagCarrier, error) {
 			return onebit.NewAdam(ctx, c, ps, onebit.DefaultAdamConfig())
 		}),
@@ -354,11 +356,22 @@ func (a *failingInner) Step(ctx context.Context) error {
 	return a.Adam.Step(ctx)
 }
 
+// outerFlags is how failingOuter's optimizer carries step flags.
+type outerFlags int
+
+const (
+	noFlags          outerFlags = iota
+	flagsPerStep                // CarryFlags
+	flagsAtExchanges            // CarryFlagsAtExchanges
+)
+
 // failingOuter is the case of an outer optimizer (H=4) whose inner
-// optimizer fails on the bad rank at the call after the first, between
+// optimizer fails (or, with refuse, which carries flags, whose StepFlags
+// refuses) on the bad rank at the call after the first, between
 // exchanges, with or without carried flags; every rank goes on calling
-// Step after its error, as a loop that ignores errors would (stepOn).
-func failingOuter(name string, flags bool) Case {
+// Step after its error, as a loop that ignores errors would (stepOn). With
+// refuse the codec is the 1-bit one, otherwise fp32.
+func failingOuter(name string, flags outerFlags, refuse bool) Case {
 	return Case{name, func(ctx context.Context, c comm.Comm, bad bool) (func(context.Context) error, error) {
 		in, err := optim.NewAdam(ctx, nil, params(false), optim.DefaultAdamConfig())
 		if err != nil {
@@ -367,6 +380,9 @@ func failingOuter(name string, flags bool) Case {
 		fi := &failingInner{Adam: in}
 		cfg := outer.DefaultConfig()
 		cfg.H = 4 // the calls under test are 2, 3 and the exchange at 4
+		if refuse {
+			cfg.Codec = outer.CodecOneBit
+		}
 		o, err := outer.New(ctx, c, fi, cfg)
 		if err != nil {
 			return nil, err
@@ -374,12 +390,21 @@ func failingOuter(name string, flags bool) Case {
 		if err := o.Step(ctx); err != nil {
 			return nil, fmt.Errorf("first step: %w", err)
 		}
-		if flags {
-			if err := o.CarryFlags(&optim.StepFlags{Local: make([]float32, 1)}); err != nil {
-				return nil, err
-			}
+		sf := &optim.StepFlags{Local: make([]float32, 1)}
+		switch flags {
+		case flagsPerStep:
+			err = o.CarryFlags(sf)
+		case flagsAtExchanges:
+			err = o.CarryFlagsAtExchanges(sf)
 		}
-		fi.fail = bad
+		if err != nil {
+			return nil, err
+		}
+		if bad && refuse {
+			sf.Refuse = errors.New("this rank cannot take the step")
+		} else {
+			fi.fail = bad
+		}
 		return func(ctx context.Context) error { return stepOn(ctx, o, cfg.H-1) }, nil
 	}}
 }
