@@ -3,6 +3,7 @@ package costmodel
 import (
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 	"time"
 
@@ -30,8 +31,8 @@ type Job struct {
 	BucketBytes int64
 	// Collectives lists the collectives to predict by name (Collectives);
 	// nil: allreduce and onebit, and with OuterH > 0 also the outer
-	// optimizer's rows outer-fp32, outer-bf16, outer-int8 and outer-1bit.
-	// An outer row needs OuterH > 0.
+	// optimizer's rows outer-fp32, outer-bf16, outer-int8, outer-1bit and
+	// outer-sparse (see OuterSparseChunk). An outer row needs OuterH > 0.
 	Collectives []string
 	// StepCompute is the forward and backward time of one step, added to
 	// each step (no overlap with communication, but for the outer
@@ -54,6 +55,17 @@ type Job struct {
 	// [0, OuterH/OuterFragments]. The 1-bit codec's buckets are
 	// BucketBytes.
 	OuterH, OuterFragments, OuterDelay int
+	// OuterDensity, OuterSparseChunk and OuterSparseBits are the sparse
+	// codec's settings (outer.Config.Density, SparseChunk and SparseBits;
+	// 0: its defaults, DefaultSparseDensity, DefaultSparseChunk and
+	// DefaultSparseBits), for the outer-sparse row: Density in (0, 1],
+	// SparseChunk in [1/Density, MaxSparseChunk] and at most the smallest
+	// fragment, SparseBits 1 or 2. With Collectives nil the outer-sparse
+	// row is among the default outer rows only where its chunk fits the
+	// smallest fragment (package outer refuses a longer one).
+	OuterDensity     float64
+	OuterSparseChunk int
+	OuterSparseBits  int
 	// FieldNames, when not nil, gives the names the plan's sentences
 	// (Assumptions' AlphaFrom, IneffFrom and CompressFrom) call the fields
 	// of Job by, keyed by field name: a front end's spelling of them, such
@@ -74,7 +86,7 @@ func (j Job) fieldName(field string) string {
 // Row is one collective's predicted step.
 //
 // A row of the outer optimizer (outer-fp32, outer-bf16, outer-int8,
-// outer-1bit) is the average step over OuterH steps, in which each of
+// outer-1bit, outer-sparse) is the average step over OuterH steps, in which each of
 // the OuterFragments fragments is exchanged once (its agreement, then the
 // codec's collective): WirePerRank is the average bytes per step, and
 // LatencyS, TransferS and CompressS are the exchanges' terms divided by
@@ -142,10 +154,7 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 		j.Sharing = PerRank
 	}
 	if j.Collectives == nil {
-		j.Collectives = []string{"allreduce", "onebit"}
-		if j.OuterH > 0 {
-			j.Collectives = append(j.Collectives, outerNames()...)
-		}
+		j.Collectives = j.DefaultCollectives()
 	}
 	if j.CompressBps > 0 {
 		cp := *m
@@ -225,7 +234,14 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 		rows = append(rows, r)
 	}
 	return &Plan{Params: n, Ranks: j.Ranks, LinkBps: j.Link, Sharing: string(j.Sharing), StepCompute: compute,
-		Assumptions: a, Model: m, Rows: rows, Outer: outerPlan(j)}, nil
+		Assumptions: a, Model: m, Rows: rows, Outer: outerPlan(j, slices.Contains(j.Collectives, "outer-sparse"))}, nil
+}
+
+// DefaultCollectives is what a nil Job.Collectives plans: allreduce and
+// onebit, then with OuterH > 0 the outer optimizer's rows (the sparse
+// codec's only where its chunk fits the smallest fragment).
+func (j Job) DefaultCollectives() []string {
+	return append([]string{"allreduce", "onebit"}, j.defaultOuterRows()...)
 }
 
 // Limits of a Job that Plan accepts.

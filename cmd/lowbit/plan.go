@@ -15,6 +15,7 @@ import (
 	"github.com/lowbit-ml/lowbit/costmodel"
 	"github.com/lowbit-ml/lowbit/internal/cliflag"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 	"github.com/lowbit-ml/lowbit/size"
 )
 
@@ -42,7 +43,8 @@ type planConfig struct {
 var planFlags = map[string]string{"Params": "params", "Ranks": "ranks", "Link": "link", "Sharing": "sharing",
 	"CompressBps": "compress-rate", "Alpha": "alpha", "Ineff": "ineff", "BucketBytes": "bucket",
 	"StepCompute": "step-compute", "Collectives": "collective",
-	"OuterH": "outer-h", "OuterFragments": "outer-fragments", "OuterDelay": "outer-delay"}
+	"OuterH": "outer-h", "OuterFragments": "outer-fragments", "OuterDelay": "outer-delay",
+	"OuterDensity": "outer-density", "OuterSparseChunk": "outer-sparse-chunk", "OuterSparseBits": "outer-sparse-bits"}
 
 func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	cfg := &planConfig{}
@@ -65,7 +67,7 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	fs.StringVar(&j.LinkName, "link", "10gbit", "link rate, tc units: 10gbit, 250mbit, 1.25gbps (bytes/s)")
 	sharing := fs.String("sharing", string(costmodel.PerRank), "per-rank: each rank has a link of this rate (a cluster); shared: one shaped link carries all ranks' traffic and the ranks share the calibration machine's CPUs (the calibration's loopback)")
 	list := fs.String("collective", "allreduce,onebit", "comma-separated collectives: allreduce, onebit, fp16, and the outer optimizer's rows (with --outer-h) "+
-		strings.Join(outerRowNames(), ", ")+"; fp16, outer-bf16 and outer-int8 are not calibrated; with --outer-h and no --collective the four outer rows follow the default ones")
+		strings.Join(outerRowNames(), ", ")+"; fp16, outer-bf16, outer-int8 and outer-sparse are not calibrated; with --outer-h and no --collective the outer rows follow the default ones (outer-sparse where --outer-sparse-chunk fits a fragment)")
 	fs.StringVar(&cfg.measurements, "measurements", "", "calibrate from this file of scripts/plan-calibrate.sh (default: the built-in runs recorded on the development machine)")
 	fs.Float64Var(&j.CompressBps, "compress-rate", 0, "float32 bytes/s a 1-rank onebit.AllReduce gets through on your hardware (default: measured on the calibration machine; time yours with lowbit bench --backend local --ranks 1 --collective onebit: bytes/p50)")
 	fs.Var(&seconds{p: &j.Alpha}, "alpha", "`duration` of one latency-bound message round, as --step-compute takes it (10us, 1.5ms; a bare number is seconds: 10e-6) (default: fitted on the calibration link nearest in rate)")
@@ -77,6 +79,10 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	fs.IntVar(&j.OuterH, "outer-h", 0, "the outer optimizer (package outer, DiLoCo): inner steps per outer step H; adds its rows, one per codec, each an exchange every H/fragments steps averaged per step (0: no outer rows)")
 	fs.IntVar(&j.OuterFragments, "outer-fragments", 1, "with --outer-h: fragments F of the parameters, each exchanged once every H steps, staggered (in [1, H])")
 	fs.IntVar(&j.OuterDelay, "outer-delay", 0, "with --outer-h: steps an exchange runs beside, in the background, before its merge (in [0, H/F]): it hides up to this many --step-compute of each exchange")
+	sp := outer.DefaultConfigFor(outer.CodecSparse)
+	fs.Float64Var(&j.OuterDensity, "outer-density", float64(sp.Density), "with --outer-h, outer-sparse: share of each chunk's entries sent, in (0, 1] (outer.Config.Density)")
+	fs.IntVar(&j.OuterSparseChunk, "outer-sparse-chunk", sp.SparseChunk, "with --outer-h, outer-sparse: chunk length in elements, at least 1/density and at most a fragment (outer.Config.SparseChunk)")
+	fs.IntVar(&j.OuterSparseBits, "outer-sparse-bits", sp.SparseBits, "with --outer-h, outer-sparse: bits of each value sent, 1 or 2 (outer.Config.SparseBits)")
 	fs.BoolVar(&cfg.asJSON, "json", false, "write JSON")
 	fs.Usage = func() {
 		fmt.Fprint(out, `usage: lowbit plan [flags]
@@ -129,8 +135,14 @@ predicted by a fit that has not seen it.
 			j.Collectives = append(j.Collectives, name)
 		}
 	}
-	if j.OuterH > 0 && !flagGiven(fs, "collective") {
-		j.Collectives = append(j.Collectives, outerRowNames()...)
+	// Job takes 0 for the sparse codec's defaults; the flags show them.
+	for name, zero := range map[string]bool{"outer-density": j.OuterDensity == 0, "outer-sparse-chunk": j.OuterSparseChunk == 0, "outer-sparse-bits": j.OuterSparseBits == 0} {
+		if zero {
+			return nil, cliflag.Bad(fs, name, "must not be 0")
+		}
+	}
+	if !flagGiven(fs, "collective") {
+		j.Collectives = j.DefaultCollectives()
 	}
 	if j.Link, err = costmodel.ParseRate(j.LinkName); err != nil {
 		return nil, cliflag.Bad(fs, "link", "want a positive rate with a tc unit")
@@ -292,6 +304,10 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 		if o.Delay > 0 {
 			fmt.Fprintf(w, "; each exchange runs beside %d steps of compute (%s) and only what exceeds them counts", o.Delay, formatSeconds(o.HideS))
 		}
+		if sp := o.Sparse; sp != nil {
+			fmt.Fprintf(w, "; outer-sparse sends %d of every %d entries (density %.4g), each a %d-bit offset and a %d-bit value, %d float32 scale(s) per chunk: %.3f bits per element per message, W-1 messages per rank",
+				sp.Entries, sp.Chunk, sp.Density, sp.OffsetBits, sp.Bits, sp.Bits, sp.BitsPerElement)
+		}
 		fmt.Fprintln(w, ".")
 	}
 	for _, r := range p.Rows {
@@ -317,7 +333,7 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 		fmt.Fprintf(w, "  compress: a 1-rank 1-bit call gets through %.2f GB/s of float32 (%s); each of W ranks makes (4+1/W)/5 of its passes, on a CPU of its own\n", a.CompressBps/1e9, a.CompressFrom)
 	}
 	if p.Outer != nil {
-		fmt.Fprintln(w, "  outer:   inner steps, pseudo-gradients and the outer step take no time beyond --step-compute; the agreement is an all-gather of 4 bytes per rank (W-1 rounds); fp32, bf16 and int8 exchange a fragment in one call, 1bit in buckets of --bucket")
+		fmt.Fprintln(w, "  outer:   inner steps, pseudo-gradients and the outer step take no time beyond --step-compute; the agreement is an all-gather of 4 bytes per rank (W-1 rounds); fp32, bf16 and int8 exchange a fragment in one call, 1bit in buckets of --bucket, sparse in one all-gather")
 	}
 	fmt.Fprintf(w, "  calibration: %s; %s\n", source, p.Model.Machine)
 	for _, r := range p.Rows {

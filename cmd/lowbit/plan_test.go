@@ -308,8 +308,8 @@ func TestPlanOuterRows(t *testing.T) {
 	assert.NotContains(t, s, "outer")
 
 	s, rows = outerRows(t, args+" --outer-h 50")
-	require.Len(t, rows, 6, s)
-	for _, name := range []string{"outer-fp32", "outer-bf16", "outer-int8", "outer-1bit"} {
+	require.Len(t, rows, 7, s)
+	for _, name := range []string{"outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse"} {
 		require.Contains(t, rows, name, s)
 		assert.Contains(t, s, name+": outer optimizer, ")
 	}
@@ -322,8 +322,17 @@ func TestPlanOuterRows(t *testing.T) {
 	assert.Equal(t, "0.04", rows["outer-fp32"][0])
 	assert.Equal(t, []string{"14.9", "MB"}, rows["outer-fp32"][1:3], "744 MB every 50 steps (and the agreement)")
 
+	assert.Contains(t, s, "outer-sparse*: not measured")
+	assert.Contains(t, s, "outer-sparse sends 85 of every 4096 entries (density 0.02083), each a 12-bit offset and a 1-bit value, 1 float32 scale(s) per chunk: 0.279 bits per element per message")
+	// 124M elements: 30274 chunks of 4096 and one of 1536 (32 entries),
+	// each 4 bytes of scale and ceil(13k/8) of entries, to 3 peers, every
+	// 50 steps.
+	assert.Equal(t, []string{"259.7", "kB"}, rows["outer-sparse"][1:3], "3*(30273*(4+139)+(4+52))/50")
+	_, two := outerRows(t, args+" --outer-h 50 --outer-sparse-bits 2 --outer-density 0.03 --outer-sparse-chunk 1024")
+	assert.Equal(t, []string{"399.6", "kB"}, two["outer-sparse"][1:3], "31 of 1024 entries of 10+2 bits, 2 scales: 3*(121093*(8+47)+(8+35))/50")
+
 	s, rows = outerRows(t, args+" --outer-h 50 --outer-fragments 4 --outer-delay 2")
-	require.Len(t, rows, 6, s)
+	require.Len(t, rows, 7, s)
 	assert.Contains(t, s, "H 50, 4 fragments, delay 2")
 	assert.Contains(t, s, "of 31M parameters every 12.5 steps")
 	assert.Contains(t, s, "each exchange runs beside 2 steps of compute (400ms)")
@@ -342,6 +351,9 @@ func TestPlanOuterRows(t *testing.T) {
 	}
 	require.NoError(t, json.Unmarshal(out.Bytes(), &res))
 	require.NotNil(t, res.Outer)
+	require.NotNil(t, res.Outer.Sparse)
+	assert.Equal(t, 85, res.Outer.Sparse.Entries)
+	res.Outer.Sparse = nil
 	assert.Equal(t, costmodel.OuterPlan{H: 50, Fragments: 4, Delay: 2, FragmentParams: 31e6, ExchangeEvery: 12.5, HideS: 0.4}, *res.Outer)
 	cal, err := costmodel.Builtin()
 	require.NoError(t, err)
@@ -377,17 +389,24 @@ func TestPlanOuterJSONUnchanged(t *testing.T) {
 // An outer setting the plan cannot use is refused naming its flag.
 func TestPlanOuterFlagErrors(t *testing.T) {
 	for args, flagName := range map[string]string{
-		"--outer-h -1":                                      "--outer-h",
-		"--outer-h 99999999999":                             "--outer-h",
-		"--collective allreduce,outer-int8":                 "--outer-h",
-		"--outer-fragments 2":                               "--outer-fragments",
-		"--outer-h 4 --outer-fragments 5":                   "--outer-fragments",
-		"--outer-h 4 --outer-fragments -1":                  "--outer-fragments",
-		"--outer-delay 1":                                   "--outer-delay",
-		"--outer-h 50 --outer-fragments 4 --outer-delay 13": "--outer-delay",
-		"--outer-h 50 --outer-delay -2":                     "--outer-delay",
-		"--outer-h 5 --collective outer-fp16":               "--collective",
-		"--params 3 --outer-h 5 --outer-fragments 4":        "--outer-fragments",
+		"--outer-h -1":                                        "--outer-h",
+		"--outer-h 99999999999":                               "--outer-h",
+		"--collective allreduce,outer-int8":                   "--outer-h",
+		"--outer-fragments 2":                                 "--outer-fragments",
+		"--outer-h 4 --outer-fragments 5":                     "--outer-fragments",
+		"--outer-h 4 --outer-fragments -1":                    "--outer-fragments",
+		"--outer-delay 1":                                     "--outer-delay",
+		"--outer-h 50 --outer-fragments 4 --outer-delay 13":   "--outer-delay",
+		"--outer-h 50 --outer-delay -2":                       "--outer-delay",
+		"--outer-h 5 --collective outer-fp16":                 "--collective",
+		"--params 3 --outer-h 5 --outer-fragments 4":          "--outer-fragments",
+		"--outer-h 5 --outer-density 0":                       "--outer-density",
+		"--outer-h 5 --outer-density 1.5":                     "--outer-density",
+		"--outer-h 5 --outer-sparse-chunk 0":                  "--outer-sparse-chunk",
+		"--outer-h 5 --outer-sparse-chunk 47":                 "--outer-sparse-chunk",
+		"--outer-h 5 --outer-sparse-bits 3":                   "--outer-sparse-bits",
+		"--outer-h 5 --outer-sparse-bits 0":                   "--outer-sparse-bits",
+		"--params 4000 --outer-h 5 --collective outer-sparse": "--outer-sparse-chunk",
 	} {
 		_, err := parsePlanFlags(strings.Fields(args), io.Discard)
 		if assert.Error(t, err, args) {
@@ -400,5 +419,10 @@ func TestPlanOuterFlagErrors(t *testing.T) {
 	assert.Equal(t, 50, cfg.job.OuterH)
 	assert.Equal(t, 4, cfg.job.OuterFragments)
 	assert.Equal(t, 12, cfg.job.OuterDelay)
+	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse"}, cfg.job.Collectives)
+	// A fragment shorter than the sparse codec's chunk: its row is left
+	// out of the default ones.
+	cfg, err = parsePlanFlags(strings.Fields("--params 4000 --outer-h 5"), io.Discard)
+	require.NoError(t, err)
 	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit"}, cfg.job.Collectives)
 }
