@@ -44,7 +44,8 @@ var planFlags = map[string]string{"Params": "params", "Ranks": "ranks", "Link": 
 	"CompressBps": "compress-rate", "Alpha": "alpha", "Ineff": "ineff", "BucketBytes": "bucket",
 	"StepCompute": "step-compute", "Collectives": "collective",
 	"OuterH": "outer-h", "OuterFragments": "outer-fragments", "OuterDelay": "outer-delay",
-	"OuterDensity": "outer-density", "OuterSparseChunk": "outer-sparse-chunk", "OuterSparseBits": "outer-sparse-bits"}
+	"OuterDensity": "outer-density", "OuterSparseChunk": "outer-sparse-chunk", "OuterSparseBits": "outer-sparse-bits",
+	"MuonShape": "muon-shape", "MuonParams": "muon-params", "MuonFlops": "muon-flops"}
 
 func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	cfg := &planConfig{}
@@ -83,6 +84,9 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	fs.Float64Var(&j.OuterDensity, "outer-density", float64(sp.Density), "with --outer-h, outer-sparse: share of each chunk's entries sent, in (0, 1] (outer.Config.Density)")
 	fs.IntVar(&j.OuterSparseChunk, "outer-sparse-chunk", sp.SparseChunk, "with --outer-h, outer-sparse: chunk length in elements, at least 1/density and at most a fragment (outer.Config.SparseChunk)")
 	fs.IntVar(&j.OuterSparseBits, "outer-sparse-bits", sp.SparseBits, "with --outer-h, outer-sparse: bits of each value sent, 1 or 2 (outer.Config.SparseBits)")
+	shape := fs.String("muon-shape", "", "Muon's rows (muon, onebit-muon; given, they follow the default rows): the `RxC` shape of the Muon matrices, e.g. 2048x8192 (default: square, the width of a GPT-3-like model of --params, costmodel.DefaultMuonShape)")
+	fs.Var(&size.CountValue[int64]{P: &j.MuonParams, Min: 0, Max: costmodel.MaxParams}, "muon-params", "Muon's rows: parameters in Muon matrices, as many whole matrices of --muon-shape as it holds; the rest goes to the auxiliary AdamW (`count`; default: all of --params)")
+	fs.Float64Var(&j.MuonFlops, "muon-flops", costmodel.DefaultMuonFlops, "Muon's rows: float32 FLOP/s of the Newton-Schulz products on one rank (default: gonum on one core of the calibration machine, docs/muon.md)")
 	fs.BoolVar(&cfg.asJSON, "json", false, "write JSON")
 	fs.Usage = func() {
 		fmt.Fprint(out, `usage: lowbit plan [flags]
@@ -133,6 +137,11 @@ predicted by a fit that has not seen it.
 	for name := range strings.SplitSeq(*list, ",") {
 		if name = strings.TrimSpace(name); !slices.Contains(j.Collectives, name) {
 			j.Collectives = append(j.Collectives, name)
+		}
+	}
+	if flagGiven(fs, "muon-shape") {
+		if j.MuonShape, err = costmodel.ParseShape(*shape); err != nil {
+			return nil, cliflag.Bad(fs, "muon-shape", "%v", err)
 		}
 	}
 	// Job takes 0 for the sparse codec's defaults; the flags show them.
@@ -271,7 +280,13 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 	fmt.Fprintf(w, "# lowbit plan: %s parameters (%s float32 gradient), %d ranks, %s links (%s)\n",
 		size.FormatCount(p.Params), bytesDecimal(float64(4*p.Params)), p.Ranks, formatRate(p.LinkBps), p.Sharing)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintf(tw, "collective\tcalls\tsent/rank\tlatency\ttransfer\tcompress\tstep comm\tspeedup vs exact\t\n")
+	ortho, orthoHead := func(costmodel.Row) string { return "" }, ""
+	if p.Muon != nil {
+		// Muon's rows: the orthogonalization, a column of its own.
+		ortho = func(r costmodel.Row) string { return formatSeconds(r.OrthoS) + "\t" }
+		orthoHead = "orthogonalize\t"
+	}
+	fmt.Fprintf(tw, "collective\tcalls\tsent/rank\tlatency\ttransfer\tcompress\t%sstep comm\tspeedup vs exact\t\n", orthoHead)
 	for _, r := range p.Rows {
 		name := r.Collective
 		if !r.Calibrated {
@@ -283,8 +298,8 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 			// average.
 			calls = strconv.FormatFloat(float64(r.Calls)/p.Outer.ExchangeEvery, 'g', 3, 64)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.2fx\t\n", name, calls, bytesDecimal(float64(r.WirePerRank)),
-			formatSeconds(r.LatencyS), formatSeconds(r.TransferS), formatSeconds(r.CompressS), formatSeconds(r.StepS), r.SpeedupExact)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s%s\t%.2fx\t\n", name, calls, bytesDecimal(float64(r.WirePerRank)),
+			formatSeconds(r.LatencyS), formatSeconds(r.TransferS), formatSeconds(r.CompressS), ortho(r), formatSeconds(r.StepS), r.SpeedupExact)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -335,6 +350,10 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 	if p.Outer != nil {
 		fmt.Fprintln(w, "  outer:   inner steps, pseudo-gradients and the outer step take no time beyond --step-compute; the agreement is an all-gather of 4 bytes per rank (W-1 rounds); fp32, bf16 and int8 exchange a fragment in one call, 1bit in buckets of --bucket, sparse in one all-gather")
 	}
+	if mp := p.Muon; mp != nil {
+		fmt.Fprintf(w, "  muon:    %d matrices of %dx%d (--muon-shape, --muon-params), %s parameters to AdamW; every rank orthogonalizes every matrix, 5 Newton-Schulz iterations of 4r²c+2r³ FLOP (r x c, r <= c): %.3g FLOP a step at %.3g FLOP/s (--muon-flops); onebit-muon is its step after the warm-up, which is exact Muon's\n",
+			mp.Matrices, mp.Shape[0], mp.Shape[1], size.FormatCount(mp.Other), mp.Flops, mp.Rate)
+	}
 	fmt.Fprintf(w, "  calibration: %s; %s\n", source, p.Model.Machine)
 	for _, r := range p.Rows {
 		if r.Calibrated {
@@ -342,12 +361,13 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 		}
 		fmt.Fprintf(w, "%s*: %s\n", r.Collective, described[r.Collective].Uncalibrated)
 	}
-	return writeMemory(w, p.Params, p.Ranks, cfg)
+	return writeMemory(w, cfg)
 }
 
 // writeMemory prints the optimizer state per rank of every optimizer
-// (costmodel.StateBytes) and, with --memory, whether it fits.
-func writeMemory(w io.Writer, params int64, ranks int, cfg *planConfig) error {
+// (costmodel.Job.StateTable) and, with --memory, whether it fits.
+func writeMemory(w io.Writer, cfg *planConfig) error {
+	params := cfg.job.Params
 	fmt.Fprintf(w, "\noptimizer state per rank (rank 0, fp32, default configs, buckets of %s):\n", size.Format(cfg.job.BucketBytes))
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	head := "optimizer\tbytes/param\tstate\twith params and grads\t"
@@ -355,20 +375,19 @@ func writeMemory(w io.Writer, params int64, ranks int, cfg *planConfig) error {
 		head += "fits in " + size.Format(cfg.memory) + "\t"
 	}
 	fmt.Fprintln(tw, head)
-	for _, name := range costmodel.StateOptimizers() {
-		state, err := costmodel.StateBytes(name, []int64{params}, ranks, cfg.job.BucketBytes)
-		if err != nil {
+	for _, row := range cfg.job.StateTable() {
+		if row.Err != nil {
 			// Padding of a huge number of tiny buckets: more bytes than
 			// an int64 counts.
-			line := name + "\ttoo large\t\t\t"
+			line := row.Optimizer + "\ttoo large\t\t\t"
 			if cfg.memory > 0 {
 				line += "no\t"
 			}
 			fmt.Fprintln(tw, line)
 			continue
 		}
-		total := state + 8*params
-		line := fmt.Sprintf("%s\t%.2f\t%s\t%s\t", name, float64(state)/float64(params), bytesDecimal(float64(state)), bytesDecimal(float64(total)))
+		total := row.Bytes + 8*params
+		line := fmt.Sprintf("%s\t%.2f\t%s\t%s\t", row.Optimizer, float64(row.Bytes)/float64(params), bytesDecimal(float64(row.Bytes)), bytesDecimal(float64(total)))
 		if cfg.memory > 0 {
 			fits := "no"
 			if total <= cfg.memory {
@@ -381,6 +400,9 @@ func writeMemory(w io.Writer, params int64, ranks int, cfg *planConfig) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	_, err := fmt.Fprintln(w, "state: every buffer the optimizer owns at its peak (moments, error buffers, staging and packing buffers); params and grads: 8 bytes per parameter; activations and the framework's own memory not included. onebit-adam-compact is 1-bit Adam with StateMode StateCompact (the same steps as StateFull, bit for bit); onebit-adam-sharded is 1-bit Adam with StateMode StateSharded (docs/sharded.md), onebit-adam-sharded-bf16 the same with BF16 BF16WorkerError|BF16Variance, at its peak (the compression stage); zeroone-adam counts the model as one tensor (one bucket per parameter adds a little per tensor).")
+	_, err := fmt.Fprintln(w, "state: every buffer the optimizer owns at its peak (moments, error buffers, staging and packing buffers); params and grads: 8 bytes per parameter; activations and the framework's own memory not included. onebit-adam-compact is 1-bit Adam with StateMode StateCompact (the same steps as StateFull, bit for bit); onebit-adam-sharded is 1-bit Adam with StateMode StateSharded (docs/sharded.md), onebit-adam-sharded-bf16 the same with BF16 BF16WorkerError|BF16Variance, at its peak (the compression stage); zeroone-adam counts the model as one tensor (one bucket per parameter adds a little per tensor). muon and onebit-muon: the model as whole matrices of --muon-shape and one AdamW tensor.")
+	if err == nil && cfg.job.OuterH > 0 {
+		_, err = fmt.Fprintln(w, "outer-*: the outer optimizer (--outer-h, --outer-fragments, --outer-delay) around outer.NewAdam's AdamW (its 8 bytes per parameter included), one row per codec but bf16 (not modelled).")
+	}
 	return err
 }

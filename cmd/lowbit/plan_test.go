@@ -426,3 +426,79 @@ func TestPlanOuterFlagErrors(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit"}, cfg.job.Collectives)
 }
+
+// stateRows runs lowbit plan with args and returns its optimizer state
+// table's rows by name, each as its fields.
+func stateRows(t *testing.T, args string) (string, map[string][]string) {
+	t.Helper()
+	var out bytes.Buffer
+	require.NoError(t, planMain(strings.Fields(args), &out, io.Discard))
+	s := out.String()
+	rows := map[string][]string{}
+	table := s[strings.Index(s, "optimizer state per rank"):]
+	for _, l := range strings.Split(table[:strings.Index(table, "state: ")], "\n")[2:] {
+		if f := strings.Fields(l); len(f) > 0 {
+			rows[f[0]] = f[1:]
+		}
+	}
+	return s, rows
+}
+
+// --muon-shape adds Muon's rows to the time table, with the
+// orthogonalization in a column of its own; the state table has Muon's
+// rows always, and the outer optimizer's with --outer-h, each
+// costmodel.Job.StateTable's figure.
+func TestPlanMuonAndStateRows(t *testing.T) {
+	const args = "--params 1.3B --ranks 8 --link 100mbit --step-compute 1s --memory 24Gi"
+	s, rows := outerRows(t, args)
+	assert.Len(t, rows, 2)
+	assert.NotContains(t, s, "orthogonalize")
+
+	s, rows = outerRows(t, args+" --muon-shape 2048x2048 --muon-flops 1e15")
+	require.Len(t, rows, 4, s)
+	assert.Contains(t, s, "orthogonalize")
+	// 309 matrices of 2048², 30 d FLOP per element each: 7.96e13 FLOP at
+	// 1e15 FLOP/s.
+	assert.Contains(t, s, "309 matrices of 2048x2048 (--muon-shape, --muon-params), 3960064 parameters to AdamW")
+	assert.Equal(t, "79.6ms", rows["muon"][6])
+	assert.Equal(t, "0", rows["allreduce"][6])
+	assert.Equal(t, rows["allreduce"][:6], rows["muon"][:6], "the exact allreduce's exchange")
+	assert.Equal(t, rows["onebit"][:6], rows["onebit-muon"][:6], "the 1-bit allreduce's exchange")
+	assert.Contains(t, s, "onebit-muon: 1-bit Muon (onebit.NewMuon) after its warm-up")
+
+	_, rows = outerRows(t, args+" --collective allreduce,muon --muon-params 1B")
+	assert.Len(t, rows, 2)
+
+	job := costmodel.Job{Params: 1.3e9, Ranks: 8, BucketBytes: optim.DefaultBucketBytes, OuterH: 50}
+	s, st := stateRows(t, args+" --outer-h 50")
+	for _, want := range job.StateTable() {
+		require.NoError(t, want.Err)
+		r := st[want.Optimizer]
+		require.Len(t, r, 6, "%s: %s", want.Optimizer, s)
+		assert.Equal(t, strconv.FormatFloat(float64(want.Bytes)/1.3e9, 'f', 2, 64), r[0], want.Optimizer)
+	}
+	for _, name := range []string{"muon", "onebit-muon", "outer-fp32", "outer-int8", "outer-1bit", "outer-sparse"} {
+		require.Contains(t, st, name, s)
+	}
+	assert.NotContains(t, st, "outer-bf16")
+	assert.Equal(t, []string{"20.00", "26.00", "GB", "36.40", "GB", "no"}, st["outer-fp32"], "θ_g, u and AdamW: 16 bytes per parameter, and the exchange buffer")
+	assert.Equal(t, "yes", st["muon"][5])
+	assert.Contains(t, s, "outer-*: the outer optimizer")
+	_, st = stateRows(t, args)
+	assert.Contains(t, st, "muon")
+	assert.NotContains(t, st, "outer-fp32")
+
+	for _, bad := range []string{"2048", "2048x", "x5", "0x5", "5x-1", "2.5x4", "axb", ""} {
+		_, err := parsePlanFlags([]string{"--muon-shape", bad}, io.Discard)
+		if assert.Error(t, err, bad) {
+			assert.True(t, cliflag.IsUsage(err), "%s: %v", bad, err)
+			assert.Contains(t, err.Error(), "--muon-shape", bad)
+		}
+	}
+	cfg, err := parsePlanFlags(strings.Fields("--muon-shape 1024X4096 --muon-params 340M --muon-flops 2e12"), io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, [2]int64{1024, 4096}, cfg.job.MuonShape)
+	assert.Equal(t, int64(340e6), cfg.job.MuonParams)
+	assert.Equal(t, 2e12, cfg.job.MuonFlops)
+	assert.Equal(t, []string{"allreduce", "onebit", "muon", "onebit-muon"}, cfg.job.Collectives)
+}
