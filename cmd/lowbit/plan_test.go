@@ -286,11 +286,22 @@ func TestPlanMemoryFlag(t *testing.T) {
 // fields.
 func outerRows(t *testing.T, args string) (string, map[string][]string) {
 	t.Helper()
+	return tableRows(t, args, "", "step comm:")
+}
+
+// tableRows runs lowbit plan with args and returns its output and the rows
+// of the table between the first line starting with start ("": the
+// output's start) and the first line after it containing end, less the
+// table's two first lines, by first field (without a trailing *), each as
+// its other fields.
+func tableRows(t *testing.T, args, start, end string) (string, map[string][]string) {
+	t.Helper()
 	var out bytes.Buffer
 	require.NoError(t, planMain(strings.Fields(args), &out, io.Discard))
 	s := out.String()
+	table := s[strings.Index(s, start):]
 	rows := map[string][]string{}
-	for _, l := range strings.Split(s[:strings.Index(s, "step comm:")], "\n")[2:] {
+	for _, l := range strings.Split(table[:strings.Index(table, end)], "\n")[2:] {
 		if f := strings.Fields(l); len(f) > 0 {
 			rows[strings.TrimSuffix(f[0], "*")] = f[1:]
 		}
@@ -431,17 +442,7 @@ func TestPlanOuterFlagErrors(t *testing.T) {
 // table's rows by name, each as its fields.
 func stateRows(t *testing.T, args string) (string, map[string][]string) {
 	t.Helper()
-	var out bytes.Buffer
-	require.NoError(t, planMain(strings.Fields(args), &out, io.Discard))
-	s := out.String()
-	rows := map[string][]string{}
-	table := s[strings.Index(s, "optimizer state per rank"):]
-	for _, l := range strings.Split(table[:strings.Index(table, "state: ")], "\n")[2:] {
-		if f := strings.Fields(l); len(f) > 0 {
-			rows[f[0]] = f[1:]
-		}
-	}
-	return s, rows
+	return tableRows(t, args, "optimizer state per rank", "state: ")
 }
 
 // --muon-shape adds Muon's rows to the time table, with the
