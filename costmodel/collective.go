@@ -78,6 +78,9 @@ type Collective struct {
 	// an exchange every Job.OuterH/Job.OuterFragments steps, averaged
 	// over the steps.
 	Outer bool
+	// Muon says that it is a row of Muon (muon, onebit-muon): an
+	// optimizer's step, its exchange and the orthogonalization.
+	Muon bool
 }
 
 // Collectives lists what Job.Collectives may name: the collectives the
@@ -85,16 +88,19 @@ type Collective struct {
 // baseline of Row.SpeedupExact), "onebit" (onebit.AllReduce) and "fp16"
 // (not calibrated), then the outer optimizer's rows, one per codec:
 // "outer-fp32", "outer-bf16" (not calibrated), "outer-int8" (not
-// calibrated) and "outer-1bit".
+// calibrated), "outer-1bit" and "outer-sparse" (not calibrated), then
+// Muon's rows, "muon" and "onebit-muon" (muon.go).
 func Collectives() []Collective {
-	out := make([]Collective, 0, len(collectives)+len(outerCodecs))
+	out := make([]Collective, 0, len(collectives)+len(outerCodecs)+2)
 	for _, c := range collectives {
 		out = append(out, Collective{Name: c.name, Desc: c.desc, Uncalibrated: c.uncalibrated})
 	}
 	for _, c := range outerCodecs {
 		out = append(out, Collective{Name: c.name, Desc: c.desc, Uncalibrated: c.uncalibrated, Outer: true})
 	}
-	return out
+	return append(out,
+		Collective{Name: OptMuon, Muon: true, Desc: "Muon (optim.NewMuon): exact float32 allreduce of the gradients, then every rank orthogonalizes every Muon matrix (Newton-Schulz)"},
+		Collective{Name: OptOnebitMuon, Muon: true, Desc: "1-bit Muon (onebit.NewMuon) after its warm-up (FreezeStep steps of exact Muon): every rank orthogonalizes its own momentum, then the 1-bit allreduce of the results and the AdamW group's momentum"})
 }
 
 func findCollective(name string) (collective, bool) {

@@ -42,7 +42,8 @@ const (
 // StateOptimizers lists the optimizers lowbit plan prints, in its order:
 // those StateBytes knows but OptLamb, whose state depends on the largest
 // tensor, which a plan does not know. Exact Muon's state depends on which
-// parameters are matrices and of which shapes: MuonStateBytes.
+// parameters are matrices and of which shapes: MuonStateBytes and
+// OnebitMuonStateBytes; Job.StateTable lists them with these.
 func StateOptimizers() []string {
 	return []string{OptAdam, OptZeroAdam, OptOnebitAdam, OptOnebitAdamCompact, OptOnebitAdamSharded, OptOnebitAdamShardedBF16, OptOnebitLamb, OptOnebitLambCompact, OptZeroOneAdam}
 }

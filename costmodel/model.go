@@ -23,11 +23,14 @@
 // Use: Builtin or LoadFile fit a Calibration; its Model's Plan predicts a
 // Job; Calibration.Check and Calibration.HoldOut compare the model with
 // the measured points. The package does not import the optimizers: it
-// keeps copies of onebit's padding and pipelining rules and of the outer
-// optimizer's int8 message layout, checked by its tests. With Job.OuterH
-// a plan also has rows for the outer optimizer (package outer), one per
+// keeps copies of onebit's padding and pipelining rules, of the outer
+// optimizer's int8 and sparse message layouts and buffers, and of Muon's
+// Newton-Schulz iteration count, checked by its tests. With Job.OuterH a
+// plan also has rows for the outer optimizer (package outer), one per
 // codec, each an exchange every OuterH/OuterFragments steps averaged per
-// step (outer.go).
+// step (outer.go, sparse.go); Muon's rows are an optimizer's step, its
+// exchange and the orthogonalization (muon.go). Job.StateTable is the
+// optimizer state per rank of every optimizer a plan lists.
 package costmodel
 
 import (

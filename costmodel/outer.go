@@ -1,6 +1,9 @@
 package costmodel
 
-import "strings"
+import (
+	"slices"
+	"strings"
+)
 
 // The outer optimizer (package outer, docs/outer.md): every rank takes H
 // inner steps without communicating, then the ranks average their
@@ -88,7 +91,7 @@ var agreementCollective = collective{
 // codec; the others are one call per fragment).
 type outerCodec struct {
 	name, codec, desc string
-	via               func() collective
+	via               func(j Job) collective
 	bucketed          bool
 	uncalibrated      string
 }
@@ -98,27 +101,35 @@ var outerCodecs = []outerCodec{
 	{
 		name: "outer-fp32", codec: "fp32",
 		desc: "outer optimizer, fp32 codec: exact float32 ring allreduce (comm.Mean) of the pseudo-gradients",
-		via:  func() collective { c, _ := findCollective("allreduce"); return c },
+		via:  func(Job) collective { c, _ := findCollective("allreduce"); return c },
 	},
 	{
 		name: "outer-bf16", codec: "bf16",
 		desc: "outer optimizer, bf16 codec: bfloat16 on the wire, float32 sums (quant.DownCast)",
-		via:  func() collective { c, _ := findCollective("fp16"); return c },
+		via:  func(Job) collective { c, _ := findCollective("fp16"); return c },
 		uncalibrated: "not measured: the fp16 model (the exact allreduce's at half the bytes); quant.DownCast's " +
 			"8-byte header per peer, chunk padding and bfloat16 conversion left out",
 	},
 	{
 		name: "outer-int8", codec: "int8",
 		desc: "outer optimizer, int8 codec: all-to-all of int8 codes with a float32 scale per 256 elements, owner sums in float32, all-gather",
-		via:  func() collective { return int8Collective },
+		via:  func(Job) collective { return int8Collective },
 		uncalibrated: "not measured: all-to-all and all-gather of its exact bytes at the fitted alpha and beta, " +
 			"W-1 rounds each; quantization and the owner's float32 sums left out",
 	},
 	{
 		name: "outer-1bit", codec: "1bit",
 		desc:     "outer optimizer, 1bit codec: onebit.AllReduce of the outer momentum, in buckets of --bucket",
-		via:      func() collective { c, _ := findCollective("onebit"); return c },
+		via:      func(Job) collective { c, _ := findCollective("onebit"); return c },
 		bucketed: true,
+	},
+	{
+		name: "outer-sparse", codec: "sparse",
+		desc: "outer optimizer, sparse codec: all-gather of the top --outer-density of each chunk of --outer-sparse-chunk of an error accumulator, " +
+			"an offset within the chunk and --outer-sparse-bits value bits each, float32 scales per chunk",
+		via: func(j Job) collective { return sparseOf(j).collective() },
+		uncalibrated: "not measured: an all-gather of its exact bytes at the fitted alpha and beta, W-1 rounds; " +
+			"the top-k selection, encoding and decoding left out",
 	},
 }
 
@@ -147,6 +158,8 @@ type OuterPlan struct {
 	// HideS is Delay times Job.StepCompute: the compute an exchange in
 	// flight runs beside.
 	HideS float64 `json:"hide_s"`
+	// Sparse is the sparse codec's settings, with the outer-sparse row.
+	Sparse *SparsePlan `json:"sparse,omitempty"`
 }
 
 // outerRow predicts the row of codec oc for job j (validated, OuterH > 0):
@@ -157,7 +170,7 @@ type OuterPlan struct {
 // exceeds τ*StepCompute is exposed, and the exchange's latency, transfer
 // and compression terms are scaled by the share left exposed.
 func (m *Model) outerRow(oc outerCodec, j Job, s setup, f LinkFit, exactStep float64) Row {
-	c := oc.via()
+	c := oc.via(j)
 	predictN := func(n int64) prediction {
 		if !oc.bucketed {
 			return m.predict(c, n, s, f)
@@ -214,15 +227,36 @@ func (m *Model) outerRow(oc outerCodec, j Job, s setup, f LinkFit, exactStep flo
 	return row
 }
 
-// outerPlan is the OuterPlan of j (nil without OuterH).
-func outerPlan(j Job) *OuterPlan {
+// outerPlan is the OuterPlan of j (nil without OuterH), with the sparse
+// codec's settings where sparse (the plan has its row).
+func outerPlan(j Job, sparse bool) *OuterPlan {
 	if j.OuterH <= 0 {
 		return nil
 	}
 	frags := max(1, j.OuterFragments)
-	return &OuterPlan{H: j.OuterH, Fragments: frags, Delay: j.OuterDelay,
+	o := &OuterPlan{H: j.OuterH, Fragments: frags, Delay: j.OuterDelay,
 		FragmentParams: (j.Params + int64(frags) - 1) / int64(frags),
 		ExchangeEvery:  float64(j.OuterH) / float64(frags), HideS: float64(j.OuterDelay) * j.StepCompute.Seconds()}
+	if sparse {
+		o.Sparse = sparseOf(j).plan(o.FragmentParams)
+	}
+	return o
+}
+
+// defaultOuterRows are the outer rows of a plan of j whose Collectives is
+// nil: none without OuterH; every codec's, the sparse codec's only where
+// its chunk fits the smallest fragment.
+func (j Job) defaultOuterRows() []string {
+	if j.OuterH <= 0 {
+		return nil
+	}
+	var names []string
+	for _, name := range outerNames() {
+		if name != "outer-sparse" || j.sparseFits() {
+			names = append(names, name)
+		}
+	}
+	return names
 }
 
 // validateOuter reports the first outer field of j that Plan cannot use.
@@ -257,7 +291,7 @@ func (j Job) validateOuter(fail func(field, format string, args ...any) error) e
 			return fail("OuterH", "must be at least 1 for the outer optimizer's rows (%s)", strings.Join(outer, ", "))
 		}
 	}
-	return nil
+	return j.validateSparse(slices.Contains(j.Collectives, "outer-sparse"), fail)
 }
 
 // outerNames are the names of the outer optimizer's rows.

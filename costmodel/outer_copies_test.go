@@ -24,6 +24,15 @@ func TestOuterCopiesMatch(t *testing.T) {
 		want := 4*quant.NumGroups(c, outer.Int8GroupSize) + quant.CodesLen(c, 8)
 		assert.Equal(t, int64(want), outerInt8MsgLen(int64(c)), "%d elements", c)
 	}
+	sp := outer.DefaultConfigFor(outer.CodecSparse)
+	assert.Equal(t, sp.Density, float32(DefaultSparseDensity))
+	assert.Equal(t, sp.SparseChunk, DefaultSparseChunk)
+	assert.Equal(t, sp.SparseBits, DefaultSparseBits)
+	bad := sp
+	bad.SparseChunk = MaxSparseChunk
+	assert.NoError(t, bad.Validate())
+	bad.SparseChunk++
+	assert.Error(t, bad.Validate(), "MaxSparseChunk is outer's largest chunk")
 	for _, name := range outerNames() {
 		oc, ok := findOuterCodec(name)
 		require.True(t, ok)
@@ -47,14 +56,16 @@ func TestOuterBytesMatchOptimizer(t *testing.T) {
 				}
 				h := frags
 				j := Job{Params: int64(n), Ranks: w, Link: 1e9, LinkName: "10gbit", BucketBytes: bucket,
-					OuterH: h, OuterFragments: frags, Collectives: outerNames()}
+					OuterH: h, OuterFragments: frags, Collectives: denseOuterNames()}
 				_, rows := planRows(t, j)
-				for _, name := range outerNames() {
+				for _, name := range denseOuterNames() {
 					oc, _ := findOuterCodec(name)
 					codec, err := outer.ParseCodec(oc.codec)
 					require.NoError(t, err)
 					what := fmt.Sprintf("%s, %d ranks, %v elements, %d fragments", name, w, sizes, frags)
-					got := outerBytesPerPeriod(t, w, sizes, codec, h, frags, bucket)
+					got := outerBytesPerPeriod(t, w, sizes, h, func(cfg *outer.Config) {
+						cfg.Fragments, cfg.Codec, cfg.BucketBytes = frags, codec, bucket
+					})
 					want := rows[name].WirePerRank * int64(h)
 					if name == "outer-bf16" {
 						// quant.DownCast: (W-1) chunks of C = ceil(m/W)
@@ -75,10 +86,57 @@ func TestOuterBytesMatchOptimizer(t *testing.T) {
 	}
 }
 
+// denseOuterNames are the outer rows but the sparse codec's.
+func denseOuterNames() []string {
+	var names []string
+	for _, name := range outerNames() {
+		if name != "outer-sparse" {
+			names = append(names, name)
+		}
+	}
+	return names
+}
+
+// The bytes of the outer-sparse row are what package outer's sparse codec
+// sends (comm/local's count of each exchange, agreement included), to the
+// byte, for 1- and 2-bit values, densities whose k rounds down and up,
+// chunks of a power of two and not (the offset bits), fragments whose last
+// chunk is shorter, on 2, 3 and 4 ranks: the formula and the encoder cannot
+// drift apart.
+func TestOuterSparseBytesMatchOptimizer(t *testing.T) {
+	for _, sp := range []struct {
+		density     float32
+		chunk, bits int
+	}{{1.0 / 48, 96, 1}, {1.0 / 48, 64, 2}, {0.1, 50, 2}, {0.3, 33, 1}, {1, 7, 1}} {
+		for _, w := range []int{2, 3, 4} {
+			for _, sizes := range [][]int{{1000}, {4097, 3}} {
+				for _, frags := range []int{1, 3} {
+					n := 0
+					for _, s := range sizes {
+						n += s
+					}
+					h := 2 * frags
+					j := Job{Params: int64(n), Ranks: w, Link: 1e9, LinkName: "10gbit", BucketBytes: 1 << 10,
+						OuterH: h, OuterFragments: frags, Collectives: []string{"outer-sparse"},
+						OuterDensity: float64(sp.density), OuterSparseChunk: sp.chunk, OuterSparseBits: sp.bits}
+					_, rows := planRows(t, j)
+					got := outerBytesPerPeriod(t, w, sizes, h, func(cfg *outer.Config) {
+						*cfg = outer.DefaultConfigFor(outer.CodecSparse)
+						cfg.H, cfg.Fragments = h, frags
+						cfg.Density, cfg.SparseChunk, cfg.SparseBits = sp.density, sp.chunk, sp.bits
+					})
+					want := rows["outer-sparse"].WirePerRank * int64(h)
+					assert.InDelta(t, want, got, float64(h)/2, "%+v, %d ranks, %v elements, %d fragments", sp, w, sizes, frags)
+				}
+			}
+		}
+	}
+}
+
 // outerBytesPerPeriod runs the outer optimizer on w in-process ranks for
-// h steps (each fragment exchanged once) and returns what rank 0 sent in
-// them.
-func outerBytesPerPeriod(t *testing.T, w int, sizes []int, codec outer.Codec, h, frags, bucket int) int64 {
+// h steps with outer.DefaultConfig changed by set (each fragment
+// exchanged once at least) and returns what rank 0 sent in them.
+func outerBytesPerPeriod(t *testing.T, w int, sizes []int, h int, set func(*outer.Config)) int64 {
 	t.Helper()
 	sent := make([]int64, w)
 	err := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
@@ -95,7 +153,8 @@ func outerBytesPerPeriod(t *testing.T, w int, sizes []int, codec outer.Codec, h,
 			ps = append(ps, p)
 		}
 		cfg := outer.DefaultConfig()
-		cfg.H, cfg.Fragments, cfg.Codec, cfg.BucketBytes = h, frags, codec, bucket
+		cfg.H = h
+		set(&cfg)
 		o, err := outer.NewAdam(ctx, c, ps, cfg, optim.DefaultAdamConfig())
 		if err != nil {
 			return err

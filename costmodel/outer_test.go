@@ -1,6 +1,7 @@
 package costmodel
 
 import (
+	"math"
 	"testing"
 	"time"
 
@@ -58,15 +59,37 @@ func TestOuterRowsListed(t *testing.T) {
 	for _, r := range p.Rows {
 		names = append(names, r.Collective)
 	}
-	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit"}, names)
+	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse"}, names)
 	require.NotNil(t, p.Outer)
-	assert.Equal(t, OuterPlan{H: 10, Fragments: 1, FragmentParams: 1 << 20, ExchangeEvery: 10}, *p.Outer)
+	// The sparse codec's defaults: 85 of 4096 entries, 13 bits each, and
+	// a float32 scale per chunk: (4 + ceil(85*13/8)) bytes per 4096.
+	sparse := &SparsePlan{Density: float64(float32(1.0 / 48)), Chunk: 4096, Bits: 1, Entries: 85, OffsetBits: 12,
+		BitsPerElement: 8 * float64(4+139) / 4096}
+	assert.Equal(t, OuterPlan{H: 10, Fragments: 1, FragmentParams: 1 << 20, ExchangeEvery: 10, Sparse: sparse}, *p.Outer)
 	cal := map[string]bool{}
 	for _, r := range p.Rows {
 		cal[r.Collective] = r.Calibrated
 	}
 	assert.Equal(t, map[string]bool{"allreduce": true, "onebit": true, "outer-fp32": true, "outer-bf16": false,
-		"outer-int8": false, "outer-1bit": true}, cal)
+		"outer-int8": false, "outer-1bit": true, "outer-sparse": false}, cal)
+
+	// A fragment shorter than the sparse codec's chunk, which package
+	// outer refuses: the default rows leave the sparse codec's out, and
+	// asking for it names the field.
+	j.OuterH, j.OuterFragments = 1<<9, 1<<9 // of 2048 elements
+	p, _ = planRows(t, j)
+	require.Len(t, p.Rows, 6)
+	assert.Nil(t, p.Outer.Sparse)
+	j.OuterSparseChunk = 2048
+	p, _ = planRows(t, j)
+	require.Len(t, p.Rows, 7)
+	assert.Equal(t, 2048, p.Outer.Sparse.Chunk)
+	j.OuterSparseChunk, j.Collectives = 0, []string{"outer-sparse"}
+	var je *JobError
+	require.ErrorAs(t, j.Validate(), &je)
+	assert.Equal(t, "OuterSparseChunk", je.Field)
+	assert.Contains(t, je.Reason, "must not exceed the smallest fragment, 2048 elements")
+	j.OuterH, j.OuterFragments = 10, 0
 
 	j.Collectives = []string{"outer-int8", "allreduce"}
 	p, _ = planRows(t, j)
@@ -243,6 +266,15 @@ func TestOuterJobValidate(t *testing.T) {
 		{"OuterDelay", func(j *Job) { *j = outerJob(0, 0, 1) }},
 		{"OuterDelay", func(j *Job) { j.OuterFragments, j.OuterDelay = 0, 13 }},
 		{"Collectives", func(j *Job) { j.Collectives = []string{"outer-fp16"} }},
+		{"OuterDensity", func(j *Job) { j.OuterDensity = -0.1 }},
+		{"OuterDensity", func(j *Job) { j.OuterDensity = 1.5 }},
+		{"OuterDensity", func(j *Job) { j.OuterDensity = math.NaN() }},
+		{"OuterSparseChunk", func(j *Job) { j.OuterSparseChunk = -1 }},
+		{"OuterSparseChunk", func(j *Job) { j.OuterSparseChunk = MaxSparseChunk + 1 }},
+		{"OuterSparseChunk", func(j *Job) { j.OuterDensity, j.OuterSparseChunk = 0.01, 99 }},
+		{"OuterSparseChunk", func(j *Job) { j.OuterSparseChunk = 20 }}, // the default density: 1/48
+		{"OuterSparseBits", func(j *Job) { j.OuterSparseBits = 3 }},
+		{"OuterSparseBits", func(j *Job) { j.OuterSparseBits = -1 }},
 	} {
 		j := good
 		c.mut(&j)
@@ -256,8 +288,14 @@ func TestOuterJobValidate(t *testing.T) {
 		_, err := cal.Model.Plan(j)
 		assert.NoError(t, err, "%+v", j)
 	}
+	for _, j := range []Job{{OuterDensity: 1, OuterSparseChunk: 1, OuterSparseBits: 2}, {OuterDensity: 0.01, OuterSparseChunk: 101}} {
+		base := outerJob(12, 3, 4)
+		base.OuterDensity, base.OuterSparseChunk, base.OuterSparseBits = j.OuterDensity, j.OuterSparseChunk, j.OuterSparseBits
+		_, err := cal.Model.Plan(base)
+		assert.NoError(t, err, "%+v", j)
+	}
 	j := outerJob(0, 0, 0)
 	j.Collectives = []string{"nope"}
 	_, err = cal.Model.Plan(j)
-	assert.ErrorContains(t, err, "outer-fp32, outer-bf16, outer-int8, outer-1bit", "the names Collectives takes")
+	assert.ErrorContains(t, err, "outer-fp32, outer-bf16, outer-int8, outer-1bit, outer-sparse", "the names Collectives takes")
 }

@@ -3,6 +3,7 @@ package costmodel
 import (
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 	"time"
 
@@ -30,8 +31,8 @@ type Job struct {
 	BucketBytes int64
 	// Collectives lists the collectives to predict by name (Collectives);
 	// nil: allreduce and onebit, and with OuterH > 0 also the outer
-	// optimizer's rows outer-fp32, outer-bf16, outer-int8 and outer-1bit.
-	// An outer row needs OuterH > 0.
+	// optimizer's rows outer-fp32, outer-bf16, outer-int8, outer-1bit and
+	// outer-sparse (see OuterSparseChunk). An outer row needs OuterH > 0.
 	Collectives []string
 	// StepCompute is the forward and backward time of one step, added to
 	// each step (no overlap with communication, but for the outer
@@ -54,6 +55,28 @@ type Job struct {
 	// [0, OuterH/OuterFragments]. The 1-bit codec's buckets are
 	// BucketBytes.
 	OuterH, OuterFragments, OuterDelay int
+	// OuterDensity, OuterSparseChunk and OuterSparseBits are the sparse
+	// codec's settings (outer.Config.Density, SparseChunk and SparseBits;
+	// 0: its defaults, DefaultSparseDensity, DefaultSparseChunk and
+	// DefaultSparseBits), for the outer-sparse row: Density in (0, 1],
+	// SparseChunk in [1/Density, MaxSparseChunk] and at most the smallest
+	// fragment, SparseBits 1 or 2. With Collectives nil the outer-sparse
+	// row is among the default outer rows only where its chunk fits the
+	// smallest fragment (package outer refuses a longer one).
+	OuterDensity     float64
+	OuterSparseChunk int
+	OuterSparseBits  int
+	// MuonShape, MuonParams and MuonFlops describe the model to Muon's
+	// rows (muon.go): the Muon matrices' rows x cols (zero:
+	// DefaultMuonShape(Params)), the elements in them (0, or more than
+	// Params: all of Params;
+	// as many whole matrices as it holds, the rest goes to the auxiliary
+	// AdamW) and the FLOP/s of the Newton-Schulz products on one rank (0:
+	// DefaultMuonFlops). With Collectives nil and MuonShape set, the rows
+	// muon and onebit-muon follow allreduce and onebit.
+	MuonShape  [2]int64
+	MuonParams int64
+	MuonFlops  float64
 	// FieldNames, when not nil, gives the names the plan's sentences
 	// (Assumptions' AlphaFrom, IneffFrom and CompressFrom) call the fields
 	// of Job by, keyed by field name: a front end's spelling of them, such
@@ -74,7 +97,7 @@ func (j Job) fieldName(field string) string {
 // Row is one collective's predicted step.
 //
 // A row of the outer optimizer (outer-fp32, outer-bf16, outer-int8,
-// outer-1bit) is the average step over OuterH steps, in which each of
+// outer-1bit, outer-sparse) is the average step over OuterH steps, in which each of
 // the OuterFragments fragments is exchanged once (its agreement, then the
 // codec's collective): WirePerRank is the average bytes per step, and
 // LatencyS, TransferS and CompressS are the exchanges' terms divided by
@@ -95,6 +118,9 @@ type Row struct {
 	// ExchangeS (outer rows) is the time of one exchange of the largest
 	// fragment, agreement included, before any overlap.
 	ExchangeS float64 `json:"exchange_s,omitempty"`
+	// OrthoS (Muon's rows) is the orthogonalization of every Muon matrix
+	// on one rank, per step (Plan.Muon): in StepS, not in CommS.
+	OrthoS float64 `json:"ortho_s,omitempty"`
 	// HiddenS (outer rows with OuterDelay > 0) is the exchange time per
 	// step, on average, that runs beside the OuterDelay steps of compute
 	// after its launch (at most OuterDelay*StepCompute per exchange):
@@ -130,6 +156,8 @@ type Plan struct {
 	Rows  []Row  `json:"collectives"`
 	// Outer is the outer optimizer's settings (nil: Job.OuterH 0).
 	Outer *OuterPlan `json:"outer,omitempty"`
+	// Muon is how Muon's rows see the model (nil: no Muon row).
+	Muon *MuonPlan `json:"muon,omitempty"`
 }
 
 // Plan predicts the gradient exchange of one step of j: the gradient goes
@@ -142,10 +170,7 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 		j.Sharing = PerRank
 	}
 	if j.Collectives == nil {
-		j.Collectives = []string{"allreduce", "onebit"}
-		if j.OuterH > 0 {
-			j.Collectives = append(j.Collectives, outerNames()...)
-		}
+		j.Collectives = j.DefaultCollectives()
 	}
 	if j.CompressBps > 0 {
 		cp := *m
@@ -209,9 +234,19 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 	compute := j.StepCompute.Seconds()
 	exactComm := predictStep(collectives[0]).total()
 	var rows []Row
+	var mp *MuonPlan
 	for _, name := range j.Collectives {
 		if oc, ok := findOuterCodec(name); ok {
 			rows = append(rows, m.outerRow(oc, j, s, f, exactComm+compute))
+			continue
+		}
+		if isMuonRow(name) {
+			mp = muonPlan(j)
+			via := collectives[0]
+			if name == OptOnebitMuon {
+				via, _ = findCollective("onebit")
+			}
+			rows = append(rows, muonRow(name, predictStep(via), mp, compute, exactComm+compute))
 			continue
 		}
 		c, _ := findCollective(name)
@@ -225,7 +260,18 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 		rows = append(rows, r)
 	}
 	return &Plan{Params: n, Ranks: j.Ranks, LinkBps: j.Link, Sharing: string(j.Sharing), StepCompute: compute,
-		Assumptions: a, Model: m, Rows: rows, Outer: outerPlan(j)}, nil
+		Assumptions: a, Model: m, Rows: rows, Outer: outerPlan(j, slices.Contains(j.Collectives, "outer-sparse")), Muon: mp}, nil
+}
+
+// DefaultCollectives is what a nil Job.Collectives plans: allreduce and
+// onebit, then with OuterH > 0 the outer optimizer's rows (the sparse
+// codec's only where its chunk fits the smallest fragment).
+func (j Job) DefaultCollectives() []string {
+	names := []string{"allreduce", "onebit"}
+	if j.MuonShape != [2]int64{} {
+		names = append(names, OptMuon, OptOnebitMuon)
+	}
+	return append(names, j.defaultOuterRows()...)
 }
 
 // Limits of a Job that Plan accepts.
@@ -274,13 +320,16 @@ func (j Job) Validate() error {
 	}
 	for _, name := range j.Collectives {
 		_, ok := findCollective(name)
-		if _, outer := findOuterCodec(name); !ok && !outer {
+		if _, outer := findOuterCodec(name); !ok && !outer && !isMuonRow(name) {
 			var names []string
 			for _, c := range Collectives() {
 				names = append(names, c.Name)
 			}
 			return fail("Collectives", "unknown collective %q (want %s)", name, strings.Join(names, ", "))
 		}
+	}
+	if err := j.validateMuon(fail); err != nil {
+		return err
 	}
 	return j.validateOuter(fail)
 }

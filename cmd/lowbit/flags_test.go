@@ -122,6 +122,12 @@ func TestCountFlags(t *testing.T) {
 				return 0, err
 			}
 			return cfg.job.Params, nil
+		}}, "muon-params": {Min: 0, Max: costmodel.MaxParams, Value: func(args []string) (int64, error) {
+			cfg, err := parsePlanFlags(args, io.Discard)
+			if err != nil {
+				return 0, err
+			}
+			return cfg.job.MuonParams, nil
 		}}},
 	}
 	for _, c := range commands {

@@ -15,6 +15,7 @@ import (
 	"github.com/lowbit-ml/lowbit/costmodel"
 	"github.com/lowbit-ml/lowbit/internal/cliflag"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 	"github.com/lowbit-ml/lowbit/size"
 )
 
@@ -42,7 +43,9 @@ type planConfig struct {
 var planFlags = map[string]string{"Params": "params", "Ranks": "ranks", "Link": "link", "Sharing": "sharing",
 	"CompressBps": "compress-rate", "Alpha": "alpha", "Ineff": "ineff", "BucketBytes": "bucket",
 	"StepCompute": "step-compute", "Collectives": "collective",
-	"OuterH": "outer-h", "OuterFragments": "outer-fragments", "OuterDelay": "outer-delay"}
+	"OuterH": "outer-h", "OuterFragments": "outer-fragments", "OuterDelay": "outer-delay",
+	"OuterDensity": "outer-density", "OuterSparseChunk": "outer-sparse-chunk", "OuterSparseBits": "outer-sparse-bits",
+	"MuonShape": "muon-shape", "MuonParams": "muon-params", "MuonFlops": "muon-flops"}
 
 func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	cfg := &planConfig{}
@@ -65,7 +68,7 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	fs.StringVar(&j.LinkName, "link", "10gbit", "link rate, tc units: 10gbit, 250mbit, 1.25gbps (bytes/s)")
 	sharing := fs.String("sharing", string(costmodel.PerRank), "per-rank: each rank has a link of this rate (a cluster); shared: one shaped link carries all ranks' traffic and the ranks share the calibration machine's CPUs (the calibration's loopback)")
 	list := fs.String("collective", "allreduce,onebit", "comma-separated collectives: allreduce, onebit, fp16, and the outer optimizer's rows (with --outer-h) "+
-		strings.Join(outerRowNames(), ", ")+"; fp16, outer-bf16 and outer-int8 are not calibrated; with --outer-h and no --collective the four outer rows follow the default ones")
+		strings.Join(outerRowNames(), ", ")+"; fp16, outer-bf16, outer-int8 and outer-sparse are not calibrated; with --outer-h and no --collective the outer rows follow the default ones (outer-sparse where --outer-sparse-chunk fits a fragment)")
 	fs.StringVar(&cfg.measurements, "measurements", "", "calibrate from this file of scripts/plan-calibrate.sh (default: the built-in runs recorded on the development machine)")
 	fs.Float64Var(&j.CompressBps, "compress-rate", 0, "float32 bytes/s a 1-rank onebit.AllReduce gets through on your hardware (default: measured on the calibration machine; time yours with lowbit bench --backend local --ranks 1 --collective onebit: bytes/p50)")
 	fs.Var(&seconds{p: &j.Alpha}, "alpha", "`duration` of one latency-bound message round, as --step-compute takes it (10us, 1.5ms; a bare number is seconds: 10e-6) (default: fitted on the calibration link nearest in rate)")
@@ -77,6 +80,13 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	fs.IntVar(&j.OuterH, "outer-h", 0, "the outer optimizer (package outer, DiLoCo): inner steps per outer step H; adds its rows, one per codec, each an exchange every H/fragments steps averaged per step (0: no outer rows)")
 	fs.IntVar(&j.OuterFragments, "outer-fragments", 1, "with --outer-h: fragments F of the parameters, each exchanged once every H steps, staggered (in [1, H])")
 	fs.IntVar(&j.OuterDelay, "outer-delay", 0, "with --outer-h: steps an exchange runs beside, in the background, before its merge (in [0, H/F]): it hides up to this many --step-compute of each exchange")
+	sp := outer.DefaultConfigFor(outer.CodecSparse)
+	fs.Float64Var(&j.OuterDensity, "outer-density", float64(sp.Density), "with --outer-h, outer-sparse: share of each chunk's entries sent, in (0, 1] (outer.Config.Density)")
+	fs.IntVar(&j.OuterSparseChunk, "outer-sparse-chunk", sp.SparseChunk, "with --outer-h, outer-sparse: chunk length in elements, at least 1/density and at most a fragment (outer.Config.SparseChunk)")
+	fs.IntVar(&j.OuterSparseBits, "outer-sparse-bits", sp.SparseBits, "with --outer-h, outer-sparse: bits of each value sent, 1 or 2 (outer.Config.SparseBits)")
+	shape := fs.String("muon-shape", "", "Muon's rows (muon, onebit-muon; given, they follow the default rows): the `RxC` shape of the Muon matrices, e.g. 2048x8192 (default: square, the width of a GPT-3-like model of --params, costmodel.DefaultMuonShape)")
+	fs.Var(&size.CountValue[int64]{P: &j.MuonParams, Min: 0, Max: costmodel.MaxParams}, "muon-params", "Muon's rows: parameters in Muon matrices, as many whole matrices of --muon-shape as it holds; the rest goes to the auxiliary AdamW (`count`; default: all of --params)")
+	fs.Float64Var(&j.MuonFlops, "muon-flops", costmodel.DefaultMuonFlops, "Muon's rows: float32 FLOP/s of the Newton-Schulz products on one rank (default: gonum on one core of the calibration machine, docs/muon.md)")
 	fs.BoolVar(&cfg.asJSON, "json", false, "write JSON")
 	fs.Usage = func() {
 		fmt.Fprint(out, `usage: lowbit plan [flags]
@@ -129,8 +139,19 @@ predicted by a fit that has not seen it.
 			j.Collectives = append(j.Collectives, name)
 		}
 	}
-	if j.OuterH > 0 && !flagGiven(fs, "collective") {
-		j.Collectives = append(j.Collectives, outerRowNames()...)
+	if flagGiven(fs, "muon-shape") {
+		if j.MuonShape, err = costmodel.ParseShape(*shape); err != nil {
+			return nil, cliflag.Bad(fs, "muon-shape", "%v", err)
+		}
+	}
+	// Job takes 0 for the sparse codec's defaults; the flags show them.
+	for name, zero := range map[string]bool{"outer-density": j.OuterDensity == 0, "outer-sparse-chunk": j.OuterSparseChunk == 0, "outer-sparse-bits": j.OuterSparseBits == 0} {
+		if zero {
+			return nil, cliflag.Bad(fs, name, "must not be 0")
+		}
+	}
+	if !flagGiven(fs, "collective") {
+		j.Collectives = j.DefaultCollectives()
 	}
 	if j.Link, err = costmodel.ParseRate(j.LinkName); err != nil {
 		return nil, cliflag.Bad(fs, "link", "want a positive rate with a tc unit")
@@ -259,7 +280,13 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 	fmt.Fprintf(w, "# lowbit plan: %s parameters (%s float32 gradient), %d ranks, %s links (%s)\n",
 		size.FormatCount(p.Params), bytesDecimal(float64(4*p.Params)), p.Ranks, formatRate(p.LinkBps), p.Sharing)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintf(tw, "collective\tcalls\tsent/rank\tlatency\ttransfer\tcompress\tstep comm\tspeedup vs exact\t\n")
+	ortho, orthoHead := func(costmodel.Row) string { return "" }, ""
+	if p.Muon != nil {
+		// Muon's rows: the orthogonalization, a column of its own.
+		ortho = func(r costmodel.Row) string { return formatSeconds(r.OrthoS) + "\t" }
+		orthoHead = "orthogonalize\t"
+	}
+	fmt.Fprintf(tw, "collective\tcalls\tsent/rank\tlatency\ttransfer\tcompress\t%sstep comm\tspeedup vs exact\t\n", orthoHead)
 	for _, r := range p.Rows {
 		name := r.Collective
 		if !r.Calibrated {
@@ -271,8 +298,8 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 			// average.
 			calls = strconv.FormatFloat(float64(r.Calls)/p.Outer.ExchangeEvery, 'g', 3, 64)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.2fx\t\n", name, calls, bytesDecimal(float64(r.WirePerRank)),
-			formatSeconds(r.LatencyS), formatSeconds(r.TransferS), formatSeconds(r.CompressS), formatSeconds(r.StepS), r.SpeedupExact)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s%s\t%.2fx\t\n", name, calls, bytesDecimal(float64(r.WirePerRank)),
+			formatSeconds(r.LatencyS), formatSeconds(r.TransferS), formatSeconds(r.CompressS), ortho(r), formatSeconds(r.StepS), r.SpeedupExact)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -291,6 +318,10 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 			o.H, frags, o.Delay, size.FormatCount(o.FragmentParams), strconv.FormatFloat(o.ExchangeEvery, 'g', 4, 64))
 		if o.Delay > 0 {
 			fmt.Fprintf(w, "; each exchange runs beside %d steps of compute (%s) and only what exceeds them counts", o.Delay, formatSeconds(o.HideS))
+		}
+		if sp := o.Sparse; sp != nil {
+			fmt.Fprintf(w, "; outer-sparse sends %d of every %d entries (density %.4g), each a %d-bit offset and a %d-bit value, %d float32 scale(s) per chunk: %.3f bits per element per message, W-1 messages per rank",
+				sp.Entries, sp.Chunk, sp.Density, sp.OffsetBits, sp.Bits, sp.Bits, sp.BitsPerElement)
 		}
 		fmt.Fprintln(w, ".")
 	}
@@ -317,7 +348,11 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 		fmt.Fprintf(w, "  compress: a 1-rank 1-bit call gets through %.2f GB/s of float32 (%s); each of W ranks makes (4+1/W)/5 of its passes, on a CPU of its own\n", a.CompressBps/1e9, a.CompressFrom)
 	}
 	if p.Outer != nil {
-		fmt.Fprintln(w, "  outer:   inner steps, pseudo-gradients and the outer step take no time beyond --step-compute; the agreement is an all-gather of 4 bytes per rank (W-1 rounds); fp32, bf16 and int8 exchange a fragment in one call, 1bit in buckets of --bucket")
+		fmt.Fprintln(w, "  outer:   inner steps, pseudo-gradients and the outer step take no time beyond --step-compute; the agreement is an all-gather of 4 bytes per rank (W-1 rounds); fp32, bf16 and int8 exchange a fragment in one call, 1bit in buckets of --bucket, sparse in one all-gather")
+	}
+	if mp := p.Muon; mp != nil {
+		fmt.Fprintf(w, "  muon:    %d matrices of %dx%d (--muon-shape, --muon-params), %s parameters to AdamW; every rank orthogonalizes every matrix, 5 Newton-Schulz iterations of 4r²c+2r³ FLOP (r x c, r <= c): %.3g FLOP a step at %.3g FLOP/s (--muon-flops); onebit-muon is its step after the warm-up, which is exact Muon's\n",
+			mp.Matrices, mp.Shape[0], mp.Shape[1], size.FormatCount(mp.Other), mp.Flops, mp.Rate)
 	}
 	fmt.Fprintf(w, "  calibration: %s; %s\n", source, p.Model.Machine)
 	for _, r := range p.Rows {
@@ -326,12 +361,13 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 		}
 		fmt.Fprintf(w, "%s*: %s\n", r.Collective, described[r.Collective].Uncalibrated)
 	}
-	return writeMemory(w, p.Params, p.Ranks, cfg)
+	return writeMemory(w, cfg)
 }
 
 // writeMemory prints the optimizer state per rank of every optimizer
-// (costmodel.StateBytes) and, with --memory, whether it fits.
-func writeMemory(w io.Writer, params int64, ranks int, cfg *planConfig) error {
+// (costmodel.Job.StateTable) and, with --memory, whether it fits.
+func writeMemory(w io.Writer, cfg *planConfig) error {
+	params := cfg.job.Params
 	fmt.Fprintf(w, "\noptimizer state per rank (rank 0, fp32, default configs, buckets of %s):\n", size.Format(cfg.job.BucketBytes))
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	head := "optimizer\tbytes/param\tstate\twith params and grads\t"
@@ -339,20 +375,19 @@ func writeMemory(w io.Writer, params int64, ranks int, cfg *planConfig) error {
 		head += "fits in " + size.Format(cfg.memory) + "\t"
 	}
 	fmt.Fprintln(tw, head)
-	for _, name := range costmodel.StateOptimizers() {
-		state, err := costmodel.StateBytes(name, []int64{params}, ranks, cfg.job.BucketBytes)
-		if err != nil {
+	for _, row := range cfg.job.StateTable() {
+		if row.Err != nil {
 			// Padding of a huge number of tiny buckets: more bytes than
 			// an int64 counts.
-			line := name + "\ttoo large\t\t\t"
+			line := row.Optimizer + "\ttoo large\t\t\t"
 			if cfg.memory > 0 {
 				line += "no\t"
 			}
 			fmt.Fprintln(tw, line)
 			continue
 		}
-		total := state + 8*params
-		line := fmt.Sprintf("%s\t%.2f\t%s\t%s\t", name, float64(state)/float64(params), bytesDecimal(float64(state)), bytesDecimal(float64(total)))
+		total := row.Bytes + 8*params
+		line := fmt.Sprintf("%s\t%.2f\t%s\t%s\t", row.Optimizer, float64(row.Bytes)/float64(params), bytesDecimal(float64(row.Bytes)), bytesDecimal(float64(total)))
 		if cfg.memory > 0 {
 			fits := "no"
 			if total <= cfg.memory {
@@ -365,6 +400,9 @@ func writeMemory(w io.Writer, params int64, ranks int, cfg *planConfig) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	_, err := fmt.Fprintln(w, "state: every buffer the optimizer owns at its peak (moments, error buffers, staging and packing buffers); params and grads: 8 bytes per parameter; activations and the framework's own memory not included. onebit-adam-compact is 1-bit Adam with StateMode StateCompact (the same steps as StateFull, bit for bit); onebit-adam-sharded is 1-bit Adam with StateMode StateSharded (docs/sharded.md), onebit-adam-sharded-bf16 the same with BF16 BF16WorkerError|BF16Variance, at its peak (the compression stage); zeroone-adam counts the model as one tensor (one bucket per parameter adds a little per tensor).")
+	_, err := fmt.Fprintln(w, "state: every buffer the optimizer owns at its peak (moments, error buffers, staging and packing buffers); params and grads: 8 bytes per parameter; activations and the framework's own memory not included. onebit-adam-compact is 1-bit Adam with StateMode StateCompact (the same steps as StateFull, bit for bit); onebit-adam-sharded is 1-bit Adam with StateMode StateSharded (docs/sharded.md), onebit-adam-sharded-bf16 the same with BF16 BF16WorkerError|BF16Variance, at its peak (the compression stage); zeroone-adam counts the model as one tensor (one bucket per parameter adds a little per tensor). muon and onebit-muon: the model as whole matrices of --muon-shape and one AdamW tensor.")
+	if err == nil && cfg.job.OuterH > 0 {
+		_, err = fmt.Fprintln(w, "outer-*: the outer optimizer (--outer-h, --outer-fragments, --outer-delay) around outer.NewAdam's AdamW (its 8 bytes per parameter included), one row per codec but bf16 (not modelled).")
+	}
 	return err
 }

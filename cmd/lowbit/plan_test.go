@@ -286,11 +286,22 @@ func TestPlanMemoryFlag(t *testing.T) {
 // fields.
 func outerRows(t *testing.T, args string) (string, map[string][]string) {
 	t.Helper()
+	return tableRows(t, args, "", "step comm:")
+}
+
+// tableRows runs lowbit plan with args and returns its output and the rows
+// of the table between the first line starting with start ("": the
+// output's start) and the first line after it containing end, less the
+// table's two first lines, by first field (without a trailing *), each as
+// its other fields.
+func tableRows(t *testing.T, args, start, end string) (string, map[string][]string) {
+	t.Helper()
 	var out bytes.Buffer
 	require.NoError(t, planMain(strings.Fields(args), &out, io.Discard))
 	s := out.String()
+	table := s[strings.Index(s, start):]
 	rows := map[string][]string{}
-	for _, l := range strings.Split(s[:strings.Index(s, "step comm:")], "\n")[2:] {
+	for _, l := range strings.Split(table[:strings.Index(table, end)], "\n")[2:] {
 		if f := strings.Fields(l); len(f) > 0 {
 			rows[strings.TrimSuffix(f[0], "*")] = f[1:]
 		}
@@ -308,8 +319,8 @@ func TestPlanOuterRows(t *testing.T) {
 	assert.NotContains(t, s, "outer")
 
 	s, rows = outerRows(t, args+" --outer-h 50")
-	require.Len(t, rows, 6, s)
-	for _, name := range []string{"outer-fp32", "outer-bf16", "outer-int8", "outer-1bit"} {
+	require.Len(t, rows, 7, s)
+	for _, name := range []string{"outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse"} {
 		require.Contains(t, rows, name, s)
 		assert.Contains(t, s, name+": outer optimizer, ")
 	}
@@ -322,8 +333,17 @@ func TestPlanOuterRows(t *testing.T) {
 	assert.Equal(t, "0.04", rows["outer-fp32"][0])
 	assert.Equal(t, []string{"14.9", "MB"}, rows["outer-fp32"][1:3], "744 MB every 50 steps (and the agreement)")
 
+	assert.Contains(t, s, "outer-sparse*: not measured")
+	assert.Contains(t, s, "outer-sparse sends 85 of every 4096 entries (density 0.02083), each a 12-bit offset and a 1-bit value, 1 float32 scale(s) per chunk: 0.279 bits per element per message")
+	// 124M elements: 30274 chunks of 4096 and one of 1536 (32 entries),
+	// each 4 bytes of scale and ceil(13k/8) of entries, to 3 peers, every
+	// 50 steps.
+	assert.Equal(t, []string{"259.7", "kB"}, rows["outer-sparse"][1:3], "3*(30273*(4+139)+(4+52))/50")
+	_, two := outerRows(t, args+" --outer-h 50 --outer-sparse-bits 2 --outer-density 0.03 --outer-sparse-chunk 1024")
+	assert.Equal(t, []string{"399.6", "kB"}, two["outer-sparse"][1:3], "31 of 1024 entries of 10+2 bits, 2 scales: 3*(121093*(8+47)+(8+35))/50")
+
 	s, rows = outerRows(t, args+" --outer-h 50 --outer-fragments 4 --outer-delay 2")
-	require.Len(t, rows, 6, s)
+	require.Len(t, rows, 7, s)
 	assert.Contains(t, s, "H 50, 4 fragments, delay 2")
 	assert.Contains(t, s, "of 31M parameters every 12.5 steps")
 	assert.Contains(t, s, "each exchange runs beside 2 steps of compute (400ms)")
@@ -342,6 +362,9 @@ func TestPlanOuterRows(t *testing.T) {
 	}
 	require.NoError(t, json.Unmarshal(out.Bytes(), &res))
 	require.NotNil(t, res.Outer)
+	require.NotNil(t, res.Outer.Sparse)
+	assert.Equal(t, 85, res.Outer.Sparse.Entries)
+	res.Outer.Sparse = nil
 	assert.Equal(t, costmodel.OuterPlan{H: 50, Fragments: 4, Delay: 2, FragmentParams: 31e6, ExchangeEvery: 12.5, HideS: 0.4}, *res.Outer)
 	cal, err := costmodel.Builtin()
 	require.NoError(t, err)
@@ -377,17 +400,24 @@ func TestPlanOuterJSONUnchanged(t *testing.T) {
 // An outer setting the plan cannot use is refused naming its flag.
 func TestPlanOuterFlagErrors(t *testing.T) {
 	for args, flagName := range map[string]string{
-		"--outer-h -1":                                      "--outer-h",
-		"--outer-h 99999999999":                             "--outer-h",
-		"--collective allreduce,outer-int8":                 "--outer-h",
-		"--outer-fragments 2":                               "--outer-fragments",
-		"--outer-h 4 --outer-fragments 5":                   "--outer-fragments",
-		"--outer-h 4 --outer-fragments -1":                  "--outer-fragments",
-		"--outer-delay 1":                                   "--outer-delay",
-		"--outer-h 50 --outer-fragments 4 --outer-delay 13": "--outer-delay",
-		"--outer-h 50 --outer-delay -2":                     "--outer-delay",
-		"--outer-h 5 --collective outer-fp16":               "--collective",
-		"--params 3 --outer-h 5 --outer-fragments 4":        "--outer-fragments",
+		"--outer-h -1":                                        "--outer-h",
+		"--outer-h 99999999999":                               "--outer-h",
+		"--collective allreduce,outer-int8":                   "--outer-h",
+		"--outer-fragments 2":                                 "--outer-fragments",
+		"--outer-h 4 --outer-fragments 5":                     "--outer-fragments",
+		"--outer-h 4 --outer-fragments -1":                    "--outer-fragments",
+		"--outer-delay 1":                                     "--outer-delay",
+		"--outer-h 50 --outer-fragments 4 --outer-delay 13":   "--outer-delay",
+		"--outer-h 50 --outer-delay -2":                       "--outer-delay",
+		"--outer-h 5 --collective outer-fp16":                 "--collective",
+		"--params 3 --outer-h 5 --outer-fragments 4":          "--outer-fragments",
+		"--outer-h 5 --outer-density 0":                       "--outer-density",
+		"--outer-h 5 --outer-density 1.5":                     "--outer-density",
+		"--outer-h 5 --outer-sparse-chunk 0":                  "--outer-sparse-chunk",
+		"--outer-h 5 --outer-sparse-chunk 47":                 "--outer-sparse-chunk",
+		"--outer-h 5 --outer-sparse-bits 3":                   "--outer-sparse-bits",
+		"--outer-h 5 --outer-sparse-bits 0":                   "--outer-sparse-bits",
+		"--params 4000 --outer-h 5 --collective outer-sparse": "--outer-sparse-chunk",
 	} {
 		_, err := parsePlanFlags(strings.Fields(args), io.Discard)
 		if assert.Error(t, err, args) {
@@ -400,5 +430,76 @@ func TestPlanOuterFlagErrors(t *testing.T) {
 	assert.Equal(t, 50, cfg.job.OuterH)
 	assert.Equal(t, 4, cfg.job.OuterFragments)
 	assert.Equal(t, 12, cfg.job.OuterDelay)
+	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse"}, cfg.job.Collectives)
+	// A fragment shorter than the sparse codec's chunk: its row is left
+	// out of the default ones.
+	cfg, err = parsePlanFlags(strings.Fields("--params 4000 --outer-h 5"), io.Discard)
+	require.NoError(t, err)
 	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit"}, cfg.job.Collectives)
+}
+
+// stateRows runs lowbit plan with args and returns its optimizer state
+// table's rows by name, each as its fields.
+func stateRows(t *testing.T, args string) (string, map[string][]string) {
+	t.Helper()
+	return tableRows(t, args, "optimizer state per rank", "state: ")
+}
+
+// --muon-shape adds Muon's rows to the time table, with the
+// orthogonalization in a column of its own; the state table has Muon's
+// rows always, and the outer optimizer's with --outer-h, each
+// costmodel.Job.StateTable's figure.
+func TestPlanMuonAndStateRows(t *testing.T) {
+	const args = "--params 1.3B --ranks 8 --link 100mbit --step-compute 1s --memory 24Gi"
+	s, rows := outerRows(t, args)
+	assert.Len(t, rows, 2)
+	assert.NotContains(t, s, "orthogonalize")
+
+	s, rows = outerRows(t, args+" --muon-shape 2048x2048 --muon-flops 1e15")
+	require.Len(t, rows, 4, s)
+	assert.Contains(t, s, "orthogonalize")
+	// 309 matrices of 2048², 30 d FLOP per element each: 7.96e13 FLOP at
+	// 1e15 FLOP/s.
+	assert.Contains(t, s, "309 matrices of 2048x2048 (--muon-shape, --muon-params), 3960064 parameters to AdamW")
+	assert.Equal(t, "79.6ms", rows["muon"][6])
+	assert.Equal(t, "0", rows["allreduce"][6])
+	assert.Equal(t, rows["allreduce"][:6], rows["muon"][:6], "the exact allreduce's exchange")
+	assert.Equal(t, rows["onebit"][:6], rows["onebit-muon"][:6], "the 1-bit allreduce's exchange")
+	assert.Contains(t, s, "onebit-muon: 1-bit Muon (onebit.NewMuon) after its warm-up")
+
+	_, rows = outerRows(t, args+" --collective allreduce,muon --muon-params 1B")
+	assert.Len(t, rows, 2)
+
+	job := costmodel.Job{Params: 1.3e9, Ranks: 8, BucketBytes: optim.DefaultBucketBytes, OuterH: 50}
+	s, st := stateRows(t, args+" --outer-h 50")
+	for _, want := range job.StateTable() {
+		require.NoError(t, want.Err)
+		r := st[want.Optimizer]
+		require.Len(t, r, 6, "%s: %s", want.Optimizer, s)
+		assert.Equal(t, strconv.FormatFloat(float64(want.Bytes)/1.3e9, 'f', 2, 64), r[0], want.Optimizer)
+	}
+	for _, name := range []string{"muon", "onebit-muon", "outer-fp32", "outer-int8", "outer-1bit", "outer-sparse"} {
+		require.Contains(t, st, name, s)
+	}
+	assert.NotContains(t, st, "outer-bf16")
+	assert.Equal(t, []string{"20.00", "26.00", "GB", "36.40", "GB", "no"}, st["outer-fp32"], "θ_g, u and AdamW: 16 bytes per parameter, and the exchange buffer")
+	assert.Equal(t, "yes", st["muon"][5])
+	assert.Contains(t, s, "outer-*: the outer optimizer")
+	_, st = stateRows(t, args)
+	assert.Contains(t, st, "muon")
+	assert.NotContains(t, st, "outer-fp32")
+
+	for _, bad := range []string{"2048", "2048x", "x5", "0x5", "5x-1", "2.5x4", "axb", ""} {
+		_, err := parsePlanFlags([]string{"--muon-shape", bad}, io.Discard)
+		if assert.Error(t, err, bad) {
+			assert.True(t, cliflag.IsUsage(err), "%s: %v", bad, err)
+			assert.Contains(t, err.Error(), "--muon-shape", bad)
+		}
+	}
+	cfg, err := parsePlanFlags(strings.Fields("--muon-shape 1024X4096 --muon-params 340M --muon-flops 2e12"), io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, [2]int64{1024, 4096}, cfg.job.MuonShape)
+	assert.Equal(t, int64(340e6), cfg.job.MuonParams)
+	assert.Equal(t, 2e12, cfg.job.MuonFlops)
+	assert.Equal(t, []string{"allreduce", "onebit", "muon", "onebit-muon"}, cfg.job.Collectives)
 }

@@ -1,0 +1,212 @@
+package costmodel
+
+import (
+	"fmt"
+	"math"
+	"strconv"
+	"strings"
+)
+
+// Muon (optim.Muon, docs/muon.md) and 1-bit Muon (onebit.Muon) in a plan.
+// Both update the Muon matrices with momentum orthogonalized by
+// Newton-Schulz and every other parameter with an auxiliary AdamW, in the
+// same step. A step of exact Muon averages the gradients with the exact
+// allreduce, then every rank orthogonalizes every matrix (the same
+// arithmetic on the same bytes on every rank: no split across ranks). A
+// step of 1-bit Muon after its warm-up (onebit.MuonConfig.FreezeStep, 100
+// by default, in which it is exact Muon) orthogonalizes every matrix from
+// the rank's own momentum and exchanges the results, and the AdamW group's
+// momentum, with the 1-bit allreduce in fused buckets, as 1-bit Adam does.
+//
+// A plan sees the model as Job.Params float32 elements: the Muon group is
+// whole matrices of one shape (Job.MuonShape, default DefaultMuonShape)
+// as many as Job.MuonParams holds (default all of Params), and the rest
+// goes to AdamW.
+
+// Optimizer names of Muon's rows (Job.Collectives and the state table).
+const (
+	OptMuon       = "muon"        // optim.Muon, exact float32 averaging
+	OptOnebitMuon = "onebit-muon" // onebit.Muon after its warm-up
+)
+
+// muonNSSteps is optim.DefaultMuonConfig's NSSteps, copied so that the
+// cost model does not import the optimizers; TestMuonCopiesMatch checks
+// the copy.
+const muonNSSteps = 5
+
+// DefaultMuonFlops is the rate of the Newton-Schulz products, float32
+// FLOP per second on one rank, that a plan assumes without Job.MuonFlops:
+// gonum's Sgemm on one core of the development VM (2-core AMD EPYC), 1.26
+// G multiply-adds in 137 ms (docs/muon.md, "Cost of the
+// orthogonalization").
+const DefaultMuonFlops = 18e9
+
+// NSFlops is the float32 operations (a multiply-add is two) of one
+// orthogonalization of a rows x cols matrix by Muon's Newton-Schulz
+// iteration, optim's: the matrix viewed as r x c with r = min(rows, cols)
+// and c = max(rows, cols), each of the muonNSSteps iterations computes
+// A = X Xᵀ (r·r·c multiply-adds), A A (r³) and B X (r·r·c):
+// steps·(4r²c + 2r³). The normalization and the elementwise terms (O(rc))
+// are left out.
+func NSFlops(rows, cols int64) float64 {
+	r, c := float64(min(rows, cols)), float64(max(rows, cols))
+	return muonNSSteps * (4*r*r*c + 2*r*r*r)
+}
+
+// DefaultMuonShape is the Muon matrices' shape a plan of params parameters
+// assumes without Job.MuonShape: square, d x d, with d the width of a
+// GPT-3-like model of that size (12d² parameters per block, d/100 blocks:
+// d = (100·params/12)^(1/3)), rounded to a multiple of 64 (at least 64).
+// GPT-3's 125M, 1.3B and 6.7B have d 768, 2048 and 4096; this gives 1024,
+// 2240 and 3840. A real model's feed-forward matrices are d x 4d, whose
+// orthogonalization costs 25% less per element than a d x d matrix's.
+func DefaultMuonShape(params int64) [2]int64 {
+	d := int64(math.Round(math.Cbrt(100*float64(params)/12)/64)) * 64
+	d = max(d, 64)
+	return [2]int64{d, d}
+}
+
+// ParseShape parses a matrix shape written rows x cols ("2048x8192"),
+// both positive.
+func ParseShape(s string) ([2]int64, error) {
+	r, c, ok := strings.Cut(strings.ToLower(strings.TrimSpace(s)), "x")
+	rows, err1 := strconv.ParseInt(r, 10, 64)
+	cols, err2 := strconv.ParseInt(c, 10, 64)
+	if !ok || err1 != nil || err2 != nil || rows < 1 || cols < 1 {
+		return [2]int64{}, fmt.Errorf("want a matrix shape rows x cols of positive whole numbers, such as 2048x8192")
+	}
+	return [2]int64{rows, cols}, nil
+}
+
+// MuonPlan is how a plan sees the model for Muon's rows.
+type MuonPlan struct {
+	// Shape is the Muon matrices' rows x cols, Matrices how many there are
+	// and Other the elements left to AdamW.
+	Shape    [2]int64 `json:"shape"`
+	Matrices int64    `json:"matrices"`
+	Other    int64    `json:"adamw_params"`
+	// Flops is the Newton-Schulz work of a step on one rank, and Rate
+	// the FLOP/s it runs at (Job.MuonFlops or DefaultMuonFlops).
+	Flops float64 `json:"ns_flops"`
+	Rate  float64 `json:"ns_flops_per_s"`
+	// OrthoS is Flops/Rate: the orthogonalization's seconds per step.
+	OrthoS float64 `json:"ortho_s"`
+}
+
+// muonPlan is the MuonPlan of j.
+func muonPlan(j Job) *MuonPlan {
+	shape := j.MuonShape
+	if shape == [2]int64{} {
+		shape = DefaultMuonShape(j.Params)
+	}
+	muon := j.Params
+	if j.MuonParams > 0 {
+		muon = min(j.MuonParams, j.Params)
+	}
+	p := &MuonPlan{Shape: shape, Matrices: muon / (shape[0] * shape[1]), Rate: DefaultMuonFlops}
+	p.Other = j.Params - p.Matrices*shape[0]*shape[1]
+	if j.MuonFlops > 0 {
+		p.Rate = j.MuonFlops
+	}
+	p.Flops = float64(p.Matrices) * NSFlops(shape[0], shape[1])
+	p.OrthoS = p.Flops / p.Rate
+	return p
+}
+
+// isMuonRow reports whether name is one of Muon's rows.
+func isMuonRow(name string) bool { return name == OptMuon || name == OptOnebitMuon }
+
+// muonRow is the row of Muon's optimizer name from the prediction of its
+// exchange (the exact or the 1-bit allreduce of every bucket) and the
+// orthogonalization of mp.
+func muonRow(name string, p prediction, mp *MuonPlan, compute, exactStep float64) Row {
+	r := Row{Collective: name, Calibrated: true, Calls: p.Calls, WirePerRank: p.Wire,
+		LatencyS: p.Latency, TransferS: p.Transfer, CompressS: p.Compute, CommS: p.total(), OrthoS: mp.OrthoS}
+	r.StepS = r.CommS + r.OrthoS + compute
+	if r.StepS > 0 {
+		r.SpeedupExact = exactStep / r.StepS
+	}
+	return r
+}
+
+// validateMuon reports the first Muon field of j that Plan cannot use.
+func (j Job) validateMuon(fail func(field, format string, args ...any) error) error {
+	s := j.MuonShape
+	switch {
+	case s != [2]int64{} && (s[0] < 1 || s[1] < 1 || s[0] > MaxParams/s[1]):
+		return fail("MuonShape", "must be two positive dimensions whose product is at most %s, got %d x %d", "1e15", s[0], s[1])
+	case j.MuonParams < 0 || j.MuonParams > MaxParams:
+		return fail("MuonParams", "must be in [0, %s] (0, or more than Params: all of Params), got %d", "1e15", j.MuonParams)
+	case !(j.MuonFlops >= 0) || math.IsInf(j.MuonFlops, 0) || j.MuonFlops > 1e18:
+		return fail("MuonFlops", "must be in [0, 1e18] FLOP/s (0: DefaultMuonFlops), got %g", j.MuonFlops)
+	}
+	return nil
+}
+
+// muonState is MuonStateBytes of count matrices of rows x cols and other
+// elements of AdamW, in closed form.
+func muonState(shape [2]int64, count, other int64) int64 {
+	r, c := min(shape[0], shape[1]), max(shape[0], shape[1])
+	n := 8*other + 4*count*r*c
+	if count > 0 && r > 0 {
+		n += 4 * (2*r*c + 2*r*r)
+	}
+	return n
+}
+
+// OnebitMuonStateBytes returns the bytes of 1-bit Muon's state
+// (onebit.Muon's StateBytes, float32 gradient averaging, buckets of
+// bucketBytes, 0: DefaultBucketBytes; one bucket per parameter is not
+// modelled) on rank 0 of world ranks, for the Muon matrices (rows x cols
+// each) and the AdamW parameters (other, their elements per tensor): this
+// rank's momentum of every matrix (4 bytes per element), the exchange
+// buffer (4 per element of every parameter), the AdamW variance (4 per
+// AdamW element), a float32 per parameter tensor, the Newton-Schulz work
+// matrices (one set per distinct shape, as MuonStateBytes), and the
+// onebit.State of every bucket of the flat buffer with their shared wire
+// buffers, as 1-bit Adam's (none on one rank).
+func OnebitMuonStateBytes(matrices [][2]int64, other []int64, world int, bucketBytes int64) (int64, error) {
+	if world < 1 || bucketBytes < 0 {
+		return 0, fmt.Errorf("costmodel: invalid state size: %d ranks, buckets of %d bytes", world, bucketBytes)
+	}
+	var mat, aux int64
+	for _, m := range matrices {
+		if m[0] < 0 || m[1] < 0 || (m[1] > 0 && m[0] > MaxParams/m[1]) {
+			return 0, fmt.Errorf("costmodel: invalid state size: a %d x %d matrix", m[0], m[1])
+		}
+		mat += m[0] * m[1]
+	}
+	for _, k := range other {
+		if k < 0 {
+			return 0, fmt.Errorf("costmodel: invalid state size: a tensor of %d elements", k)
+		}
+		aux += k
+	}
+	if bucketBytes == 0 {
+		bucketBytes = DefaultBucketBytes
+	}
+	n := mat + aux
+	if !fits(n, world, max(bucketBytes/4, 1)) {
+		return 0, errTooLarge
+	}
+	exact, err := MuonStateBytes(matrices, 0)
+	if err != nil {
+		return 0, err
+	}
+	// exact is the momenta and the work matrices.
+	return exact + 4*n + 4*aux + 4*int64(len(matrices)+len(other)) + bucketStates(n, world, bucketBytes, false), nil
+}
+
+// onebitMuonState is OnebitMuonStateBytes of count matrices of one shape
+// and other AdamW elements in one tensor, in closed form.
+func onebitMuonState(shape [2]int64, count, other int64, world int, bucketBytes int64) (int64, error) {
+	n := count*shape[0]*shape[1] + other
+	if !fits(n, world, max(bucketBytes/4, 1)) {
+		return 0, errTooLarge
+	}
+	tensors := count
+	if other > 0 {
+		tensors++
+	}
+	return muonState(shape, count, 0) + 4*n + 4*other + 4*tensors + bucketStates(n, world, bucketBytes, false), nil
+}

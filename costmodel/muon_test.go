@@ -1,0 +1,221 @@
+package costmodel
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/onebit"
+	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
+)
+
+// The copies of Muon's settings are the optimizers'.
+func TestMuonCopiesMatch(t *testing.T) {
+	assert.Equal(t, optim.DefaultMuonConfig().NSSteps, muonNSSteps)
+	assert.Equal(t, onebit.DefaultMuonConfig().NSSteps, muonNSSteps)
+}
+
+// muonShapes are Muon matrices and AdamW tensors of a small model: shapes
+// that repeat, a transpose, a tensor of rank 3, an empty matrix.
+var muonShapes = [][]int{{24, 40}, {40, 24}, {24, 40}, {32, 32}, {3, 4, 10}, {0, 5}, {40}, {7}, {100}}
+
+// The state of exact Muon and of 1-bit Muon, by MuonStateBytes and
+// OnebitMuonStateBytes, is the optimizers' StateBytes to the byte, on 2, 4
+// and 8 ranks, in buckets that cut the model in several places and in one
+// bucket; and the closed forms the plan uses agree with them.
+func TestMuonStateBytesMatchOptimizers(t *testing.T) {
+	var matrices [][2]int64
+	var other []int64
+	var aux int64
+	for _, sh := range muonShapes {
+		if len(sh) < 2 {
+			other = append(other, int64(sh[0]))
+			aux += int64(sh[0])
+			continue
+		}
+		cols := 1
+		for _, d := range sh[1:] {
+			cols *= d
+		}
+		matrices = append(matrices, [2]int64{int64(sh[0]), int64(cols)})
+	}
+	for _, w := range []int{2, 4, 8} {
+		for _, bucket := range []int{1 << 10, 3000, optim.DefaultBucketBytes} {
+			exact, err := MuonStateBytes(matrices, aux)
+			require.NoError(t, err)
+			oneBit, err := OnebitMuonStateBytes(matrices, other, w, int64(bucket))
+			require.NoError(t, err)
+			got := make([][2]int64, w)
+			err = local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
+				params := func() []*optim.Param {
+					var ps []*optim.Param
+					for i, sh := range muonShapes {
+						ps = append(ps, optim.NewParam(fmt.Sprintf("p%d", i), sh...))
+					}
+					return ps
+				}
+				m, err := optim.NewMuon(ctx, c, params(), optim.DefaultMuonConfig())
+				if err != nil {
+					return err
+				}
+				defer m.Close()
+				cfg := onebit.DefaultMuonConfig()
+				cfg.BucketBytes = bucket
+				o, err := onebit.NewMuon(ctx, c, params(), cfg)
+				if err != nil {
+					return err
+				}
+				defer o.Close()
+				got[c.Rank()] = [2]int64{m.StateBytes(), o.StateBytes()}
+				return nil
+			})
+			require.NoError(t, err)
+			what := fmt.Sprintf("%d ranks, buckets of %d bytes", w, bucket)
+			assert.Equal(t, got[0][0], exact, "exact Muon, "+what)
+			assert.Equal(t, got[0][1], oneBit, "1-bit Muon, "+what)
+		}
+	}
+	// The closed forms of one shape repeated and one AdamW tensor.
+	for _, w := range []int{1, 2, 4, 8} {
+		mats := [][2]int64{{24, 40}, {24, 40}, {24, 40}}
+		want, err := MuonStateBytes(mats, 123)
+		require.NoError(t, err)
+		assert.Equal(t, want, muonState([2]int64{24, 40}, 3, 123))
+		want, err = OnebitMuonStateBytes(mats, []int64{123}, w, 1<<10)
+		require.NoError(t, err)
+		got, err := onebitMuonState([2]int64{24, 40}, 3, 123, w, 1<<10)
+		require.NoError(t, err)
+		assert.Equal(t, want, got, "%d ranks", w)
+	}
+	_, err := OnebitMuonStateBytes([][2]int64{{-1, 2}}, nil, 4, 0)
+	assert.Error(t, err)
+	_, err = OnebitMuonStateBytes(nil, []int64{-1}, 4, 0)
+	assert.Error(t, err)
+	_, err = OnebitMuonStateBytes(nil, nil, 0, 0)
+	assert.Error(t, err)
+}
+
+// The outer optimizer's own buffers, by OuterStateBytes, are
+// outer.Optimizer.StateBytes less its inner AdamW's 8 bytes per parameter,
+// to the byte, for every codec it models, 1 to 4 ranks, fragments and
+// delay. Package outer's buffers are being made smaller: this test fails
+// until outerBuffers follows them.
+func TestOuterStateBytesMatchOptimizer(t *testing.T) {
+	sizes := []int{700, 301, 23}
+	n := int64(724 + 300)
+	for _, codec := range outerStateCodecs {
+		for _, w := range []int{1, 2, 3, 4} {
+			for _, fd := range [][2]int{{1, 0}, {3, 0}, {2, 1}} {
+				j := Job{Params: n, Ranks: w, OuterFragments: fd[0], OuterDelay: fd[1], BucketBytes: 1 << 10,
+					OuterSparseChunk: 96, OuterSparseBits: 2}
+				want, err := OuterStateBytes(codec, j)
+				require.NoError(t, err)
+				got := make([]int64, w)
+				err = local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
+					var ps []*optim.Param
+					for k, s := range sizes {
+						ps = append(ps, optim.NewParam(fmt.Sprintf("p%d", k), s))
+					}
+					cfg := outer.DefaultConfig()
+					cfg.H, cfg.Fragments, cfg.Delay, cfg.BucketBytes = 4, fd[0], fd[1], 1<<10
+					cfg.Codec, err = outer.ParseCodec(codec)
+					if err != nil {
+						return err
+					}
+					cfg.SparseChunk, cfg.SparseBits = 96, 2
+					o, err := outer.NewAdam(ctx, c, ps, cfg, optim.DefaultAdamConfig())
+					if err != nil {
+						return err
+					}
+					defer o.Close()
+					got[c.Rank()] = o.StateBytes()
+					return nil
+				})
+				require.NoError(t, err)
+				assert.Equal(t, got[0]-8*n, want, "%s, %d ranks, %d fragments, delay %d", codec, w, fd[0], fd[1])
+			}
+		}
+	}
+	_, err := OuterStateBytes("bf16", Job{Params: 10, Ranks: 2})
+	assert.ErrorContains(t, err, "unknown outer codec")
+	_, err = OuterStateBytes("fp32", Job{Params: 10, Ranks: 0})
+	assert.Error(t, err)
+}
+
+// The Newton-Schulz work of a matrix: 5 iterations of X Xᵀ, A A and B X.
+func TestNSFlops(t *testing.T) {
+	assert.Equal(t, 5*(4*64.0*64*256+2*64.0*64*64), NSFlops(64, 256))
+	assert.Equal(t, NSFlops(64, 256), NSFlops(256, 64), "a matrix and its transpose")
+	assert.Equal(t, 30*1024.0*1024*1024, NSFlops(1024, 1024), "30 d FLOP per element of a square matrix")
+	// docs/muon.md's second model: 4 blocks of q, k, v, o (128 x 128)
+	// and the feed-forward matrices (128 x 512, 512 x 128): 1.26 G
+	// multiply-adds.
+	flops := 4 * (4*NSFlops(128, 128) + 2*NSFlops(128, 512))
+	assert.InDelta(t, 1.26e9, flops/2, 0.01e9)
+	for params, d := range map[int64]int64{124e6: 1024, 1.3e9: 2240, 6.7e9: 3840, 1: 64} {
+		assert.Equal(t, [2]int64{d, d}, DefaultMuonShape(params), "%d parameters", params)
+	}
+}
+
+// Muon's rows: the exact (muon) or 1-bit (onebit-muon) allreduce of every
+// bucket, as the allreduce and onebit rows, and the orthogonalization of
+// every matrix on top; they follow the default rows when MuonShape is set.
+func TestMuonRows(t *testing.T) {
+	j := Job{Params: 1 << 26, Ranks: 4, Link: 1e9 / 8, LinkName: "1gbit", BucketBytes: 25 << 20, StepCompute: 100 * time.Millisecond,
+		MuonShape: [2]int64{1024, 4096}, MuonParams: 60 << 20, MuonFlops: 1e12}
+	p, rows := planRows(t, j)
+	var names []string
+	for _, r := range p.Rows {
+		names = append(names, r.Collective)
+	}
+	assert.Equal(t, []string{"allreduce", "onebit", "muon", "onebit-muon"}, names)
+	require.NotNil(t, p.Muon)
+	// 15 matrices of 4Mi elements; 4Mi elements to AdamW.
+	assert.Equal(t, MuonPlan{Shape: [2]int64{1024, 4096}, Matrices: 15, Other: 4 << 20, Rate: 1e12,
+		Flops: 15 * NSFlops(1024, 4096), OrthoS: 15 * NSFlops(1024, 4096) / 1e12}, *p.Muon)
+	for name, via := range map[string]string{"muon": "allreduce", "onebit-muon": "onebit"} {
+		r, base := rows[name], rows[via]
+		assert.Equal(t, base.WirePerRank, r.WirePerRank, name)
+		assert.Equal(t, base.Calls, r.Calls, name)
+		assert.Equal(t, base.CommS, r.CommS, name)
+		assert.InEpsilon(t, base.StepS+p.Muon.OrthoS, r.StepS, 1e-12, name)
+		assert.InEpsilon(t, rows["allreduce"].StepS/r.StepS, r.SpeedupExact, 1e-12, name)
+		assert.Positive(t, r.OrthoS)
+	}
+	for _, r := range []Row{rows["allreduce"], rows["onebit"]} {
+		assert.Zero(t, r.OrthoS, r.Collective)
+	}
+
+	// Without MuonShape: asked for by name, the default shape.
+	j.MuonShape, j.MuonParams, j.Collectives = [2]int64{}, 0, []string{"muon"}
+	p, _ = planRows(t, j)
+	require.Len(t, p.Rows, 1)
+	assert.Equal(t, DefaultMuonShape(1<<26), p.Muon.Shape)
+	j.Collectives = nil
+	p, _ = planRows(t, j)
+	assert.Len(t, p.Rows, 2)
+	assert.Nil(t, p.Muon)
+
+	cal, err := Builtin()
+	require.NoError(t, err)
+	for field, mut := range map[string]func(*Job){
+		"MuonShape":  func(j *Job) { j.MuonShape = [2]int64{0, 5} },
+		"MuonParams": func(j *Job) { j.MuonParams = -1 },
+		"MuonFlops":  func(j *Job) { j.MuonFlops = -1 },
+	} {
+		bad := j
+		mut(&bad)
+		_, err := cal.Model.Plan(bad)
+		var je *JobError
+		if assert.ErrorAs(t, err, &je, field) {
+			assert.Equal(t, field, je.Field)
+		}
+	}
+}

@@ -1,0 +1,86 @@
+package costmodel
+
+import "fmt"
+
+// The outer optimizer's memory (outer.Optimizer.StateBytes, outer/memory.go
+// and the buffers outer.Optimizer's build makes). Package outer's buffers
+// are being made smaller: outerBuffers is the one place that follows
+// them, and TestOuterStateBytesMatchOptimizer compares it with
+// outer.Optimizer.StateBytes for every codec, so that a change there
+// fails here until outerBuffers follows it.
+
+// outerStateCodecs are the codecs whose state OuterStateBytes counts, in
+// the state table's order (the bf16 codec's buffers, which
+// quant.DownCast allocates on its first calls, are not modelled).
+var outerStateCodecs = []string{"fp32", "int8", "1bit", "sparse"}
+
+// OuterStateBytes returns the bytes of the outer optimizer's own buffers
+// (outer.Optimizer.StateBytes less its inner optimizer's) on one rank of
+// j.Ranks, for codec ("fp32", "int8", "1bit" or "sparse", as
+// outer.ParseCodec names them) and j's Params, OuterFragments, OuterDelay,
+// BucketBytes (the 1-bit codec's buckets) and sparse settings. The inner
+// optimizer's state comes on top (8 bytes per parameter for
+// outer.NewAdam's AdamW).
+func OuterStateBytes(codec string, j Job) (int64, error) {
+	if j.Params < 0 || j.Ranks < 1 || j.OuterFragments < 0 || int64(j.OuterFragments) > max(j.Params, 1) || j.OuterDelay < 0 || j.BucketBytes < 0 {
+		return 0, fmt.Errorf("costmodel: invalid outer state: %d parameters, %d ranks, %d fragments, delay %d, buckets of %d bytes",
+			j.Params, j.Ranks, j.OuterFragments, j.OuterDelay, j.BucketBytes)
+	}
+	if codec == "1bit" && !fits(j.Params, j.Ranks, max(j.BucketBytes/4, 1)) {
+		return 0, errTooLarge
+	}
+	for _, c := range outerStateCodecs {
+		if c == codec {
+			return outerBuffers(codec, j), nil
+		}
+	}
+	return 0, fmt.Errorf("costmodel: unknown outer codec %q (want one of fp32, int8, 1bit, sparse)", codec)
+}
+
+// outerBuffers is OuterStateBytes for a valid j: θ_g and u over every
+// parameter, the exchange's buffer as long as the largest fragment, with a
+// delay the snapshot and the staging buffer of the fragment in flight,
+// and on more than one rank the codec's state:
+//   - int8: W messages sent, W received, one and W of phase 2 (each 4 bytes
+//     per 256-element group of the chunk C = ceil(largest/W) and a byte per
+//     element), C floats of chunk and of sums, its groups' scales;
+//   - 1bit: a onebit.State per bucket of every fragment (each its own wire
+//     buffers);
+//   - sparse: the error accumulator over every parameter, one chunk of
+//     magnitudes, this rank's message of the largest fragment and W
+//     received.
+func outerBuffers(codec string, j Job) int64 {
+	n, w := j.Params, int64(j.Ranks)
+	frags := int64(max(1, j.OuterFragments))
+	largest := (n + frags - 1) / frags
+	b := 4 * (2*n + largest)
+	if j.OuterDelay > 0 {
+		b += 2 * 4 * largest
+	}
+	if w < 2 {
+		return b
+	}
+	switch codec {
+	case "int8":
+		c := (largest + w - 1) / w
+		msg := outerInt8MsgLen(c)
+		b += (3*w+1)*msg + 4*(2*c+(c+outerInt8GroupSize-1)/outerInt8GroupSize)
+	case "1bit":
+		bucket := j.BucketBytes
+		if bucket == 0 {
+			bucket = DefaultBucketBytes
+		}
+		per := max(bucket/4, 1)
+		// F-r fragments of q = n/F elements and r = n mod F of q+1.
+		q, r := n/frags, n%frags
+		for _, cls := range [2][2]int64{{q, frags - r}, {q + 1, r}} {
+			if m := cls[0]; cls[1] > 0 {
+				b += cls[1] * (m/per*onebitState(per, w) + onebitState(m%per, w))
+			}
+		}
+	case "sparse":
+		s := sparseOf(j)
+		b += 4*(n+s.chunk) + (1+w)*s.msgLen(largest)
+	}
+	return b
+}

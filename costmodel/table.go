@@ -1,0 +1,42 @@
+package costmodel
+
+// StateRow is one row of the optimizer state table of a plan.
+type StateRow struct {
+	// Optimizer is the row's name: one of StateOptimizers, OptMuon,
+	// OptOnebitMuon, or an outer row ("outer-sparse": the outer optimizer
+	// with that codec around outer.NewAdam's AdamW).
+	Optimizer string
+	// Bytes is the state of rank 0, parameters and gradients not
+	// included; Err, when set, says why it could not be counted (more
+	// than an int64 holds).
+	Bytes int64
+	Err   error
+}
+
+// StateTable returns the optimizer state per rank that lowbit plan prints
+// for j (Params, Ranks, BucketBytes; the Muon and outer fields): every
+// StateOptimizers row with the model as one tensor (StateBytes), Muon and
+// 1-bit Muon with the model as Plan's Muon rows see it (MuonPlan: whole
+// matrices of one shape and one AdamW tensor), and with OuterH > 0 the
+// outer optimizer around exact AdamW, one row per codec of
+// OuterStateBytes (the sparse codec's where its chunk fits the smallest
+// fragment).
+func (j Job) StateTable() []StateRow {
+	var rows []StateRow
+	for _, name := range StateOptimizers() {
+		b, err := StateBytes(name, []int64{j.Params}, j.Ranks, j.BucketBytes)
+		rows = append(rows, StateRow{Optimizer: name, Bytes: b, Err: err})
+	}
+	mp := muonPlan(j)
+	rows = append(rows, StateRow{Optimizer: OptMuon, Bytes: muonState(mp.Shape, mp.Matrices, mp.Other)})
+	b, err := onebitMuonState(mp.Shape, mp.Matrices, mp.Other, j.Ranks, j.BucketBytes)
+	rows = append(rows, StateRow{Optimizer: OptOnebitMuon, Bytes: b, Err: err})
+	for _, name := range j.defaultOuterRows() {
+		oc, _ := findOuterCodec(name)
+		b, err := OuterStateBytes(oc.codec, j)
+		if err == nil || err == errTooLarge {
+			rows = append(rows, StateRow{Optimizer: name, Bytes: b + 8*j.Params, Err: err})
+		}
+	}
+	return rows
+}
