@@ -1,0 +1,129 @@
+package outer_test
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
+)
+
+// liveHeap is the live heap after a collection.
+func liveHeap() int64 {
+	runtime.GC()
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return int64(ms.HeapAlloc)
+}
+
+// memCase is one row of TestMemoryPerParameter, with the most bytes per
+// parameter it may hold beyond the parameters and gradients (inner AdamW
+// included), by StateBytes and by the heap.
+type memCase struct {
+	codec       outer.Codec
+	frags       int
+	delay       int
+	state, heap float64
+}
+
+// memMeasure builds the outer optimizer of cfg on w ranks of comm/local
+// over n parameter elements per rank, runs H calls (every fragment
+// exchanges once) and returns rank 0's StateBytes and the growth of the
+// live heap since the parameters were made, divided by w, both per
+// parameter.
+func memMeasure(t *testing.T, w, n int, cfg outer.Config) (state, heap float64) {
+	t.Helper()
+	cs, err := local.New(w)
+	require.NoError(t, err)
+	defer func() {
+		for _, c := range cs {
+			c.Close()
+		}
+	}()
+	params := make([][]*optim.Param, w)
+	for r := range w {
+		params[r] = newParams(t, []int{n / 2, n - n/2})
+	}
+	opts := make([]*outer.Optimizer, w)
+	each := func(fn func(r int, c comm.Comm) error) {
+		t.Helper()
+		errs := make(chan error, w)
+		for r := range w {
+			go func() { errs <- fn(r, cs[r]) }()
+		}
+		for range w {
+			require.NoError(t, <-errs)
+		}
+	}
+	base := liveHeap()
+	ctx := context.Background()
+	each(func(r int, c comm.Comm) error {
+		o, err := outer.NewAdam(ctx, c, params[r], cfg, innerConfig())
+		opts[r] = o
+		return err
+	})
+	each(func(r int, c comm.Comm) error {
+		for i := 1; i <= cfg.H; i++ {
+			setGrads(params[r], r, i)
+			if err := opts[r].Step(ctx); err != nil {
+				return err
+			}
+		}
+		_, err := opts[r].State() // waits for the exchange in flight
+		return err
+	})
+	heapBytes := liveHeap() - base
+	state = float64(opts[0].StateBytes()) / float64(n)
+	for _, o := range opts {
+		require.NoError(t, o.Close())
+	}
+	runtime.KeepAlive(params)
+	return state, float64(heapBytes) / float64(w*n)
+}
+
+// The bytes per parameter each codec keeps at W = 8, beyond the
+// parameters and gradients, inner AdamW (8) included: by StateBytes and by
+// the live heap (docs/outer.md, "Memory"). Each codec at its
+// DefaultConfigFor (no momentum for the 1-bit and sparse codecs); the
+// 1-bit codec's buckets of 16 KiB stand for the default 25 MiB on a model
+// of billions of parameters (the bucket's scratch is then small beside
+// the fragment).
+func TestMemoryPerParameter(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds 8 ranks of 64K parameters per case")
+	}
+	const w, n = 8, 1 << 16
+	for _, k := range []memCase{
+		{outer.CodecFP32, 1, 0, 0, 0},
+		{outer.CodecFP32, 4, 0, 0, 0},
+		{outer.CodecBF16, 1, 0, 0, 0},
+		{outer.CodecInt8, 1, 0, 0, 0},
+		{outer.CodecInt8, 4, 0, 0, 0},
+		{outer.CodecOneBit, 1, 0, 0, 0},
+		{outer.CodecOneBit, 4, 0, 0, 0},
+		{outer.CodecOneBit, 4, 1, 0, 0},
+		{outer.CodecSparse, 1, 0, 0, 0},
+		{outer.CodecSparse, 4, 0, 0, 0},
+		{outer.CodecSparse, 4, 1, 0, 0},
+	} {
+		t.Run(fmt.Sprintf("%s/F%d/D%d", k.codec, k.frags, k.delay), func(t *testing.T) {
+			cfg := outer.DefaultConfigFor(k.codec)
+			cfg.H, cfg.Fragments, cfg.Delay = 4, k.frags, k.delay
+			cfg.BucketBytes = 16 << 10
+			state, heap := memMeasure(t, w, n, cfg)
+			t.Logf("%s F%d D%d: %.2f bytes per parameter by StateBytes, %.2f by the heap", k.codec, k.frags, k.delay, state, heap)
+			if k.state > 0 {
+				assert.LessOrEqual(t, state, k.state, "StateBytes")
+				assert.LessOrEqual(t, heap, k.heap, "heap")
+			}
+		})
+	}
+}
