@@ -39,7 +39,9 @@ type sparseCodec struct {
 	acc  []float32 // the error accumulator e, flat over every parameter element
 	send []byte    // this rank's message, as long as the largest fragment's
 	recv []byte    // W messages
-	mag  []float32 // a chunk's magnitudes, for the selection
+	// mag is a chunk's scratch: its pseudo-gradients, then their
+	// magnitudes for the selection; after the all-gather, its average.
+	mag []float32
 }
 
 func newSparseCodec(cfg Config, n, largest, w int) *sparseCodec {
@@ -77,34 +79,52 @@ func (s *sparseCodec) msgLen(m int) int {
 	return n
 }
 
-// allReduce replaces delta, the pseudo-gradient of the fragment whose
-// accumulator is e, with the average over c's ranks of what each sends of
-// its accumulator, updating e.
-func (s *sparseCodec) allReduce(ctx context.Context, c comm.Comm, delta, e []float32) error {
-	w, m := c.Size(), len(delta)
+// allReduce exchanges the fragment whose accumulator is e over c's
+// ranks, a chunk at a time and with no buffer of the fragment's: delta(lo,
+// x) writes the pseudo-gradients of the fragment's elements [lo,
+// lo+len(x)) into x, which e takes (e = decay*e + delta) before the
+// chunk's message is encoded; once every rank's message is in and known
+// good, apply(lo, avg) takes the average of what the ranks sent of
+// elements [lo, lo+len(avg)), chunk by chunk in order (avg is the
+// codec's scratch, valid during the call).
+func (s *sparseCodec) allReduce(ctx context.Context, c comm.Comm, e []float32, delta func(lo int, x []float32), apply func(lo int, avg []float32)) error {
+	w, m := c.Size(), len(e)
 	msg := s.msgLen(m)
 	send := s.send[:msg]
 	at := 0
 	for lo := 0; lo < m; lo += s.chunk {
 		hi := min(lo+s.chunk, m)
-		x := e[lo:hi]
-		for i, d := range delta[lo:hi] {
-			x[i] = s.decay*x[i] + d
+		x, d := e[lo:hi], s.mag[:hi-lo]
+		delta(lo, d)
+		for i, v := range d {
+			x[i] = s.decay*x[i] + v
 		}
 		at += s.encode(send[at:at+s.chunkLen(hi-lo)], x)
 	}
-	if err := c.AllGatherBytes(ctx, send, s.recv[:w*msg]); err != nil {
+	recv := s.recv[:w*msg]
+	if err := c.AllGatherBytes(ctx, send, recv); err != nil {
 		return fmt.Errorf("sparse all-gather: %w", err)
 	}
-	clear(delta)
 	for r := range w {
-		if err := s.decodeAdd(delta, s.recv[r*msg:(r+1)*msg]); err != nil {
+		if err := s.decode(nil, m, recv[r*msg:(r+1)*msg]); err != nil {
 			return fmt.Errorf("sparse message of rank %d: %w", r, err)
 		}
 	}
 	fw := float32(w)
-	for i := range delta {
-		delta[i] /= fw
+	at = 0
+	for lo := 0; lo < m; lo += s.chunk {
+		hi := min(lo+s.chunk, m)
+		n := s.chunkLen(hi - lo)
+		avg := s.mag[:hi-lo]
+		clear(avg)
+		for r := range w {
+			s.decodeChunk(avg, hi-lo, recv[r*msg+at:r*msg+at+n]) // checked above
+		}
+		for i := range avg {
+			avg[i] /= fw
+		}
+		apply(lo, avg)
+		at += n
 	}
 	return nil
 }
@@ -192,7 +212,12 @@ var errSparseMessage = errors.New("malformed sparse message")
 // non-negative, or whose offsets fall outside their chunk or do not
 // ascend, with dst partly updated.
 func (s *sparseCodec) decodeAdd(dst []float32, msg []byte) error {
-	m := len(dst)
+	return s.decode(dst, len(dst), msg)
+}
+
+// decode is decodeAdd of a fragment of m elements; with dst nil it only
+// checks msg.
+func (s *sparseCodec) decode(dst []float32, m int, msg []byte) error {
 	if len(msg) != s.msgLen(m) {
 		return fmt.Errorf("%w: %d bytes for %d elements, want %d", errSparseMessage, len(msg), m, s.msgLen(m))
 	}
@@ -200,7 +225,7 @@ func (s *sparseCodec) decodeAdd(dst []float32, msg []byte) error {
 	for lo := 0; lo < m; lo += s.chunk {
 		hi := min(lo+s.chunk, m)
 		n := s.chunkLen(hi - lo)
-		if err := s.decodeChunk(dst[lo:hi], msg[at:at+n]); err != nil {
+		if err := s.decodeChunk(part(dst, lo, hi), hi-lo, msg[at:at+n]); err != nil {
 			return fmt.Errorf("chunk at element %d: %w", lo, err)
 		}
 		at += n
@@ -208,7 +233,9 @@ func (s *sparseCodec) decodeAdd(dst []float32, msg []byte) error {
 	return nil
 }
 
-func (s *sparseCodec) decodeChunk(dst []float32, msg []byte) error {
+// decodeChunk adds what msg stands for to dst, a chunk of l elements;
+// with dst nil it only checks msg.
+func (s *sparseCodec) decodeChunk(dst []float32, l int, msg []byte) error {
 	var sc [2]float32
 	for j := range s.scales() {
 		v := math.Float32frombits(binary.LittleEndian.Uint32(msg[4*j:]))
@@ -219,13 +246,16 @@ func (s *sparseCodec) decodeChunk(dst []float32, msg []byte) error {
 	}
 	br := bitReader{buf: msg[4*s.scales():]}
 	prev := -1
-	for range s.k(len(dst)) {
+	for range s.k(l) {
 		off := int(br.read(s.obits))
 		code := br.read(s.vbits)
-		if off <= prev || off >= len(dst) {
-			return fmt.Errorf("%w: offset %d after %d in a chunk of %d", errSparseMessage, off, prev, len(dst))
+		if off <= prev || off >= l {
+			return fmt.Errorf("%w: offset %d after %d in a chunk of %d", errSparseMessage, off, prev, l)
 		}
 		prev = off
+		if dst == nil {
+			continue
+		}
 		v := sc[0]
 		if code&2 != 0 {
 			v = sc[1]
