@@ -1,6 +1,11 @@
 package outer
 
-import "github.com/lowbit-ml/lowbit/optim"
+import (
+	"slices"
+
+	"github.com/lowbit-ml/lowbit/onebit"
+	"github.com/lowbit-ml/lowbit/optim"
+)
 
 var _ optim.MemoryReporter = (*Optimizer)(nil)
 
@@ -27,10 +32,5 @@ func (o *Optimizer) StateBytes() int64 {
 	if s := o.sp; s != nil {
 		n += optim.Float32Bytes(s.acc, s.mag) + int64(cap(s.send)+cap(s.recv))
 	}
-	for _, sts := range o.states {
-		for _, st := range sts {
-			n += st.StateBytes()
-		}
-	}
-	return n
+	return n + onebit.StatesBytes(slices.Concat(o.states...)...)
 }

@@ -347,6 +347,9 @@ func (o *Optimizer) makeBuckets() error {
 		}
 		o.buckets[f] = append(o.buckets[f], m)
 	}
+	// The buckets' allreduces run one after another (one exchange at a
+	// time, bucket by bucket): one set of wire buffers serves them all.
+	onebit.ShareWire(slices.Concat(o.states...)...)
 	return nil
 }
 
