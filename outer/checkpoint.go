@@ -108,7 +108,7 @@ func (o *Optimizer) State() (*optim.Checkpoint, error) {
 		}
 	}
 	if o.sp != nil {
-		ck.AddTensor(AccumulatorName, []int{o.n}, o.sp.acc)
+		ck.Tensors = append(ck.Tensors, optim.Tensor{Name: AccumulatorName, Shape: []int{o.n}, Data: o.sp.accumulator()})
 	}
 	if o.states != nil {
 		ck.Ints[IntBucketBytes] = int64(o.bbytes)
@@ -131,7 +131,7 @@ func formatHyper(name string, v float64) string {
 			return Codec(v).String()
 		case "outer_scale":
 			return formatScale(int64(v))
-		case "outer_nesterov":
+		case "outer_nesterov", "outer_accumulator_bf16":
 			return strconv.FormatBool(v != 0)
 		}
 	}
@@ -163,7 +163,9 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 		return err
 	}
 	own := o.cfg.hypers()
+	recorded := map[string]bool{}
 	for _, h := range own {
+		recorded[h.Name] = true
 		v, ok := ck.Floats[optim.HyperPrefix+h.Name]
 		if !ok {
 			return fmt.Errorf("%w: setting %s is not recorded", bad, h.Name)
@@ -173,8 +175,15 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 		}
 	}
 	for k := range ck.Floats {
-		if name, ok := strings.CutPrefix(k, optim.HyperPrefix); ok && !strings.HasPrefix(name, "outer_") {
+		name, ok := strings.CutPrefix(k, optim.HyperPrefix)
+		switch {
+		case !ok:
+		case !strings.HasPrefix(name, "outer_"):
 			return fmt.Errorf("%w: made with hyperparameter %s, which the outer optimizer does not have", bad, name)
+		case !recorded[name]:
+			// A setting recorded only when not its default
+			// (outer_accumulator_bf16).
+			return fmt.Errorf("%w: made with %s %s, this optimizer has %s", bad, name, formatHyper(name, ck.Floats[k]), formatHyper(name, 0))
 		}
 	}
 	var ints [5]int64
@@ -300,11 +309,7 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 		copy(o.work, pendingU) // nil without momentum
 	}
 	if o.sp != nil {
-		if acc == nil {
-			clear(o.sp.acc)
-		} else {
-			copy(o.sp.acc, acc)
-		}
+		o.sp.setAccumulator(acc)
 	}
 	i := 0
 	for _, sts := range o.states {

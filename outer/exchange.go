@@ -164,7 +164,7 @@ func (o *Optimizer) exchange(ctx context.Context, f int) error {
 	case o.cfg.Codec == CodecOneBit:
 		return o.exchangeOneBit(ctx, f, gOut, uOut, g, u)
 	case o.direct: // CodecSparse
-		err := o.sp.allReduce(ctx, o.xc, o.sp.acc[lo:hi],
+		err := o.sp.allReduce(ctx, o.xc, lo, hi-lo,
 			func(a int, x []float32) { o.delta(f, a, x) },
 			func(a int, avg []float32) {
 				b := a + len(avg)

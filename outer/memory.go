@@ -30,7 +30,7 @@ func (o *Optimizer) StateBytes() int64 {
 		n += int64(cap(q.send)+cap(q.recv)+cap(q.gsend)+cap(q.grecv)) + optim.Float32Bytes(q.chunk, q.acc, q.scales)
 	}
 	if s := o.sp; s != nil {
-		n += optim.Float32Bytes(s.acc, s.mag) + int64(cap(s.send)+cap(s.recv))
+		n += optim.Float32Bytes(s.acc, s.mag, s.ef) + 2*int64(cap(s.acc16)) + int64(cap(s.send)+cap(s.recv))
 	}
 	return n + onebit.StatesBytes(slices.Concat(o.states...)...)
 }

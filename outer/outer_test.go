@@ -152,6 +152,12 @@ func TestResumeBitIdentical(t *testing.T) {
 		{noMomentum(config(outer.CodecSparse, 6, 2, 3)), []int{3, 4, 7}},
 		{noMomentum(config(outer.CodecOneBit, 6, 2, 3)), []int{3, 4, 7}},
 		{noMomentum(config(outer.CodecFP32, 6, 2, 2)), []int{3, 4}},
+		// The sparse accumulator in bfloat16.
+		{func() outer.Config {
+			c := noMomentum(config(outer.CodecSparse, 4, 1, 0))
+			c.AccumulatorBF16 = true
+			return c
+		}(), []int{3, 8}},
 	} {
 		for _, at := range k.at {
 			cfg := k.cfg

@@ -7,8 +7,10 @@ import (
 	"fmt"
 	"math"
 	"math/bits"
+	"slices"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/quant"
 )
 
 // sparseCodec is CodecSparse's exchange (SparseLoCo-style, docs/outer.md):
@@ -36,9 +38,13 @@ type sparseCodec struct {
 	obits   int     // offset bits: enough for chunk-1
 	decay   float32
 
-	acc  []float32 // the error accumulator e, flat over every parameter element
-	send []byte    // this rank's message, as long as the largest fragment's
-	recv []byte    // W messages
+	acc []float32 // the error accumulator e, flat over every parameter element; nil in bfloat16
+	// acc16 is e in bfloat16 (Config.AccumulatorBF16), and ef a chunk of
+	// it widened to float32; both nil otherwise.
+	acc16 []uint16
+	ef    []float32
+	send  []byte // this rank's message, as long as the largest fragment's
+	recv  []byte // W messages
 	// mag is a chunk's scratch: its pseudo-gradients, then their
 	// magnitudes for the selection; after the all-gather, its average.
 	mag []float32
@@ -48,11 +54,41 @@ func newSparseCodec(cfg Config, n, largest, w int) *sparseCodec {
 	s := &sparseCodec{
 		chunk: cfg.SparseChunk, density: float64(cfg.Density), vbits: cfg.SparseBits,
 		obits: max(1, bits.Len(uint(cfg.SparseChunk-1))), decay: cfg.Decay,
-		acc: make([]float32, n), mag: make([]float32, cfg.SparseChunk),
+		mag: make([]float32, cfg.SparseChunk),
+	}
+	if cfg.AccumulatorBF16 {
+		s.acc16, s.ef = make([]uint16, n), make([]float32, cfg.SparseChunk)
+	} else {
+		s.acc = make([]float32, n)
 	}
 	msg := s.msgLen(largest)
 	s.send, s.recv = make([]byte, msg), make([]byte, w*msg)
 	return s
+}
+
+// accumulator returns a float32 copy of the accumulator, flat.
+func (s *sparseCodec) accumulator() []float32 {
+	if s.acc16 == nil {
+		return slices.Clone(s.acc)
+	}
+	e := make([]float32, len(s.acc16))
+	quant.Widen(quant.BF16, e, s.acc16)
+	return e
+}
+
+// setAccumulator sets the accumulator to e (nil: zero), rounded to
+// bfloat16 when it is kept so.
+func (s *sparseCodec) setAccumulator(e []float32) {
+	switch {
+	case s.acc16 == nil && e == nil:
+		clear(s.acc)
+	case s.acc16 == nil:
+		copy(s.acc, e)
+	case e == nil:
+		clear(s.acc16)
+	default:
+		quant.Narrow(quant.BF16, s.acc16, e)
+	}
 }
 
 // k is the number of entries sent of a chunk of l elements: density * l
@@ -79,27 +115,37 @@ func (s *sparseCodec) msgLen(m int) int {
 	return n
 }
 
-// allReduce exchanges the fragment whose accumulator is e over c's
-// ranks, a chunk at a time and with no buffer of the fragment's: delta(lo,
-// x) writes the pseudo-gradients of the fragment's elements [lo,
-// lo+len(x)) into x, which e takes (e = decay*e + delta) before the
-// chunk's message is encoded; once every rank's message is in and known
-// good, apply(lo, avg) takes the average of what the ranks sent of
-// elements [lo, lo+len(avg)), chunk by chunk in order (avg is the
-// codec's scratch, valid during the call).
-func (s *sparseCodec) allReduce(ctx context.Context, c comm.Comm, e []float32, delta func(lo int, x []float32), apply func(lo int, avg []float32)) error {
-	w, m := c.Size(), len(e)
+// allReduce exchanges the fragment of m elements from flat element first
+// over c's ranks, a chunk at a time and with no buffer of the fragment's:
+// delta(lo, x) writes the pseudo-gradients of the fragment's elements
+// [lo, lo+len(x)) into x, which the accumulator e takes (e = decay*e +
+// delta) before the chunk's message is encoded; once every rank's
+// message is in and known good, apply(lo, avg) takes the average of what
+// the ranks sent of elements [lo, lo+len(avg)), chunk by chunk in order
+// (avg is the codec's scratch, valid during the call).
+func (s *sparseCodec) allReduce(ctx context.Context, c comm.Comm, first, m int, delta func(lo int, x []float32), apply func(lo int, avg []float32)) error {
+	w := c.Size()
 	msg := s.msgLen(m)
 	send := s.send[:msg]
 	at := 0
 	for lo := 0; lo < m; lo += s.chunk {
 		hi := min(lo+s.chunk, m)
-		x, d := e[lo:hi], s.mag[:hi-lo]
+		d := s.mag[:hi-lo]
 		delta(lo, d)
+		var x []float32
+		if s.acc16 != nil {
+			x = s.ef[:hi-lo]
+			quant.Widen(quant.BF16, x, s.acc16[first+lo:first+hi])
+		} else {
+			x = s.acc[first+lo : first+hi]
+		}
 		for i, v := range d {
 			x[i] = s.decay*x[i] + v
 		}
 		at += s.encode(send[at:at+s.chunkLen(hi-lo)], x)
+		if s.acc16 != nil {
+			quant.Narrow(quant.BF16, s.acc16[first+lo:first+hi], x)
+		}
 	}
 	recv := s.recv[:w*msg]
 	if err := c.AllGatherBytes(ctx, send, recv); err != nil {
