@@ -131,7 +131,7 @@ type Config struct {
 	// to float32, takes delta into it, sends from it, and rounds what is
 	// left back to bfloat16 (to nearest even), a relative error of at most
 	// 2^-9 where the decay drops 1 - Decay of e (docs/outer.md, "Memory").
-	// Default false.
+	// Other codecs ignore it. Default false.
 	AccumulatorBF16 bool
 }
 

@@ -47,17 +47,8 @@ func goldenRun(t *testing.T, w int, cfg outer.Config) string {
 	out := newPerRank[[]float32](w)
 	runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
 		ps := newParams(t, goldenSizes)
-		o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+		o, err := steppedOn(ctx, c, ps, cfg, calls)
 		if err != nil {
-			return err
-		}
-		for i := 1; i <= calls; i++ {
-			setGrads(ps, c.Rank(), i)
-			if err := o.Step(ctx); err != nil {
-				return err
-			}
-		}
-		if _, err := o.State(); err != nil { // waits for the exchange in flight
 			return err
 		}
 		out.set(c.Rank(), append(flat(ps), o.Global()...))

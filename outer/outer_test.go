@@ -51,18 +51,8 @@ func TestGlobalIdenticalOnEveryRank(t *testing.T) {
 				moms := newPerRank[[]float32](w)
 				stats := newPerRank[outer.OuterStats](w)
 				runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
-					ps := newParams(t, []int{300, 41})
-					o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+					o, err := steppedOn(ctx, c, newParams(t, []int{300, 41}), cfg, calls)
 					if err != nil {
-						return err
-					}
-					for i := 1; i <= calls; i++ {
-						setGrads(ps, c.Rank(), i)
-						if err := o.Step(ctx); err != nil {
-							return err
-						}
-					}
-					if _, err := o.State(); err != nil { // waits for the exchange in flight
 						return err
 					}
 					globals.set(c.Rank(), append([]float32(nil), o.Global()...))
