@@ -77,8 +77,8 @@ func TestAccumulatorBF16(t *testing.T) {
 		})
 	}
 
-	if testing.Short() {
-		return
+	if testing.Short() || raceOn {
+		return // the training: 0.2 s, 5 s under the race detector
 	}
 	inner := optim.DefaultAdamConfig()
 	inner.LR = 3e-3
