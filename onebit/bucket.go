@@ -125,6 +125,20 @@ func (b *buckets) shareWire(keep bool) {
 	}
 }
 
+// ShareWire lets the collectives of states share one set of wire
+// buffers (the packed signs sent and received, the phase 2 messages, the
+// server's block), each as long as the longest state needs, as 1-bit
+// Adam's buckets do: a model of K tensors then holds the wire buffers of
+// one instead of K (about N/8 + N/8 bytes for N elements). The states
+// must be of one group size, and their AllReduce calls must run one after
+// another, never two at once; nothing a call leaves in these buffers is
+// read by the next, so the results are the same bit for bit. It must be
+// called before their first AllReduce; the error buffers stay each
+// state's own.
+func ShareWire(states ...*State) {
+	(&buckets{states: states}).shareWire(false)
+}
+
 // prefix is buf[:n], capped at n like a buffer of its own.
 func prefix[T any](buf []T, n int) []T { return buf[:n:n] }
 

@@ -24,6 +24,12 @@ func (st *State) StateBytes() int64 {
 	return st.ownBytes() + distinctBytes(st.wire()...)
 }
 
+// StatesBytes returns the bytes of the buffers of states, the wire
+// buffers they share (ShareWire) counted once.
+func StatesBytes(states ...*State) int64 {
+	return (&buckets{states: states}).stateBytes()
+}
+
 // ownBytes is the bytes of the buffers st never shares: the error buffers,
 // the scales and the norms.
 func (st *State) ownBytes() int64 {

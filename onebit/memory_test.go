@@ -3,6 +3,7 @@ package onebit_test
 import (
 	"context"
 	"fmt"
+	"math"
 	"runtime"
 	"strings"
 	"sync"
@@ -529,4 +530,58 @@ func memAdam(mode onebit.StateMode, bf onebit.BF16State, reduce optim.ReduceMode
 		cfg.StateMode, cfg.BF16, cfg.Reduce = mode, bf, reduce
 		return onebit.NewAdam(ctx, c, ps, cfg)
 	}
+}
+
+// States that share their wire buffers (ShareWire) give the same results
+// bit for bit as states of their own, calls interleaved, and StatesBytes
+// counts the shared buffers once: less than the states' own figures
+// summed, by at least the smaller state's packed signs sent and received.
+func TestShareWire(t *testing.T) {
+	const w = 3
+	sizes := []int{5000, 1234} // the second shorter, and padded
+	run := func(share bool) ([][]float32, int64, int64) {
+		out := make([][]float32, w)
+		var shared, own int64
+		var mu sync.Mutex
+		err := local.Run(adamCtx(t), w, func(ctx context.Context, c comm.Comm) error {
+			var sts []*onebit.State
+			var sum int64
+			for _, n := range sizes {
+				st, err := onebit.NewState(n, w)
+				if err != nil {
+					return err
+				}
+				sts = append(sts, st)
+				sum += st.StateBytes()
+			}
+			if share {
+				onebit.ShareWire(sts...)
+			}
+			var res []float32
+			for call := range 3 {
+				for k, st := range sts {
+					buf := make([]float32, sizes[k])
+					for i := range buf {
+						buf[i] = float32(math.Sin(float64(i*(k+2)+7*call+13*c.Rank()))) * float32(1+i%3)
+					}
+					if err := onebit.AllReduce(ctx, c, buf, st); err != nil {
+						return err
+					}
+					res = append(res, buf...)
+				}
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			out[c.Rank()] = res
+			shared, own = onebit.StatesBytes(sts...), sum
+			return nil
+		})
+		require.NoError(t, err)
+		return out, shared, own
+	}
+	want, alone, sum := run(false)
+	got, shared, _ := run(true)
+	require.Equal(t, want, got)
+	assert.Equal(t, sum, alone, "StatesBytes of states that share nothing")
+	assert.LessOrEqual(t, shared, sum-int64(onebit.PaddedLen(sizes[1], w)/4), "StatesBytes of states that share their wire buffers")
 }

@@ -54,7 +54,8 @@ func ServerErrorName(f, k int) string {
 
 // State returns a checkpoint of everything that decides the next step on
 // this rank: the inner optimizer's checkpoint (θ_local, its moments and
-// counters), θ_g, u, the 1-bit error buffers, the call counter, the
+// counters), θ_g, u (with a momentum: Config.Momentum 0 keeps none), the
+// 1-bit error buffers or the sparse accumulator, the call counter, the
 // exchange counters, and the pending exchange. An exchange in flight is
 // waited for (not merged): the checkpoint holds its result (the new θ_g
 // and u of the fragment) and the parameters at its launch, so that a
@@ -95,15 +96,19 @@ func (o *Optimizer) State() (*optim.Checkpoint, error) {
 		ck.Tensors = append(ck.Tensors, t) // ick is ours: no copy needed
 	}
 	ck.AddTensor(TensorGlobal, []int{o.n}, o.global)
-	ck.AddTensor(TensorMomentum, []int{o.n}, o.mom)
+	if o.mom != nil {
+		ck.AddTensor(TensorMomentum, []int{o.n}, o.mom)
+	}
 	if o.pending >= 0 {
 		m := o.bounds[o.pending+1] - o.bounds[o.pending]
 		ck.AddTensor(TensorLaunch, []int{m}, o.snap[:m])
 		ck.AddTensor(TensorPendingGlobal, []int{m}, o.stage[:m])
-		ck.AddTensor(TensorPendingMomentum, []int{m}, o.work[:m])
+		if o.mom != nil {
+			ck.AddTensor(TensorPendingMomentum, []int{m}, o.work[:m])
+		}
 	}
 	if o.sp != nil {
-		ck.AddTensor(AccumulatorName, []int{o.n}, o.sp.acc)
+		ck.Tensors = append(ck.Tensors, optim.Tensor{Name: AccumulatorName, Shape: []int{o.n}, Data: o.sp.accumulator()})
 	}
 	if o.states != nil {
 		ck.Ints[IntBucketBytes] = int64(o.bbytes)
@@ -126,7 +131,7 @@ func formatHyper(name string, v float64) string {
 			return Codec(v).String()
 		case "outer_scale":
 			return formatScale(int64(v))
-		case "outer_nesterov":
+		case "outer_nesterov", "outer_accumulator_bf16":
 			return strconv.FormatBool(v != 0)
 		}
 	}
@@ -137,7 +142,10 @@ func formatHyper(name string, v float64) string {
 // same inner algorithm, world size (unless ck.ErrorsReset: the 1-bit error
 // buffers then restart from zero), parameters and settings (H, Fragments,
 // Delay, Codec, LR, Momentum, Nesterov; a difference is refused naming
-// both values). Anything else is refused with an error wrapping
+// both values: a checkpoint made with a momentum does not load into an
+// optimizer without, nor the other way round). With Momentum 0 a
+// checkpoint's u, if it holds one (as those of earlier versions do), is
+// ignored: it takes no part in the steps. Anything else is refused with an error wrapping
 // optim.ErrIncompatibleCheckpoint, and changes nothing. An exchange in
 // flight is waited for and dropped. Load clears the failure of an earlier
 // exchange. It does not communicate: every rank loads its own checkpoint.
@@ -155,7 +163,9 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 		return err
 	}
 	own := o.cfg.hypers()
+	recorded := map[string]bool{}
 	for _, h := range own {
+		recorded[h.Name] = true
 		v, ok := ck.Floats[optim.HyperPrefix+h.Name]
 		if !ok {
 			return fmt.Errorf("%w: setting %s is not recorded", bad, h.Name)
@@ -165,8 +175,15 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 		}
 	}
 	for k := range ck.Floats {
-		if name, ok := strings.CutPrefix(k, optim.HyperPrefix); ok && !strings.HasPrefix(name, "outer_") {
+		name, ok := strings.CutPrefix(k, optim.HyperPrefix)
+		switch {
+		case !ok:
+		case !strings.HasPrefix(name, "outer_"):
 			return fmt.Errorf("%w: made with hyperparameter %s, which the outer optimizer does not have", bad, name)
+		case !recorded[name]:
+			// A setting recorded only when not its default
+			// (outer_accumulator_bf16).
+			return fmt.Errorf("%w: made with %s %s, this optimizer has %s", bad, name, formatHyper(name, ck.Floats[k]), formatHyper(name, 0))
 		}
 	}
 	var ints [5]int64
@@ -197,9 +214,14 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 	if err != nil {
 		return err
 	}
-	mom, err := ck.TensorData(TensorMomentum, o.n)
-	if err != nil {
-		return err
+	// With Momentum 0 u is not kept: the momentum tensors of a checkpoint
+	// made with momentum 0 by an earlier version (which kept u, unused)
+	// are ignored. A checkpoint of another momentum is refused above.
+	var mom []float32
+	if o.mom != nil {
+		if mom, err = ck.TensorData(TensorMomentum, o.n); err != nil {
+			return err
+		}
 	}
 	var launch, pendingG, pendingU []float32
 	if pending >= 0 {
@@ -210,8 +232,10 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 		if pendingG, err = ck.TensorData(TensorPendingGlobal, m); err != nil {
 			return err
 		}
-		if pendingU, err = ck.TensorData(TensorPendingMomentum, m); err != nil {
-			return err
+		if o.mom != nil {
+			if pendingU, err = ck.TensorData(TensorPendingMomentum, m); err != nil {
+				return err
+			}
 		}
 	}
 	var errs [][2][]float32
@@ -282,14 +306,10 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 	if launch != nil {
 		copy(o.snap, launch)
 		copy(o.stage, pendingG)
-		copy(o.work, pendingU)
+		copy(o.work, pendingU) // nil without momentum
 	}
 	if o.sp != nil {
-		if acc == nil {
-			clear(o.sp.acc)
-		} else {
-			copy(o.sp.acc, acc)
-		}
+		o.sp.setAccumulator(acc)
 	}
 	i := 0
 	for _, sts := range o.states {

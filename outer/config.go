@@ -126,6 +126,13 @@ type Config struct {
 	// Decay is the decay of CodecSparse's error accumulator, in [0, 1]:
 	// e = Decay*e + delta at each exchange. Default 0.95.
 	Decay float32
+	// AccumulatorBF16 keeps CodecSparse's error accumulator in bfloat16,
+	// 2 bytes per element instead of 4: each exchange widens a chunk of e
+	// to float32, takes delta into it, sends from it, and rounds what is
+	// left back to bfloat16 (to nearest even), a relative error of at most
+	// 2^-9 where the decay drops 1 - Decay of e (docs/outer.md, "Memory").
+	// Other codecs ignore it. Default false.
+	AccumulatorBF16 bool
 }
 
 // DefaultConfig returns H 50, one fragment, no delay, CodecFP32, outer
@@ -223,6 +230,11 @@ func (c Config) hypers() []optim.Hyper {
 			optim.Hyper{Name: "outer_sparse_chunk", Value: float64(c.SparseChunk)},
 			optim.Hyper{Name: "outer_sparse_bits", Value: float64(c.SparseBits)},
 			optim.Hyper{Name: "outer_decay", Value: float64(c.Decay)})
+		if c.AccumulatorBF16 {
+			// Recorded only when set: the checkpoints of a float32
+			// accumulator are as they were.
+			h = append(h, optim.Hyper{Name: "outer_accumulator_bf16", Value: optim.HyperBool(true)})
+		}
 	}
 	return h
 }

@@ -4,8 +4,10 @@ package outer
 // step, and the delayed merge.
 
 import (
+	"cmp"
 	"context"
 	"fmt"
+	"slices"
 
 	"go.uber.org/zap"
 
@@ -18,18 +20,26 @@ import (
 // agreement, then the exchange itself, here (Delay 0, merged at once) or
 // in the background.
 func (o *Optimizer) launch(ctx context.Context, t int64, f int) error {
-	lo, hi := o.bounds[f], o.bounds[f+1]
-	w := o.work[:hi-lo]
+	lo := o.bounds[f]
 	finite := true
 	for _, s := range o.spans[f] {
 		d := o.params[s.param].Data()[s.at : s.at+s.n]
 		g := o.global[s.flat : s.flat+s.n]
-		x := w[s.flat-lo : s.flat-lo+s.n]
-		for j := range d {
-			v := g[j] - d[j]
-			x[j] = v
-			if v-v != 0 {
-				finite = false
+		if o.direct {
+			// The codec forms the pseudo-gradients again in its exchange.
+			for j := range d {
+				if v := g[j] - d[j]; v-v != 0 {
+					finite = false
+				}
+			}
+		} else {
+			x := o.work[s.flat-lo : s.flat-lo+s.n]
+			for j := range d {
+				v := g[j] - d[j]
+				x[j] = v
+				if v-v != 0 {
+					finite = false
+				}
 			}
 		}
 		if o.snap != nil {
@@ -122,7 +132,9 @@ func (o *Optimizer) merge() error {
 	f := o.pending
 	lo, hi := o.bounds[f], o.bounds[f+1]
 	copy(o.global[lo:hi], o.stage)
-	copy(o.mom[lo:hi], o.work)
+	if o.mom != nil {
+		copy(o.mom[lo:hi], o.work)
+	}
 	for _, s := range o.spans[f] {
 		d := o.params[s.param].Data()[s.at : s.at+s.n]
 		g := o.global[s.flat : s.flat+s.n]
@@ -136,11 +148,11 @@ func (o *Optimizer) merge() error {
 	return nil
 }
 
-// exchange averages the pseudo-gradient of fragment f (in work) with the
-// codec and takes the outer step: the new θ_g and u of the fragment go in
-// place with Delay 0, and into stage and work with Delay > 0 (merge
-// applies them). It writes only work, stage, the codec's state and, with
-// Delay 0, the fragment's θ_g and u.
+// exchange averages the pseudo-gradient of fragment f (in work, or
+// formed by a direct codec) with the codec and takes the outer step: the
+// new θ_g and u of the fragment go in place with Delay 0, and into stage
+// and work with Delay > 0 (merge applies them). It writes only work, xb,
+// stage, the codec's state and, with Delay 0, the fragment's θ_g and u.
 func (o *Optimizer) exchange(ctx context.Context, f int) error {
 	if o.split {
 		// Counted here, on the goroutine that sends them: the caller's
@@ -149,38 +161,30 @@ func (o *Optimizer) exchange(ctx context.Context, f int) error {
 		defer func() { o.flightBytes = optim.CommBytes(o.xc) - before }()
 	}
 	lo, hi := o.bounds[f], o.bounds[f+1]
-	w := o.work[:hi-lo]
-	g, u := o.global[lo:hi], o.mom[lo:hi]
+	g, u := o.global[lo:hi], part(o.mom, lo, hi)
 	gOut, uOut := g, u // the new θ_g and u: in place, or staged for merge
 	if o.stage != nil {
-		gOut, uOut = o.stage[:hi-lo], w
+		gOut, uOut = o.stage[:hi-lo], part(o.work, 0, hi-lo)
+		if u == nil {
+			uOut = nil
+		}
 	}
-	lr, mu := o.cfg.LR, o.cfg.Momentum
-	if o.cfg.Codec == CodecOneBit {
-		// x = mu*u + delta, compressed with error feedback: the average
-		// ū is the new momentum; the averaged pseudo-gradient it implies
-		// is ū - mu*u.
-		for j := range w {
-			w[j] = float32(mu*u[j]) + w[j]
-		}
-		if o.world > 1 {
-			b := o.buckets[f]
-			for k, st := range o.states[f] {
-				if err := onebit.AllReduce(ctx, o.xc, w[b[k]:b[k+1]], st); err != nil {
-					return fmt.Errorf("1-bit allreduce, bucket %d of %d: %w", k, len(o.states[f]), err)
-				}
-			}
-		}
-		for j, ub := range w {
-			step := ub
-			if o.cfg.Nesterov {
-				step = (ub - float32(mu*u[j])) + float32(mu*ub)
-			}
-			gOut[j] = g[j] - float32(lr*step)
-			uOut[j] = ub
+	switch {
+	case o.cfg.Codec == CodecOneBit:
+		return o.exchangeOneBit(ctx, f, gOut, uOut, g, u)
+	case o.direct: // CodecSparse
+		err := o.sp.allReduce(ctx, o.xc, lo, hi-lo,
+			func(a int, x []float32) { o.delta(f, a, x) },
+			func(a int, avg []float32) {
+				b := a + len(avg)
+				o.outerStep(gOut[a:b], part(uOut, a, b), g[a:b], part(u, a, b), avg)
+			})
+		if err != nil {
+			return fmt.Errorf("%s average: %w", o.cfg.Codec, err)
 		}
 		return nil
 	}
+	w := o.work[:hi-lo]
 	if o.world > 1 {
 		var err error
 		switch o.cfg.Codec {
@@ -190,21 +194,112 @@ func (o *Optimizer) exchange(ctx context.Context, f int) error {
 			err = o.down.AllReduce(ctx, o.xc, w)
 		case CodecInt8:
 			err = o.i8.allReduce(ctx, o.xc, w)
-		case CodecSparse:
-			err = o.sp.allReduce(ctx, o.xc, w, o.sp.acc[lo:hi])
 		}
 		if err != nil {
 			return fmt.Errorf("%s average: %w", o.cfg.Codec, err)
 		}
 	}
-	for j, d := range w {
-		m := float32(mu*u[j]) + d
-		step := m
-		if o.cfg.Nesterov {
-			step = d + float32(mu*m)
+	o.outerStep(gOut, uOut, g, u, w)
+	return nil
+}
+
+// exchangeOneBit is exchange with CodecOneBit, a bucket at a time: x =
+// mu*u + delta formed in xb, compressed with error feedback (its average
+// ū is the new momentum; the averaged pseudo-gradient it implies is ū -
+// mu*u), and the outer step on the bucket. An error of a bucket's
+// allreduce leaves the buckets before it stepped (and every 1-bit state
+// before it updated): the optimizer is then failed until Load.
+func (o *Optimizer) exchangeOneBit(ctx context.Context, f int, gOut, uOut, g, u []float32) error {
+	lr, mu := o.cfg.LR, o.cfg.Momentum
+	whole := [2]int{0, len(g)}
+	b := whole[:]
+	if o.world > 1 {
+		b = o.buckets[f]
+	}
+	for k := range len(b) - 1 {
+		x := o.xb[:b[k+1]-b[k]]
+		o.delta(f, b[k], x)
+		uk := part(u, b[k], b[k+1])
+		for j := range x {
+			x[j] = float32(mu*at(uk, j)) + x[j]
 		}
-		gOut[j] = g[j] - float32(lr*step)
-		uOut[j] = m
+		if o.world > 1 {
+			if err := onebit.AllReduce(ctx, o.xc, x, o.states[f][k]); err != nil {
+				return fmt.Errorf("1-bit allreduce, bucket %d of %d: %w", k, len(o.states[f]), err)
+			}
+		}
+		gk, gOutk, uOutk := g[b[k]:b[k+1]], gOut[b[k]:b[k+1]], part(uOut, b[k], b[k+1])
+		for j, ub := range x {
+			step := ub
+			if o.cfg.Nesterov {
+				step = (ub - float32(mu*at(uk, j))) + float32(mu*ub)
+			}
+			gOutk[j] = gk[j] - float32(lr*step)
+			if uOutk != nil {
+				uOutk[j] = ub
+			}
+		}
 	}
 	return nil
+}
+
+// outerStep is the outer SGD step of the codecs other than CodecOneBit
+// on the averaged pseudo-gradients d: m = mu*u + d, θ_g -= lr*m (heavy
+// ball) or lr*(d + mu*m) (Nesterov), into gOut and uOut (nil: u is not
+// kept, and counts as 0). uOut may be d.
+func (o *Optimizer) outerStep(gOut, uOut, g, u, d []float32) {
+	lr, mu := o.cfg.LR, o.cfg.Momentum
+	for j, dj := range d {
+		m := float32(mu*at(u, j)) + dj
+		step := m
+		if o.cfg.Nesterov {
+			step = dj + float32(mu*m)
+		}
+		gOut[j] = g[j] - float32(lr*step)
+		if uOut != nil {
+			uOut[j] = m
+		}
+	}
+}
+
+// delta writes the pseudo-gradient θ_g - θ_local of elements [a,
+// a+len(x)) of fragment f into x: θ_local at the launch (snap) with Delay
+// > 0, the parameters as they are with Delay 0.
+func (o *Optimizer) delta(f, a int, x []float32) {
+	lo := o.bounds[f] + a
+	hi := lo + len(x)
+	if o.snap != nil {
+		g, sn := o.global[lo:hi], o.snap[a:a+len(x)]
+		for j := range x {
+			x[j] = g[j] - sn[j]
+		}
+		return
+	}
+	sp := o.spans[f]
+	i, _ := slices.BinarySearchFunc(sp, lo, func(s span, t int) int { return cmp.Compare(s.flat+s.n, t+1) })
+	for ; i < len(sp) && sp[i].flat < hi; i++ {
+		s := sp[i]
+		p, q := max(s.flat, lo), min(s.flat+s.n, hi)
+		d := o.params[s.param].Data()[s.at+p-s.flat : s.at+q-s.flat]
+		g, xs := o.global[p:q], x[p-lo:q-lo]
+		for j := range xs {
+			xs[j] = g[j] - d[j]
+		}
+	}
+}
+
+// part is s[lo:hi], or nil for a nil s (a buffer not kept).
+func part(s []float32, lo, hi int) []float32 {
+	if s == nil {
+		return nil
+	}
+	return s[lo:hi]
+}
+
+// at is s[j], or 0 for a nil s.
+func at(s []float32, j int) float32 {
+	if s == nil {
+		return 0
+	}
+	return s[j]
 }

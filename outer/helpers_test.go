@@ -115,3 +115,25 @@ func (p *perRank[T]) set(r int, v T) {
 	defer p.mu.Unlock()
 	p.v[r] = v
 }
+
+// steppedOn builds outer.NewAdam of cfg with innerConfig over ps on c, runs
+// calls Steps with grad(rank, call, ·), and waits for the exchange in
+// flight (State); the caller closes the optimizer.
+func steppedOn(ctx context.Context, c comm.Comm, ps []*optim.Param, cfg outer.Config, calls int) (*outer.Optimizer, error) {
+	o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+	if err != nil {
+		return nil, err
+	}
+	for i := 1; i <= calls; i++ {
+		setGrads(ps, c.Rank(), i)
+		if err := o.Step(ctx); err != nil {
+			o.Close()
+			return nil, err
+		}
+	}
+	if _, err := o.State(); err != nil { // waits for the exchange in flight
+		o.Close()
+		return nil, err
+	}
+	return o, nil
+}

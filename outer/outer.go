@@ -50,9 +50,19 @@ type Optimizer struct {
 	offsets []int    // fragment f launches at calls t = offsets[f] (mod H)
 	spans   [][]span // per fragment
 
-	global, mom []float32 // θ_g and u, flat
-	work        []float32 // the exchange's buffer, as long as the largest fragment
-	snap        []float32 // θ_local of the fragment in flight at its launch (Delay > 0)
+	global []float32 // θ_g, flat
+	mom    []float32 // u, flat; nil with Momentum 0 (u takes no part in the steps)
+	// direct says that the codec forms the pseudo-gradients itself, a
+	// bucket (CodecOneBit, in xb) or a chunk (CodecSparse) at a time,
+	// from θ_g and the parameters (or snap): no buffer of a fragment's.
+	direct bool
+	// work is the exchange's buffer, as long as the largest fragment: the
+	// pseudo-gradients of the codecs that average a whole fragment in
+	// place (not direct), and the new u of the fragment in flight (Delay
+	// > 0, Momentum > 0); nil otherwise.
+	work []float32
+	xb   []float32 // CodecOneBit: x of one bucket, as long as the largest
+	snap []float32 // θ_local of the fragment in flight at its launch (Delay > 0)
 	// stage receives the new θ_g of the fragment in flight (Delay > 0),
 	// and work its new u: the exchange's goroutine writes nothing the
 	// caller reads (Global, Momentum), and merge applies both.
@@ -266,8 +276,13 @@ func (o *Optimizer) build() error {
 		}
 	}
 	o.global = make([]float32, o.n)
-	o.mom = make([]float32, o.n)
-	o.work = make([]float32, largest)
+	if cfg.Momentum != 0 {
+		o.mom = make([]float32, o.n)
+	}
+	o.direct = cfg.Codec == CodecOneBit || cfg.Codec == CodecSparse && o.world > 1
+	if !o.direct || cfg.Delay > 0 && o.mom != nil {
+		o.work = make([]float32, largest)
+	}
 	if cfg.Delay > 0 {
 		o.snap = make([]float32, largest)
 		o.stage = make([]float32, largest)
@@ -301,6 +316,14 @@ func (o *Optimizer) build() error {
 			o.sp = newSparseCodec(cfg, o.n, largest, o.world)
 		}
 	}
+	if cfg.Codec == CodecOneBit {
+		// x of one bucket (one rank: of a fragment, its only bucket).
+		per := largest
+		if o.world > 1 {
+			per = min(per, max(o.bbytes/4, 1))
+		}
+		o.xb = make([]float32, per)
+	}
 	return nil
 }
 
@@ -327,6 +350,9 @@ func (o *Optimizer) makeBuckets() error {
 		}
 		o.buckets[f] = append(o.buckets[f], m)
 	}
+	// The buckets' allreduces run one after another (one exchange at a
+	// time, bucket by bucket): one set of wire buffers serves them all.
+	onebit.ShareWire(slices.Concat(o.states...)...)
 	return nil
 }
 
@@ -347,7 +373,9 @@ func (o *Optimizer) Config() Config { return o.cfg }
 // flight does not touch it (its merge does).
 func (o *Optimizer) Global() []float32 { return o.global }
 
-// Momentum returns the outer momentum u, flat, like Global.
+// Momentum returns the outer momentum u, flat, like Global; nil when
+// Config.Momentum is 0: u then takes no part in the steps, and is not
+// kept (nor checkpointed).
 func (o *Optimizer) Momentum() []float32 { return o.mom }
 
 // Stats reports progress and traffic: Steps counts the Step calls (inner

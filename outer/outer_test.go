@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -50,18 +51,8 @@ func TestGlobalIdenticalOnEveryRank(t *testing.T) {
 				moms := newPerRank[[]float32](w)
 				stats := newPerRank[outer.OuterStats](w)
 				runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
-					ps := newParams(t, []int{300, 41})
-					o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+					o, err := steppedOn(ctx, c, newParams(t, []int{300, 41}), cfg, calls)
 					if err != nil {
-						return err
-					}
-					for i := 1; i <= calls; i++ {
-						setGrads(ps, c.Rank(), i)
-						if err := o.Step(ctx); err != nil {
-							return err
-						}
-					}
-					if _, err := o.State(); err != nil { // waits for the exchange in flight
 						return err
 					}
 					globals.set(c.Rank(), append([]float32(nil), o.Global()...))
@@ -147,10 +138,20 @@ func TestResumeBitIdentical(t *testing.T) {
 		{config(outer.CodecBF16, 5, 2, 2), []int{2, 3, 5, 6}}, // in flight at 2-3, 5-6
 		{config(outer.CodecSparse, 4, 1, 0), []int{3, 8}},
 		{config(outer.CodecSparse, 6, 2, 3), []int{3, 4, 6, 7, 9}},
+		// No momentum (the 1-bit and sparse codecs' default): no u kept.
+		{noMomentum(config(outer.CodecSparse, 6, 2, 3)), []int{3, 4, 7}},
+		{noMomentum(config(outer.CodecOneBit, 6, 2, 3)), []int{3, 4, 7}},
+		{noMomentum(config(outer.CodecFP32, 6, 2, 2)), []int{3, 4}},
+		// The sparse accumulator in bfloat16.
+		{func() outer.Config {
+			c := noMomentum(config(outer.CodecSparse, 4, 1, 0))
+			c.AccumulatorBF16 = true
+			return c
+		}(), []int{3, 8}},
 	} {
 		for _, at := range k.at {
 			cfg := k.cfg
-			t.Run(fmt.Sprintf("%s/F%d/D%d/at%d", cfg.Codec, cfg.Fragments, cfg.Delay, at), func(t *testing.T) {
+			t.Run(fmt.Sprintf("%s/F%d/D%d/mu%g/at%d", cfg.Codec, cfg.Fragments, cfg.Delay, cfg.Momentum, at), func(t *testing.T) {
 				whole := runResume(t, adamInner, w, cfg, calls, -1)
 				resumed := runResume(t, adamInner, w, cfg, calls, at)
 				for r := range w {
@@ -159,6 +160,61 @@ func TestResumeBitIdentical(t *testing.T) {
 			})
 		}
 	}
+}
+
+// noMomentum is cfg with Momentum 0.
+func noMomentum(cfg outer.Config) outer.Config {
+	cfg.Momentum = 0
+	return cfg
+}
+
+// Without a momentum u is not kept: Momentum is nil, StateBytes holds
+// no u, and the checkpoint holds none (pending or not). A checkpoint that
+// holds one with momentum 0 (an earlier version's) loads, u ignored; a
+// checkpoint of another momentum is refused either way, and one with a
+// momentum that lacks u is refused.
+func TestNoMomentumKeepsNoU(t *testing.T) {
+	with := config(outer.CodecSparse, 6, 2, 3)
+	without := noMomentum(with)
+	o := stepped(t, without, 3) // fragment 1 in flight
+	assert.Nil(t, o.Momentum())
+	assert.Equal(t, stepped(t, with, 3).StateBytes()-4*20, o.StateBytes(), "u's 4 bytes per element")
+	ck, err := o.State()
+	require.NoError(t, err)
+	require.EqualValues(t, 1, ck.Ints[outer.IntPending])
+	assert.Nil(t, ck.Tensor(outer.TensorMomentum))
+	assert.Nil(t, ck.Tensor(outer.TensorPendingMomentum))
+	whole, err := stepped(t, without, 5).State()
+	require.NoError(t, err)
+
+	// An earlier version's checkpoint: u and the pending u, ignored.
+	old := ck.Clone()
+	old.AddTensor(outer.TensorMomentum, []int{20}, make([]float32, 20))
+	old.AddTensor(outer.TensorPendingMomentum, []int{10}, make([]float32, 10))
+	for i := range old.Tensor(outer.TensorMomentum).Data {
+		old.Tensor(outer.TensorMomentum).Data[i] = float32(i) - 7
+	}
+	o2 := stepped(t, without, 0)
+	require.NoError(t, o2.Load(old))
+	for i := 4; i <= 5; i++ {
+		setGrads(o2.Params(), 0, i)
+		require.NoError(t, o2.Step(context.Background()))
+	}
+	got, err := o2.State()
+	require.NoError(t, err)
+	assert.Equal(t, whole.Tensor(outer.TensorGlobal).Data, got.Tensor(outer.TensorGlobal).Data, "u was not ignored")
+
+	err = stepped(t, with, 0).Load(ck)
+	require.ErrorIs(t, err, optim.ErrIncompatibleCheckpoint)
+	assert.ErrorContains(t, err, "made with outer_momentum 0, this optimizer has 0.9")
+	ckWith, err := stepped(t, with, 3).State()
+	require.NoError(t, err)
+	err = stepped(t, without, 0).Load(ckWith)
+	require.ErrorIs(t, err, optim.ErrIncompatibleCheckpoint)
+	assert.ErrorContains(t, err, "made with outer_momentum 0.9, this optimizer has 0")
+	lacking := ckWith.Clone()
+	lacking.Tensors = slices.DeleteFunc(lacking.Tensors, func(t optim.Tensor) bool { return t.Name == outer.TensorMomentum })
+	require.ErrorIs(t, stepped(t, with, 0).Load(lacking), optim.ErrIncompatibleCheckpoint)
 }
 
 // runResume runs calls steps of an outer optimizer with inner optimizer
@@ -841,9 +897,9 @@ func TestNewWrapsLamb(t *testing.T) {
 }
 
 // StateBytes counts the inner optimizer's state and the outer buffers:
-// with the sparse codec at W = 4, 1 fragment, on n elements: inner AdamW
-// 8n, θ_g and u 8n, the exchange buffer 4n, the accumulator 4n, and the
-// messages and a chunk's magnitudes (small).
+// with the sparse codec at W = 4, 1 fragment, momentum 0.9, on n
+// elements: inner AdamW 8n, θ_g and u 8n, the accumulator 4n, and the
+// messages and a chunk's scratch (small); no buffer of a fragment's.
 func TestStateBytes(t *testing.T) {
 	const w = 4
 	n := 1 << 14
@@ -868,8 +924,8 @@ func TestStateBytes(t *testing.T) {
 		assert.GreaterOrEqual(t, per, 20.0, "%s: inner Adam, θ_g, u and the exchange buffer", codec)
 		if codec == outer.CodecSparse {
 			// 4 chunks of 4096 sent as 143 bytes each, this rank's message
-			// and the W gathered; a chunk's magnitudes.
-			assert.Equal(t, int64(24*n+4*143*(1+w)+4*4096), got.v[0])
+			// and the W gathered; a chunk's scratch.
+			assert.Equal(t, int64(20*n+4*143*(1+w)+4*4096), got.v[0])
 		}
 	}
 }

@@ -7,8 +7,10 @@ import (
 	"fmt"
 	"math"
 	"math/bits"
+	"slices"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/quant"
 )
 
 // sparseCodec is CodecSparse's exchange (SparseLoCo-style, docs/outer.md):
@@ -36,21 +38,57 @@ type sparseCodec struct {
 	obits   int     // offset bits: enough for chunk-1
 	decay   float32
 
-	acc  []float32 // the error accumulator e, flat over every parameter element
-	send []byte    // this rank's message, as long as the largest fragment's
-	recv []byte    // W messages
-	mag  []float32 // a chunk's magnitudes, for the selection
+	acc []float32 // the error accumulator e, flat over every parameter element; nil in bfloat16
+	// acc16 is e in bfloat16 (Config.AccumulatorBF16), and ef a chunk of
+	// it widened to float32; both nil otherwise.
+	acc16 []uint16
+	ef    []float32
+	send  []byte // this rank's message, as long as the largest fragment's
+	recv  []byte // W messages
+	// mag is a chunk's scratch: its pseudo-gradients, then their
+	// magnitudes for the selection; after the all-gather, its average.
+	mag []float32
 }
 
 func newSparseCodec(cfg Config, n, largest, w int) *sparseCodec {
 	s := &sparseCodec{
 		chunk: cfg.SparseChunk, density: float64(cfg.Density), vbits: cfg.SparseBits,
 		obits: max(1, bits.Len(uint(cfg.SparseChunk-1))), decay: cfg.Decay,
-		acc: make([]float32, n), mag: make([]float32, cfg.SparseChunk),
+		mag: make([]float32, cfg.SparseChunk),
+	}
+	if cfg.AccumulatorBF16 {
+		s.acc16, s.ef = make([]uint16, n), make([]float32, cfg.SparseChunk)
+	} else {
+		s.acc = make([]float32, n)
 	}
 	msg := s.msgLen(largest)
 	s.send, s.recv = make([]byte, msg), make([]byte, w*msg)
 	return s
+}
+
+// accumulator returns a float32 copy of the accumulator, flat.
+func (s *sparseCodec) accumulator() []float32 {
+	if s.acc16 == nil {
+		return slices.Clone(s.acc)
+	}
+	e := make([]float32, len(s.acc16))
+	quant.Widen(quant.BF16, e, s.acc16)
+	return e
+}
+
+// setAccumulator sets the accumulator to e (nil: zero), rounded to
+// bfloat16 when it is kept so.
+func (s *sparseCodec) setAccumulator(e []float32) {
+	switch {
+	case s.acc16 == nil && e == nil:
+		clear(s.acc)
+	case s.acc16 == nil:
+		copy(s.acc, e)
+	case e == nil:
+		clear(s.acc16)
+	default:
+		quant.Narrow(quant.BF16, s.acc16, e)
+	}
 }
 
 // k is the number of entries sent of a chunk of l elements: density * l
@@ -77,34 +115,62 @@ func (s *sparseCodec) msgLen(m int) int {
 	return n
 }
 
-// allReduce replaces delta, the pseudo-gradient of the fragment whose
-// accumulator is e, with the average over c's ranks of what each sends of
-// its accumulator, updating e.
-func (s *sparseCodec) allReduce(ctx context.Context, c comm.Comm, delta, e []float32) error {
-	w, m := c.Size(), len(delta)
+// allReduce exchanges the fragment of m elements from flat element first
+// over c's ranks, a chunk at a time and with no buffer of the fragment's:
+// delta(lo, x) writes the pseudo-gradients of the fragment's elements
+// [lo, lo+len(x)) into x, which the accumulator e takes (e = decay*e +
+// delta) before the chunk's message is encoded; once every rank's
+// message is in and known good, apply(lo, avg) takes the average of what
+// the ranks sent of elements [lo, lo+len(avg)), chunk by chunk in order
+// (avg is the codec's scratch, valid during the call).
+func (s *sparseCodec) allReduce(ctx context.Context, c comm.Comm, first, m int, delta func(lo int, x []float32), apply func(lo int, avg []float32)) error {
+	w := c.Size()
 	msg := s.msgLen(m)
 	send := s.send[:msg]
 	at := 0
 	for lo := 0; lo < m; lo += s.chunk {
 		hi := min(lo+s.chunk, m)
-		x := e[lo:hi]
-		for i, d := range delta[lo:hi] {
-			x[i] = s.decay*x[i] + d
+		d := s.mag[:hi-lo]
+		delta(lo, d)
+		var x []float32
+		if s.acc16 != nil {
+			x = s.ef[:hi-lo]
+			quant.Widen(quant.BF16, x, s.acc16[first+lo:first+hi])
+		} else {
+			x = s.acc[first+lo : first+hi]
+		}
+		for i, v := range d {
+			x[i] = s.decay*x[i] + v
 		}
 		at += s.encode(send[at:at+s.chunkLen(hi-lo)], x)
+		if s.acc16 != nil {
+			quant.Narrow(quant.BF16, s.acc16[first+lo:first+hi], x)
+		}
 	}
-	if err := c.AllGatherBytes(ctx, send, s.recv[:w*msg]); err != nil {
+	recv := s.recv[:w*msg]
+	if err := c.AllGatherBytes(ctx, send, recv); err != nil {
 		return fmt.Errorf("sparse all-gather: %w", err)
 	}
-	clear(delta)
 	for r := range w {
-		if err := s.decodeAdd(delta, s.recv[r*msg:(r+1)*msg]); err != nil {
+		if err := s.decode(nil, m, recv[r*msg:(r+1)*msg]); err != nil {
 			return fmt.Errorf("sparse message of rank %d: %w", r, err)
 		}
 	}
 	fw := float32(w)
-	for i := range delta {
-		delta[i] /= fw
+	at = 0
+	for lo := 0; lo < m; lo += s.chunk {
+		hi := min(lo+s.chunk, m)
+		n := s.chunkLen(hi - lo)
+		avg := s.mag[:hi-lo]
+		clear(avg)
+		for r := range w {
+			s.decodeChunk(avg, hi-lo, recv[r*msg+at:r*msg+at+n]) // checked above
+		}
+		for i := range avg {
+			avg[i] /= fw
+		}
+		apply(lo, avg)
+		at += n
 	}
 	return nil
 }
@@ -192,7 +258,12 @@ var errSparseMessage = errors.New("malformed sparse message")
 // non-negative, or whose offsets fall outside their chunk or do not
 // ascend, with dst partly updated.
 func (s *sparseCodec) decodeAdd(dst []float32, msg []byte) error {
-	m := len(dst)
+	return s.decode(dst, len(dst), msg)
+}
+
+// decode is decodeAdd of a fragment of m elements; with dst nil it only
+// checks msg.
+func (s *sparseCodec) decode(dst []float32, m int, msg []byte) error {
 	if len(msg) != s.msgLen(m) {
 		return fmt.Errorf("%w: %d bytes for %d elements, want %d", errSparseMessage, len(msg), m, s.msgLen(m))
 	}
@@ -200,7 +271,7 @@ func (s *sparseCodec) decodeAdd(dst []float32, msg []byte) error {
 	for lo := 0; lo < m; lo += s.chunk {
 		hi := min(lo+s.chunk, m)
 		n := s.chunkLen(hi - lo)
-		if err := s.decodeChunk(dst[lo:hi], msg[at:at+n]); err != nil {
+		if err := s.decodeChunk(part(dst, lo, hi), hi-lo, msg[at:at+n]); err != nil {
 			return fmt.Errorf("chunk at element %d: %w", lo, err)
 		}
 		at += n
@@ -208,7 +279,9 @@ func (s *sparseCodec) decodeAdd(dst []float32, msg []byte) error {
 	return nil
 }
 
-func (s *sparseCodec) decodeChunk(dst []float32, msg []byte) error {
+// decodeChunk adds what msg stands for to dst, a chunk of l elements;
+// with dst nil it only checks msg.
+func (s *sparseCodec) decodeChunk(dst []float32, l int, msg []byte) error {
 	var sc [2]float32
 	for j := range s.scales() {
 		v := math.Float32frombits(binary.LittleEndian.Uint32(msg[4*j:]))
@@ -219,13 +292,16 @@ func (s *sparseCodec) decodeChunk(dst []float32, msg []byte) error {
 	}
 	br := bitReader{buf: msg[4*s.scales():]}
 	prev := -1
-	for range s.k(len(dst)) {
+	for range s.k(l) {
 		off := int(br.read(s.obits))
 		code := br.read(s.vbits)
-		if off <= prev || off >= len(dst) {
-			return fmt.Errorf("%w: offset %d after %d in a chunk of %d", errSparseMessage, off, prev, len(dst))
+		if off <= prev || off >= l {
+			return fmt.Errorf("%w: offset %d after %d in a chunk of %d", errSparseMessage, off, prev, l)
 		}
 		prev = off
+		if dst == nil {
+			continue
+		}
 		v := sc[0]
 		if code&2 != 0 {
 			v = sc[1]

@@ -1,0 +1,148 @@
+package outer_test
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
+)
+
+// liveHeap is the live heap after a collection.
+func liveHeap() int64 {
+	runtime.GC()
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return int64(ms.HeapAlloc)
+}
+
+// memCase is one row of TestMemoryPerParameter, with the most bytes per
+// parameter it may hold beyond the parameters and gradients (inner AdamW
+// included), by StateBytes and by the heap.
+type memCase struct {
+	codec       outer.Codec
+	frags       int
+	delay       int
+	state, heap float64
+	accBF16     bool // Config.AccumulatorBF16
+}
+
+// memMeasure builds the outer optimizer of cfg on w ranks of comm/local
+// over n parameter elements per rank, runs H calls (every fragment
+// exchanges once) and returns rank 0's StateBytes and the growth of the
+// live heap since the parameters were made, divided by w, both per
+// parameter.
+func memMeasure(t *testing.T, w, n int, cfg outer.Config) (state, heap float64) {
+	t.Helper()
+	cs, err := local.New(w)
+	require.NoError(t, err)
+	defer func() {
+		for _, c := range cs {
+			c.Close()
+		}
+	}()
+	params := make([][]*optim.Param, w)
+	for r := range w {
+		params[r] = newParams(t, []int{n / 2, n - n/2})
+	}
+	opts := make([]*outer.Optimizer, w)
+	each := func(fn func(r int, c comm.Comm) error) {
+		t.Helper()
+		errs := make(chan error, w)
+		for r := range w {
+			go func() { errs <- fn(r, cs[r]) }()
+		}
+		for range w {
+			require.NoError(t, <-errs)
+		}
+	}
+	base := liveHeap()
+	ctx := context.Background()
+	each(func(r int, c comm.Comm) error {
+		o, err := outer.NewAdam(ctx, c, params[r], cfg, innerConfig())
+		opts[r] = o
+		return err
+	})
+	each(func(r int, c comm.Comm) error {
+		for i := 1; i <= cfg.H; i++ {
+			setGrads(params[r], r, i)
+			if err := opts[r].Step(ctx); err != nil {
+				return err
+			}
+		}
+		_, err := opts[r].State() // waits for the exchange in flight
+		return err
+	})
+	heapBytes := liveHeap() - base
+	state = float64(opts[0].StateBytes()) / float64(n)
+	for _, o := range opts {
+		require.NoError(t, o.Close())
+	}
+	runtime.KeepAlive(params)
+	return state, float64(heapBytes) / float64(w*n)
+}
+
+// The bytes per parameter each codec keeps at W = 8, beyond the
+// parameters and gradients, inner AdamW (8) included: by StateBytes and by
+// the live heap (docs/outer.md, "Memory"). Each codec at its
+// DefaultConfigFor (no momentum for the 1-bit and sparse codecs); the
+// 1-bit codec's buckets of 16 KiB stand for the default 25 MiB on a model
+// of billions of parameters (the bucket's scratch is then small beside
+// the fragment).
+func TestMemoryPerParameter(t *testing.T) {
+	if raceOn {
+		// It counts bytes (the instrumentation would count too); the
+		// concurrency of its steps is the other tests'.
+		t.Skip("counts memory: run without the race detector")
+	}
+	const w, n = 8, 1 << 16
+	// Bounds: measured (StateBytes; heap) and a margin for the heap. Before
+	// the buffers were cut (u with momentum 0, a fragment's exchange
+	// buffer, per-bucket wire buffers) the 1-bit codec held 25.94 and 22.94
+	// (F 1, 4), the sparse codec 24.56 and 21.33.
+	for _, k := range []memCase{
+		// fp32, bf16, int8: inner AdamW 8, θ_g 4, u 4 (momentum 0.9), the
+		// fragment's exchange buffer 4 (1 of 4 with F 4), the codec's
+		// wire buffers.
+		{outer.CodecFP32, 1, 0, 20.1, 20.8, false},
+		{outer.CodecFP32, 4, 0, 17.1, 17.6, false},
+		{outer.CodecBF16, 1, 0, 26.6, 27.1, false},
+		{outer.CodecInt8, 1, 0, 24.2, 24.9, false},
+		{outer.CodecInt8, 4, 0, 18.1, 18.6, false},
+		// 1bit: AdamW 8, θ_g 4, the worker error 4, the server error 4/W,
+		// a bucket's x and the wire buffers shared by every bucket.
+		{outer.CodecOneBit, 1, 0, 17.4, 18.3, false},
+		{outer.CodecOneBit, 4, 0, 17.4, 18.3, false},
+		// With a delay, θ_local at the launch and the staged θ_g of a
+		// fragment: 2 * 4/F.
+		{outer.CodecOneBit, 4, 1, 19.4, 20.3, false},
+		// sparse: AdamW 8, θ_g 4, the accumulator 4, the messages
+		// (W + 1 of a fragment's, about 0.034 bytes per element each) and
+		// a chunk's scratch.
+		{outer.CodecSparse, 1, 0, 16.6, 17, false},
+		{outer.CodecSparse, 4, 0, 16.4, 16.8, false},
+		{outer.CodecSparse, 4, 1, 18.4, 18.8, false},
+		// The accumulator in bfloat16: 2 bytes less, a chunk's float32
+		// more (0.25 here, nothing on a large model).
+		{outer.CodecSparse, 1, 0, 14.9, 15.2, true},
+		{outer.CodecSparse, 4, 0, 14.6, 15, true},
+	} {
+		t.Run(fmt.Sprintf("%s/F%d/D%d/bf16acc%t", k.codec, k.frags, k.delay, k.accBF16), func(t *testing.T) {
+			cfg := outer.DefaultConfigFor(k.codec)
+			cfg.H, cfg.Fragments, cfg.Delay, cfg.AccumulatorBF16 = 4, k.frags, k.delay, k.accBF16
+			cfg.BucketBytes = 16 << 10
+			state, heap := memMeasure(t, w, n, cfg)
+			t.Logf("%s F%d D%d bf16 accumulator %t: %.2f bytes per parameter by StateBytes, %.2f by the heap", k.codec, k.frags, k.delay, k.accBF16, state, heap)
+			assert.LessOrEqual(t, state, k.state, "StateBytes")
+			assert.LessOrEqual(t, heap, k.heap, "heap")
+		})
+	}
+}
