@@ -123,12 +123,12 @@ func TestOuterStateBytesMatchOptimizer(t *testing.T) {
 					for k, s := range sizes {
 						ps = append(ps, optim.NewParam(fmt.Sprintf("p%d", k), s))
 					}
-					cfg := outer.DefaultConfig()
-					cfg.H, cfg.Fragments, cfg.Delay, cfg.BucketBytes = 4, fd[0], fd[1], 1<<10
-					cfg.Codec, err = outer.ParseCodec(codec)
+					cd, err := outer.ParseCodec(codec)
 					if err != nil {
 						return err
 					}
+					cfg := outer.DefaultConfigFor(cd)
+					cfg.H, cfg.Fragments, cfg.Delay, cfg.BucketBytes = 4, fd[0], fd[1], 1<<10
 					cfg.SparseChunk, cfg.SparseBits = 96, 2
 					o, err := outer.NewAdam(ctx, c, ps, cfg, optim.DefaultAdamConfig())
 					if err != nil {

@@ -3,11 +3,10 @@ package costmodel
 import "fmt"
 
 // The outer optimizer's memory (outer.Optimizer.StateBytes, outer/memory.go
-// and the buffers outer.Optimizer's build makes). Package outer's buffers
-// are being made smaller: outerBuffers is the one place that follows
-// them, and TestOuterStateBytesMatchOptimizer compares it with
-// outer.Optimizer.StateBytes for every codec, so that a change there
-// fails here until outerBuffers follows it.
+// and the buffers outer.Optimizer's build makes): outerBuffers is the one
+// place that follows them, and TestOuterStateBytesMatchOptimizer compares
+// it with outer.Optimizer.StateBytes for every codec, so that a change
+// there fails here until outerBuffers follows it.
 
 // outerStateCodecs are the codecs whose state OuterStateBytes counts, in
 // the state table's order (the bf16 codec's buffers, which
@@ -37,25 +36,50 @@ func OuterStateBytes(codec string, j Job) (int64, error) {
 	return 0, fmt.Errorf("costmodel: unknown outer codec %q (want one of fp32, int8, 1bit, sparse)", codec)
 }
 
-// outerBuffers is OuterStateBytes for a valid j: θ_g and u over every
-// parameter, the exchange's buffer as long as the largest fragment, with a
-// delay the snapshot and the staging buffer of the fragment in flight,
-// and on more than one rank the codec's state:
+// outerBuffers is OuterStateBytes for a valid j, each codec at its
+// default momentum (outer.DefaultConfigFor: fp32 and int8 0.9, 1bit and
+// sparse 0): θ_g over every parameter; u over every parameter with a
+// momentum; the exchange's buffer as long as the largest fragment for the
+// codecs that average a fragment in place (fp32, int8; the sparse codec on
+// one rank); with a delay the snapshot and the staging buffer of the
+// fragment in flight; the 1-bit codec's x of one bucket; and on more than
+// one rank the codec's state:
 //   - int8: W messages sent, W received, one and W of phase 2 (each 4 bytes
 //     per 256-element group of the chunk C = ceil(largest/W) and a byte per
 //     element), C floats of chunk and of sums, its groups' scales;
-//   - 1bit: a onebit.State per bucket of every fragment (each its own wire
-//     buffers);
+//   - 1bit: a onebit.State per bucket of every fragment, the buckets'
+//     wire buffers shared (onebit.ShareWire: one set, as long as the
+//     longest bucket's);
 //   - sparse: the error accumulator over every parameter, one chunk of
-//     magnitudes, this rank's message of the largest fragment and W
+//     scratch, this rank's message of the largest fragment and W
 //     received.
 func outerBuffers(codec string, j Job) int64 {
 	n, w := j.Params, int64(j.Ranks)
 	frags := int64(max(1, j.OuterFragments))
 	largest := (n + frags - 1) / frags
-	b := 4 * (2*n + largest)
+	momentum := codec == "fp32" || codec == "int8"
+	direct := codec == "1bit" || codec == "sparse" && w > 1
+	b := 4 * n
+	if momentum {
+		b += 4 * n
+	}
+	if !direct || j.OuterDelay > 0 && momentum {
+		b += 4 * largest
+	}
 	if j.OuterDelay > 0 {
 		b += 2 * 4 * largest
+	}
+	bucket := j.BucketBytes
+	if bucket == 0 {
+		bucket = DefaultBucketBytes
+	}
+	per := max(bucket/4, 1)
+	if codec == "1bit" {
+		if w < 2 {
+			b += 4 * largest
+		} else {
+			b += 4 * min(largest, per)
+		}
 	}
 	if w < 2 {
 		return b
@@ -66,18 +90,19 @@ func outerBuffers(codec string, j Job) int64 {
 		msg := outerInt8MsgLen(c)
 		b += (3*w+1)*msg + 4*(2*c+(c+outerInt8GroupSize-1)/outerInt8GroupSize)
 	case "1bit":
-		bucket := j.BucketBytes
-		if bucket == 0 {
-			bucket = DefaultBucketBytes
-		}
-		per := max(bucket/4, 1)
-		// F-r fragments of q = n/F elements and r = n mod F of q+1.
+		// F-r fragments of q = n/F elements and r = n mod F of q+1, each
+		// m/per whole buckets and one of m mod per.
 		q, r := n/frags, n%frags
+		var states []stateCount
 		for _, cls := range [2][2]int64{{q, frags - r}, {q + 1, r}} {
-			if m := cls[0]; cls[1] > 0 {
-				b += cls[1] * (m/per*onebitState(per, w) + onebitState(m%per, w))
+			if m, count := cls[0], cls[1]; count > 0 {
+				states = append(states, stateCount{onebitParts(per, w), count * (m / per)})
+				if m%per > 0 {
+					states = append(states, stateCount{onebitParts(m%per, w), count})
+				}
 			}
 		}
+		b += statesBytes(false, states)
 	case "sparse":
 		s := sparseOf(j)
 		b += 4*(n+s.chunk) + (1+w)*s.msgLen(largest)
