@@ -85,8 +85,9 @@ demo-gpt:
 	  -json ../../out/gpt.json -plot ../../out/gpt.svg -markdown ../../out/gpt.md
 
 ## demo-gpt-net: the GPT example on 4 MPI ranks over a loopback shaped to
-## RATE (40mbit): time to the target validation loss of Adam, 1-bit Adam and
-## 0/1 Adam. Needs root and Open MPI.
+## RATE (40mbit): time to the target validation loss of Adam, 1-bit Adam
+## (also sharded), 0/1 Adam, Muon and 1-bit Muon (OPTIMIZERS picks). Needs
+## root and Open MPI; about 20 minutes.
 demo-gpt-net:
 	./scripts/demo-gpt-net.sh
 
@@ -102,10 +103,11 @@ soak: mnist-data
 	./scripts/soak.sh
 
 ## demo-gpt-rates: time to target of the GPT example on 4 MPI ranks over
-## loopbacks shaped to 10 Mbit/s, 100 Mbit/s and 1 Gbit/s: Adam, Adam bf16,
-## 1-bit Adam, 0/1 Adam and the outer optimizer with fp32, int8 and 1-bit
-## pseudo-gradients, with lowbit plan's step time beside the measured one
-## (root, Open MPI; about an hour).
+## loopbacks shaped to 1 Mbit/s (the outer optimizer's rows only), 10 Mbit/s,
+## 100 Mbit/s and 1 Gbit/s: Adam, Adam bf16, 1-bit Adam, 0/1 Adam and the
+## outer optimizer with fp32, int8, 1-bit and sparse pseudo-gradients (each
+## codec at its defaults), with lowbit plan's step time beside the measured
+## one (root, Open MPI; about an hour and a half).
 demo-gpt-rates:
 	./scripts/demo-gpt-rates.sh
 
