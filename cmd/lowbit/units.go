@@ -51,6 +51,27 @@ func (s *seconds) String() string {
 	return time.Duration(math.Round(*s.p * float64(time.Second))).String()
 }
 
+// optionalDuration is a duration flag without a default (--rtt): unset
+// (0) it prints nothing, as seconds does, so that neither -h nor an error
+// offers 0s as a value.
+type optionalDuration struct{ p *time.Duration }
+
+func (d *optionalDuration) Set(v string) error {
+	t, err := time.ParseDuration(v)
+	if err != nil {
+		return errors.New("not a duration such as 40ms or 1.5ms")
+	}
+	*d.p = t
+	return nil
+}
+
+func (d *optionalDuration) String() string {
+	if d.p == nil || *d.p == 0 {
+		return ""
+	}
+	return d.p.String()
+}
+
 // formatRate writes bytes per second as bits per second.
 func formatRate(bps float64) string {
 	b := bps * 8
