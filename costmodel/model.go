@@ -21,16 +21,17 @@
 // through the steps of back-to-back calls, as lowbit bench makes them.
 //
 // Use: Builtin or LoadFile fit a Calibration; its Model's Plan predicts a
-// Job; Calibration.Check and Calibration.HoldOut compare the model with
-// the measured points. The package does not import the optimizers: it
-// keeps copies of onebit's padding and pipelining rules, of the outer
-// optimizer's int8 and sparse message layouts and buffers, and of Muon's
-// Newton-Schulz iteration count, checked by its tests. With Job.OuterH a
-// plan also has rows for the outer optimizer (package outer), one per
-// codec, each an exchange every OuterH/OuterFragments steps averaged per
-// step (outer.go, sparse.go); Muon's rows are an optimizer's step, its
-// exchange and the orthogonalization (muon.go). Job.StateTable is the
-// optimizer state per rank of every optimizer a plan lists.
+// Job; Calibration.Check and Calibration.HoldOut compare the model with the
+// measured points. Job.RTT replaces the fitted alpha, a loopback's, by half
+// a wide-area link's round trip (rtt.go). The package does not import the
+// optimizers: it keeps copies of onebit's padding and pipelining rules, of
+// the outer optimizer's int8 and sparse message layouts and buffers, and of
+// Muon's Newton-Schulz iteration count, checked by its tests. With
+// Job.OuterH a plan also has rows for the outer optimizer (package outer),
+// one per codec, each an exchange every OuterH/OuterFragments steps
+// averaged per step (outer.go, sparse.go); Muon's rows are an optimizer's
+// step, its exchange and the orthogonalization (muon.go). Job.StateTable is
+// the optimizer state per rank of every optimizer a plan lists.
 package costmodel
 
 import (
