@@ -45,10 +45,11 @@ func (s *seconds) Set(v string) error {
 }
 
 func (s *seconds) String() string {
-	if s.p == nil || *s.p == 0 {
+	if s.p == nil {
 		return ""
 	}
-	return time.Duration(math.Round(*s.p * float64(time.Second))).String()
+	d := time.Duration(math.Round(*s.p * float64(time.Second)))
+	return (&optionalDuration{&d}).String()
 }
 
 // optionalDuration is a duration flag without a default (--rtt): unset
