@@ -21,16 +21,17 @@
 // through the steps of back-to-back calls, as lowbit bench makes them.
 //
 // Use: Builtin or LoadFile fit a Calibration; its Model's Plan predicts a
-// Job; Calibration.Check and Calibration.HoldOut compare the model with
-// the measured points. The package does not import the optimizers: it
-// keeps copies of onebit's padding and pipelining rules, of the outer
-// optimizer's int8 and sparse message layouts and buffers, and of Muon's
-// Newton-Schulz iteration count, checked by its tests. With Job.OuterH a
-// plan also has rows for the outer optimizer (package outer), one per
-// codec, each an exchange every OuterH/OuterFragments steps averaged per
-// step (outer.go, sparse.go); Muon's rows are an optimizer's step, its
-// exchange and the orthogonalization (muon.go). Job.StateTable is the
-// optimizer state per rank of every optimizer a plan lists.
+// Job; Calibration.Check and Calibration.HoldOut compare the model with the
+// measured points. Job.RTT replaces the fitted alpha, a loopback's, by half
+// a wide-area link's round trip (rtt.go). The package does not import the
+// optimizers: it keeps copies of onebit's padding and pipelining rules, of
+// the outer optimizer's int8 and sparse message layouts and buffers, and of
+// Muon's Newton-Schulz iteration count, checked by its tests. With
+// Job.OuterH a plan also has rows for the outer optimizer (package outer),
+// one per codec, each an exchange every OuterH/OuterFragments steps
+// averaged per step (outer.go, sparse.go); Muon's rows are an optimizer's
+// step, its exchange and the orthogonalization (muon.go). Job.StateTable is
+// the optimizer state per rank of every optimizer a plan lists.
 package costmodel
 
 import (
@@ -110,6 +111,9 @@ type setup struct {
 	// Burst is the token bucket's burst on a shaped shared link (0: a real
 	// link).
 	Burst int64
+	// NetworkAlpha says that alpha is a network's latency (Job.RTT), which
+	// oversubscription does not scale (alphaFor).
+	NetworkAlpha bool
 	// Warmup and Iters are the untimed and timed calls of the lowbit bench
 	// run predicted on a shaped link (Iters 0: the steady state).
 	Warmup, Iters int
@@ -204,7 +208,7 @@ func barrierRounds(w int) float64 {
 // they leave the bucket as this one finds it. Without a count of calls
 // (s.Iters == 0) the call is repeated until the bucket's state repeats:
 // the steady state. With more ranks than the calibration machine's CPUs
-// on the shared link, alpha is scaled by W/cpus.
+// on the shared link, alpha is scaled by W/cpus (but for Job.RTT's).
 func (m *Model) predict(c collective, n int64, s setup, f LinkFit) prediction {
 	if s.Ranks < 2 || n <= 0 {
 		return prediction{}
@@ -256,10 +260,11 @@ func (m *Model) callFrom(c collective, n int64, s setup, f LinkFit, tokens *floa
 }
 
 // alphaFor is the fitted alpha, scaled by W/cpus with more ranks than the
-// calibration machine's CPUs on the shared link.
+// calibration machine's CPUs on the shared link; a network's (Job.RTT)
+// as it is.
 func (m *Model) alphaFor(s setup, f LinkFit) float64 {
 	alpha := f.Alpha
-	if s.Sharing == Shared && m.CPUs > 0 {
+	if s.Sharing == Shared && m.CPUs > 0 && !s.NetworkAlpha {
 		// More ranks than the machine has CPUs: a round waits for its
 		// receiver to be scheduled (oversubscription).
 		alpha *= max(1, float64(s.Ranks)/float64(m.CPUs))

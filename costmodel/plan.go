@@ -43,6 +43,13 @@ type Job struct {
 	// 1-rank onebit call), seconds per latency-bound round and time per
 	// byte over the line rate's.
 	CompressBps, Alpha, Ineff float64
+	// RTT, when positive, is the link's round-trip time (a wide-area
+	// link's: tens of milliseconds): every latency-bound round of every
+	// collective, the outer optimizer's agreement included, costs RTT/2,
+	// one message's one-way hop, in place of the calibration's alpha (a
+	// loopback's), on either link sharing (rtt.go). At most 2 s; not with
+	// Alpha, which sets the same figure.
+	RTT time.Duration
 	// OuterH, OuterFragments and OuterDelay are the outer optimizer's
 	// settings (package outer: Config.H, Fragments and Delay), for its
 	// rows: every rank takes OuterH inner steps without communicating,
@@ -131,10 +138,15 @@ type Row struct {
 // Assumptions is what a plan's numbers rest on, each with where it comes
 // from: the calibration (a sentence saying which part of it), or the Job
 // field that replaced it ("Job.Alpha", "Job.Ineff", "Job.CompressBps", or
-// the names Job.FieldNames gives them).
+// the names Job.FieldNames gives them; Job.RTT's alpha is "Job.RTT 40ms /
+// 2: ...").
 type Assumptions struct {
-	Alpha        float64 `json:"alpha_s"`
-	AlphaFrom    string  `json:"alpha_from"`
+	Alpha     float64 `json:"alpha_s"`
+	AlphaFrom string  `json:"alpha_from"`
+	// AlphaNote, when not empty, says that Alpha is the calibration
+	// loopback's on a link slow enough to be a wide-area one, and which
+	// field gives the link's round trip (Job.RTT).
+	AlphaNote    string  `json:"alpha_note,omitempty"`
 	Ineff        float64 `json:"ineff"`
 	IneffFrom    string  `json:"ineff_from"`
 	Buckets      int64   `json:"buckets"`
@@ -193,6 +205,8 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 	if j.Ineff > 0 {
 		a.Ineff, a.IneffFrom = j.Ineff, j.fieldName("Ineff")
 	}
+	j.roundTrip(&a, &s)
+	a.AlphaNote = j.alphaNote()
 	f.Alpha, f.Ineff = a.Alpha, a.Ineff
 	if j.Sharing == Shared {
 		s.Burst = m.Burst
@@ -309,6 +323,10 @@ func (j Job) Validate() error {
 		return fail("CompressBps", "must be in [0, 1e15] bytes per second, got %g", j.CompressBps)
 	case bad(j.Alpha) || j.Alpha > 1:
 		return fail("Alpha", "must be in [0, 1] seconds per round, got %g", j.Alpha)
+	case j.RTT < 0 || j.RTT.Seconds() > maxRTT:
+		return fail("RTT", "must be in [0, %gs], got %s", maxRTT, j.RTT)
+	case j.RTT > 0 && j.Alpha > 0:
+		return fail("RTT", "sets the latency of a round as %s does: give one of them", j.fieldName("Alpha"))
 	case bad(j.Ineff) || j.Ineff > 1000:
 		return fail("Ineff", "must be in [0, 1000], got %g", j.Ineff)
 	case j.BucketBytes < 4 || j.BucketBytes%4 != 0:

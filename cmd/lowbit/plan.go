@@ -41,7 +41,7 @@ type planConfig struct {
 
 // planFlags maps the fields of costmodel.Job to the flags that set them.
 var planFlags = map[string]string{"Params": "params", "Ranks": "ranks", "Link": "link", "Sharing": "sharing",
-	"CompressBps": "compress-rate", "Alpha": "alpha", "Ineff": "ineff", "BucketBytes": "bucket",
+	"CompressBps": "compress-rate", "Alpha": "alpha", "RTT": "rtt", "Ineff": "ineff", "BucketBytes": "bucket",
 	"StepCompute": "step-compute", "Collectives": "collective",
 	"OuterH": "outer-h", "OuterFragments": "outer-fragments", "OuterDelay": "outer-delay",
 	"OuterDensity": "outer-density", "OuterSparseChunk": "outer-sparse-chunk", "OuterSparseBits": "outer-sparse-bits",
@@ -72,6 +72,7 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	fs.StringVar(&cfg.measurements, "measurements", "", "calibrate from this file of scripts/plan-calibrate.sh (default: the built-in runs recorded on the development machine)")
 	fs.Float64Var(&j.CompressBps, "compress-rate", 0, "float32 bytes/s a 1-rank onebit.AllReduce gets through on your hardware (default: measured on the calibration machine; time yours with lowbit bench --backend local --ranks 1 --collective onebit: bytes/p50)")
 	fs.Var(&seconds{p: &j.Alpha}, "alpha", "`duration` of one latency-bound message round, as --step-compute takes it (10us, 1.5ms; a bare number is seconds: 10e-6) (default: fitted on the calibration link nearest in rate)")
+	fs.Var(&optionalDuration{&j.RTT}, "rtt", "round-trip `duration` of the link, as ping gives it (40ms): every latency-bound round of every collective (the ring allreduce's 2(W-1), an all-gather's W-1, the outer optimizer's agreement) costs half of it, a one-way hop, in place of the fitted alpha, a loopback's; not with --alpha")
 	fs.Float64Var(&j.Ineff, "ineff", 0, "time per byte over the line rate's, 1 = line rate (default: fitted on the calibration link nearest in rate, at least 1 for an uncalibrated link)")
 	fs.Var(&size.Value[int64]{P: &j.BucketBytes, Min: 4, Max: 1 << 40}, "bucket", "fused bucket `size` in bytes: the gradient goes in calls of this many bytes (optim.DefaultBucketBytes, like DDP)")
 	fs.DurationVar(&j.StepCompute, "step-compute", 0, "forward and backward time of one step, added to each step time (no overlap with communication, but for the outer optimizer's delayed exchanges: --outer-delay)")
@@ -101,7 +102,9 @@ that follows each collective's algorithm step by step:
 
 alpha (per latency-bound round) and ineff (time per byte over the line
 rate's) are fitted per link to lowbit bench --json sweeps at 2, 3 and 4
-ranks on a loopback shaped to each calibrated rate (scripts/plan-calibrate.sh);
+ranks on a loopback shaped to each calibrated rate (scripts/plan-calibrate.sh):
+a loopback's alpha (tens of µs), which --rtt replaces by half a wide-area
+link's round trip;
 the local work of the 1-bit allreduce is its time without a network,
 measured on the calibration machine, which differs per machine
 (--compress-rate). See docs/plan.md.
@@ -286,7 +289,7 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 		ortho = func(r costmodel.Row) string { return formatSeconds(r.OrthoS) + "\t" }
 		orthoHead = "orthogonalize\t"
 	}
-	fmt.Fprintf(tw, "collective\tcalls\tsent/rank\tlatency\ttransfer\tcompress\t%sstep comm\tspeedup vs exact\t\n", orthoHead)
+	fmt.Fprintf(tw, "collective\tcalls\tsent/rank\tlatency\ttransfer\tcompress\t%scomm\tstep comm\tspeedup vs exact\t\n", orthoHead)
 	for _, r := range p.Rows {
 		name := r.Collective
 		if !r.Calibrated {
@@ -298,13 +301,13 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 			// average.
 			calls = strconv.FormatFloat(float64(r.Calls)/p.Outer.ExchangeEvery, 'g', 3, 64)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s%s\t%.2fx\t\n", name, calls, bytesDecimal(float64(r.WirePerRank)),
-			formatSeconds(r.LatencyS), formatSeconds(r.TransferS), formatSeconds(r.CompressS), ortho(r), formatSeconds(r.StepS), r.SpeedupExact)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s%s\t%s\t%.2fx\t\n", name, calls, bytesDecimal(float64(r.WirePerRank)), formatSeconds(r.LatencyS),
+			formatSeconds(r.TransferS), formatSeconds(r.CompressS), ortho(r), formatSeconds(r.CommS), formatSeconds(r.StepS), r.SpeedupExact)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	step := "step comm: gradient exchange of one step"
+	step := "step comm: comm (the gradient exchange of one step: latency + transfer + compress)"
 	if cfg.job.StepCompute > 0 {
 		step += fmt.Sprintf(" + %s forward and backward (not overlapped)", cfg.job.StepCompute)
 	}
@@ -314,7 +317,7 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 		if o.Fragments > 1 {
 			frags = fmt.Sprintf("%d fragments", o.Fragments)
 		}
-		fmt.Fprintf(w, "outer-*: the outer optimizer (docs/outer.md), H %d, %s, delay %d: no communication in inner steps; one exchange (agreement, then the codec) of %s parameters every %s steps, averaged per step (calls, sent/rank, latency, transfer, compress, step comm)",
+		fmt.Fprintf(w, "outer-*: the outer optimizer (docs/outer.md), H %d, %s, delay %d: no communication in inner steps; one exchange (agreement, then the codec) of %s parameters every %s steps, averaged per step (calls, sent/rank, latency, transfer, compress, comm, step comm)",
 			o.H, frags, o.Delay, size.FormatCount(o.FragmentParams), strconv.FormatFloat(o.ExchangeEvery, 'g', 4, 64))
 		if o.Delay > 0 {
 			fmt.Fprintf(w, "; each exchange runs beside %d steps of compute (%s) and only what exceeds them counts", o.Delay, formatSeconds(o.HideS))
@@ -338,6 +341,9 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 	fmt.Fprintln(w, "assumptions:")
 	fmt.Fprintf(w, "  buckets: %d of %s (--bucket), called one after another; exact and 1-bit alike\n", a.Buckets, size.Format(a.BucketBytes))
 	fmt.Fprintf(w, "  alpha:   %s per latency-bound round (%s); ring allreduce 2(W-1) rounds, 1-bit 3 collectives of W-1 rounds (per piece when pipelined)\n", formatSeconds(a.Alpha), a.AlphaFrom)
+	if a.AlphaNote != "" {
+		fmt.Fprintf(w, "  note:    %s\n", a.AlphaNote)
+	}
 	fmt.Fprintf(w, "  beta:    %.3f x line rate per byte (%s)\n", a.Ineff, a.IneffFrom)
 	if p.Sharing == string(costmodel.PerRank) {
 		fmt.Fprintln(w, "  links:   one per rank, full duplex, non-blocking switch; each link carries the bytes its rank sends")

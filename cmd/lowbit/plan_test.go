@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -502,4 +503,106 @@ func TestPlanMuonAndStateRows(t *testing.T) {
 	assert.Equal(t, int64(340e6), cfg.job.MuonParams)
 	assert.Equal(t, 2e12, cfg.job.MuonFlops)
 	assert.Equal(t, []string{"allreduce", "onebit", "muon", "onebit-muon"}, cfg.job.Collectives)
+}
+
+// --rtt sets every latency-bound round to half the round trip: at --rtt
+// 50ms each row's latency is its rounds, counted here from the
+// algorithms, times 25 ms, the agreement of the outer rows included; the
+// assumptions say where alpha comes from, and a slow link without --rtt
+// (or --alpha) says that it keeps the loopback's latency.
+func TestPlanRTT(t *testing.T) {
+	// 124M parameters in buckets of 1Mi elements: 119 buckets (the last
+	// 268032 elements), none pipelined on 4 ranks; the outer optimizer
+	// exchanges the whole model every 50 steps.
+	const args = "--params 124M --ranks 4 --link 10mbit --step-compute 200ms --bucket 4Mi --outer-h 50 --muon-shape 1024x1024"
+	const buckets, r, hop = 119.0, 3.0, 0.025
+	want := map[string]float64{
+		"allreduce": buckets * 2 * r, "onebit": buckets * 3 * r, "muon": buckets * 2 * r, "onebit-muon": buckets * 3 * r,
+		// One exchange every 50 steps: the agreement (W-1 rounds), then
+		// the codec's collective.
+		"outer-fp32": (r + 2*r) / 50, "outer-bf16": (r + 2*r) / 50, "outer-int8": (r + 2*r) / 50,
+		"outer-1bit": (r + buckets*3*r) / 50, "outer-sparse": (r + r) / 50,
+	}
+	var out bytes.Buffer
+	require.NoError(t, planMain(strings.Fields(args+" --rtt 50ms --json"), &out, io.Discard))
+	var res struct {
+		Assumptions costmodel.Assumptions `json:"assumptions"`
+		Rows        []costmodel.Row       `json:"collectives"`
+	}
+	require.NoError(t, json.Unmarshal(out.Bytes(), &res))
+	require.Len(t, res.Rows, len(want))
+	for _, row := range res.Rows {
+		assert.InDelta(t, want[row.Collective]*hop, row.LatencyS, 1e-12, row.Collective)
+	}
+	assert.Equal(t, hop, res.Assumptions.Alpha)
+	assert.Empty(t, res.Assumptions.AlphaNote)
+
+	s, rows := outerRows(t, args+" --rtt 50ms")
+	assert.Contains(t, s, "  alpha:   25.0ms per latency-bound round (--rtt 50ms / 2: a round is a one-way hop)")
+	assert.NotContains(t, s, "note:")
+	assert.Equal(t, "17.85s", rows["allreduce"][3], "714 rounds of 25 ms")
+	assert.Equal(t, "4.50ms", rows["outer-fp32"][3], "9 rounds of 25 ms every 50 steps")
+
+	s, _ = outerRows(t, args)
+	assert.Contains(t, s, "  note:    the latency is the calibration loopback's (alpha above); a link below 1 Gbit/s is often a wide-area one")
+	assert.Contains(t, s, "give it with --rtt (e.g. --rtt 40ms)")
+	for _, quiet := range []string{" --rtt 40ms", " --alpha 20ms", " --link 1gbit"} {
+		s, _ = outerRows(t, args+quiet)
+		assert.NotContains(t, s, "note:", quiet)
+	}
+
+	for in, want := range map[string]time.Duration{"40ms": 40 * time.Millisecond, "1.5ms": 1500 * time.Microsecond, "2s": 2 * time.Second} {
+		cfg, err := parsePlanFlags([]string{"--rtt", in}, io.Discard)
+		require.NoError(t, err, in)
+		assert.Equal(t, want, cfg.job.RTT, in)
+	}
+	for in, reason := range map[string]string{"-1ms": "must be in [0, 2s]", "2.5s": "must be in [0, 2s]", "40": "not a duration",
+		"fast": "not a duration", "0.04": "not a duration"} {
+		_, err := parsePlanFlags([]string{"--rtt", in}, io.Discard)
+		if assert.Error(t, err, in) {
+			assert.True(t, cliflag.IsUsage(err), "%s: %v", in, err)
+			assert.Contains(t, err.Error(), `invalid value "`+in+`" for --rtt: `+reason, in)
+			assert.NotContains(t, err.Error(), "e.g.", "no default to offer")
+		}
+	}
+	_, err := parsePlanFlags(strings.Fields("--rtt 40ms --alpha 10us"), io.Discard)
+	if assert.Error(t, err) {
+		assert.Contains(t, err.Error(), `invalid value "40ms" for --rtt: sets the latency of a round as --alpha does`)
+	}
+}
+
+// The comm column is each row's exchange alone (costmodel.Row.CommS:
+// latency + transfer + compress, less what a delayed outer exchange
+// hides), third field from the end of its line, before step comm, with
+// Muon's orthogonalization column or without: what a measured time in
+// collectives per step compares with.
+func TestPlanCommColumn(t *testing.T) {
+	for _, args := range []string{
+		"--params 124M --ranks 4 --link 10mbit --step-compute 200ms --outer-h 50 --outer-fragments 5 --outer-delay 2",
+		"--params 1.3B --ranks 8 --link 1gbit --step-compute 1s --muon-shape 2048x8192 --rtt 20ms",
+	} {
+		var out bytes.Buffer
+		require.NoError(t, planMain(strings.Fields(args+" --json"), &out, io.Discard))
+		var res struct {
+			Rows []costmodel.Row `json:"collectives"`
+		}
+		require.NoError(t, json.Unmarshal(out.Bytes(), &res))
+		s, _ := outerRows(t, args)
+		assert.Contains(t, s, "  comm  step comm  speedup vs exact\n", args)
+		assert.Contains(t, s, "step comm: comm (the gradient exchange of one step: latency + transfer + compress) + ", args)
+		lines := map[string][]string{}
+		for _, l := range strings.Split(s, "\n") {
+			// The time table's row: the first line of that name.
+			if f := strings.Fields(l); len(f) > 3 && lines[strings.TrimSuffix(f[0], "*")] == nil {
+				lines[strings.TrimSuffix(f[0], "*")] = f
+			}
+		}
+		for _, row := range res.Rows {
+			f := lines[row.Collective]
+			require.NotEmpty(t, f, row.Collective)
+			assert.Equal(t, formatSeconds(row.CommS), f[len(f)-3], "%s: %s", args, row.Collective)
+			assert.Equal(t, formatSeconds(row.StepS), f[len(f)-2], "%s: %s", args, row.Collective)
+			assert.InDelta(t, row.LatencyS+row.TransferS+row.CompressS, row.CommS, 1e-9, row.Collective)
+		}
+	}
 }

@@ -45,10 +45,32 @@ func (s *seconds) Set(v string) error {
 }
 
 func (s *seconds) String() string {
-	if s.p == nil || *s.p == 0 {
+	if s.p == nil {
 		return ""
 	}
-	return time.Duration(math.Round(*s.p * float64(time.Second))).String()
+	d := time.Duration(math.Round(*s.p * float64(time.Second)))
+	return (&optionalDuration{&d}).String()
+}
+
+// optionalDuration is a duration flag without a default (--rtt): unset
+// (0) it prints nothing, as seconds does, so that neither -h nor an error
+// offers 0s as a value.
+type optionalDuration struct{ p *time.Duration }
+
+func (d *optionalDuration) Set(v string) error {
+	t, err := time.ParseDuration(v)
+	if err != nil {
+		return errors.New("not a duration such as 40ms or 1.5ms")
+	}
+	*d.p = t
+	return nil
+}
+
+func (d *optionalDuration) String() string {
+	if d.p == nil || *d.p == 0 {
+		return ""
+	}
+	return d.p.String()
 }
 
 // formatRate writes bytes per second as bits per second.
