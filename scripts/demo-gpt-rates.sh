@@ -183,8 +183,9 @@ params=${PARAMS:-$(awk -v w="$NP" '$3 == "adam" { printf "%d\n", $12 * w / (8 * 
 [ -n "$params" ] || netns_die "no adam run in the results: set PARAMS (the model's parameter count) for lowbit plan"
 
 # plan_step RATE NAME STEPS COMPUTE_S: lowbit plan's predicted mean step
-# time (seconds) of optimizer NAME over STEPS steps with COMPUTE_S of
-# compute per step; "-" where plan has no model of it (0/1 Adam).
+# time and its communication alone (seconds, its "comm" column: what
+# compute does not hide) of optimizer NAME over STEPS steps with COMPUTE_S
+# of compute per step; "-" where plan has no model of it (0/1 Adam).
 plan_step() {
 	local rate=$1 name=$2 steps=$3 compute=$4 freeze h frag delay coll
 	freeze=$(sed -n 's/.*-freeze-step[ =]\([0-9]*\).*/\1/p' <<<"$GPT_FLAGS")
@@ -204,12 +205,12 @@ plan_step() {
 		${delay:+--outer-delay "$delay"} 2>/dev/null |
 		awk -v name="$name" -v steps="$steps" -v freeze="${freeze:-0}" '
 			function secs(s) { if (s ~ /µs$/) return s / 1e6; if (s ~ /ms$/) return s / 1e3; return s + 0 }
-			$1 ~ /^(allreduce|fp16\*?|onebit|outer-[a-z0-9]+\*?)$/ { c = $1; sub(/\*$/, "", c); t[c] = secs($(NF - 1)) }
+			$1 ~ /^(allreduce|fp16\*?|onebit|outer-[a-z0-9]+\*?)$/ { c = $1; sub(/\*$/, "", c); t[c] = secs($(NF - 1)); k[c] = secs($(NF - 2)) }
 			END {
 				if (name == "onebit-adam") {
 					f = freeze < steps ? freeze : steps
-					printf "%.4f\n", (f * t["allreduce"] + (steps - f) * t["onebit"]) / steps
-				} else for (c in t) printf "%.4f\n", t[c]
+					printf "%.4f %.4f\n", (f * t["allreduce"] + (steps - f) * t["onebit"]) / steps, (f * k["allreduce"] + (steps - f) * k["onebit"]) / steps
+				} else for (c in t) printf "%.4f %.4f\n", t[c], k[c]
 			}'
 }
 
@@ -223,14 +224,14 @@ ratio() {
 {
 	printf "\ndemo-gpt-rates: GPT (%s parameters), %d MPI ranks, one shaped loopback per rate shared by all ranks; target validation loss %s; %s steps; outer: %s\n" \
 		"$params" "$NP" "$TARGET" "$STEPS" "$OUTER"
-	printf "%-8s %-13s %27s %8s %9s %15s %9s %12s %6s %10s %10s\n" "rate" "optimizer" "time to target (step)" "vs adam" "vs 1-bit" "to $TIGHT" "val loss" "sent/rank" "util" "step" "plan step"
+	printf "%-8s %-13s %27s %8s %9s %15s %9s %12s %6s %10s %10s %10s %10s\n" "rate" "optimizer" "time to target (step)" "vs adam" "vs 1-bit" "to $TIGHT" "val loss" "sent/rank" "util" "step" "plan step" "comm" "plan comm"
 	full=${rates[$last]}
 	for i in "${!rates[@]}"; do
 		rate=${rates[$i]}
 		IFS=, read -r -a opts <<<"$OPTIMIZERS"
 		for name in "${opts[@]}"; do
 			# Every run of this rate, then the full run's loss and bytes.
-			times="" steps="" util="" stepm="" plan="" tights=""
+			times="" steps="" util="" stepm="" plan="" tights="" commm="" pcomm=""
 			while read -r r run n vl st wall comm tt stt sent u _ t2; do
 				[ "$r" = "$rate" ] && [ "$n" = "$name" ] || continue
 				t=$([ "$tt" = "null" ] && echo "n/r" || printf "%.1fs" "$tt")
@@ -239,19 +240,22 @@ ratio() {
 				steps="${steps:+$steps/}$([ "$stt" = "null" ] && echo - || echo "$stt")"
 				util=$(printf "%.2f" "$u")
 				stepm=$(awk -v w="$wall" -v s="$st" 'BEGIN { printf "%.3fs", w / s }')
+				# The communication per step the run did not hide:
+				# training time times (1 - utilization), per step.
+				commm=$(awk -v w="$wall" -v u="$u" -v s="$st" 'BEGIN { printf "%.3fs", w * (1 - u) / s }')
 				# The run's compute per step: training time times its
 				# compute utilization (1 - collectives / training time, or
 				# the outer optimizer's own, whose exchanges in flight
 				# overlap compute).
-				plan=$(plan_step "$rate" "$name" "$st" "$(awk -v w="$wall" -v u="$u" -v s="$st" 'BEGIN { printf "%.4f", w * u / s }')" || true)
-				case $plan in "" | "-") plan="-" ;; *) plan="${plan}s" ;; esac
+				read -r plan pcomm < <(plan_step "$rate" "$name" "$st" "$(awk -v w="$wall" -v u="$u" -v s="$st" 'BEGIN { printf "%.4f", w * u / s }')" || true) || true
+				case $plan in "" | "-") plan="-" pcomm="-" ;; *) plan="${plan}s" pcomm="${pcomm}s" ;; esac
 			done <"$OUT/cells.txt"
 			[ -n "$times" ] || continue
 			read -r fvl fsent < <(awk -v r="$full" -v n="$name" '$1 == r && $3 == n && $2 ~ /run1$/ { printf "%.4f %s\n", $4, ($10 >= 1e6 ? sprintf("%.1fMB", $10 / 1e6) : sprintf("%.1fkB", $10 / 1e3)) }' "$OUT/cells.txt")
-			printf "%-8s %-13s %27s %8s %9s %15s %9s %12s %6s %10s %10s\n" "$rate" "$name" "$times ($steps)" \
-				"$(ratio "$rate" adam "$name")" "$(ratio "$rate" onebit-adam "$name")" "$tights" "$fvl" "$fsent" "$util" "$stepm" "$plan"
+			printf "%-8s %-13s %27s %8s %9s %15s %9s %12s %6s %10s %10s %10s %10s\n" "$rate" "$name" "$times ($steps)" \
+				"$(ratio "$rate" adam "$name")" "$(ratio "$rate" onebit-adam "$name")" "$tights" "$fvl" "$fsent" "$util" "$stepm" "$plan" "$commm" "$pcomm"
 		done
 	done
 	echo "time to target: training time (validation excluded) to the first validation at or below the target, every run of the rate; vs adam, vs 1-bit: the first run's time of adam or onebit-adam over this one's (n/r: not reached); to $TIGHT: the same to the tighter target, from the loss curve of a run that trained all $STEPS steps (-: not reached, or the run stopped at the target)."
-	echo "val loss, sent/rank: at $STEPS steps (equal tokens), from the run at $full; util: compute utilization (diloco: its own; the others: 1 - time in collectives / training time); step: the run's training time per step; plan step: lowbit plan's step comm at that link (--sharing shared) with the run's compute per step (training time times its utilization, per step), for 1-bit Adam the mean over its exact warm-up and compressed steps; 0/1 Adam has no plan model."
+	echo "val loss, sent/rank: at $STEPS steps (equal tokens), from the run at $full; util: compute utilization (diloco: its own; the others: 1 - time in collectives / training time); step: the run's training time per step; plan step: lowbit plan's step comm at that link (--sharing shared) with the run's compute per step (training time times its utilization, per step), for 1-bit Adam the mean over its exact warm-up and compressed steps; 0/1 Adam has no plan model. comm: the run's communication per step that compute did not hide (training time times 1 - util, per step); plan comm: lowbit plan's for the same (its comm column), the part of the comparison the run's own compute does not decide."
 } | tee "$OUT/table.txt"
