@@ -160,6 +160,7 @@ func TestAdamStepAllocatesNothing(t *testing.T) {
 	for _, mk := range []func() (Optimizer, error){
 		func() (Optimizer, error) { return NewAdam(context.Background(), nil, ps, DefaultAdamConfig()) },
 		func() (Optimizer, error) { return NewLamb(context.Background(), nil, ps, DefaultLambConfig()) },
+		func() (Optimizer, error) { return NewAdam(context.Background(), nil, ps, bf16Config()) },
 	} {
 		opt, err := mk()
 		require.NoError(t, err)

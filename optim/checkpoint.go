@@ -198,30 +198,26 @@ func (ck *Checkpoint) Restore() *Restore { return &Restore{idx: TensorIndex{ck: 
 // Tensor stages copying the tensor called name, which must hold len(dst)
 // elements, into dst. After the first error it does nothing.
 func (r *Restore) Tensor(name string, dst []float32) {
-	if r.err != nil {
-		return
-	}
-	src, err := r.idx.TensorData(name, len(dst))
-	if err != nil {
-		r.err = err
-		return
-	}
-	r.ops = append(r.ops, restoreCopy{dst: dst, src: src})
+	r.stage(name, restoreCopy{dst: dst}, len(dst))
 }
 
 // tensorBF16 is Tensor into a bfloat16 buffer: Apply narrows the tensor's
 // values into dst, rounding to nearest even (exactly for the bfloat16
 // values a checkpoint of bfloat16 moments holds).
 func (r *Restore) tensorBF16(name string, dst []uint16) {
+	r.stage(name, restoreCopy{dst16: dst}, len(dst))
+}
+
+// stage stages op with the data of the tensor called name as its source,
+// which must hold n elements. After the first error it does nothing.
+func (r *Restore) stage(name string, op restoreCopy, n int) {
 	if r.err != nil {
 		return
 	}
-	src, err := r.idx.TensorData(name, len(dst))
-	if err != nil {
-		r.err = err
-		return
+	op.src, r.err = r.idx.TensorData(name, n)
+	if r.err == nil {
+		r.ops = append(r.ops, op)
 	}
-	r.ops = append(r.ops, restoreCopy{src: src, dst16: dst})
 }
 
 // Apply performs every staged copy and returns nil, or returns the first
