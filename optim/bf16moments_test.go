@@ -69,15 +69,7 @@ func TestStochasticBF16(t *testing.T) {
 // the float64 step computed from the rounded moments, to float32
 // rounding.
 func TestAdamMomentsBF16MatchesFloat64Reference(t *testing.T) {
-	for _, tc := range []struct {
-		name string
-		cfg  func(*AdamConfig)
-	}{
-		{"adam", func(*AdamConfig) {}},
-		{"adamw", func(c *AdamConfig) { c.WeightDecay = 0.1 }},
-		{"no-bias-correction", func(c *AdamConfig) { c.BiasCorrection = false }},
-		{"large-lr", func(c *AdamConfig) { c.LR = 0.05; c.Beta1 = 0.5; c.Beta2 = 0.9 }},
-	} {
+	for _, tc := range adamCasesRef {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := bf16Config()
 			tc.cfg(&cfg)
