@@ -22,7 +22,7 @@ import (
 // fp32 codec -0.1% (+0.2%), the 1-bit codec -0.1% (+0.2%); at 1800
 // steps -2.2% (+0.1%), -4.4% (+2.6%), +0.5% (+2.4%). The sparse codec's
 // runs are chaotic (a learning rate 0.1% higher moves their mean by up to
-// 39%), and bfloat16 moments move them no more than that.
+// 39%), and bfloat16 moments move them by amounts of the same size.
 func TestInnerMomentsBF16(t *testing.T) {
 	const w = 2
 	base := config(outer.CodecSparse, 4, 1, 0)
