@@ -62,13 +62,17 @@ func checkBucketBytes(config string, b int) error {
 }
 
 // Validate reports the first invalid field as an *optim.ConfigError: those
-// of optim.AdamConfig.Validate, a negative FreezeStep, a mask with a
+// of optim.AdamConfig.Validate, MomentsBF16 set (see
+// optim.AdamConfig.RefuseMomentsBF16), a negative FreezeStep, a mask with a
 // non-finite element, or a BucketBytes outside the convention of
 // optim.DefaultBucketBytes. NewAdam returns exactly this error.
 func (c AdamConfig) Validate() error {
 	const cfg = "onebit.AdamConfig"
 	if err := c.AdamConfig.Validate(); err != nil {
 		return configErrorIn(err, cfg)
+	}
+	if err := c.RefuseMomentsBF16(cfg); err != nil {
+		return err
 	}
 	if c.FreezeStep < 0 {
 		return &optim.ConfigError{Config: cfg, Field: "FreezeStep", Value: c.FreezeStep, Want: ">= 0"}
@@ -122,7 +126,7 @@ func (c LambConfig) Validate() error {
 }
 
 // Validate reports the first invalid field as an *optim.ConfigError: those
-// of optim.AdamConfig.Validate, a VarFreezeStep, VarUpdateScaler,
+// of optim.AdamConfig.Validate, MomentsBF16 set, a VarFreezeStep, VarUpdateScaler,
 // LocalStepScaler or LocalStepClipper below 1, a mask with a non-finite
 // element, or a BucketBytes outside the convention of
 // optim.DefaultBucketBytes. NewZeroOneAdam returns exactly this error.
@@ -130,6 +134,9 @@ func (c ZeroOneAdamConfig) Validate() error {
 	const cfg = "onebit.ZeroOneAdamConfig"
 	if err := c.AdamConfig.Validate(); err != nil {
 		return configErrorIn(err, cfg)
+	}
+	if err := c.RefuseMomentsBF16(cfg); err != nil {
+		return err
 	}
 	for _, f := range []struct {
 		name string

@@ -59,6 +59,7 @@ func TestAdamConfigValidate(t *testing.T) {
 	valid.ExpAvgMask = map[string][]float32{"w": {1, 0, 1}}
 	cases := adamCases(func(c *onebit.AdamConfig) *optim.AdamConfig { return &c.AdamConfig })
 	cases = append(cases,
+		badCase[onebit.AdamConfig]{Field: "MomentsBF16", Mod: func(c *onebit.AdamConfig) { c.MomentsBF16 = true }},
 		badCase[onebit.AdamConfig]{Field: "FreezeStep", Mod: func(c *onebit.AdamConfig) { c.FreezeStep = -1 }},
 		badCase[onebit.AdamConfig]{Field: "ExpAvgMask", Mod: func(c *onebit.AdamConfig) { c.ExpAvgMask = nanMask }},
 		badCase[onebit.AdamConfig]{Field: "BucketBytes", Mod: func(c *onebit.AdamConfig) { c.BucketBytes = 3 }},
@@ -90,6 +91,7 @@ func TestLambConfigValidate(t *testing.T) {
 	cases := adamCases(func(c *onebit.LambConfig) *optim.AdamConfig { return &c.AdamConfig })
 	type L = onebit.LambConfig
 	cases = append(cases,
+		badCase[L]{Field: "MomentsBF16", Mod: func(c *L) { c.MomentsBF16 = true }},
 		badCase[L]{Field: "MaxCoeff", Mod: func(c *L) { c.MaxCoeff = inf }},
 		badCase[L]{Field: "MinCoeff", Mod: func(c *L) { c.MinCoeff = c.MaxCoeff + 1 }},
 		badCase[L]{Field: "FreezeStep", Mod: func(c *L) { c.FreezeStep = 0 }},
@@ -118,6 +120,7 @@ func TestZeroOneAdamConfigValidate(t *testing.T) {
 	cases := adamCases(func(c *onebit.ZeroOneAdamConfig) *optim.AdamConfig { return &c.AdamConfig })
 	type Z = onebit.ZeroOneAdamConfig
 	cases = append(cases,
+		badCase[Z]{Field: "MomentsBF16", Mod: func(c *Z) { c.MomentsBF16 = true }},
 		badCase[Z]{Field: "VarFreezeStep", Mod: func(c *Z) { c.VarFreezeStep = 0 }},
 		badCase[Z]{Field: "VarUpdateScaler", Mod: func(c *Z) { c.VarUpdateScaler = 0 }},
 		badCase[Z]{Field: "LocalStepScaler", Mod: func(c *Z) { c.LocalStepScaler = -1 }},

@@ -35,8 +35,8 @@ var (
 // single process). Every rank of c calls it together; it does not
 // communicate (ctx is there for the constructors' common form, see the
 // package doc). An invalid cfg is refused with cfg.Validate's error. It
-// allocates the moments, two float32 buffers per
-// parameter; in the fp16, bf16 and two-level reduction modes the first
+// allocates the moments, two float32 buffers per parameter (two bfloat16
+// ones with cfg.MomentsBF16, see the package doc); in the fp16, bf16 and two-level reduction modes the first
 // Step allocates the flat averaging buffers (and builds the layout, a
 // collective); later steps allocate nothing.
 func NewAdam(ctx context.Context, c comm.Comm, params []*Param, cfg AdamConfig, opts ...Option) (*Adam, error) {

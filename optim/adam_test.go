@@ -37,16 +37,19 @@ func (r *refAdam) step(g []float32) {
 	}
 }
 
+// adamCasesRef are the settings the float64 reference tests of Adam run.
+var adamCasesRef = []struct {
+	name string
+	cfg  func(*AdamConfig)
+}{
+	{"adam", func(*AdamConfig) {}},
+	{"adamw", func(c *AdamConfig) { c.WeightDecay = 0.1 }},
+	{"no-bias-correction", func(c *AdamConfig) { c.BiasCorrection = false }},
+	{"large-lr", func(c *AdamConfig) { c.LR = 0.05; c.Beta1 = 0.5; c.Beta2 = 0.9 }},
+}
+
 func TestAdamMatchesFloat64Reference(t *testing.T) {
-	for _, tc := range []struct {
-		name string
-		cfg  func(*AdamConfig)
-	}{
-		{"adam", func(*AdamConfig) {}},
-		{"adamw", func(c *AdamConfig) { c.WeightDecay = 0.1 }},
-		{"no-bias-correction", func(c *AdamConfig) { c.BiasCorrection = false }},
-		{"large-lr", func(c *AdamConfig) { c.LR = 0.05; c.Beta1 = 0.5; c.Beta2 = 0.9 }},
-	} {
+	for _, tc := range adamCasesRef {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := DefaultAdamConfig()
 			tc.cfg(&cfg)
@@ -160,6 +163,7 @@ func TestAdamStepAllocatesNothing(t *testing.T) {
 	for _, mk := range []func() (Optimizer, error){
 		func() (Optimizer, error) { return NewAdam(context.Background(), nil, ps, DefaultAdamConfig()) },
 		func() (Optimizer, error) { return NewLamb(context.Background(), nil, ps, DefaultLambConfig()) },
+		func() (Optimizer, error) { return NewAdam(context.Background(), nil, ps, bf16Config()) },
 	} {
 		opt, err := mk()
 		require.NoError(t, err)

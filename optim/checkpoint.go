@@ -6,6 +6,8 @@ import (
 	"hash/crc32"
 	"slices"
 	"strings"
+
+	"github.com/lowbit-ml/lowbit/quant"
 )
 
 // Checkpoint is one rank's optimizer state: everything that decides the next
@@ -183,7 +185,12 @@ type Restore struct {
 	err error
 }
 
-type restoreCopy struct{ dst, src []float32 }
+// restoreCopy copies src into dst, or narrows it into dst16 (rounding to
+// nearest even) when dst16 is not nil.
+type restoreCopy struct {
+	dst, src []float32
+	dst16    []uint16
+}
 
 // Restore starts staging copies out of ck.
 func (ck *Checkpoint) Restore() *Restore { return &Restore{idx: TensorIndex{ck: ck}} }
@@ -191,15 +198,26 @@ func (ck *Checkpoint) Restore() *Restore { return &Restore{idx: TensorIndex{ck: 
 // Tensor stages copying the tensor called name, which must hold len(dst)
 // elements, into dst. After the first error it does nothing.
 func (r *Restore) Tensor(name string, dst []float32) {
+	r.stage(name, restoreCopy{dst: dst}, len(dst))
+}
+
+// tensorBF16 is Tensor into a bfloat16 buffer: Apply narrows the tensor's
+// values into dst, rounding to nearest even (exactly for the bfloat16
+// values a checkpoint of bfloat16 moments holds).
+func (r *Restore) tensorBF16(name string, dst []uint16) {
+	r.stage(name, restoreCopy{dst16: dst}, len(dst))
+}
+
+// stage stages op with the data of the tensor called name as its source,
+// which must hold n elements. After the first error it does nothing.
+func (r *Restore) stage(name string, op restoreCopy, n int) {
 	if r.err != nil {
 		return
 	}
-	src, err := r.idx.TensorData(name, len(dst))
-	if err != nil {
-		r.err = err
-		return
+	op.src, r.err = r.idx.TensorData(name, n)
+	if r.err == nil {
+		r.ops = append(r.ops, op)
 	}
-	r.ops = append(r.ops, restoreCopy{dst, src})
 }
 
 // Apply performs every staged copy and returns nil, or returns the first
@@ -209,6 +227,10 @@ func (r *Restore) Apply() error {
 		return r.err
 	}
 	for _, op := range r.ops {
+		if op.dst16 != nil {
+			quant.Narrow(quant.BF16, op.dst16, op.src)
+			continue
+		}
 		copy(op.dst, op.src)
 	}
 	return nil

@@ -115,6 +115,20 @@ type AdamConfig struct {
 	// communicator (see comm.NewLayout); >= 0. Default 0. Other modes
 	// ignore it.
 	RanksPerNode int
+	// MomentsBF16 keeps both moments, m and v, in bfloat16: 4 bytes per
+	// parameter instead of 8. Each step widens them to float32, updates
+	// them there as the float32 mode does, and rounds them back to
+	// bfloat16 stochastically (unbiased: v's steady increments, 0.1% of v
+	// per step at beta2 0.999, lie below bfloat16's resolution and would
+	// be lost to rounding to nearest), with random bits drawn from the
+	// step counter, the parameter's index and the element's index: every
+	// rank rounds alike, and a resumed run continues bit for bit. The
+	// update then uses the rounded moments. Checkpoints hold the moments
+	// as float32 (their bfloat16 values) and record the mode (see
+	// IntMomentsBF16); a checkpoint of the other mode is refused. Adam
+	// only: LAMB and the optimizers of onebit and optim/zero refuse it.
+	// Default false. See the package doc, "Compact moments".
+	MomentsBF16 bool
 }
 
 // DefaultAdamConfig returns lr 1e-3, betas (0.9, 0.999), eps 1e-8, no
@@ -127,6 +141,8 @@ func DefaultAdamConfig() AdamConfig {
 // rate that is negative or not finite, a beta outside [0, 1), an eps or
 // weight decay that is negative or not finite, an unknown reduction mode
 // or a negative RanksPerNode. NewAdam returns exactly this error.
+// MomentsBF16 is valid here; the configs that embed AdamConfig for other
+// optimizers refuse it in their own Validate.
 func (c AdamConfig) Validate() error {
 	const cfg = "optim.AdamConfig"
 	switch {
@@ -146,6 +162,18 @@ func (c AdamConfig) Validate() error {
 		return &ConfigError{cfg, "RanksPerNode", c.RanksPerNode, ">= 0"}
 	}
 	return nil
+}
+
+// RefuseMomentsBF16 is the Validate error of a config that embeds
+// AdamConfig for an optimizer that keeps float32 moments (LambConfig,
+// onebit's and optim/zero's configs; config names the type, e.g.
+// "optim.LambConfig"): a *ConfigError when c.MomentsBF16 is set, nil
+// otherwise.
+func (c AdamConfig) RefuseMomentsBF16(config string) error {
+	if !c.MomentsBF16 {
+		return nil
+	}
+	return &ConfigError{config, "MomentsBF16", true, "false (only optim.Adam keeps its moments in bfloat16)"}
 }
 
 func nonNegFinite(x float32) bool {
@@ -169,7 +197,8 @@ func DefaultLambConfig() LambConfig {
 
 // Validate reports the first invalid field as a *ConfigError: those of
 // AdamConfig.Validate, a MaxCoeff that is not finite and >= 0, or a
-// MinCoeff outside [0, MaxCoeff]. NewLamb returns exactly this error.
+// MinCoeff outside [0, MaxCoeff], or MomentsBF16 set (LAMB keeps float32
+// moments). NewLamb returns exactly this error.
 func (c LambConfig) Validate() error {
 	const cfg = "optim.LambConfig"
 	if err := c.AdamConfig.Validate(); err != nil {
@@ -181,5 +210,5 @@ func (c LambConfig) Validate() error {
 	case !(c.MinCoeff >= 0 && c.MinCoeff <= c.MaxCoeff):
 		return &ConfigError{cfg, "MinCoeff", c.MinCoeff, fmt.Sprintf("in [0, MaxCoeff = %v]", c.MaxCoeff)}
 	}
-	return nil
+	return c.RefuseMomentsBF16(cfg)
 }

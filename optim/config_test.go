@@ -61,7 +61,7 @@ func TestAdamConfigValidate(t *testing.T) {
 	checkConfig(t, "optim.AdamConfig", DefaultAdamConfig(),
 		AdamConfig.Validate,
 		func(c AdamConfig) error { _, err := NewAdam(context.Background(), nil, params, c); return err },
-		[]string{"BiasCorrection"},
+		[]string{"BiasCorrection", "MomentsBF16"},
 		adamCases(func(c *AdamConfig) *AdamConfig { return c }))
 }
 
@@ -76,6 +76,7 @@ func TestLambConfigValidate(t *testing.T) {
 		badCase[LambConfig]{Field: "MinCoeff", Mod: func(c *LambConfig) { c.MinCoeff = -0.01 }},
 		badCase[LambConfig]{Field: "MinCoeff", Mod: func(c *LambConfig) { c.MinCoeff = c.MaxCoeff * 2 }},
 		badCase[LambConfig]{Field: "MinCoeff", Mod: func(c *LambConfig) { c.MinCoeff = nan }},
+		badCase[LambConfig]{Field: "MomentsBF16", Mod: func(c *LambConfig) { c.MomentsBF16 = true }},
 	)
 	checkConfig(t, "optim.LambConfig", DefaultLambConfig(),
 		LambConfig.Validate,

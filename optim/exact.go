@@ -24,6 +24,11 @@ const (
 	IntStep        = "step"        // steps applied (the t of bias correction)
 	IntSteps       = "steps"       // Stats.Steps
 	IntSkipped     = "skipped"     // Stats.Skipped
+	// IntMomentsBF16 is 1 in the checkpoint of an Adam whose moments are
+	// in bfloat16 (AdamConfig.MomentsBF16); a checkpoint without it was
+	// made with float32 moments. Either way the checkpoint holds the
+	// moments as float32 tensors (bfloat16 values widened exactly).
+	IntMomentsBF16 = "moments_bf16"
 )
 
 // exact is the engine of Adam and Lamb: exact gradient averaging, then one
@@ -36,6 +41,8 @@ type exact struct {
 	lamb      LambConfig // bounds used when algorithm is AlgorithmLamb
 
 	m, v    [][]float32
+	m16     [][]uint16 // with MomentsBF16: the moments, m and v nil
+	v16     [][]uint16
 	scratch []float32 // LAMB's update, as long as the largest parameter
 	avg     *GradAverager
 }
@@ -51,13 +58,25 @@ func newExact(name, algorithm string, c comm.Comm, params []*Param, adam AdamCon
 		algorithm: algorithm,
 		params:    append([]*Param(nil), params...),
 		adam:      adam,
-		m:         make([][]float32, len(params)),
-		v:         make([][]float32, len(params)),
+	}
+	// sizes are the buffers Step's size check compares with the
+	// parameters: the float32 moments, or with bfloat16 moments the
+	// values' slices as they are now (only their lengths are read).
+	sizes := make([][]float32, len(params))
+	if adam.MomentsBF16 {
+		e.m16, e.v16 = make([][]uint16, len(params)), make([][]uint16, len(params))
+	} else {
+		e.m, e.v = make([][]float32, len(params)), make([][]float32, len(params))
 	}
 	largest := 0
 	for i, p := range params {
-		e.m[i] = make([]float32, p.Numel())
-		e.v[i] = make([]float32, p.Numel())
+		if adam.MomentsBF16 {
+			e.m16[i], e.v16[i] = make([]uint16, p.Numel()), make([]uint16, p.Numel())
+			sizes[i] = p.Data()
+		} else {
+			e.m[i], e.v[i] = make([]float32, p.Numel()), make([]float32, p.Numel())
+			sizes[i] = e.m[i]
+		}
 		largest = max(largest, p.Numel())
 	}
 	if algorithm == AlgorithmLamb {
@@ -69,7 +88,7 @@ func newExact(name, algorithm string, c comm.Comm, params []*Param, adam AdamCon
 	}
 	e.avg = avg
 	e.Frame = NewFrame(FrameConfig{
-		Name: "optim: " + name, Algorithm: algorithm, Comm: c, Params: e.params, Sizes: e.m,
+		Name: "optim: " + name, Algorithm: algorithm, Comm: c, Params: e.params, Sizes: sizes,
 		LR: adam.LR, Stage: StageExact, Logger: o.Logger, Averager: avg,
 		Hypers: AdamHypers(adam),
 	})
@@ -116,6 +135,10 @@ func (e *exact) update(ctx context.Context, t int64, lr float32) error {
 		c1, c2 = BiasCorrection(cfg.Beta1, t), BiasCorrection(cfg.Beta2, t)
 	}
 	for i, p := range e.params {
+		if e.m16 != nil {
+			adamStepBF16(p.Data(), e.m16[i], e.v16[i], p.GradData(), cfg.Beta1, cfg.Beta2, lr, cfg.WeightDecay, c1, c2, cfg.Eps, roundingSeed(t, i))
+			continue
+		}
 		if e.algorithm != AlgorithmLamb {
 			AdamStep(p.Data(), e.m[i], e.v[i], p.GradData(), cfg.Beta1, cfg.Beta2, lr, cfg.WeightDecay, c1, c2, cfg.Eps)
 			continue
@@ -131,9 +154,18 @@ func (e *exact) update(ctx context.Context, t int64, lr float32) error {
 
 func (e *exact) State() (*Checkpoint, error) {
 	ck := e.Checkpoint()
+	if e.m16 != nil {
+		ck.Ints[IntMomentsBF16] = 1
+	}
 	for i, p := range e.params {
 		shape := p.Shape()
 		ck.AddTensor(ParamTensorName(p.Name), shape, p.Data())
+		if e.m16 != nil {
+			ck.Tensors = append(ck.Tensors,
+				Tensor{Name: ExpAvgPrefix + p.Name, Shape: shape, Data: widenedBF16(e.m16[i])},
+				Tensor{Name: ExpAvgSqPrefix + p.Name, Shape: shape, Data: widenedBF16(e.v16[i])})
+			continue
+		}
 		ck.AddTensor(ExpAvgPrefix+p.Name, shape, e.m[i])
 		ck.AddTensor(ExpAvgSqPrefix+p.Name, shape, e.v[i])
 	}
@@ -145,9 +177,17 @@ func (e *exact) Load(ck *Checkpoint) error {
 	if err != nil {
 		return err
 	}
+	if err := checkMomentsBF16(ck, e.m16 != nil); err != nil {
+		return err
+	}
 	rs := ck.Restore()
 	for i, p := range e.params {
 		rs.Tensor(ParamTensorName(p.Name), p.Data())
+		if e.m16 != nil {
+			rs.tensorBF16(ExpAvgPrefix+p.Name, e.m16[i])
+			rs.tensorBF16(ExpAvgSqPrefix+p.Name, e.v16[i])
+			continue
+		}
 		rs.Tensor(ExpAvgPrefix+p.Name, e.m[i])
 		rs.Tensor(ExpAvgSqPrefix+p.Name, e.v[i])
 	}

@@ -39,6 +39,9 @@ func (l *Lamb) StateBytes() int64 { return l.e.stateBytes() }
 func (e *exact) stateBytes() int64 {
 	n := Float32Bytes(e.scratch) + e.avg.StateBytes()
 	n += Float32Bytes(e.m...) + Float32Bytes(e.v...)
+	for i := range e.m16 {
+		n += 2 * int64(cap(e.m16[i])+cap(e.v16[i]))
+	}
 	return n
 }
 

@@ -33,14 +33,15 @@ type memCase struct {
 	delay       int
 	state, heap float64
 	accBF16     bool // Config.AccumulatorBF16
+	momentsBF16 bool // the inner AdamW's optim.AdamConfig.MomentsBF16
 }
 
 // memMeasure builds the outer optimizer of cfg on w ranks of comm/local
 // over n parameter elements per rank, runs H calls (every fragment
 // exchanges once) and returns rank 0's StateBytes and the growth of the
 // live heap since the parameters were made, divided by w, both per
-// parameter.
-func memMeasure(t *testing.T, w, n int, cfg outer.Config) (state, heap float64) {
+// parameter. inner is the inner AdamW's config.
+func memMeasure(t *testing.T, w, n int, cfg outer.Config, inner optim.AdamConfig) (state, heap float64) {
 	t.Helper()
 	cs, err := local.New(w)
 	require.NoError(t, err)
@@ -67,7 +68,7 @@ func memMeasure(t *testing.T, w, n int, cfg outer.Config) (state, heap float64) 
 	base := liveHeap()
 	ctx := context.Background()
 	each(func(r int, c comm.Comm) error {
-		o, err := outer.NewAdam(ctx, c, params[r], cfg, innerConfig())
+		o, err := outer.NewAdam(ctx, c, params[r], cfg, inner)
 		opts[r] = o
 		return err
 	})
@@ -112,37 +113,55 @@ func TestMemoryPerParameter(t *testing.T) {
 		// fp32, bf16, int8: inner AdamW 8, θ_g 4, u 4 (momentum 0.9), the
 		// fragment's exchange buffer 4 (1 of 4 with F 4), the codec's
 		// wire buffers.
-		{outer.CodecFP32, 1, 0, 20.1, 20.8, false},
-		{outer.CodecFP32, 4, 0, 17.1, 17.6, false},
-		{outer.CodecBF16, 1, 0, 26.6, 27.1, false},
-		{outer.CodecInt8, 1, 0, 24.2, 24.9, false},
-		{outer.CodecInt8, 4, 0, 18.1, 18.6, false},
+		{outer.CodecFP32, 1, 0, 20.1, 20.8, false, false},
+		{outer.CodecFP32, 4, 0, 17.1, 17.6, false, false},
+		{outer.CodecBF16, 1, 0, 26.6, 27.1, false, false},
+		{outer.CodecInt8, 1, 0, 24.2, 24.9, false, false},
+		{outer.CodecInt8, 4, 0, 18.1, 18.6, false, false},
 		// 1bit: AdamW 8, θ_g 4, the worker error 4, the server error 4/W,
 		// a bucket's x and the wire buffers shared by every bucket.
-		{outer.CodecOneBit, 1, 0, 17.4, 18.3, false},
-		{outer.CodecOneBit, 4, 0, 17.4, 18.3, false},
+		{outer.CodecOneBit, 1, 0, 17.4, 18.3, false, false},
+		{outer.CodecOneBit, 4, 0, 17.4, 18.3, false, false},
 		// With a delay, θ_local at the launch and the staged θ_g of a
 		// fragment: 2 * 4/F.
-		{outer.CodecOneBit, 4, 1, 19.4, 20.3, false},
+		{outer.CodecOneBit, 4, 1, 19.4, 20.3, false, false},
 		// sparse: AdamW 8, θ_g 4, the accumulator 4, the messages
 		// (W + 1 of a fragment's, about 0.034 bytes per element each) and
 		// a chunk's scratch.
-		{outer.CodecSparse, 1, 0, 16.6, 17, false},
-		{outer.CodecSparse, 4, 0, 16.4, 16.8, false},
-		{outer.CodecSparse, 4, 1, 18.4, 18.8, false},
+		{outer.CodecSparse, 1, 0, 16.6, 17, false, false},
+		{outer.CodecSparse, 4, 0, 16.4, 16.8, false, false},
+		{outer.CodecSparse, 4, 1, 18.4, 18.8, false, false},
 		// The accumulator in bfloat16: 2 bytes less, a chunk's float32
 		// more (0.25 here, nothing on a large model).
-		{outer.CodecSparse, 1, 0, 14.9, 15.2, true},
-		{outer.CodecSparse, 4, 0, 14.6, 15, true},
+		{outer.CodecSparse, 1, 0, 14.9, 15.2, true, false},
+		{outer.CodecSparse, 4, 0, 14.6, 15, true, false},
+		// The inner AdamW's moments in bfloat16 (optim.AdamConfig.
+		// MomentsBF16): 4 bytes less. With the bfloat16 accumulator the
+		// sparse codec meets the 12-byte goal (issue 51): 10.9 here,
+		// about 10.6 on a large model. The 1-bit codec keeps 13.4 (its
+		// float32 worker error): short of 12.
+		{outer.CodecSparse, 1, 0, 10.9, 11.2, true, true},
+		{outer.CodecSparse, 4, 0, 10.6, 11, true, true},
+		{outer.CodecSparse, 1, 0, 12.6, 13, false, true},
+		{outer.CodecOneBit, 1, 0, 13.4, 14.3, false, true},
+		{outer.CodecOneBit, 4, 0, 13.4, 14.3, false, true},
 	} {
-		t.Run(fmt.Sprintf("%s/F%d/D%d/bf16acc%t", k.codec, k.frags, k.delay, k.accBF16), func(t *testing.T) {
+		t.Run(fmt.Sprintf("%s/F%d/D%d/bf16acc%t/bf16moments%t", k.codec, k.frags, k.delay, k.accBF16, k.momentsBF16), func(t *testing.T) {
 			cfg := outer.DefaultConfigFor(k.codec)
 			cfg.H, cfg.Fragments, cfg.Delay, cfg.AccumulatorBF16 = 4, k.frags, k.delay, k.accBF16
 			cfg.BucketBytes = 16 << 10
-			state, heap := memMeasure(t, w, n, cfg)
-			t.Logf("%s F%d D%d bf16 accumulator %t: %.2f bytes per parameter by StateBytes, %.2f by the heap", k.codec, k.frags, k.delay, k.accBF16, state, heap)
+			inner := innerConfig()
+			inner.MomentsBF16 = k.momentsBF16
+			state, heap := memMeasure(t, w, n, cfg, inner)
+			t.Logf("%s F%d D%d bf16 accumulator %t, bf16 moments %t: %.2f bytes per parameter by StateBytes, %.2f by the heap",
+				k.codec, k.frags, k.delay, k.accBF16, k.momentsBF16, state, heap)
 			assert.LessOrEqual(t, state, k.state, "StateBytes")
 			assert.LessOrEqual(t, heap, k.heap, "heap")
+			if k.momentsBF16 && k.accBF16 {
+				// Issue 51's goal: at most 12 bytes per parameter at W = 8.
+				assert.LessOrEqual(t, state, 12.0, "StateBytes: the 12-byte goal")
+				assert.LessOrEqual(t, heap, 12.0, "heap: the 12-byte goal")
+			}
 		})
 	}
 }

@@ -773,12 +773,17 @@ func TestCloseIdempotentNoLeak(t *testing.T) {
 }
 
 // Step allocates nothing in steady state (one process; exchanges
-// included).
+// included; the sparse codec also with the bfloat16 accumulator and inner
+// moments).
 func TestStepAllocatesNothing(t *testing.T) {
-	for _, cfg := range []outer.Config{config(outer.CodecOneBit, 3, 1, 0), config(outer.CodecFP32, 4, 2, 1), config(outer.CodecSparse, 3, 1, 0)} {
+	compact := config(outer.CodecSparse, 3, 1, 0)
+	compact.AccumulatorBF16 = true
+	for i, cfg := range []outer.Config{config(outer.CodecOneBit, 3, 1, 0), config(outer.CodecFP32, 4, 2, 1), config(outer.CodecSparse, 3, 1, 0), compact} {
 		ctx := context.Background()
 		ps := newParams(t, sizes)
-		o, err := outer.NewAdam(ctx, nil, ps, cfg, innerConfig())
+		inner := innerConfig()
+		inner.MomentsBF16 = i == 3
+		o, err := outer.NewAdam(ctx, nil, ps, cfg, inner)
 		require.NoError(t, err)
 		setGrads(ps, 0, 1)
 		for range 2 * cfg.H {

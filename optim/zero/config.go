@@ -105,7 +105,7 @@ func DefaultConfig() Config {
 }
 
 // Validate reports the first invalid field as an *optim.ConfigError:
-// those of optim.AdamConfig.Validate, a Reduce other than
+// those of optim.AdamConfig.Validate, MomentsBF16 set, a Reduce other than
 // optim.ReduceFP32, an unknown ReduceScatter, a BucketBytes other than 0
 // or at least 4, or a negative GroupSize. NewAdam returns exactly this
 // error (on every rank, see NewAdam).
@@ -122,6 +122,9 @@ func (c Config) Validate() error {
 	}
 	bad := func(field string, v any, want string) error {
 		return &optim.ConfigError{Config: cfg, Field: field, Value: v, Want: want}
+	}
+	if err := c.RefuseMomentsBF16(cfg); err != nil {
+		return err
 	}
 	switch {
 	case c.AdamConfig.Reduce != optim.ReduceFP32:

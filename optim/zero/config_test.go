@@ -31,6 +31,7 @@ func TestConfigValidate(t *testing.T) {
 		{"Reduce", func(c *zero.Config) { c.AdamConfig.Reduce = optim.ReduceFP16 }},
 		{"Reduce", func(c *zero.Config) { c.AdamConfig.Reduce = 99 }},
 		{"RanksPerNode", func(c *zero.Config) { c.RanksPerNode = -2 }},
+		{"MomentsBF16", func(c *zero.Config) { c.MomentsBF16 = true }},
 		{"ReduceScatter", func(c *zero.Config) { c.ReduceScatter = 9 }},
 		{"BucketBytes", func(c *zero.Config) { c.BucketBytes = optim.PerParameter }},
 		{"BucketBytes", func(c *zero.Config) { c.BucketBytes = 3 }},
