@@ -219,3 +219,45 @@ func TestMuonRows(t *testing.T) {
 		}
 	}
 }
+
+// The sparse codec's smallest mode in the state table (bfloat16
+// accumulator, AdamW with bfloat16 moments) is the optimizer's own
+// StateBytes, to the byte.
+func TestOuterSparseBF16RowMatchesOptimizer(t *testing.T) {
+	sizes := []int{700, 301, 23}
+	n := int64(724 + 300)
+	for _, w := range []int{2, 3} {
+		for _, fd := range [][2]int{{1, 0}, {2, 1}} {
+			j := Job{Params: n, Ranks: w, OuterH: 4, OuterFragments: fd[0], OuterDelay: fd[1], OuterSparseChunk: 96, OuterSparseBits: 2}
+			var want int64 = -1
+			for _, r := range j.StateTable() {
+				if r.Optimizer == OptOuterSparseBF16 {
+					require.NoError(t, r.Err)
+					want = r.Bytes
+				}
+			}
+			require.NotEqual(t, int64(-1), want, "no %s row", OptOuterSparseBF16)
+			got := make([]int64, w)
+			err := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
+				var ps []*optim.Param
+				for k, s := range sizes {
+					ps = append(ps, optim.NewParam(fmt.Sprintf("p%d", k), s))
+				}
+				cfg := outer.DefaultConfigFor(outer.CodecSparse)
+				cfg.H, cfg.Fragments, cfg.Delay = 4, fd[0], fd[1]
+				cfg.SparseChunk, cfg.SparseBits, cfg.AccumulatorBF16 = 96, 2, true
+				ac := optim.DefaultAdamConfig()
+				ac.MomentsBF16 = true
+				o, err := outer.NewAdam(ctx, c, ps, cfg, ac)
+				if err != nil {
+					return err
+				}
+				defer o.Close()
+				got[c.Rank()] = o.StateBytes()
+				return nil
+			})
+			require.NoError(t, err)
+			assert.Equal(t, got[0], want, "%d ranks, %d fragments, delay %d", w, fd[0], fd[1])
+		}
+	}
+}

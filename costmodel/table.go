@@ -20,7 +20,7 @@ type StateRow struct {
 // matrices of one shape and one AdamW tensor), and with OuterH > 0 the
 // outer optimizer around exact AdamW, one row per codec of
 // OuterStateBytes (the sparse codec's where its chunk fits the smallest
-// fragment).
+// fragment), and the sparse codec's smallest mode (OptOuterSparseBF16).
 func (j Job) StateTable() []StateRow {
 	var rows []StateRow
 	for _, name := range StateOptimizers() {
@@ -37,6 +37,22 @@ func (j Job) StateTable() []StateRow {
 		if err == nil || err == errTooLarge {
 			rows = append(rows, StateRow{Optimizer: name, Bytes: b + 8*j.Params, Err: err})
 		}
+		if name == "outer-sparse" && err == nil {
+			rows = append(rows, StateRow{Optimizer: OptOuterSparseBF16, Bytes: b + sparseBF16Delta(j) + 4*j.Params})
+		}
 	}
 	return rows
+}
+
+// OptOuterSparseBF16 is the state row of the outer optimizer's sparse
+// codec in its smallest mode: its accumulator in bfloat16
+// (outer.Config.AccumulatorBF16) around an AdamW whose moments are
+// bfloat16 (optim.AdamConfig.MomentsBF16), 4 bytes per parameter.
+const OptOuterSparseBF16 = "outer-sparse-bf16"
+
+// sparseBF16Delta is what outer.Config.AccumulatorBF16 changes in the
+// sparse codec's buffers: the accumulator in bfloat16 (2 bytes per
+// parameter instead of 4) and a float32 chunk to widen it into.
+func sparseBF16Delta(j Job) int64 {
+	return -2*j.Params + 4*sparseOf(j).chunk
 }

@@ -408,7 +408,7 @@ func writeMemory(w io.Writer, cfg *planConfig) error {
 	}
 	_, err := fmt.Fprintln(w, "state: every buffer the optimizer owns at its peak (moments, error buffers, staging and packing buffers); params and grads: 8 bytes per parameter; activations and the framework's own memory not included. onebit-adam-compact is 1-bit Adam with StateMode StateCompact (the same steps as StateFull, bit for bit); onebit-adam-sharded is 1-bit Adam with StateMode StateSharded (docs/sharded.md), onebit-adam-sharded-bf16 the same with BF16 BF16WorkerError|BF16Variance, at its peak (the compression stage); zeroone-adam counts the model as one tensor (one bucket per parameter adds a little per tensor). muon and onebit-muon: the model as whole matrices of --muon-shape and one AdamW tensor.")
 	if err == nil && cfg.job.OuterH > 0 {
-		_, err = fmt.Fprintln(w, "outer-*: the outer optimizer (--outer-h, --outer-fragments, --outer-delay) around outer.NewAdam's AdamW (its 8 bytes per parameter included), one row per codec but bf16 (not modelled).")
+		_, err = fmt.Fprintln(w, "outer-*: the outer optimizer (--outer-h, --outer-fragments, --outer-delay) around outer.NewAdam's AdamW (its 8 bytes per parameter included), one row per codec but bf16 (not modelled); outer-sparse-bf16: the sparse codec with its accumulator in bfloat16 (Config.AccumulatorBF16) around an AdamW with bfloat16 moments (AdamConfig.MomentsBF16, 4 bytes per parameter), both opt-in.")
 	}
 	return err
 }
