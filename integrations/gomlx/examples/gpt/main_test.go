@@ -165,6 +165,30 @@ func TestDiloco(t *testing.T) {
 	assert.Contains(t, out, "sparse: outer SGD lr 4 momentum 0, 0.25 of each 512-element chunk sent in 1 bit(s), accumulator decay 0.95")
 }
 
+// TestDilocoBF16State: -outer-bf16 reaches the outer optimizer (the
+// sparse codec's accumulator and the inner AdamW's moments in bfloat16):
+// the run is recorded as such, trains within 10% of the float32 state's
+// loss, and is not the same run (the rounding changed it); with the 1-bit
+// codec only the moments change.
+func TestDilocoBF16State(t *testing.T) {
+	args := tiny("-optimizer", "diloco:sparse,diloco:1bit", "-steps", "30", "-outer-h", "5", "-lr", "3e-3",
+		"-outer-sparse-chunk", "512", "-outer-density", "0.25")
+	f32, _ := runJSON(t, args...)
+	b16, _ := runJSON(t, append(args, "-outer-bf16")...)
+	require.Len(t, f32, 2)
+	require.Len(t, b16, 2)
+	for i := range f32 {
+		require.NotNil(t, b16[i].Outer)
+		assert.False(t, f32[i].Outer.BF16State, f32[i].Reduce)
+		assert.True(t, b16[i].Outer.BF16State, b16[i].Reduce)
+		assert.NotEqual(t, f32[i].ValLoss, b16[i].ValLoss, "%s: bfloat16 state changes the run", f32[i].Reduce)
+		assert.InEpsilon(t, f32[i].ValLoss, b16[i].ValLoss, 0.1, "%s: within 10%% of the float32 state", f32[i].Reduce)
+	}
+	h := hyper{outerBF16: true}
+	assert.True(t, h.outerFor(outer.CodecSparse).AccumulatorBF16)
+	assert.False(t, h.outerFor(outer.CodecOneBit).AccumulatorBF16)
+}
+
 // TestCheckpointOfAnotherModel: a checkpoint of another model size is
 // refused before anything is trained, and its files stay as they were.
 func TestCheckpointOfAnotherModel(t *testing.T) {

@@ -258,6 +258,9 @@ type hyper struct {
 	// outerLR and outerMomentum are -outer-lr and -outer-momentum, < 0
 	// where the codec's default (outer.DefaultConfigFor) applies.
 	outerLR, outerMomentum float64
+	// outerBF16 is -outer-bf16: the inner AdamW's moments in bfloat16,
+	// and the sparse codec's accumulator.
+	outerBF16 bool
 }
 
 // outerFor returns diloco's settings with codec c: the flags, and where
@@ -273,6 +276,7 @@ func (h hyper) outerFor(c outer.Codec) outer.Config {
 	if h.outerMomentum >= 0 {
 		cfg.Momentum = float32(h.outerMomentum)
 	}
+	cfg.AccumulatorBF16 = h.outerBF16 && c == outer.CodecSparse
 	return cfg
 }
 
@@ -312,6 +316,7 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		cfg := h.outerFor(r.codec)
 		inner := adam
 		inner.Reduce = optim.ReduceFP32 // local: the inner Adam never communicates
+		inner.MomentsBF16 = h.outerBF16
 		return outer.NewAdam(ctx, c, params, cfg, inner)
 	case muon:
 		cfg := optim.DefaultMuonConfig()

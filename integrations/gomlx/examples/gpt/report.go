@@ -272,8 +272,9 @@ type jsonOuter struct {
 	Delay       int     `json:"delay"`
 	BucketBytes int     `json:"bucket_bytes"` // 0: outer's default`
 	Codec       string  `json:"codec"`
-	LR          float64 `json:"lr"`       // the outer learning rate
-	Momentum    float64 `json:"momentum"` // the outer momentum
+	LR          float64 `json:"lr"`                   // the outer learning rate
+	Momentum    float64 `json:"momentum"`             // the outer momentum
+	BF16State   bool    `json:"bf16_state,omitempty"` // -outer-bf16
 	Exchanges   int64   `json:"exchanges"`
 	Skipped     int64   `json:"skipped_exchanges"`
 	Utilization float64 `json:"utilization"` // mean over the ranks
@@ -310,7 +311,7 @@ func writeJSON(path string, o *options, results []*result) error {
 		if r.outer != nil {
 			c := o.hyper().outerFor(r.spec.codec)
 			j.Outer = &jsonOuter{H: c.H, Fragments: c.Fragments, Delay: c.Delay, BucketBytes: c.BucketBytes, Codec: r.spec.codec.String(),
-				LR: float64(c.LR), Momentum: float64(c.Momentum),
+				LR: float64(c.LR), Momentum: float64(c.Momentum), BF16State: o.outerBF16,
 				Exchanges: r.outer.exchanges, Skipped: r.outer.skipped, Utilization: r.outer.utilization}
 		}
 		if math.IsNaN(j.TrainLoss) {
