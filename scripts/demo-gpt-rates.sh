@@ -203,14 +203,16 @@ plan_step() {
 	"$NETNS_TMP/lowbit" plan --params "$params" --ranks "$NP" --link "$rate" --sharing shared \
 		--step-compute "${compute}s" --collective "$coll" ${h:+--outer-h "$h"} ${frag:+--outer-fragments "$frag"} \
 		${delay:+--outer-delay "$delay"} 2>/dev/null |
-		awk -v name="$name" -v steps="$steps" -v freeze="${freeze:-0}" '
+		awk -v name="$name" -v coll="$coll" -v steps="$steps" -v freeze="${freeze:-0}" '
 			function secs(s) { if (s ~ /µs$/) return s / 1e6; if (s ~ /ms$/) return s / 1e3; return s + 0 }
-			$1 ~ /^(allreduce|fp16\*?|onebit|outer-[a-z0-9]+\*?)$/ { c = $1; sub(/\*$/, "", c); t[c] = secs($(NF - 1)); k[c] = secs($(NF - 2)) }
+			# The time table'"'"'s rows (the first with each name: the state
+			# table below it names the outer rows too).
+			$1 ~ /^(allreduce|fp16\*?|onebit|outer-[a-z0-9]+\*?)$/ { c = $1; sub(/\*$/, "", c); if (!(c in t)) { t[c] = secs($(NF - 1)); k[c] = secs($(NF - 2)) } }
 			END {
 				if (name == "onebit-adam") {
 					f = freeze < steps ? freeze : steps
 					printf "%.4f %.4f\n", (f * t["allreduce"] + (steps - f) * t["onebit"]) / steps, (f * k["allreduce"] + (steps - f) * k["onebit"]) / steps
-				} else for (c in t) printf "%.4f %.4f\n", t[c], k[c]
+				} else if (coll in t) printf "%.4f %.4f\n", t[coll], k[coll]
 			}'
 }
 
