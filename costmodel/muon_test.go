@@ -108,38 +108,21 @@ func TestMuonStateBytesMatchOptimizers(t *testing.T) {
 // delay. Package outer's buffers are being made smaller: this test fails
 // until outerBuffers follows them.
 func TestOuterStateBytesMatchOptimizer(t *testing.T) {
-	sizes := []int{700, 301, 23}
-	n := int64(724 + 300)
+	n := int64(outerTestParams)
 	for _, codec := range outerStateCodecs {
+		cd, err := outer.ParseCodec(codec)
+		require.NoError(t, err)
 		for _, w := range []int{1, 2, 3, 4} {
 			for _, fd := range [][2]int{{1, 0}, {3, 0}, {2, 1}} {
 				j := Job{Params: n, Ranks: w, OuterFragments: fd[0], OuterDelay: fd[1], BucketBytes: 1 << 10,
 					OuterSparseChunk: 96, OuterSparseBits: 2}
 				want, err := OuterStateBytes(codec, j)
 				require.NoError(t, err)
-				got := make([]int64, w)
-				err = local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
-					var ps []*optim.Param
-					for k, s := range sizes {
-						ps = append(ps, optim.NewParam(fmt.Sprintf("p%d", k), s))
-					}
-					cd, err := outer.ParseCodec(codec)
-					if err != nil {
-						return err
-					}
-					cfg := outer.DefaultConfigFor(cd)
-					cfg.H, cfg.Fragments, cfg.Delay, cfg.BucketBytes = 4, fd[0], fd[1], 1<<10
-					cfg.SparseChunk, cfg.SparseBits = 96, 2
-					o, err := outer.NewAdam(ctx, c, ps, cfg, optim.DefaultAdamConfig())
-					if err != nil {
-						return err
-					}
-					defer o.Close()
-					got[c.Rank()] = o.StateBytes()
-					return nil
-				})
-				require.NoError(t, err)
-				assert.Equal(t, got[0]-8*n, want, "%s, %d ranks, %d fragments, delay %d", codec, w, fd[0], fd[1])
+				cfg := outer.DefaultConfigFor(cd)
+				cfg.H, cfg.Fragments, cfg.Delay, cfg.BucketBytes = 4, fd[0], fd[1], 1<<10
+				cfg.SparseChunk, cfg.SparseBits = 96, 2
+				got := outerStateBytesOf(t, w, cfg, optim.DefaultAdamConfig())
+				assert.Equal(t, got-8*n, want, "%s, %d ranks, %d fragments, delay %d", codec, w, fd[0], fd[1])
 			}
 		}
 	}
@@ -224,11 +207,9 @@ func TestMuonRows(t *testing.T) {
 // accumulator, AdamW with bfloat16 moments) is the optimizer's own
 // StateBytes, to the byte.
 func TestOuterSparseBF16RowMatchesOptimizer(t *testing.T) {
-	sizes := []int{700, 301, 23}
-	n := int64(724 + 300)
 	for _, w := range []int{2, 3} {
 		for _, fd := range [][2]int{{1, 0}, {2, 1}} {
-			j := Job{Params: n, Ranks: w, OuterH: 4, OuterFragments: fd[0], OuterDelay: fd[1], OuterSparseChunk: 96, OuterSparseBits: 2}
+			j := Job{Params: outerTestParams, Ranks: w, OuterH: 4, OuterFragments: fd[0], OuterDelay: fd[1], OuterSparseChunk: 96, OuterSparseBits: 2}
 			var want int64 = -1
 			for _, r := range j.StateTable() {
 				if r.Optimizer == OptOuterSparseBF16 {
@@ -237,27 +218,40 @@ func TestOuterSparseBF16RowMatchesOptimizer(t *testing.T) {
 				}
 			}
 			require.NotEqual(t, int64(-1), want, "no %s row", OptOuterSparseBF16)
-			got := make([]int64, w)
-			err := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
-				var ps []*optim.Param
-				for k, s := range sizes {
-					ps = append(ps, optim.NewParam(fmt.Sprintf("p%d", k), s))
-				}
-				cfg := outer.DefaultConfigFor(outer.CodecSparse)
-				cfg.H, cfg.Fragments, cfg.Delay = 4, fd[0], fd[1]
-				cfg.SparseChunk, cfg.SparseBits, cfg.AccumulatorBF16 = 96, 2, true
-				ac := optim.DefaultAdamConfig()
-				ac.MomentsBF16 = true
-				o, err := outer.NewAdam(ctx, c, ps, cfg, ac)
-				if err != nil {
-					return err
-				}
-				defer o.Close()
-				got[c.Rank()] = o.StateBytes()
-				return nil
-			})
-			require.NoError(t, err)
-			assert.Equal(t, got[0], want, "%d ranks, %d fragments, delay %d", w, fd[0], fd[1])
+			cfg := outer.DefaultConfigFor(outer.CodecSparse)
+			cfg.H, cfg.Fragments, cfg.Delay = 4, fd[0], fd[1]
+			cfg.SparseChunk, cfg.SparseBits, cfg.AccumulatorBF16 = 96, 2, true
+			ac := optim.DefaultAdamConfig()
+			ac.MomentsBF16 = true
+			assert.Equal(t, outerStateBytesOf(t, w, cfg, ac), want, "%d ranks, %d fragments, delay %d", w, fd[0], fd[1])
 		}
 	}
+}
+
+// outerTestSizes are the tensors of the outer optimizer the memory tests
+// build, outerTestParams their elements.
+var outerTestSizes = []int{700, 301, 23}
+
+const outerTestParams = 700 + 301 + 23
+
+// outerStateBytesOf is rank 0's outer.Optimizer.StateBytes on w
+// in-process ranks, for parameters of outerTestSizes.
+func outerStateBytesOf(t *testing.T, w int, cfg outer.Config, ac optim.AdamConfig) int64 {
+	t.Helper()
+	got := make([]int64, w)
+	err := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
+		var ps []*optim.Param
+		for k, s := range outerTestSizes {
+			ps = append(ps, optim.NewParam(fmt.Sprintf("p%d", k), s))
+		}
+		o, err := outer.NewAdam(ctx, c, ps, cfg, ac)
+		if err != nil {
+			return err
+		}
+		defer o.Close()
+		got[c.Rank()] = o.StateBytes()
+		return nil
+	})
+	require.NoError(t, err)
+	return got[0]
 }
