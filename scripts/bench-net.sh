@@ -81,7 +81,7 @@ mpi=("${NETNS_MPIRUN[@]}" -np "$NP")
 bench=("$NETNS_TMP/lowbit" bench --backend mpi --ranks "$NP" --collective allreduce,onebit --csv)
 
 netns_new ns net
-echo "bench-net: network namespace $ns, loopback shaped to $RATE (tbf $NETNS_TBF)"
+echo "bench-net: network namespace $ns, loopback shaped: tbf $(netns_tbf "$RATE")"
 netns_shape "$ns" lo "$RATE"
 
 echo "bench-net: $NP ranks over TCP on the shaped loopback, sizes $BEGIN..$END x$FACTOR, $WARMUP warm-up + $ITERS timed iterations"

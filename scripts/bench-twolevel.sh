@@ -68,7 +68,7 @@ echo "bench-twolevel: building lowbit with -tags mpi"
 
 netns_new nsa tla
 netns_new nsb tlb
-echo "bench-twolevel: machines A (namespace $nsa, 10.231.1.1) and B ($nsb, 10.231.2.1) joined by a veth pair shaped to $RATE each way (tbf $NETNS_TBF)"
+echo "bench-twolevel: machines A (namespace $nsa, 10.231.1.1) and B ($nsb, 10.231.2.1) joined by a veth pair shaped each way: tbf $(netns_tbf "$RATE")"
 netns_join "$nsa" lbtla 10.231.1.1/16 "$nsb" lbtlb 10.231.2.1/16
 netns_shape "$nsa" lbtla "$RATE"
 netns_shape "$nsb" lbtlb "$RATE"

@@ -55,7 +55,7 @@ GOROOT=$("$GO" env GOROOT)
 export GOROOT
 
 netns_new ns gpt
-echo "demo-gpt-net: network namespace $ns, loopback shaped to $RATE (tbf $NETNS_TBF)"
+echo "demo-gpt-net: network namespace $ns, loopback shaped: tbf $(netns_tbf "$RATE")"
 netns_shape "$ns" lo "$RATE"
 
 echo "demo-gpt-net: $NP MPI ranks over TCP on the shaped loopback, from the same seed: $OPTIMIZERS"

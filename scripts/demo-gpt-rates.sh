@@ -104,7 +104,7 @@ run() {
 	[ -n "$opts" ] || netns_die "OPTIMIZERS has no diloco row to run at $rate (OUTER_ONLY_RATES)"
 	netns_new ns gptr
 	netns_shape "$ns" lo "$rate"
-	echo "demo-gpt-rates: $tag: $NP MPI ranks, loopback shaped to $rate (tbf $NETNS_TBF): $opts"
+	echo "demo-gpt-rates: $tag: $NP MPI ranks, loopback shaped: tbf $(netns_tbf "$rate"): $opts"
 	# shellcheck disable=SC2086 # OUTER and GPT_FLAGS are lists of flags
 	netns_run ip netns exec "$ns" timeout --kill-after=30 "$TIMEOUT" "${NETNS_MPIRUN[@]}" -np "$NP" "${NETNS_MPI_LO[@]}" \
 		"$NETNS_TMP/gpt" -backend mpi -optimizer "$opts" -steps "$STEPS" -target "$TARGET" $OUTER $GPT_FLAGS \

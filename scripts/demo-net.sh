@@ -48,7 +48,7 @@ echo "demo-net: building examples/mnist with -tags mpi"
 (cd "$root" && "$GO" build -tags mpi -o "$NETNS_TMP/mnist" ./examples/mnist)
 
 netns_new ns demo
-echo "demo-net: network namespace $ns, loopback shaped to $RATE (tbf $NETNS_TBF)"
+echo "demo-net: network namespace $ns, loopback shaped: tbf $(netns_tbf "$RATE")"
 netns_shape "$ns" lo "$RATE"
 
 echo "demo-net: $NP MPI ranks over TCP on the shaped loopback: Adam, then 1-bit Adam from the same seed"

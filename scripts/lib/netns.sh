@@ -15,7 +15,7 @@
 #	netns_require_root "it creates a network namespace and a tc qdisc"
 #	netns_require_mpi headers            # mpirun (and libopenmpi-dev)
 #	netns_new ns demo                    # ns=lowbit-demo-PID-N, lo up
-#	netns_shape "$ns" lo 1gbit           # tbf rate 1gbit burst 256kb latency 50ms
+#	netns_shape "$ns" lo 1gbit           # tbf rate 1gbit burst 256kb latency 50ms (netns_tbf)
 #	netns_run ip netns exec "$ns" "${NETNS_MPIRUN[@]}" -np 4 "${NETNS_MPI_LO[@]}" prog
 #	netns_del "$ns"                      # or leave it to the exit trap
 #
@@ -51,9 +51,16 @@ NETNS_MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none --mca mp
 # so that a qdisc on lo sees (and shapes) all of their traffic.
 NETNS_MPI_LO=(--mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include lo --mca oob_tcp_if_include lo)
 
-# NETNS_TBF is the token bucket's burst and latency (bench.md,
-# "Bandwidth-limited runs"); netns_shape adds the rate.
-NETNS_TBF=${NETNS_TBF:-burst 256kb latency 50ms}
+# NETNS_TBF, when set, is the token bucket's burst and latency for every
+# rate (netns_shape adds the rate). Unset, netns_tbf chooses them: bench.md's
+# "burst 256kb latency 50ms" ("Bandwidth-limited runs") from 20 Mbit/s up,
+# where 256 kB is at most 100 ms of traffic; below that, where a 256 kB
+# burst would let an exchange of tens of kB pass at loopback speed (2 s of
+# traffic at 1 Mbit/s), a burst of 20 ms of traffic (at least 4 kB), a
+# 1500-byte MTU on the shaped device (netns_shape sets it: the loopback's
+# 64 kB packets would not fit the burst) and a deep queue (latency 1s, a
+# home router's buffer rather than drops).
+NETNS_TBF=${NETNS_TBF:-}
 
 _netns_prefix=lowbit
 _netns_list=()
@@ -113,10 +120,53 @@ netns_new() {
 	printf -v "$var" '%s' "$name"
 }
 
+# netns_bits RATE prints RATE (tc's units: 1gbit, 100mbit, 500kbit, 2mbps)
+# in bits per second, or exits non-zero for a rate it cannot read.
+netns_bits() {
+	awk -v r="$1" 'BEGIN {
+		if (match(r, /^[0-9.]+/) == 0) exit 1
+		n = substr(r, 1, RLENGTH); u = tolower(substr(r, RLENGTH + 1))
+		m["bit"] = 1; m["kbit"] = 1e3; m["mbit"] = 1e6; m["gbit"] = 1e9; m["tbit"] = 1e12
+		m["bps"] = 8; m["kbps"] = 8e3; m["mbps"] = 8e6; m["gbps"] = 8e9
+		if (!(u in m)) exit 1
+		printf "%.0f\n", n * m[u]
+	}'
+}
+
+# netns_small_burst RATE succeeds where netns_tbf shapes RATE with the
+# small burst and MTU (below 20 Mbit/s, NETNS_TBF unset).
+netns_small_burst() {
+	local bits
+	[ -z "$NETNS_TBF" ] && bits=$(netns_bits "$1") && [ "$bits" -lt 20000000 ]
+}
+
+# netns_tbf RATE prints the tbf options netns_shape uses for RATE: "rate
+# RATE" and NETNS_TBF, or the burst and latency chosen for it (above).
+netns_tbf() {
+	if [ -n "$NETNS_TBF" ]; then
+		echo "rate $1 $NETNS_TBF"
+	elif netns_small_burst "$1"; then
+		local burst=$(($(netns_bits "$1") / 8 / 50))
+		[ "$burst" -ge 4096 ] || burst=4096
+		echo "rate $1 burst ${burst}b latency 1s, mtu 1500"
+	else
+		echo "rate $1 burst 256kb latency 50ms"
+	fi
+}
+
 # netns_shape NS DEV RATE puts a token bucket of RATE (tc's units: 1gbit,
-# 100mbit) on DEV's egress in NS, replacing its root qdisc.
+# 100mbit) on DEV's egress in NS, replacing its root qdisc, with netns_tbf's
+# options (and, below 20 Mbit/s, DEV's MTU at 1500 bytes).
 netns_shape() {
-	tc -n "$1" qdisc replace dev "$2" root tbf rate "$3" $NETNS_TBF ||
+	local opts
+	opts=$(netns_tbf "$3")
+	if [[ $opts == *", mtu 1500" ]]; then
+		opts=${opts%, mtu 1500}
+		ip -n "$1" link set dev "$2" mtu 1500 ||
+			netns_die "cannot run: could not set the MTU of $2 in $1 to 1500"
+	fi
+	# shellcheck disable=SC2086 # opts is a list of tc words
+	tc -n "$1" qdisc replace dev "$2" root tbf $opts ||
 		netns_die "cannot run: tc could not shape $2 to $3 in $1 (tc's message above; a kernel without sch_tbf fails here too)"
 }
 
