@@ -53,6 +53,22 @@ func gemm(bT bool, m, n, k int, alpha float32, a []float32, lda int, b []float32
 	}
 }
 
+// syrk computes the symmetric c = a a^T for row-major a (m x k) and c
+// (m x m) with gonum's Ssyrk, which computes each element of the upper
+// triangle as one dot product over the whole inner dimension in index order,
+// and copies it to the lower one: half the multiply-adds of a general
+// product, and c exactly symmetric (the upper triangle has the bits that
+// gemm(true, ...) gives it; gemm's lower triangle can differ from its upper
+// one in the last bit). It allocates nothing.
+func syrk(m, k int, a, c []float32) {
+	gonum.Implementation{}.Ssyrk(blas.Upper, blas.NoTrans, m, k, 1, a, k, 0, c, m)
+	for i := 1; i < m; i++ {
+		for j := range i {
+			c[i*m+j] = c[j*m+i]
+		}
+	}
+}
+
 // nsWork holds the work matrices of the Newton-Schulz iteration for one
 // matrix shape, m x n with m <= n (a wider-than-tall view of the
 // parameter): x and y are m x n, a and b are m x m. Parameters of the same
@@ -101,8 +117,8 @@ func (w *nsWork) iterate(coef [3]float32, steps int) {
 	m, n := w.m, w.n
 	ca, cb, cc := coef[0], coef[1], coef[2]
 	for range steps {
-		gemm(true, m, m, n, 1, w.x, n, w.x, n, 0, w.a, m)
-		gemm(false, m, m, m, 1, w.a, m, w.a, m, 0, w.b, m)
+		syrk(m, n, w.x, w.a)
+		syrk(m, m, w.a, w.b) // A A = A A^T: A is symmetric, bit for bit
 		for i, v := range w.a {
 			w.b[i] = float32(cb*v) + float32(cc*w.b[i])
 		}
