@@ -18,7 +18,8 @@ import (
 // parameters of the given shapes and returns, per step, every rank's
 // parameters and momenta (Muon's and AdamW's first moments). Step 3 is
 // skipped (an infinite gradient on the last rank), and the gradient of the
-// first matrix is zero on every rank at step 1 (a zero momentum).
+// first matrix is zero on every rank at step 2 (a zero momentum with
+// Momentum 0, after a step that was not).
 func splitRun(t *testing.T, w, steps int, shapes [][]int, cfg MuonConfig, sched bool) (params, moms [][][][]float32) {
 	t.Helper()
 	params, moms = make([][][][]float32, steps), make([][][][]float32, steps)
@@ -46,7 +47,7 @@ func splitRun(t *testing.T, w, steps int, shapes [][]int, cfg MuonConfig, sched 
 		}
 		for s := 1; s <= steps; s++ {
 			muonGrads(ps, c.Rank(), s)
-			if s == 1 {
+			if s == 2 {
 				clear(ps[0].GradData())
 			}
 			if s == 3 && c.Rank() == w-1 {
@@ -87,6 +88,7 @@ func TestMuonSplitBitIdentical(t *testing.T) {
 	}{
 		{"defaults", muonShapes, func(*MuonConfig) {}, false},
 		{"plain-momentum-decay", muonShapes, func(c *MuonConfig) { c.Nesterov = false; c.WeightDecay = 0.1; c.AdamWeightDecay = 0.05 }, false},
+		{"no-momentum", muonShapes, func(c *MuonConfig) { c.Momentum = 0; c.WeightDecay = 0.1 }, false},
 		{"schedules", muonShapes, func(c *MuonConfig) { c.WeightDecay = 0.02; c.NSSteps = 3 }, true},
 		{"fewer-matrices", [][]int{{3, 4}, {6, 2}, {4}}, func(c *MuonConfig) { c.WeightDecay = 0.1 }, false},
 	} {
@@ -190,6 +192,15 @@ func TestMuonSplitStateBytes(t *testing.T) {
 	require.NoError(t, err)
 	assert.Nil(t, one.split, "Split on one process")
 	assert.Equal(t, base.StateBytes(), one.StateBytes())
+	require.NoError(t, local.Run(context.Background(), 1, func(ctx context.Context, c comm.Comm) error {
+		o, err := NewMuon(ctx, c, testParams(t, 1, shapes...), cfg)
+		if err != nil {
+			return err
+		}
+		assert.Nil(t, o.split, "Split on one rank")
+		assert.Equal(t, base.StateBytes(), o.StateBytes())
+		return nil
+	}))
 	const w = 3
 	run := func(split bool) (state, sent []int64) {
 		state, sent = make([]int64, w), make([]int64, w)
