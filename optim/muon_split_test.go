@@ -257,22 +257,7 @@ func TestMuonSplitStepAllocatesNothing(t *testing.T) {
 	wg.Wait()
 	require.NotNil(t, opts[0])
 	require.NotNil(t, opts[1])
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for range runs + 1 { // AllocsPerRun makes one extra warm-up call
-			if err := opts[1].Step(ctx); err != nil {
-				t.Error(err)
-				return
-			}
-		}
-	}()
-	allocs := testing.AllocsPerRun(runs, func() {
-		if err := opts[0].Step(ctx); err != nil {
-			t.Error(err)
-		}
-	})
-	<-done
+	allocs := allocsOnTwoRanks(t, runs, func() error { return opts[0].Step(ctx) }, func() error { return opts[1].Step(ctx) })
 	assert.Zero(t, allocs)
 	assert.Zero(t, opts[0].Stats().Skipped)
 }
