@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"slices"
 	"sync"
 	"testing"
 
@@ -260,4 +261,29 @@ func TestMuonSplitStepAllocatesNothing(t *testing.T) {
 	allocs := allocsOnTwoRanks(t, runs, func() error { return opts[0].Step(ctx) }, func() error { return opts[1].Step(ctx) })
 	assert.Zero(t, allocs)
 	assert.Zero(t, opts[0].Stats().Skipped)
+}
+
+// With Split each rank runs Newton-Schulz on its own matrices only: the
+// work matrices of a shape that another rank owns are never written.
+func TestMuonSplitOrthogonalizesOwnShare(t *testing.T) {
+	cfg := DefaultMuonConfig()
+	cfg.Split = true
+	err := local.Run(context.Background(), 2, func(ctx context.Context, c comm.Comm) error {
+		ps := testParams(t, 1, []int{6, 10}, []int{3, 4}, []int{5})
+		o, err := NewMuon(ctx, c, ps, cfg)
+		if err != nil {
+			return err
+		}
+		muonGrads(ps, c.Rank(), 1)
+		if err := o.Step(ctx); err != nil {
+			return err
+		}
+		for k, mt := range o.mats {
+			mine := o.split.owner[k] == c.Rank()
+			assert.Equal(t, mine, slices.ContainsFunc(mt.ns.x, func(x float32) bool { return x != 0 }),
+				"rank %d matrix %d (owner %d)", c.Rank(), k, o.split.owner[k])
+		}
+		return nil
+	})
+	require.NoError(t, err)
 }
