@@ -206,10 +206,10 @@ func (c MuonConfig) hypers(muon []bool) []Hyper {
 // so the parameters stay identical (bit for bit on ranks of one
 // architecture; see docs/muon.md). With MuonConfig.Split each matrix's
 // update is computed by one rank and all-gathered, with the same bits.
-// Step overwrites the gradients with their average. A step in which some rank's gradient is not finite is
-// skipped on every rank; one whose momentum would not be finite is an
-// error on every rank that changes nothing but the averaged gradients.
-// After an error from the communicator the state is undefined: load a
+// Step overwrites the gradients with their average. A step in which some
+// rank's gradient is not finite is skipped on every rank; one whose
+// momentum would not be finite is an error on every rank that changes
+// nothing but the averaged gradients. After an error from the communicator the state is undefined: load a
 // checkpoint.
 type Muon struct {
 	f      *Frame
