@@ -49,9 +49,10 @@ func DefaultMuonConfig() MuonConfig {
 }
 
 // Validate reports the first invalid field as an *optim.ConfigError: those
-// of optim.MuonConfig.Validate, a negative FreezeStep, or a BucketBytes
-// outside the convention of optim.DefaultBucketBytes. NewMuon returns
-// exactly this error (joined, on more than one rank, with the
+// of optim.MuonConfig.Validate, a negative FreezeStep, Split (which 1-bit
+// Muon does not take: each rank orthogonalizes its own momentum), or a
+// BucketBytes outside the convention of optim.DefaultBucketBytes. NewMuon
+// returns exactly this error (joined, on more than one rank, with the
 // agreement's).
 func (c MuonConfig) Validate() error {
 	const cfg = "onebit.MuonConfig"
@@ -60,6 +61,9 @@ func (c MuonConfig) Validate() error {
 	}
 	if c.FreezeStep < 0 {
 		return &optim.ConfigError{Config: cfg, Field: "FreezeStep", Value: c.FreezeStep, Want: ">= 0"}
+	}
+	if c.Split {
+		return &optim.ConfigError{Config: cfg, Field: "Split", Value: c.Split, Want: "false (1-bit Muon orthogonalizes each rank's own momentum: Split does not apply)"}
 	}
 	return checkBucketBytes(cfg, c.BucketBytes)
 }

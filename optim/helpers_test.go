@@ -51,3 +51,27 @@ func snapshot(ps []*Param) [][]float32 {
 }
 
 func crc32Castagnoli(b []byte) uint32 { return crc32.Checksum(b, castagnoli) }
+
+// allocsOnTwoRanks is testing.AllocsPerRun(runs) of rank 0's step, a
+// collective, while another goroutine calls rank 1's step as often
+// (AllocsPerRun makes one extra warm-up call).
+func allocsOnTwoRanks(t *testing.T, runs int, step0, step1 func() error) float64 {
+	t.Helper()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for range runs + 1 {
+			if err := step1(); err != nil {
+				t.Error(err)
+				return
+			}
+		}
+	}()
+	allocs := testing.AllocsPerRun(runs, func() {
+		if err := step0(); err != nil {
+			t.Error(err)
+		}
+	})
+	<-done
+	return allocs
+}

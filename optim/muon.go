@@ -75,6 +75,20 @@ type MuonConfig struct {
 	// RanksPerNode is the node size of ReduceTwoLevel (0: ask the
 	// communicator); >= 0. Default 0.
 	RanksPerNode int
+	// Split divides the orthogonalization among the ranks: each rank runs
+	// Newton-Schulz only on its share of the matrices (assigned once, at
+	// construction, balancing the iteration's cost; the assignment depends
+	// only on the shapes and the world size) and one all-gather per step
+	// gives every rank every matrix's scaled update, which every rank
+	// applies. The parameters and the momenta are bit for bit those
+	// without Split (the owner computes what every rank would have), the
+	// gradients are averaged as without it, and checkpoints are the same.
+	// It costs an all-gather of the updates, (W-1)*S float32s received per
+	// rank per step, S the largest share's elements (about N/W of the N
+	// elements of the Muon matrices), for 1/W of the orthogonalization's
+	// compute: it pays where the step is compute-bound, not on slow links
+	// (see docs/muon.md). No effect on one rank. Default false.
+	Split bool
 }
 
 // DefaultMuonConfig returns the published defaults: Muon lr 0.02, momentum
@@ -190,11 +204,12 @@ func (c MuonConfig) hypers(muon []bool) []Hyper {
 //
 // Every rank computes the same update from the same averaged gradients,
 // so the parameters stay identical (bit for bit on ranks of one
-// architecture; see docs/muon.md). Step overwrites the gradients with
-// their average. A step in which some rank's gradient is not finite is
-// skipped on every rank; one whose momentum would not be finite is an
-// error on every rank that changes nothing but the averaged gradients.
-// After an error from the communicator the state is undefined: load a
+// architecture; see docs/muon.md). With MuonConfig.Split each matrix's
+// update is computed by one rank and all-gathered, with the same bits.
+// Step overwrites the gradients with their average. A step in which some
+// rank's gradient is not finite is skipped on every rank; one whose
+// momentum would not be finite is an error on every rank that changes
+// nothing but the averaged gradients. After an error from the communicator the state is undefined: load a
 // checkpoint.
 type Muon struct {
 	f      *Frame
@@ -202,11 +217,12 @@ type Muon struct {
 	params []*Param
 	avg    *GradAverager
 
-	mats []muonMatrix // the Muon group, in construction order
-	aux  []int        // indices of the AdamW group's parameters
-	m    [][]float32  // per parameter: Muon's momentum, or AdamW's first moment
-	v    [][]float32  // per parameter: AdamW's second moment (nil for Muon's)
-	work []*nsWork    // one per matrix shape
+	mats  []muonMatrix // the Muon group, in construction order
+	aux   []int        // indices of the AdamW group's parameters
+	m     [][]float32  // per parameter: Muon's momentum, or AdamW's first moment
+	v     [][]float32  // per parameter: AdamW's second moment (nil for Muon's)
+	work  []*nsWork    // one per matrix shape
+	split *muonSplit   // MuonConfig.Split's plan on more than one rank, else nil
 
 	adam *GroupLR // the AdamW group's learning rate
 }
@@ -237,7 +253,8 @@ var (
 // parameter, and the Newton-Schulz work matrices, one set per matrix
 // shape; in the fp16, bf16 and two-level reduction modes the first Step
 // allocates the flat averaging buffers (see NewAdam). Later steps
-// allocate nothing.
+// allocate nothing. With MuonConfig.Split on more than one rank it also
+// allocates the all-gather's buffers (see StateBytes).
 func NewMuon(ctx context.Context, c comm.Comm, params []*Param, cfg MuonConfig, opts ...Option) (*Muon, error) {
 	bad := cfg.Validate()
 	var muon []bool
@@ -288,6 +305,9 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*Param, cfg MuonConfig, 
 		return nil, err
 	}
 	o.avg = avg
+	if cfg.Split && c != nil && c.Size() > 1 {
+		o.split = newMuonSplit(c, o.mats)
+	}
 	ops := ApplyOptions(opts)
 	o.f = NewFrame(FrameConfig{
 		Name: "optim: Muon", Algorithm: AlgorithmMuon, Comm: c, Params: o.params, Sizes: o.m,
@@ -350,6 +370,13 @@ func (o *Muon) update(ctx context.Context, t int64, lr float32) error {
 		}
 	}
 	decay := float32(1 - float64(lr)*float64(cfg.WeightDecay))
+	if o.split != nil {
+		if err := o.splitUpdate(ctx, lr, decay); err != nil {
+			return err
+		}
+		o.adamUpdate(t)
+		return nil
+	}
 	for _, mt := range o.mats {
 		p := o.params[mt.i]
 		m, g := o.m[mt.i], p.GradData()
@@ -363,15 +390,25 @@ func (o *Muon) update(ctx context.Context, t int64, lr float32) error {
 			continue
 		}
 		mt.ns.iterate(cfg.NSCoefficients, cfg.NSSteps)
-		applyNS(p.Data(), mt.ns.x, mt.rows, mt.cols, decay, float32(float64(lr)*float64(mt.scale)))
+		applyNS(p.Data(), mt.ns.x, mt.rows, mt.cols, decay, mt.step(lr))
 	}
+	o.adamUpdate(t)
+	return nil
+}
+
+// step is the factor of the matrix's orthogonalized update at learning
+// rate lr: lr*max(1, rows/cols)^0.5, rounded once to float32.
+func (mt muonMatrix) step(lr float32) float32 { return float32(float64(lr) * float64(mt.scale)) }
+
+// adamUpdate is the AdamW group's step t.
+func (o *Muon) adamUpdate(t int64) {
+	cfg := o.cfg
 	alr := o.adam.At(t)
 	c1, c2 := BiasCorrection(cfg.AdamBeta1, t), BiasCorrection(cfg.AdamBeta2, t)
 	for _, i := range o.aux {
 		p := o.params[i]
 		AdamStep(p.Data(), o.m[i], o.v[i], p.GradData(), cfg.AdamBeta1, cfg.AdamBeta2, alr, cfg.AdamWeightDecay, c1, c2, cfg.AdamEps)
 	}
-	return nil
 }
 
 // momentumFinite reports whether the momentum mu*m + (1-mu)*g, and the
@@ -554,12 +591,17 @@ func (o *Muon) Load(ck *Checkpoint) error {
 // momentum of each matrix (4 bytes per element), AdamW's two moments of
 // every other parameter (8 bytes per element), the Newton-Schulz work
 // matrices (for each distinct matrix shape r x c with r <= c: 2rc + 2r^2
-// float32s, shared by the matrices of that shape) and the gradient
-// averager's buffers.
+// float32s, shared by the matrices of that shape), the gradient
+// averager's buffers and, with MuonConfig.Split on W > 1 ranks, the
+// all-gather's send and receive buffers, (W+1)*S float32s, S the largest
+// rank's share of the Muon matrices' elements.
 func (o *Muon) StateBytes() int64 {
 	n := Float32Bytes(o.m...) + Float32Bytes(o.v...) + o.avg.StateBytes()
 	for _, w := range o.work {
 		n += w.bytes()
+	}
+	if o.split != nil {
+		n += Float32Bytes(o.split.send, o.split.recv)
 	}
 	return n
 }

@@ -14,7 +14,7 @@ import (
 const (
 	agreeOnParams   = iota // names and shapes of the parameters, in order
 	agreeOnMuon            // which parameters Muon updates
-	agreeOnSettings        // every field of the config but Params
+	agreeOnSettings        // every field of the config but Params, Split included
 	agreeOnFields
 )
 
@@ -61,6 +61,7 @@ func AgreeMuon(ctx context.Context, c comm.Comm, name string, params []*Param, m
 			h.u64(uint64(math.Float32bits(x)))
 		}
 		h.u64(uint64(HyperBool(cfg.Nesterov)))
+		h.u64(uint64(HyperBool(cfg.Split)))
 		for _, v := range []int{cfg.NSSteps, int(cfg.Reduce), cfg.RanksPerNode} {
 			h.u64(uint64(v))
 		}

@@ -2,9 +2,12 @@ package optim
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"sync"
 	"testing"
 
+	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/internal/samerun"
 )
 
@@ -114,4 +117,65 @@ func BenchmarkMuonStep(b *testing.B) {
 			b.ReportMetric(med[0]/med[2], "x-adam")
 		})
 	}
+}
+
+// BenchmarkMuonStepSplit times, in one run with the passes alternated
+// (see samerun.Medians), a step of Muon on 4 in-process ranks (comm/local)
+// over the parameters of the GPT example (d 64, ffn 256, 2 blocks),
+// without and with MuonConfig.Split. Each pass steps every rank once, in
+// parallel. x-split is the step's time without Split over with; ns-flops
+// is each rank's Newton-Schulz flops per step without and with Split.
+// Give it at least as many cores as ranks, and -benchtime 10x or more.
+func BenchmarkMuonStepSplit(b *testing.B) {
+	const w = 4
+	ctx := context.Background()
+	group := func(split bool) ([]*Muon, func()) {
+		cs, err := local.New(w)
+		if err != nil {
+			b.Fatal(err)
+		}
+		opts := make([]*Muon, w)
+		errs := make([]error, w)
+		var wg sync.WaitGroup
+		for r := range cs {
+			wg.Go(func() {
+				ps, hidden := gptParams(64, 256, 2, 64)
+				cfg := DefaultMuonConfig()
+				cfg.Params, cfg.Split = hidden, split
+				opts[r], errs[r] = NewMuon(ctx, cs[r], ps, cfg)
+			})
+		}
+		wg.Wait()
+		if err := errors.Join(errs...); err != nil {
+			b.Fatal(err)
+		}
+		return opts, func() {
+			for r := range opts {
+				wg.Go(func() { errs[r] = opts[r].Step(ctx) })
+			}
+			wg.Wait()
+			if err := errors.Join(errs...); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	whole, stepWhole := group(false)
+	split, stepSplit := group(true)
+	stepWhole()
+	stepSplit()
+	med := samerun.Medians(b, stepWhole, stepSplit)
+	var flops, mine int64
+	for k, mt := range whole[0].mats {
+		c := int64(whole[0].cfg.NSSteps) * nsCost(mt.rows, mt.cols)
+		flops += c
+		if split[0].split.owner[k] == 0 {
+			mine += c
+		}
+	}
+	b.ReportMetric(med[0]*1e3, "whole-ms/step")
+	b.ReportMetric(med[1]*1e3, "split-ms/step")
+	b.ReportMetric(med[0]/med[1], "x-split")
+	b.ReportMetric(float64(flops), "ns-flops/rank")
+	b.ReportMetric(float64(mine), "split-ns-flops/rank0")
+	b.ReportMetric(float64(split[0].split.share), "share-floats")
 }

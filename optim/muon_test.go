@@ -233,7 +233,9 @@ func (f fixedSchedule) LR(t int64) float32 {
 func (f fixedSchedule) String() string { return fmt.Sprint("fixed", []float32(f)) }
 
 // Stopping at step k and resuming from a checkpoint file (both groups on
-// schedules) gives bit-identical parameters and state.
+// schedules) gives bit-identical parameters and state, also when the run
+// before or after the checkpoint splits the orthogonalization
+// (MuonConfig.Split changes neither the state nor the checkpoint).
 func TestMuonResumeIsBitIdentical(t *testing.T) {
 	const w, total, k = 2, 6, 3
 	cfg := DefaultMuonConfig()
@@ -249,10 +251,12 @@ func TestMuonResumeIsBitIdentical(t *testing.T) {
 	dir := t.TempDir()
 	var mu sync.Mutex
 	states := make([]*Checkpoint, w)
-	run := func(from int, load, save bool) [][][]float32 {
+	run := func(from int, load, save, split bool) [][][]float32 {
 		out := make([][][]float32, w)
 		err := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
 			ps := testParams(t, 6, muonShapes...)
+			cfg := cfg
+			cfg.Split = split
 			opt, err := NewMuon(ctx, c, ps, cfg)
 			if err != nil {
 				return err
@@ -300,16 +304,18 @@ func TestMuonResumeIsBitIdentical(t *testing.T) {
 		require.NoError(t, err)
 		return out
 	}
-	want := run(1, false, false)
+	want := run(1, false, false, false)
 	wantState := states[0]
-	run(1, false, true)
-	got := run(k+1, true, false)
-	for r := range want {
-		for i := range want[r] {
-			assert.Equal(t, bits(want[r][i]), bits(got[r][i]), "rank %d param %d", r, i)
+	for _, split := range [][2]bool{{false, false}, {true, false}, {false, true}} {
+		run(1, false, true, split[0])
+		got := run(k+1, true, false, split[1])
+		for r := range want {
+			for i := range want[r] {
+				assert.Equal(t, bits(want[r][i]), bits(got[r][i]), "split %v: rank %d param %d", split, r, i)
+			}
 		}
+		assert.Equal(t, wantState, states[0], "split %v: the resumed run's state differs", split)
 	}
-	assert.Equal(t, wantState, states[0], "the resumed run's state differs")
 }
 
 // A non-finite gradient on one rank skips the step on every rank and
@@ -393,9 +399,17 @@ func TestMuonZeroMomentum(t *testing.T) {
 // A momentum that is not finite (here loaded, on every rank) is an error on
 // every rank that changes nothing.
 func TestMuonNonFiniteMomentum(t *testing.T) {
+	for _, split := range []bool{false, true} {
+		testMuonNonFiniteMomentum(t, split)
+	}
+}
+
+func testMuonNonFiniteMomentum(t *testing.T, split bool) {
+	cfg := DefaultMuonConfig()
+	cfg.Split = split
 	err := local.Run(context.Background(), 2, func(ctx context.Context, c comm.Comm) error {
 		ps := testParams(t, 3, []int{4, 6}, []int{3})
-		opt, err := NewMuon(ctx, c, ps, DefaultMuonConfig())
+		opt, err := NewMuon(ctx, c, ps, cfg)
 		if err != nil {
 			return err
 		}
@@ -415,7 +429,7 @@ func TestMuonNonFiniteMomentum(t *testing.T) {
 		if err2 != nil {
 			return err2
 		}
-		assert.Equal(t, fmt.Sprint(before), fmt.Sprint(after), "rank %d: the refused step changed the state", c.Rank())
+		assert.Equal(t, fmt.Sprint(before), fmt.Sprint(after), "split %v: rank %d: the refused step changed the state", split, c.Rank())
 		if err == nil {
 			return fmt.Errorf("rank %d: no error", c.Rank())
 		}
@@ -725,9 +739,17 @@ func TestMuonCheckpointKeepsLearningRates(t *testing.T) {
 // Muon's Step carries the training loop's flags in its agreement, as the
 // other optimizers' do.
 func TestMuonCarriesFlags(t *testing.T) {
+	for _, split := range []bool{false, true} {
+		testMuonCarriesFlags(t, split)
+	}
+}
+
+func testMuonCarriesFlags(t *testing.T, split bool) {
+	cfg := DefaultMuonConfig()
+	cfg.Split = split
 	err := local.Run(context.Background(), 2, func(ctx context.Context, c comm.Comm) error {
 		ps := testParams(t, 1, []int{3, 4}, []int{4})
-		opt, err := NewMuon(ctx, c, ps, DefaultMuonConfig())
+		opt, err := NewMuon(ctx, c, ps, cfg)
 		if err != nil {
 			return err
 		}
@@ -755,14 +777,19 @@ func TestMuonCarriesFlags(t *testing.T) {
 	require.NoError(t, err)
 }
 
-// In every reduction mode the ranks end bit-identical.
+// In every reduction mode the ranks end bit-identical, with Split as
+// without.
 func TestMuonReduceModes(t *testing.T) {
 	for _, mode := range []ReduceMode{ReduceFP16, ReduceBF16, ReduceTwoLevel} {
 		cfg := DefaultMuonConfig()
 		cfg.Reduce = mode
 		got := muonRun(t, 2, 3, cfg, nil)
+		cfg.Split = true
+		split := muonRun(t, 2, 3, cfg, nil)
 		for i := range got[0] {
 			require.Equal(t, bits(got[0][i]), bits(got[1][i]), "%s: parameter %d", mode, i)
+			require.Equal(t, bits(got[0][i]), bits(split[0][i]), "%s: parameter %d with Split", mode, i)
+			require.Equal(t, bits(got[0][i]), bits(split[1][i]), "%s: parameter %d with Split on rank 1", mode, i)
 		}
 	}
 }

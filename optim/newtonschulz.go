@@ -175,17 +175,6 @@ func (o *Orthogonalizer) Orthogonalize(dst, m, g []float32, rows, cols int, cfg 
 		return false
 	}
 	w.iterate(cfg.NSCoefficients, cfg.NSSteps)
-	if rows <= cols {
-		for k, v := range w.x {
-			dst[k] = float32(scale * v)
-		}
-		return true
-	}
-	for r := range rows {
-		row := dst[r*cols : (r+1)*cols]
-		for c := range row {
-			row[c] = float32(scale * w.x[c*rows+r])
-		}
-	}
+	storeNS(dst, w.x, rows, cols, scale)
 	return true
 }

@@ -227,22 +227,7 @@ func TestExactStepAllocatesNothingInEveryMode(t *testing.T) {
 				wg.Go(func() { assert.NoError(t, opts[r].Step(ctx)) })
 			}
 			wg.Wait()
-			done := make(chan struct{})
-			go func() {
-				defer close(done)
-				for range runs + 1 {
-					if err := opts[1].Step(ctx); err != nil {
-						t.Error(err)
-						return
-					}
-				}
-			}()
-			allocs := testing.AllocsPerRun(runs, func() {
-				if err := opts[0].Step(ctx); err != nil {
-					t.Error(err)
-				}
-			})
-			<-done
+			allocs := allocsOnTwoRanks(t, runs, func() error { return opts[0].Step(ctx) }, func() error { return opts[1].Step(ctx) })
 			assert.Zero(t, allocs, "%s %s", alg, m)
 			assert.Zero(t, opts[0].Stats().Skipped)
 		}

@@ -14,6 +14,7 @@ import (
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/internal/conformance"
+	"github.com/lowbit-ml/lowbit/optim"
 )
 
 func TestVectors(t *testing.T) {
@@ -57,6 +58,10 @@ func TestVectors(t *testing.T) {
 				worst := replayOptimizer(t, c)
 				require.NoError(t, worst.err)
 				t.Logf("largest deviation %.3g", worst.dev)
+				// Split orthogonalization: the same bits, so the same deviation.
+				split := replayOptimizer(t, c, func(cfg *optim.MuonConfig) { cfg.Split = true })
+				require.NoError(t, split.err, "with Split")
+				require.Equal(t, worst.dev, split.dev, "with Split")
 			default:
 				t.Skipf("kind %q is not implemented yet", c.Kind)
 			}
@@ -77,15 +82,16 @@ type replay struct {
 }
 
 // replayOptimizer replays an optimizer step file on its world of local
-// ranks and returns rank 0's largest deviation and the run's error.
-func replayOptimizer(t *testing.T, c *conformance.Case) replay {
+// ranks, its configuration changed by mods, and returns rank 0's largest
+// deviation and the run's error.
+func replayOptimizer(t *testing.T, c *conformance.Case, mods ...func(*optim.MuonConfig)) replay {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	devs := make([]float64, c.WorldSize())
 	err := local.Run(ctx, c.WorldSize(), func(ctx context.Context, cm comm.Comm) error {
 		var err error
-		devs[cm.Rank()], err = conformance.RunOptimizerRank(ctx, cm, c)
+		devs[cm.Rank()], err = conformance.RunOptimizerRank(ctx, cm, c, mods...)
 		return err
 	})
 	for r, d := range devs {

@@ -127,8 +127,10 @@ func (r *OptimizerRun) muonConfig() optim.MuonConfig {
 // compared with the recorded ones after every step. It returns the largest
 // |got - want| of any parameter after any step, and an error naming the
 // first element beyond OptimizerTolerance (after replaying every step).
-// Every rank of cm calls it together.
-func RunOptimizerRank(ctx context.Context, cm comm.Comm, c *Case) (float64, error) {
+// Every rank of cm calls it together. Each of mods, if any, changes the
+// configuration built from the file before the replay (to replay it with
+// optim.MuonConfig.Split, say); every rank passes the same.
+func RunOptimizerRank(ctx context.Context, cm comm.Comm, c *Case, mods ...func(*optim.MuonConfig)) (float64, error) {
 	r, err := c.OptimizerRun()
 	if err != nil {
 		return 0, err
@@ -147,7 +149,11 @@ func RunOptimizerRank(ctx context.Context, cm comm.Comm, c *Case) (float64, erro
 		}
 		params[i] = p
 	}
-	opt, err := optim.NewMuon(ctx, cm, params, r.muonConfig())
+	cfg := r.muonConfig()
+	for _, mod := range mods {
+		mod(&cfg)
+	}
+	opt, err := optim.NewMuon(ctx, cm, params, cfg)
 	if err != nil {
 		return 0, err
 	}

@@ -68,6 +68,7 @@ type options struct {
 	model      modelConfig
 	lr         float64
 	muonLR     float64 // -muon-lr: Muon's; -lr is its auxiliary AdamW's
+	muonSplit  bool    // -muon-split: exact Muon's orthogonalization split across the ranks
 	freezeStep int
 	// outerH, outerFragments and outerDelay are diloco's H, Fragments
 	// and Delay (outer.Config).
@@ -119,7 +120,7 @@ func (o *options) hyper() hyper {
 	}
 	oc.Density, oc.Decay = float32(o.outerDensity), float32(o.outerDecay)
 	oc.SparseChunk, oc.SparseBits = o.outerSparseChunk, o.outerSBits
-	h := hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), freezeStep: fs, outer: oc, outerLR: o.outerLR, outerMomentum: o.outerMomentum, outerBF16: o.outerBF16}
+	h := hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), muonSplit: o.muonSplit, freezeStep: fs, outer: oc, outerLR: o.outerLR, outerMomentum: o.outerMomentum, outerBF16: o.outerBF16}
 	h.outer = h.outerFor(outer.CodecFP32)
 	return h
 }
@@ -166,6 +167,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.model.context, "context", 64, "sequence length in bytes")
 	fs.Float64Var(&o.lr, "lr", 2e-3, "learning rate (muon: its AdamW's, for the embeddings, the head, biases and norms); on a resume, given explicitly, it replaces the checkpoint's (otherwise the checkpoint's is kept)")
 	fs.Float64Var(&o.muonLR, "muon-lr", defaultMuonLR, "muon: the learning rate of the hidden matrices (attention and feed-forward); on a resume as -lr")
+	fs.BoolVar(&o.muonSplit, "muon-split", false, "muon (exact): each rank orthogonalizes its share of the hidden matrices and one all-gather per step shares the updates (optim.MuonConfig.Split): the same parameters, 1/W of the Newton-Schulz compute, about +50% of the hidden matrices' bytes; onebit-muon ignores it")
 	fs.IntVar(&o.freezeStep, "freeze-step", -1, "exact warm-up steps of the 1-bit optimizers (-1: a fifth of -steps)")
 	fs.IntVar(&o.outerH, "outer-h", defaultOuterH, "diloco: inner steps per outer step (each fragment's); fixed for the whole run, not derived from -steps")
 	fs.IntVar(&o.outerFragments, "outer-fragments", 1, "diloco: fragments of the parameters, exchanged staggered (Streaming DiLoCo), 1 to -outer-h")

@@ -389,3 +389,18 @@ func TestMuon(t *testing.T) {
 	require.NoError(t, run(context.Background(), append(args, "-steps", "32", "-lr", "1e-3"), &out, io.Discard))
 	assert.Contains(t, out.String(), "muon: resumed at step 31: muon lr 0.01 from the checkpoint, adam lr 0.001 from -lr (the checkpoint had 0.003)\n")
 }
+
+// TestMuonSplit: -muon-split reaches exact Muon (optim.MuonConfig.Split):
+// the same run, bit for bit (the same losses), with the all-gather's bytes
+// on top, and the header says so.
+func TestMuonSplit(t *testing.T) {
+	args := tiny("-optimizer", "muon", "-steps", "6", "-eval-every", "3")
+	whole, _ := runJSON(t, args...)
+	split, out := runJSON(t, append(args, "-muon-split", "-quiet=false")...)
+	require.Len(t, whole, 1)
+	require.Len(t, split, 1)
+	assert.Equal(t, whole[0].ValLoss, split[0].ValLoss)
+	assert.Equal(t, whole[0].CurveValLoss, split[0].CurveValLoss)
+	assert.Greater(t, split[0].BytesSentPerRank, whole[0].BytesSentPerRank, "the all-gather")
+	assert.Contains(t, out, "exact Muon's orthogonalization split across the ranks (-muon-split)")
+}

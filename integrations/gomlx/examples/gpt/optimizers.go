@@ -247,6 +247,8 @@ type hyper struct {
 	lr float32
 	// muonLR is Muon's learning rate (-muon-lr).
 	muonLR float32
+	// muonSplit is exact Muon's MuonConfig.Split (-muon-split).
+	muonSplit bool
 	// freezeStep is the exact warm-up of the 1-bit optimizers: FreezeStep
 	// of onebit-adam, onebit-adam-sharded and onebit-lamb, VarFreezeStep of
 	// zeroone-adam.
@@ -321,7 +323,7 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 	case muon:
 		cfg := optim.DefaultMuonConfig()
 		cfg.LR, cfg.AdamLR = h.muonLR, h.lr
-		cfg.Reduce = r.reduce
+		cfg.Reduce, cfg.Split = r.reduce, h.muonSplit
 		return lbgomlx.NewMuon(cfg)(ctx, c, params)
 	case onebitMuon:
 		cfg := onebit.DefaultMuonConfig()

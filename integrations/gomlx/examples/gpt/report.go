@@ -55,8 +55,12 @@ func printHeader(w io.Writer, o *options, data *corpus, workers int) {
 func muonDesc(o *options) string {
 	for _, r := range o.runs {
 		if r.name == muon || r.name == onebitMuon {
-			return fmt.Sprintf("muon: the hidden matrices (attention, feed-forward) by Muon, lr %g (-muon-lr); the embeddings, the output head, biases and norms by AdamW, lr %g (-lr)",
-				o.muonLR, o.lr)
+			split := ""
+			if o.muonSplit {
+				split = "; exact Muon's orthogonalization split across the ranks (-muon-split)"
+			}
+			return fmt.Sprintf("muon: the hidden matrices (attention, feed-forward) by Muon, lr %g (-muon-lr); the embeddings, the output head, biases and norms by AdamW, lr %g (-lr)%s",
+				o.muonLR, o.lr, split)
 		}
 	}
 	return ""
