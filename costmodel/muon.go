@@ -45,12 +45,13 @@ const DefaultMuonFlops = 18e9
 // orthogonalization of a rows x cols matrix by Muon's Newton-Schulz
 // iteration, optim's: the matrix viewed as r x c with r = min(rows, cols)
 // and c = max(rows, cols), each of the muonNSSteps iterations computes
-// A = X Xᵀ (r·r·c multiply-adds), A A (r³) and B X (r·r·c):
-// steps·(4r²c + 2r³). The normalization and the elementwise terms (O(rc))
-// are left out.
+// the symmetric A = X Xᵀ (its upper triangle: about r²c/2 multiply-adds),
+// the symmetric A A (about r³/2) and B X (r²c): steps·(3r²c + r³). The
+// normalization, the elementwise terms (O(rc)) and the diagonal's extra
+// half are left out.
 func NSFlops(rows, cols int64) float64 {
 	r, c := float64(min(rows, cols)), float64(max(rows, cols))
-	return muonNSSteps * (4*r*r*c + 2*r*r*r)
+	return muonNSSteps * (3*r*r*c + r*r*r)
 }
 
 // DefaultMuonShape is the Muon matrices' shape a plan of params parameters

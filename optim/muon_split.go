@@ -39,10 +39,11 @@ func newMuonSplit(c comm.Comm, mats []muonMatrix) *muonSplit {
 
 // nsCost is the floating-point operations of one Newton-Schulz iteration
 // on a rows x cols matrix: with r <= c its smaller and larger dimension,
-// A = X X^T (2r²c), A A (2r³) and B X (2r²c).
+// the symmetric A = X X^T (r²c, half a general product's 2r²c), the
+// symmetric A A (r³) and B X (2r²c).
 func nsCost(rows, cols int) int64 {
 	r, c := int64(min(rows, cols)), int64(max(rows, cols))
-	return 4*r*r*c + 2*r*r*r
+	return 3*r*r*c + r*r*r
 }
 
 // splitMatrices assigns the matrices of the given dimensions (rows, cols;

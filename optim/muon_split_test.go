@@ -134,7 +134,7 @@ func TestMuonSplitPlan(t *testing.T) {
 		elems += mt.rows * mt.cols
 	}
 	require.Len(t, dims, 12)
-	assert.Equal(t, int64(4*64*64*256+2*64*64*64), nsCost(256, 64), "r <= c is the smaller dimension")
+	assert.Equal(t, int64(3*64*64*256+64*64*64), nsCost(256, 64), "r <= c is the smaller dimension")
 	owner, off, share := splitMatrices(dims, 4)
 	load := make([]int64, 4)
 	for k, r := range owner {
