@@ -68,6 +68,7 @@ type options struct {
 	model      modelConfig
 	lr         float64
 	muonLR     float64 // -muon-lr: Muon's; -lr is its auxiliary AdamW's
+	muonState  string  // -muon-state: onebit-muon's state mode (onebit.ParseMuonStateMode)
 	freezeStep int
 	// outerH, outerFragments and outerDelay are diloco's H, Fragments
 	// and Delay (outer.Config).
@@ -107,6 +108,14 @@ type options struct {
 	allowInprocess bool
 }
 
+// validMuonState says whether s names a state mode of onebit-muon (the
+// empty name, which onebit.ParseMuonStateMode takes for full, is not a
+// flag value).
+func validMuonState(s string) bool {
+	_, _, err := onebit.ParseMuonStateMode(s)
+	return s != "" && err == nil
+}
+
 func (o *options) hyper() hyper {
 	fs := o.freezeStep
 	if fs < 0 {
@@ -120,6 +129,7 @@ func (o *options) hyper() hyper {
 	oc.Density, oc.Decay = float32(o.outerDensity), float32(o.outerDecay)
 	oc.SparseChunk, oc.SparseBits = o.outerSparseChunk, o.outerSBits
 	h := hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), freezeStep: fs, outer: oc, outerLR: o.outerLR, outerMomentum: o.outerMomentum, outerBF16: o.outerBF16}
+	h.muonState, h.muonBF16, _ = onebit.ParseMuonStateMode(o.muonState)
 	h.outer = h.outerFor(outer.CodecFP32)
 	return h
 }
@@ -166,6 +176,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.model.context, "context", 64, "sequence length in bytes")
 	fs.Float64Var(&o.lr, "lr", 2e-3, "learning rate (muon: its AdamW's, for the embeddings, the head, biases and norms); on a resume, given explicitly, it replaces the checkpoint's (otherwise the checkpoint's is kept)")
 	fs.Float64Var(&o.muonLR, "muon-lr", defaultMuonLR, "muon: the learning rate of the hidden matrices (attention and feed-forward); on a resume as -lr")
+	fs.StringVar(&o.muonState, "muon-state", "full", "onebit-muon: how its state is kept (onebit.MuonConfig.StateMode): full (13 bytes per element of a Muon matrix on 4 ranks), compact (no slot, worker errors in bfloat16: 7) or compact-bf16 (the momentum in bfloat16 too: 5)")
 	fs.IntVar(&o.freezeStep, "freeze-step", -1, "exact warm-up steps of the 1-bit optimizers (-1: a fifth of -steps)")
 	fs.IntVar(&o.outerH, "outer-h", defaultOuterH, "diloco: inner steps per outer step (each fragment's); fixed for the whole run, not derived from -steps")
 	fs.IntVar(&o.outerFragments, "outer-fragments", 1, "diloco: fragments of the parameters, exchanged staggered (Streaming DiLoCo), 1 to -outer-h")
@@ -225,6 +236,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("target", "want a validation loss in nats per byte, 0 for none")
 	case o.stopAtTarget && o.target == 0:
 		return bad("stop-at-target", "needs a -target")
+	case !validMuonState(o.muonState):
+		return bad("muon-state", "want full, compact or compact-bf16")
 	case o.freezeStep < -1 || o.freezeStep > maxSteps:
 		return bad("freeze-step", "want -1 (a fifth of -steps) to %d", maxSteps)
 	case o.evalEvery < 0 || o.evalEvery > maxSteps:
