@@ -498,7 +498,8 @@ func TestMuonSkipsNonFiniteStepOnEveryRank(t *testing.T) {
 // A momentum that would not be finite (here: a non-finite one loaded on
 // rank 1) is an error on every rank that changes nothing, in the
 // compression stage (where the momenta are each rank's own, refused in
-// the step's agreement) and in the warm-up.
+// the step's agreement) and in the warm-up, in every state mode (the
+// bfloat16 momentum of compact-bf16 included).
 func TestMuonNonFiniteMomentumIsAnErrorOnEveryRank(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
@@ -508,38 +509,41 @@ func TestMuonNonFiniteMomentumIsAnErrorOnEveryRank(t *testing.T) {
 		{"compression", 2, `the momentum of "tall" would not be finite on rank 1`},
 		{"warm-up", 10, `the momentum of "tall" is not finite on rank 1`},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			cks := muonStates(t, 3, 1, 3, newMuon1(muonTestConfig(tc.freeze)), nil)
-			cks[1].Tensor(optim.MomentumBufferPrefix + "tall").Data[4] = float32(math.Inf(-1))
-			errs := make([]error, 3)
-			err := local.Run(context.Background(), 3, func(ctx context.Context, c comm.Comm) error {
-				ps := muonParams()
-				opt, err := onebit.NewMuon(ctx, c, ps, muonTestConfig(tc.freeze))
-				if err != nil {
-					return err
+		for _, mode := range muonModes {
+			t.Run(tc.name+"/"+mode, func(t *testing.T) {
+				cfg := muonModeConfig(t, tc.freeze, mode)
+				cks := muonStates(t, 3, 1, 3, newMuon1(cfg), nil)
+				cks[1].Tensor(optim.MomentumBufferPrefix + "tall").Data[4] = float32(math.Inf(-1))
+				errs := make([]error, 3)
+				err := local.Run(context.Background(), 3, func(ctx context.Context, c comm.Comm) error {
+					ps := muonParams()
+					opt, err := onebit.NewMuon(ctx, c, ps, cfg)
+					if err != nil {
+						return err
+					}
+					defer opt.Close()
+					if err := opt.Load(cks[c.Rank()]); err != nil {
+						return err
+					}
+					muonGrad(ps, c.Rank(), 4)
+					errs[c.Rank()] = opt.Step(ctx)
+					after, err := opt.State()
+					if err != nil {
+						return err
+					}
+					assert.Equal(t, ckBits(cks[c.Rank()]), ckBits(after), "rank %d: nothing changed", c.Rank())
+					return nil
+				})
+				require.NoError(t, err)
+				for r, e := range errs {
+					want := "rank 1 refused the step"
+					if r == 1 {
+						want = tc.mine
+					}
+					require.ErrorContains(t, e, want, "rank %d", r)
 				}
-				defer opt.Close()
-				if err := opt.Load(cks[c.Rank()]); err != nil {
-					return err
-				}
-				muonGrad(ps, c.Rank(), 4)
-				errs[c.Rank()] = opt.Step(ctx)
-				after, err := opt.State()
-				if err != nil {
-					return err
-				}
-				assert.Equal(t, ckBits(cks[c.Rank()]), ckBits(after), "rank %d: nothing changed", c.Rank())
-				return nil
 			})
-			require.NoError(t, err)
-			for r, e := range errs {
-				want := "rank 1 refused the step"
-				if r == 1 {
-					want = tc.mine
-				}
-				require.ErrorContains(t, e, want, "rank %d", r)
-			}
-		})
+		}
 	}
 }
 
