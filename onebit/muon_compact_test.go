@@ -2,10 +2,8 @@ package onebit_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math"
-	"strings"
 	"sync"
 	"testing"
 	"unsafe"
@@ -13,7 +11,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/errorfeedback"
 	"github.com/lowbit-ml/lowbit/onebit"
@@ -31,134 +28,6 @@ func muonModeConfig(t testing.TB, freeze int, mode string) onebit.MuonConfig {
 	cfg.StateMode, cfg.MomentumBF16, err = onebit.ParseMuonStateMode(mode)
 	require.NoError(t, err)
 	return cfg
-}
-
-// The compact modes keep every rank's parameters bit-identical after every
-// step, on 2, 3 and 4 ranks, across the end of the warm-up, in buckets
-// that cut through the matrices as in one bucket; the momenta of the
-// compression stage differ from rank to rank.
-func TestMuonCompactRanksBitIdentical(t *testing.T) {
-	const freeze, steps = 2, 6
-	for _, mode := range muonModes[1:] {
-		for _, w := range []int{2, 3, 4} {
-			for _, bucket := range []int{0, 64} {
-				t.Run(fmt.Sprintf("%s/W=%d/bucket=%d", mode, w, bucket), func(t *testing.T) {
-					cfg := muonModeConfig(t, freeze, mode)
-					cfg.BucketBytes = bucket
-					var mu sync.Mutex
-					params := make([][][][]uint32, steps) // [step][rank]
-					moms := make([][][]float32, steps)
-					for s := range params {
-						params[s], moms[s] = make([][][]uint32, w), make([][]float32, w)
-					}
-					muonRun(t, w, steps, cfg, func(s, r int, opt *onebit.Muon, ps []*optim.Param) error {
-						ck, err := opt.State()
-						if err != nil {
-							return err
-						}
-						mu.Lock()
-						defer mu.Unlock()
-						params[s-1][r] = muonBits(ps)
-						moms[s-1][r] = ck.Tensor(optim.MomentumBufferPrefix + "conv").Data
-						return nil
-					})
-					for s := range steps {
-						for r := 1; r < w; r++ {
-							for i, pm := range muonModel {
-								require.Equal(t, params[s][0][i], params[s][r][i], "step %d: %s differs between rank 0 and rank %d", s+1, pm.name, r)
-							}
-							if s+1 > freeze {
-								require.NotEqual(t, moms[s][0], moms[s][r], "step %d: each rank has its own momentum", s+1)
-							}
-						}
-					}
-				})
-			}
-		}
-	}
-}
-
-// A run stopped in the warm-up or in the compression stage and resumed
-// from every rank's checkpoint (through its binary form), both learning
-// rates on schedules, continues bit for bit as the run that never
-// stopped, in both compact modes (the bfloat16 momentum's stochastic
-// rounding included).
-func TestMuonCompactResumeIsBitIdentical(t *testing.T) {
-	const w, freeze, total = 3, 2, 7
-	muonLR, err := optim.CosineDecay(0.05, 0.005, total)
-	require.NoError(t, err)
-	adamLR, err := optim.StepDecay(0.01, 0.5, 3)
-	require.NoError(t, err)
-	for _, mode := range muonModes[1:] {
-		mk := func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-			o, err := onebit.NewMuon(ctx, c, ps, muonModeConfig(t, freeze, mode))
-			if err != nil {
-				return nil, err
-			}
-			if err := o.SetSchedule(muonLR); err != nil {
-				return nil, err
-			}
-			return o, o.SetAdamSchedule(adamLR)
-		}
-		want := muonStates(t, w, 1, total, mk, nil)
-		for _, stop := range []int{1, 4} {
-			t.Run(fmt.Sprintf("%s/stop=%d", mode, stop), func(t *testing.T) {
-				mid := muonStates(t, w, 1, stop, mk, nil)
-				for r, ck := range mid {
-					assert.Equal(t, int64(onebit.StateCompact), ck.Ints[onebit.IntStateMode])
-					b, err := ck.MarshalBinary()
-					require.NoError(t, err)
-					mid[r] = &optim.Checkpoint{}
-					require.NoError(t, mid[r].UnmarshalBinary(b))
-				}
-				got := muonStates(t, w, stop+1, total, mk, mid)
-				for r := range w {
-					require.Equal(t, ckBits(want[r]), ckBits(got[r]), "rank %d", r)
-				}
-			})
-		}
-	}
-}
-
-// Load refuses, changing nothing, a checkpoint of another state mode:
-// StateFull's in a compact mode, a compact mode's in StateFull, compact
-// with and without MomentumBF16 in each other.
-func TestMuonCompactLoadRefusesAnotherMode(t *testing.T) {
-	cks := map[string][]*optim.Checkpoint{}
-	for _, mode := range muonModes {
-		cks[mode] = muonStates(t, 2, 1, 3, newMuon1(muonModeConfig(t, 2, mode)), nil)
-	}
-	for _, have := range muonModes {
-		for _, made := range muonModes {
-			if have == made {
-				continue
-			}
-			t.Run(have+"/"+made, func(t *testing.T) {
-				muonRunWith(t, 2, 1, 1, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-					o, err := onebit.NewMuon(ctx, c, ps, muonModeConfig(t, 2, have))
-					if err != nil {
-						return nil, err
-					}
-					before, err := o.State()
-					if err != nil {
-						return nil, err
-					}
-					err = o.Load(cks[made][c.Rank()])
-					if !errors.Is(err, optim.ErrIncompatibleCheckpoint) || !strings.Contains(err.Error(), "made with StateMode") {
-						return nil, fmt.Errorf("rank %d: want a refusal naming the state modes, got %v", c.Rank(), err)
-					}
-					after, err := o.State()
-					if err != nil {
-						return nil, err
-					}
-					if !assert.Equal(t, ckBits(before), ckBits(after), "rank %d: nothing changed", c.Rank()) {
-						return nil, errors.New("changed")
-					}
-					return o, nil
-				}, nil, nil)
-			})
-		}
-	}
 }
 
 // An invalid combination is a ConfigError: StateSharded, MomentumBF16
@@ -281,33 +150,8 @@ func TestMuonCompactStateBytes(t *testing.T) {
 // Once running, a compression step of the compact modes allocates
 // nothing (both ranks' goroutines counted).
 func TestMuonCompactStepAllocatesNothing(t *testing.T) {
-	ctx := adamCtx(t)
 	for _, mode := range muonModes[1:] {
-		t.Run(mode, func(t *testing.T) {
-			cs, err := local.New(2)
-			require.NoError(t, err)
-			opts := make([]*onebit.Muon, 2)
-			var wg sync.WaitGroup
-			for r := range cs {
-				wg.Go(func() { // NewMuon is a collective
-					ps := muonParams()
-					muonGrad(ps, r, 1)
-					var err error
-					opts[r], err = onebit.NewMuon(ctx, cs[r], ps, muonModeConfig(t, 1, mode))
-					if assert.NoError(t, err) {
-						for range 2 {
-							assert.NoError(t, opts[r].Step(ctx))
-						}
-					}
-				})
-			}
-			wg.Wait()
-			require.NotNil(t, opts[0])
-			require.NotNil(t, opts[1])
-			require.Equal(t, optim.StageCompression, opts[0].Stage())
-			allocs := stepAllocsOnTwoRanks(t, func() error { return opts[0].Step(ctx) }, func() error { return opts[1].Step(ctx) })
-			assert.Zero(t, allocs, "two ranks")
-		})
+		assert.Zero(t, muonStepAllocsOnTwoRanks(t, muonModeConfig(t, 1, mode)), mode)
 	}
 }
 
