@@ -685,7 +685,13 @@ func (o *Muon) Load(ck *optim.Checkpoint) error {
 // error 4 and server error 4/W per element, padded, and the wire buffers
 // the buckets share) and the gradient averager's buffers. On 4 ranks that
 // is 13 bytes and the wire buffers' 0.25 per element of a Muon matrix,
-// besides the work matrices (docs/muon.md).
+// besides the work matrices (docs/muon.md). In StateCompact, on more than
+// one rank: the exchange buffer holds the AdamW group's m only, the worker
+// errors are bfloat16 (2 per padded element, made at the end of the
+// warm-up), the momenta bfloat16 from then on with MomentumBF16, plus a
+// scratch matrix as long as the largest, a step per parameter and a block
+// of 4Ki floats: 7 bytes per element of a Muon matrix on 4 ranks, 5 with
+// MomentumBF16. The figure is the layout of the stage o is in.
 func (o *Muon) StateBytes() int64 {
 	n := optim.Float32Bytes(o.mom...) + optim.Float32Bytes(o.flat) + optim.Float32Bytes(o.v...) + optim.Float32Bytes(o.unit)
 	n += optim.Float32Bytes(o.scratch, o.step)
