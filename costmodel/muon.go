@@ -198,6 +198,58 @@ func OnebitMuonStateBytes(matrices [][2]int64, other []int64, world int, bucketB
 	return exact + 4*n + 4*aux + 4*int64(len(matrices)+len(other)) + bucketStates(n, world, bucketBytes, false), nil
 }
 
+// OptOnebitMuonCompactBF16 is the state row of 1-bit Muon in its smallest
+// mode: onebit.MuonConfig's StateCompact with MomentumBF16
+// (OnebitMuonCompactStateBytes).
+const OptOnebitMuonCompactBF16 = "onebit-muon-compact-bf16"
+
+// OnebitMuonCompactStateBytes is OnebitMuonStateBytes for
+// onebit.MuonConfig's StateCompact (momentumBF16: with MomentumBF16) in
+// its compression stage, the larger of its two layouts: no exchange
+// buffer for the matrices (the AdamW group's m stays, 4 bytes per AdamW
+// element), the worker errors in bfloat16 (2 bytes per padded element of
+// every bucket instead of 4), the momenta in bfloat16 with momentumBF16
+// (2 per element of a matrix instead of 4), plus a float32 scratch matrix
+// as long as the largest matrix, a float32 step per parameter tensor and
+// a block of 4Ki floats. On one rank the mode runs as StateFull: the
+// figure is OnebitMuonStateBytes.
+func OnebitMuonCompactStateBytes(matrices [][2]int64, other []int64, world int, bucketBytes int64, momentumBF16 bool) (int64, error) {
+	full, err := OnebitMuonStateBytes(matrices, other, world, bucketBytes)
+	if err != nil || world < 2 {
+		return full, err
+	}
+	var mat, most int64
+	for _, m := range matrices {
+		mat += m[0] * m[1]
+		most = max(most, m[0]*m[1])
+	}
+	var aux int64
+	for _, k := range other {
+		aux += k
+	}
+	if bucketBytes == 0 {
+		bucketBytes = DefaultBucketBytes
+	}
+	return full + muonCompactDelta(mat, aux, most, int64(len(matrices)+len(other)), world, bucketBytes, momentumBF16), nil
+}
+
+// muonCompactDelta is what StateCompact changes in 1-bit Muon's
+// StateFull state of mat matrix elements (the largest matrix most) and
+// aux AdamW elements in tensors tensors (see
+// OnebitMuonCompactStateBytes), on world > 1 ranks.
+func muonCompactDelta(mat, aux, most, tensors int64, world int, bucketBytes int64, momentumBF16 bool) int64 {
+	n, per := mat+aux, max(bucketBytes/4, 1)
+	padded := n/per*onebitPaddedLen(per, world) + onebitPaddedLen(n%per, world)
+	d := -4*mat - 2*padded + 4*most + 4*tensors + 4*compactBlock
+	if momentumBF16 {
+		d -= 2 * mat
+	}
+	return d
+}
+
+// compactBlock is the float32 block of onebit's compact 1-bit Muon.
+const compactBlock = 4 << 10
+
 // onebitMuonState is OnebitMuonStateBytes of count matrices of one shape
 // and other AdamW elements in one tensor, in closed form.
 func onebitMuonState(shape [2]int64, count, other int64, world int, bucketBytes int64) (int64, error) {

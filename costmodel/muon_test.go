@@ -26,10 +26,12 @@ func TestMuonCopiesMatch(t *testing.T) {
 // that repeat, a transpose, a tensor of rank 3, an empty matrix.
 var muonShapes = [][]int{{24, 40}, {40, 24}, {24, 40}, {32, 32}, {3, 4, 10}, {0, 5}, {40}, {7}, {100}}
 
-// The state of exact Muon and of 1-bit Muon, by MuonStateBytes and
-// OnebitMuonStateBytes, is the optimizers' StateBytes to the byte, on 2, 4
-// and 8 ranks, in buckets that cut the model in several places and in one
-// bucket; and the closed forms the plan uses agree with them.
+// The state of exact Muon and of 1-bit Muon, by MuonStateBytes,
+// OnebitMuonStateBytes and OnebitMuonCompactStateBytes (both compact
+// modes, in the compression stage), is the optimizers' StateBytes to the
+// byte, on 2, 4 and 8 ranks, in buckets that cut the model in several
+// places and in one bucket; and the closed forms the plan uses agree with
+// them.
 func TestMuonStateBytesMatchOptimizers(t *testing.T) {
 	var matrices [][2]int64
 	var other []int64
@@ -52,7 +54,12 @@ func TestMuonStateBytesMatchOptimizers(t *testing.T) {
 			require.NoError(t, err)
 			oneBit, err := OnebitMuonStateBytes(matrices, other, w, int64(bucket))
 			require.NoError(t, err)
-			got := make([][2]int64, w)
+			var compact [2]int64
+			for k, bf16 := range []bool{false, true} {
+				compact[k], err = OnebitMuonCompactStateBytes(matrices, other, w, int64(bucket), bf16)
+				require.NoError(t, err)
+			}
+			got := make([][4]int64, w)
 			err = local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
 				params := func() []*optim.Param {
 					var ps []*optim.Param
@@ -73,13 +80,26 @@ func TestMuonStateBytesMatchOptimizers(t *testing.T) {
 					return err
 				}
 				defer o.Close()
-				got[c.Rank()] = [2]int64{m.StateBytes(), o.StateBytes()}
+				got[c.Rank()] = [4]int64{m.StateBytes(), o.StateBytes()}
+				for k, bf16 := range []bool{false, true} {
+					cfg.StateMode, cfg.MomentumBF16, cfg.FreezeStep = onebit.StateCompact, bf16, 0
+					oc, err := onebit.NewMuon(ctx, c, params(), cfg)
+					if err != nil {
+						return err
+					}
+					got[c.Rank()][2+k] = oc.StateBytes()
+					if err := oc.Close(); err != nil {
+						return err
+					}
+				}
 				return nil
 			})
 			require.NoError(t, err)
 			what := fmt.Sprintf("%d ranks, buckets of %d bytes", w, bucket)
 			assert.Equal(t, got[0][0], exact, "exact Muon, "+what)
 			assert.Equal(t, got[0][1], oneBit, "1-bit Muon, "+what)
+			assert.Equal(t, got[0][2], compact[0], "1-bit Muon StateCompact, "+what)
+			assert.Equal(t, got[0][3], compact[1], "1-bit Muon StateCompact with MomentumBF16, "+what)
 		}
 	}
 	// The closed forms of one shape repeated and one AdamW tensor.
@@ -93,6 +113,13 @@ func TestMuonStateBytesMatchOptimizers(t *testing.T) {
 		got, err := onebitMuonState([2]int64{24, 40}, 3, 123, w, 1<<10)
 		require.NoError(t, err)
 		assert.Equal(t, want, got, "%d ranks", w)
+		want, err = OnebitMuonCompactStateBytes(mats, []int64{123}, w, 1<<10, true)
+		require.NoError(t, err)
+		if w > 1 {
+			assert.Equal(t, want, got+muonCompactDelta(3*24*40, 123, 24*40, 4, w, 1<<10, true), "%d ranks", w)
+		} else {
+			assert.Equal(t, want, got, "one rank: StateFull")
+		}
 	}
 	_, err := OnebitMuonStateBytes([][2]int64{{-1, 2}}, nil, 4, 0)
 	assert.Error(t, err)

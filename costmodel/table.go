@@ -3,7 +3,8 @@ package costmodel
 // StateRow is one row of the optimizer state table of a plan.
 type StateRow struct {
 	// Optimizer is the row's name: one of StateOptimizers, OptMuon,
-	// OptOnebitMuon, or an outer row ("outer-sparse": the outer optimizer
+	// OptOnebitMuon, OptOnebitMuonCompactBF16 (on more than one rank), or
+	// an outer row ("outer-sparse": the outer optimizer
 	// with that codec around outer.NewAdam's AdamW).
 	Optimizer string
 	// Bytes is the state of rank 0, parameters and gradients not
@@ -17,7 +18,8 @@ type StateRow struct {
 // for j (Params, Ranks, BucketBytes; the Muon and outer fields): every
 // StateOptimizers row with the model as one tensor (StateBytes), Muon and
 // 1-bit Muon with the model as Plan's Muon rows see it (MuonPlan: whole
-// matrices of one shape and one AdamW tensor), and with OuterH > 0 the
+// matrices of one shape and one AdamW tensor), 1-bit Muon's smallest
+// mode the same way (on more than one rank), and with OuterH > 0 the
 // outer optimizer around exact AdamW, one row per codec of
 // OuterStateBytes (the sparse codec's where its chunk fits the smallest
 // fragment), and the sparse codec's smallest mode (OptOuterSparseBF16).
@@ -31,6 +33,15 @@ func (j Job) StateTable() []StateRow {
 	rows = append(rows, StateRow{Optimizer: OptMuon, Bytes: muonState(mp.Shape, mp.Matrices, mp.Other)})
 	b, err := onebitMuonState(mp.Shape, mp.Matrices, mp.Other, j.Ranks, j.BucketBytes)
 	rows = append(rows, StateRow{Optimizer: OptOnebitMuon, Bytes: b, Err: err})
+	if err == nil && j.Ranks > 1 && mp.Matrices > 0 {
+		most := mp.Shape[0] * mp.Shape[1]
+		tensors := mp.Matrices
+		if mp.Other > 0 {
+			tensors++
+		}
+		b += muonCompactDelta(mp.Matrices*most, mp.Other, most, tensors, j.Ranks, j.BucketBytes, true)
+		rows = append(rows, StateRow{Optimizer: OptOnebitMuonCompactBF16, Bytes: b})
+	}
 	for _, name := range j.defaultOuterRows() {
 		oc, _ := findOuterCodec(name)
 		b, err := OuterStateBytes(oc.codec, j)

@@ -40,9 +40,11 @@
 // 9.15, 7.04 and 4.54). Regroup
 // carries the error feedback of every mode, and of Lamb, ZeroOneAdam and
 // Muon, to another number of ranks, from and to one rank included. Muon
-// keeps 13 bytes per element of a Muon matrix on 4 ranks (this rank's
-// momentum, its slot of the exchange, the error buffers), besides the
-// wire buffers and the Newton-Schulz work matrices (docs/muon.md).
+// keeps 13 bytes per element of a Muon matrix on 4 ranks in StateFull
+// (this rank's momentum, its slot of the exchange, the error buffers), 7
+// in StateCompact (no slot, the worker error in bfloat16) and 5 with
+// MuonConfig.MomentumBF16, besides the wire buffers and the Newton-Schulz
+// work matrices (docs/muon.md).
 //
 // # Elements with no variance
 //

@@ -37,6 +37,39 @@ type MuonConfig struct {
 	// AdamConfig: 0 means optim.DefaultBucketBytes, optim.PerParameter
 	// one bucket per parameter.
 	BucketBytes int
+	// StateMode is how the state is kept on more than one rank: StateFull
+	// (the default: every rank's momentum, a float32 slot of the exchange
+	// per element and float32 error buffers, 13 bytes per element of a
+	// Muon matrix on 4 ranks) or StateCompact (no slot: each update is
+	// added into the worker error buffer, kept in bfloat16, before the
+	// exchange, and the exchange's output is applied from the packed form
+	// it gathers: 7 bytes on 4 ranks, 5 with MomentumBF16; docs/muon.md).
+	// StateSharded is not offered. On one rank nothing is exchanged and
+	// every mode runs as StateFull (its checkpoints still name the mode).
+	StateMode StateMode
+	// MomentumBF16, with StateCompact only, keeps each rank's Muon
+	// momentum in bfloat16 in the compression stage, rounded
+	// stochastically (optim.MomentumBF16; the bits a hash of the step,
+	// the rank and the parameter, so that a resumed run rounds as the run
+	// that was not interrupted): 2 bytes per element instead of 4. The
+	// warm-up keeps it in float32 (exact Muon's); its end rounds it to
+	// nearest.
+	MomentumBF16 bool
+}
+
+// ParseMuonStateMode parses the name of a state mode of 1-bit Muon as a
+// command line spells it: "" or "full" (StateFull), "compact"
+// (StateCompact) or "compact-bf16" (StateCompact with MomentumBF16).
+func ParseMuonStateMode(s string) (mode StateMode, momentumBF16 bool, err error) {
+	switch s {
+	case "", "full":
+		return StateFull, false, nil
+	case "compact":
+		return StateCompact, false, nil
+	case "compact-bf16":
+		return StateCompact, true, nil
+	}
+	return 0, false, fmt.Errorf("onebit: unknown Muon state mode %q (want full, compact or compact-bf16)", s)
 }
 
 // DefaultMuonFreezeStep is DefaultMuonConfig's FreezeStep.
@@ -50,9 +83,11 @@ func DefaultMuonConfig() MuonConfig {
 
 // Validate reports the first invalid field as an *optim.ConfigError: those
 // of optim.MuonConfig.Validate, a negative FreezeStep, Split (which 1-bit
-// Muon does not take: each rank orthogonalizes its own momentum), or a
-// BucketBytes outside the convention of optim.DefaultBucketBytes. NewMuon
-// returns exactly this error (joined, on more than one rank, with the
+// Muon does not take: each rank orthogonalizes its own momentum), a
+// BucketBytes outside the convention of optim.DefaultBucketBytes, a
+// StateMode other than StateFull and StateCompact, or MomentumBF16 without
+// StateCompact. NewMuon returns exactly this error (joined, on more than
+// one rank, with the
 // agreement's).
 func (c MuonConfig) Validate() error {
 	const cfg = "onebit.MuonConfig"
@@ -64,6 +99,12 @@ func (c MuonConfig) Validate() error {
 	}
 	if c.Split {
 		return &optim.ConfigError{Config: cfg, Field: "Split", Value: c.Split, Want: "false (1-bit Muon orthogonalizes each rank's own momentum: Split does not apply)"}
+	}
+	if c.StateMode != StateFull && c.StateMode != StateCompact {
+		return &optim.ConfigError{Config: cfg, Field: "StateMode", Value: c.StateMode, Want: "StateFull or StateCompact"}
+	}
+	if c.MomentumBF16 && c.StateMode != StateCompact {
+		return &optim.ConfigError{Config: cfg, Field: "MomentumBF16", Value: c.MomentumBF16, Want: "false unless StateMode is StateCompact"}
 	}
 	return checkBucketBytes(cfg, c.BucketBytes)
 }
@@ -137,6 +178,15 @@ type Muon struct {
 	unit []float32   // per parameter: AdamW's k_p in the compression stage
 	bkt  *buckets    // the fused buckets of flat (none on one rank)
 	c2   float32     // AdamW's frozen variance bias correction
+
+	// StateCompact on more than one rank: flat holds the AdamW group's m
+	// only, a Muon matrix's slot is the front of scratch (as long as the
+	// largest matrix, where its momentum is widened and its update
+	// formed), step is each matrix's step of the compression stage, and
+	// cm the compact state (nil in StateFull and on one rank).
+	cm      *muonCompact
+	scratch []float32
+	step    []float32
 }
 
 // muonMatrix is one parameter of 1-bit Muon's Muon group.
@@ -175,7 +225,7 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg MuonCo
 		}
 	}
 	if c != nil && c.Size() > 1 {
-		extra := []uint64{uint64(cfg.FreezeStep), uint64(int64(cfg.BucketBytes))}
+		extra := []uint64{uint64(cfg.FreezeStep), uint64(int64(cfg.BucketBytes)), uint64(cfg.StateMode), boolBit(cfg.MomentumBF16)}
 		if err := optim.AgreeMuon(ctx, c, "onebit: Muon", params, muon, cfg.MuonConfig, extra, bad != nil); err != nil {
 			return nil, errors.Join(bad, err)
 		}
@@ -190,12 +240,25 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg MuonCo
 		mom:   make([][]float32, len(params)), v: make([][]float32, len(params)),
 		unit: make([]float32, len(params)),
 	}
+	compact := cfg.StateMode == StateCompact && c != nil && c.Size() > 1
 	sizes := make([]int, len(params))
+	most := 0
 	for i, p := range params {
 		sizes[i] = p.Numel()
 		o.unit[i] = 1
+		if compact && muon[i] {
+			sizes[i], most = 0, max(most, p.Numel())
+		}
 	}
 	o.flat, o.slot = flatten[float32](sizes)
+	if compact {
+		o.scratch, o.step = make([]float32, most), make([]float32, len(params))
+		for i, p := range params {
+			if muon[i] {
+				o.slot[i] = o.scratch[:p.Numel():p.Numel()]
+			}
+		}
+	}
 	orth := map[[2]int]*optim.Orthogonalizer{}
 	for i, p := range o.params {
 		if !muon[i] {
@@ -239,6 +302,12 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg MuonCo
 		avg.Close()
 		return nil, fmt.Errorf("onebit: Muon: %w", err)
 	}
+	if compact {
+		o.cm = newMuonCompact(o.params, o.bkt, cfg.MomentumBF16)
+		if start == optim.StageCompression {
+			o.cm.setCompressing(true, o.mom, nil)
+		}
+	}
 	o.f.Handle(optim.StageWarmup, o.warmup)
 	o.f.Handle(optim.StageCompression, o.compressed)
 	return o, nil
@@ -262,7 +331,13 @@ func (o *Muon) check(t int64) error {
 		if !compressing && !optim.Finite(m) {
 			return fmt.Errorf("the momentum of %q is not finite on rank %d (a non-finite momentum loaded): nothing changed", p.Name, o.f.Rank())
 		}
-		if compressing && !optim.MomentumFinite(m, p.GradData(), o.cfg.Momentum) && optim.Finite(p.GradData()) {
+		finite := func() bool {
+			if o.cm != nil && o.cm.mb != nil {
+				return optim.MomentumFiniteBF16(o.cm.mb[mt.i], p.GradData(), o.cfg.Momentum)
+			}
+			return optim.MomentumFinite(m, p.GradData(), o.cfg.Momentum)
+		}
+		if compressing && !finite() && optim.Finite(p.GradData()) {
 			return fmt.Errorf("the momentum of %q would not be finite on rank %d (a gradient near the float32 limit, or a non-finite momentum loaded): nothing changed", p.Name, o.f.Rank())
 		}
 	}
@@ -312,6 +387,9 @@ func (o *Muon) warmup(ctx context.Context, t int64, lr float32) error {
 	if t >= o.freeze {
 		o.c2 = c2
 		o.setUnits()
+		if o.cm != nil {
+			o.cm.setCompressing(true, o.mom, nil)
+		}
 		o.f.Enter(optim.StageCompression)
 	}
 	return nil
@@ -369,6 +447,9 @@ func (o *Muon) setUnits() {
 func (o *Muon) compressed(ctx context.Context, t int64, lr float32) error {
 	cfg := o.cfg
 	alr := o.adam.At(t)
+	if o.cm != nil {
+		return o.compressedCompact(ctx, t, lr, alr)
+	}
 	c1 := optim.BiasCorrection(cfg.AdamBeta1, t)
 	for _, i := range o.aux {
 		optim.Momentum(o.slot[i], o.params[i].GradData(), cfg.AdamBeta1)
@@ -492,17 +573,23 @@ func (o *Muon) State() (*optim.Checkpoint, error) {
 	ck := o.f.Checkpoint()
 	ck.Floats[FloatFrozenBiasCorrection2] = float64(o.c2)
 	o.adam.Save(ck)
+	saveMuonMode(ck, o.cfg)
+	mom := o.mom
+	var we [][]float32
+	if o.cm != nil {
+		mom, we = o.cm.momenta(o.mom), o.cm.workerErrors()
+	}
 	for i, p := range o.params {
 		shape := p.Shape()
 		ck.AddTensor(optim.ParamTensorName(p.Name), shape, p.Data())
 		if o.v[i] == nil {
-			ck.AddTensor(optim.MomentumBufferPrefix+p.Name, shape, o.mom[i])
+			ck.AddTensor(optim.MomentumBufferPrefix+p.Name, shape, mom[i])
 			continue
 		}
 		ck.AddTensor(optim.ExpAvgPrefix+p.Name, shape, o.slot[i])
 		ck.AddTensor(optim.ExpAvgSqPrefix+p.Name, shape, o.v[i])
 	}
-	o.bkt.save(ck, nil, nil)
+	o.bkt.save(ck, we, nil)
 	return ck, nil
 }
 
@@ -530,6 +617,9 @@ func (o *Muon) Load(ck *optim.Checkpoint) error {
 		return fmt.Errorf("onebit: Muon: %w: made by rank %d, this is rank %d (the momenta and error buffers are per rank)",
 			optim.ErrIncompatibleCheckpoint, ck.Rank, o.f.Rank())
 	}
+	if err := checkMuonMode(ck, o.cfg); err != nil {
+		return fmt.Errorf("onebit: Muon: %w", err)
+	}
 	if err := o.bkt.check(ck); err != nil {
 		return fmt.Errorf("onebit: Muon: %w", err)
 	}
@@ -545,22 +635,38 @@ func (o *Muon) Load(ck *optim.Checkpoint) error {
 		return fmt.Errorf("onebit: Muon: %w", err)
 	}
 	rs := ck.Restore()
+	mom := o.mom
+	var we [][]float32
+	if o.cm != nil {
+		// Staged in float32, laid out for ck's stage once it all loaded.
+		mom = make([][]float32, len(o.params))
+		for _, mt := range o.mats {
+			mom[mt.i] = make([]float32, o.params[mt.i].Numel())
+		}
+		if !ck.ErrorsReset {
+			_, we = flatten[float32](o.cm.padded)
+		}
+	}
 	for i, p := range o.params {
 		rs.Tensor(optim.ParamTensorName(p.Name), p.Data())
 		if o.v[i] == nil {
-			rs.Tensor(optim.MomentumBufferPrefix+p.Name, o.mom[i])
+			rs.Tensor(optim.MomentumBufferPrefix+p.Name, mom[i])
 			continue
 		}
 		rs.Tensor(optim.ExpAvgPrefix+p.Name, o.slot[i])
 		rs.Tensor(optim.ExpAvgSqPrefix+p.Name, o.v[i])
 	}
-	o.bkt.restore(ck, rs)
+	o.restoreErrors(ck, rs, we)
 	if err := rs.Apply(); err != nil {
 		return fmt.Errorf("onebit: Muon: %w", err)
 	}
 	if ck.ErrorsReset {
 		o.bkt.reset()
 		warnErrorsReset(o.f.Logger(), ck, o.f.World(), o.f.Rank())
+	}
+	if o.cm != nil {
+		o.mom = mom
+		o.cm.setCompressing(fs.Stage == optim.StageCompression, o.mom, we)
 	}
 	o.c2 = float32(c2)
 	for i := range o.unit {
@@ -583,13 +689,38 @@ func (o *Muon) Load(ck *optim.Checkpoint) error {
 // error 4 and server error 4/W per element, padded, and the wire buffers
 // the buckets share) and the gradient averager's buffers. On 4 ranks that
 // is 13 bytes and the wire buffers' 0.25 per element of a Muon matrix,
-// besides the work matrices (docs/muon.md).
+// besides the work matrices (docs/muon.md). In StateCompact, on more than
+// one rank: the exchange buffer holds the AdamW group's m only, the worker
+// errors are bfloat16 (2 per padded element, made at the end of the
+// warm-up), the momenta bfloat16 from then on with MomentumBF16, plus a
+// scratch matrix as long as the largest, a step per parameter and a block
+// of 4Ki floats: 7 bytes per element of a Muon matrix on 4 ranks, 5 with
+// MomentumBF16. The figure is the layout of the stage o is in.
 func (o *Muon) StateBytes() int64 {
 	n := optim.Float32Bytes(o.mom...) + optim.Float32Bytes(o.flat) + optim.Float32Bytes(o.v...) + optim.Float32Bytes(o.unit)
+	n += optim.Float32Bytes(o.scratch, o.step)
 	for _, w := range o.orth {
 		n += w.StateBytes()
 	}
-	return n + o.bkt.stateBytes() + o.avg.StateBytes()
+	return n + o.bkt.stateBytes() + o.avg.StateBytes() + o.cm.stateBytes()
+}
+
+// restoreErrors stages the buckets' error buffers of ck for rs: as
+// buckets.restore does, the worker errors into we in StateCompact (which
+// narrows them into bfloat16 once they all loaded).
+func (o *Muon) restoreErrors(ck *optim.Checkpoint, rs *optim.Restore, we [][]float32) {
+	if o.cm == nil {
+		o.bkt.restore(ck, rs)
+		return
+	}
+	if ck.ErrorsReset {
+		return
+	}
+	for k, st := range o.bkt.states {
+		wn, sn := o.bkt.errorNames(k)
+		rs.Tensor(wn, we[k])
+		rs.Tensor(sn, st.ServerError)
+	}
 }
 
 // Close releases the communicators that ReduceTwoLevel averaging split off

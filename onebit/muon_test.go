@@ -133,40 +133,48 @@ func muonBits(ps []*optim.Param) [][]uint32 {
 // 4 ranks, across the switch from the warm-up to the compression stage,
 // although the ranks' momenta differ there (each its own gradients'): the
 // only way from a rank's own gradient to the parameters is the exchange.
+// So in every state mode, in one bucket and in buckets that cut through
+// the matrices.
 func TestMuonRanksBitIdentical(t *testing.T) {
 	const freeze, steps = 2, 7
-	for _, w := range []int{2, 3, 4} {
-		t.Run(fmt.Sprint("W=", w), func(t *testing.T) {
-			var mu sync.Mutex
-			params := make([][][][]uint32, steps) // [step][rank]
-			moms := make([][][]float32, steps)
-			for s := range params {
-				params[s], moms[s] = make([][][]uint32, w), make([][]float32, w)
-			}
-			muonRun(t, w, steps, muonTestConfig(freeze), func(s, r int, opt *onebit.Muon, ps []*optim.Param) error {
-				ck, err := opt.State()
-				if err != nil {
-					return err
-				}
-				mu.Lock()
-				defer mu.Unlock()
-				params[s-1][r] = muonBits(ps)
-				moms[s-1][r] = ck.Tensor(optim.MomentumBufferPrefix + "wide").Data
-				return nil
-			})
-			for s := range steps {
-				for r := 1; r < w; r++ {
-					for i, pm := range muonModel {
-						require.Equal(t, params[s][0][i], params[s][r][i], "step %d: %s differs between rank 0 and rank %d", s+1, pm.name, r)
+	for _, mode := range muonModes {
+		for _, bucket := range []int{0, 64} {
+			for _, w := range []int{2, 3, 4} {
+				t.Run(fmt.Sprintf("%s/bucket=%d/W=%d", mode, bucket, w), func(t *testing.T) {
+					cfg := muonModeConfig(t, freeze, mode)
+					cfg.BucketBytes = bucket
+					var mu sync.Mutex
+					params := make([][][][]uint32, steps) // [step][rank]
+					moms := make([][][]float32, steps)
+					for s := range params {
+						params[s], moms[s] = make([][][]uint32, w), make([][]float32, w)
 					}
-					if s+1 <= freeze {
-						require.Equal(t, moms[s][0], moms[s][r], "step %d (warm-up): the momenta are one", s+1)
-					} else {
-						require.NotEqual(t, moms[s][0], moms[s][r], "step %d: each rank has its own momentum", s+1)
+					muonRun(t, w, steps, cfg, func(s, r int, opt *onebit.Muon, ps []*optim.Param) error {
+						ck, err := opt.State()
+						if err != nil {
+							return err
+						}
+						mu.Lock()
+						defer mu.Unlock()
+						params[s-1][r] = muonBits(ps)
+						moms[s-1][r] = ck.Tensor(optim.MomentumBufferPrefix + "wide").Data
+						return nil
+					})
+					for s := range steps {
+						for r := 1; r < w; r++ {
+							for i, pm := range muonModel {
+								require.Equal(t, params[s][0][i], params[s][r][i], "step %d: %s differs between rank 0 and rank %d", s+1, pm.name, r)
+							}
+							if s+1 <= freeze {
+								require.Equal(t, moms[s][0], moms[s][r], "step %d (warm-up): the momenta are one", s+1)
+							} else {
+								require.NotEqual(t, moms[s][0], moms[s][r], "step %d: each rank has its own momentum", s+1)
+							}
+						}
 					}
-				}
+				})
 			}
-		})
+		}
 	}
 }
 
@@ -233,37 +241,44 @@ func TestMuonWarmupIsExactMuon(t *testing.T) {
 	}
 }
 
-// A run stopped in the compression stage and resumed from every rank's
-// checkpoint (through its binary form), both learning rates on schedules,
-// continues bit for bit as the run that never stopped.
+// A run stopped in the warm-up or in the compression stage and resumed
+// from every rank's checkpoint (through its binary form), both learning
+// rates on schedules, continues bit for bit as the run that never
+// stopped, in every state mode (the bfloat16 momentum's stochastic
+// rounding included).
 func TestMuonResumeIsBitIdentical(t *testing.T) {
-	const w, freeze, stop, total = 3, 2, 5, 8
+	const w, freeze, total = 3, 2, 8
 	muonLR, err := optim.CosineDecay(0.05, 0.005, total)
 	require.NoError(t, err)
 	adamLR, err := optim.StepDecay(0.01, 0.5, 3)
 	require.NoError(t, err)
-	mk := func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
-		o, err := onebit.NewMuon(ctx, c, ps, muonTestConfig(freeze))
-		if err != nil {
-			return nil, err
+	for _, mode := range muonModes {
+		mk := func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+			o, err := onebit.NewMuon(ctx, c, ps, muonModeConfig(t, freeze, mode))
+			if err != nil {
+				return nil, err
+			}
+			if err := o.SetSchedule(muonLR); err != nil {
+				return nil, err
+			}
+			return o, o.SetAdamSchedule(adamLR)
 		}
-		if err := o.SetSchedule(muonLR); err != nil {
-			return nil, err
+		want := muonStates(t, w, 1, total, mk, nil)
+		for _, stop := range []int{1, 5} {
+			t.Run(fmt.Sprintf("%s/stop=%d", mode, stop), func(t *testing.T) {
+				mid := muonStates(t, w, 1, stop, mk, nil)
+				for r, ck := range mid {
+					b, err := ck.MarshalBinary()
+					require.NoError(t, err)
+					mid[r] = &optim.Checkpoint{}
+					require.NoError(t, mid[r].UnmarshalBinary(b))
+				}
+				got := muonStates(t, w, stop+1, total, mk, mid)
+				for r := range w {
+					require.Equal(t, ckBits(want[r]), ckBits(got[r]), "rank %d", r)
+				}
+			})
 		}
-		return o, o.SetAdamSchedule(adamLR)
-	}
-	want := muonStates(t, w, 1, total, mk, nil)
-	mid := muonStates(t, w, 1, stop, mk, nil)
-	require.Equal(t, optim.StageCompression, mid[0].Stage)
-	for r, ck := range mid {
-		b, err := ck.MarshalBinary()
-		require.NoError(t, err)
-		mid[r] = &optim.Checkpoint{}
-		require.NoError(t, mid[r].UnmarshalBinary(b))
-	}
-	got := muonStates(t, w, stop+1, total, mk, mid)
-	for r := range w {
-		require.Equal(t, ckBits(want[r]), ckBits(got[r]), "rank %d", r)
 	}
 }
 
@@ -282,8 +297,8 @@ func muonCheckpoints(t *testing.T) (own, exact, adam []*optim.Checkpoint) {
 }
 
 // Load refuses, changing nothing, another rank's checkpoint, another
-// optimizer's (exact Muon's, 1-bit Adam's), one of another freeze step or
-// bucket size, and a truncated one; a checkpoint whose errors were reset
+// optimizer's (exact Muon's, 1-bit Adam's), one of another freeze step,
+// bucket size or state mode, and a truncated one; a checkpoint whose errors were reset
 // loads on another rank, its error buffers zero, the momenta that rank's.
 func TestMuonLoadRefuses(t *testing.T) {
 	own, exact, adam := muonCheckpoints(t)
@@ -300,19 +315,30 @@ func TestMuonLoadRefuses(t *testing.T) {
 			truncated[r].Tensors = append(truncated[r].Tensors, tn)
 		}
 	}
-	for _, tc := range []struct {
+	type refusal struct {
 		name string
 		cfg  onebit.MuonConfig
 		ck   func(r int) *optim.Checkpoint
 		msg  string
-	}{
+	}
+	// Every state mode refuses every other's checkpoint.
+	var modes []refusal
+	for _, made := range muonModes {
+		cks := muonStates(t, 2, 1, 3, newMuon1(muonModeConfig(t, 2, made)), nil)
+		for _, have := range muonModes {
+			if have != made {
+				modes = append(modes, refusal{have + " loading " + made, muonModeConfig(t, 2, have), func(r int) *optim.Checkpoint { return cks[r] }, "made with StateMode"})
+			}
+		}
+	}
+	for _, tc := range append([]refusal{
 		{"another rank's", muonTestConfig(2), func(r int) *optim.Checkpoint { return own[1-r] }, "this is rank"},
 		{"exact Muon's", muonTestConfig(2), func(r int) *optim.Checkpoint { return exact[r] }, `made by algorithm "muon", this optimizer is "onebit-muon"`},
 		{"1-bit Adam's", muonTestConfig(2), func(r int) *optim.Checkpoint { return adam[r] }, `made by algorithm "onebit-adam"`},
 		{"another freeze step", muonTestConfig(2), func(r int) *optim.Checkpoint { return otherFreeze[r] }, "freeze_step"},
 		{"another bucket size", bucketCfg, func(r int) *optim.Checkpoint { return own[r] }, "buckets of"},
 		{"a tensor too short", muonTestConfig(2), func(r int) *optim.Checkpoint { return truncated[r] }, "momentum_buffer/wide"},
-	} {
+	}, modes...) {
 		t.Run(tc.name, func(t *testing.T) {
 			muonRunWith(t, 2, 1, 1, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 				o, err := onebit.NewMuon(ctx, c, ps, tc.cfg)
@@ -498,7 +524,8 @@ func TestMuonSkipsNonFiniteStepOnEveryRank(t *testing.T) {
 // A momentum that would not be finite (here: a non-finite one loaded on
 // rank 1) is an error on every rank that changes nothing, in the
 // compression stage (where the momenta are each rank's own, refused in
-// the step's agreement) and in the warm-up.
+// the step's agreement) and in the warm-up, in every state mode (the
+// bfloat16 momentum of compact-bf16 included).
 func TestMuonNonFiniteMomentumIsAnErrorOnEveryRank(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
@@ -508,38 +535,41 @@ func TestMuonNonFiniteMomentumIsAnErrorOnEveryRank(t *testing.T) {
 		{"compression", 2, `the momentum of "tall" would not be finite on rank 1`},
 		{"warm-up", 10, `the momentum of "tall" is not finite on rank 1`},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			cks := muonStates(t, 3, 1, 3, newMuon1(muonTestConfig(tc.freeze)), nil)
-			cks[1].Tensor(optim.MomentumBufferPrefix + "tall").Data[4] = float32(math.Inf(-1))
-			errs := make([]error, 3)
-			err := local.Run(context.Background(), 3, func(ctx context.Context, c comm.Comm) error {
-				ps := muonParams()
-				opt, err := onebit.NewMuon(ctx, c, ps, muonTestConfig(tc.freeze))
-				if err != nil {
-					return err
+		for _, mode := range muonModes {
+			t.Run(tc.name+"/"+mode, func(t *testing.T) {
+				cfg := muonModeConfig(t, tc.freeze, mode)
+				cks := muonStates(t, 3, 1, 3, newMuon1(cfg), nil)
+				cks[1].Tensor(optim.MomentumBufferPrefix + "tall").Data[4] = float32(math.Inf(-1))
+				errs := make([]error, 3)
+				err := local.Run(context.Background(), 3, func(ctx context.Context, c comm.Comm) error {
+					ps := muonParams()
+					opt, err := onebit.NewMuon(ctx, c, ps, cfg)
+					if err != nil {
+						return err
+					}
+					defer opt.Close()
+					if err := opt.Load(cks[c.Rank()]); err != nil {
+						return err
+					}
+					muonGrad(ps, c.Rank(), 4)
+					errs[c.Rank()] = opt.Step(ctx)
+					after, err := opt.State()
+					if err != nil {
+						return err
+					}
+					assert.Equal(t, ckBits(cks[c.Rank()]), ckBits(after), "rank %d: nothing changed", c.Rank())
+					return nil
+				})
+				require.NoError(t, err)
+				for r, e := range errs {
+					want := "rank 1 refused the step"
+					if r == 1 {
+						want = tc.mine
+					}
+					require.ErrorContains(t, e, want, "rank %d", r)
 				}
-				defer opt.Close()
-				if err := opt.Load(cks[c.Rank()]); err != nil {
-					return err
-				}
-				muonGrad(ps, c.Rank(), 4)
-				errs[c.Rank()] = opt.Step(ctx)
-				after, err := opt.State()
-				if err != nil {
-					return err
-				}
-				assert.Equal(t, ckBits(cks[c.Rank()]), ckBits(after), "rank %d: nothing changed", c.Rank())
-				return nil
 			})
-			require.NoError(t, err)
-			for r, e := range errs {
-				want := "rank 1 refused the step"
-				if r == 1 {
-					want = tc.mine
-				}
-				require.ErrorContains(t, e, want, "rank %d", r)
-			}
-		})
+		}
 	}
 }
 
@@ -714,6 +744,14 @@ func TestMuonStepAllocatesNothing(t *testing.T) {
 	require.Equal(t, optim.StageCompression, opt.Stage())
 	assert.Zero(t, testing.AllocsPerRun(10, func() { require.NoError(t, opt.Step(ctx)) }), "compression")
 
+	assert.Zero(t, muonStepAllocsOnTwoRanks(t, muonTestConfig(1)), "two ranks")
+}
+
+// muonStepAllocsOnTwoRanks is the allocations of a compression step of
+// 1-bit Muon with cfg (FreezeStep 1) on two ranks, both ranks' counted.
+func muonStepAllocsOnTwoRanks(t *testing.T, cfg onebit.MuonConfig) float64 {
+	t.Helper()
+	ctx := adamCtx(t)
 	cs, err := local.New(2)
 	require.NoError(t, err)
 	opts := make([]*onebit.Muon, 2)
@@ -723,7 +761,7 @@ func TestMuonStepAllocatesNothing(t *testing.T) {
 			ps := muonParams()
 			muonGrad(ps, r, 1)
 			var err error
-			opts[r], err = onebit.NewMuon(ctx, cs[r], ps, muonTestConfig(1))
+			opts[r], err = onebit.NewMuon(ctx, cs[r], ps, cfg)
 			if assert.NoError(t, err) {
 				for range 2 {
 					assert.NoError(t, opts[r].Step(ctx))
@@ -734,8 +772,8 @@ func TestMuonStepAllocatesNothing(t *testing.T) {
 	wg.Wait()
 	require.NotNil(t, opts[0])
 	require.NotNil(t, opts[1])
-	allocs := stepAllocsOnTwoRanks(t, func() error { return opts[0].Step(ctx) }, func() error { return opts[1].Step(ctx) })
-	assert.Zero(t, allocs, "two ranks")
+	require.Equal(t, optim.StageCompression, opts[0].Stage())
+	return stepAllocsOnTwoRanks(t, func() error { return opts[0].Step(ctx) }, func() error { return opts[1].Step(ctx) })
 }
 
 // stepAllocsOnTwoRanks is the allocations per call of step0, a step of

@@ -112,3 +112,45 @@ func checkMomentsBF16(ck *Checkpoint, bf16 bool) error {
 	}
 	return nil
 }
+
+// RoundingSeed is the seed of the stochastic rounding of step t's
+// bfloat16 buffer k (a parameter's index, say): a hash of both, the same
+// wherever it is computed, so that a run resumed from a checkpoint (which
+// keeps t) rounds as the run that was not interrupted. Optimizers outside
+// this package (package onebit's 1-bit Muon) use it with MomentumBF16.
+func RoundingSeed(t int64, k int) uint64 { return roundingSeed(t, k) }
+
+// MomentumBF16 is Momentum on a bfloat16 momentum: each element of m is
+// widened, updated in float32 as Momentum rounds it
+// (m = beta*m + (1-beta)*g), rounded back to bfloat16 stochastically
+// (unbiased: up with probability equal to the dropped fraction of a
+// spacing, with the low 16 bits of element i's random bits under seed, as
+// AdamConfig.MomentsBF16 rounds m) and its rounded value, exactly, written
+// into wide, the float32 momentum the caller goes on with. wide and g hold
+// at least len(m) elements; wide may not be g. It allocates nothing.
+func MomentumBF16(m []uint16, wide, g []float32, beta float32, seed uint64) {
+	a := OneMinus(beta)
+	wide = wide[:len(m)]
+	g = g[:len(m)]
+	for i, h := range m {
+		x := float32(beta*widenBF16(h)) + float32(a*g[i])
+		m[i] = stochasticBF16(x, roundingBits(seed, i))
+		wide[i] = widenBF16(m[i])
+	}
+}
+
+// MomentumFiniteBF16 says whether MomentumBF16 would leave the bfloat16
+// momentum m finite, and its Nesterov term (1-beta)*g + beta*m with it, as
+// MomentumFinite does for a float32 momentum (the stochastic rounding
+// never makes a finite value infinite).
+func MomentumFiniteBF16(m []uint16, g []float32, beta float32) bool {
+	a := OneMinus(beta)
+	g = g[:len(m)]
+	var s float32
+	for i, h := range m {
+		ag := float32(a * g[i])
+		n := float32(beta*widenBF16(h)) + ag
+		s += n*0 + (float32(beta*n)+ag)*0
+	}
+	return s == s
+}

@@ -69,6 +69,7 @@ type options struct {
 	lr         float64
 	muonLR     float64 // -muon-lr: Muon's; -lr is its auxiliary AdamW's
 	muonSplit  bool    // -muon-split: exact Muon's orthogonalization split across the ranks
+	muonState  string  // -muon-state: onebit-muon's state mode (onebit.ParseMuonStateMode)
 	freezeStep int
 	// outerH, outerFragments and outerDelay are diloco's H, Fragments
 	// and Delay (outer.Config).
@@ -108,6 +109,14 @@ type options struct {
 	allowInprocess bool
 }
 
+// validMuonState says whether s names a state mode of onebit-muon (the
+// empty name, which onebit.ParseMuonStateMode takes for full, is not a
+// flag value).
+func validMuonState(s string) bool {
+	_, _, err := onebit.ParseMuonStateMode(s)
+	return s != "" && err == nil
+}
+
 func (o *options) hyper() hyper {
 	fs := o.freezeStep
 	if fs < 0 {
@@ -121,6 +130,7 @@ func (o *options) hyper() hyper {
 	oc.Density, oc.Decay = float32(o.outerDensity), float32(o.outerDecay)
 	oc.SparseChunk, oc.SparseBits = o.outerSparseChunk, o.outerSBits
 	h := hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), muonSplit: o.muonSplit, freezeStep: fs, outer: oc, outerLR: o.outerLR, outerMomentum: o.outerMomentum, outerBF16: o.outerBF16}
+	h.muonState, h.muonBF16, _ = onebit.ParseMuonStateMode(o.muonState)
 	h.outer = h.outerFor(outer.CodecFP32)
 	return h
 }
@@ -168,6 +178,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.Float64Var(&o.lr, "lr", 2e-3, "learning rate (muon: its AdamW's, for the embeddings, the head, biases and norms); on a resume, given explicitly, it replaces the checkpoint's (otherwise the checkpoint's is kept)")
 	fs.Float64Var(&o.muonLR, "muon-lr", defaultMuonLR, "muon: the learning rate of the hidden matrices (attention and feed-forward); on a resume as -lr")
 	fs.BoolVar(&o.muonSplit, "muon-split", false, "muon (exact): each rank orthogonalizes its share of the hidden matrices and one all-gather per step shares the updates (optim.MuonConfig.Split): the same parameters, 1/W of the Newton-Schulz compute, about +50% of the hidden matrices' bytes; onebit-muon ignores it")
+	fs.StringVar(&o.muonState, "muon-state", "full", "onebit-muon: how its state is kept (onebit.MuonConfig.StateMode): full (13 bytes per element of a Muon matrix on 4 ranks), compact (no slot, worker errors in bfloat16: 7) or compact-bf16 (the momentum in bfloat16 too: 5)")
 	fs.IntVar(&o.freezeStep, "freeze-step", -1, "exact warm-up steps of the 1-bit optimizers (-1: a fifth of -steps)")
 	fs.IntVar(&o.outerH, "outer-h", defaultOuterH, "diloco: inner steps per outer step (each fragment's); fixed for the whole run, not derived from -steps")
 	fs.IntVar(&o.outerFragments, "outer-fragments", 1, "diloco: fragments of the parameters, exchanged staggered (Streaming DiLoCo), 1 to -outer-h")
@@ -227,6 +238,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("target", "want a validation loss in nats per byte, 0 for none")
 	case o.stopAtTarget && o.target == 0:
 		return bad("stop-at-target", "needs a -target")
+	case !validMuonState(o.muonState):
+		return bad("muon-state", "want full, compact or compact-bf16")
 	case o.freezeStep < -1 || o.freezeStep > maxSteps:
 		return bad("freeze-step", "want -1 (a fifth of -steps) to %d", maxSteps)
 	case o.evalEvery < 0 || o.evalEvery > maxSteps:

@@ -73,15 +73,16 @@ func TestConvergence(t *testing.T) {
 // (1-bit Adam, and with its moments sharded over the 2 ranks: both stop in
 // their compression stage; diloco with the 1-bit codec, stopped between
 // two exchanges, when the ranks' parameters differ; exact Muon; 1-bit Muon
-// in its compression stage).
+// in its compression stage, also with its smallest state).
 func TestResume(t *testing.T) {
-	for _, name := range []string{"onebit-adam", "onebit-adam-sharded", "diloco:1bit", "muon", "onebit-muon"} {
-		t.Run(name, func(t *testing.T) {
+	for _, run := range []string{"onebit-adam", "onebit-adam-sharded", "diloco:1bit", "muon", "onebit-muon", "onebit-muon -muon-state compact-bf16"} {
+		t.Run(run, func(t *testing.T) {
+			name, extra := strings.Fields(run)[0], strings.Fields(run)[1:]
 			dir := t.TempDir()
-			args := tiny("-optimizer", name, "-freeze-step", "5", "-outer-h", "4", "-checkpoint", dir, "-checkpoint-every", "5")
+			args := tiny(append([]string{"-optimizer", name, "-freeze-step", "5", "-outer-h", "4", "-checkpoint", dir, "-checkpoint-every", "5"}, extra...)...)
 			runJSON(t, append(args, "-steps", "10")...)
 			resumed, _ := runJSON(t, append(args, "-steps", "20")...)
-			whole, _ := runJSON(t, tiny("-optimizer", name, "-freeze-step", "5", "-outer-h", "4", "-steps", "20")...)
+			whole, _ := runJSON(t, tiny(append([]string{"-optimizer", name, "-freeze-step", "5", "-outer-h", "4", "-steps", "20"}, extra...)...)...)
 			assert.Equal(t, 10, resumed[0].ResumedAt)
 			assert.Equal(t, whole[0].ValLoss, resumed[0].ValLoss)
 			assert.Equal(t, whole[0].TrainLoss, resumed[0].TrainLoss)

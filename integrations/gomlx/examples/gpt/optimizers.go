@@ -263,6 +263,10 @@ type hyper struct {
 	// outerBF16 is -outer-bf16: the inner AdamW's moments in bfloat16,
 	// and the sparse codec's accumulator.
 	outerBF16 bool
+	// muonState and muonBF16 are -muon-state: onebit-muon's StateMode
+	// and MomentumBF16.
+	muonState onebit.StateMode
+	muonBF16  bool
 }
 
 // outerFor returns diloco's settings with codec c: the flags, and where
@@ -330,6 +334,7 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		cfg.LR, cfg.AdamLR = h.muonLR, h.lr
 		cfg.Reduce = r.reduce
 		cfg.FreezeStep = h.freezeStep
+		cfg.StateMode, cfg.MomentumBF16 = h.muonState, h.muonBF16
 		return lbgomlx.MuonBuilder(func(ctx context.Context, c comm.Comm, params []*optim.Param, sel []string) (optim.Optimizer, error) {
 			cfg := cfg
 			cfg.Params = sel
