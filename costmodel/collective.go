@@ -100,6 +100,7 @@ func Collectives() []Collective {
 	}
 	return append(out,
 		Collective{Name: OptMuon, Muon: true, Desc: "Muon (optim.NewMuon): exact float32 allreduce of the gradients, then every rank orthogonalizes every Muon matrix (Newton-Schulz)"},
+		Collective{Name: OptMuonSplit, Muon: true, Desc: "Muon with MuonConfig.Split: exact float32 allreduce of the gradients, each rank orthogonalizes its share of the Muon matrices, then an all-gather of the updates"},
 		Collective{Name: OptOnebitMuon, Muon: true, Desc: "1-bit Muon (onebit.NewMuon) after its warm-up (FreezeStep steps of exact Muon): every rank orthogonalizes its own momentum, then the 1-bit allreduce of the results and the AdamW group's momentum"})
 }
 

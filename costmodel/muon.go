@@ -26,6 +26,7 @@ import (
 // Optimizer names of Muon's rows (Job.Collectives and the state table).
 const (
 	OptMuon       = "muon"        // optim.Muon, exact float32 averaging
+	OptMuonSplit  = "muon-split"  // optim.Muon with MuonConfig.Split
 	OptOnebitMuon = "onebit-muon" // onebit.Muon after its warm-up
 )
 
@@ -92,6 +93,9 @@ type MuonPlan struct {
 	Rate  float64 `json:"ns_flops_per_s"`
 	// OrthoS is Flops/Rate: the orthogonalization's seconds per step.
 	OrthoS float64 `json:"ortho_s"`
+	// SplitOrthoS is the same under MuonConfig.Split on Job.Ranks ranks:
+	// the most loaded rank's share of the matrices (the muon-split row).
+	SplitOrthoS float64 `json:"split_ortho_s"`
 }
 
 // muonPlan is the MuonPlan of j.
@@ -111,11 +115,45 @@ func muonPlan(j Job) *MuonPlan {
 	}
 	p.Flops = float64(p.Matrices) * NSFlops(shape[0], shape[1])
 	p.OrthoS = p.Flops / p.Rate
+	p.SplitOrthoS = float64(splitShare(p.Matrices, max(j.Ranks, 1))) * NSFlops(shape[0], shape[1]) / p.Rate
 	return p
 }
 
 // isMuonRow reports whether name is one of Muon's rows.
-func isMuonRow(name string) bool { return name == OptMuon || name == OptOnebitMuon }
+func isMuonRow(name string) bool {
+	return name == OptMuon || name == OptMuonSplit || name == OptOnebitMuon
+}
+
+// allGatherCollective is the all-gather of MuonConfig.Split: each of W
+// ranks contributes ceil(n/W) float32s (n the Muon matrices' elements; the
+// plan's matrices are of one shape, so the largest share is whole
+// matrices: see splitShare) and receives the others', W-1 latency-bound
+// rounds of a ring, (W-1)·4·share bytes sent per rank. It borrows the
+// exact allreduce's fit.
+var allGatherCollective = collective{
+	name: "allgather",
+	desc: "ring all-gather of float32 shares",
+	wireBytes: func(n int64, w int) int64 {
+		if w <= 1 || n <= 0 {
+			return 0
+		}
+		return int64(w-1) * 4 * ((n + int64(w) - 1) / int64(w))
+	},
+	steps: func(n int64, w int, _ float64) []step {
+		if w <= 1 || n <= 0 {
+			return nil
+		}
+		return []step{{rounds: float64(w - 1), bytes: int64(w-1) * 4 * ((n + int64(w) - 1) / int64(w))}}
+	},
+	fitAs: "allreduce",
+}
+
+// splitShare is the matrices a rank orthogonalizes under
+// MuonConfig.Split on w ranks, the most loaded one's: the plan's matrices
+// are all of one shape, so optim's balancing gives ceil(matrices/w).
+func splitShare(matrices int64, w int) int64 {
+	return (matrices + int64(w) - 1) / int64(w)
+}
 
 // muonRow is the row of Muon's optimizer name from the prediction of its
 // exchange (the exact or the 1-bit allreduce of every bucket) and the
@@ -123,6 +161,9 @@ func isMuonRow(name string) bool { return name == OptMuon || name == OptOnebitMu
 func muonRow(name string, p prediction, mp *MuonPlan, compute, exactStep float64) Row {
 	r := Row{Collective: name, Calibrated: true, Calls: p.Calls, WirePerRank: p.Wire,
 		LatencyS: p.Latency, TransferS: p.Transfer, CompressS: p.Compute, CommS: p.total(), OrthoS: mp.OrthoS}
+	if name == OptMuonSplit {
+		r.OrthoS = mp.SplitOrthoS
+	}
 	r.StepS = r.CommS + r.OrthoS + compute
 	if r.StepS > 0 {
 		r.SpeedupExact = exactStep / r.StepS

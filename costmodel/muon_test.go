@@ -185,11 +185,22 @@ func TestMuonRows(t *testing.T) {
 	for _, r := range p.Rows {
 		names = append(names, r.Collective)
 	}
-	assert.Equal(t, []string{"allreduce", "onebit", "muon", "onebit-muon"}, names)
+	assert.Equal(t, []string{"allreduce", "onebit", "muon", "muon-split", "onebit-muon"}, names)
 	require.NotNil(t, p.Muon)
-	// 15 matrices of 4Mi elements; 4Mi elements to AdamW.
+	// 15 matrices of 4Mi elements; 4Mi elements to AdamW; split on 4
+	// ranks, the most loaded rank orthogonalizes 4 of them.
 	assert.Equal(t, MuonPlan{Shape: [2]int64{1024, 4096}, Matrices: 15, Other: 4 << 20, Rate: 1e12,
-		Flops: 15 * NSFlops(1024, 4096), OrthoS: 15 * NSFlops(1024, 4096) / 1e12}, *p.Muon)
+		Flops: 15 * NSFlops(1024, 4096), OrthoS: 15 * NSFlops(1024, 4096) / 1e12,
+		SplitOrthoS: 4 * NSFlops(1024, 4096) / 1e12}, *p.Muon)
+	// muon-split: muon's allreduce plus an all-gather of 4 matrices' worth
+	// from each rank (3 rounds, 3 shares sent), its share of the
+	// orthogonalization.
+	sp, mu := rows["muon-split"], rows["muon"]
+	assert.Equal(t, mu.WirePerRank+3*4*4*1024*4096, sp.WirePerRank)
+	assert.Equal(t, mu.Calls+1, sp.Calls)
+	assert.Greater(t, sp.CommS, mu.CommS)
+	assert.InEpsilon(t, sp.CommS+p.Muon.SplitOrthoS+0.1, sp.StepS, 1e-12)
+	assert.InEpsilon(t, p.Muon.OrthoS*4/15, sp.OrthoS, 1e-12)
 	for name, via := range map[string]string{"muon": "allreduce", "onebit-muon": "onebit"} {
 		r, base := rows[name], rows[via]
 		assert.Equal(t, base.WirePerRank, r.WirePerRank, name)

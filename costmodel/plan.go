@@ -260,7 +260,19 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 			if name == OptOnebitMuon {
 				via, _ = findCollective("onebit")
 			}
-			rows = append(rows, muonRow(name, predictStep(via), mp, compute, exactComm+compute))
+			p := predictStep(via)
+			if name == OptMuonSplit && j.Ranks > 1 {
+				// The all-gather of the orthogonalized updates: each
+				// rank's share padded to the largest.
+				g := m.predict(allGatherCollective, int64(j.Ranks)*splitShare(mp.Matrices, j.Ranks)*mp.Shape[0]*mp.Shape[1], s, f)
+				p.Wire += g.Wire
+				p.Bottleneck += g.Bottleneck
+				p.Latency += g.Latency
+				p.Transfer += g.Transfer
+				p.Compute += g.Compute
+				p.Calls += g.Calls
+			}
+			rows = append(rows, muonRow(name, p, mp, compute, exactComm+compute))
 			continue
 		}
 		c, _ := findCollective(name)
@@ -283,7 +295,7 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 func (j Job) DefaultCollectives() []string {
 	names := []string{"allreduce", "onebit"}
 	if j.MuonShape != [2]int64{} {
-		names = append(names, OptMuon, OptOnebitMuon)
+		names = append(names, OptMuon, OptMuonSplit, OptOnebitMuon)
 	}
 	return append(names, j.defaultOuterRows()...)
 }

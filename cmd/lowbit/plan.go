@@ -85,7 +85,7 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	fs.Float64Var(&j.OuterDensity, "outer-density", float64(sp.Density), "with --outer-h, outer-sparse: share of each chunk's entries sent, in (0, 1] (outer.Config.Density)")
 	fs.IntVar(&j.OuterSparseChunk, "outer-sparse-chunk", sp.SparseChunk, "with --outer-h, outer-sparse: chunk length in elements, at least 1/density and at most a fragment (outer.Config.SparseChunk)")
 	fs.IntVar(&j.OuterSparseBits, "outer-sparse-bits", sp.SparseBits, "with --outer-h, outer-sparse: bits of each value sent, 1 or 2 (outer.Config.SparseBits)")
-	shape := fs.String("muon-shape", "", "Muon's rows (muon, onebit-muon; given, they follow the default rows): the `RxC` shape of the Muon matrices, e.g. 2048x8192 (default: square, the width of a GPT-3-like model of --params, costmodel.DefaultMuonShape)")
+	shape := fs.String("muon-shape", "", "Muon's rows (muon, muon-split, onebit-muon; given, they follow the default rows): the `RxC` shape of the Muon matrices, e.g. 2048x8192 (default: square, the width of a GPT-3-like model of --params, costmodel.DefaultMuonShape)")
 	fs.Var(&size.CountValue[int64]{P: &j.MuonParams, Min: 0, Max: costmodel.MaxParams}, "muon-params", "Muon's rows: parameters in Muon matrices, as many whole matrices of --muon-shape as it holds; the rest goes to the auxiliary AdamW (`count`; default: all of --params)")
 	fs.Float64Var(&j.MuonFlops, "muon-flops", costmodel.DefaultMuonFlops, "Muon's rows: float32 FLOP/s of the Newton-Schulz products on one rank (default: gonum on one core of the calibration machine, docs/muon.md)")
 	fs.BoolVar(&cfg.asJSON, "json", false, "write JSON")
@@ -357,8 +357,8 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 		fmt.Fprintln(w, "  outer:   inner steps, pseudo-gradients and the outer step take no time beyond --step-compute; the agreement is an all-gather of 4 bytes per rank (W-1 rounds); fp32, bf16 and int8 exchange a fragment in one call, 1bit in buckets of --bucket, sparse in one all-gather")
 	}
 	if mp := p.Muon; mp != nil {
-		fmt.Fprintf(w, "  muon:    %d matrices of %dx%d (--muon-shape, --muon-params), %s parameters to AdamW; every rank orthogonalizes every matrix, 5 Newton-Schulz iterations of 4r²c+2r³ FLOP (r x c, r <= c): %.3g FLOP a step at %.3g FLOP/s (--muon-flops); onebit-muon is its step after the warm-up, which is exact Muon's\n",
-			mp.Matrices, mp.Shape[0], mp.Shape[1], size.FormatCount(mp.Other), mp.Flops, mp.Rate)
+		fmt.Fprintf(w, "  muon:    %d matrices of %dx%d (--muon-shape, --muon-params), %s parameters to AdamW; every rank orthogonalizes every matrix, 5 Newton-Schulz iterations of 3r²c+r³ FLOP (r x c, r <= c; symmetric products): %.3g FLOP a step at %.3g FLOP/s (--muon-flops); muon-split: each rank its share (%.3g s), plus an all-gather of the updates; onebit-muon is its step after the warm-up, which is exact Muon's\n",
+			mp.Matrices, mp.Shape[0], mp.Shape[1], size.FormatCount(mp.Other), mp.Flops, mp.Rate, mp.SplitOrthoS)
 	}
 	fmt.Fprintf(w, "  calibration: %s; %s\n", source, p.Model.Machine)
 	for _, r := range p.Rows {

@@ -457,12 +457,13 @@ func TestPlanMuonAndStateRows(t *testing.T) {
 	assert.NotContains(t, s, "orthogonalize")
 
 	s, rows = outerRows(t, args+" --muon-shape 2048x2048 --muon-flops 1e15")
-	require.Len(t, rows, 4, s)
+	require.Len(t, rows, 5, s)
 	assert.Contains(t, s, "orthogonalize")
-	// 309 matrices of 2048², 30 d FLOP per element each: 7.96e13 FLOP at
-	// 1e15 FLOP/s.
+	// 309 matrices of 2048², 20 d FLOP per element each: 5.31e13 FLOP at
+	// 1e15 FLOP/s; split on 8 ranks, 39 of them: 6.7 ms.
 	assert.Contains(t, s, "309 matrices of 2048x2048 (--muon-shape, --muon-params), 3960064 parameters to AdamW")
-	assert.Equal(t, "79.6ms", rows["muon"][6])
+	assert.Equal(t, "53.1ms", rows["muon"][6])
+	assert.Equal(t, "6.70ms", rows["muon-split"][6])
 	assert.Equal(t, "0", rows["allreduce"][6])
 	assert.Equal(t, rows["allreduce"][:6], rows["muon"][:6], "the exact allreduce's exchange")
 	assert.Equal(t, rows["onebit"][:6], rows["onebit-muon"][:6], "the 1-bit allreduce's exchange")
@@ -502,7 +503,7 @@ func TestPlanMuonAndStateRows(t *testing.T) {
 	assert.Equal(t, [2]int64{1024, 4096}, cfg.job.MuonShape)
 	assert.Equal(t, int64(340e6), cfg.job.MuonParams)
 	assert.Equal(t, 2e12, cfg.job.MuonFlops)
-	assert.Equal(t, []string{"allreduce", "onebit", "muon", "onebit-muon"}, cfg.job.Collectives)
+	assert.Equal(t, []string{"allreduce", "onebit", "muon", "muon-split", "onebit-muon"}, cfg.job.Collectives)
 }
 
 // --rtt sets every latency-bound round to half the round trip: at --rtt
@@ -518,6 +519,8 @@ func TestPlanRTT(t *testing.T) {
 	const buckets, r, hop = 119.0, 3.0, 0.025
 	want := map[string]float64{
 		"allreduce": buckets * 2 * r, "onebit": buckets * 3 * r, "muon": buckets * 2 * r, "onebit-muon": buckets * 3 * r,
+		// Split: muon's allreduce, then one all-gather of the updates.
+		"muon-split": buckets*2*r + r,
 		// One exchange every 50 steps: the agreement (W-1 rounds), then
 		// the codec's collective.
 		"outer-fp32": (r + 2*r) / 50, "outer-bf16": (r + 2*r) / 50, "outer-int8": (r + 2*r) / 50,
