@@ -93,6 +93,7 @@ type options struct {
 	checkpoint checkpointConfig
 	reduce     string
 	outer      outer.Config // diloco's -outer-* flags, codec parsed
+	outerBF16  bool         // -outer-bf16
 	outerCodec string       // -outer-codec
 
 	// allowInprocess is -allow-inprocess-under-mpi: -backend local even
@@ -140,6 +141,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.outer.H, "outer-h", defaultOuterH, "diloco: inner steps per outer step of each fragment")
 	fs.IntVar(&o.outer.Fragments, "outer-fragments", o.outer.Fragments, "diloco: fragments of the parameters, exchanged at staggered steps (Streaming DiLoCo)")
 	fs.IntVar(&o.outer.Delay, "outer-delay", o.outer.Delay, "diloco: inner steps an exchange runs in the background before its result is merged (0: exchanged within the step)")
+	fs.BoolVar(&o.outerBF16, "outer-bf16", false, "diloco: the smallest state: the inner Adam's moments in bfloat16 (optim.AdamConfig.MomentsBF16) and, with the sparse codec, its accumulator too (outer.Config.AccumulatorBF16)")
 	fs.StringVar(&o.outerCodec, "outer-codec", outer.CodecSparse.String(), "diloco: how the pseudo-gradients travel: fp32, bf16, int8, 1bit, sparse (each with its measured outer learning rate and momentum, outer.DefaultConfigFor)")
 	if err := cliflag.Parse(fs, args); err != nil {
 		return nil, err
@@ -354,7 +356,7 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 	}
 	reduce, scatter, _ := parseReduces(o.optimizer, o.reduce) // checked by parseFlags
 	cfg := trainConfig{
-		hyper:         hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), freezeStep: o.freezeStep, reduce: reduce, scatter: scatter, localStepScaler: o.localSteps, outer: o.outer},
+		hyper:         hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), freezeStep: o.freezeStep, reduce: reduce, scatter: scatter, localStepScaler: o.localSteps, outer: o.outer, outerBF16: o.outerBF16},
 		epochs:        o.epochs,
 		batch:         o.batch,
 		seed:          o.seed,

@@ -126,6 +126,10 @@ type hyper struct {
 	// outer is diloco's outer optimizer (-outer-h, -outer-fragments,
 	// -outer-delay, -outer-codec); its inner Adam takes lr.
 	outer outer.Config
+	// outerBF16 is -outer-bf16: diloco's smallest state, the inner Adam's
+	// moments in bfloat16 (optim.AdamConfig.MomentsBF16) and, with the
+	// sparse codec, its accumulator too (outer.Config.AccumulatorBF16).
+	outerBF16 bool
 }
 
 // reduceNames are the values of -reduce.
@@ -203,7 +207,12 @@ func newOptimizer(ctx context.Context, name string, c comm.Comm, params []*optim
 		}
 		return onebit.NewZeroOneAdam(ctx, c, params, cfg)
 	case diloco:
-		return outer.NewAdam(ctx, c, params, h.outer, adam)
+		oc := h.outer
+		if h.outerBF16 {
+			adam.MomentsBF16 = true
+			oc.AccumulatorBF16 = oc.Codec == outer.CodecSparse
+		}
+		return outer.NewAdam(ctx, c, params, oc, adam)
 	case muon, onebitMuon:
 		cfg := optim.DefaultMuonConfig() // Params nil: every matrix, w1 and w2
 		cfg.LR, cfg.AdamLR, cfg.Reduce = h.muonLR, h.lr, h.reduce
