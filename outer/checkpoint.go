@@ -2,7 +2,9 @@ package outer
 
 import (
 	"fmt"
+	"maps"
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -136,7 +138,7 @@ func (o *Optimizer) State() (*optim.Checkpoint, error) {
 // default, 0 (Config.hypers), so that the checkpoints of the default are
 // as they were before the setting existed.
 func optionalHyper(name string) bool {
-	return name == "outer_accumulator_bf16" || name == "outer_sparse_exchange"
+	return name == "outer_accumulator_bf16" || name == "outer_sparse_exchange" || name == "outer_sparse_server_density"
 }
 
 // formatHyper prints a recorded setting as the constructor's agreement
@@ -198,7 +200,7 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 			return fmt.Errorf("%w: made with %s %s, this optimizer has %s", bad, h.Name, formatHyper(h.Name, v), formatHyper(h.Name, h.Value))
 		}
 	}
-	for k := range ck.Floats {
+	for _, k := range slices.Sorted(maps.Keys(ck.Floats)) { // the first by name, on every rank
 		name, ok := strings.CutPrefix(k, optim.HyperPrefix)
 		switch {
 		case !ok:

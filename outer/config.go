@@ -187,6 +187,11 @@ type Config struct {
 	// independent bytes). Other codecs ignore it. Default
 	// SparseAllGather.
 	SparseExchange SparseExchange
+	// SparseServerDensity is SparseTwoPhase's share of each chunk's
+	// entries that the owners send of the average in the second phase,
+	// in (0, 1], or 0 for Density. Other exchanges and codecs ignore it.
+	// Default 0.
+	SparseServerDensity float32
 }
 
 // DefaultConfig returns H 50, one fragment, no delay, CodecFP32, outer
@@ -263,8 +268,18 @@ func (c Config) Validate() error {
 		return &optim.ConfigError{Config: cfg, Field: "Decay", Value: c.Decay, Want: "in [0, 1]"}
 	case !c.SparseExchange.Valid():
 		return &optim.ConfigError{Config: cfg, Field: "SparseExchange", Value: c.SparseExchange, Want: "one of " + strings.Join(sparseExchangeNames[:], ", ")}
+	case c.SparseServerDensity != 0 && !(c.SparseServerDensity > 0 && c.SparseServerDensity <= 1):
+		return &optim.ConfigError{Config: cfg, Field: "SparseServerDensity", Value: c.SparseServerDensity, Want: "0 (Density) or in (0, 1]"}
 	}
 	return nil
+}
+
+// serverDensity is SparseTwoPhase's density of the second phase.
+func (c Config) serverDensity() float32 {
+	if c.SparseServerDensity == 0 {
+		return c.Density
+	}
+	return c.SparseServerDensity
 }
 
 // hypers are the settings that decide the next steps, recorded in every
@@ -293,7 +308,8 @@ func (c Config) hypers() []optim.Hyper {
 		}
 		if c.SparseExchange != SparseAllGather {
 			// Recorded only when not the default, likewise.
-			h = append(h, optim.Hyper{Name: "outer_sparse_exchange", Value: float64(c.SparseExchange)})
+			h = append(h, optim.Hyper{Name: "outer_sparse_exchange", Value: float64(c.SparseExchange)},
+				optim.Hyper{Name: "outer_sparse_server_density", Value: float64(c.serverDensity())})
 		}
 	}
 	return h

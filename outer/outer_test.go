@@ -317,10 +317,13 @@ func TestConfigValidate(t *testing.T) {
 		{"Decay", func(c *outer.Config) { c.Codec, c.Decay = outer.CodecSparse, 1.01 }},
 		{"SparseExchange", func(c *outer.Config) { c.Codec, c.SparseExchange = outer.CodecSparse, 2 }},
 		{"SparseExchange", func(c *outer.Config) { c.Codec, c.SparseExchange = outer.CodecSparse, -1 }},
+		{"SparseServerDensity", func(c *outer.Config) { c.Codec, c.SparseServerDensity = outer.CodecSparse, 1.5 }},
+		{"SparseServerDensity", func(c *outer.Config) { c.Codec, c.SparseServerDensity = outer.CodecSparse, -0.5 }},
+		{"SparseServerDensity", func(c *outer.Config) { c.Codec, c.SparseServerDensity = outer.CodecSparse, float32(math.NaN()) }},
 	} {
 		cfg := outer.DefaultConfig()
 		k.change(&cfg)
-		if k.field == "SparseChunk" || k.field == "Density" || k.field == "SparseBits" || k.field == "Decay" || k.field == "SparseExchange" {
+		if k.field == "SparseChunk" || k.field == "Density" || k.field == "SparseBits" || k.field == "Decay" || strings.HasPrefix(k.field, "SparseS") || k.field == "SparseExchange" {
 			other := cfg
 			other.Codec = outer.CodecFP32
 			require.NoError(t, other.Validate(), "another codec ignores %s", k.field)
@@ -395,6 +398,14 @@ func TestNewBadInputOnEveryRank(t *testing.T) {
 			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
 			return err
 		}, "rank 1 has SparseExchange twophase, rank 0 has allgather"},
+		{"another second-phase density", func(ctx context.Context, c comm.Comm, bad bool) error {
+			cfg := twoPhase(config(outer.CodecSparse, 4, 1, 0))
+			if bad {
+				cfg.SparseServerDensity = 0.75
+			}
+			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
+			return err
+		}, "rank 1 has SparseServerDensity 0.75, rank 0 has 0.5"},
 		{"another H", func(ctx context.Context, c comm.Comm, bad bool) error {
 			cfg := outer.DefaultConfig()
 			if bad {

@@ -35,7 +35,8 @@ type refConfig struct {
 	sparse         bool
 	chunk, vbits   int
 	density, decay float64
-	twoPhase       bool // outer.SparseTwoPhase
+	twoPhase       bool    // outer.SparseTwoPhase
+	density2       float64 // its second phase's density
 }
 
 type refSim struct {
@@ -181,7 +182,7 @@ func (s *refSim) sparse(lo int, deltas [][]float64) []float64 {
 		}
 		for a := 0; a < m; a += c.chunk {
 			b := min(a+c.chunk, m)
-			for i, v := range s.refSelect(e[a:b]) {
+			for i, v := range s.refSelect(e[a:b], c.density) {
 				avg[a+i] += v / float64(c.W)
 			}
 		}
@@ -196,19 +197,20 @@ func (s *refSim) sparse(lo int, deltas [][]float64) []float64 {
 	}
 	for a := 0; a < m; a += c.chunk {
 		b := min(a+c.chunk, m)
-		copy(out[a:b], s.refSelect(x[a:b]))
+		copy(out[a:b], s.refSelect(x[a:b], c.density2))
 	}
 	return out
 }
 
 // refSelect returns what a chunk e sends, its top k entries by magnitude
+// (k the density's share of its length)
 // (ties: the lower offset) as sign times the mean magnitude sent (1 bit)
 // or the mean of those below or at and above it (2 bits), zero elsewhere,
 // and subtracts it from e.
-func (s *refSim) refSelect(e []float64) []float64 {
+func (s *refSim) refSelect(e []float64, density float64) []float64 {
 	c := s.c
 	l := len(e)
-	k := max(1, min(l, int(math.Round(c.density*float64(l)))))
+	k := max(1, min(l, int(math.Round(density*float64(l)))))
 	idx := make([]int, l)
 	for i := range idx {
 		idx[i] = i
@@ -364,12 +366,14 @@ func TestReference(t *testing.T) {
 			{outer.CodecSparse, 6, 2, 3, 2},
 		} {
 			// (For CodecSparse, scale is the value bits.)
-			xs := []outer.SparseExchange{outer.SparseAllGather}
+			// The sparse codec: each exchange, and the two-phase one with
+			// a second phase of its own density (3 of each chunk of 5).
+			xs := []outer.Config{{}}
 			if k.codec == outer.CodecSparse {
-				xs = append(xs, outer.SparseTwoPhase)
+				xs = append(xs, outer.Config{SparseExchange: outer.SparseTwoPhase}, outer.Config{SparseExchange: outer.SparseTwoPhase, SparseServerDensity: 0.6})
 			}
 			for _, x := range xs {
-				t.Run(fmt.Sprintf("W%d/%s/H%d/F%d/D%d/scale%d/%s", w, k.codec, k.h, k.f, k.d, k.scale, x), func(t *testing.T) {
+				t.Run(fmt.Sprintf("W%d/%s/H%d/F%d/D%d/scale%d/%s/%g", w, k.codec, k.h, k.f, k.d, k.scale, x.SparseExchange, x.SparseServerDensity), func(t *testing.T) {
 					checkReference(t, w, k.codec, k.h, k.f, k.d, k.scale, x)
 				})
 			}
@@ -377,7 +381,7 @@ func TestReference(t *testing.T) {
 	}
 }
 
-func checkReference(t *testing.T, w int, codec outer.Codec, h, frags, delay int, scale onebit.Scale, x outer.SparseExchange) {
+func checkReference(t *testing.T, w int, codec outer.Codec, h, frags, delay int, scale onebit.Scale, x outer.Config) {
 	const calls = 20
 	cfg := outer.DefaultConfig()
 	cfg.H, cfg.Fragments, cfg.Delay, cfg.Codec, cfg.Scale = h, frags, delay, codec, scale
@@ -387,7 +391,7 @@ func checkReference(t *testing.T, w int, codec outer.Codec, h, frags, delay int,
 		// reference checks it goes through).
 		cfg.Scale, cfg.SparseBits = onebit.ScaleRMS, int(scale)
 		cfg.SparseChunk, cfg.Density, cfg.Decay = 5, 0.4, 0.9
-		cfg.SparseExchange = x
+		cfg.SparseExchange, cfg.SparseServerDensity = x.SparseExchange, x.SparseServerDensity
 	}
 	acfg := optim.DefaultAdamConfig()
 	acfg.LR, acfg.WeightDecay = 0.01, 0.1
@@ -398,7 +402,10 @@ func checkReference(t *testing.T, w int, codec outer.Codec, h, frags, delay int,
 	rc := refConfig{W: w, H: h, F: frags, D: delay, oneBit: codec == outer.CodecOneBit, meanAbs: scale == onebit.ScaleMeanAbs, lr: float64(cfg.LR), mu: float64(cfg.Momentum),
 		nesterov: cfg.Nesterov, alr: float64(acfg.LR), b1: float64(acfg.Beta1), b2: float64(acfg.Beta2), eps: float64(acfg.Eps), wd: float64(acfg.WeightDecay), n: n,
 		sparse: codec == outer.CodecSparse, chunk: cfg.SparseChunk, vbits: cfg.SparseBits, density: float64(cfg.Density), decay: float64(cfg.Decay),
-		twoPhase: cfg.SparseExchange == outer.SparseTwoPhase}
+		twoPhase: cfg.SparseExchange == outer.SparseTwoPhase, density2: float64(cfg.Density)}
+	if cfg.SparseServerDensity != 0 {
+		rc.density2 = float64(cfg.SparseServerDensity)
+	}
 	ref := newRef(rc, flat(newParams(t, sizes)))
 	// Real runs: every rank's parameters after every call, and θ_g and u
 	// after the calls with no exchange in flight.

@@ -52,6 +52,10 @@ type sparseCodec struct {
 	srv      []float32
 	srvAt    []int
 	twoPhase bool // SparseTwoPhase: srv is kept
+	// server encodes and decodes the second phase's messages
+	// (SparseServerDensity): s itself, or a codec of another density
+	// sharing s's scratch.
+	server *sparseCodec
 	// mag is a chunk's scratch: its pseudo-gradients, then their
 	// magnitudes for the selection; after the all-gather, its average.
 	mag []float32
@@ -69,11 +73,17 @@ func newSparseCodec(cfg Config, n, largest, w int) *sparseCodec {
 		s.acc = make([]float32, n)
 	}
 	if cfg.SparseExchange == SparseTwoPhase {
+		s.server = s
+		if d := cfg.serverDensity(); d != cfg.Density {
+			srv := *s
+			srv.density = float64(d)
+			s.server = &srv
+		}
 		// Phase 1 sends W segments, the owners' runs padded to the
-		// largest, and receives W; phase 2 sends one of them from send
-		// and receives W into recv.
-		seg := s.segLen(largest, w)
-		s.send, s.recv = make([]byte, w*seg), make([]byte, w*seg)
+		// largest, and receives W; phase 2 sends one segment (of its
+		// own density) from send and receives W into recv.
+		seg1, seg2 := s.segLen(largest, w), s.server.segLen(largest, w)
+		s.send, s.recv = make([]byte, max(w*seg1, seg2)), make([]byte, w*max(seg1, seg2))
 		return s
 	}
 	msg := s.msgLen(largest)

@@ -66,9 +66,11 @@ func (s *sparseCodec) allReduceTwoPhase(ctx context.Context, c comm.Comm, f, fir
 		return fmt.Errorf("phase 1: %w", err)
 	}
 	srv := s.srv[s.srvAt[f] : s.srvAt[f]+hi-lo]
-	out := send[:seg] // phase 1's send is free now
+	sv := s.server // phase 2's encoding
+	seg2 := sv.segLen(m, w)
+	out := s.send[:seg2] // phase 1's send is free now
 	fw := float32(w)
-	at := 0
+	at, at2 := 0, 0
 	for a := 0; a < hi-lo; a += s.chunk {
 		b := min(a+s.chunk, hi-lo)
 		n := s.chunkLen(b - a)
@@ -81,10 +83,11 @@ func (s *sparseCodec) allReduceTwoPhase(ctx context.Context, c comm.Comm, f, fir
 		for i, v := range avg {
 			x[i] = v/fw + x[i]
 		}
-		s.encode(out[at:at+n], x)
+		at2 += sv.encode(out[at2:at2+sv.chunkLen(b-a)], x)
 		at += n
 	}
-	clear(out[at:])
+	clear(out[at2:])
+	recv = s.recv[:w*seg2]
 	if err := c.AllGatherBytes(ctx, out, recv); err != nil {
 		return fmt.Errorf("sparse all-gather: %w", err)
 	}
@@ -92,18 +95,18 @@ func (s *sparseCodec) allReduceTwoPhase(ctx context.Context, c comm.Comm, f, fir
 		lo, hi := sparseRun(m, s.chunk, w, j)
 		return hi - lo
 	}
-	if err := s.checkSegments(recv, seg, runLen); err != nil {
+	if err := sv.checkSegments(recv, seg2, runLen); err != nil {
 		return fmt.Errorf("phase 2: %w", err)
 	}
 	for j := range w {
 		lo, hi := sparseRun(m, s.chunk, w, j)
-		at := j * seg
+		at := j * seg2
 		for a := lo; a < hi; a += s.chunk {
 			b := min(a+s.chunk, hi)
-			n := s.chunkLen(b - a)
+			n := sv.chunkLen(b - a)
 			avg := s.mag[:b-a]
 			clear(avg)
-			s.decodeChunk(avg, b-a, recv[at:at+n]) // checked above
+			sv.decodeChunk(avg, b-a, recv[at:at+n]) // checked above
 			apply(a, avg)
 			at += n
 		}

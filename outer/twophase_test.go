@@ -67,13 +67,13 @@ func TestTwoPhaseIdenticalOnEveryRank(t *testing.T) {
 // and no more than 4 messages of the fragment whatever W.
 func TestTwoPhaseBytes(t *testing.T) {
 	const h, msg = 3, 8 * 143
-	sent := func(w int, x outer.SparseExchange) int64 {
+	sent := func(w int, x outer.SparseExchange, serverDensity float32) int64 {
 		got := newPerRank[int64](w)
 		runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
 			ps := newParams(t, []int{1 << 14, 1 << 14})
 			cfg := config(outer.CodecSparse, h, 1, 0)
 			d := outer.DefaultConfig()
-			cfg.SparseChunk, cfg.Density, cfg.SparseExchange = d.SparseChunk, d.Density, x
+			cfg.SparseChunk, cfg.Density, cfg.SparseExchange, cfg.SparseServerDensity = d.SparseChunk, d.Density, x, serverDensity
 			o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
 			if err != nil {
 				return err
@@ -100,7 +100,7 @@ func TestTwoPhaseBytes(t *testing.T) {
 	}
 	for _, w := range []int{2, 3, 4, 5, 8} {
 		per := (8 + w - 1) / w // chunks per owner
-		twoPhase, allGather := sent(w, outer.SparseTwoPhase), sent(w, outer.SparseAllGather)
+		twoPhase, allGather := sent(w, outer.SparseTwoPhase, 0), sent(w, outer.SparseAllGather, 0)
 		assert.Equal(t, int64(2*(w-1)*per*143+4*(w-1)), twoPhase, "W %d: two-phase", w)
 		assert.Equal(t, int64((w-1)*msg+4*(w-1)), allGather, "W %d: all-gather", w)
 		assert.LessOrEqual(t, twoPhase-int64(4*(w-1)), int64(4*msg), "W %d: at most 4 messages of the fragment", w)
@@ -109,6 +109,9 @@ func TestTwoPhaseBytes(t *testing.T) {
 		}
 		t.Logf("W %d: two-phase %d bytes, all-gather %d", w, twoPhase, allGather)
 	}
+	// A second phase of twice the density: 171 entries of 13 bits a
+	// chunk, 282 bytes, in the all-gather's segments.
+	assert.Equal(t, int64(3*2*143+3*2*282+12), sent(4, outer.SparseTwoPhase, 2.0/48))
 }
 
 // The server accumulator is in the checkpoint, an error buffer for
@@ -139,9 +142,13 @@ func TestTwoPhaseCheckpoint(t *testing.T) {
 	}{
 		{outer.SparseTwoPhase, outer.SparseAllGather, "made with outer_sparse_exchange twophase, this optimizer has allgather"},
 		{outer.SparseAllGather, outer.SparseTwoPhase, "made with outer_sparse_exchange allgather, this optimizer has twophase"},
+		{outer.SparseTwoPhase, outer.SparseTwoPhase, "made with outer_sparse_server_density 0.25, this optimizer has 0.5"},
 	} {
 		made, into := config(outer.CodecSparse, 2, 1, 0), config(outer.CodecSparse, 2, 1, 0)
 		made.SparseExchange, into.SparseExchange = k.made, k.into
+		if k.made == k.into {
+			made.SparseServerDensity = 0.25
+		}
 		ck, err := stepped(t, made, 3).State()
 		require.NoError(t, err)
 		o := stepped(t, into, 1)
