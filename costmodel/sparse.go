@@ -132,7 +132,8 @@ func (s sparseCodec) span(m int64, w int) int64 {
 // (outer.SparseTwoPhase): an all-to-all of the messages, each owner's
 // segment to it, then an all-gather of the owners' re-encoded segments
 // (of the same density), each W-1 latency-bound rounds and W-1 segments
-// sent per rank: 2(W-1) segments, about 2(W-1)/W messages, whatever W.
+// sent per rank: 2(W-1) segments, about 2(W-1)/W messages while W is
+// much less than the chunks.
 // The owners' decoding, sums and re-encoding are not modelled.
 func (s sparseCodec) twoPhaseCollective() collective {
 	return collective{

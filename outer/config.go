@@ -84,8 +84,8 @@ const (
 	// across exchanges, not decayed), re-selects the top k of each chunk
 	// with the same encoding and keeps what it did not send; an all-gather
 	// of the owners' runs gives every rank the same average. About
-	// 2(W-1)/W messages of the fragment sent per rank, whatever W
-	// (docs/outer.md, "The two-phase exchange").
+	// 2(W-1)/W messages of the fragment sent per rank while W is much
+	// less than its chunks (docs/outer.md, "The two-phase exchange").
 	SparseTwoPhase
 	numSparseExchanges
 )
