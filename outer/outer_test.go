@@ -845,7 +845,7 @@ func TestStepAllocatesNothing(t *testing.T) {
 // goroutine per launch): the allocations per Step of both ranks, comm/local
 // included, are reported (0 when measured).
 func TestStepAllocationsTwoRanks(t *testing.T) {
-	for _, cfg := range []outer.Config{config(outer.CodecOneBit, 2, 1, 0), config(outer.CodecOneBit, 2, 2, 1), config(outer.CodecSparse, 2, 1, 0)} {
+	for _, cfg := range []outer.Config{config(outer.CodecOneBit, 2, 1, 0), config(outer.CodecOneBit, 2, 2, 1), config(outer.CodecSparse, 2, 1, 0), twoPhase(config(outer.CodecSparse, 2, 1, 0))} {
 		cs, err := local.New(2)
 		require.NoError(t, err)
 		ctx := context.Background()
