@@ -81,7 +81,7 @@ const (
 	// ceil(chunks/W) chunks, one per owner rank; an all-to-all sends each
 	// owner the ranks' messages of its run, the owner averages them, adds
 	// its server accumulator (the error of its earlier re-encodings, kept
-	// across exchanges, not decayed), re-selects the top k of each chunk
+	// across exchanges, decayed by Decay as the ranks' are), re-selects the top k of each chunk
 	// with the same encoding and keeps what it did not send; an all-gather
 	// of the owners' runs gives every rank the same average. About
 	// 2(W-1)/W messages of the fragment sent per rank while W is much

@@ -167,9 +167,9 @@ func (s *refSim) compress(f int, xs [][]float64) []float64 {
 // (one per rank) of the fragment at lo: each rank's accumulator decays and
 // takes its delta, each chunk sends its top k entries (refSelect), and the
 // result is the mean over the ranks of what they sent. With the two-phase
-// exchange that mean plus the server accumulator (one per element: each
-// element has one owner, whichever rank it is) is selected again, chunk
-// by chunk, the server accumulator keeps the rest, and the result is what
+// exchange that mean plus the decayed server accumulator (one per
+// element: each element has one owner, whichever rank it is) is selected
+// again, chunk by chunk, the server accumulator keeps the rest, and the result is what
 // the second selection sent.
 func (s *refSim) sparse(lo int, deltas [][]float64) []float64 {
 	c := s.c
@@ -193,7 +193,7 @@ func (s *refSim) sparse(lo int, deltas [][]float64) []float64 {
 	x := s.srv[lo : lo+m]
 	out := make([]float64, m)
 	for i := range x {
-		x[i] += avg[i]
+		x[i] = c.decay*x[i] + avg[i]
 	}
 	for a := 0; a < m; a += c.chunk {
 		b := min(a+c.chunk, m)

@@ -44,7 +44,7 @@ func (s *sparseCodec) setServer(bounds []int, w, rank int) {
 // every chunk as allReduce does, the chunks of owner j's run into segment
 // j; an all-to-all gives each owner its run's messages from every rank;
 // the owner decodes and sums them (in rank order), divides by W, adds its
-// server accumulator, encodes the result chunk by chunk (which keeps what
+// server accumulator times Decay, encodes the result chunk by chunk (which keeps what
 // it does not send in the server accumulator); an all-gather of the
 // owners' segments gives every rank the same bytes, which it decodes into
 // the average, applied chunk by chunk in order. Every message is checked
@@ -81,7 +81,7 @@ func (s *sparseCodec) allReduceTwoPhase(ctx context.Context, c comm.Comm, f, fir
 		}
 		x := srv[a:b]
 		for i, v := range avg {
-			x[i] = v/fw + x[i]
+			x[i] = v/fw + s.decay*x[i]
 		}
 		at2 += sv.encode(out[at2:at2+sv.chunkLen(b-a)], x)
 		at += n

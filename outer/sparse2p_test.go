@@ -47,20 +47,26 @@ func TestSparseRun(t *testing.T) {
 
 // What the owners send plus their server accumulators at the end is the
 // sum of the averages they were given (error feedback telescopes on the
-// server side; the server accumulator does not decay), and every rank
+// server side), each exchange's weighted by Decay^(exchanges after it) as
+// the server accumulator decays (Decay 1: the plain sums), and every rank
 // gets the same average, bit for bit, on 3 ranks over 6 exchanges of a
 // fragment of 40 elements (rank 2 owning a short last chunk) and of 10
 // (rank 2 owning none).
 func TestTwoPhaseTelescopes(t *testing.T) {
 	const w, exchanges = 3, 6
-	for _, m := range []int{40, 10} {
-		t.Run(fmt.Sprint(m), func(t *testing.T) {
+	for _, k := range []struct {
+		m     int
+		decay float32
+	}{{40, 0.9}, {10, 0.9}, {40, 1}} {
+		m := k.m
+		t.Run(fmt.Sprintf("%d/decay%g", m, k.decay), func(t *testing.T) {
 			var mu sync.Mutex
 			avgs := make([][][]float32, w) // [rank][exchange] what it sent, e before - e after
 			outs := make([][][]float32, w) // [rank][exchange] the average applied
 			srvs := make([][]float32, w)
 			require.NoError(t, local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
 				s := testTwoPhase(m, w, c.Rank())
+				s.decay = k.decay
 				rng := rand.New(rand.NewPCG(uint64(c.Rank()), 7))
 				var sent, got [][]float32
 				for range exchanges {
@@ -92,10 +98,11 @@ func TestTwoPhaseTelescopes(t *testing.T) {
 			}
 			lhs, rhs := make([]float64, m), make([]float64, m)
 			for x := range exchanges {
+				weight := math.Pow(float64(k.decay), float64(exchanges-1-x))
 				for i := range m {
-					lhs[i] += float64(outs[0][x][i])
+					lhs[i] += weight * float64(outs[0][x][i])
 					for r := range w {
-						rhs[i] += float64(avgs[r][x][i]) / w
+						rhs[i] += weight * float64(avgs[r][x][i]) / w
 					}
 				}
 			}
