@@ -3,6 +3,7 @@ package costmodel
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -137,7 +138,7 @@ func TestMuonStateBytesMatchOptimizers(t *testing.T) {
 func TestOuterStateBytesMatchOptimizer(t *testing.T) {
 	n := int64(outerTestParams)
 	for _, codec := range outerStateCodecs {
-		cd, err := outer.ParseCodec(codec)
+		cd, err := outer.ParseCodec(strings.TrimSuffix(codec, "-2p"))
 		require.NoError(t, err)
 		for _, w := range []int{1, 2, 3, 4} {
 			for _, fd := range [][2]int{{1, 0}, {3, 0}, {2, 1}} {
@@ -148,6 +149,9 @@ func TestOuterStateBytesMatchOptimizer(t *testing.T) {
 				cfg := outer.DefaultConfigFor(cd)
 				cfg.H, cfg.Fragments, cfg.Delay, cfg.BucketBytes = 4, fd[0], fd[1], 1<<10
 				cfg.SparseChunk, cfg.SparseBits = 96, 2
+				if codec == "sparse-2p" {
+					cfg.SparseExchange = outer.SparseTwoPhase
+				}
 				got := outerStateBytesOf(t, w, cfg, optim.DefaultAdamConfig())
 				assert.Equal(t, got-8*n, want, "%s, %d ranks, %d fragments, delay %d", codec, w, fd[0], fd[1])
 			}

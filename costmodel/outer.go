@@ -94,6 +94,17 @@ type outerCodec struct {
 	via               func(j Job) collective
 	bucketed          bool
 	uncalibrated      string
+	// state is the codec's name for OuterStateBytes: codec, or
+	// "sparse-2p" for the sparse codec's two-phase exchange.
+	state string
+}
+
+// stateName is oc's name for OuterStateBytes.
+func (oc outerCodec) stateName() string {
+	if oc.state != "" {
+		return oc.state
+	}
+	return oc.codec
 }
 
 // outerCodecs are the outer optimizer's rows, in table order.
@@ -130,6 +141,14 @@ var outerCodecs = []outerCodec{
 		via: func(j Job) collective { return sparseOf(j).collective() },
 		uncalibrated: "not measured: an all-gather of its exact bytes at the fitted alpha and beta, W-1 rounds; " +
 			"the top-k selection, encoding and decoding left out",
+	},
+	{
+		name: "outer-sparse-2p", codec: "sparse", state: "sparse-2p",
+		desc: "outer optimizer, sparse codec, two-phase exchange (outer.SparseTwoPhase): all-to-all of the messages to the owners of runs of chunks, " +
+			"which re-encode their average with a server accumulator, then all-gather: about 2(W-1)/W messages per rank",
+		via: func(j Job) collective { return sparseOf(j).twoPhaseCollective() },
+		uncalibrated: "not measured: an all-to-all and an all-gather of its exact bytes at the fitted alpha and beta, W-1 rounds each; " +
+			"the top-k selections, encodings and decodings left out",
 	},
 }
 
@@ -252,7 +271,7 @@ func (j Job) defaultOuterRows() []string {
 	}
 	var names []string
 	for _, name := range outerNames() {
-		if name != "outer-sparse" || j.sparseFits() {
+		if !isSparseRow(name) || j.sparseFits() {
 			names = append(names, name)
 		}
 	}
@@ -291,8 +310,11 @@ func (j Job) validateOuter(fail func(field, format string, args ...any) error) e
 			return fail("OuterH", "must be at least 1 for the outer optimizer's rows (%s)", strings.Join(outer, ", "))
 		}
 	}
-	return j.validateSparse(slices.Contains(j.Collectives, "outer-sparse"), fail)
+	return j.validateSparse(slices.ContainsFunc(j.Collectives, isSparseRow), fail)
 }
+
+// isSparseRow says whether name is one of the sparse codec's rows.
+func isSparseRow(name string) bool { return name == "outer-sparse" || name == "outer-sparse-2p" }
 
 // outerNames are the names of the outer optimizer's rows.
 func outerNames() []string {

@@ -11,12 +11,13 @@ import "fmt"
 // outerStateCodecs are the codecs whose state OuterStateBytes counts, in
 // the state table's order (the bf16 codec's buffers, which
 // quant.DownCast allocates on its first calls, are not modelled).
-var outerStateCodecs = []string{"fp32", "int8", "1bit", "sparse"}
+var outerStateCodecs = []string{"fp32", "int8", "1bit", "sparse", "sparse-2p"}
 
 // OuterStateBytes returns the bytes of the outer optimizer's own buffers
 // (outer.Optimizer.StateBytes less its inner optimizer's) on one rank of
 // j.Ranks, for codec ("fp32", "int8", "1bit" or "sparse", as
-// outer.ParseCodec names them) and j's Params, OuterFragments, OuterDelay,
+// outer.ParseCodec names them, or "sparse-2p", the sparse codec with
+// outer.SparseTwoPhase, on rank 0, which owns the most) and j's Params, OuterFragments, OuterDelay,
 // BucketBytes (the 1-bit codec's buckets) and sparse settings. The inner
 // optimizer's state comes on top (8 bytes per parameter for
 // outer.NewAdam's AdamW).
@@ -33,7 +34,7 @@ func OuterStateBytes(codec string, j Job) (int64, error) {
 			return outerBuffers(codec, j), nil
 		}
 	}
-	return 0, fmt.Errorf("costmodel: unknown outer codec %q (want one of fp32, int8, 1bit, sparse)", codec)
+	return 0, fmt.Errorf("costmodel: unknown outer codec %q (want one of fp32, int8, 1bit, sparse, sparse-2p)", codec)
 }
 
 // outerBuffers is OuterStateBytes for a valid j, each codec at its
@@ -52,13 +53,17 @@ func OuterStateBytes(codec string, j Job) (int64, error) {
 //     longest bucket's);
 //   - sparse: the error accumulator over every parameter, one chunk of
 //     scratch, this rank's message of the largest fragment and W
-//     received.
+//     received;
+//   - sparse-2p: the error accumulator, one chunk of scratch, the server
+//     accumulator over the run of chunks rank 0 owns in every fragment,
+//     and W segments of the largest fragment sent and W received.
 func outerBuffers(codec string, j Job) int64 {
 	n, w := j.Params, int64(j.Ranks)
 	frags := int64(max(1, j.OuterFragments))
 	largest := (n + frags - 1) / frags
 	momentum := codec == "fp32" || codec == "int8"
-	direct := codec == "1bit" || codec == "sparse" && w > 1
+	sparse := codec == "sparse" || codec == "sparse-2p"
+	direct := codec == "1bit" || sparse && w > 1
 	b := 4 * n
 	if momentum {
 		b += 4 * n
@@ -106,6 +111,13 @@ func outerBuffers(codec string, j Job) int64 {
 	case "sparse":
 		s := sparseOf(j)
 		b += 4*(n+s.chunk) + (1+w)*s.msgLen(largest)
+	case "sparse-2p":
+		s := sparseOf(j)
+		b += 4*(n+s.chunk) + 2*w*s.segLen(largest, int(w))
+		// Fragments of q = n/F and q+1 elements: rank 0 owns the first
+		// ceil(chunks/W) chunks of each.
+		q, r := n/frags, n%frags
+		b += 4 * ((frags-r)*min(s.span(q, int(w)), q) + r*min(s.span(q+1, int(w)), q+1))
 	}
 	return b
 }

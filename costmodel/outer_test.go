@@ -59,7 +59,7 @@ func TestOuterRowsListed(t *testing.T) {
 	for _, r := range p.Rows {
 		names = append(names, r.Collective)
 	}
-	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse"}, names)
+	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse", "outer-sparse-2p"}, names)
 	require.NotNil(t, p.Outer)
 	// The sparse codec's defaults: 85 of 4096 entries, 13 bits each, and
 	// a float32 scale per chunk: (4 + ceil(85*13/8)) bytes per 4096.
@@ -71,7 +71,7 @@ func TestOuterRowsListed(t *testing.T) {
 		cal[r.Collective] = r.Calibrated
 	}
 	assert.Equal(t, map[string]bool{"allreduce": true, "onebit": true, "outer-fp32": true, "outer-bf16": false,
-		"outer-int8": false, "outer-1bit": true, "outer-sparse": false}, cal)
+		"outer-int8": false, "outer-1bit": true, "outer-sparse": false, "outer-sparse-2p": false}, cal)
 
 	// A fragment shorter than the sparse codec's chunk, which package
 	// outer refuses: the default rows leave the sparse codec's out, and
@@ -82,7 +82,7 @@ func TestOuterRowsListed(t *testing.T) {
 	assert.Nil(t, p.Outer.Sparse)
 	j.OuterSparseChunk = 2048
 	p, _ = planRows(t, j)
-	require.Len(t, p.Rows, 7)
+	require.Len(t, p.Rows, 8)
 	assert.Equal(t, 2048, p.Outer.Sparse.Chunk)
 	j.OuterSparseChunk, j.Collectives = 0, []string{"outer-sparse"}
 	var je *JobError
@@ -152,6 +152,35 @@ func TestOuterOneExchangePerStep(t *testing.T) {
 		assert.Zero(t, r.CompressS)
 		// About 2(W-1)/W * (1 + 4/256) bytes per element.
 		assert.InEpsilon(t, 2*float64(w-1)/float64(w)*(1+4.0/256)*float64(j.Params), float64(r.WirePerRank), 1e-3)
+	}
+}
+
+// The sparse codec's rows with H = 1: the all-gather sends W-1 messages
+// per rank, one call of W-1 rounds; the two-phase exchange 2(W-1)
+// segments of ceil(chunks/W) chunks, two calls of W-1 rounds each: as
+// much at W = 2, less from 3 on, at most 2 messages and 2(W-1) chunks'.
+func TestOuterSparseTwoPhaseRow(t *testing.T) {
+	for _, w := range []int{2, 3, 4, 8, 16} {
+		j := outerJob(1, 1, 0)
+		j.Ranks = w
+		j.Collectives = []string{"outer-sparse", "outer-sparse-2p"}
+		_, rows := planRows(t, j)
+		agree, f := planAgreement(t, j)
+		const msg = 256 * (4 + 139) // 2^20 elements: 256 chunks of 143 bytes
+		per := int64((256 + w - 1) / w)
+		ag, tp := rows["outer-sparse"], rows["outer-sparse-2p"]
+		assert.Equal(t, int64(w-1)*msg+agree.Wire, ag.WirePerRank, "W %d", w)
+		assert.Equal(t, 2*int64(w-1)*per*143+agree.Wire, tp.WirePerRank, "W %d", w)
+		assert.Equal(t, 2, ag.Calls)
+		assert.Equal(t, 3, tp.Calls)
+		assert.InEpsilon(t, 3*float64(w-1)*f.Alpha, tp.LatencyS, 1e-12, "W %d", w)
+		assert.InEpsilon(t, float64(tp.WirePerRank)*f.Ineff/j.Link, tp.TransferS, 1e-12, "W %d", w)
+		assert.LessOrEqual(t, tp.WirePerRank-agree.Wire, int64(2*msg+2*(w-1)*143), "W %d", w)
+		if w > 2 {
+			assert.Less(t, tp.WirePerRank, ag.WirePerRank, "W %d", w)
+		} else {
+			assert.Equal(t, tp.WirePerRank, ag.WirePerRank)
+		}
 	}
 }
 

@@ -286,7 +286,7 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 		rows = append(rows, r)
 	}
 	return &Plan{Params: n, Ranks: j.Ranks, LinkBps: j.Link, Sharing: string(j.Sharing), StepCompute: compute,
-		Assumptions: a, Model: m, Rows: rows, Outer: outerPlan(j, slices.Contains(j.Collectives, "outer-sparse")), Muon: mp}, nil
+		Assumptions: a, Model: m, Rows: rows, Outer: outerPlan(j, slices.ContainsFunc(j.Collectives, isSparseRow)), Muon: mp}, nil
 }
 
 // DefaultCollectives is what a nil Job.Collectives plans: allreduce and

@@ -110,6 +110,46 @@ func (s sparseCodec) collective() collective {
 	}
 }
 
+// segLen is the bytes of an owner's segment in the two-phase exchange
+// (outer.SparseTwoPhase) of a fragment of m elements over w ranks: the
+// message of the largest run of chunks an owner has, ceil(chunks/w)
+// chunks from the fragment's start (rank 0's), to which the others'
+// are padded.
+func (s sparseCodec) segLen(m int64, w int) int64 {
+	if m <= 0 || w < 1 {
+		return 0
+	}
+	return s.msgLen(min(s.span(m, w), m))
+}
+
+// span is the elements of ceil(chunks/w) chunks of a fragment of m.
+func (s sparseCodec) span(m int64, w int) int64 {
+	chunks := (m + s.chunk - 1) / s.chunk
+	return (chunks + int64(w) - 1) / int64(w) * s.chunk
+}
+
+// twoPhaseCollective is the two-phase exchange of a fragment
+// (outer.SparseTwoPhase): an all-to-all of the messages, each owner's
+// segment to it, then an all-gather of the owners' re-encoded segments
+// (of the same density), each W-1 latency-bound rounds and W-1 segments
+// sent per rank: 2(W-1) segments, about 2(W-1)/W messages while W is
+// much less than the chunks.
+// The owners' decoding, sums and re-encoding are not modelled.
+func (s sparseCodec) twoPhaseCollective() collective {
+	return collective{
+		name:      "sparse-2p",
+		desc:      "all-to-all of the sparse codec's messages to the owners of runs of chunks, all-gather of their re-encoded averages",
+		wireBytes: func(n int64, w int) int64 { return 2 * int64(max(w-1, 0)) * s.segLen(n, w) },
+		steps: func(n int64, w int, _ float64) []step {
+			if w <= 1 || n <= 0 {
+				return nil
+			}
+			seg := int64(w-1) * s.segLen(n, w)
+			return []step{{rounds: float64(w - 1), bytes: seg}, {rounds: float64(w - 1), bytes: seg}}
+		},
+	}
+}
+
 // plan is the SparsePlan of s for fragments of at most largest elements.
 func (s sparseCodec) plan(largest int64) *SparsePlan {
 	return &SparsePlan{Density: float64(s.density), Chunk: int(s.chunk), Bits: int(s.vbits), Entries: int(s.k(s.chunk)),

@@ -44,7 +44,7 @@ func (j Job) StateTable() []StateRow {
 	}
 	for _, name := range j.defaultOuterRows() {
 		oc, _ := findOuterCodec(name)
-		b, err := OuterStateBytes(oc.codec, j)
+		b, err := OuterStateBytes(oc.stateName(), j)
 		if err == nil || err == errTooLarge {
 			rows = append(rows, StateRow{Optimizer: name, Bytes: b + 8*j.Params, Err: err})
 		}

@@ -62,7 +62,7 @@ func TestAccumulatorBF16(t *testing.T) {
 		want string
 	}{
 		{base, "made with outer_accumulator_bf16 true, this optimizer has false"},
-		{half, "setting outer_accumulator_bf16 is not recorded"},
+		{half, "made with outer_accumulator_bf16 false, this optimizer has true"},
 	} {
 		runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
 			o, err := outer.NewAdam(ctx, c, newParams(t, sizes), k.cfg, innerConfig())

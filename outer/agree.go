@@ -63,10 +63,16 @@ func (o *Optimizer) agreeConfig(ctx context.Context, local error) error {
 		{"SparseChunk", 0, formatInt},
 		{"SparseBits", 0, formatInt},
 		{"Decay", 0, formatFloat32Bits},
+		{"SparseExchange", 0, func(v int64) string { return SparseExchange(v).String() }},
+		{"SparseServerDensity", 0, formatFloat32Bits},
 	}
 	if cfg.Codec == CodecSparse { // the other codecs ignore them
 		settings[11].v, settings[12].v = int64(math.Float32bits(cfg.Density)), int64(cfg.SparseChunk)
 		settings[13].v, settings[14].v = int64(cfg.SparseBits), int64(math.Float32bits(cfg.Decay))
+		settings[15].v = int64(cfg.SparseExchange)
+		if cfg.SparseExchange == SparseTwoPhase {
+			settings[16].v = int64(math.Float32bits(cfg.serverDensity()))
+		}
 	}
 	if local != nil {
 		settings[0].v = 1

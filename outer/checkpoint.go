@@ -2,7 +2,9 @@ package outer
 
 import (
 	"fmt"
+	"maps"
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -39,6 +41,12 @@ const (
 // and the accumulator restarts from zero).
 const AccumulatorName = optim.WorkerErrorName + "/outer:accumulator"
 
+// ServerAccumulatorName names SparseTwoPhase's server accumulator (this
+// rank's: per fragment, over the run of chunks it owns, concatenated):
+// optim.ServerErrorName + "/outer:server_accumulator", which
+// optim.IsErrorBuffer recognises (Checkpoint.ResetErrors drops it).
+const ServerAccumulatorName = optim.ServerErrorName + "/outer:server_accumulator"
+
 // WorkerErrorName and ServerErrorName name the 1-bit error buffers of
 // bucket k of fragment f: optim.WorkerErrorName (ServerErrorName) + "/" +
 // "outer:f<f>:b<k>", which optim.IsErrorBuffer recognises (so that
@@ -55,7 +63,8 @@ func ServerErrorName(f, k int) string {
 // State returns a checkpoint of everything that decides the next step on
 // this rank: the inner optimizer's checkpoint (θ_local, its moments and
 // counters), θ_g, u (with a momentum: Config.Momentum 0 keeps none), the
-// 1-bit error buffers or the sparse accumulator, the call counter, the
+// 1-bit error buffers or the sparse accumulator (and SparseTwoPhase's
+// server accumulator), the call counter, the
 // exchange counters, and the pending exchange. An exchange in flight is
 // waited for (not merged): the checkpoint holds its result (the new θ_g
 // and u of the fragment) and the parameters at its launch, so that a
@@ -109,6 +118,9 @@ func (o *Optimizer) State() (*optim.Checkpoint, error) {
 	}
 	if o.sp != nil {
 		ck.Tensors = append(ck.Tensors, optim.Tensor{Name: AccumulatorName, Shape: []int{o.n}, Data: o.sp.accumulator()})
+		if o.sp.twoPhase {
+			ck.AddTensor(ServerAccumulatorName, []int{len(o.sp.srv)}, o.sp.srv)
+		}
 	}
 	if o.states != nil {
 		ck.Ints[IntBucketBytes] = int64(o.bbytes)
@@ -122,6 +134,13 @@ func (o *Optimizer) State() (*optim.Checkpoint, error) {
 	return ck, nil
 }
 
+// optionalHyper says whether a setting is recorded only when not its
+// default, 0 (Config.hypers), so that the checkpoints of the default are
+// as they were before the setting existed.
+func optionalHyper(name string) bool {
+	return name == "outer_accumulator_bf16" || name == "outer_sparse_exchange" || name == "outer_sparse_server_density"
+}
+
 // formatHyper prints a recorded setting as the constructor's agreement
 // does: the codec and the scale by name, Nesterov as true or false.
 func formatHyper(name string, v float64) string {
@@ -133,6 +152,8 @@ func formatHyper(name string, v float64) string {
 			return formatScale(int64(v))
 		case "outer_nesterov", "outer_accumulator_bf16":
 			return strconv.FormatBool(v != 0)
+		case "outer_sparse_exchange":
+			return SparseExchange(v).String()
 		}
 	}
 	return optim.FormatHyper(v)
@@ -167,6 +188,11 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 	for _, h := range own {
 		recorded[h.Name] = true
 		v, ok := ck.Floats[optim.HyperPrefix+h.Name]
+		if !ok && optionalHyper(h.Name) {
+			// Recorded only when not its default (0): the checkpoint
+			// was made with the default.
+			ok, v = true, 0
+		}
 		if !ok {
 			return fmt.Errorf("%w: setting %s is not recorded", bad, h.Name)
 		}
@@ -174,7 +200,7 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 			return fmt.Errorf("%w: made with %s %s, this optimizer has %s", bad, h.Name, formatHyper(h.Name, v), formatHyper(h.Name, h.Value))
 		}
 	}
-	for k := range ck.Floats {
+	for _, k := range slices.Sorted(maps.Keys(ck.Floats)) { // the first by name, on every rank
 		name, ok := strings.CutPrefix(k, optim.HyperPrefix)
 		switch {
 		case !ok:
@@ -182,7 +208,7 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 			return fmt.Errorf("%w: made with hyperparameter %s, which the outer optimizer does not have", bad, name)
 		case !recorded[name]:
 			// A setting recorded only when not its default
-			// (outer_accumulator_bf16).
+			// (optionalHyper).
 			return fmt.Errorf("%w: made with %s %s, this optimizer has %s", bad, name, formatHyper(name, ck.Floats[k]), formatHyper(name, 0))
 		}
 	}
@@ -244,11 +270,16 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 	if perRank && !reset && ck.Rank != o.rank {
 		return fmt.Errorf("%w: made by rank %d, this is rank %d (the error buffers are per rank; load ck.ResetErrors() to restart them)", bad, ck.Rank, o.rank)
 	}
-	var acc []float32
+	var acc, srv []float32
 	switch {
 	case o.sp != nil && !reset:
 		if acc, err = ck.TensorData(AccumulatorName, o.n); err != nil {
 			return err
+		}
+		if o.sp.twoPhase {
+			if srv, err = ck.TensorData(ServerAccumulatorName, len(o.sp.srv)); err != nil {
+				return err
+			}
 		}
 	case o.sp != nil && ck.Tensor(TensorRegroupedAccumulator) != nil:
 		if acc, err = ck.TensorData(TensorRegroupedAccumulator, o.n); err != nil {
@@ -310,6 +341,12 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 	}
 	if o.sp != nil {
 		o.sp.setAccumulator(acc)
+		if o.sp.twoPhase {
+			copy(o.sp.srv, srv)
+			if srv == nil {
+				clear(o.sp.srv)
+			}
+		}
 	}
 	i := 0
 	for _, sts := range o.states {
@@ -324,7 +361,7 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 		}
 	}
 	if reset && o.sp != nil && acc != nil {
-		o.log.Info("loaded a regrouped checkpoint: the sparse accumulator is the old ranks' mean",
+		o.log.Info("loaded a regrouped checkpoint: the sparse accumulator is the old ranks' mean (with their server accumulators, SparseTwoPhase)",
 			zap.String("algorithm", o.algorithm), zap.Int("made_on_world", ck.World))
 	} else if reset && perRank {
 		o.log.Warn("loaded a checkpoint whose error buffers were reset: the error feedback restarts from zero",

@@ -67,6 +67,53 @@ func ParseCodec(s string) (Codec, error) {
 	return 0, fmt.Errorf("outer: unknown codec %q (want one of %s)", s, strings.Join(codecNames[:], ", "))
 }
 
+// SparseExchange is how CodecSparse's messages travel.
+type SparseExchange int
+
+// The sparse codec's exchanges. The zero value is SparseAllGather.
+const (
+	// SparseAllGather all-gathers every rank's message of the fragment;
+	// every rank decodes the W messages into their average: (W-1)
+	// messages sent per rank, growing with W.
+	SparseAllGather SparseExchange = iota
+	// SparseTwoPhase is a compressed allreduce in two phases, like 1-bit
+	// Adam's: the chunks of a fragment are cut into W contiguous runs of
+	// ceil(chunks/W) chunks, one per owner rank; an all-to-all sends each
+	// owner the ranks' messages of its run, the owner averages them, adds
+	// its server accumulator (the error of its earlier re-encodings, kept
+	// across exchanges, decayed by Decay as the ranks' are), re-selects the top k of each chunk
+	// with the same encoding and keeps what it did not send; an all-gather
+	// of the owners' runs gives every rank the same average. About
+	// 2(W-1)/W messages of the fragment sent per rank while W is much
+	// less than its chunks (docs/outer.md, "The two-phase exchange").
+	SparseTwoPhase
+	numSparseExchanges
+)
+
+var sparseExchangeNames = [numSparseExchanges]string{"allgather", "twophase"}
+
+// String returns the exchange's name as ParseSparseExchange reads it.
+func (x SparseExchange) String() string {
+	if x.Valid() {
+		return sparseExchangeNames[x]
+	}
+	return fmt.Sprintf("SparseExchange(%d)", int(x))
+}
+
+// Valid reports whether x is one of the defined exchanges.
+func (x SparseExchange) Valid() bool { return x >= 0 && x < numSparseExchanges }
+
+// ParseSparseExchange returns the exchange called s: "allgather" or
+// "twophase" (case-insensitive).
+func ParseSparseExchange(s string) (SparseExchange, error) {
+	for i, n := range sparseExchangeNames {
+		if strings.EqualFold(s, n) {
+			return SparseExchange(i), nil
+		}
+	}
+	return 0, fmt.Errorf("outer: unknown sparse exchange %q (want one of %s)", s, strings.Join(sparseExchangeNames[:], ", "))
+}
+
 // Int8GroupSize is the number of elements that share one float32 scale in
 // CodecInt8.
 const Int8GroupSize = 256
@@ -133,6 +180,18 @@ type Config struct {
 	// 2^-9 where the decay drops 1 - Decay of e (docs/outer.md, "Memory").
 	// Other codecs ignore it. Default false.
 	AccumulatorBF16 bool
+	// SparseExchange is how CodecSparse's messages travel:
+	// SparseAllGather (every rank's to every rank) or SparseTwoPhase (to
+	// the owner of each run of chunks, which re-encodes their average
+	// with a server accumulator, then the owners' to every rank; W
+	// independent bytes). Other codecs ignore it. Default
+	// SparseAllGather.
+	SparseExchange SparseExchange
+	// SparseServerDensity is SparseTwoPhase's share of each chunk's
+	// entries that the owners send of the average in the second phase,
+	// in (0, 1], or 0 for Density. Other exchanges and codecs ignore it.
+	// Default 0.
+	SparseServerDensity float32
 }
 
 // DefaultConfig returns H 50, one fragment, no delay, CodecFP32, outer
@@ -207,8 +266,20 @@ func (c Config) Validate() error {
 		return &optim.ConfigError{Config: cfg, Field: "SparseBits", Value: c.SparseBits, Want: "1 or 2"}
 	case !(c.Decay >= 0 && c.Decay <= 1):
 		return &optim.ConfigError{Config: cfg, Field: "Decay", Value: c.Decay, Want: "in [0, 1]"}
+	case !c.SparseExchange.Valid():
+		return &optim.ConfigError{Config: cfg, Field: "SparseExchange", Value: c.SparseExchange, Want: "one of " + strings.Join(sparseExchangeNames[:], ", ")}
+	case c.SparseServerDensity != 0 && !(c.SparseServerDensity > 0 && c.SparseServerDensity <= 1):
+		return &optim.ConfigError{Config: cfg, Field: "SparseServerDensity", Value: c.SparseServerDensity, Want: "0 (Density) or in (0, 1]"}
 	}
 	return nil
+}
+
+// serverDensity is SparseTwoPhase's density of the second phase.
+func (c Config) serverDensity() float32 {
+	if c.SparseServerDensity == 0 {
+		return c.Density
+	}
+	return c.SparseServerDensity
 }
 
 // hypers are the settings that decide the next steps, recorded in every
@@ -234,6 +305,11 @@ func (c Config) hypers() []optim.Hyper {
 			// Recorded only when set: the checkpoints of a float32
 			// accumulator are as they were.
 			h = append(h, optim.Hyper{Name: "outer_accumulator_bf16", Value: optim.HyperBool(true)})
+		}
+		if c.SparseExchange != SparseAllGather {
+			// Recorded only when not the default, likewise.
+			h = append(h, optim.Hyper{Name: "outer_sparse_exchange", Value: float64(c.SparseExchange)},
+				optim.Hyper{Name: "outer_sparse_server_density", Value: float64(c.serverDensity())})
 		}
 	}
 	return h

@@ -173,12 +173,17 @@ func (o *Optimizer) exchange(ctx context.Context, f int) error {
 	case o.cfg.Codec == CodecOneBit:
 		return o.exchangeOneBit(ctx, f, gOut, uOut, g, u)
 	case o.direct: // CodecSparse
-		err := o.sp.allReduce(ctx, o.xc, lo, hi-lo,
-			func(a int, x []float32) { o.delta(f, a, x) },
-			func(a int, avg []float32) {
-				b := a + len(avg)
-				o.outerStep(gOut[a:b], part(uOut, a, b), g[a:b], part(u, a, b), avg)
-			})
+		delta := func(a int, x []float32) { o.delta(f, a, x) }
+		apply := func(a int, avg []float32) {
+			b := a + len(avg)
+			o.outerStep(gOut[a:b], part(uOut, a, b), g[a:b], part(u, a, b), avg)
+		}
+		var err error
+		if o.sp.twoPhase {
+			err = o.sp.allReduceTwoPhase(ctx, o.xc, f, lo, hi-lo, delta, apply)
+		} else {
+			err = o.sp.allReduce(ctx, o.xc, lo, hi-lo, delta, apply)
+		}
 		if err != nil {
 			return fmt.Errorf("%s average: %w", o.cfg.Codec, err)
 		}

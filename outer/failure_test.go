@@ -105,8 +105,12 @@ func TestFailureLeavesEveryRankFailed(t *testing.T) {
 		{config(outer.CodecOneBit, h, 2, 1), atExchanges, refused, 5, 6, 6},
 		{config(outer.CodecOneBit, h, 2, 1), atExchanges, resized, 3, 4, 4},
 		{config(outer.CodecInt8, h, 1, 2), atExchanges, refused, 5, 8, 8}, // exchange in flight
+		// The sparse codec's two-phase exchange, in flight and not.
+		{twoPhase(config(outer.CodecSparse, h, 2, 1)), perStep, innerFails, 3, 4, 3},
+		{twoPhase(config(outer.CodecSparse, h, 1, 2)), noFlags, resized, 5, 8, 8},
+		{twoPhase(config(outer.CodecSparse, h, 2, 1)), atExchanges, refused, 5, 6, 6},
 	} {
-		name := fmt.Sprintf("%s/F%d/D%d/%s/%s/at%d", k.cfg.Codec, k.cfg.Fragments, k.cfg.Delay, k.flags, k.spoil, k.at)
+		name := fmt.Sprintf("%s/%s/F%d/D%d/%s/%s/at%d", k.cfg.Codec, k.cfg.SparseExchange, k.cfg.Fragments, k.cfg.Delay, k.flags, k.spoil, k.at)
 		t.Run(name, func(t *testing.T) {
 			want := runFailing(t, w, k.cfg, calls, k.flags, nil)
 			first := newPerRank[error](w)
@@ -330,8 +334,9 @@ func TestStepContextCancelledAfterReturn(t *testing.T) {
 			config(outer.CodecFP32, 4, 2, 2),
 			config(outer.CodecOneBit, 6, 3, 2),
 			config(outer.CodecInt8, 4, 1, 3),
+			twoPhase(config(outer.CodecSparse, 6, 2, 3)),
 		} {
-			t.Run(fmt.Sprintf("W%d/%s/F%d/D%d", w, cfg.Codec, cfg.Fragments, cfg.Delay), func(t *testing.T) {
+			t.Run(fmt.Sprintf("W%d/%s/%s/F%d/D%d", w, cfg.Codec, cfg.SparseExchange, cfg.Fragments, cfg.Delay), func(t *testing.T) {
 				run := func(cancelEach bool) [][]float32 {
 					out := newPerRank[[]float32](w)
 					runRanksWithin(t, w, 10*time.Second, func(ctx context.Context, c comm.Comm) error {

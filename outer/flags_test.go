@@ -23,13 +23,16 @@ import (
 // 1-bit collective's nothing: the same collectives, the same sizes).
 func TestBytesCountedWithDelay(t *testing.T) {
 	const w, h, calls = 3, 4, 12
-	for _, codec := range allCodecs {
+	for _, x := range exchangeCodecs {
+		codec := x.Codec
 		sent := map[int]int64{}
 		for _, delay := range []int{0, 2} {
 			got := newPerRank[int64](w)
 			runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
 				ps := newParams(t, []int{1 << 12, 100})
-				o, err := outer.NewAdam(ctx, c, ps, config(codec, h, 2, delay), innerConfig())
+				cfg := config(codec, h, 2, delay)
+				cfg.SparseExchange = x.SparseExchange
+				o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
 				if err != nil {
 					return err
 				}
@@ -49,7 +52,7 @@ func TestBytesCountedWithDelay(t *testing.T) {
 		}
 		// The last exchange (launched at call 12) is still in flight
 		// with delay 2: Close waits for it, and its bytes count.
-		assert.Equal(t, sent[0], sent[2], "%s: bytes with delay 2 against delay 0", codec)
+		assert.Equal(t, sent[0], sent[2], "%s %s: bytes with delay 2 against delay 0", codec, x.SparseExchange)
 		assert.NotZero(t, sent[0])
 	}
 }
@@ -179,8 +182,9 @@ func TestCarryFlagsAtExchangesSendsNothingBetween(t *testing.T) {
 		config(outer.CodecFP32, h, 1, 0),
 		config(outer.CodecOneBit, h, 2, 0), // exchanges at the calls 2, 4, 6, ...
 		config(outer.CodecSparse, h, 2, 0),
+		twoPhase(config(outer.CodecSparse, h, 2, 0)),
 	} {
-		t.Run(fmt.Sprintf("%s/F%d", cfg.Codec, cfg.Fragments), func(t *testing.T) {
+		t.Run(fmt.Sprintf("%s/F%d/%s", cfg.Codec, cfg.Fragments, cfg.SparseExchange), func(t *testing.T) {
 			run := func(carry bool) ([][]float32, [][]int64) {
 				out := newPerRank[[]float32](w)
 				sent := newPerRank[[]int64](w) // per call: bytes, collectives

@@ -137,3 +137,10 @@ func steppedOn(ctx context.Context, c comm.Comm, ps []*optim.Param, cfg outer.Co
 	}
 	return o, nil
 }
+
+// exchangeCodecs are the codecs with, for the sparse one, each of its
+// exchanges (the other codecs ignore SparseExchange).
+var exchangeCodecs = []outer.Config{
+	{Codec: outer.CodecFP32}, {Codec: outer.CodecBF16}, {Codec: outer.CodecInt8}, {Codec: outer.CodecOneBit},
+	{Codec: outer.CodecSparse}, {Codec: outer.CodecSparse, SparseExchange: outer.SparseTwoPhase},
+}

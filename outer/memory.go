@@ -16,7 +16,8 @@ var _ optim.MemoryReporter = (*Optimizer)(nil)
 // for the sparse codec; with a delay, θ_local at the launch and the
 // staged θ_g and u of a fragment) and the codec's state: the 1-bit error
 // buffers and wire buffers, the int8 messages, the sparse accumulator
-// and messages. The parameters and gradients are not counted.
+// and messages (SparseTwoPhase: W segments each way, and the server
+// accumulator of the chunks this rank owns). The parameters and gradients are not counted.
 // Everything is allocated at construction. See docs/outer.md, "Memory".
 func (o *Optimizer) StateBytes() int64 {
 	n := optim.Float32Bytes(o.global, o.mom, o.work, o.xb, o.snap, o.stage)
@@ -30,7 +31,7 @@ func (o *Optimizer) StateBytes() int64 {
 		n += int64(cap(q.send)+cap(q.recv)+cap(q.gsend)+cap(q.grecv)) + optim.Float32Bytes(q.chunk, q.acc, q.scales)
 	}
 	if s := o.sp; s != nil {
-		n += optim.Float32Bytes(s.acc, s.mag, s.ef) + 2*int64(cap(s.acc16)) + int64(cap(s.send)+cap(s.recv))
+		n += optim.Float32Bytes(s.acc, s.mag, s.ef, s.srv) + 2*int64(cap(s.acc16)) + int64(cap(s.send)+cap(s.recv))
 	}
 	return n + onebit.StatesBytes(slices.Concat(o.states...)...)
 }

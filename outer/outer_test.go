@@ -45,8 +45,12 @@ var allCodecs = []outer.Codec{outer.CodecFP32, outer.CodecBF16, outer.CodecInt8,
 func TestGlobalIdenticalOnEveryRank(t *testing.T) {
 	const w, calls = 3, 17
 	for _, codec := range allCodecs {
-		for _, cfg := range []outer.Config{config(codec, 4, 1, 0), config(codec, 6, 3, 2)} {
-			t.Run(fmt.Sprintf("%s/F%d/D%d", codec, cfg.Fragments, cfg.Delay), func(t *testing.T) {
+		cfgs := []outer.Config{config(codec, 4, 1, 0), config(codec, 6, 3, 2)}
+		if codec == outer.CodecSparse {
+			cfgs = append(cfgs, twoPhase(cfgs[0]), twoPhase(cfgs[1]))
+		}
+		for _, cfg := range cfgs {
+			t.Run(fmt.Sprintf("%s/F%d/D%d/%s", codec, cfg.Fragments, cfg.Delay, cfg.SparseExchange), func(t *testing.T) {
 				globals := newPerRank[[]float32](w)
 				moms := newPerRank[[]float32](w)
 				stats := newPerRank[outer.OuterStats](w)
@@ -142,6 +146,9 @@ func TestResumeBitIdentical(t *testing.T) {
 		{noMomentum(config(outer.CodecSparse, 6, 2, 3)), []int{3, 4, 7}},
 		{noMomentum(config(outer.CodecOneBit, 6, 2, 3)), []int{3, 4, 7}},
 		{noMomentum(config(outer.CodecFP32, 6, 2, 2)), []int{3, 4}},
+		// The two-phase exchange: its server accumulators too.
+		{twoPhase(config(outer.CodecSparse, 4, 1, 0)), []int{3, 8}},
+		{twoPhase(noMomentum(config(outer.CodecSparse, 6, 2, 3))), []int{3, 4, 6, 7, 9}},
 		// The sparse accumulator in bfloat16.
 		{func() outer.Config {
 			c := noMomentum(config(outer.CodecSparse, 4, 1, 0))
@@ -160,6 +167,12 @@ func TestResumeBitIdentical(t *testing.T) {
 			})
 		}
 	}
+}
+
+// twoPhase is cfg with the sparse codec's two-phase exchange.
+func twoPhase(cfg outer.Config) outer.Config {
+	cfg.SparseExchange = outer.SparseTwoPhase
+	return cfg
 }
 
 // noMomentum is cfg with Momentum 0.
@@ -302,10 +315,15 @@ func TestConfigValidate(t *testing.T) {
 		{"SparseBits", func(c *outer.Config) { c.Codec, c.SparseBits = outer.CodecSparse, 3 }},
 		{"Decay", func(c *outer.Config) { c.Codec, c.Decay = outer.CodecSparse, -0.1 }},
 		{"Decay", func(c *outer.Config) { c.Codec, c.Decay = outer.CodecSparse, 1.01 }},
+		{"SparseExchange", func(c *outer.Config) { c.Codec, c.SparseExchange = outer.CodecSparse, 2 }},
+		{"SparseExchange", func(c *outer.Config) { c.Codec, c.SparseExchange = outer.CodecSparse, -1 }},
+		{"SparseServerDensity", func(c *outer.Config) { c.Codec, c.SparseServerDensity = outer.CodecSparse, 1.5 }},
+		{"SparseServerDensity", func(c *outer.Config) { c.Codec, c.SparseServerDensity = outer.CodecSparse, -0.5 }},
+		{"SparseServerDensity", func(c *outer.Config) { c.Codec, c.SparseServerDensity = outer.CodecSparse, float32(math.NaN()) }},
 	} {
 		cfg := outer.DefaultConfig()
 		k.change(&cfg)
-		if k.field == "SparseChunk" || k.field == "Density" || k.field == "SparseBits" || k.field == "Decay" {
+		if k.field == "SparseChunk" || k.field == "Density" || k.field == "SparseBits" || k.field == "Decay" || strings.HasPrefix(k.field, "SparseS") || k.field == "SparseExchange" {
 			other := cfg
 			other.Codec = outer.CodecFP32
 			require.NoError(t, other.Validate(), "another codec ignores %s", k.field)
@@ -326,6 +344,14 @@ func TestConfigValidate(t *testing.T) {
 	}
 	_, err = outer.ParseCodec("fp8")
 	assert.ErrorContains(t, err, `outer: unknown codec "fp8"`)
+	for _, x := range []outer.SparseExchange{outer.SparseAllGather, outer.SparseTwoPhase} {
+		back, err := outer.ParseSparseExchange(strings.ToUpper(x.String()))
+		require.NoError(t, err)
+		assert.Equal(t, x, back)
+	}
+	_, err = outer.ParseSparseExchange("ring")
+	assert.ErrorContains(t, err, `outer: unknown sparse exchange "ring" (want one of allgather, twophase)`)
+	assert.Equal(t, "SparseExchange(5)", outer.SparseExchange(5).String())
 }
 
 // Bad input on one rank at construction is an error on every rank, the
@@ -364,6 +390,22 @@ func TestNewBadInputOnEveryRank(t *testing.T) {
 			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
 			return err
 		}, "rank 1 has Density 0.75, rank 0 has 0.5"},
+		{"another sparse exchange", func(ctx context.Context, c comm.Comm, bad bool) error {
+			cfg := config(outer.CodecSparse, 4, 1, 0)
+			if bad {
+				cfg.SparseExchange = outer.SparseTwoPhase
+			}
+			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
+			return err
+		}, "rank 1 has SparseExchange twophase, rank 0 has allgather"},
+		{"another second-phase density", func(ctx context.Context, c comm.Comm, bad bool) error {
+			cfg := twoPhase(config(outer.CodecSparse, 4, 1, 0))
+			if bad {
+				cfg.SparseServerDensity = 0.75
+			}
+			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
+			return err
+		}, "rank 1 has SparseServerDensity 0.75, rank 0 has 0.5"},
 		{"another H", func(ctx context.Context, c comm.Comm, bad bool) error {
 			cfg := outer.DefaultConfig()
 			if bad {
@@ -803,7 +845,7 @@ func TestStepAllocatesNothing(t *testing.T) {
 // goroutine per launch): the allocations per Step of both ranks, comm/local
 // included, are reported (0 when measured).
 func TestStepAllocationsTwoRanks(t *testing.T) {
-	for _, cfg := range []outer.Config{config(outer.CodecOneBit, 2, 1, 0), config(outer.CodecOneBit, 2, 2, 1), config(outer.CodecSparse, 2, 1, 0)} {
+	for _, cfg := range []outer.Config{config(outer.CodecOneBit, 2, 1, 0), config(outer.CodecOneBit, 2, 2, 1), config(outer.CodecSparse, 2, 1, 0), twoPhase(config(outer.CodecSparse, 2, 1, 0))} {
 		cs, err := local.New(2)
 		require.NoError(t, err)
 		ctx := context.Background()

@@ -35,6 +35,8 @@ type refConfig struct {
 	sparse         bool
 	chunk, vbits   int
 	density, decay float64
+	twoPhase       bool    // outer.SparseTwoPhase
+	density2       float64 // its second phase's density
 }
 
 type refSim struct {
@@ -46,6 +48,7 @@ type refSim struct {
 	launched    int
 	snap        [][]float64 // [rank] θ_local of the pending fragment at launch
 	acc         [][]float64 // [rank] the sparse codec's accumulator
+	srv         []float64   // the two-phase exchange's server accumulators, flat
 	t           int
 }
 
@@ -56,6 +59,7 @@ func newRef(c refConfig, init []float32) *refSim {
 		s.g[i] = float64(x)
 	}
 	s.u = make([]float64, c.n)
+	s.srv = make([]float64, c.n)
 	for range c.W {
 		s.local = append(s.local, append([]float64(nil), s.g...))
 		s.m = append(s.m, make([]float64, c.n))
@@ -161,10 +165,12 @@ func (s *refSim) compress(f int, xs [][]float64) []float64 {
 
 // sparse is the sparse codec's exchange of the pseudo-gradients deltas
 // (one per rank) of the fragment at lo: each rank's accumulator decays and
-// takes its delta, each chunk sends its top k entries by magnitude (ties:
-// the lower offset) as sign times the mean magnitude sent (1 bit) or the
-// mean of those below or at and above it (2 bits), and keeps the rest; the
-// result is the mean over the ranks of what they sent.
+// takes its delta, each chunk sends its top k entries (refSelect), and the
+// result is the mean over the ranks of what they sent. With the two-phase
+// exchange that mean plus the decayed server accumulator (one per
+// element: each element has one owner, whichever rank it is) is selected
+// again, chunk by chunk, the server accumulator keeps the rest, and the result is what
+// the second selection sent.
 func (s *refSim) sparse(lo int, deltas [][]float64) []float64 {
 	c := s.c
 	m := len(deltas[0])
@@ -176,48 +182,75 @@ func (s *refSim) sparse(lo int, deltas [][]float64) []float64 {
 		}
 		for a := 0; a < m; a += c.chunk {
 			b := min(a+c.chunk, m)
-			k := max(1, min(b-a, int(math.Round(c.density*float64(b-a)))))
-			idx := make([]int, b-a)
-			for i := range idx {
-				idx[i] = a + i
-			}
-			sort.SliceStable(idx, func(x, y int) bool { return math.Abs(e[idx[x]]) > math.Abs(e[idx[y]]) })
-			idx = idx[:k]
-			mean := 0.0
-			for _, i := range idx {
-				mean += math.Abs(e[i])
-			}
-			mean /= float64(k)
-			lo, hi := mean, mean
-			if c.vbits == 2 {
-				var sl, sh float64
-				var nl, nh int
-				for _, i := range idx {
-					if math.Abs(e[i]) >= mean {
-						sh, nh = sh+math.Abs(e[i]), nh+1
-					} else {
-						sl, nl = sl+math.Abs(e[i]), nl+1
-					}
-				}
-				hi, lo = sh/float64(nh), sh/float64(nh)
-				if nl > 0 {
-					lo = sl / float64(nl)
-				}
-			}
-			for _, i := range idx {
-				v := lo
-				if c.vbits == 2 && math.Abs(e[i]) >= mean {
-					v = hi
-				}
-				if e[i] < 0 {
-					v = -v
-				}
-				e[i] -= v
-				avg[i] += v / float64(c.W)
+			for i, v := range s.refSelect(e[a:b], c.density) {
+				avg[a+i] += v / float64(c.W)
 			}
 		}
 	}
-	return avg
+	if !c.twoPhase {
+		return avg
+	}
+	x := s.srv[lo : lo+m]
+	out := make([]float64, m)
+	for i := range x {
+		x[i] = c.decay*x[i] + avg[i]
+	}
+	for a := 0; a < m; a += c.chunk {
+		b := min(a+c.chunk, m)
+		copy(out[a:b], s.refSelect(x[a:b], c.density2))
+	}
+	return out
+}
+
+// refSelect returns what a chunk e sends, its top k entries by magnitude
+// (k the density's share of its length)
+// (ties: the lower offset) as sign times the mean magnitude sent (1 bit)
+// or the mean of those below or at and above it (2 bits), zero elsewhere,
+// and subtracts it from e.
+func (s *refSim) refSelect(e []float64, density float64) []float64 {
+	c := s.c
+	l := len(e)
+	k := max(1, min(l, int(math.Round(density*float64(l)))))
+	idx := make([]int, l)
+	for i := range idx {
+		idx[i] = i
+	}
+	sort.SliceStable(idx, func(x, y int) bool { return math.Abs(e[idx[x]]) > math.Abs(e[idx[y]]) })
+	idx = idx[:k]
+	mean := 0.0
+	for _, i := range idx {
+		mean += math.Abs(e[i])
+	}
+	mean /= float64(k)
+	lo, hi := mean, mean
+	if c.vbits == 2 {
+		var sl, sh float64
+		var nl, nh int
+		for _, i := range idx {
+			if math.Abs(e[i]) >= mean {
+				sh, nh = sh+math.Abs(e[i]), nh+1
+			} else {
+				sl, nl = sl+math.Abs(e[i]), nl+1
+			}
+		}
+		hi, lo = sh/float64(nh), sh/float64(nh)
+		if nl > 0 {
+			lo = sl / float64(nl)
+		}
+	}
+	sent := make([]float64, l)
+	for _, i := range idx {
+		v := lo
+		if c.vbits == 2 && math.Abs(e[i]) >= mean {
+			v = hi
+		}
+		if e[i] < 0 {
+			v = -v
+		}
+		e[i] -= v
+		sent[i] = v
+	}
+	return sent
 }
 
 // step runs call t: every rank's inner step on grad(r, t, ·), then the
@@ -333,14 +366,22 @@ func TestReference(t *testing.T) {
 			{outer.CodecSparse, 6, 2, 3, 2},
 		} {
 			// (For CodecSparse, scale is the value bits.)
-			t.Run(fmt.Sprintf("W%d/%s/H%d/F%d/D%d/scale%d", w, k.codec, k.h, k.f, k.d, k.scale), func(t *testing.T) {
-				checkReference(t, w, k.codec, k.h, k.f, k.d, k.scale)
-			})
+			// The sparse codec: each exchange, and the two-phase one with
+			// a second phase of its own density (3 of each chunk of 5).
+			xs := []outer.Config{{}}
+			if k.codec == outer.CodecSparse {
+				xs = append(xs, outer.Config{SparseExchange: outer.SparseTwoPhase}, outer.Config{SparseExchange: outer.SparseTwoPhase, SparseServerDensity: 0.6})
+			}
+			for _, x := range xs {
+				t.Run(fmt.Sprintf("W%d/%s/H%d/F%d/D%d/scale%d/%s/%g", w, k.codec, k.h, k.f, k.d, k.scale, x.SparseExchange, x.SparseServerDensity), func(t *testing.T) {
+					checkReference(t, w, k.codec, k.h, k.f, k.d, k.scale, x)
+				})
+			}
 		}
 	}
 }
 
-func checkReference(t *testing.T, w int, codec outer.Codec, h, frags, delay int, scale onebit.Scale) {
+func checkReference(t *testing.T, w int, codec outer.Codec, h, frags, delay int, scale onebit.Scale, x outer.Config) {
 	const calls = 20
 	cfg := outer.DefaultConfig()
 	cfg.H, cfg.Fragments, cfg.Delay, cfg.Codec, cfg.Scale = h, frags, delay, codec, scale
@@ -350,6 +391,7 @@ func checkReference(t *testing.T, w int, codec outer.Codec, h, frags, delay int,
 		// reference checks it goes through).
 		cfg.Scale, cfg.SparseBits = onebit.ScaleRMS, int(scale)
 		cfg.SparseChunk, cfg.Density, cfg.Decay = 5, 0.4, 0.9
+		cfg.SparseExchange, cfg.SparseServerDensity = x.SparseExchange, x.SparseServerDensity
 	}
 	acfg := optim.DefaultAdamConfig()
 	acfg.LR, acfg.WeightDecay = 0.01, 0.1
@@ -359,7 +401,11 @@ func checkReference(t *testing.T, w int, codec outer.Codec, h, frags, delay int,
 	}
 	rc := refConfig{W: w, H: h, F: frags, D: delay, oneBit: codec == outer.CodecOneBit, meanAbs: scale == onebit.ScaleMeanAbs, lr: float64(cfg.LR), mu: float64(cfg.Momentum),
 		nesterov: cfg.Nesterov, alr: float64(acfg.LR), b1: float64(acfg.Beta1), b2: float64(acfg.Beta2), eps: float64(acfg.Eps), wd: float64(acfg.WeightDecay), n: n,
-		sparse: codec == outer.CodecSparse, chunk: cfg.SparseChunk, vbits: cfg.SparseBits, density: float64(cfg.Density), decay: float64(cfg.Decay)}
+		sparse: codec == outer.CodecSparse, chunk: cfg.SparseChunk, vbits: cfg.SparseBits, density: float64(cfg.Density), decay: float64(cfg.Decay),
+		twoPhase: cfg.SparseExchange == outer.SparseTwoPhase, density2: float64(cfg.Density)}
+	if cfg.SparseServerDensity != 0 {
+		rc.density2 = float64(cfg.SparseServerDensity)
+	}
 	ref := newRef(rc, flat(newParams(t, sizes)))
 	// Real runs: every rank's parameters after every call, and θ_g and u
 	// after the calls with no exchange in flight.

@@ -54,15 +54,27 @@ func TestRegroupSparse(t *testing.T) {
 	}
 	require.NotEqual(t, acc(old[0]), acc(old[1]), "the ranks' accumulators differ")
 
-	for r := range 3 {
-		same, err := outer.Regroup(old, 3, r)
+	regroupAndTrain(t, old, cfg, 2, func(r int, _, got *optim.Checkpoint) {
+		assert.Equal(t, bitsOf(mean), bitsOf(acc(got)), "rank %d: the accumulator is the old ranks' mean", r)
+		assert.Equal(t, old[r].Tensor(outer.TensorGlobal).Data, got.Tensor(outer.TensorGlobal).Data)
+	})
+}
+
+// regroupAndTrain checks that Regroup of old onto as many ranks is a copy
+// of each, then regroups old onto world ranks, loads each rank's
+// checkpoint into an optimizer of cfg, calls check with the rank, the
+// regrouped checkpoint and the optimizer's State after the Load, trains
+// calls 6 to 9 and checks that θ_g is the same on every new rank.
+func regroupAndTrain(t *testing.T, old []*optim.Checkpoint, cfg outer.Config, world int, check func(r int, regrouped, got *optim.Checkpoint)) {
+	t.Helper()
+	for r := range old {
+		same, err := outer.Regroup(old, len(old), r)
 		require.NoError(t, err)
 		assert.Equal(t, old[r], same, "rank %d: on the same number of ranks, a copy", r)
 	}
-
-	globals := newPerRank[[]float32](2)
-	runRanks(t, 2, func(ctx context.Context, c comm.Comm) error {
-		ck, err := outer.Regroup(old, 2, c.Rank())
+	globals := newPerRank[[]float32](world)
+	runRanks(t, world, func(ctx context.Context, c comm.Comm) error {
+		ck, err := outer.Regroup(old, world, c.Rank())
 		if err != nil {
 			return err
 		}
@@ -79,8 +91,7 @@ func TestRegroupSparse(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		assert.Equal(t, bitsOf(mean), bitsOf(acc(got)), "rank %d: the accumulator is the old ranks' mean", c.Rank())
-		assert.Equal(t, old[c.Rank()].Tensor(outer.TensorGlobal).Data, got.Tensor(outer.TensorGlobal).Data)
+		check(c.Rank(), ck, got)
 		for i := 6; i <= 9; i++ {
 			setGrads(ps, c.Rank(), i)
 			if err := o.Step(ctx); err != nil {
@@ -90,7 +101,9 @@ func TestRegroupSparse(t *testing.T) {
 		globals.set(c.Rank(), append([]float32(nil), o.Global()...))
 		return nil
 	})
-	assert.Equal(t, bitsOf(globals.v[0]), bitsOf(globals.v[1]), "θ_g the same on every new rank")
+	for r := 1; r < world; r++ {
+		assert.Equal(t, bitsOf(globals.v[0]), bitsOf(globals.v[r]), "θ_g the same on every new rank")
+	}
 }
 
 // The 1-bit codec's error buffers restart from zero on another number of

@@ -43,8 +43,19 @@ type sparseCodec struct {
 	// it widened to float32; both nil otherwise.
 	acc16 []uint16
 	ef    []float32
-	send  []byte // this rank's message, as long as the largest fragment's
-	recv  []byte // W messages
+	// send is this rank's message, as long as the largest fragment's;
+	// recv the W messages. With SparseTwoPhase, W segments each.
+	send, recv []byte
+	// srv is SparseTwoPhase's server accumulator: per fragment, over the
+	// run of chunks this rank owns, the error of its re-encodings of their
+	// average (fragment f's at srvAt[f]); nil with SparseAllGather.
+	srv      []float32
+	srvAt    []int
+	twoPhase bool // SparseTwoPhase: srv is kept
+	// server encodes and decodes the second phase's messages
+	// (SparseServerDensity): s itself, or a codec of another density
+	// sharing s's scratch.
+	server *sparseCodec
 	// mag is a chunk's scratch: its pseudo-gradients, then their
 	// magnitudes for the selection; after the all-gather, its average.
 	mag []float32
@@ -60,6 +71,20 @@ func newSparseCodec(cfg Config, n, largest, w int) *sparseCodec {
 		s.acc16, s.ef = make([]uint16, n), make([]float32, cfg.SparseChunk)
 	} else {
 		s.acc = make([]float32, n)
+	}
+	if cfg.SparseExchange == SparseTwoPhase {
+		s.server = s
+		if d := cfg.serverDensity(); d != cfg.Density {
+			srv := *s
+			srv.density = float64(d)
+			s.server = &srv
+		}
+		// Phase 1 sends W segments, the owners' runs padded to the
+		// largest, and receives W; phase 2 sends one segment (of its
+		// own density) from send and receives W into recv.
+		seg1, seg2 := s.segLen(largest, w), s.server.segLen(largest, w)
+		s.send, s.recv = make([]byte, max(w*seg1, seg2)), make([]byte, w*max(seg1, seg2))
+		return s
 	}
 	msg := s.msgLen(largest)
 	s.send, s.recv = make([]byte, msg), make([]byte, w*msg)
@@ -127,26 +152,7 @@ func (s *sparseCodec) allReduce(ctx context.Context, c comm.Comm, first, m int, 
 	w := c.Size()
 	msg := s.msgLen(m)
 	send := s.send[:msg]
-	at := 0
-	for lo := 0; lo < m; lo += s.chunk {
-		hi := min(lo+s.chunk, m)
-		d := s.mag[:hi-lo]
-		delta(lo, d)
-		var x []float32
-		if s.acc16 != nil {
-			x = s.ef[:hi-lo]
-			quant.Widen(quant.BF16, x, s.acc16[first+lo:first+hi])
-		} else {
-			x = s.acc[first+lo : first+hi]
-		}
-		for i, v := range d {
-			x[i] = s.decay*x[i] + v
-		}
-		at += s.encode(send[at:at+s.chunkLen(hi-lo)], x)
-		if s.acc16 != nil {
-			quant.Narrow(quant.BF16, s.acc16[first+lo:first+hi], x)
-		}
-	}
+	s.accumulate(send, first, 0, m, delta)
 	recv := s.recv[:w*msg]
 	if err := c.AllGatherBytes(ctx, send, recv); err != nil {
 		return fmt.Errorf("sparse all-gather: %w", err)
@@ -157,7 +163,7 @@ func (s *sparseCodec) allReduce(ctx context.Context, c comm.Comm, first, m int, 
 		}
 	}
 	fw := float32(w)
-	at = 0
+	at := 0
 	for lo := 0; lo < m; lo += s.chunk {
 		hi := min(lo+s.chunk, m)
 		n := s.chunkLen(hi - lo)
@@ -173,6 +179,35 @@ func (s *sparseCodec) allReduce(ctx context.Context, c comm.Comm, first, m int, 
 		at += n
 	}
 	return nil
+}
+
+// accumulate takes the pseudo-gradients of the fragment's elements [lo,
+// hi) (lo at a chunk's start; the fragment starts at flat element first)
+// into the accumulator, e = decay*e + delta, a chunk at a time, and
+// writes their messages into dst in order, subtracting what they stand
+// for from e. It returns the bytes written, msgLen(hi-lo).
+func (s *sparseCodec) accumulate(dst []byte, first, lo, hi int, delta func(lo int, x []float32)) int {
+	at := 0
+	for a := lo; a < hi; a += s.chunk {
+		b := min(a+s.chunk, hi)
+		d := s.mag[:b-a]
+		delta(a, d)
+		var x []float32
+		if s.acc16 != nil {
+			x = s.ef[:b-a]
+			quant.Widen(quant.BF16, x, s.acc16[first+a:first+b])
+		} else {
+			x = s.acc[first+a : first+b]
+		}
+		for i, v := range d {
+			x[i] = s.decay*x[i] + v
+		}
+		at += s.encode(dst[at:at+s.chunkLen(b-a)], x)
+		if s.acc16 != nil {
+			quant.Narrow(quant.BF16, s.acc16[first+a:first+b], x)
+		}
+	}
+	return at
 }
 
 // encode writes the message of chunk x into dst (chunkLen(len(x)) bytes)

@@ -177,17 +177,24 @@ func FuzzSparseDecode(f *testing.F) {
 		if err := s.decodeAdd(dst, msg); err != nil {
 			return
 		}
-		nz := 0
-		for _, v := range dst {
-			if v != 0 {
-				nz++
-			}
-			if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
-				t.Fatalf("decoded %v", dst)
-			}
-		}
-		if nz > s.k(7)+s.k(3) {
-			t.Fatalf("%d entries", nz)
-		}
+		checkDecoded(t, dst, s.k(7)+s.k(3))
 	})
+}
+
+// checkDecoded fails t when dst holds a value that is not finite or more
+// than most non-zero entries.
+func checkDecoded(t *testing.T, dst []float32, most int) {
+	t.Helper()
+	nz := 0
+	for _, v := range dst {
+		if v != 0 {
+			nz++
+		}
+		if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
+			t.Fatalf("decoded %v", dst)
+		}
+	}
+	if nz > most {
+		t.Fatalf("%d entries", nz)
+	}
 }

@@ -325,6 +325,9 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 		if sp := o.Sparse; sp != nil {
 			fmt.Fprintf(w, "; outer-sparse sends %d of every %d entries (density %.4g), each a %d-bit offset and a %d-bit value, %d float32 scale(s) per chunk: %.3f bits per element per message, W-1 messages per rank",
 				sp.Entries, sp.Chunk, sp.Density, sp.OffsetBits, sp.Bits, sp.Bits, sp.BitsPerElement)
+			if slices.ContainsFunc(p.Rows, func(r costmodel.Row) bool { return r.Collective == "outer-sparse-2p" }) {
+				fmt.Fprint(w, "; outer-sparse-2p sends them in two phases, 2(W-1) segments of ceil(chunks/W) chunks per rank (about 2(W-1)/W messages)")
+			}
 		}
 		fmt.Fprintln(w, ".")
 	}

@@ -320,8 +320,8 @@ func TestPlanOuterRows(t *testing.T) {
 	assert.NotContains(t, s, "outer")
 
 	s, rows = outerRows(t, args+" --outer-h 50")
-	require.Len(t, rows, 7, s)
-	for _, name := range []string{"outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse"} {
+	require.Len(t, rows, 8, s)
+	for _, name := range []string{"outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse", "outer-sparse-2p"} {
 		require.Contains(t, rows, name, s)
 		assert.Contains(t, s, name+": outer optimizer, ")
 	}
@@ -342,9 +342,13 @@ func TestPlanOuterRows(t *testing.T) {
 	assert.Equal(t, []string{"259.7", "kB"}, rows["outer-sparse"][1:3], "3*(30273*(4+139)+(4+52))/50")
 	_, two := outerRows(t, args+" --outer-h 50 --outer-sparse-bits 2 --outer-density 0.03 --outer-sparse-chunk 1024")
 	assert.Equal(t, []string{"399.6", "kB"}, two["outer-sparse"][1:3], "31 of 1024 entries of 10+2 bits, 2 scales: 3*(121093*(8+47)+(8+35))/50")
+	// Two-phase: 2*3 segments of ceil(30274/4) = 7569 chunks of 143
+	// bytes, every 50 steps.
+	assert.Equal(t, []string{"129.9", "kB"}, rows["outer-sparse-2p"][1:3], "6*7569*143/50")
+	assert.Contains(t, s, "outer-sparse-2p sends them in two phases, 2(W-1) segments of ceil(chunks/W) chunks per rank")
 
 	s, rows = outerRows(t, args+" --outer-h 50 --outer-fragments 4 --outer-delay 2")
-	require.Len(t, rows, 7, s)
+	require.Len(t, rows, 8, s)
 	assert.Contains(t, s, "H 50, 4 fragments, delay 2")
 	assert.Contains(t, s, "of 31M parameters every 12.5 steps")
 	assert.Contains(t, s, "each exchange runs beside 2 steps of compute (400ms)")
@@ -431,7 +435,7 @@ func TestPlanOuterFlagErrors(t *testing.T) {
 	assert.Equal(t, 50, cfg.job.OuterH)
 	assert.Equal(t, 4, cfg.job.OuterFragments)
 	assert.Equal(t, 12, cfg.job.OuterDelay)
-	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse"}, cfg.job.Collectives)
+	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse", "outer-sparse-2p"}, cfg.job.Collectives)
 	// A fragment shorter than the sparse codec's chunk: its row is left
 	// out of the default ones.
 	cfg, err = parsePlanFlags(strings.Fields("--params 4000 --outer-h 5"), io.Discard)
@@ -524,7 +528,7 @@ func TestPlanRTT(t *testing.T) {
 		// One exchange every 50 steps: the agreement (W-1 rounds), then
 		// the codec's collective.
 		"outer-fp32": (r + 2*r) / 50, "outer-bf16": (r + 2*r) / 50, "outer-int8": (r + 2*r) / 50,
-		"outer-1bit": (r + buckets*3*r) / 50, "outer-sparse": (r + r) / 50,
+		"outer-1bit": (r + buckets*3*r) / 50, "outer-sparse": (r + r) / 50, "outer-sparse-2p": (r + 2*r) / 50,
 	}
 	var out bytes.Buffer
 	require.NoError(t, planMain(strings.Fields(args+" --rtt 50ms --json"), &out, io.Discard))

@@ -84,17 +84,21 @@ type options struct {
 	// diloco:sparse's Density, SparseChunk, SparseBits and Decay.
 	outerDensity, outerDecay     float64
 	outerSparseChunk, outerSBits int
-	seed                         uint64
-	target                       float64
-	stopAtTarget                 bool // end each run at its first validation at or below target
-	evalEvery                    int
-	valWindows                   int
-	finalWindows                 int // -final-windows: 0 for the whole validation text
-	jsonPath                     string
-	plotPath                     string
-	mdPath                       string
-	quiet                        bool
-	progress                     bool
+	// outerSparseX is diloco:sparse's exchange (outer.Config.SparseExchange).
+	outerSparseX outer.SparseExchange
+	// outerServerDensity is its SparseServerDensity (0: -outer-density).
+	outerServerDensity float64
+	seed               uint64
+	target             float64
+	stopAtTarget       bool // end each run at its first validation at or below target
+	evalEvery          int
+	valWindows         int
+	finalWindows       int // -final-windows: 0 for the whole validation text
+	jsonPath           string
+	plotPath           string
+	mdPath             string
+	quiet              bool
+	progress           bool
 
 	checkpoint      string // directory of the GoMLX checkpoints, "" for none
 	checkpointEvery int
@@ -129,6 +133,7 @@ func (o *options) hyper() hyper {
 	}
 	oc.Density, oc.Decay = float32(o.outerDensity), float32(o.outerDecay)
 	oc.SparseChunk, oc.SparseBits = o.outerSparseChunk, o.outerSBits
+	oc.SparseExchange, oc.SparseServerDensity = o.outerSparseX, float32(o.outerServerDensity)
 	h := hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), muonSplit: o.muonSplit, freezeStep: fs, outer: oc, outerLR: o.outerLR, outerMomentum: o.outerMomentum, outerBF16: o.outerBF16}
 	h.muonState, h.muonBF16, _ = onebit.ParseMuonStateMode(o.muonState)
 	h.outer = h.outerFor(outer.CodecFP32)
@@ -192,6 +197,12 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.outerSparseChunk, "outer-sparse-chunk", def.SparseChunk, "diloco:sparse: chunk length in elements (at least 1/-outer-density)")
 	fs.IntVar(&o.outerSBits, "outer-sparse-bits", def.SparseBits, "diloco:sparse: bits per value sent, 1 or 2")
 	fs.Float64Var(&o.outerDecay, "outer-decay", float64(def.Decay), "diloco:sparse: decay of the error accumulator, in [0, 1]")
+	fs.Float64Var(&o.outerServerDensity, "outer-server-density", 0, "diloco:sparse with -outer-sparse-exchange twophase: share of each chunk's entries of the average the owners send in the second phase, in (0, 1] (0: -outer-density)")
+	fs.Func("outer-sparse-exchange", "diloco:sparse: how the messages travel: allgather (every rank's to every rank, (W-1) messages sent per rank) or twophase (to the owners of runs of chunks, which re-encode the average with a server accumulator, then to every rank: about 2(W-1)/W messages) (default allgather)", func(s string) error {
+		x, err := outer.ParseSparseExchange(s)
+		o.outerSparseX = x
+		return err
+	})
 	fs.Var(&size.Value[int]{P: &o.outerBucket, Min: 0, Max: 1 << 30}, "outer-bucket-bytes", "diloco:1bit: bucket `size` in bytes within a fragment, each bucket its own scales (0: 25 MiB, one bucket; 4Ki: finer scales, more collectives)")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the split, the batches and rank 0's initial weights")
 	fs.Float64Var(&o.target, "target", 2.75, "validation loss (nats per byte) for the time-to-target column (0: none)")
@@ -295,6 +306,10 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 				name = "outer-sparse-bits"
 			case "Decay":
 				name = "outer-decay"
+			case "SparseExchange":
+				name = "outer-sparse-exchange"
+			case "SparseServerDensity":
+				name = "outer-server-density"
 			}
 		}
 		return bad(name, "%v", err)

@@ -166,6 +166,25 @@ func TestDiloco(t *testing.T) {
 	assert.Contains(t, out, "sparse: outer SGD lr 4 momentum 0, 0.25 of each 512-element chunk sent in 1 bit(s), accumulator decay 0.95")
 }
 
+// TestDilocoTwoPhase: -outer-sparse-exchange twophase reaches the outer
+// optimizer: on 3 ranks the run sends fewer bytes than the all-gather's
+// and is not the same run; a name it does not know is refused.
+func TestDilocoTwoPhase(t *testing.T) {
+	args := tiny("-optimizer", "diloco:sparse", "-workers", "3", "-steps", "10", "-outer-h", "5", "-lr", "3e-3",
+		"-outer-sparse-chunk", "512", "-outer-density", "0.25")
+	ag, _ := runJSON(t, args...)
+	tp, out := runJSON(t, append(args, "-outer-sparse-exchange", "twophase")...)
+	require.Len(t, ag, 1)
+	require.Len(t, tp, 1)
+	assert.Contains(t, out, "accumulator decay 0.95, exchange twophase")
+	assert.Less(t, tp[0].BytesSentPerRank, ag[0].BytesSentPerRank)
+	assert.NotEqual(t, ag[0].ValLoss, tp[0].ValLoss)
+	_, err := parseFlags(append(args, "-outer-sparse-exchange", "ring"), io.Discard)
+	assert.ErrorContains(t, err, `unknown sparse exchange "ring"`)
+	_, err = parseFlags(append(args, "-outer-server-density", "1.5"), io.Discard)
+	assert.ErrorContains(t, err, "outer-server-density")
+}
+
 // TestDilocoBF16State: -outer-bf16 reaches the outer optimizer (the
 // sparse codec's accumulator and the inner AdamW's moments in bfloat16):
 // the run is recorded as such, trains within 10% of the float32 state's

@@ -109,6 +109,12 @@ func outerDesc(o *options) string {
 		d += fmt.Sprintf("; %s: outer SGD lr %g momentum %g", r.codec, c.LR, c.Momentum)
 		if c.Codec == outer.CodecSparse {
 			d += fmt.Sprintf(", %g of each %d-element chunk sent in %d bit(s), accumulator decay %g", c.Density, c.SparseChunk, c.SparseBits, c.Decay)
+			if c.SparseExchange != outer.SparseAllGather {
+				d += ", exchange " + c.SparseExchange.String()
+				if c.SparseServerDensity != 0 {
+					d += fmt.Sprintf(" (second phase %g)", c.SparseServerDensity)
+				}
+			}
 		}
 	}
 	return d

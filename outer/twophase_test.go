@@ -1,0 +1,260 @@
+package outer_test
+
+// The sparse codec's two-phase exchange (SparseTwoPhase): identical
+// results on every rank, its bytes, its checkpoints, Regroup, a veto.
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
+)
+
+// Every rank holds the same θ_g, bit for bit, after every call, on 2, 3
+// and 4 ranks, with and without fragments and delay (some ranks owning no
+// chunk of a fragment: 20 elements in chunks of 4 are 5 chunks, 2 per
+// owner on 3 ranks and 4; 10 elements are 3 chunks, 1 per owner).
+func TestTwoPhaseIdenticalOnEveryRank(t *testing.T) {
+	const calls = 13
+	for _, w := range []int{2, 3, 4} {
+		for _, cfg := range []outer.Config{twoPhase(config(outer.CodecSparse, 4, 1, 0)), twoPhase(config(outer.CodecSparse, 4, 2, 2))} {
+			t.Run(fmt.Sprintf("W%d/F%d/D%d", w, cfg.Fragments, cfg.Delay), func(t *testing.T) {
+				globals := newPerRank[[][]float32](w)
+				runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+					ps := newParams(t, sizes)
+					o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+					if err != nil {
+						return err
+					}
+					defer o.Close()
+					var gs [][]float32
+					for i := 1; i <= calls; i++ {
+						setGrads(ps, c.Rank(), i)
+						if err := o.Step(ctx); err != nil {
+							return err
+						}
+						gs = append(gs, append([]float32(nil), o.Global()...))
+					}
+					globals.set(c.Rank(), gs)
+					return nil
+				})
+				for r := 1; r < w; r++ {
+					for i := range calls {
+						require.Equal(t, bitsOf(globals.v[0][i]), bitsOf(globals.v[r][i]), "call %d: θ_g of rank %d", i+1, r)
+					}
+				}
+				assert.NotEqual(t, globals.v[0][0], globals.v[0][calls-1], "θ_g never moved")
+			})
+		}
+	}
+}
+
+// The bytes each rank sends per exchange, as the communicator counts
+// them: 32768 elements in 8 chunks of 4096, each chunk's message a 4-byte
+// scale and 85 entries of 12 + 1 bits, 143 bytes. The all-gather sends
+// the 8 chunks to each of the W-1 others; the two-phase exchange sends
+// each owner's segment (ceil(8/W) chunks, the largest run, to which the
+// others are padded) to each of the W-1 others twice (all-to-all, then
+// all-gather). Both add the agreement's 4 bytes to each other rank. At 2
+// ranks they send the same; from 3 on the two-phase exchange sends less,
+// and never more than 2 messages of the fragment and 2(W-1) chunks'.
+func TestTwoPhaseBytes(t *testing.T) {
+	const h, msg = 3, 8 * 143
+	sent := func(w int, x outer.SparseExchange, serverDensity float32) int64 {
+		got := newPerRank[int64](w)
+		runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+			ps := newParams(t, []int{1 << 14, 1 << 14})
+			cfg := config(outer.CodecSparse, h, 1, 0)
+			d := outer.DefaultConfig()
+			cfg.SparseChunk, cfg.Density, cfg.SparseExchange, cfg.SparseServerDensity = d.SparseChunk, d.Density, x, serverDensity
+			o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+			if err != nil {
+				return err
+			}
+			defer o.Close()
+			for i := 1; i <= h; i++ {
+				setGrads(ps, c.Rank(), i)
+				before := c.Stats().Total()
+				if err := o.Step(ctx); err != nil {
+					return err
+				}
+				b := c.Stats().Total().BytesSent - before.BytesSent
+				if b != o.Stats().LastStepBytes {
+					return fmt.Errorf("call %d: the communicator counted %d bytes, LastStepBytes %d", i, b, o.Stats().LastStepBytes)
+				}
+				got.set(c.Rank(), b)
+			}
+			return nil
+		})
+		for r := 1; r < w; r++ {
+			require.Equal(t, got.v[0], got.v[r], "rank %d sends as much as rank 0", r)
+		}
+		return got.v[0]
+	}
+	for _, w := range []int{2, 3, 4, 5, 8} {
+		per := (8 + w - 1) / w // chunks per owner
+		twoPhase, allGather := sent(w, outer.SparseTwoPhase, 0), sent(w, outer.SparseAllGather, 0)
+		assert.Equal(t, int64(2*(w-1)*per*143+4*(w-1)), twoPhase, "W %d: two-phase", w)
+		assert.Equal(t, int64((w-1)*msg+4*(w-1)), allGather, "W %d: all-gather", w)
+		assert.LessOrEqual(t, twoPhase-int64(4*(w-1)), int64(2*msg+2*(w-1)*143), "W %d: at most 2 messages and 2(W-1) chunks'", w)
+		if w > 2 {
+			assert.Less(t, twoPhase, allGather, "W %d", w)
+		}
+		t.Logf("W %d: two-phase %d bytes, all-gather %d", w, twoPhase, allGather)
+	}
+	// A second phase of twice the density: 171 entries of 13 bits a
+	// chunk, 282 bytes, in the all-gather's segments.
+	assert.Equal(t, int64(3*2*143+3*2*282+12), sent(4, outer.SparseTwoPhase, 2.0/48))
+}
+
+// The server accumulator is in the checkpoint, an error buffer for
+// optim (ResetErrors drops it), this rank's runs only; a checkpoint of
+// the other exchange is refused both ways, naming both.
+func TestTwoPhaseCheckpoint(t *testing.T) {
+	cks := states(t, 3, 5, twoPhase(config(outer.CodecSparse, 2, 2, 0)))
+	// 2 fragments of 10 elements, 3 chunks of 4, 4 and 2 each: one chunk
+	// per owner, rank 2's the short one.
+	for r, want := range []int{8, 8, 4} {
+		srv := cks[r].Tensor(outer.ServerAccumulatorName)
+		require.NotNil(t, srv, "rank %d", r)
+		assert.Len(t, srv.Data, want, "rank %d", r)
+		assert.True(t, optim.IsErrorBuffer(outer.ServerAccumulatorName))
+		assert.Nil(t, cks[r].ResetErrors().Tensor(outer.ServerAccumulatorName))
+		nonzero := 0
+		for _, v := range srv.Data {
+			if v != 0 {
+				nonzero++
+			}
+		}
+		assert.Positive(t, nonzero, "rank %d keeps some error", r)
+	}
+
+	for _, k := range []struct {
+		made, into outer.SparseExchange
+		want       string
+	}{
+		{outer.SparseTwoPhase, outer.SparseAllGather, "made with outer_sparse_exchange twophase, this optimizer has allgather"},
+		{outer.SparseAllGather, outer.SparseTwoPhase, "made with outer_sparse_exchange allgather, this optimizer has twophase"},
+		{outer.SparseTwoPhase, outer.SparseTwoPhase, "made with outer_sparse_server_density 0.25, this optimizer has 0.5"},
+	} {
+		made, into := config(outer.CodecSparse, 2, 1, 0), config(outer.CodecSparse, 2, 1, 0)
+		made.SparseExchange, into.SparseExchange = k.made, k.into
+		if k.made == k.into {
+			made.SparseServerDensity = 0.25
+		}
+		ck, err := stepped(t, made, 3).State()
+		require.NoError(t, err)
+		o := stepped(t, into, 1)
+		before, err := o.State()
+		require.NoError(t, err)
+		err = o.Load(ck)
+		require.ErrorIs(t, err, optim.ErrIncompatibleCheckpoint)
+		assert.ErrorContains(t, err, k.want)
+		after, err := o.State()
+		require.NoError(t, err)
+		assert.Equal(t, before, after, "Load changed the optimizer")
+	}
+}
+
+// A two-phase run regrouped from 3 ranks onto 2 resumes with, on every
+// new rank, the mean of the old worker accumulators plus the old owners'
+// server accumulators, each at the elements its rank owned, and server
+// accumulators of zero; it trains on with θ_g the same everywhere. A
+// server accumulator of the wrong length is refused.
+func TestRegroupTwoPhase(t *testing.T) {
+	cfg := twoPhase(config(outer.CodecSparse, 2, 2, 0))
+	old := states(t, 3, 5, cfg)
+	// The owners' elements (2 fragments of 10, chunks of 4, one chunk
+	// per rank): rank 0 owns 0-3 and 10-13, rank 1 4-7 and 14-17, rank 2
+	// 8-9 and 18-19.
+	owned := [][]int{{0, 1, 2, 3, 10, 11, 12, 13}, {4, 5, 6, 7, 14, 15, 16, 17}, {8, 9, 18, 19}}
+	want := make([]float64, 20)
+	for _, ck := range old {
+		for i, v := range ck.Tensor(outer.AccumulatorName).Data {
+			want[i] += float64(v) / 3
+		}
+	}
+	for r, ck := range old {
+		for j, v := range ck.Tensor(outer.ServerAccumulatorName).Data {
+			want[owned[r][j]] += float64(v)
+		}
+	}
+	mean := make([]float32, 20)
+	for i, v := range want {
+		mean[i] = float32(v)
+	}
+
+	regroupAndTrain(t, old, cfg, 2, func(r int, ck, got *optim.Checkpoint) {
+		assert.InDeltaSlice(t, mean, ck.Tensor(outer.TensorRegroupedAccumulator).Data, 1e-6)
+		assert.InDeltaSlice(t, mean, got.Tensor(outer.AccumulatorName).Data, 1e-6, "rank %d", r)
+		srv := got.Tensor(outer.ServerAccumulatorName).Data
+		assert.Equal(t, make([]float32, len(srv)), srv, "rank %d: the server accumulator restarts from zero", r)
+	})
+
+	bad := []*optim.Checkpoint{old[0], old[1].Clone(), old[2]}
+	bad[1].Tensor(outer.ServerAccumulatorName).Data = bad[1].Tensor(outer.ServerAccumulatorName).Data[:7]
+	_, err := outer.Regroup(bad, 2, 0)
+	require.ErrorIs(t, err, optim.ErrIncompatibleCheckpoint)
+	assert.ErrorContains(t, err, "checkpoint 1's server accumulator has 7 elements, rank 1 of 3 owns 8")
+	mixed := []*optim.Checkpoint{old[0], old[1].ResetErrors(), old[2]}
+	mixed[1].AddTensor(outer.AccumulatorName, []int{20}, old[1].Tensor(outer.AccumulatorName).Data)
+	_, err = outer.Regroup(mixed, 2, 0)
+	assert.ErrorContains(t, err, "checkpoint 1 and checkpoint 0 differ in holding a server accumulator")
+}
+
+// A vetoed exchange (flags carried at the exchanges) leaves the worker
+// and server accumulators as they were, on every rank.
+func TestTwoPhaseVetoKeepsAccumulators(t *testing.T) {
+	const w, h, calls = 3, 4, 8
+	cfg := twoPhase(config(outer.CodecSparse, h, 1, 0))
+	runRanksWithin(t, w, 10*time.Second, func(ctx context.Context, c comm.Comm) error {
+		ps := newParams(t, sizes)
+		o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+		if err != nil {
+			return err
+		}
+		defer o.Close()
+		sf := &optim.StepFlags{Local: []float32{0}, Veto: func(agreed []float32) error {
+			if agreed[0] != 0 {
+				return errVeto
+			}
+			return nil
+		}}
+		require.NoError(t, o.CarryFlagsAtExchanges(sf))
+		for i := 1; i <= calls; i++ {
+			setGrads(ps, c.Rank(), i)
+			sf.Local[0] = 0
+			if c.Rank() == 1 && i == 8 {
+				sf.Local[0] = 1
+			}
+			before, err := o.State()
+			if err != nil {
+				return err
+			}
+			err = o.Step(ctx)
+			if i != 8 {
+				if err != nil {
+					return fmt.Errorf("call %d: %w", i, err)
+				}
+				continue
+			}
+			require.ErrorIs(t, err, errVeto)
+			after, err := o.State()
+			if err != nil {
+				return err
+			}
+			for _, name := range []string{outer.AccumulatorName, outer.ServerAccumulatorName, outer.TensorGlobal} {
+				assert.Equal(t, before.Tensor(name).Data, after.Tensor(name).Data, "rank %d: %s", c.Rank(), name)
+			}
+			assert.NotEqual(t, make([]float32, 20), after.Tensor(outer.AccumulatorName).Data, "rank %d: the exchange at call 4 kept some error", c.Rank())
+		}
+		return nil
+	})
+}
