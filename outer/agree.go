@@ -65,11 +65,13 @@ func (o *Optimizer) agreeConfig(ctx context.Context, local error) error {
 		{"Decay", 0, formatFloat32Bits},
 		{"SparseExchange", 0, func(v int64) string { return SparseExchange(v).String() }},
 		{"SparseServerDensity", 0, formatFloat32Bits},
+		{"AccumulatorBF16", 0, func(v int64) string { return strconv.FormatBool(v != 0) }},
 	}
 	if cfg.Codec == CodecSparse { // the other codecs ignore them
 		settings[11].v, settings[12].v = int64(math.Float32bits(cfg.Density)), int64(cfg.SparseChunk)
 		settings[13].v, settings[14].v = int64(cfg.SparseBits), int64(math.Float32bits(cfg.Decay))
 		settings[15].v = int64(cfg.SparseExchange)
+		settings[17].v = int64(optim.HyperBool(cfg.AccumulatorBF16))
 		if cfg.SparseExchange == SparseTwoPhase {
 			settings[16].v = int64(math.Float32bits(cfg.serverDensity()))
 		}

@@ -398,6 +398,12 @@ func TestNewBadInputOnEveryRank(t *testing.T) {
 			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
 			return err
 		}, "rank 1 has SparseExchange twophase, rank 0 has allgather"},
+		{"another accumulator precision", func(ctx context.Context, c comm.Comm, bad bool) error {
+			cfg := config(outer.CodecSparse, 4, 1, 0)
+			cfg.AccumulatorBF16 = bad
+			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
+			return err
+		}, "rank 1 has AccumulatorBF16 true, rank 0 has false"},
 		{"another second-phase density", func(ctx context.Context, c comm.Comm, bad bool) error {
 			cfg := twoPhase(config(outer.CodecSparse, 4, 1, 0))
 			if bad {
