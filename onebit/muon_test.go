@@ -15,6 +15,7 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/internal/commtest"
 	"github.com/lowbit-ml/lowbit/internal/muonref"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
@@ -776,28 +777,13 @@ func muonStepAllocsOnTwoRanks(t *testing.T, cfg onebit.MuonConfig) float64 {
 	return stepAllocsOnTwoRanks(t, func() error { return opts[0].Step(ctx) }, func() error { return opts[1].Step(ctx) })
 }
 
-// stepAllocsOnTwoRanks is the allocations per call of step0, a step of
-// rank 0 of a two-rank group, measured with testing.AllocsPerRun while
-// another goroutine runs step1, rank 1's, as many times: both ranks'
-// allocations are counted (AllocsPerRun counts the process's).
+// stepAllocsOnTwoRanks is commtest.AllocsOnTwoRanks over 10 runs, a
+// step's error a test error.
 func stepAllocsOnTwoRanks(t *testing.T, step0, step1 func() error) float64 {
 	t.Helper()
-	const runs = 10
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for range runs + 1 { // AllocsPerRun makes one extra warm-up call
-			if err := step1(); err != nil {
-				t.Error(err)
-				return
-			}
-		}
-	}()
-	allocs := testing.AllocsPerRun(runs, func() {
-		if err := step0(); err != nil {
-			t.Error(err)
-		}
-	})
-	<-done
+	allocs, err := commtest.AllocsOnTwoRanks(10, step0, step1)
+	if err != nil {
+		t.Error(err)
+	}
 	return allocs
 }

@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/internal/commtest"
 )
 
 // testParams returns parameters of the given shapes with deterministic
@@ -52,26 +54,13 @@ func snapshot(ps []*Param) [][]float32 {
 
 func crc32Castagnoli(b []byte) uint32 { return crc32.Checksum(b, castagnoli) }
 
-// allocsOnTwoRanks is testing.AllocsPerRun(runs) of rank 0's step, a
-// collective, while another goroutine calls rank 1's step as often
-// (AllocsPerRun makes one extra warm-up call).
+// allocsOnTwoRanks is commtest.AllocsOnTwoRanks, a step's error a test
+// error.
 func allocsOnTwoRanks(t *testing.T, runs int, step0, step1 func() error) float64 {
 	t.Helper()
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for range runs + 1 {
-			if err := step1(); err != nil {
-				t.Error(err)
-				return
-			}
-		}
-	}()
-	allocs := testing.AllocsPerRun(runs, func() {
-		if err := step0(); err != nil {
-			t.Error(err)
-		}
-	})
-	<-done
+	allocs, err := commtest.AllocsOnTwoRanks(runs, step0, step1)
+	if err != nil {
+		t.Error(err)
+	}
 	return allocs
 }
