@@ -103,6 +103,16 @@ type prediction struct {
 
 func (p prediction) total() float64 { return p.Latency + p.Transfer + p.Compute }
 
+// add adds times calls of q to p.
+func (p *prediction) add(q prediction, times int64) {
+	p.Wire += q.Wire * times
+	p.Bottleneck += q.Bottleneck * times
+	p.Latency += q.Latency * float64(times)
+	p.Transfer += q.Transfer * float64(times)
+	p.Compute += q.Compute * float64(times)
+	p.Calls += q.Calls * int(times)
+}
+
 // setup is where a prediction is made.
 type setup struct {
 	Ranks   int

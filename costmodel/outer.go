@@ -200,12 +200,7 @@ func (m *Model) outerRow(oc outerCodec, j Job, s setup, f LinkFit, exactStep flo
 			if part.n == 0 || part.times == 0 {
 				continue
 			}
-			q := m.predict(c, part.n, s, f)
-			p.Wire += q.Wire * part.times
-			p.Latency += q.Latency * float64(part.times)
-			p.Transfer += q.Transfer * float64(part.times)
-			p.Compute += q.Compute * float64(part.times)
-			p.Calls += q.Calls * int(part.times)
+			p.add(m.predict(c, part.n, s, f), part.times)
 		}
 		return p
 	}

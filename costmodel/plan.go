@@ -229,19 +229,11 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 	}
 	predictStep := func(c collective) prediction {
 		var p prediction
-		add := func(q prediction, times int64) {
-			p.Wire += q.Wire * times
-			p.Bottleneck += q.Bottleneck * times
-			p.Latency += q.Latency * float64(times)
-			p.Transfer += q.Transfer * float64(times)
-			p.Compute += q.Compute * float64(times)
-			p.Calls += q.Calls * int(times)
-		}
 		if full > 0 {
-			add(m.predict(c, per, s, f), full)
+			p.add(m.predict(c, per, s, f), full)
 		}
 		if rest > 0 {
-			add(m.predict(c, rest, s, f), 1)
+			p.add(m.predict(c, rest, s, f), 1)
 		}
 		return p
 	}
@@ -264,13 +256,7 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 			if name == OptMuonSplit && j.Ranks > 1 {
 				// The all-gather of the orthogonalized updates: each
 				// rank's share padded to the largest.
-				g := m.predict(allGatherCollective, int64(j.Ranks)*splitShare(mp.Matrices, j.Ranks)*mp.Shape[0]*mp.Shape[1], s, f)
-				p.Wire += g.Wire
-				p.Bottleneck += g.Bottleneck
-				p.Latency += g.Latency
-				p.Transfer += g.Transfer
-				p.Compute += g.Compute
-				p.Calls += g.Calls
+				p.add(m.predict(allGatherCollective, int64(j.Ranks)*splitShare(mp.Matrices, j.Ranks)*mp.Shape[0]*mp.Shape[1], s, f), 1)
 			}
 			rows = append(rows, muonRow(name, p, mp, compute, exactComm+compute))
 			continue

@@ -87,8 +87,7 @@ func DefaultMuonConfig() MuonConfig {
 // BucketBytes outside the convention of optim.DefaultBucketBytes, a
 // StateMode other than StateFull and StateCompact, or MomentumBF16 without
 // StateCompact. NewMuon returns exactly this error (joined, on more than
-// one rank, with the
-// agreement's).
+// one rank, with the agreement's).
 func (c MuonConfig) Validate() error {
 	const cfg = "onebit.MuonConfig"
 	if err := c.MuonConfig.Validate(); err != nil {
@@ -225,7 +224,7 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg MuonCo
 		}
 	}
 	if c != nil && c.Size() > 1 {
-		extra := []uint64{uint64(cfg.FreezeStep), uint64(int64(cfg.BucketBytes)), uint64(cfg.StateMode), boolBit(cfg.MomentumBF16)}
+		extra := []uint64{uint64(cfg.FreezeStep), uint64(int64(cfg.BucketBytes)), uint64(cfg.StateMode), uint64(optim.HyperBool(cfg.MomentumBF16))}
 		if err := optim.AgreeMuon(ctx, c, "onebit: Muon", params, muon, cfg.MuonConfig, extra, bad != nil); err != nil {
 			return nil, errors.Join(bad, err)
 		}

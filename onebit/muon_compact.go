@@ -248,14 +248,6 @@ func (o *Muon) compressedCompact(ctx context.Context, t int64, lr, alr float32) 
 	return nil
 }
 
-// boolBit is 1 for true, 0 for false.
-func boolBit(b bool) uint64 {
-	if b {
-		return 1
-	}
-	return 0
-}
-
 // saveMode records the state mode of cfg in ck: nothing for StateFull,
 // else StateCompact with its bfloat16 worker errors and, with
 // MomentumBF16, optim.IntMomentsBF16.

@@ -209,8 +209,8 @@ func (c MuonConfig) hypers(muon []bool) []Hyper {
 // Step overwrites the gradients with their average. A step in which some
 // rank's gradient is not finite is skipped on every rank; one whose
 // momentum would not be finite is an error on every rank that changes
-// nothing but the averaged gradients. After an error from the communicator the state is undefined: load a
-// checkpoint.
+// nothing but the averaged gradients. After an error from the
+// communicator the state is undefined: load a checkpoint.
 type Muon struct {
 	f      *Frame
 	cfg    MuonConfig

@@ -101,14 +101,7 @@ func (o *Muon) splitUpdate(ctx context.Context, lr, decay float32) error {
 		if sp.owner[k] != sp.rank {
 			continue
 		}
-		dst := sp.send[sp.off[k] : sp.off[k]+mt.rows*mt.cols]
-		loadNS(mt.ns.x, m, g, mt.rows, mt.cols, cfg.Momentum, cfg.Nesterov)
-		if !mt.ns.normalize(cfg.NSEps) {
-			clear(dst)
-			continue
-		}
-		mt.ns.iterate(cfg.NSCoefficients, cfg.NSSteps)
-		storeNS(dst, mt.ns.x, mt.rows, mt.cols, mt.step(lr))
+		mt.ns.orthogonalize(sp.send[sp.off[k]:], m, g, mt.rows, mt.cols, cfg, mt.step(lr))
 	}
 	if sp.share == 0 { // every rank's plan is the same: none gathers
 		return nil

@@ -164,10 +164,15 @@ func (o *Orthogonalizer) StateBytes() int64 { return o.w.bytes() }
 // product to float32) is Muon's update bit for bit. It panics when the
 // matrix is not o's shape or a slice is shorter than rows*cols.
 func (o *Orthogonalizer) Orthogonalize(dst, m, g []float32, rows, cols int, cfg MuonConfig, scale float32) bool {
-	w := o.w
-	if min(rows, cols) != w.m || max(rows, cols) != w.n {
+	if min(rows, cols) != o.w.m || max(rows, cols) != o.w.n {
 		panic("optim: Orthogonalize: a matrix of another shape than the Orthogonalizer's")
 	}
+	return o.w.orthogonalize(dst, m, g, rows, cols, cfg, scale)
+}
+
+// orthogonalize is Orthogonalize on w's work matrices, which must be of
+// the matrix's shape.
+func (w *nsWork) orthogonalize(dst, m, g []float32, rows, cols int, cfg MuonConfig, scale float32) bool {
 	loadNS(w.x, m[:rows*cols], g, rows, cols, cfg.Momentum, cfg.Nesterov)
 	dst = dst[:rows*cols]
 	if !w.normalize(cfg.NSEps) {

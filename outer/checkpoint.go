@@ -118,7 +118,7 @@ func (o *Optimizer) State() (*optim.Checkpoint, error) {
 	}
 	if o.sp != nil {
 		ck.Tensors = append(ck.Tensors, optim.Tensor{Name: AccumulatorName, Shape: []int{o.n}, Data: o.sp.accumulator()})
-		if o.sp.twoPhase {
+		if o.sp.twoPhase() {
 			ck.AddTensor(ServerAccumulatorName, []int{len(o.sp.srv)}, o.sp.srv)
 		}
 	}
@@ -276,7 +276,7 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 		if acc, err = ck.TensorData(AccumulatorName, o.n); err != nil {
 			return err
 		}
-		if o.sp.twoPhase {
+		if o.sp.twoPhase() {
 			if srv, err = ck.TensorData(ServerAccumulatorName, len(o.sp.srv)); err != nil {
 				return err
 			}
@@ -341,7 +341,7 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 	}
 	if o.sp != nil {
 		o.sp.setAccumulator(acc)
-		if o.sp.twoPhase {
+		if o.sp.twoPhase() {
 			copy(o.sp.srv, srv)
 			if srv == nil {
 				clear(o.sp.srv)

@@ -179,7 +179,7 @@ func (o *Optimizer) exchange(ctx context.Context, f int) error {
 			o.outerStep(gOut[a:b], part(uOut, a, b), g[a:b], part(u, a, b), avg)
 		}
 		var err error
-		if o.sp.twoPhase {
+		if o.sp.twoPhase() {
 			err = o.sp.allReduceTwoPhase(ctx, o.xc, f, lo, hi-lo, delta, apply)
 		} else {
 			err = o.sp.allReduce(ctx, o.xc, lo, hi-lo, delta, apply)

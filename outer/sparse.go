@@ -49,12 +49,11 @@ type sparseCodec struct {
 	// srv is SparseTwoPhase's server accumulator: per fragment, over the
 	// run of chunks this rank owns, the error of its re-encodings of their
 	// average (fragment f's at srvAt[f]); nil with SparseAllGather.
-	srv      []float32
-	srvAt    []int
-	twoPhase bool // SparseTwoPhase: srv is kept
+	srv   []float32
+	srvAt []int
 	// server encodes and decodes the second phase's messages
 	// (SparseServerDensity): s itself, or a codec of another density
-	// sharing s's scratch.
+	// sharing s's scratch; nil with SparseAllGather.
 	server *sparseCodec
 	// mag is a chunk's scratch: its pseudo-gradients, then their
 	// magnitudes for the selection; after the all-gather, its average.

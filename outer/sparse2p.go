@@ -20,6 +20,10 @@ func sparseRun(m, chunk, w, j int) (lo, hi int) {
 	return min(j*span, m), min((j+1)*span, m)
 }
 
+// twoPhase reports whether s exchanges with SparseTwoPhase (and keeps a
+// server accumulator).
+func (s *sparseCodec) twoPhase() bool { return s.server != nil }
+
 // segLen is the bytes of an owner's segment in the exchanges of a
 // fragment of m elements over w ranks: the message of the largest run
 // (rank 0's), to which the others' are padded with zeros.
@@ -36,7 +40,7 @@ func (s *sparseCodec) setServer(bounds []int, w, rank int) {
 		lo, hi := sparseRun(bounds[f+1]-bounds[f], s.chunk, w, rank)
 		s.srvAt[f+1] = s.srvAt[f] + hi - lo
 	}
-	s.srv, s.twoPhase = make([]float32, s.srvAt[len(bounds)-1]), true
+	s.srv = make([]float32, s.srvAt[len(bounds)-1])
 }
 
 // allReduceTwoPhase is allReduce with SparseTwoPhase, for fragment f (the server
