@@ -220,6 +220,20 @@ func fits(n int64, world int, per int64) bool {
 	return 30*float64(n)+8*padded+buckets*300*w < 1<<62
 }
 
+// cutBucketStates is bucketStates of a flat buffer of a+b elements whose
+// buckets are also cut after element a (1-bit Muon's layout with
+// onebit.MuonConfig.WarmupAdamWOnly: the Muon group's elements, then the
+// AdamW group's), the two parts' States sharing one set of wire buffers.
+func cutBucketStates(a, b int64, world int, bucketBytes int64, keep bool) int64 {
+	if world < 2 {
+		return 0
+	}
+	w := int64(world)
+	per := max(bucketBytes/4, 1)
+	return statesBytes(keep, []stateCount{{onebitParts(per, w), a / per}, {onebitParts(a%per, w), 1},
+		{onebitParts(per, w), b / per}, {onebitParts(b%per, w), 1}})
+}
+
 // bucketStates is the bytes of the onebit.State of every bucket of a flat
 // buffer of n elements cut in buckets of bucketBytes; keep: see
 // statesBytes.

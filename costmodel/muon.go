@@ -206,7 +206,10 @@ func muonState(shape [2]int64, count, other int64) int64 {
 // AdamW element), a float32 per parameter tensor, the Newton-Schulz work
 // matrices (one set per distinct shape, as MuonStateBytes), and the
 // onebit.State of every bucket of the flat buffer with their shared wire
-// buffers, as 1-bit Adam's (none on one rank).
+// buffers, as 1-bit Adam's (none on one rank), the buckets laid out as
+// onebit.DefaultMuonConfig's WarmupAdamWOnly lays them: the matrices'
+// elements first, the AdamW group's after them, the buckets also cut
+// where the two meet.
 func OnebitMuonStateBytes(matrices [][2]int64, other []int64, world int, bucketBytes int64) (int64, error) {
 	if world < 1 || bucketBytes < 0 {
 		return 0, fmt.Errorf("costmodel: invalid state size: %d ranks, buckets of %d bytes", world, bucketBytes)
@@ -236,7 +239,7 @@ func OnebitMuonStateBytes(matrices [][2]int64, other []int64, world int, bucketB
 		return 0, err
 	}
 	// exact is the momenta and the work matrices.
-	return exact + 4*n + 4*aux + 4*int64(len(matrices)+len(other)) + bucketStates(n, world, bucketBytes, false), nil
+	return exact + 4*n + 4*aux + 4*int64(len(matrices)+len(other)) + cutBucketStates(mat, aux, world, bucketBytes, false), nil
 }
 
 // OptOnebitMuonCompactBF16 is the state row of 1-bit Muon in its smallest
@@ -279,8 +282,11 @@ func OnebitMuonCompactStateBytes(matrices [][2]int64, other []int64, world int, 
 // aux AdamW elements in tensors tensors (see
 // OnebitMuonCompactStateBytes), on world > 1 ranks.
 func muonCompactDelta(mat, aux, most, tensors int64, world int, bucketBytes int64, momentumBF16 bool) int64 {
-	n, per := mat+aux, max(bucketBytes/4, 1)
-	padded := n/per*onebitPaddedLen(per, world) + onebitPaddedLen(n%per, world)
+	per := max(bucketBytes/4, 1)
+	var padded int64
+	for _, n := range []int64{mat, aux} { // the buckets are cut where the AdamW group begins
+		padded += n/per*onebitPaddedLen(per, world) + onebitPaddedLen(n%per, world)
+	}
 	d := -4*mat - 2*padded + 4*most + 4*tensors + 4*compactBlock
 	if momentumBF16 {
 		d -= 2 * mat
@@ -302,5 +308,5 @@ func onebitMuonState(shape [2]int64, count, other int64, world int, bucketBytes 
 	if other > 0 {
 		tensors++
 	}
-	return muonState(shape, count, 0) + 4*n + 4*other + 4*tensors + bucketStates(n, world, bucketBytes, false), nil
+	return muonState(shape, count, 0) + 4*n + 4*other + 4*tensors + cutBucketStates(n-other, other, world, bucketBytes, false), nil
 }

@@ -17,6 +17,11 @@ const (
 	// one error buffer pair per parameter (made before buckets).
 	IntBucketBytes = "bucket_bytes"
 	IntBuckets     = "buckets"
+	// IntBucketCut, where present, is the flat element at which the
+	// buckets were cut besides every BucketBytes: 1-bit Muon's
+	// WarmupAdamWOnly lays the Muon group's elements out first and cuts
+	// the buckets where the AdamW group's begin.
+	IntBucketCut = "bucket_cut"
 )
 
 // BucketWorkerErrorName and BucketServerErrorName name bucket k's error
@@ -34,6 +39,8 @@ func BucketServerErrorName(k int) string { return ServerErrorPrefix + "bucket:" 
 // models of many small tensors cheap to communicate.
 type buckets struct {
 	bytes  int
+	cut    int      // a flat element every bucket ends at or starts after (0: none)
+	split  int      // the buckets that end at or before cut
 	bounds []int    // bucket k is flat[bounds[k]:bounds[k+1]]
 	states []*State // per bucket
 	names  []string // optim.PerParameter: the parameter of each bucket
@@ -47,10 +54,18 @@ type buckets struct {
 // each State keeps its gathered messages from one call to the next
 // (StateCompact's momentum), which are then its own.
 func newBuckets(params []*optim.Param, world, bytes int, keep bool) (*buckets, error) {
+	return newCutBuckets(params, world, bytes, keep, 0)
+}
+
+// newCutBuckets is newBuckets whose buckets are also cut at flat element
+// cut (0: nowhere), which must be the end of a parameter: no bucket then
+// holds elements of both sides, and the first b.split buckets are the
+// elements before it.
+func newCutBuckets(params []*optim.Param, world, bytes int, keep bool, cut int) (*buckets, error) {
 	if bytes == 0 {
 		bytes = optim.DefaultBucketBytes
 	}
-	b := &buckets{bytes: bytes}
+	b := &buckets{bytes: bytes, cut: cut}
 	n := 0
 	for _, p := range params {
 		n += p.Numel()
@@ -78,13 +93,21 @@ func newBuckets(params []*optim.Param, world, bytes int, keep bool) (*buckets, e
 		}
 	} else {
 		per := max(bytes/4, 1)
-		for lo := 0; lo < n; lo += per {
-			if err := add(lo, min(lo+per, n)); err != nil {
+		for lo := 0; lo < n; {
+			hi := min(lo+per, n)
+			if lo < cut && cut < hi {
+				hi = cut
+			}
+			if err := add(lo, hi); err != nil {
 				return nil, err
 			}
+			lo = hi
 		}
 	}
 	b.bounds = append(b.bounds, n)
+	for b.split < len(b.states) && b.bounds[b.split+1] <= cut {
+		b.split++
+	}
 	b.shareWire(keep)
 	return b, nil
 }
@@ -157,7 +180,13 @@ func (b *buckets) errorNames(k int) (worker, server string) {
 
 // allReduce runs the compressed allreduce of every bucket of flat.
 func (b *buckets) allReduce(ctx context.Context, c comm.Comm, flat []float32) error {
-	for k, st := range b.states {
+	return b.allReduceFirst(ctx, c, flat, len(b.states))
+}
+
+// allReduceFirst runs the compressed allreduce of the first nb buckets of
+// flat.
+func (b *buckets) allReduceFirst(ctx context.Context, c comm.Comm, flat []float32, nb int) error {
+	for k, st := range b.states[:nb] {
 		if err := AllReduce(ctx, c, flat[b.bounds[k]:b.bounds[k+1]], st); err != nil {
 			return fmt.Errorf("bucket %d of %d: %w", k, len(b.states), samePackage{err})
 		}
@@ -178,6 +207,9 @@ func (b *buckets) reset() {
 func (b *buckets) save(ck *optim.Checkpoint, we, se [][]float32) {
 	ck.Ints[IntBucketBytes] = int64(b.bytes)
 	ck.Ints[IntBuckets] = int64(len(b.states))
+	if b.cut > 0 {
+		ck.Ints[IntBucketCut] = int64(b.cut)
+	}
 	for k, st := range b.states {
 		wn, sn := b.errorNames(k)
 		w, s := []float32(st.WorkerError), []float32(st.ServerError)
@@ -214,6 +246,10 @@ func (b *buckets) check(ck *optim.Checkpoint) error {
 		return fmt.Errorf("%w: its error buffers are per parameter (BucketBytes optim.PerParameter), this optimizer has %d buckets of %d bytes; "+
 			"use the same BucketBytes, or load ck.ResetErrors() to restart the error feedback",
 			optim.ErrIncompatibleCheckpoint, len(b.states), b.bytes)
+	case ck.Ints[IntBucketCut] != int64(b.cut):
+		return fmt.Errorf("%w: made with its buckets cut at element %d, this optimizer cuts them at %d (0: nowhere; 1-bit Muon's WarmupAdamWOnly cuts them); "+
+			"use the same settings, or load ck.ResetErrors() to restart the error feedback",
+			optim.ErrIncompatibleCheckpoint, ck.Ints[IntBucketCut], b.cut)
 	case size != int64(b.bytes) || count != int64(len(b.states)):
 		return fmt.Errorf("%w: made with %d buckets of %d bytes, this optimizer has %d of %d; "+
 			"use the same BucketBytes, or load ck.ResetErrors() to restart the error feedback",

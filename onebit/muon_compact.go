@@ -53,9 +53,20 @@ const compactBlock = 4 << 10
 
 // newMuonCompact lays the compact state out over the buckets of b, whose
 // States keep their output packed and whose worker errors it keeps
-// itself.
-func newMuonCompact(params []*optim.Param, b *buckets, bf16mom bool) *muonCompact {
-	c := &muonCompact{layout: newLayout(params, b), bf16mom: bf16mom, block: make([]float32, compactBlock)}
+// itself; b's layout holds the parameters in order (params[order[k]] is
+// its k-th), and the segments name them by their index in params.
+func newMuonCompact(params []*optim.Param, order []int, b *buckets, bf16mom bool) *muonCompact {
+	ordered := make([]*optim.Param, len(order))
+	for k, i := range order {
+		ordered[k] = params[i]
+	}
+	c := &muonCompact{layout: newLayout(ordered, b), bf16mom: bf16mom, block: make([]float32, compactBlock)}
+	c.params = params
+	for _, segs := range c.segs {
+		for j := range segs {
+			segs[j].param = order[segs[j].param]
+		}
+	}
 	c.psegs = make([][]bucketSegment, len(params))
 	for k, segs := range c.segs {
 		for _, sg := range segs {
@@ -194,11 +205,17 @@ func (c *muonCompact) stateBytes() int64 {
 
 // compressedCompact is the compression-stage step of StateCompact on more
 // than one rank: StateFull's formulas, the inputs added into the worker
-// errors, the output applied from the packed form.
-func (o *Muon) compressedCompact(ctx context.Context, t int64, lr, alr float32) error {
+// errors, the output applied from the packed form. Without aux it is the
+// Muon group's step alone, through its buckets (the first bkt.split: the
+// warm-up of WarmupAdamWOnly).
+func (o *Muon) compressedCompact(ctx context.Context, t int64, lr, alr float32, aux bool) error {
 	cfg, c := o.cfg, o.cm
-	for _, i := range o.aux {
-		optim.Momentum(o.slot[i], o.params[i].GradData(), cfg.AdamBeta1)
+	nb := c.bkt.split
+	if aux {
+		nb = len(c.bkt.states)
+		for _, i := range o.aux {
+			optim.Momentum(o.slot[i], o.params[i].GradData(), cfg.AdamBeta1)
+		}
 	}
 	rank, np := o.f.Rank(), len(o.params)
 	for _, mt := range o.mats {
@@ -217,18 +234,19 @@ func (o *Muon) compressedCompact(ctx context.Context, t int64, lr, alr float32) 
 		mt.orth.Orthogonalize(x, m, p.GradData(), mt.rows, mt.cols, cfg.MuonConfig, mt.unit)
 		c.foldParam(mt.i, x)
 	}
-	for _, i := range o.aux {
-		c.foldScaled(i, o.slot[i], o.unit[i])
+	if aux {
+		for _, i := range o.aux {
+			c.foldScaled(i, o.slot[i], o.unit[i])
+		}
 	}
 	decay := float32(1 - float64(lr)*float64(cfg.WeightDecay))
 	for _, mt := range o.mats {
 		o.step[mt.i] = float32(float64(lr) / math.Sqrt(float64(mt.cols)))
 	}
 	c1 := optim.BiasCorrection(cfg.AdamBeta1, t)
-	nb := len(c.bkt.states)
-	for k, st := range c.bkt.states {
+	for k, st := range c.bkt.states[:nb] {
 		if err := st.allReduce(ctx, o.f.Comm(), nil); err != nil {
-			return fmt.Errorf("the exchange: bucket %d of %d: %w", k, nb, samePackage{err})
+			return fmt.Errorf("the exchange: bucket %d of %d: %w", k, len(c.bkt.states), samePackage{err})
 		}
 		for lo, a := range st.outputs() {
 			for sp := range c.spans(k, lo, lo+len(a)) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"strings"
 	"sync"
 	"testing"
 	"unsafe"
@@ -20,11 +21,17 @@ import (
 // muonModes are 1-bit Muon's state modes as the command lines name them.
 var muonModes = []string{"full", "compact", "compact-bf16"}
 
-// muonModeConfig is muonTestConfig(freeze) in the state mode named mode.
+// muonWarmupModes are muonModes with WarmupAdamWOnly, named with the
+// suffix muonModeConfig takes.
+var muonWarmupModes = []string{"full+warmup-adamw", "compact+warmup-adamw", "compact-bf16+warmup-adamw"}
+
+// muonModeConfig is muonTestConfig(freeze) in the state mode named mode,
+// with WarmupAdamWOnly where mode ends in "+warmup-adamw".
 func muonModeConfig(t testing.TB, freeze int, mode string) onebit.MuonConfig {
 	t.Helper()
 	cfg := muonTestConfig(freeze)
 	var err error
+	mode, cfg.WarmupAdamWOnly = strings.CutSuffix(mode, "+warmup-adamw")
 	cfg.StateMode, cfg.MomentumBF16, err = onebit.ParseMuonStateMode(mode)
 	require.NoError(t, err)
 	return cfg
@@ -52,36 +59,54 @@ func TestMuonCompactConfig(t *testing.T) {
 // errors are rounded to bfloat16 (8 significant bits), which keeps every
 // sign and moves the scales, and with them each parameter's step, by less
 // than 2^-9 of the step (measured: 1.1e-5 to 1.5e-5 of it). On 3 ranks no
-// element of the server's sum is near zero, so no sign flips there.
+// element of the server's sum is near zero, so no sign flips there. So is
+// the first step with WarmupAdamWOnly, the Muon group's compressed and the
+// AdamW group's exact, whose parameters are then StateFull's bit for bit
+// through the warm-up.
 func TestMuonCompactFirstStepIsFullsToBF16(t *testing.T) {
 	const w, freeze = 3, 2
-	var mu sync.Mutex
-	got := map[string][][][]float32{} // mode: [step][param] on rank 0
-	for _, mode := range muonModes[:2] {
-		got[mode] = make([][][]float32, freeze+1)
-		muonRun(t, w, freeze+1, muonModeConfig(t, freeze, mode), func(s, r int, _ *onebit.Muon, ps []*optim.Param) error {
-			if r == 0 {
-				mu.Lock()
-				for _, p := range ps {
-					got[mode][s-1] = append(got[mode][s-1], append([]float32(nil), p.Data()...))
+	for _, tc := range []struct {
+		full, compact string
+		first, steps  int // the first compressed step, the steps run
+	}{{"full", "compact", freeze + 1, freeze + 1}, {"full+warmup-adamw", "compact+warmup-adamw", 1, freeze}} {
+		t.Run(tc.compact, func(t *testing.T) {
+			var mu sync.Mutex
+			got := map[string][][][]float32{} // mode: [step][param] on rank 0, step 0 the initial values
+			for _, mode := range []string{tc.full, tc.compact} {
+				got[mode] = make([][][]float32, tc.steps+1)
+				for _, p := range muonParams() {
+					got[mode][0] = append(got[mode][0], p.Data())
 				}
-				mu.Unlock()
+				muonRun(t, w, tc.steps, muonModeConfig(t, freeze, mode), func(s, r int, _ *onebit.Muon, ps []*optim.Param) error {
+					if r == 0 {
+						mu.Lock()
+						for _, p := range ps {
+							got[mode][s] = append(got[mode][s], append([]float32(nil), p.Data()...))
+						}
+						mu.Unlock()
+					}
+					return nil
+				})
 			}
-			return nil
+			full, compact := got[tc.full], got[tc.compact]
+			require.Equal(t, full[tc.first-1], compact[tc.first-1], "the steps before are the same")
+			for i, pm := range muonModel {
+				before, f, c := full[tc.first-1][i], full[tc.first][i], compact[tc.first][i]
+				var step, dev float64
+				for k := range f {
+					step = max(step, math.Abs(float64(f[k])-float64(before[k])))
+					dev = max(dev, math.Abs(float64(c[k])-float64(f[k])))
+				}
+				t.Logf("%s: largest step %.3g, largest difference %.3g (%.2g of it)", pm.name, step, dev, dev/step)
+				require.Positive(t, step)
+				assert.LessOrEqual(t, dev, step/512, pm.name)
+			}
+			for s := tc.first; s <= tc.steps && tc.first <= freeze; s++ {
+				for i, pm := range muonModel[3:] {
+					require.Equal(t, full[s][3+i], compact[s][3+i], "step %d (warm-up): %s, the AdamW group's", s, pm.name)
+				}
+			}
 		})
-	}
-	full, compact := got["full"], got["compact"]
-	require.Equal(t, full[freeze-1], compact[freeze-1], "the warm-up is the same")
-	for i, pm := range muonModel {
-		before, f, c := full[freeze-1][i], full[freeze][i], compact[freeze][i]
-		var step, dev float64
-		for k := range f {
-			step = max(step, math.Abs(float64(f[k])-float64(before[k])))
-			dev = max(dev, math.Abs(float64(c[k])-float64(f[k])))
-		}
-		t.Logf("%s: largest step %.3g, largest difference %.3g (%.2g of it)", pm.name, step, dev, dev/step)
-		require.Positive(t, step)
-		assert.LessOrEqual(t, dev, step/512, pm.name)
 	}
 }
 

@@ -33,6 +33,8 @@ type refMuon1 struct {
 	shapes  [][]int
 	isMuon  []bool
 	p, m, v [][][]float64 // [rank][param]: m is Muon's momentum or AdamW's first moment
+	order   []int         // the parameters in the exchange's order
+	split   int           // with WarmupAdamWOnly: the Muon group's buckets
 	bounds  []int         // bucket k is the flat elements [bounds[k], bounds[k+1])
 	efs     []*pinEF
 	c2      float64   // AdamW's frozen variance bias correction
@@ -61,9 +63,33 @@ func newRefMuon1(w int, cfg onebit.MuonConfig, ps []*optim.Param, bucketElems in
 		r.p, r.m, r.v = append(r.p, p), append(r.m, m), append(r.v, v)
 		_ = rk
 	}
-	for lo := 0; lo < n; lo += bucketElems {
+	// WarmupAdamWOnly: the Muon group's parameters first, the buckets
+	// also cut where the AdamW group's begin.
+	cut := 0
+	for i, q := range ps {
+		if !cfg.WarmupAdamWOnly || r.isMuon[i] {
+			r.order = append(r.order, i)
+			cut += q.Numel()
+		}
+	}
+	if cfg.WarmupAdamWOnly {
+		for i := range ps {
+			if !r.isMuon[i] {
+				r.order = append(r.order, i)
+			}
+		}
+	}
+	for lo := 0; lo < n; {
+		hi := min(lo+bucketElems, n)
+		if cfg.WarmupAdamWOnly && lo < cut && cut < hi {
+			hi = cut
+		}
+		if hi <= cut {
+			r.split++
+		}
 		r.bounds = append(r.bounds, lo)
-		r.efs = append(r.efs, newPinEF(min(bucketElems, n-lo), w))
+		r.efs = append(r.efs, newPinEF(hi-lo, w))
+		lo = hi
 	}
 	r.bounds = append(r.bounds, n)
 	return r
@@ -102,7 +128,10 @@ func (r *refMuon1) step(g [][][]float64) {
 	mu, b1, b2 := float64(c.Momentum), float64(c.AdamBeta1), float64(c.AdamBeta2)
 	alr, awd, eps := float64(c.AdamLR), float64(c.AdamWeightDecay), float64(c.AdamEps)
 	c1 := 1 / (1 - math.Pow(b1, float64(r.t)))
-	if r.t <= c.FreezeStep { // warm-up: exact Muon and AdamW on the mean gradient
+	if r.t <= c.FreezeStep { // warm-up: exact AdamW (and exact Muon) on the mean gradient
+		if c.WarmupAdamWOnly {
+			r.exchange(g, r.split, false)
+		}
 		mean := make([][]float64, len(r.shapes))
 		for i := range mean {
 			mean[i] = make([]float64, len(g[0][i]))
@@ -117,6 +146,9 @@ func (r *refMuon1) step(g [][][]float64) {
 			for i, gi := range mean {
 				p, m, v := r.p[rk][i], r.m[rk][i], r.v[rk][i]
 				if r.isMuon[i] {
+					if c.WarmupAdamWOnly {
+						continue
+					}
 					rows, cols := refView(r.shapes[i])
 					for k := range m {
 						m[k] = mu*m[k] + (1-mu)*gi[k]
@@ -149,11 +181,35 @@ func (r *refMuon1) step(g [][][]float64) {
 		}
 		return
 	}
-	// Compression: every rank's slots, one flat buffer per rank.
+	r.exchange(g, len(r.efs), true)
+	for rk := range r.w {
+		for i := range r.shapes {
+			if r.isMuon[i] {
+				continue
+			}
+			p, m, v := r.p[rk][i], r.m[rk][i], r.v[rk][i]
+			for k := range p {
+				ratio := pinClip(m[k]*c1/(math.Sqrt(v[k]*r.c2)+eps), b1, b2)
+				p[k] -= alr * (ratio + awd*p[k])
+			}
+		}
+	}
+}
+
+// exchange is the compressed part of a step: every rank's slots (a
+// matrix's own momentum orthogonalized, times sqrt(max(rows, cols)); with
+// aux an AdamW parameter's momentum times k_p), one flat buffer per rank
+// in the exchange's order, through the first nb buckets' compressed
+// allreduce; then every matrix descends along the average, and with aux
+// every AdamW parameter's m becomes its average over k_p.
+func (r *refMuon1) exchange(g [][][]float64, nb int, aux bool) {
+	c := r.cfg
+	lr, wd := float64(c.LR), float64(c.WeightDecay)
+	mu, b1 := float64(c.Momentum), float64(c.AdamBeta1)
 	flat := make([][]float64, r.w)
 	for rk := range r.w {
-		for i, gi := range g[rk] {
-			m := r.m[rk][i]
+		for _, i := range r.order {
+			gi, m := g[rk][i], r.m[rk][i]
 			if r.isMuon[i] {
 				rows, cols := refView(r.shapes[i])
 				for k := range m {
@@ -166,12 +222,14 @@ func (r *refMuon1) step(g [][][]float64) {
 				continue
 			}
 			for k := range m {
-				m[k] = b1*m[k] + (1-b1)*gi[k]
+				if aux {
+					m[k] = b1*m[k] + (1-b1)*gi[k]
+				}
 				flat[rk] = append(flat[rk], m[k]*r.k[i])
 			}
 		}
 	}
-	for b, ef := range r.efs {
+	for b, ef := range r.efs[:nb] {
 		in := make([][]float64, r.w)
 		for rk := range r.w {
 			in[rk] = flat[rk][r.bounds[b]:r.bounds[b+1]]
@@ -180,8 +238,8 @@ func (r *refMuon1) step(g [][][]float64) {
 	}
 	for rk := range r.w {
 		off := 0
-		for i := range r.shapes {
-			p, m, v := r.p[rk][i], r.m[rk][i], r.v[rk][i]
+		for _, i := range r.order {
+			p, m := r.p[rk][i], r.m[rk][i]
 			a := flat[rk][off : off+len(p)]
 			off += len(p)
 			if r.isMuon[i] {
@@ -189,12 +247,10 @@ func (r *refMuon1) step(g [][][]float64) {
 				for k := range p {
 					p[k] = p[k]*(1-lr*wd) - lr/math.Sqrt(float64(cols))*a[k]
 				}
-				continue
-			}
-			for k := range p {
-				m[k] = a[k] / r.k[i]
-				ratio := pinClip(m[k]*c1/(math.Sqrt(v[k]*r.c2)+eps), b1, b2)
-				p[k] -= alr * (ratio + awd*p[k])
+			} else if aux {
+				for k := range p {
+					m[k] = a[k] / r.k[i]
+				}
 			}
 		}
 	}
@@ -244,11 +300,14 @@ func TestMuonMatchesFloat64Reference(t *testing.T) {
 		total += p.Numel()
 	}
 	for _, tc := range []struct {
-		w, bucket int // elements per bucket
-		pieces    int // of each bucket's collective (0: as AllReduce chooses)
-	}{{2, total, 0}, {3, 50, 0}, {4, total, 0}, {4, 37, 0}, {4, total, 2}} {
-		t.Run(fmt.Sprintf("W=%d/bucket=%d/pieces=%d", tc.w, tc.bucket, tc.pieces), func(t *testing.T) {
+		w, bucket int  // elements per bucket
+		pieces    int  // of each bucket's collective (0: as AllReduce chooses)
+		adamW     bool // WarmupAdamWOnly
+	}{{2, total, 0, false}, {3, 50, 0, false}, {4, total, 0, false}, {4, 37, 0, false}, {4, total, 2, false},
+		{2, total, 0, true}, {3, 50, 0, true}, {4, 37, 0, true}} {
+		t.Run(fmt.Sprintf("W=%d/bucket=%d/pieces=%d/warmupAdamWOnly=%v", tc.w, tc.bucket, tc.pieces, tc.adamW), func(t *testing.T) {
 			cfg := muonTestConfig(freeze)
+			cfg.WarmupAdamWOnly = tc.adamW
 			if tc.bucket != total {
 				cfg.BucketBytes = 4 * tc.bucket
 			}

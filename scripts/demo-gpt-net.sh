@@ -27,7 +27,9 @@
 # nats per byte, 2.75), GPT_FLAGS (flags for the example; default "-steps
 # 450 -freeze-step 60": the target is reached near step 330, and the 1-bit
 # optimizers' exact warm-up runs at Adam's speed, so a warm-up of a fifth
-# of 600 steps caps the speedup near 330/120), TIMEOUT (2400 s), GO (go).
+# of 600 steps caps the speedup near 330/120; 1-bit Muon's warm-up is its
+# AdamW group's only, the hidden matrices 1-bit from the first step:
+# -muon-warmup all makes it exact Muon's), TIMEOUT (2400 s), GO (go).
 # It takes about 20 minutes on a 2-core machine, Adam's and Muon's runs most
 # of it.
 set -euo pipefail

@@ -70,6 +70,7 @@ type options struct {
 	muonLR     float64 // -muon-lr: Muon's; -lr is its auxiliary AdamW's
 	muonSplit  bool    // -muon-split: exact Muon's orthogonalization split across the ranks
 	muonState  string  // -muon-state: onebit-muon's state mode (onebit.ParseMuonStateMode)
+	muonWarmup string  // -muon-warmup: onebit-muon's warm-up, "all" or "adamw" (onebit.MuonConfig.WarmupAdamWOnly)
 	freezeStep int
 	// outerH, outerFragments and outerDelay are diloco's H, Fragments
 	// and Delay (outer.Config).
@@ -136,6 +137,7 @@ func (o *options) hyper() hyper {
 	oc.SparseExchange, oc.SparseServerDensity = o.outerSparseX, float32(o.outerServerDensity)
 	h := hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), muonSplit: o.muonSplit, freezeStep: fs, outer: oc, outerLR: o.outerLR, outerMomentum: o.outerMomentum, outerBF16: o.outerBF16}
 	h.muonState, h.muonBF16, _ = onebit.ParseMuonStateMode(o.muonState)
+	h.muonWarmupAdamW = o.muonWarmup == "adamw"
 	h.outer = h.outerFor(outer.CodecFP32)
 	return h
 }
@@ -183,6 +185,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.Float64Var(&o.lr, "lr", 2e-3, "learning rate (muon: its AdamW's, for the embeddings, the head, biases and norms); on a resume, given explicitly, it replaces the checkpoint's (otherwise the checkpoint's is kept)")
 	fs.Float64Var(&o.muonLR, "muon-lr", defaultMuonLR, "muon: the learning rate of the hidden matrices (attention and feed-forward); on a resume as -lr")
 	fs.BoolVar(&o.muonSplit, "muon-split", false, "muon (exact): each rank orthogonalizes its share of the hidden matrices and one all-gather per step shares the updates (optim.MuonConfig.Split): the same parameters, 1/W of the Newton-Schulz compute, about +50% of the hidden matrices' bytes; onebit-muon ignores it")
+	fs.StringVar(&o.muonWarmup, "muon-warmup", "adamw", "onebit-muon: what the exact warm-up (-freeze-step) is for: adamw (the AdamW group only, the hidden matrices through the 1-bit exchange from the first step: onebit.MuonConfig.WarmupAdamWOnly, the library's default) or all (both groups exact)")
 	fs.StringVar(&o.muonState, "muon-state", "full", "onebit-muon: how its state is kept (onebit.MuonConfig.StateMode): full (13 bytes per element of a Muon matrix on 4 ranks), compact (no slot, worker errors in bfloat16: 7) or compact-bf16 (the momentum in bfloat16 too: 5)")
 	fs.IntVar(&o.freezeStep, "freeze-step", -1, "exact warm-up steps of the 1-bit optimizers (-1: a fifth of -steps)")
 	fs.IntVar(&o.outerH, "outer-h", defaultOuterH, "diloco: inner steps per outer step (each fragment's); fixed for the whole run, not derived from -steps")
@@ -251,6 +254,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("stop-at-target", "needs a -target")
 	case !validMuonState(o.muonState):
 		return bad("muon-state", "want full, compact or compact-bf16")
+	case o.muonWarmup != "all" && o.muonWarmup != "adamw":
+		return bad("muon-warmup", "want all or adamw")
 	case o.freezeStep < -1 || o.freezeStep > maxSteps:
 		return bad("freeze-step", "want -1 (a fifth of -steps) to %d", maxSteps)
 	case o.evalEvery < 0 || o.evalEvery > maxSteps:

@@ -73,9 +73,10 @@ func TestConvergence(t *testing.T) {
 // (1-bit Adam, and with its moments sharded over the 2 ranks: both stop in
 // their compression stage; diloco with the 1-bit codec, stopped between
 // two exchanges, when the ranks' parameters differ; exact Muon; 1-bit Muon
-// in its compression stage, also with its smallest state).
+// in its compression stage, also with its smallest state and with the
+// exact warm-up of both groups).
 func TestResume(t *testing.T) {
-	for _, run := range []string{"onebit-adam", "onebit-adam-sharded", "diloco:1bit", "muon", "onebit-muon", "onebit-muon -muon-state compact-bf16"} {
+	for _, run := range []string{"onebit-adam", "onebit-adam-sharded", "diloco:1bit", "muon", "onebit-muon", "onebit-muon -muon-state compact-bf16", "onebit-muon -muon-warmup all"} {
 		t.Run(run, func(t *testing.T) {
 			name, extra := strings.Fields(run)[0], strings.Fields(run)[1:]
 			dir := t.TempDir()
@@ -423,4 +424,24 @@ func TestMuonSplit(t *testing.T) {
 	assert.Equal(t, whole[0].CurveValLoss, split[0].CurveValLoss)
 	assert.Greater(t, split[0].BytesSentPerRank, whole[0].BytesSentPerRank, "the all-gather")
 	assert.Contains(t, out, "exact Muon's orthogonalization split across the ranks (-muon-split)")
+}
+
+// TestMuonWarmupAdamW: -muon-warmup reaches 1-bit Muon
+// (onebit.MuonConfig.WarmupAdamWOnly): in a run that ends in the warm-up,
+// with the default adamw, the hidden matrices are sent at 1 bit, so fewer
+// bytes than with all, the whole model's exact warm-up (on this tiny
+// model the embeddings and the head, exact in both, are most of them),
+// and the header says which; a value other than all or adamw is refused.
+func TestMuonWarmupAdamW(t *testing.T) {
+	args := tiny("-optimizer", "onebit-muon", "-steps", "4", "-freeze-step", "10", "-eval-every", "2")
+	adamw, _ := runJSON(t, args...)
+	all, out := runJSON(t, append(args, "-muon-warmup", "all", "-quiet=false")...)
+	require.Len(t, all, 1)
+	require.Len(t, adamw, 1)
+	t.Logf("bytes sent per rank over 4 warm-up steps: exact %.0f, AdamW group only %.0f", all[0].BytesSentPerRank, adamw[0].BytesSentPerRank)
+	assert.Less(t, adamw[0].BytesSentPerRank, 0.75*all[0].BytesSentPerRank)
+	assert.NotEqual(t, all[0].ValLoss, adamw[0].ValLoss)
+	assert.Contains(t, out, "onebit-muon's exact warm-up for both groups (-muon-warmup all)")
+	err := run(context.Background(), append(args, "-muon-warmup", "muon"), io.Discard, io.Discard)
+	require.ErrorContains(t, err, "muon-warmup")
 }

@@ -267,6 +267,9 @@ type hyper struct {
 	// and MomentumBF16.
 	muonState onebit.StateMode
 	muonBF16  bool
+	// muonWarmupAdamW is -muon-warmup adamw (the default): onebit-muon's
+	// WarmupAdamWOnly.
+	muonWarmupAdamW bool
 }
 
 // outerFor returns diloco's settings with codec c: the flags, and where
@@ -335,6 +338,7 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		cfg.Reduce = r.reduce
 		cfg.FreezeStep = h.freezeStep
 		cfg.StateMode, cfg.MomentumBF16 = h.muonState, h.muonBF16
+		cfg.WarmupAdamWOnly = h.muonWarmupAdamW
 		return lbgomlx.MuonBuilder(func(ctx context.Context, c comm.Comm, params []*optim.Param, sel []string) (optim.Optimizer, error) {
 			cfg := cfg
 			cfg.Params = sel

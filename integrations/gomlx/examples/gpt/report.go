@@ -59,6 +59,9 @@ func muonDesc(o *options) string {
 			if o.muonSplit {
 				split = "; exact Muon's orthogonalization split across the ranks (-muon-split)"
 			}
+			if o.muonWarmup == "all" {
+				split += "; onebit-muon's exact warm-up for both groups (-muon-warmup all)"
+			}
 			return fmt.Sprintf("muon: the hidden matrices (attention, feed-forward) by Muon, lr %g (-muon-lr); the embeddings, the output head, biases and norms by AdamW, lr %g (-lr)%s",
 				o.muonLR, o.lr, split)
 		}
