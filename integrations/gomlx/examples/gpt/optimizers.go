@@ -8,6 +8,7 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	lbgomlx "github.com/lowbit-ml/lowbit/integrations/gomlx"
+	"github.com/lowbit-ml/lowbit/internal/outerstate"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/optim/zero"
@@ -260,9 +261,10 @@ type hyper struct {
 	// outerLR and outerMomentum are -outer-lr and -outer-momentum, < 0
 	// where the codec's default (outer.DefaultConfigFor) applies.
 	outerLR, outerMomentum float64
-	// outerBF16 is -outer-bf16: the inner AdamW's moments in bfloat16,
-	// and the sparse codec's accumulator.
-	outerBF16 bool
+	// outerState is -outer-state: the precision of the inner AdamW's
+	// moments and the sparse codec's accumulator; the zero value,
+	// outerstate.Auto, is bfloat16 with the sparse codec.
+	outerState outerstate.Mode
 	// muonState and muonBF16 are -muon-state: onebit-muon's StateMode
 	// and MomentumBF16.
 	muonState onebit.StateMode
@@ -282,7 +284,7 @@ func (h hyper) outerFor(c outer.Codec) outer.Config {
 	if h.outerMomentum >= 0 {
 		cfg.Momentum = float32(h.outerMomentum)
 	}
-	cfg.AccumulatorBF16 = h.outerBF16 && c == outer.CodecSparse
+	cfg.AccumulatorBF16 = h.outerState.AccumulatorBF16(c)
 	return cfg
 }
 
@@ -322,7 +324,7 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		cfg := h.outerFor(r.codec)
 		inner := adam
 		inner.Reduce = optim.ReduceFP32 // local: the inner Adam never communicates
-		inner.MomentsBF16 = h.outerBF16
+		inner.MomentsBF16 = h.outerState.MomentsBF16(r.codec)
 		return outer.NewAdam(ctx, c, params, cfg, inner)
 	case muon:
 		cfg := optim.DefaultMuonConfig()
