@@ -98,7 +98,7 @@ type runSpec struct {
 	// scatter is zero-adam's gradient reduce-scatter: fp32, coalesced,
 	// int8 or int4.
 	scatter zero.Reduce
-	// codec is diloco's exchange codec: fp32, bf16, int8 or 1bit.
+	// codec is diloco's exchange codec: fp32, bf16, int8, 1bit or sparse.
 	codec outer.Codec
 }
 
@@ -135,7 +135,7 @@ func (r runSpec) reduceName() string {
 // -optimizer is a comma-separated list of NAME or NAME:REDUCE (REDUCE
 // overrides -reduce for that run): "adam,adam:fp16,zero-adam:int4"; for
 // diloco REDUCE is the codec of its exchanges ("diloco:1bit"; plain
-// "diloco" is fp32, whatever -reduce says). With -compare (one optimizer
+// "diloco" is sparse, whatever -reduce says). With -compare (one optimizer
 // only) the exact optimizer runs first, then its compressed counterpart,
 // from the same seed; -reduce then applies to the exact averaging of both,
 // and to zero-adam's reduce-scatter (diloco keeps its codec, Adam takes
