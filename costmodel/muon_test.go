@@ -153,6 +153,10 @@ func TestOuterStateBytesMatchOptimizer(t *testing.T) {
 					cfg.SparseExchange = outer.SparseTwoPhase
 				}
 				got := outerStateBytesOf(t, w, cfg, optim.DefaultAdamConfig())
+				if cd == outer.CodecSparse {
+					// At DefaultConfigFor the accumulator is bfloat16.
+					require.True(t, cfg.AccumulatorBF16)
+				}
 				assert.Equal(t, got-8*n, want, "%s, %d ranks, %d fragments, delay %d", codec, w, fd[0], fd[1])
 			}
 		}
@@ -245,27 +249,38 @@ func TestMuonRows(t *testing.T) {
 	}
 }
 
-// The sparse codec's smallest mode in the state table (bfloat16
-// accumulator, AdamW with bfloat16 moments) is the optimizer's own
-// StateBytes, to the byte.
-func TestOuterSparseBF16RowMatchesOptimizer(t *testing.T) {
-	for _, w := range []int{2, 3} {
+// Every outer row of the state table is the optimizer's own StateBytes,
+// to the byte: each codec at outer.DefaultConfigFor around an AdamW at
+// outer.DefaultAdamConfigFor (the sparse codec's accumulator and the
+// moments in bfloat16), and outer-sparse-fp32 with float32 state.
+func TestOuterStateRowsMatchOptimizer(t *testing.T) {
+	for _, w := range []int{1, 2, 3} {
 		for _, fd := range [][2]int{{1, 0}, {2, 1}} {
-			j := Job{Params: outerTestParams, Ranks: w, OuterH: 4, OuterFragments: fd[0], OuterDelay: fd[1], OuterSparseChunk: 96, OuterSparseBits: 2}
-			var want int64 = -1
+			j := Job{Params: outerTestParams, Ranks: w, OuterH: 4, OuterFragments: fd[0], OuterDelay: fd[1], BucketBytes: 1 << 10,
+				OuterSparseChunk: 96, OuterSparseBits: 2}
+			rows := map[string]int64{}
 			for _, r := range j.StateTable() {
-				if r.Optimizer == OptOuterSparseBF16 {
-					require.NoError(t, r.Err)
-					want = r.Bytes
+				if strings.HasPrefix(r.Optimizer, "outer-") {
+					require.NoError(t, r.Err, r.Optimizer)
+					rows[r.Optimizer] = r.Bytes
 				}
 			}
-			require.NotEqual(t, int64(-1), want, "no %s row", OptOuterSparseBF16)
-			cfg := outer.DefaultConfigFor(outer.CodecSparse)
-			cfg.H, cfg.Fragments, cfg.Delay = 4, fd[0], fd[1]
-			cfg.SparseChunk, cfg.SparseBits, cfg.AccumulatorBF16 = 96, 2, true
-			ac := optim.DefaultAdamConfig()
-			ac.MomentsBF16 = true
-			assert.Equal(t, outerStateBytesOf(t, w, cfg, ac), want, "%d ranks, %d fragments, delay %d", w, fd[0], fd[1])
+			require.Len(t, rows, 6, "outer-fp32, -int8, -1bit, -sparse, -sparse-2p, -sparse-fp32: %v", rows)
+			for name, want := range rows {
+				codec, _, _ := strings.Cut(strings.TrimPrefix(name, "outer-"), "-")
+				cd, err := outer.ParseCodec(codec)
+				require.NoError(t, err, name)
+				cfg, ac := outer.DefaultConfigFor(cd), outer.DefaultAdamConfigFor(cd)
+				cfg.H, cfg.Fragments, cfg.Delay, cfg.BucketBytes = 4, fd[0], fd[1], 1<<10
+				cfg.SparseChunk, cfg.SparseBits = 96, 2
+				switch name {
+				case "outer-sparse-2p":
+					cfg.SparseExchange = outer.SparseTwoPhase
+				case OptOuterSparseFP32:
+					cfg.AccumulatorBF16, ac.MomentsBF16 = false, false
+				}
+				assert.Equal(t, outerStateBytesOf(t, w, cfg, ac), want, "%s: %d ranks, %d fragments, delay %d", name, w, fd[0], fd[1])
+			}
 		}
 	}
 }

@@ -18,9 +18,11 @@ var outerStateCodecs = []string{"fp32", "int8", "1bit", "sparse", "sparse-2p"}
 // j.Ranks, for codec ("fp32", "int8", "1bit" or "sparse", as
 // outer.ParseCodec names them, or "sparse-2p", the sparse codec with
 // outer.SparseTwoPhase, on rank 0, which owns the most) and j's Params, OuterFragments, OuterDelay,
-// BucketBytes (the 1-bit codec's buckets) and sparse settings. The inner
-// optimizer's state comes on top (8 bytes per parameter for
-// outer.NewAdam's AdamW).
+// BucketBytes (the 1-bit codec's buckets) and sparse settings, each codec
+// at outer.DefaultConfigFor (the sparse codec's accumulator in bfloat16).
+// The inner optimizer's state comes on top (for outer.NewAdam's AdamW at
+// outer.DefaultAdamConfigFor 4 bytes per parameter with the sparse codec,
+// whose moments are bfloat16, 8 with the others).
 func OuterStateBytes(codec string, j Job) (int64, error) {
 	if j.Params < 0 || j.Ranks < 1 || j.OuterFragments < 0 || int64(j.OuterFragments) > max(j.Params, 1) || j.OuterDelay < 0 || j.BucketBytes < 0 {
 		return 0, fmt.Errorf("costmodel: invalid outer state: %d parameters, %d ranks, %d fragments, delay %d, buckets of %d bytes",
@@ -51,10 +53,11 @@ func OuterStateBytes(codec string, j Job) (int64, error) {
 //   - 1bit: a onebit.State per bucket of every fragment, the buckets'
 //     wire buffers shared (onebit.ShareWire: one set, as long as the
 //     longest bucket's);
-//   - sparse: the error accumulator over every parameter, one chunk of
+//   - sparse: the error accumulator over every parameter (bfloat16, and
+//     a chunk of float32 to widen it into: sparseBF16Delta), one chunk of
 //     scratch, this rank's message of the largest fragment and W
 //     received;
-//   - sparse-2p: the error accumulator, one chunk of scratch, the server
+//   - sparse-2p: the error accumulator (likewise), one chunk of scratch, the server
 //     accumulator over the run of chunks rank 0 owns in every fragment,
 //     and W segments of the largest fragment sent and W received.
 func outerBuffers(codec string, j Job) int64 {
@@ -110,10 +113,10 @@ func outerBuffers(codec string, j Job) int64 {
 		b += statesBytes(false, states)
 	case "sparse":
 		s := sparseOf(j)
-		b += 4*(n+s.chunk) + (1+w)*s.msgLen(largest)
+		b += 4*(n+s.chunk) + sparseBF16Delta(j) + (1+w)*s.msgLen(largest)
 	case "sparse-2p":
 		s := sparseOf(j)
-		b += 4*(n+s.chunk) + 2*w*s.segLen(largest, int(w))
+		b += 4*(n+s.chunk) + sparseBF16Delta(j) + 2*w*s.segLen(largest, int(w))
 		// Fragments of q = n/F and q+1 elements: rank 0 owns the first
 		// ceil(chunks/W) chunks of each.
 		q, r := n/frags, n%frags

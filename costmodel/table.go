@@ -4,8 +4,9 @@ package costmodel
 type StateRow struct {
 	// Optimizer is the row's name: one of StateOptimizers, OptMuon,
 	// OptOnebitMuon, OptOnebitMuonCompactBF16 (on more than one rank), or
-	// an outer row ("outer-sparse": the outer optimizer
-	// with that codec around outer.NewAdam's AdamW).
+	// an outer row ("outer-sparse": the outer optimizer with that codec
+	// around outer.NewAdam's AdamW, both at their defaults), or
+	// OptOuterSparseFP32.
 	Optimizer string
 	// Bytes is the state of rank 0, parameters and gradients not
 	// included; Err, when set, says why it could not be counted (more
@@ -21,8 +22,9 @@ type StateRow struct {
 // matrices of one shape and one AdamW tensor), 1-bit Muon's smallest
 // mode the same way (on more than one rank), and with OuterH > 0 the
 // outer optimizer around exact AdamW, one row per codec of
-// OuterStateBytes (the sparse codec's where its chunk fits the smallest
-// fragment), and the sparse codec's smallest mode (OptOuterSparseBF16).
+// OuterStateBytes and its inner AdamW's (the sparse codec's where its chunk
+// fits the smallest fragment), and the sparse codec with float32 state
+// (OptOuterSparseFP32).
 func (j Job) StateTable() []StateRow {
 	var rows []StateRow
 	for _, name := range StateOptimizers() {
@@ -46,24 +48,40 @@ func (j Job) StateTable() []StateRow {
 		oc, _ := findOuterCodec(name)
 		b, err := OuterStateBytes(oc.stateName(), j)
 		if err == nil || err == errTooLarge {
-			rows = append(rows, StateRow{Optimizer: name, Bytes: b + 8*j.Params, Err: err})
+			rows = append(rows, StateRow{Optimizer: name, Bytes: b + outerInnerBytes(oc.codec, j.Params), Err: err})
 		}
 		if name == "outer-sparse" && err == nil {
-			rows = append(rows, StateRow{Optimizer: OptOuterSparseBF16, Bytes: b + sparseBF16Delta(j) + 4*j.Params})
+			rows = append(rows, StateRow{Optimizer: OptOuterSparseFP32, Bytes: b - sparseBF16Delta(j) + 8*j.Params})
 		}
 	}
 	return rows
 }
 
-// OptOuterSparseBF16 is the state row of the outer optimizer's sparse
-// codec in its smallest mode: its accumulator in bfloat16
-// (outer.Config.AccumulatorBF16) around an AdamW whose moments are
-// bfloat16 (optim.AdamConfig.MomentsBF16), 4 bytes per parameter.
-const OptOuterSparseBF16 = "outer-sparse-bf16"
+// OptOuterSparseFP32 is the state row of the outer optimizer's sparse
+// codec with float32 state, what was its default before bfloat16: its
+// accumulator in float32 (outer.Config.AccumulatorBF16 false) around an
+// AdamW with float32 moments (optim.AdamConfig.MomentsBF16 false), 8
+// bytes per parameter.
+const OptOuterSparseFP32 = "outer-sparse-fp32"
 
-// sparseBF16Delta is what outer.Config.AccumulatorBF16 changes in the
-// sparse codec's buffers: the accumulator in bfloat16 (2 bytes per
-// parameter instead of 4) and a float32 chunk to widen it into.
+// outerInnerBytes is the state of outer.NewAdam's AdamW over params
+// parameters at outer.DefaultAdamConfigFor(codec), codec as
+// outer.ParseCodec names it: its moments in bfloat16 with the sparse
+// codec, 4 bytes per parameter, in float32 with the others, 8.
+func outerInnerBytes(codec string, params int64) int64 {
+	if codec == "sparse" {
+		return 4 * params
+	}
+	return 8 * params
+}
+
+// sparseBF16Delta is what outer.Config.AccumulatorBF16, the sparse
+// codec's default, changes in its buffers: the accumulator in bfloat16
+// (2 bytes per parameter instead of 4) and a float32 chunk to widen it
+// into; nothing on one rank, where the codec keeps no accumulator.
 func sparseBF16Delta(j Job) int64 {
+	if j.Ranks < 2 {
+		return 0
+	}
 	return -2*j.Params + 4*sparseOf(j).chunk
 }

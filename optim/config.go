@@ -127,7 +127,8 @@ type AdamConfig struct {
 	// as float32 (their bfloat16 values) and record the mode (see
 	// IntMomentsBF16); a checkpoint of the other mode is refused. Adam
 	// only: LAMB and the optimizers of onebit and optim/zero refuse it.
-	// Default false. See the package doc, "Compact moments".
+	// Default false (outer.DefaultAdamConfigFor sets it for the outer
+	// optimizer's sparse codec). See the package doc, "Compact moments".
 	MomentsBF16 bool
 }
 

@@ -134,9 +134,10 @@ func (o *Optimizer) State() (*optim.Checkpoint, error) {
 	return ck, nil
 }
 
-// optionalHyper says whether a setting is recorded only when not its
-// default, 0 (Config.hypers), so that the checkpoints of the default are
-// as they were before the setting existed.
+// optionalHyper says whether a setting is recorded only when not 0
+// (Config.hypers), so that the checkpoints of 0 are as they were before
+// the setting existed (AccumulatorBF16 false, the float32 accumulator of
+// earlier versions, although DefaultConfigFor(CodecSparse) sets it).
 func optionalHyper(name string) bool {
 	return name == "outer_accumulator_bf16" || name == "outer_sparse_exchange" || name == "outer_sparse_server_density"
 }
@@ -189,8 +190,8 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 		recorded[h.Name] = true
 		v, ok := ck.Floats[optim.HyperPrefix+h.Name]
 		if !ok && optionalHyper(h.Name) {
-			// Recorded only when not its default (0): the checkpoint
-			// was made with the default.
+			// Recorded only when not 0: the checkpoint was made with
+			// 0.
 			ok, v = true, 0
 		}
 		if !ok {

@@ -96,7 +96,8 @@ func memMeasure(t *testing.T, w, n int, cfg outer.Config, inner optim.AdamConfig
 // The bytes per parameter each codec keeps at W = 8, beyond the
 // parameters and gradients, inner AdamW (8) included: by StateBytes and by
 // the live heap (docs/outer.md, "Memory"). Each codec at its
-// DefaultConfigFor (no momentum for the 1-bit and sparse codecs); the
+// DefaultConfigFor (no momentum for the 1-bit and sparse codecs; each
+// row sets AccumulatorBF16 and the inner MomentsBF16 itself); the
 // 1-bit codec's buckets of 16 KiB stand for the default 25 MiB on a model
 // of billions of parameters (the bucket's scratch is then small beside
 // the fragment).
@@ -172,4 +173,30 @@ func TestMemoryPerParameter(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Issue 51's goal at the defaults: DefaultConfigFor(CodecSparse) keeps
+// the accumulator in bfloat16 and DefaultAdamConfigFor(CodecSparse) the
+// inner AdamW's moments, and together they hold at most 12 bytes per
+// parameter at W = 8 beyond the parameters and gradients, by StateBytes
+// and by the heap. The other codecs' defaults keep float32 state.
+func TestSparseDefaultsAtMostTwelveBytes(t *testing.T) {
+	for _, c := range allCodecs {
+		sparse := c == outer.CodecSparse
+		assert.Equal(t, sparse, outer.DefaultConfigFor(c).AccumulatorBF16, "%s: AccumulatorBF16", c)
+		inner := outer.DefaultAdamConfigFor(c)
+		assert.Equal(t, sparse, inner.MomentsBF16, "%s: MomentsBF16", c)
+		inner.MomentsBF16 = false
+		assert.Equal(t, optim.DefaultAdamConfig(), inner, "%s: otherwise optim.DefaultAdamConfig", c)
+	}
+	assert.False(t, outer.DefaultConfig().AccumulatorBF16, "DefaultConfig: the fp32 codec's")
+	if raceOn {
+		t.Skip("counts memory: run without the race detector")
+	}
+	cfg := outer.DefaultConfigFor(outer.CodecSparse)
+	cfg.H = 4 // the buffers do not depend on H: fewer steps
+	state, heap := memMeasure(t, 8, 1<<16, cfg, outer.DefaultAdamConfigFor(outer.CodecSparse))
+	t.Logf("sparse at its defaults: %.2f bytes per parameter by StateBytes, %.2f by the heap", state, heap)
+	assert.LessOrEqual(t, state, 12.0, "StateBytes")
+	assert.LessOrEqual(t, heap, 12.0, "heap")
 }

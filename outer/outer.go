@@ -120,7 +120,8 @@ var (
 // communicates (see New). An invalid cfg or inner is refused with its
 // Validate error on that rank, and with an error naming that rank on the
 // others. inner.MomentsBF16 keeps the AdamW's moments in bfloat16, 4
-// bytes per parameter less (docs/outer.md, "Memory").
+// bytes per parameter less (docs/outer.md, "Memory"); DefaultAdamConfigFor
+// gives the inner config that goes with DefaultConfigFor.
 func NewAdam(ctx context.Context, c comm.Comm, params []*optim.Param, cfg Config, inner optim.AdamConfig, opts ...optim.Option) (*Optimizer, error) {
 	return newOwned(ctx, c, cfg, opts, func() (optim.Optimizer, error) {
 		return optim.NewAdam(ctx, nil, params, inner, opts...)

@@ -484,11 +484,17 @@ func TestPlanMuonAndStateRows(t *testing.T) {
 		require.Len(t, r, 6, "%s: %s", want.Optimizer, s)
 		assert.Equal(t, strconv.FormatFloat(float64(want.Bytes)/1.3e9, 'f', 2, 64), r[0], want.Optimizer)
 	}
-	for _, name := range []string{"muon", "onebit-muon", "outer-fp32", "outer-int8", "outer-1bit", "outer-sparse"} {
+	for _, name := range []string{"muon", "onebit-muon", "outer-fp32", "outer-int8", "outer-1bit", "outer-sparse", "outer-sparse-fp32"} {
 		require.Contains(t, st, name, s)
 	}
 	assert.NotContains(t, st, "outer-bf16")
 	assert.Equal(t, []string{"20.00", "26.00", "GB", "36.40", "GB", "no"}, st["outer-fp32"], "θ_g, u and AdamW: 16 bytes per parameter, and the exchange buffer")
+	// The sparse codec at its defaults, bfloat16 state (issue 51's goal:
+	// at most 12 bytes per parameter at W = 8): θ_g 4, the accumulator 2,
+	// AdamW's moments 4, the messages; with float32 state 6 more.
+	assert.Equal(t, []string{"10.31", "13.41", "GB", "23.81", "GB", "yes"}, st["outer-sparse"], "bfloat16 state by default")
+	assert.Equal(t, []string{"16.31", "21.21", "GB", "31.61", "GB", "no"}, st["outer-sparse-fp32"], "float32 state")
+	assert.Contains(t, s, "outer-sparse-fp32: the sparse codec with float32 state")
 	assert.Equal(t, "yes", st["muon"][5])
 	assert.Contains(t, s, "outer-*: the outer optimizer")
 	_, st = stateRows(t, args)

@@ -45,6 +45,7 @@ import (
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/internal/cliflag"
+	"github.com/lowbit-ml/lowbit/internal/outerstate"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/outer"
@@ -92,9 +93,9 @@ type options struct {
 	cpuprofile string
 	checkpoint checkpointConfig
 	reduce     string
-	outer      outer.Config // diloco's -outer-* flags, codec parsed
-	outerBF16  bool         // -outer-bf16
-	outerCodec string       // -outer-codec
+	outer      outer.Config    // diloco's -outer-* flags, codec parsed
+	outerState outerstate.Mode // -outer-state (-outer-bf16)
+	outerCodec string          // -outer-codec
 
 	// allowInprocess is -allow-inprocess-under-mpi: -backend local even
 	// where the environment says this process is one rank of an MPI job.
@@ -103,6 +104,13 @@ type options struct {
 	workersSet bool // -workers was given explicitly
 	lrSet      bool // -lr was given explicitly: it wins over a checkpoint's
 	muonLRSet  bool // -muon-lr was given explicitly: likewise
+}
+
+// hyper returns the optimizers' settings that o's flags give.
+func (o *options) hyper() hyper {
+	reduce, scatter, _ := parseReduces(o.optimizer, o.reduce) // checked by parseFlags
+	return hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), freezeStep: o.freezeStep, reduce: reduce, scatter: scatter,
+		localStepScaler: o.localSteps, outer: o.outer, outerState: o.outerState}
 }
 
 func parseFlags(args []string, stderr io.Writer) (*options, error) {
@@ -141,7 +149,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.outer.H, "outer-h", defaultOuterH, "diloco: inner steps per outer step of each fragment")
 	fs.IntVar(&o.outer.Fragments, "outer-fragments", o.outer.Fragments, "diloco: fragments of the parameters, exchanged at staggered steps (Streaming DiLoCo)")
 	fs.IntVar(&o.outer.Delay, "outer-delay", o.outer.Delay, "diloco: inner steps an exchange runs in the background before its result is merged (0: exchanged within the step)")
-	fs.BoolVar(&o.outerBF16, "outer-bf16", false, "diloco: the smallest state: the inner Adam's moments in bfloat16 (optim.AdamConfig.MomentsBF16) and, with the sparse codec, its accumulator too (outer.Config.AccumulatorBF16)")
+	outerstate.Register(fs, &o.outerState)
 	fs.StringVar(&o.outerCodec, "outer-codec", outer.CodecSparse.String(), "diloco: how the pseudo-gradients travel: fp32, bf16, int8, 1bit, sparse (each with its measured outer learning rate and momentum, outer.DefaultConfigFor)")
 	if err := cliflag.Parse(fs, args); err != nil {
 		return nil, err
@@ -354,9 +362,8 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 	if err != nil {
 		return err
 	}
-	reduce, scatter, _ := parseReduces(o.optimizer, o.reduce) // checked by parseFlags
 	cfg := trainConfig{
-		hyper:         hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), freezeStep: o.freezeStep, reduce: reduce, scatter: scatter, localStepScaler: o.localSteps, outer: o.outer, outerBF16: o.outerBF16},
+		hyper:         o.hyper(),
 		epochs:        o.epochs,
 		batch:         o.batch,
 		seed:          o.seed,

@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/internal/outerstate"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/optim/zero"
@@ -126,10 +127,11 @@ type hyper struct {
 	// outer is diloco's outer optimizer (-outer-h, -outer-fragments,
 	// -outer-delay, -outer-codec); its inner Adam takes lr.
 	outer outer.Config
-	// outerBF16 is -outer-bf16: diloco's smallest state, the inner Adam's
-	// moments in bfloat16 (optim.AdamConfig.MomentsBF16) and, with the
-	// sparse codec, its accumulator too (outer.Config.AccumulatorBF16).
-	outerBF16 bool
+	// outerState is -outer-state: the precision of diloco's state, the
+	// inner Adam's moments (optim.AdamConfig.MomentsBF16) and the sparse
+	// codec's accumulator (outer.Config.AccumulatorBF16); the zero value,
+	// outerstate.Auto, is bfloat16 with the sparse codec.
+	outerState outerstate.Mode
 }
 
 // reduceNames are the values of -reduce.
@@ -208,10 +210,8 @@ func newOptimizer(ctx context.Context, name string, c comm.Comm, params []*optim
 		return onebit.NewZeroOneAdam(ctx, c, params, cfg)
 	case diloco:
 		oc := h.outer
-		if h.outerBF16 {
-			adam.MomentsBF16 = true
-			oc.AccumulatorBF16 = oc.Codec == outer.CodecSparse
-		}
+		adam.MomentsBF16 = h.outerState.MomentsBF16(oc.Codec)
+		oc.AccumulatorBF16 = h.outerState.AccumulatorBF16(oc.Codec)
 		return outer.NewAdam(ctx, c, params, oc, adam)
 	case muon, onebitMuon:
 		cfg := optim.DefaultMuonConfig() // Params nil: every matrix, w1 and w2

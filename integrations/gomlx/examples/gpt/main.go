@@ -46,6 +46,7 @@ import (
 	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/comm/mpi"
 	"github.com/lowbit-ml/lowbit/internal/cliflag"
+	"github.com/lowbit-ml/lowbit/internal/outerstate"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/outer"
@@ -80,8 +81,8 @@ type options struct {
 	outerBucket    int // diloco's 1-bit bucket size in bytes (outer.Config.BucketBytes)
 	outerLR        float64
 	outerMomentum  float64
-	outerMeanAbs   bool // diloco:1bit's scales are means of |x| (outer.Config.Scale)
-	outerBF16      bool // diloco: bfloat16 state (AccumulatorBF16, the inner AdamW's MomentsBF16)
+	outerMeanAbs   bool            // diloco:1bit's scales are means of |x| (outer.Config.Scale)
+	outerState     outerstate.Mode // -outer-state (-outer-bf16): diloco's state in bfloat16 or float32
 	// diloco:sparse's Density, SparseChunk, SparseBits and Decay.
 	outerDensity, outerDecay     float64
 	outerSparseChunk, outerSBits int
@@ -135,7 +136,7 @@ func (o *options) hyper() hyper {
 	oc.Density, oc.Decay = float32(o.outerDensity), float32(o.outerDecay)
 	oc.SparseChunk, oc.SparseBits = o.outerSparseChunk, o.outerSBits
 	oc.SparseExchange, oc.SparseServerDensity = o.outerSparseX, float32(o.outerServerDensity)
-	h := hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), muonSplit: o.muonSplit, freezeStep: fs, outer: oc, outerLR: o.outerLR, outerMomentum: o.outerMomentum, outerBF16: o.outerBF16}
+	h := hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), muonSplit: o.muonSplit, freezeStep: fs, outer: oc, outerLR: o.outerLR, outerMomentum: o.outerMomentum, outerState: o.outerState}
 	h.muonState, h.muonBF16, _ = onebit.ParseMuonStateMode(o.muonState)
 	h.muonWarmupAdamW = o.muonWarmup == "adamw"
 	h.outer = h.outerFor(outer.CodecFP32)
@@ -194,7 +195,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	def := outer.DefaultConfig()
 	fs.Float64Var(&o.outerLR, "outer-lr", -1, "diloco: the outer SGD's learning rate (-1: the codec's default, outer.DefaultConfigFor: fp32, bf16, int8 0.7, 1bit 1, sparse "+fmt.Sprint(outer.DefaultConfigFor(outer.CodecSparse).LR)+")")
 	fs.Float64Var(&o.outerMomentum, "outer-momentum", -1, "diloco: the outer Nesterov SGD's momentum, in [0, 1) (-1: the codec's default: fp32, bf16, int8 0.9, 1bit and sparse 0)")
-	fs.BoolVar(&o.outerBF16, "outer-bf16", false, "diloco: the smallest state: the inner AdamW's moments in bfloat16 (optim.AdamConfig.MomentsBF16) and, with the sparse codec, its accumulator too (outer.Config.AccumulatorBF16)")
+	outerstate.Register(fs, &o.outerState)
 	fs.BoolVar(&o.outerMeanAbs, "outer-mean-abs", false, "diloco:1bit: scales are means of |x| (onebit.ScaleMeanAbs) instead of root mean squares")
 	fs.Float64Var(&o.outerDensity, "outer-density", float64(def.Density), "diloco:sparse: share of each chunk's entries sent, in (0, 1]")
 	fs.IntVar(&o.outerSparseChunk, "outer-sparse-chunk", def.SparseChunk, "diloco:sparse: chunk length in elements (at least 1/-outer-density)")

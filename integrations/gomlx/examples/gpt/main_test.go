@@ -17,7 +17,10 @@ import (
 	"github.com/lowbit-ml/lowbit/outer"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/internal/cliflag/flagtest"
+	"github.com/lowbit-ml/lowbit/internal/outerstate"
+	"github.com/lowbit-ml/lowbit/optim"
 )
 
 // tiny are the flags of a model small enough for a test: 2 local ranks,
@@ -186,28 +189,79 @@ func TestDilocoTwoPhase(t *testing.T) {
 	assert.ErrorContains(t, err, "outer-server-density")
 }
 
-// TestDilocoBF16State: -outer-bf16 reaches the outer optimizer (the
-// sparse codec's accumulator and the inner AdamW's moments in bfloat16):
-// the run is recorded as such, trains within 10% of the float32 state's
-// loss, and is not the same run (the rounding changed it); with the 1-bit
-// codec only the moments change.
-func TestDilocoBF16State(t *testing.T) {
+// TestDilocoState: -outer-state reaches the outer optimizer. At its
+// default (auto) the sparse codec's run keeps its accumulator and the
+// inner AdamW's moments in bfloat16 and the 1-bit codec's run float32
+// state: the runs are recorded and described as such. -outer-state fp32
+// gives both float32 state: the 1-bit run is the default's, the sparse
+// run is not (the rounding changed it) and ends within 10% of it.
+func TestDilocoState(t *testing.T) {
 	args := tiny("-optimizer", "diloco:sparse,diloco:1bit", "-steps", "30", "-outer-h", "5", "-lr", "3e-3",
 		"-outer-sparse-chunk", "512", "-outer-density", "0.25")
-	f32, _ := runJSON(t, args...)
-	b16, _ := runJSON(t, append(args, "-outer-bf16")...)
+	def, out := runJSON(t, args...)
+	f32, _ := runJSON(t, append(args, "-outer-state", "fp32")...)
+	require.Len(t, def, 2)
 	require.Len(t, f32, 2)
-	require.Len(t, b16, 2)
-	for i := range f32 {
-		require.NotNil(t, b16[i].Outer)
+	for i := range def {
+		require.NotNil(t, def[i].Outer)
+		require.NotNil(t, f32[i].Outer)
+		assert.Equal(t, def[i].Reduce == "sparse", def[i].Outer.BF16State, def[i].Reduce)
 		assert.False(t, f32[i].Outer.BF16State, f32[i].Reduce)
-		assert.True(t, b16[i].Outer.BF16State, b16[i].Reduce)
-		assert.NotEqual(t, f32[i].ValLoss, b16[i].ValLoss, "%s: bfloat16 state changes the run", f32[i].Reduce)
-		assert.InEpsilon(t, f32[i].ValLoss, b16[i].ValLoss, 0.1, "%s: within 10%% of the float32 state", f32[i].Reduce)
 	}
-	h := hyper{outerBF16: true}
-	assert.True(t, h.outerFor(outer.CodecSparse).AccumulatorBF16)
-	assert.False(t, h.outerFor(outer.CodecOneBit).AccumulatorBF16)
+	assert.Contains(t, out, "accumulator decay 0.95, accumulator and inner moments in bfloat16; 1bit: outer SGD lr 1 momentum 0")
+	assert.NotContains(t, out, ", inner moments in bfloat16", "1bit: float32 state")
+	assert.NotEqual(t, f32[0].ValLoss, def[0].ValLoss, "sparse: bfloat16 state changes the run")
+	assert.InEpsilon(t, f32[0].ValLoss, def[0].ValLoss, 0.1, "sparse: within 10%% of the float32 state")
+	assert.Equal(t, f32[1].ValLoss, def[1].ValLoss, "1bit: float32 state by default")
+}
+
+// TestDilocoStateBytes: diloco:sparse at the example's defaults keeps its
+// accumulator and the inner AdamW's moments in bfloat16, as with
+// -outer-state bf16 or -outer-bf16: at most 12 bytes per parameter on 8
+// ranks by StateBytes, 6 fewer than with -outer-state fp32 (less a
+// chunk's float32 scratch). With the 1-bit codec -outer-bf16 keeps the
+// moments in bfloat16 too (4 bytes fewer), the default does not. The
+// comparisons run on 2 ranks (the savings do not depend on W).
+func TestDilocoStateBytes(t *testing.T) {
+	const n = 1 << 16 // parameter elements
+	onRanks := func(w int, args ...string) float64 {
+		o, err := parseFlags(args, io.Discard)
+		require.NoError(t, err, args)
+		require.Len(t, o.runs, 1)
+		h := o.hyper()
+		var b int64
+		require.NoError(t, local.Run(t.Context(), w, func(ctx context.Context, c comm.Comm) error {
+			opt, err := newOptimizer(ctx, o.runs[0], h, c, []*optim.Param{optim.NewParam("w", n)})
+			if err != nil {
+				return err
+			}
+			defer opt.Close()
+			if c.Rank() == 0 {
+				b = opt.(optim.MemoryReporter).StateBytes()
+			}
+			return nil
+		}), args)
+		return float64(b) / n
+	}
+	sparse := []string{"-optimizer", "diloco:sparse"}
+	def8 := onRanks(8, sparse...)
+	t.Logf("diloco:sparse at the defaults: %.2f bytes per parameter at W = 8", def8)
+	assert.LessOrEqual(t, def8, 12.0, "issue 51's goal at the example's defaults")
+	perParam := func(args ...string) float64 { return onRanks(2, args...) }
+	def := perParam(sparse...)
+	assert.Equal(t, def, perParam(append(sparse, "-outer-state", "bf16")...))
+	assert.Equal(t, def, perParam(append(sparse, "-outer-bf16")...))
+	assert.InDelta(t, 6, perParam(append(sparse, "-outer-state", "fp32")...)-def, 0.3)
+
+	oneBit := []string{"-optimizer", "diloco:1bit"}
+	assert.Equal(t, perParam(append(oneBit, "-outer-state", "fp32")...), perParam(oneBit...), "1bit: float32 state by default")
+	assert.InDelta(t, 4, perParam(oneBit...)-perParam(append(oneBit, "-outer-bf16")...), 0.01)
+
+	assert.True(t, hyper{}.outerFor(outer.CodecSparse).AccumulatorBF16, "the zero hyper: auto")
+	assert.False(t, hyper{outerState: outerstate.FP32}.outerFor(outer.CodecSparse).AccumulatorBF16)
+	assert.False(t, hyper{outerState: outerstate.BF16}.outerFor(outer.CodecOneBit).AccumulatorBF16)
+	_, err := parseFlags(append(sparse, "-outer-state", "fp32", "-outer-bf16"), io.Discard)
+	assert.ErrorContains(t, err, "give one of -outer-state and -outer-bf16")
 }
 
 // TestCheckpointOfAnotherModel: a checkpoint of another model size is

@@ -8,6 +8,7 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	lbgomlx "github.com/lowbit-ml/lowbit/integrations/gomlx"
+	"github.com/lowbit-ml/lowbit/internal/outerstate"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/optim/zero"
@@ -97,7 +98,7 @@ type runSpec struct {
 	// scatter is zero-adam's gradient reduce-scatter: fp32, coalesced,
 	// int8 or int4.
 	scatter zero.Reduce
-	// codec is diloco's exchange codec: fp32, bf16, int8 or 1bit.
+	// codec is diloco's exchange codec: fp32, bf16, int8, 1bit or sparse.
 	codec outer.Codec
 }
 
@@ -134,7 +135,7 @@ func (r runSpec) reduceName() string {
 // -optimizer is a comma-separated list of NAME or NAME:REDUCE (REDUCE
 // overrides -reduce for that run): "adam,adam:fp16,zero-adam:int4"; for
 // diloco REDUCE is the codec of its exchanges ("diloco:1bit"; plain
-// "diloco" is fp32, whatever -reduce says). With -compare (one optimizer
+// "diloco" is sparse, whatever -reduce says). With -compare (one optimizer
 // only) the exact optimizer runs first, then its compressed counterpart,
 // from the same seed; -reduce then applies to the exact averaging of both,
 // and to zero-adam's reduce-scatter (diloco keeps its codec, Adam takes
@@ -260,9 +261,10 @@ type hyper struct {
 	// outerLR and outerMomentum are -outer-lr and -outer-momentum, < 0
 	// where the codec's default (outer.DefaultConfigFor) applies.
 	outerLR, outerMomentum float64
-	// outerBF16 is -outer-bf16: the inner AdamW's moments in bfloat16,
-	// and the sparse codec's accumulator.
-	outerBF16 bool
+	// outerState is -outer-state: the precision of the inner AdamW's
+	// moments and the sparse codec's accumulator; the zero value,
+	// outerstate.Auto, is bfloat16 with the sparse codec.
+	outerState outerstate.Mode
 	// muonState and muonBF16 are -muon-state: onebit-muon's StateMode
 	// and MomentumBF16.
 	muonState onebit.StateMode
@@ -285,7 +287,7 @@ func (h hyper) outerFor(c outer.Codec) outer.Config {
 	if h.outerMomentum >= 0 {
 		cfg.Momentum = float32(h.outerMomentum)
 	}
-	cfg.AccumulatorBF16 = h.outerBF16 && c == outer.CodecSparse
+	cfg.AccumulatorBF16 = h.outerState.AccumulatorBF16(c)
 	return cfg
 }
 
@@ -325,7 +327,7 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		cfg := h.outerFor(r.codec)
 		inner := adam
 		inner.Reduce = optim.ReduceFP32 // local: the inner Adam never communicates
-		inner.MomentsBF16 = h.outerBF16
+		inner.MomentsBF16 = h.outerState.MomentsBF16(r.codec)
 		return outer.NewAdam(ctx, c, params, cfg, inner)
 	case muon:
 		cfg := optim.DefaultMuonConfig()

@@ -119,6 +119,12 @@ func outerDesc(o *options) string {
 				}
 			}
 		}
+		switch {
+		case c.AccumulatorBF16:
+			d += ", accumulator and inner moments in bfloat16"
+		case h.outerState.MomentsBF16(r.codec):
+			d += ", inner moments in bfloat16"
+		}
 	}
 	return d
 }
@@ -287,7 +293,7 @@ type jsonOuter struct {
 	Codec       string  `json:"codec"`
 	LR          float64 `json:"lr"`                   // the outer learning rate
 	Momentum    float64 `json:"momentum"`             // the outer momentum
-	BF16State   bool    `json:"bf16_state,omitempty"` // -outer-bf16
+	BF16State   bool    `json:"bf16_state,omitempty"` // the inner moments (and the sparse accumulator) in bfloat16 (-outer-state)
 	Exchanges   int64   `json:"exchanges"`
 	Skipped     int64   `json:"skipped_exchanges"`
 	Utilization float64 `json:"utilization"` // mean over the ranks
@@ -324,7 +330,7 @@ func writeJSON(path string, o *options, results []*result) error {
 		if r.outer != nil {
 			c := o.hyper().outerFor(r.spec.codec)
 			j.Outer = &jsonOuter{H: c.H, Fragments: c.Fragments, Delay: c.Delay, BucketBytes: c.BucketBytes, Codec: r.spec.codec.String(),
-				LR: float64(c.LR), Momentum: float64(c.Momentum), BF16State: o.outerBF16,
+				LR: float64(c.LR), Momentum: float64(c.Momentum), BF16State: o.outerState.MomentsBF16(r.spec.codec),
 				Exchanges: r.outer.exchanges, Skipped: r.outer.skipped, Utilization: r.outer.utilization}
 		}
 		if math.IsNaN(j.TrainLoss) {
