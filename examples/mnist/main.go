@@ -84,6 +84,8 @@ type options struct {
 	batch      int
 	lr         float64
 	muonLR     float64 // -muon-lr: muon's Muon group's; -lr is its AdamW's
+	muonState  string  // -muon-state: onebit-muon's state mode (onebit.ParseMuonStateMode)
+	muonWarmup string  // -muon-warmup: onebit-muon's warm-up, "adamw" or "all" (onebit.MuonConfig.WarmupAdamWOnly)
 	seed       uint64
 	plot       string
 	data       string
@@ -109,8 +111,10 @@ type options struct {
 // hyper returns the optimizers' settings that o's flags give.
 func (o *options) hyper() hyper {
 	reduce, scatter, _ := parseReduces(o.optimizer, o.reduce) // checked by parseFlags
-	return hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), freezeStep: o.freezeStep, reduce: reduce, scatter: scatter,
-		localStepScaler: o.localSteps, outer: o.outer, outerState: o.outerState}
+	h := hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), freezeStep: o.freezeStep, reduce: reduce, scatter: scatter,
+		localStepScaler: o.localSteps, outer: o.outer, outerState: o.outerState, muonWarmupAdamW: o.muonWarmup != "all"}
+	h.muonState, h.muonBF16, _ = onebit.ParseMuonStateMode(o.muonState) // checked by parseFlags
+	return h
 }
 
 func parseFlags(args []string, stderr io.Writer) (*options, error) {
@@ -130,6 +134,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.Var(&size.CountValue[int]{P: &o.batch, Min: 1, Max: 1 << 20}, "batch", "global batch: `count` of examples, split over the workers (128, 4096, 4k, 1Ki)")
 	fs.Float64Var(&o.lr, "lr", defaultLR, "learning rate (muon: its AdamW's, for the biases); with -resume, given explicitly, it replaces the checkpoint's (otherwise the checkpoint's is kept)")
 	fs.Float64Var(&o.muonLR, "muon-lr", defaultMuonLR, "muon: the learning rate of the weight matrices; with -resume as -lr")
+	fs.StringVar(&o.muonState, "muon-state", "full", "onebit-muon: how its state is kept (onebit.MuonConfig.StateMode): full (13 bytes per element of a weight matrix on 4 ranks), compact (no slot, worker errors in bfloat16: 7) or compact-bf16 (the momentum in bfloat16 too: 5)")
+	fs.StringVar(&o.muonWarmup, "muon-warmup", "adamw", "onebit-muon: what the exact warm-up (-freeze-step) is for: adamw (the biases' AdamW only, the weight matrices through the 1-bit exchange from the first step: onebit.MuonConfig.WarmupAdamWOnly, the library's default) or all (both groups exact)")
 	fs.Uint64Var(&o.seed, "seed", defaultSeed, "seed of the initial weights and of the shuffling")
 	fs.StringVar(&o.plot, "plot", "", "write training loss and test accuracy curves to this PNG file")
 	fs.StringVar(&o.data, "data", "data/mnist", "directory holding the four MNIST IDX files")
@@ -183,6 +189,10 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("muon-lr", "want a learning rate in (0, 10]")
 	case o.freezeStep < 0:
 		return bad("freeze-step", "want at least 0")
+	case o.muonState == "" || !validMuonState(o.muonState):
+		return bad("muon-state", "want full, compact or compact-bf16")
+	case o.muonWarmup != "adamw" && o.muonWarmup != "all":
+		return bad("muon-warmup", "want adamw or all")
 	case o.localSteps < 1:
 		return bad("local-step-scaler", "want at least 1")
 	case o.evals < 1 || o.evals > maxEvals:

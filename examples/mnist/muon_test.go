@@ -1,11 +1,16 @@
 package main
 
 import (
+	"context"
+	"io"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/optim"
 )
 
@@ -113,5 +118,55 @@ func TestMuonResumeLR(t *testing.T) {
 				assert.NotEqual(t, want, got, "the flag changed a learning rate")
 			}
 		})
+	}
+}
+
+// TestOnebitMuonFlags: -muon-state and -muon-warmup reach onebit-muon. On
+// 4 ranks compact-bf16 keeps 8 bytes fewer per weight-matrix element than
+// full (momentum 4 -> 2, the slot 4 -> 0, the worker error 4 -> 2), less
+// its scratch matrix (as long as w1, most of the elements here); a
+// warm-up step sends the weight matrices at 1
+// bit with the default adamw, at 32 with all; other values are refused.
+func TestOnebitMuonFlags(t *testing.T) {
+	const w = 4
+	// run is rank 0's StateBytes and bytes of a step of onebit-muon, in
+	// its warm-up, as the flags args build it on w ranks.
+	run := func(args string) (state int64, sent int64) {
+		o, err := parseFlags(append([]string{"-optimizer", onebitMuon}, strings.Fields(args)...), io.Discard)
+		require.NoError(t, err, args)
+		err = local.Run(t.Context(), w, func(ctx context.Context, c comm.Comm) error {
+			ps := newMLP(1, 1).params()
+			opt, err := newOptimizer(ctx, onebitMuon, c, ps, o.hyper())
+			if err != nil {
+				return err
+			}
+			defer opt.Close()
+			for _, p := range ps {
+				for k := range p.GradData() {
+					p.GradData()[k] = float32(k%7-3) * 1e-3 * float32(c.Rank()+1)
+				}
+			}
+			if err := opt.Step(ctx); err != nil {
+				return err
+			}
+			if c.Rank() == 0 {
+				state, sent = opt.(interface{ StateBytes() int64 }).StateBytes(), opt.Stats().LastStepBytes
+			}
+			return nil
+		})
+		require.NoError(t, err, args)
+		return state, sent
+	}
+	full, adamw := run("")
+	compact, _ := run("-muon-state compact-bf16")
+	_, all := run("-muon-warmup all")
+	matrices := float64(numInputs*numHidden + numHidden*numClasses)
+	t.Logf("on %d ranks: state per weight-matrix element full %.2f, compact-bf16 %.2f bytes; a warm-up step sends %d bytes (adamw), %d (all)",
+		w, float64(full)/matrices, float64(compact)/matrices, adamw, all)
+	assert.InDelta(t, 8-4*numInputs*numHidden/matrices, float64(full-compact)/matrices, 0.2)
+	assert.Less(t, 20*adamw, all)
+	for _, bad := range []string{"-muon-state sharded", "-muon-state=", "-muon-warmup muon"} {
+		_, err := parseFlags(strings.Fields(bad), io.Discard)
+		assert.Error(t, err, bad)
 	}
 }

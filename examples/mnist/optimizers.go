@@ -132,6 +132,18 @@ type hyper struct {
 	// codec's accumulator (outer.Config.AccumulatorBF16); the zero value,
 	// outerstate.Auto, is bfloat16 with the sparse codec.
 	outerState outerstate.Mode
+	// muonState and muonBF16 are -muon-state: onebit-muon's StateMode and
+	// MomentumBF16; muonWarmupAdamW is -muon-warmup adamw (the default):
+	// its WarmupAdamWOnly.
+	muonState       onebit.StateMode
+	muonBF16        bool
+	muonWarmupAdamW bool
+}
+
+// validMuonState says whether s names a state mode of onebit-muon.
+func validMuonState(s string) bool {
+	_, _, err := onebit.ParseMuonStateMode(s)
+	return err == nil
 }
 
 // reduceNames are the values of -reduce.
@@ -226,6 +238,7 @@ func newOptimizer(ctx context.Context, name string, c comm.Comm, params []*optim
 			if name == onebitMuon {
 				ocfg := onebit.DefaultMuonConfig()
 				ocfg.MuonConfig, ocfg.FreezeStep = cfg, h.freezeStep
+				ocfg.StateMode, ocfg.MomentumBF16, ocfg.WarmupAdamWOnly = h.muonState, h.muonBF16, h.muonWarmupAdamW
 				return onebit.NewMuon(ctx, c, ps, ocfg)
 			}
 			return optim.NewMuon(ctx, c, ps, cfg)
