@@ -420,8 +420,8 @@ func (o *Muon) check(t int64) error {
 }
 
 // Step applies one update; see optim.Optimizer. In the warm-up it
-// overwrites the gradients with their average; in the compression stage
-// it leaves them alone.
+// overwrites the gradients with their average (with WarmupAdamWOnly the
+// AdamW group's only); in the compression stage it leaves them alone.
 func (o *Muon) Step(ctx context.Context) error { return o.f.Step(ctx) }
 
 // warmup is exact Muon with its exact AdamW; after step FreezeStep it
@@ -787,7 +787,8 @@ func (o *Muon) Load(ck *optim.Checkpoint) error {
 // besides the work matrices (docs/muon.md). In StateCompact, on more than
 // one rank: the exchange buffer holds the AdamW group's m only, the worker
 // errors are bfloat16 (2 per padded element, made at the end of the
-// warm-up), the momenta bfloat16 from then on with MomentumBF16, plus a
+// warm-up, or from the start with WarmupAdamWOnly), the momenta bfloat16
+// from then on with MomentumBF16, plus a
 // scratch matrix as long as the largest, a step per parameter and a block
 // of 4Ki floats: 7 bytes per element of a Muon matrix on 4 ranks, 5 with
 // MomentumBF16. The figure is the layout of the stage o is in.
