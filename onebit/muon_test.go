@@ -662,37 +662,12 @@ func muonBigParams() []*optim.Param {
 // included).
 func TestMuonBytesPerStep(t *testing.T) {
 	const w, steps = 4, 3
-	bytes := func(mk muonMaker) (last int64, stage optim.Stage) {
-		var mu sync.Mutex
-		err := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
-			ps := muonBigParams()
-			opt, err := mk(ctx, c, ps)
-			if err != nil {
-				return err
-			}
-			defer opt.Close()
-			for s := 1; s <= steps; s++ {
-				muonGrad(ps, c.Rank(), s)
-				if err := opt.Step(ctx); err != nil {
-					return err
-				}
-			}
-			if c.Rank() == 0 {
-				mu.Lock()
-				last, stage = opt.Stats().LastStepBytes, opt.Stats().Stage
-				mu.Unlock()
-			}
-			return nil
-		})
-		require.NoError(t, err)
-		return last, stage
-	}
 	cfg := onebit.DefaultMuonConfig()
 	cfg.FreezeStep = 1
-	exact, _ := bytes(func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+	exact, _ := muonStepBytes(t, w, steps, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 		return optim.NewMuon(ctx, c, ps, cfg.MuonConfig)
 	})
-	compressed, stage := bytes(newMuon1(cfg))
+	compressed, stage := muonStepBytes(t, w, steps, newMuon1(cfg))
 	require.Equal(t, optim.StageCompression, stage)
 	ratio := float64(exact) / float64(compressed)
 	t.Logf("bytes sent by rank 0 in step %d on %d ranks: exact Muon %d, 1-bit Muon %d: %.1fx fewer", steps, w, exact, compressed, ratio)
