@@ -238,12 +238,7 @@ func cutBucketStates(a, b int64, world int, bucketBytes int64, keep bool) int64 
 // buffer of n elements cut in buckets of bucketBytes; keep: see
 // statesBytes.
 func bucketStates(n int64, world int, bucketBytes int64, keep bool) int64 {
-	if world < 2 {
-		return 0
-	}
-	w := int64(world)
-	per := max(bucketBytes/4, 1)
-	return statesBytes(keep, []stateCount{{onebitParts(per, w), n / per}, {onebitParts(n%per, w), 1}})
+	return cutBucketStates(n, 0, world, bucketBytes, keep)
 }
 
 // shardedStates is the bytes the sharded mode of 1-bit Adam keeps per

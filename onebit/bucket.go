@@ -92,16 +92,11 @@ func newCutBuckets(params []*optim.Param, world, bytes int, keep bool, cut int) 
 			lo += p.Numel()
 		}
 	} else {
-		per := max(bytes/4, 1)
-		for lo := 0; lo < n; {
-			hi := min(lo+per, n)
-			if lo < cut && cut < hi {
-				hi = cut
-			}
-			if err := add(lo, hi); err != nil {
+		bounds := bucketBounds(n, max(bytes/4, 1), cut)
+		for k := range len(bounds) - 1 {
+			if err := add(bounds[k], bounds[k+1]); err != nil {
 				return nil, err
 			}
-			lo = hi
 		}
 	}
 	b.bounds = append(b.bounds, n)
@@ -110,6 +105,21 @@ func newCutBuckets(params []*optim.Param, world, bytes int, keep bool, cut int) 
 	}
 	b.shareWire(keep)
 	return b, nil
+}
+
+// bucketBounds cuts n elements into buckets of at most per elements, also
+// cut at element cut (0: nowhere): bucket k is [bounds[k], bounds[k+1]).
+func bucketBounds(n, per, cut int) []int {
+	bounds := []int{0}
+	for lo := 0; lo < n; {
+		hi := min(lo+per, n)
+		if lo < cut && cut < hi {
+			hi = cut
+		}
+		bounds = append(bounds, hi)
+		lo = hi
+	}
+	return bounds
 }
 
 // shareWire lets every bucket's collective use one set of wire buffers,

@@ -269,22 +269,18 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg MuonCo
 	// group's begin (0 without WarmupAdamWOnly). A run on one rank
 	// records it too, for the group that Regroup grows from its
 	// checkpoint.
-	grouped := cfg.WarmupAdamWOnly
 	order, cut := make([]int, 0, len(params)), 0
-	for i, p := range params {
-		if !grouped || muon[i] {
-			order = append(order, i)
-			cut += p.Numel()
-		}
-	}
-	if grouped {
-		for i := range params {
-			if !muon[i] {
-				order = append(order, i)
+	if cfg.WarmupAdamWOnly {
+		for i, p := range params {
+			if muon[i] {
+				order, cut = append(order, i), cut+p.Numel()
 			}
 		}
-	} else {
-		cut = 0
+	}
+	for i := range params {
+		if !cfg.WarmupAdamWOnly || !muon[i] {
+			order = append(order, i)
+		}
 	}
 	sizes := make([]int, len(params))
 	ordered := make([]*optim.Param, len(params))

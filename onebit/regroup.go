@@ -214,14 +214,9 @@ func newRegrouper(old []*optim.Checkpoint, world, rank int) *regrouper {
 		if bytes == 0 { // 0/1 Adam on one rank recorded none before Regroup took one rank
 			bytes = optim.DefaultBucketBytes
 		}
-		per, cut := max(int(bytes)/4, 1), int(old[0].Ints[IntBucketCut])
-		for lo := 0; lo < g.n; {
-			hi := min(lo+per, g.n)
-			if lo < cut && cut < hi {
-				hi = cut
-			}
-			g.buckets = append(g.buckets, hi-lo)
-			lo = hi
+		bounds := bucketBounds(g.n, max(int(bytes)/4, 1), int(old[0].Ints[IntBucketCut]))
+		for k := range len(bounds) - 1 {
+			g.buckets = append(g.buckets, bounds[k+1]-bounds[k])
 		}
 	}
 	return g

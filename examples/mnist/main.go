@@ -189,7 +189,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("muon-lr", "want a learning rate in (0, 10]")
 	case o.freezeStep < 0:
 		return bad("freeze-step", "want at least 0")
-	case o.muonState == "" || !validMuonState(o.muonState):
+	case !validMuonState(o.muonState):
 		return bad("muon-state", "want full, compact or compact-bf16")
 	case o.muonWarmup != "adamw" && o.muonWarmup != "all":
 		return bad("muon-warmup", "want adamw or all")

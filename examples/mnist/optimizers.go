@@ -140,10 +140,12 @@ type hyper struct {
 	muonWarmupAdamW bool
 }
 
-// validMuonState says whether s names a state mode of onebit-muon.
+// validMuonState says whether s names a state mode of onebit-muon as
+// -muon-state takes it (ParseMuonStateMode's "" for full is not a value
+// to give).
 func validMuonState(s string) bool {
 	_, _, err := onebit.ParseMuonStateMode(s)
-	return err == nil
+	return s != "" && err == nil
 }
 
 // reduceNames are the values of -reduce.
