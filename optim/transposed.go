@@ -19,13 +19,16 @@ import (
 //
 // The inner optimizer holds a parameter of its own for each transposed
 // matrix (same name) and the given parameters for the others. Each Step
-// copies the gradients of the transposed matrices into the transposes,
-// runs the inner Step and copies the values back; Load copies them back
-// too. The inner optimizer's checkpoints hold the transposes
+// copies the values and gradients of the transposed matrices into the
+// transposes, runs the inner Step and copies the values back; Load copies
+// them back too. So a caller that writes the given parameters' values
+// between steps (an outer optimizer that resets them to its global
+// parameters, outer.New over a Transposed) is followed. The inner
+// optimizer's checkpoints hold the transposes
 // (param/NAME of the transposed shape), so that a checkpoint made without
 // the transposition is refused. It costs 8 bytes per element of the
 // transposed matrices (the copies of the values and gradients, counted in
-// StateBytes) and two copies of them per step.
+// StateBytes) and three copies of them per step.
 type Transposed struct {
 	opt    Optimizer
 	params []*Param // the parameters given
@@ -103,9 +106,9 @@ func transposeInto(dst, src []float32, rows, cols int) {
 // rate).
 func (t *Transposed) Inner() Optimizer { return t.opt }
 
-// Step copies the gradients of the transposed matrices into their
-// transposes, runs the inner optimizer's Step, and copies the values of
-// the transposes back into the given parameters. A transposed matrix
+// Step copies the values and gradients of the transposed matrices into
+// their transposes, runs the inner optimizer's Step, and copies the values
+// of the transposes back into the given parameters. A transposed matrix
 // whose parameter no longer holds its elements gets a NaN gradient, so
 // that the inner Step skips the step on every rank, and this rank's Step
 // returns an error naming it.
@@ -120,6 +123,7 @@ func (t *Transposed) Step(ctx context.Context) error {
 			}
 			continue
 		}
+		transposeInto(m.inner.Data(), m.outer.Data(), m.rows, m.cols)
 		transposeInto(m.inner.GradData(), m.outer.GradData(), m.rows, m.cols)
 	}
 	err := t.opt.Step(ctx)
@@ -146,8 +150,17 @@ func (t *Transposed) Params() []*Param { return t.params }
 func (t *Transposed) Stats() Stats { return t.opt.Stats() }
 
 // State returns the inner optimizer's checkpoint: the transposed matrices
-// in it are the transposes (see Transposed).
-func (t *Transposed) State() (*Checkpoint, error) { return t.opt.State() }
+// in it are the transposes (see Transposed), of the given parameters'
+// values, copied in first (a caller may have written them since the
+// last Step).
+func (t *Transposed) State() (*Checkpoint, error) {
+	for _, m := range t.mats {
+		if len(m.outer.Data()) == m.rows*m.cols {
+			transposeInto(m.inner.Data(), m.outer.Data(), m.rows, m.cols)
+		}
+	}
+	return t.opt.State()
+}
 
 // Load restores a checkpoint made by State (the inner optimizer's Load)
 // and copies the values into the given parameters.

@@ -43,8 +43,9 @@ func setTransposedGrads(ps []*Param, step int, transposed bool) {
 // Muon through Transposed over [inputs, outputs] matrices takes exactly
 // the steps of Muon over their transposes, bit for bit, and not those of
 // Muon over the matrices as they are (the scale max(1, rows/cols)^0.5
-// differs); its checkpoint holds the transposes, and Load puts the values
-// back into the given parameters.
+// differs); values written into the given parameters between steps (an
+// outer optimizer's reset) are the next step's; its checkpoint holds the
+// transposes, and Load puts the values back into the given parameters.
 func TestTransposedMatchesMuonOverTransposes(t *testing.T) {
 	ctx := context.Background()
 	names := []string{"a", "c", "d"}
@@ -73,6 +74,22 @@ func TestTransposedMatchesMuonOverTransposes(t *testing.T) {
 	defer plain.Close()
 
 	for step := range 3 {
+		if step == 2 {
+			// A caller writes the values between steps.
+			written := transposedParams(t)
+			for i, p := range written {
+				for j := range p.Data() {
+					p.Data()[j] *= -0.5
+				}
+				copy(ps[i].Data(), p.Data())
+				copy(asIs[i].Data(), p.Data())
+				if sh := ref[i].Shape(); len(sh) == 2 {
+					transposeInto(ref[i].Data(), p.Data(), sh[1], sh[0])
+				} else {
+					copy(ref[i].Data(), p.Data())
+				}
+			}
+		}
 		setTransposedGrads(ps, step, false)
 		setTransposedGrads(asIs, step, false)
 		setTransposedGrads(ref, step, true)

@@ -16,7 +16,10 @@ import (
 // Checkpoint names of the outer optimizer's state. The inner optimizer's
 // checkpoint is embedded: its parameter tensors (optim.ParamTensorName,
 // this rank's θ_local) as they are, every other tensor, counter and scalar
-// under InnerPrefix; its stage is the checkpoint's Stage.
+// under InnerPrefix; its stage is the checkpoint's Stage. An inner
+// parameter tensor of another shape than the parameter's (the transpose
+// an optim.Transposed keeps) goes under InnerPrefix too, and the
+// parameter's own values, in its own shape, are the parameter tensor.
 const (
 	InnerPrefix    = "inner/"
 	TensorGlobal   = "outer/global"   // θ_g, flat
@@ -98,8 +101,19 @@ func (o *Optimizer) State() (*optim.Checkpoint, error) {
 	for _, h := range o.cfg.hypers() {
 		ck.Floats[optim.HyperPrefix+h.Name] = h.Value
 	}
+	byName := make(map[string]*optim.Param, len(o.params))
+	for _, p := range o.params {
+		byName[optim.ParamTensorName(p.Name)] = p
+	}
 	for _, t := range ick.Tensors {
-		if !strings.HasPrefix(t.Name, optim.ParamTensorName("")) {
+		p, isParam := byName[t.Name]
+		switch {
+		case !strings.HasPrefix(t.Name, optim.ParamTensorName("")):
+			t.Name = InnerPrefix + t.Name
+		case isParam && !slices.Equal(t.Shape, p.Shape()):
+			// The inner optimizer's own layout (a transpose): kept
+			// for it, the parameter's values in the parameter's shape.
+			ck.AddTensor(t.Name, p.Shape(), p.Data())
 			t.Name = InnerPrefix + t.Name
 		}
 		ck.Tensors = append(ck.Tensors, t) // ick is ours: no copy needed
@@ -319,10 +333,13 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 			ick.Floats[name] = v
 		}
 	}
+	idx := ck.Index()
 	for _, t := range ck.Tensors {
 		switch {
 		case strings.HasPrefix(t.Name, optim.ParamTensorName("")):
-			ick.Tensors = append(ick.Tensors, t)
+			if idx.Tensor(InnerPrefix+t.Name) == nil { // else the inner optimizer's layout of it, below
+				ick.Tensors = append(ick.Tensors, t)
+			}
 		case strings.HasPrefix(t.Name, InnerPrefix):
 			t.Name = strings.TrimPrefix(t.Name, InnerPrefix)
 			ick.Tensors = append(ick.Tensors, t)

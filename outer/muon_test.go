@@ -2,8 +2,8 @@ package outer_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
-	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -130,12 +130,154 @@ func TestMuonInnerBadInputOnEveryRank(t *testing.T) {
 		errs.set(c.Rank(), err)
 		return nil
 	})
-	for r, err := range errs.v {
+	assertRank1Refused(t, errs.v, `parameter "c" of shape [5] is marked for Muon but is not a matrix`)
+}
+
+// transposeFlat writes the transpose of src, rows x cols, into dst.
+func transposeFlat(dst, src []float32, rows, cols int) {
+	for i := range rows {
+		for j := range cols {
+			dst[j*rows+i] = src[i*cols+j]
+		}
+	}
+}
+
+// NewFrom over Muon through optim.Transposed, the model's matrices stored
+// [inputs, outputs] (lbgomlx.NewOuterMuon's setting), takes exactly the
+// steps of NewMuon over the matrices as muonShapes has them, bit for bit
+// with the fp32 codec, with and without delay: the resets to θ_g reach
+// the transposes. Its checkpoint holds the parameters in their own shape
+// and the transposes under outer.InnerPrefix, and a resume from it into
+// other values is bit-identical. Close closes the inner optimizer, and
+// build's error is an error on every rank.
+func TestNewFromTransposedMuon(t *testing.T) {
+	const w, calls = 2, 9
+	mats := map[int][2]int{0: {6, 10}, 1: {10, 6}, 3: {3, 8}} // rows x cols of a, b and d
+	for _, delay := range []int{0, 1} {
+		cfg := config(outer.CodecFP32, 3, 1, delay)
+		want := runResume(t, muonInner, w, cfg, calls, -1)
+		for _, at := range []int{-1, 3, 4} { // an exchange at 3, merged at 4 with delay 1
+			got := newPerRank[[]float32](w)
+			runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+				ref := newShaped(t, muonShapes)
+				// transposed returns the parameters of ref, the matrices
+				// transposed, every value v.
+				transposed := func(v float32) []*optim.Param {
+					ps := make([]*optim.Param, len(ref))
+					for k, p := range newShaped(t, muonShapes) {
+						if v != 0 {
+							for j := range p.Data() {
+								p.Data()[j] = v
+							}
+						}
+						rc, ok := mats[k]
+						if !ok {
+							ps[k] = p
+							continue
+						}
+						d := make([]float32, p.Numel())
+						transposeFlat(d, p.Data(), rc[0], rc[1])
+						q, err := optim.NewParamFrom(p.Name, d, rc[1], rc[0])
+						require.NoError(t, err)
+						ps[k] = q
+					}
+					return ps
+				}
+				var inner *optim.Transposed
+				build := func(ps []*optim.Param) (*outer.Optimizer, error) {
+					return outer.NewFrom(ctx, c, cfg, func() (optim.Optimizer, error) {
+						m := muonConfig()
+						m.Params = []string{"a", "b", "d"}
+						var err error
+						inner, err = optim.NewTransposed(ps, m.Params, func(in []*optim.Param) (optim.Optimizer, error) {
+							return optim.NewMuon(ctx, nil, in, m)
+						})
+						return inner, err
+					})
+				}
+				ps := transposed(0)
+				o, err := build(ps)
+				if err != nil {
+					return err
+				}
+				for i := 1; i <= calls; i++ {
+					setGrads(ref, c.Rank(), i)
+					for k, p := range ref {
+						if rc, ok := mats[k]; ok {
+							transposeFlat(ps[k].GradData(), p.GradData(), rc[0], rc[1])
+						} else {
+							copy(ps[k].GradData(), p.GradData())
+						}
+					}
+					if err := o.Step(ctx); err != nil {
+						return err
+					}
+					if i != at {
+						continue
+					}
+					ck, err := o.State()
+					require.NoError(t, err)
+					assert.Equal(t, []int{10, 6}, ck.Tensor(optim.ParamTensorName("a")).Shape)
+					assert.Equal(t, ps[0].Data(), ck.Tensor(optim.ParamTensorName("a")).Data)
+					assert.Equal(t, []int{6, 10}, ck.Tensor(outer.InnerPrefix+optim.ParamTensorName("a")).Shape)
+					assert.Equal(t, []int{5}, ck.Tensor(optim.ParamTensorName("c")).Shape)
+					assert.Nil(t, ck.Tensor(outer.InnerPrefix+optim.ParamTensorName("c")), "c is not transposed")
+					b, err := ck.MarshalBinary()
+					require.NoError(t, err)
+					require.NoError(t, o.Close())
+					var back optim.Checkpoint
+					require.NoError(t, back.UnmarshalBinary(b))
+					ps = transposed(42)
+					if o, err = build(ps); err != nil {
+						return err
+					}
+					require.NoError(t, o.Load(&back))
+				}
+				for k, p := range ps {
+					if rc, ok := mats[k]; ok {
+						transposeFlat(ref[k].Data(), p.Data(), rc[1], rc[0])
+					} else {
+						copy(ref[k].Data(), p.Data())
+					}
+				}
+				got.set(c.Rank(), flat(ref))
+				require.NoError(t, o.Close())
+				assert.Error(t, inner.Step(ctx), "Close closed the inner optimizer")
+				return nil
+			})
+			for r := range w {
+				require.Equal(t, want[r][:muonNumel], got.v[r], "delay %d, resumed after %d, rank %d", delay, at, r)
+			}
+		}
+	}
+
+	errs := newPerRank[error](w)
+	runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+		o, err := outer.NewFrom(ctx, c, outer.DefaultConfig(), func() (optim.Optimizer, error) {
+			if c.Rank() == 1 {
+				return nil, errors.New("no inner optimizer here")
+			}
+			return optim.NewAdam(ctx, nil, newParams(t, sizes), innerConfig())
+		})
+		if err == nil {
+			o.Close()
+		}
+		errs.set(c.Rank(), err)
+		return nil
+	})
+	assertRank1Refused(t, errs.v, "no inner optimizer here")
+}
+
+// assertRank1Refused asserts that every rank's error is there: own on
+// rank 1, one naming rank 1 on the others.
+func assertRank1Refused(t *testing.T, errs []error, own string) {
+	t.Helper()
+	for r, err := range errs {
 		require.Error(t, err, "rank %d", r)
 		want := "rank 1"
 		if r == 1 {
-			want = `parameter "c" of shape [5] is marked for Muon but is not a matrix`
+			want = own
 		}
-		assert.True(t, strings.Contains(err.Error(), want), "rank %d: %v", r, err)
+		assert.Contains(t, err.Error(), want, "rank %d", r)
 	}
 }

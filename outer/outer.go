@@ -144,6 +144,27 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg Config
 	})
 }
 
+// NewFrom returns an outer optimizer over the inner optimizer that build
+// makes on this rank, which it owns: its Close closes it. It is New for
+// an inner optimizer that NewAdam and NewMuon do not make (Muon over the
+// transposes of a model's matrices, optim.Transposed: lbgomlx's
+// NewOuterMuon), with their error handling: build runs only when cfg is
+// valid, and a refusal of cfg or build's error is that rank's error and
+// one naming it on the others. build's optimizer must be local, as New's
+// inner. Every rank of c calls it together; it communicates (see New).
+func NewFrom(ctx context.Context, c comm.Comm, cfg Config, build func() (optim.Optimizer, error), opts ...optim.Option) (*Optimizer, error) {
+	if build == nil {
+		build = func() (optim.Optimizer, error) { return nil, errors.New("outer: NewFrom: nil build") }
+	}
+	return newOwned(ctx, c, cfg, opts, func() (optim.Optimizer, error) {
+		in, err := build()
+		if err == nil && in == nil {
+			err = errors.New("outer: NewFrom: build returned no optimizer")
+		}
+		return in, err
+	})
+}
+
 // newOwned returns an outer optimizer whose inner optimizer, made by
 // build on this rank when cfg is valid, it owns (closes in Close).
 func newOwned(ctx context.Context, c comm.Comm, cfg Config, opts []optim.Option, build func() (optim.Optimizer, error)) (*Optimizer, error) {

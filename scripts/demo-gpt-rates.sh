@@ -38,7 +38,9 @@
 # Settings (environment): RATES ("1mbit 10mbit 100mbit 1gbit"),
 # OUTER_ONLY_RATES ("1mbit"), NP (4), TARGET (3.0 nats per byte), TIGHT
 # (Adam's, above; required when OPTIMIZERS has no adam), STEPS (300), OUTER (the outer optimizer's flags, empty by default:
-# each codec's defaults, H 25; "-outer-fragments 5 -outer-delay 5" streams),
+# each codec's defaults, H 25; "-outer-fragments 5 -outer-delay 5" streams;
+# "-outer-inner muon" puts Muon inside, the only setting measured to reach
+# TIGHT: docs/outer.md, "The tighter target"),
 # GPT_FLAGS (more flags for the example: "-freeze-step 60 -eval-every 10"),
 # OPTIMIZERS (the eight above), SLOW_RUNS
 # (2), OUT (out/gpt-rates: the JSON of every run, the loss curves of the

@@ -11,6 +11,7 @@ import (
 	"github.com/gomlx/gomlx/core/graph"
 	"github.com/gomlx/gomlx/core/tensors"
 	"github.com/gomlx/gomlx/ml/layers"
+	"github.com/gomlx/gomlx/ml/layers/activation"
 	"github.com/gomlx/gomlx/ml/model"
 	"github.com/gomlx/gomlx/ml/model/checkpoint"
 	"github.com/gomlx/gomlx/ml/train"
@@ -21,6 +22,7 @@ import (
 	"github.com/lowbit-ml/lowbit/integrations/gomlx"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // half is a train.Dataset: rank's half of y = 2x - 1 on 8 points, every step.
@@ -84,6 +86,61 @@ func Example() {
 	// Output:
 	// error: <nil>
 	// loss below 0.01 on both ranks: true
+}
+
+// The outer optimizer with Muon inside (MuLoCo) on 2 in-process ranks:
+// each rank takes Muon steps on the hidden layer's matrix and AdamW steps
+// on the rest, on its own half of the points, and every 10 steps the
+// ranks exchange their pseudo-gradients in 1 bit per element. The model
+// the ranks agree on, the global parameters, is evaluated with
+// WithGlobalValues.
+func ExampleNewOuterMuon() {
+	mlp := func(scope *model.Scope, x *graph.Node) *graph.Node {
+		h := activation.Relu(layers.DenseWithBias(scope.In("hidden"), x, 8))
+		return layers.DenseWithBias(scope.In("out"), h, 1)
+	}
+	cfg := outer.DefaultConfigFor(outer.CodecOneBit)
+	cfg.H = 10
+	muon := optim.DefaultMuonConfig()
+	muon.AdamLR = 0.02
+	losses := make([]float32, 2)
+	err := local.Run(context.Background(), 2, func(ctx context.Context, c comm.Comm) error {
+		backend, err := gobackend.New("")
+		if err != nil {
+			return err
+		}
+		opt, err := gomlx.New(ctx, c, gomlx.NewOuterMuon(cfg, muon))
+		if err != nil {
+			return err
+		}
+		defer opt.Close()
+		store := model.NewStore()
+		store.RootScope().SetParam(model.ParamInitialSeed, int64(3)) // rank 0's initial values reach every rank
+		trainer := train.NewTrainer(backend, store, mlp, loss.MeanSquaredError, opt, nil, nil)
+		loop := train.NewLoop(trainer)
+		opt.AttachToLoop(loop)
+		if _, err := loop.RunSteps(half{rank: c.Rank()}, 200); err != nil {
+			return err
+		}
+		// The global parameters' loss on this rank's half.
+		ds := half{rank: c.Rank()}
+		return opt.WithGlobalValues(func() error {
+			for b := range ds.Iter() {
+				metrics, err := trainer.EvalStep(b)
+				if err != nil {
+					return err
+				}
+				losses[c.Rank()] = tensors.ToScalar[float32](metrics[0])
+				return nil
+			}
+			return nil
+		})
+	})
+	fmt.Println("error:", err)
+	fmt.Println("global parameters' loss below 0.05 on both halves:", losses[0] < 0.05 && losses[1] < 0.05)
+	// Output:
+	// error: <nil>
+	// global parameters' loss below 0.05 on both halves: true
 }
 
 // Checkpoints on 2 ranks, each in its own directory, saved every step: a

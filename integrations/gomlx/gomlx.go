@@ -1,7 +1,8 @@
 // Package gomlx trains a GoMLX model data-parallel with any lowbit optimizer
 // (exact Adam or LAMB, 1-bit Adam, 1-bit LAMB, 0/1 Adam, sharded Adam, the
 // DiLoCo-style outer optimizer of package outer, Muon: NewMuon, which
-// gives Muon the hidden matrices and AdamW the rest) inside GoMLX's own
+// gives Muon the hidden matrices and AdamW the rest, and NewOuterMuon, the
+// outer optimizer with that Muon inside) inside GoMLX's own
 // training loop: train.NewTrainer, train.Loop, the progress bar, the
 // metrics and the checkpoint package stay as they are.
 // Its errors and warnings start "lbgomlx:", the name the README imports it

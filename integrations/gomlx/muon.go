@@ -8,6 +8,7 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // MuonSelect returns the names of the parameters Muon updates, out of the
@@ -135,6 +136,28 @@ func NewMuon(cfg optim.MuonConfig, opts ...MuonOption) Builder {
 		cfg.Params = muon
 		return optim.NewMuon(ctx, c, params, cfg)
 	}, opts...)
+}
+
+// NewOuterMuon returns a Builder of the outer optimizer (package outer,
+// config cfg) whose inner optimizer is exact Muon with config inner over
+// a GoMLX model's variables, local to each rank: MuLoCo's setting, as
+// outer.NewMuon, with NewMuon's selection and layout (opts; the
+// transposes of InputsFirst are inside the outer optimizer, which works
+// on the variables' own layout). inner.Params, when not nil, is the
+// selection, as NewMuon's. The hook's learning rate is the Muon group's;
+// the AdamW group's is inner.AdamLR. The outer optimizer owns the inner
+// one (outer.NewFrom).
+func NewOuterMuon(cfg outer.Config, inner optim.MuonConfig, opts ...MuonOption) Builder {
+	build := NewMuon(inner, opts...)
+	return func(ctx context.Context, c comm.Comm, params []*optim.Param) (optim.Optimizer, error) {
+		return outer.NewFrom(ctx, c, cfg, func() (optim.Optimizer, error) {
+			in, err := build(ctx, nil, params)
+			if err != nil {
+				return nil, err // not a typed nil
+			}
+			return in, nil
+		})
+	}
 }
 
 // MuonBuilder returns a Builder that selects the Muon parameters

@@ -32,6 +32,19 @@ func outerAdam(h, fragments, delay int, codec outer.Codec) Builder {
 	}
 }
 
+// outerMuon is NewOuterMuon's Builder with muonConfig (on mlp(16), Muon
+// updates /hidden/dense/weights through its transpose), an exchange of
+// codec every H steps (the sparse codec's chunks fit the model: 4 of 16
+// entries).
+func outerMuon(h int, codec outer.Codec) Builder {
+	cfg := outer.DefaultConfigFor(codec)
+	cfg.H = h
+	if codec == outer.CodecSparse {
+		cfg.SparseChunk, cfg.Density = 16, 0.25
+	}
+	return NewOuterMuon(cfg, muonConfig())
+}
+
 // outerRankRun is what one rank of TestLoopOuter reports.
 type outerRankRun struct {
 	losses []float32
@@ -106,7 +119,8 @@ func meanLoss(runs []*outerRankRun, lo, hi int) float64 {
 	return s / float64(len(runs)*(hi-lo))
 }
 
-// TestLoopOuter trains with the outer optimizer (outer.NewAdam) inside
+// TestLoopOuter trains with the outer optimizer (outer.NewAdam, and
+// NewOuterMuon: Muon inside, through the transposes) inside
 // train.Loop through the Builder, on 3 ranks whose initializers are seeded
 // differently and whose shards differ: the loss falls; the global
 // parameters (Optimizer.Global) are bit-identical on every rank after
@@ -123,13 +137,19 @@ func TestLoopOuter(t *testing.T) {
 		h, frags, delay  int
 		codec            outer.Codec
 		exchangesPerRank int64
+		muon             bool // inner Muon (NewOuterMuon), not Adam
 	}{
-		{"fp32 H4", 4, 1, 0, outer.CodecFP32, 4},
-		{"1bit H4", 4, 1, 0, outer.CodecOneBit, 4},
-		{"int8 H4 2 fragments delay 1", 4, 2, 1, outer.CodecInt8, 7}, // fragment 1 at 2, 6, 10, 14; fragment 0 at 4, 8, 12 (16 merges at 17)
+		{"fp32 H4", 4, 1, 0, outer.CodecFP32, 4, false},
+		{"1bit H4", 4, 1, 0, outer.CodecOneBit, 4, false},
+		{"int8 H4 2 fragments delay 1", 4, 2, 1, outer.CodecInt8, 7, false}, // fragment 1 at 2, 6, 10, 14; fragment 0 at 4, 8, 12 (16 merges at 17)
+		{"muon fp32 H4", 4, 1, 0, outer.CodecFP32, 4, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			runs := runOuterLoop(t, w, steps, outerAdam(tc.h, tc.frags, tc.delay, tc.codec))
+			build := outerAdam(tc.h, tc.frags, tc.delay, tc.codec)
+			if tc.muon {
+				build = outerMuon(tc.h, tc.codec)
+			}
+			runs := runOuterLoop(t, w, steps, build)
 			first, last := meanLoss(runs, 0, 4), meanLoss(runs, steps-4, steps)
 			t.Logf("mean loss over the ranks: steps 1-4 %.4f, steps %d-%d %.4f", first, steps-3, steps, last)
 			assert.Less(t, last, 0.7*first, "the loss falls")
@@ -185,6 +205,7 @@ func TestResumeOuter(t *testing.T) {
 		{name: "1bit", build: outerAdam(4, 1, 0, outer.CodecOneBit), steps: 12, cut: 6, apart: true, compressed: true, same: outer.TensorGlobal},
 		{name: "fp32 2 fragments delay 1", build: outerAdam(4, 2, 1, outer.CodecFP32), steps: 12, cut: 6,
 			apart: true, endApart: true, same: outer.TensorGlobal},
+		{name: "muon 1bit", build: outerMuon(4, outer.CodecOneBit), steps: 12, cut: 6, apart: true, compressed: true, same: outer.TensorGlobal},
 	} {
 		t.Run(tc.name, func(t *testing.T) { checkResume(t, tc) })
 	}

@@ -167,6 +167,7 @@ func TestOuterQuietBetweenExchanges(t *testing.T) {
 		{"fp32 loop", outerAdam(h, 1, 0, outer.CodecFP32), false},
 		{"fp32 manual", outerAdam(h, 1, 0, outer.CodecFP32), true},
 		{"1bit 2 fragments loop", outerAdam(h, 2, 0, outer.CodecOneBit), false}, // exchanges at 2, 4, 6, ...
+		{"muon sparse loop", outerMuon(h, outer.CodecSparse), false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			every := h

@@ -83,6 +83,7 @@ type options struct {
 	outerMomentum  float64
 	outerMeanAbs   bool            // diloco:1bit's scales are means of |x| (outer.Config.Scale)
 	outerState     outerstate.Mode // -outer-state (-outer-bf16): diloco's state in bfloat16 or float32
+	outerInner     string          // -outer-inner: diloco's inner optimizer, "adam" or "muon"
 	// diloco:sparse's Density, SparseChunk, SparseBits and Decay.
 	outerDensity, outerDecay     float64
 	outerSparseChunk, outerSBits int
@@ -137,6 +138,7 @@ func (o *options) hyper() hyper {
 	oc.SparseChunk, oc.SparseBits = o.outerSparseChunk, o.outerSBits
 	oc.SparseExchange, oc.SparseServerDensity = o.outerSparseX, float32(o.outerServerDensity)
 	h := hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), muonSplit: o.muonSplit, freezeStep: fs, outer: oc, outerLR: o.outerLR, outerMomentum: o.outerMomentum, outerState: o.outerState}
+	h.outerMuon = o.outerInner == "muon"
 	h.muonState, h.muonBF16, _ = onebit.ParseMuonStateMode(o.muonState)
 	h.muonWarmupAdamW = o.muonWarmup == "adamw"
 	h.outer = h.outerFor(outer.CodecFP32)
@@ -196,6 +198,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.Float64Var(&o.outerLR, "outer-lr", -1, "diloco: the outer SGD's learning rate (-1: the codec's default, outer.DefaultConfigFor: fp32, bf16, int8 0.7, 1bit 1, sparse "+fmt.Sprint(outer.DefaultConfigFor(outer.CodecSparse).LR)+")")
 	fs.Float64Var(&o.outerMomentum, "outer-momentum", -1, "diloco: the outer Nesterov SGD's momentum, in [0, 1) (-1: the codec's default: fp32, bf16, int8 0.9, 1bit and sparse 0)")
 	outerstate.Register(fs, &o.outerState)
+	fs.StringVar(&o.outerInner, "outer-inner", "adam", "diloco: the inner optimizer, adam (AdamW at -lr) or muon (Muon at -muon-lr on the hidden matrices, its AdamW at -lr on the rest: MuLoCo); a diloco run with no codec named takes the one measured best with it, sparse with adam, 1bit with muon; -outer-state's bfloat16 moments are the inner Adam's")
 	fs.BoolVar(&o.outerMeanAbs, "outer-mean-abs", false, "diloco:1bit: scales are means of |x| (onebit.ScaleMeanAbs) instead of root mean squares")
 	fs.Float64Var(&o.outerDensity, "outer-density", float64(def.Density), "diloco:sparse: share of each chunk's entries sent, in (0, 1]")
 	fs.IntVar(&o.outerSparseChunk, "outer-sparse-chunk", def.SparseChunk, "diloco:sparse: chunk length in elements (at least 1/-outer-density)")
@@ -257,6 +260,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("muon-state", "want full, compact or compact-bf16")
 	case o.muonWarmup != "all" && o.muonWarmup != "adamw":
 		return bad("muon-warmup", "want all or adamw")
+	case o.outerInner != "adam" && o.outerInner != "muon":
+		return bad("outer-inner", "want adam or muon")
 	case o.freezeStep < -1 || o.freezeStep > maxSteps:
 		return bad("freeze-step", "want -1 (a fifth of -steps) to %d", maxSteps)
 	case o.evalEvery < 0 || o.evalEvery > maxSteps:
@@ -323,6 +328,11 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	runs, err := parseRuns(o.optimizer, o.reduce, o.compare)
 	if err != nil {
 		return nil, &cliflag.Error{Reason: err.Error()}
+	}
+	for i := range runs {
+		if runs[i].codecDefault {
+			runs[i].codec = defaultCodec(o.outerInner == "muon")
+		}
 	}
 	o.runs = runs
 	return o, nil

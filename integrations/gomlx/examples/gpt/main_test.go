@@ -215,6 +215,37 @@ func TestDilocoState(t *testing.T) {
 	assert.Equal(t, f32[1].ValLoss, def[1].ValLoss, "1bit: float32 state by default")
 }
 
+// TestDilocoMuonInner: -outer-inner muon makes diloco's inner optimizer
+// Muon (MuLoCo), described and recorded as such; the run is not the inner
+// Adam's and its loss falls; a name other than adam or muon is refused.
+func TestDilocoMuonInner(t *testing.T) {
+	args := tiny("-optimizer", "diloco:sparse", "-steps", "30", "-outer-h", "5", "-lr", "3e-3",
+		"-outer-sparse-chunk", "512", "-outer-density", "0.25")
+	ad, _ := runJSON(t, args...)
+	mu, out := runJSON(t, append(args, "-outer-inner", "muon")...)
+	require.Len(t, ad, 1)
+	require.Len(t, mu, 1)
+	assert.Contains(t, out, "diloco: inner Muon (lr 0.02, its AdamW's 0.003)")
+	assert.Contains(t, out, "accumulator decay 0.95, accumulator in bfloat16")
+	require.NotNil(t, mu[0].Outer)
+	assert.Equal(t, "muon", mu[0].Outer.Inner)
+	assert.Equal(t, "adam", ad[0].Outer.Inner)
+	assert.Equal(t, int64(6), mu[0].Outer.Exchanges)
+	assert.NotEqual(t, ad[0].ValLoss, mu[0].ValLoss)
+	require.NotEmpty(t, mu[0].Curve)
+	assert.Less(t, mu[0].ValLoss, mu[0].Curve[0].ValLoss, "the loss falls")
+	_, err := parseFlags(append(args, "-outer-inner", "sgd"), io.Discard)
+	assert.ErrorContains(t, err, "outer-inner")
+	// Plain diloco: the codec measured best with the inner optimizer.
+	for inner, want := range map[string]outer.Codec{"adam": outer.CodecSparse, "muon": outer.CodecOneBit} {
+		o, err := parseFlags([]string{"-optimizer", "diloco,diloco:int8", "-outer-inner", inner}, io.Discard)
+		require.NoError(t, err)
+		require.Len(t, o.runs, 2)
+		assert.Equal(t, want, o.runs[0].codec, inner)
+		assert.Equal(t, outer.CodecInt8, o.runs[1].codec, "%s: a codec named stays", inner)
+	}
+}
+
 // TestDilocoStateBytes: diloco:sparse at the example's defaults keeps its
 // accumulator and the inner AdamW's moments in bfloat16, as with
 // -outer-state bf16 or -outer-bf16: at most 12 bytes per parameter on 8

@@ -100,6 +100,19 @@ type runSpec struct {
 	scatter zero.Reduce
 	// codec is diloco's exchange codec: fp32, bf16, int8, 1bit or sparse.
 	codec outer.Codec
+	// codecDefault: diloco's codec was not named, so it is the one
+	// measured best with the inner optimizer (defaultCodec).
+	codecDefault bool
+}
+
+// defaultCodec is the codec of a plain diloco run: the one measured best
+// with its inner optimizer (docs/outer.md): sparse with Adam, 1bit with
+// Muon, whose orthogonalized updates the sparse codec sends poorly.
+func defaultCodec(muonInner bool) outer.Codec {
+	if muonInner {
+		return outer.CodecOneBit
+	}
+	return outer.CodecSparse
 }
 
 // label names the run in tables: the optimizer, and its reduction unless
@@ -135,7 +148,8 @@ func (r runSpec) reduceName() string {
 // -optimizer is a comma-separated list of NAME or NAME:REDUCE (REDUCE
 // overrides -reduce for that run): "adam,adam:fp16,zero-adam:int4"; for
 // diloco REDUCE is the codec of its exchanges ("diloco:1bit"; plain
-// "diloco" is sparse, whatever -reduce says). With -compare (one optimizer
+// "diloco" is sparse, whatever -reduce says, and 1bit once parseFlags
+// sees -outer-inner muon: defaultCodec). With -compare (one optimizer
 // only) the exact optimizer runs first, then its compressed counterpart,
 // from the same seed; -reduce then applies to the exact averaging of both,
 // and to zero-adam's reduce-scatter (diloco keeps its codec, Adam takes
@@ -209,9 +223,13 @@ func parseRun(entry, reduce string) (runSpec, error) {
 	}
 	s := runSpec{name: name}
 	if name == diloco {
-		codec := "sparse" // not -reduce: a codec of its own; the default the one measured best (docs/outer.md)
+		// Not -reduce: a codec of its own, by default the one measured
+		// best with the inner optimizer (set once the flags are parsed).
+		codec := "sparse"
 		if _, c, ok := strings.Cut(strings.TrimSpace(entry), ":"); ok && c != "" {
 			codec = c
+		} else {
+			s.codecDefault = true
 		}
 		cd, err := outer.ParseCodec(codec)
 		if err != nil {
@@ -265,6 +283,9 @@ type hyper struct {
 	// moments and the sparse codec's accumulator; the zero value,
 	// outerstate.Auto, is bfloat16 with the sparse codec.
 	outerState outerstate.Mode
+	// outerMuon is -outer-inner muon: diloco's inner optimizer is Muon
+	// (lbgomlx.NewOuterMuon) at muonLR, its AdamW group at lr.
+	outerMuon bool
 	// muonState and muonBF16 are -muon-state: onebit-muon's StateMode
 	// and MomentumBF16.
 	muonState onebit.StateMode
@@ -325,6 +346,11 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		return onebit.NewZeroOneAdam(ctx, c, params, cfg)
 	case diloco:
 		cfg := h.outerFor(r.codec)
+		if h.outerMuon {
+			m := optim.DefaultMuonConfig()
+			m.LR, m.AdamLR = h.muonLR, h.lr
+			return lbgomlx.NewOuterMuon(cfg, m)(ctx, c, params)
+		}
 		inner := adam
 		inner.Reduce = optim.ReduceFP32 // local: the inner Adam never communicates
 		inner.MomentsBF16 = h.outerState.MomentsBF16(r.codec)

@@ -102,8 +102,12 @@ func outerDesc(o *options) string {
 		}
 		c := h.outerFor(r.codec)
 		if len(seen) == 0 {
-			d = fmt.Sprintf("diloco: inner Adam (lr %g), an outer step every %d steps (-outer-h), %d fragments, delay %d",
-				o.lr, c.H, c.Fragments, c.Delay)
+			inner := fmt.Sprintf("Adam (lr %g)", o.lr)
+			if h.outerMuon {
+				inner = fmt.Sprintf("Muon (lr %g, its AdamW's %g)", o.muonLR, o.lr)
+			}
+			d = fmt.Sprintf("diloco: inner %s, an outer step every %d steps (-outer-h), %d fragments, delay %d",
+				inner, c.H, c.Fragments, c.Delay)
 			if c.BucketBytes > 0 {
 				d += fmt.Sprintf(", 1-bit buckets of %d bytes", c.BucketBytes)
 			}
@@ -120,9 +124,11 @@ func outerDesc(o *options) string {
 			}
 		}
 		switch {
+		case c.AccumulatorBF16 && h.outerMuon:
+			d += ", accumulator in bfloat16"
 		case c.AccumulatorBF16:
 			d += ", accumulator and inner moments in bfloat16"
-		case h.outerState.MomentsBF16(r.codec):
+		case h.outerState.MomentsBF16(r.codec) && !h.outerMuon:
 			d += ", inner moments in bfloat16"
 		}
 	}
@@ -293,7 +299,8 @@ type jsonOuter struct {
 	Codec       string  `json:"codec"`
 	LR          float64 `json:"lr"`                   // the outer learning rate
 	Momentum    float64 `json:"momentum"`             // the outer momentum
-	BF16State   bool    `json:"bf16_state,omitempty"` // the inner moments (and the sparse accumulator) in bfloat16 (-outer-state)
+	BF16State   bool    `json:"bf16_state,omitempty"` // the sparse accumulator or the inner Adam's moments in bfloat16 (-outer-state)
+	Inner       string  `json:"inner"`                // the inner optimizer (-outer-inner): adam or muon
 	Exchanges   int64   `json:"exchanges"`
 	Skipped     int64   `json:"skipped_exchanges"`
 	Utilization float64 `json:"utilization"` // mean over the ranks
@@ -330,8 +337,8 @@ func writeJSON(path string, o *options, results []*result) error {
 		if r.outer != nil {
 			c := o.hyper().outerFor(r.spec.codec)
 			j.Outer = &jsonOuter{H: c.H, Fragments: c.Fragments, Delay: c.Delay, BucketBytes: c.BucketBytes, Codec: r.spec.codec.String(),
-				LR: float64(c.LR), Momentum: float64(c.Momentum), BF16State: o.outerState.MomentsBF16(r.spec.codec),
-				Exchanges: r.outer.exchanges, Skipped: r.outer.skipped, Utilization: r.outer.utilization}
+				LR: float64(c.LR), Momentum: float64(c.Momentum), BF16State: c.AccumulatorBF16 || (!o.hyper().outerMuon && o.outerState.MomentsBF16(r.spec.codec)),
+				Inner: o.outerInner, Exchanges: r.outer.exchanges, Skipped: r.outer.skipped, Utilization: r.outer.utilization}
 		}
 		if math.IsNaN(j.TrainLoss) {
 			j.TrainLoss = -1 // JSON has no NaN: every step was skipped
