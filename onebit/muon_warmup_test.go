@@ -135,12 +135,7 @@ func TestMuonWarmupAdamWOnlyRegroup(t *testing.T) {
 				cfg.BucketBytes = 64
 				old := muonStates(t, tc.from, 1, tc.at, newMuon1(cfg), nil)
 				require.Equal(t, tc.wantStage, old[0].Stage)
-				two := make([]*optim.Checkpoint, 2)
-				for r := range two {
-					var err error
-					two[r], err = onebit.Regroup(old, 2, r)
-					require.NoError(t, err)
-				}
+				two := regroupAll(t, old, 2)
 				if tc.from > 1 {
 					const n = 64 / 4 // bucket 0's elements, unpadded
 					name := onebit.BucketWorkerErrorName(0)

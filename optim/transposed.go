@@ -123,15 +123,24 @@ func (t *Transposed) Step(ctx context.Context) error {
 			}
 			continue
 		}
-		transposeInto(m.inner.Data(), m.outer.Data(), m.rows, m.cols)
 		transposeInto(m.inner.GradData(), m.outer.GradData(), m.rows, m.cols)
 	}
+	t.push()
 	err := t.opt.Step(ctx)
 	t.pull()
 	if bad != nil {
 		return bad
 	}
 	return err
+}
+
+// push copies the given parameters' values into the transposes.
+func (t *Transposed) push() {
+	for _, m := range t.mats {
+		if len(m.outer.Data()) == m.rows*m.cols {
+			transposeInto(m.inner.Data(), m.outer.Data(), m.rows, m.cols)
+		}
+	}
 }
 
 // pull copies the transposes' values back into the given parameters.
@@ -154,11 +163,7 @@ func (t *Transposed) Stats() Stats { return t.opt.Stats() }
 // values, copied in first (a caller may have written them since the
 // last Step).
 func (t *Transposed) State() (*Checkpoint, error) {
-	for _, m := range t.mats {
-		if len(m.outer.Data()) == m.rows*m.cols {
-			transposeInto(m.inner.Data(), m.outer.Data(), m.rows, m.cols)
-		}
-	}
+	t.push()
 	return t.opt.State()
 }
 

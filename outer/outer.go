@@ -156,13 +156,7 @@ func NewFrom(ctx context.Context, c comm.Comm, cfg Config, build func() (optim.O
 	if build == nil {
 		build = func() (optim.Optimizer, error) { return nil, errors.New("outer: NewFrom: nil build") }
 	}
-	return newOwned(ctx, c, cfg, opts, func() (optim.Optimizer, error) {
-		in, err := build()
-		if err == nil && in == nil {
-			err = errors.New("outer: NewFrom: build returned no optimizer")
-		}
-		return in, err
-	})
+	return newOwned(ctx, c, cfg, opts, build)
 }
 
 // newOwned returns an outer optimizer whose inner optimizer, made by
@@ -171,8 +165,11 @@ func newOwned(ctx context.Context, c comm.Comm, cfg Config, opts []optim.Option,
 	local := cfg.Validate()
 	var in optim.Optimizer
 	if local == nil {
-		if in, local = build(); local != nil {
+		switch in, local = build(); {
+		case local != nil:
 			in = nil // a constructor's typed nil
+		case in == nil:
+			local = errors.New("outer: nil inner optimizer")
 		}
 	}
 	o, err := newOptimizer(ctx, c, in, cfg, opts, local)

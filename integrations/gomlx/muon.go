@@ -150,13 +150,7 @@ func NewMuon(cfg optim.MuonConfig, opts ...MuonOption) Builder {
 func NewOuterMuon(cfg outer.Config, inner optim.MuonConfig, opts ...MuonOption) Builder {
 	build := NewMuon(inner, opts...)
 	return func(ctx context.Context, c comm.Comm, params []*optim.Param) (optim.Optimizer, error) {
-		return outer.NewFrom(ctx, c, cfg, func() (optim.Optimizer, error) {
-			in, err := build(ctx, nil, params)
-			if err != nil {
-				return nil, err // not a typed nil
-			}
-			return in, nil
-		})
+		return outer.NewFrom(ctx, c, cfg, func() (optim.Optimizer, error) { return build(ctx, nil, params) })
 	}
 }
 

@@ -312,6 +312,13 @@ func (h hyper) outerFor(c outer.Codec) outer.Config {
 	return cfg
 }
 
+// innerMomentsBF16 says whether diloco's inner optimizer keeps its moments
+// in bfloat16 with codec c (-outer-state): the inner Adam's only, never
+// Muon's.
+func (h hyper) innerMomentsBF16(c outer.Codec) bool {
+	return !h.outerMuon && h.outerState.MomentsBF16(c)
+}
+
 // newOptimizer builds the optimizer of run r over params, communicating on
 // c. It is the one place the example chooses a lowbit optimizer.
 func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params []*optim.Param) (optim.Optimizer, error) {
@@ -353,7 +360,7 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		}
 		inner := adam
 		inner.Reduce = optim.ReduceFP32 // local: the inner Adam never communicates
-		inner.MomentsBF16 = h.outerState.MomentsBF16(r.codec)
+		inner.MomentsBF16 = h.innerMomentsBF16(r.codec)
 		return outer.NewAdam(ctx, c, params, cfg, inner)
 	case muon:
 		cfg := optim.DefaultMuonConfig()

@@ -123,12 +123,12 @@ func outerDesc(o *options) string {
 				}
 			}
 		}
-		switch {
-		case c.AccumulatorBF16 && h.outerMuon:
-			d += ", accumulator in bfloat16"
-		case c.AccumulatorBF16:
+		switch moments := h.innerMomentsBF16(r.codec); {
+		case c.AccumulatorBF16 && moments:
 			d += ", accumulator and inner moments in bfloat16"
-		case h.outerState.MomentsBF16(r.codec) && !h.outerMuon:
+		case c.AccumulatorBF16:
+			d += ", accumulator in bfloat16"
+		case moments:
 			d += ", inner moments in bfloat16"
 		}
 	}
@@ -335,9 +335,10 @@ func writeJSON(path string, o *options, results []*result) error {
 			j.LateBytes, j.LateFrom, j.LateValLoss = o.late.chars, o.lateFrom(), r.lateLoss()
 		}
 		if r.outer != nil {
-			c := o.hyper().outerFor(r.spec.codec)
+			h := o.hyper()
+			c := h.outerFor(r.spec.codec)
 			j.Outer = &jsonOuter{H: c.H, Fragments: c.Fragments, Delay: c.Delay, BucketBytes: c.BucketBytes, Codec: r.spec.codec.String(),
-				LR: float64(c.LR), Momentum: float64(c.Momentum), BF16State: c.AccumulatorBF16 || (!o.hyper().outerMuon && o.outerState.MomentsBF16(r.spec.codec)),
+				LR: float64(c.LR), Momentum: float64(c.Momentum), BF16State: c.AccumulatorBF16 || h.innerMomentsBF16(r.spec.codec),
 				Inner: o.outerInner, Exchanges: r.outer.exchanges, Skipped: r.outer.skipped, Utilization: r.outer.utilization}
 		}
 		if math.IsNaN(j.TrainLoss) {
