@@ -340,7 +340,7 @@ type Optimizer struct {
 	// optim.LRSetter (nil when it is not one).
 	lrSrc   lrSource
 	lrVar   *model.Variable
-	lrParam float64
+	lrParam lrParam
 	lrs     optim.LRSetter
 
 	meanMetrics bool
