@@ -407,7 +407,11 @@ func TestMuonBadInputOnEveryRank(t *testing.T) {
 		rest string // every other rank's
 	}{
 		{"not a matrix", func(c *onebit.MuonConfig) { c.Params = []string{"wide", "bias"} },
-			`parameter "bias" of shape [7] is marked for Muon but is not a matrix`, "rank 1 was given an invalid configuration"},
+			`parameter "bias" of shape [7] is marked for Muon but is not a matrix (Muon needs rank 2 or more; a tensor of higher rank is viewed as rows x the product of the rest; the matrices: "wide", "tall", "conv")`,
+			"rank 1 was given an invalid configuration"},
+		{"unknown names", func(c *onebit.MuonConfig) { c.Params = []string{"wide", "wid", "tal"} },
+			`MuonConfig.Params names "wid", "tal", which are not parameters (the matrices: "wide", "tall", "conv"; all 5 parameters: "wide", "tall", "conv", "bias", "gain")`,
+			"rank 1 was given an invalid configuration"},
 		{"selection", func(c *onebit.MuonConfig) { c.Params = []string{"wide", "tall"} },
 			"the parameters that use Muon differ", "the parameters that use Muon differ"},
 		{"freeze step", func(c *onebit.MuonConfig) { c.FreezeStep = 3 }, "the settings differ", "the settings differ"},

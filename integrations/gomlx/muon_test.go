@@ -2,6 +2,7 @@ package gomlx
 
 import (
 	"context"
+	"fmt"
 	"path/filepath"
 	"testing"
 	"time"
@@ -206,6 +207,14 @@ func TestMuonSelectionOverride(t *testing.T) {
 	// select every matrix, the embeddings and the head among them).
 	_, err = NewMuon(muonConfig(), WithMuonSelect(func([]*optim.Param) []string { return nil }))(ctx, nil, ps)
 	assert.ErrorContains(t, err, "MuonConfig.Params selects no parameter")
+	assert.ErrorContains(t, err, `the matrices it could name: "/token_embed/embeddings", "/pos_embed/embeddings"`, "the error lists the matrices")
+
+	// Unknown names are all named, beside the matrices and the parameters.
+	cfg.Params = []string{"/layer_0/ff1/weights", "/output/dense/weights", "ff2"}
+	_, err = NewMuon(cfg)(ctx, nil, ps)
+	assert.ErrorContains(t, err, `MuonConfig.Params names "/layer_0/ff1/weights", "ff2", which are not parameters (the matrices: "/token_embed/embeddings", "/pos_embed/embeddings"`)
+	assert.ErrorContains(t, err, `"/layer_0/ff1/dense/weights"`)
+	assert.ErrorContains(t, err, fmt.Sprintf("all %d parameters: ", len(ps)))
 
 	cfg.Params = []string{"/layer_0/ff1/dense/biases"}
 	_, err = NewMuon(cfg)(ctx, nil, ps)
