@@ -604,8 +604,9 @@ func (o *Muon) State() (*Checkpoint, error) {
 	return ck, nil
 }
 
-// Load restores a checkpoint made by Muon.State on the same world size,
-// parameters and selection of Muon parameters (any rank's); anything else,
+// Load restores a checkpoint made by Muon.State over the same parameters
+// and selection of Muon parameters, any rank's, on a group of any size
+// (see Replicated); anything else,
 // another optimizer's checkpoint included, is refused with an error
 // wrapping ErrIncompatibleCheckpoint and changes nothing. Each group's
 // learning rate follows Frame.CheckLoad's rule (the AdamW group's under

@@ -8,6 +8,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"github.com/gomlx/gomlx/core/tensors"
 	"github.com/gomlx/gomlx/ml/model"
@@ -15,7 +16,9 @@ import (
 	"github.com/gomlx/gomlx/ml/train"
 	"go.uber.org/zap"
 
+	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // restoreLocal loads into the lowbit optimizer the state of the model's
@@ -68,11 +71,44 @@ func (o *Optimizer) warnLoaded(ck *optim.Checkpoint, gs int64, lrBefore float32)
 			gs, float32(lr), lrBefore),
 			zap.Int64("global_step", gs), zap.Float64("checkpoint_lr", lr), zap.Float32("replaced_lr", lrBefore))
 	}
-	if ck.ErrorsReset {
-		o.warn(fmt.Sprintf("resumed at global step %d from a checkpoint whose error buffers were reset (made on %d ranks, by rank %d): "+
-			"error feedback starts again from zero", gs, ck.World, ck.Rank),
+	if lost := resetLoss(ck); lost != "" {
+		o.warn(fmt.Sprintf("resumed at global step %d from a checkpoint whose error buffers were reset (made on %d ranks, by rank %d): %s",
+			gs, ck.World, ck.Rank, lost),
 			zap.Int64("global_step", gs), zap.Int("made_on_world", ck.World), zap.Int("made_by_rank", ck.Rank))
 	}
+}
+
+// resetLoss says what the load of ck restarted from zero and what it
+// carried, when ck's error buffers were reset and it had some to lose; ""
+// when nothing restarted: an exact optimizer's or zero.Adam's checkpoint
+// (no error feedback), outer.Regroup's of the outer optimizer with the
+// sparse codec (the old ranks' mean of the accumulators) or with a codec
+// that keeps no error feedback.
+func resetLoss(ck *optim.Checkpoint) string {
+	if !ck.ErrorsReset {
+		return ""
+	}
+	const byRank = "the rank that made it"
+	switch alg := ck.Algorithm; {
+	case alg == optim.AlgorithmOnebitAdam, alg == optim.AlgorithmOnebitLamb, alg == optim.AlgorithmZeroOneAdam:
+		return "the error feedback starts again from zero; the parameters, moments and counters of " + byRank + " are carried " +
+			"(onebit.Regroup of every old rank's state keeps the error feedback: docs/gomlx.md, \"Changing the number of ranks\")"
+	case alg == onebit.AlgorithmMuon:
+		return "the error feedback starts again from zero; the parameters, AdamW moments and counters of " + byRank + " are carried, and its momenta alone, " +
+			"not the ranks' mean (onebit.Regroup of every old rank's state keeps the error feedback and takes the momenta's mean: " +
+			"docs/gomlx.md, \"Changing the number of ranks\")"
+	case strings.HasPrefix(alg, outer.AlgorithmPrefix):
+		carried := "θ_g and u, and the inner optimizer's state and local parameters of " + byRank + ", are carried"
+		switch {
+		case ck.Tensor(outer.TensorRegroupedAccumulator) != nil:
+			return ""
+		case ck.Floats[optim.HyperPrefix+"outer_codec"] == float64(outer.CodecSparse):
+			return "the sparse accumulator starts again from zero (outer.Regroup of every old rank's state carries their mean); " + carried
+		case ck.Floats[optim.HyperPrefix+"outer_codec"] == float64(outer.CodecOneBit):
+			return "the 1-bit codec's error feedback starts again from zero (its layout depends on the group size); " + carried
+		}
+	}
+	return ""
 }
 
 // legacyState decodes the state an older checkpoint held in sv, in place.
