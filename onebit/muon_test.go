@@ -478,6 +478,50 @@ func TestMuonZeroMomentum(t *testing.T) {
 	require.NoError(t, err)
 }
 
+// An AdamW parameter whose gradient was zero throughout the warm-up (its
+// whole frozen v zero: k_p is 1, not the infinite 1/sqrt(0)) steps on
+// without error or NaN in every state mode and warm-up once it is given
+// gradient, and trains: it does not move in the first step it is given
+// gradient, then does.
+func TestMuonAllZeroVarianceParameter(t *testing.T) {
+	const freeze, steps = 2, 6
+	for _, mode := range slices.Concat(muonModes, muonWarmupModes) {
+		t.Run(mode, func(t *testing.T) {
+			cfg := muonModeConfig(t, freeze, mode)
+			cfg.AdamWeightDecay = 0
+			err := local.Run(context.Background(), 2, func(ctx context.Context, c comm.Comm) error {
+				ps := muonParams()
+				bias := ps[3]
+				opt, err := onebit.NewMuon(ctx, c, ps, cfg)
+				if err != nil {
+					return err
+				}
+				defer opt.Close()
+				start := append([]float32(nil), bias.Data()...)
+				for s := 1; s <= steps; s++ {
+					muonGrad(ps, c.Rank(), s)
+					if s <= freeze+1 {
+						clear(bias.GradData())
+					}
+					if err := opt.Step(ctx); err != nil {
+						return fmt.Errorf("step %d: %w", s, err)
+					}
+					for _, p := range ps {
+						if !optim.Finite(p.Data()) {
+							return fmt.Errorf("step %d: %s is not finite", s, p.Name)
+						}
+					}
+					if moved := !slices.Equal(start, bias.Data()); moved != (s > freeze+2) {
+						return fmt.Errorf("step %d: bias moved: %v", s, moved)
+					}
+				}
+				return nil
+			})
+			require.NoError(t, err)
+		})
+	}
+}
+
 // A step in which one rank's gradient is not finite is skipped on every
 // rank with nothing changed (parameters, momenta, error buffers),
 // counted, and the next steps run on.
