@@ -208,20 +208,27 @@ func muonStates(t *testing.T, w, first, last int, mk muonMaker, from []*optim.Ch
 
 // The warm-up is exact Muon (optim.Muon) with its AdamW, bit for bit, on
 // every rank; so is the Muon group on one rank in the compression stage.
+// On one rank WarmupAdamWOnly changes nothing: there is nothing to
+// exchange, and the warm-up is exact Muon's too.
 func TestMuonWarmupIsExactMuon(t *testing.T) {
 	const freeze = 4
 	exact := func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 		return optim.NewMuon(ctx, c, ps, muonTestConfig(freeze).MuonConfig)
 	}
-	for _, w := range []int{1, 3} {
-		t.Run(fmt.Sprint("W=", w), func(t *testing.T) {
+	for _, tc := range []struct {
+		w           int
+		warmupAdamW bool
+	}{{1, false}, {3, false}, {1, true}} {
+		t.Run(fmt.Sprintf("W=%d/WarmupAdamWOnly=%v", tc.w, tc.warmupAdamW), func(t *testing.T) {
+			w, cfg := tc.w, muonTestConfig(freeze)
+			cfg.WarmupAdamWOnly = tc.warmupAdamW
 			steps := freeze
 			if w == 1 {
 				steps = freeze + 3
 			}
 			var mu sync.Mutex
 			got := make([][][][]uint32, 2) // [optimizer][step][param] on rank 0
-			for k, mk := range []muonMaker{exact, newMuon1(muonTestConfig(freeze))} {
+			for k, mk := range []muonMaker{exact, newMuon1(cfg)} {
 				got[k] = make([][][]uint32, steps)
 				muonRunWith(t, w, 1, steps, mk, nil, func(s, r int, _ optim.Optimizer, ps []*optim.Param) error {
 					if r == 0 {
