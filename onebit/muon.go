@@ -734,7 +734,10 @@ func (o *Muon) State() (*optim.Checkpoint, error) {
 // hyperparameters; anything else, another optimizer's checkpoint
 // included, is refused with an error wrapping
 // optim.ErrIncompatibleCheckpoint, and nothing changes. Each group's
-// learning rate follows optim.Frame.CheckLoad's rule.
+// learning rate follows optim.Frame.CheckLoad's rule: a fixed learning
+// rate in ck replaces the optimizer's, with a warning in the log when
+// they differ; call SetLR (the Muon group's) or SetAdamLR (the AdamW
+// group's) after Load to resume with another.
 //
 // A checkpoint whose error buffers were reset on request
 // (optim.Checkpoint.ResetErrors) loads on any world size and rank: the

@@ -13,6 +13,9 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
@@ -483,6 +486,36 @@ func TestMuonZeroMomentum(t *testing.T) {
 		return nil
 	})
 	require.NoError(t, err)
+}
+
+// A Load into a 1-bit Muon whose learning rates differ from the
+// checkpoint's replaces each group's with the checkpoint's and logs a
+// warning for each, naming the method that keeps its own: SetLR or
+// SetAdamLR after Load, which then win.
+func TestMuonLoadLRWarnings(t *testing.T) {
+	cfg := muonTestConfig(2)
+	from, err := onebit.NewMuon(context.Background(), nil, muonParams(), cfg)
+	require.NoError(t, err)
+	ck, err := from.State()
+	require.NoError(t, err)
+	cfg.LR, cfg.AdamLR = 0.07, 0.02
+	core, logs := observer.New(zapcore.WarnLevel)
+	o, err := onebit.NewMuon(context.Background(), nil, muonParams(), cfg, optim.WithLogger(zap.New(core)))
+	require.NoError(t, err)
+	require.NoError(t, o.Load(ck))
+	assert.Equal(t, float32(0.05), o.LR())
+	assert.Equal(t, float32(0.01), o.AdamLR())
+	var msgs []string
+	for _, e := range logs.All() {
+		msgs = append(msgs, e.Message)
+	}
+	require.Len(t, msgs, 2, "%q", msgs)
+	assert.Contains(t, msgs[0], "another learning rate: the checkpoint's replaces this optimizer's (call SetLR after Load to keep yours)")
+	assert.Contains(t, msgs[1], "another AdamW group learning rate: the checkpoint's replaces this optimizer's (call SetAdamLR after Load to keep yours)")
+	require.NoError(t, o.SetLR(0.07))
+	require.NoError(t, o.SetAdamLR(0.02))
+	assert.Equal(t, float32(0.07), o.LR())
+	assert.Equal(t, float32(0.02), o.AdamLR())
 }
 
 // An AdamW parameter whose gradient was zero throughout the warm-up (its
