@@ -29,9 +29,11 @@ type MuonConfig struct {
 	// step, the AdamW group then with v = 0: as in 1-bit Adam (see the
 	// package doc on elements with no gradient), it moves nothing in the
 	// first step, and from the second on takes steps of about lr (the
-	// ratio bound's, signs of a momentum swamped by the compression noise
-	// of the Muon group's) where the first gave gradient, which trains
-	// badly; use 0 only without AdamW parameters. The Muon group
+	// ratio bound's: signs of its momentum) where the first gave
+	// gradient. Without WarmupAdamWOnly that momentum shares buckets
+	// with the Muon group's updates and is swamped by their compression
+	// noise, which trains badly (+299% on docs/muon.md's problem); with
+	// it, a few points behind the default warm-up there. The Muon group
 	// itself needs no warm-up: the warm-up is for the AdamW variance, as
 	// in 1-bit Adam. Default 100, 1-bit Adam's (docs/muon.md has what was
 	// measured).
