@@ -44,15 +44,22 @@ func (o *Optimizer) restoreLocal() (*optim.Checkpoint, error) {
 			return nil, err
 		}
 	}
-	lrBefore := float32(0)
+	lrBefore, adamBefore := float32(0), float32(0)
 	if o.lrs != nil {
 		lrBefore = o.lrs.LR()
+	}
+	ag := adamGroup(o.opt)
+	if ag != nil {
+		adamBefore = ag.AdamLR()
 	}
 	if err := o.opt.Load(ck); err != nil {
 		return nil, fmt.Errorf("lbgomlx: restoring the lowbit state of global step %d: %w", gs, err)
 	}
 	o.restored = true
 	o.warnLoaded(ck, gs, lrBefore)
+	if ag != nil {
+		o.warnAdamLR(ck, gs, adamBefore)
+	}
 	return ck, o.writeBack()
 }
 
@@ -109,6 +116,40 @@ func resetLoss(ck *optim.Checkpoint) string {
 		}
 	}
 	return ""
+}
+
+// adamGroup is the auxiliary AdamW group of a Muon-family optimizer
+// (exact or 1-bit Muon), whose learning rate is its own, seen through the
+// optimizers that wrap another (Inner); nil when opt has none.
+func adamGroup(opt optim.Optimizer) interface{ AdamLR() float32 } {
+	for opt != nil {
+		if a, ok := opt.(interface{ AdamLR() float32 }); ok {
+			return a
+		}
+		in, ok := opt.(interface{ Inner() optim.Optimizer })
+		if !ok {
+			return nil
+		}
+		opt = in.Inner()
+	}
+	return nil
+}
+
+// warnAdamLR warns, on rank 0, when the load of ck replaced the AdamW
+// group's fixed learning rate, before the load, with another: the hook's
+// learning rate is the Muon group's only, so the AdamW group's stays the
+// checkpoint's unless the program sets it after the load.
+func (o *Optimizer) warnAdamLR(ck *optim.Checkpoint, gs int64, before float32) {
+	in := innermost(ck)
+	lr, ok := in.Floats[optim.FloatAdamLR]
+	if o.rank() != 0 || !ok || in.Ints[optim.IntAdamLRSchedule] != 0 || float32(lr) == before {
+		return
+	}
+	o.warn(fmt.Sprintf("resumed at global step %d with the checkpoint's AdamW group learning rate %v instead of the optimizer's %v (its config's AdamLR): "+
+		"the lowbit optimizer's Load restores it. To train on with another, call the Muon optimizer's SetAdamLR once Restored() is true, "+
+		"before the first lowbit step (a train.Loop hook of priority below HookPriority, as the GPT example's resumeLR)",
+		gs, float32(lr), before),
+		zap.Int64("global_step", gs), zap.Float64("checkpoint_adam_lr", lr), zap.Float32("replaced_adam_lr", before))
 }
 
 // legacyState decodes the state an older checkpoint held in sv, in place.
