@@ -16,7 +16,10 @@
 // time split into compute (forward and backward), communication (time inside
 // collectives during Step) and compression (the rest of Step: compression
 // and the update), and the bytes each worker sent. -plot writes the training
-// loss and test accuracy curves to a PNG file.
+// loss and test accuracy curves to a PNG file, and beside it
+// (FILE-bytes.png) the test loss and accuracy against the bytes sent per
+// rank. -optimizer also takes a comma-separated list, trained one after the
+// other.
 //
 // The data are the four MNIST files in -data (default data/mnist, filled by
 // "make mnist-data"): train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz,

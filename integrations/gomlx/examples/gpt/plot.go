@@ -11,6 +11,19 @@ import (
 // curveColors are the line colours of the runs, in order.
 var curveColors = []string{"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"}
 
+// curveDashes are the dash patterns of the runs past the colours: the
+// eleventh run is blue again, dashed.
+var curveDashes = []string{"", "8,4", "2,3"}
+
+// curveStyle is the stroke of run i's curve.
+func curveStyle(i int) string {
+	st := fmt.Sprintf(`stroke="%s" stroke-width="2"`, curveColors[i%len(curveColors)])
+	if d := curveDashes[(i/len(curveColors))%len(curveDashes)]; d != "" {
+		st += fmt.Sprintf(` stroke-dasharray="%s"`, d)
+	}
+	return st
+}
+
 // writePlot draws the validation loss against the tokens trained on, one
 // curve per run, as an SVG file (no dependency: the plot is a few lines
 // and a grid). A dashed line marks the freeze step of the 1-bit
@@ -70,7 +83,6 @@ func writePlot(path string, o *options, results []*result) error {
 	}
 	compressed := false
 	for i, r := range results {
-		col := curveColors[i%len(curveColors)]
 		var pts []string
 		for _, e := range r.evals {
 			if e.Step == 0 || math.IsNaN(e.ValLoss) || math.IsInf(e.ValLoss, 0) {
@@ -78,7 +90,7 @@ func writePlot(path string, o *options, results []*result) error {
 			}
 			pts = append(pts, fmt.Sprintf("%.1f,%.1f", px(float64(e.Tokens)), py(e.ValLoss)))
 		}
-		style := fmt.Sprintf(`stroke="%s" stroke-width="2"`, col)
+		style := curveStyle(i)
 		if len(pts) > 0 {
 			fmt.Fprintf(&b, `<polyline fill="none" %s points="%s"/>`+"\n", style, strings.Join(pts, " "))
 		}
@@ -188,21 +200,20 @@ func writeBytesPlot(path string, o *options, results []*result) error {
 	fmt.Fprintf(&b, `<text transform="translate(16 %.1f) rotate(-90)" text-anchor="middle">validation loss (nats per byte)</text>`+"\n", float64(top)+ph/2)
 
 	for i, r := range results {
-		col := curveColors[i%len(curveColors)]
 		var pts []string
 		for _, e := range r.evals {
 			if drawn(e) {
 				pts = append(pts, fmt.Sprintf("%.1f,%.1f", px(e.BytesSent), py(e.ValLoss)))
 			}
 		}
-		style := fmt.Sprintf(`stroke="%s" stroke-width="2"`, col)
+		style := curveStyle(i)
 		label := r.spec.label()
 		switch {
 		case len(pts) == 0:
 			label += " (sent nothing)"
 		case len(pts) == 1:
 			// One point makes no line: a dot.
-			fmt.Fprintf(&b, `<circle cx="%s" r="3" fill="%s"/>`+"\n", strings.Replace(pts[0], ",", `" cy="`, 1), col)
+			fmt.Fprintf(&b, `<circle cx="%s" r="3" fill="%s"/>`+"\n", strings.Replace(pts[0], ",", `" cy="`, 1), curveColors[i%len(curveColors)])
 		default:
 			fmt.Fprintf(&b, `<polyline fill="none" %s points="%s"/>`+"\n", style, strings.Join(pts, " "))
 		}
