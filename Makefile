@@ -2,7 +2,7 @@
 GO      ?= go
 FUZZTIME ?= 10s
 
-.PHONY: gpu-check all build test test-unit test-race test-mpi test-integrations conformance bench bench-net lint fuzz demo demo-net demo-gpt demo-gpt-net demo-gpt-rates mnist-data ptx soak cluster-hostfile
+.PHONY: gpu-check all build test test-unit test-race test-mpi test-integrations conformance bench bench-net lint fuzz demo demo-net demo-gpt demo-gpt-net demo-gpt-rates plot-bytes mnist-data ptx soak cluster-hostfile
 
 all: build
 
@@ -83,6 +83,29 @@ demo-gpt:
 	cd integrations/gomlx && GOMLX_BACKEND=go $(GO) run ./examples/gpt \
 	  -optimizer adam,onebit-adam,onebit-adam-compact,onebit-adam-sharded,onebit-adam-sharded-bf16,zeroone-adam,lamb,onebit-lamb,onebit-lamb-compact,zero-adam:int8,zero-adam:int4,adam:fp16,adam:bf16,diloco:fp32,diloco:int8,diloco:1bit,diloco:sparse \
 	  -json ../../out/gpt.json -plot ../../out/gpt.svg -markdown ../../out/gpt.md
+
+## plot-bytes: loss against the bytes each rank sent, every optimizer at
+## its defaults, 4 in-process ranks, one curve per optimizer and codec:
+## the GPT example's validation loss (demo-gpt's runs, Muon and 1-bit
+## Muon) in $(PLOT_BYTES_OUT)/gpt-bytes.svg, beside gpt.svg (against
+## tokens), gpt.json and gpt.md (the bytes at each evaluation), and the
+## MNIST example's test loss and accuracy (every optimizer) in
+## $(PLOT_BYTES_OUT)/mnist-bytes.png, beside mnist.png. Fetches the MNIST
+## data first if it is missing. Long: the GPT runs take minutes each.
+## GPT_BYTES_RUNS and MNIST_BYTES_RUNS pick the runs, GPT_BYTES_FLAGS and
+## MNIST_BYTES_FLAGS add flags (docs/measured.md, "Loss against bytes
+## sent", has a short run).
+PLOT_BYTES_OUT    ?= out/bytes
+GPT_BYTES_RUNS    ?= adam,onebit-adam,onebit-adam-compact,onebit-adam-sharded,onebit-adam-sharded-bf16,zeroone-adam,lamb,onebit-lamb,onebit-lamb-compact,zero-adam:int8,zero-adam:int4,adam:fp16,adam:bf16,diloco:fp32,diloco:int8,diloco:1bit,diloco:sparse,muon,onebit-muon
+MNIST_BYTES_RUNS  ?= adam,onebit-adam,onebit-adam-compact,onebit-adam-sharded,onebit-adam-sharded-bf16,zeroone-adam,zero-adam,lamb,onebit-lamb,onebit-lamb-compact,diloco,muon,onebit-muon
+GPT_BYTES_FLAGS   ?=
+MNIST_BYTES_FLAGS ?=
+plot-bytes: mnist-data
+	$(GO) run ./examples/mnist -optimizer $(MNIST_BYTES_RUNS) -workers 4 -quiet \
+	  -plot $(PLOT_BYTES_OUT)/mnist.png $(MNIST_BYTES_FLAGS)
+	cd integrations/gomlx && GOMLX_BACKEND=go $(GO) run ./examples/gpt -optimizer $(GPT_BYTES_RUNS) -quiet \
+	  -json $(abspath $(PLOT_BYTES_OUT))/gpt.json -plot $(abspath $(PLOT_BYTES_OUT))/gpt.svg \
+	  -markdown $(abspath $(PLOT_BYTES_OUT))/gpt.md $(GPT_BYTES_FLAGS)
 
 ## demo-gpt-net: the GPT example on 4 MPI ranks over a loopback shaped to
 ## RATE (40mbit): time to the target validation loss of Adam, 1-bit Adam

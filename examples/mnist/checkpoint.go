@@ -46,19 +46,24 @@ const (
 	// ranks (of the global batch): what a resume on another number of
 	// ranks restores on every rank, as it cannot recombine the shards.
 	ckptLossMean = ckptPrefix + "loss_mean"
-	ckptEvals    = ckptPrefix + "evals" // (step, acc, loss, wall seconds) of each evaluation
+	ckptEvals    = ckptPrefix + "evals" // (step, acc, loss, wall seconds, bytes sent) of each evaluation
 	ckptTotal    = ckptPrefix + "total" // steps of the whole run
 	ckptSetting  = ckptPrefix + "flag"  // + a flag's name: its value (see settings)
 	// ckptElapsed is the training wall time up to the step, evaluations
 	// excluded, in nanoseconds, summed over the runs that made it.
 	ckptElapsed = ckptPrefix + "elapsed_ns"
+	// ckptSent is what this rank sent in the optimizer's Step up to the
+	// step, in bytes, over the runs that made it (the optimizer's Stats
+	// count from its construction); -1 when a run before did not know.
+	ckptSent = ckptPrefix + "sent_bytes"
 	// ckptGen is the run's generation: 0 from the start, one more after
 	// each resume on another number of ranks. Ranks resume together only
 	// from files of the same step and generation, so that files of two
 	// trajectories that reached the same step never mix.
-	ckptGen          = ckptPrefix + "generation"
-	ckptEvalWidth    = 4
-	ckptEvalWidthOld = 3 // files made before the wall column
+	ckptGen           = ckptPrefix + "generation"
+	ckptEvalWidth     = 5
+	ckptEvalWidthWall = 4 // files made before the bytes column
+	ckptEvalWidthOld  = 3 // files made before the wall column
 )
 
 // checkpointer saves and restores one rank's training state: the optimizer's
@@ -153,8 +158,9 @@ func (k *checkpointer) due(step, total int) bool {
 // if step is the -kill-at step, waits until every rank has saved and kills
 // this process.
 //
-// elapsed is the training wall time up to step, evaluations excluded.
-func (k *checkpointer) save(ctx context.Context, c comm.Comm, opt optim.Optimizer, step, total int, lossHist []float32, evals []evalPoint, elapsed time.Duration) error {
+// elapsed is the training wall time up to step, evaluations excluded;
+// sent is what this rank sent in Step up to step (-1: unknown).
+func (k *checkpointer) save(ctx context.Context, c comm.Comm, opt optim.Optimizer, step, total int, lossHist []float32, evals []evalPoint, elapsed time.Duration, sent int64) error {
 	ck, err := opt.State()
 	if err != nil {
 		return fmt.Errorf("checkpoint: %w", err)
@@ -163,6 +169,7 @@ func (k *checkpointer) save(ctx context.Context, c comm.Comm, opt optim.Optimize
 	ck.Ints[ckptTotal] = int64(total)
 	ck.Ints[ckptGen] = k.gen
 	ck.Ints[ckptElapsed] = int64(elapsed)
+	ck.Ints[ckptSent] = sent
 	for _, s := range k.settings {
 		ck.Ints[ckptSetting+s.flag] = s.value
 	}
@@ -175,7 +182,7 @@ func (k *checkpointer) save(ctx context.Context, c comm.Comm, opt optim.Optimize
 	ck.AddTensor(ckptLossMean, []int{step}, mean)
 	ev := make([]float32, 0, ckptEvalWidth*len(evals))
 	for _, e := range evals {
-		ev = append(ev, float32(e.step), float32(e.acc), float32(e.loss), float32(e.wall.Seconds()))
+		ev = append(ev, float32(e.step), float32(e.acc), float32(e.loss), float32(e.wall.Seconds()), float32(e.bytes))
 	}
 	ck.AddTensor(ckptEvals, []int{len(evals), ckptEvalWidth}, ev)
 	if err := os.MkdirAll(k.cfg.dir, 0o755); err != nil {
@@ -211,6 +218,7 @@ type restored struct {
 	evals    []evalPoint
 	elapsed  time.Duration // training wall time before step (evaluations excluded)
 	gen      int64         // the run's generation (see ckptGen)
+	sent     int64         // what this rank sent in Step before step (-1: unknown)
 	// fromWorld is the number of ranks that made the checkpoint: another
 	// than this run's when it resumed on another number of ranks (see
 	// carriedBy).
@@ -692,19 +700,26 @@ func (k *checkpointer) history(path string, ck *optim.Checkpoint, mean bool) (*r
 	if ev != nil && len(ev.Shape) == 2 {
 		width = ev.Shape[1]
 	}
-	if width != ckptEvalWidth && width != ckptEvalWidthOld || len(ev.Data)%width != 0 {
+	if width != ckptEvalWidth && width != ckptEvalWidthWall && width != ckptEvalWidthOld || len(ev.Data)%width != 0 {
 		return nil, fmt.Errorf("-resume: %s: no valid %s", path, ckptEvals)
 	}
 	for i := 0; i < len(ev.Data); i += width {
 		e := evalPoint{step: int(ev.Data[i]), acc: float64(ev.Data[i+1]), loss: float64(ev.Data[i+2])}
-		e.wall = -1 // unknown
-		if width == ckptEvalWidth {
+		e.wall, e.bytes = -1, -1 // unknown
+		if width >= ckptEvalWidthWall {
 			e.wall = time.Duration(float64(ev.Data[i+3]) * float64(time.Second))
+		}
+		if width >= ckptEvalWidth {
+			e.bytes = float64(ev.Data[i+4])
 		}
 		res.evals = append(res.evals, e)
 	}
 	if ns, err := ck.Int(ckptElapsed); err == nil {
 		res.elapsed = time.Duration(ns)
+	}
+	res.sent = -1 // a checkpoint made before it was kept
+	if b, err := ck.Int(ckptSent); err == nil {
+		res.sent = b
 	}
 	return res, nil
 }

@@ -16,7 +16,10 @@
 // time split into compute (forward and backward), communication (time inside
 // collectives during Step) and compression (the rest of Step: compression
 // and the update), and the bytes each worker sent. -plot writes the training
-// loss and test accuracy curves to a PNG file.
+// loss and test accuracy curves to a PNG file, and beside it
+// (FILE-bytes.png) the test loss and accuracy against the bytes sent per
+// rank. -optimizer also takes a comma-separated list, trained one after the
+// other.
 //
 // The data are the four MNIST files in -data (default data/mnist, filled by
 // "make mnist-data"): train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz,
@@ -110,7 +113,7 @@ type options struct {
 
 // hyper returns the optimizers' settings that o's flags give.
 func (o *options) hyper() hyper {
-	reduce, scatter, _ := parseReduces(o.optimizer, o.reduce) // checked by parseFlags
+	reduce, scatter, _ := reducesOf(o.optimizer, o.reduce) // checked by parseFlags
 	h := hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), freezeStep: o.freezeStep, reduce: reduce, scatter: scatter,
 		localStepScaler: o.localSteps, outer: o.outer, outerState: o.outerState, muonWarmupAdamW: o.muonWarmup != "all"}
 	h.muonState, h.muonBF16, _ = onebit.ParseMuonStateMode(o.muonState) // checked by parseFlags
@@ -124,7 +127,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.workers, "workers", defaultWorkers, "data-parallel workers (ranks); with -backend mpi the mpirun -np decides")
 	fs.StringVar(&o.backend, "backend", "local", "communicator: local (goroutine ranks in this process) or mpi (run under mpirun; build with -tags mpi)")
 	fs.BoolVar(&o.allowInprocess, "allow-inprocess-under-mpi", false, "run -backend local's in-process ranks even where the environment says this process is one rank of an MPI job (mpirun without -backend mpi): each of the job's processes then trains on its own")
-	fs.StringVar(&o.optimizer, "optimizer", "onebit-adam", "optimizer: "+strings.Join(optimizerNames, ", "))
+	fs.StringVar(&o.optimizer, "optimizer", "onebit-adam", "optimizer: "+strings.Join(optimizerNames, ", ")+"; or several, comma-separated, trained one after the other from the same seed")
 	fs.BoolVar(&o.compare, "compare", false, "train the exact and the compressed optimizer one after the other from the same seed (adam vs onebit-adam and its state modes (onebit-adam-compact, onebit-adam-sharded, onebit-adam-sharded-bf16), lamb vs onebit-lamb, adam vs zeroone-adam, adam vs zero-adam)")
 	fs.IntVar(&o.freezeStep, "freeze-step", defaultFreezeStep, "warm-up steps of onebit-adam (every state mode), onebit-lamb and zeroone-adam (exact steps before compression starts)")
 	fs.IntVar(&o.localSteps, "local-step-scaler", onebit.DefaultZeroOneAdamConfig().LocalStepScaler,
@@ -137,7 +140,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.muonState, "muon-state", "full", "onebit-muon: how its state is kept (onebit.MuonConfig.StateMode): full (13 bytes per element of a weight matrix on 4 ranks), compact (no slot, worker errors in bfloat16: 7) or compact-bf16 (the momentum in bfloat16 too: 5)")
 	fs.StringVar(&o.muonWarmup, "muon-warmup", "adamw", "onebit-muon: what the exact warm-up (-freeze-step) is for: adamw (the biases' AdamW only, the weight matrices through the 1-bit exchange from the first step: onebit.MuonConfig.WarmupAdamWOnly, the library's default) or all (both groups exact)")
 	fs.Uint64Var(&o.seed, "seed", defaultSeed, "seed of the initial weights and of the shuffling")
-	fs.StringVar(&o.plot, "plot", "", "write training loss and test accuracy curves to this PNG file")
+	fs.StringVar(&o.plot, "plot", "", "write training loss and test accuracy curves to this PNG file, and test loss and accuracy against the bytes sent per rank to the same name with -bytes before .png")
 	fs.StringVar(&o.data, "data", "data/mnist", "directory holding the four MNIST IDX files")
 	fs.IntVar(&o.evals, "evals", defaultEvals, "test-set evaluations per epoch (for the curves and the time to -target)")
 	fs.Float64Var(&o.target, "target", defaultTarget, "test accuracy for the time-to-accuracy column")
@@ -223,7 +226,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		}
 		return nil, &cliflag.Error{Reason: err.Error()}
 	}
-	if _, _, err := parseReduces(o.optimizer, o.reduce); err != nil {
+	if _, _, err := reducesOf(o.optimizer, o.reduce); err != nil {
 		return nil, &cliflag.Error{Reason: err.Error()}
 	}
 	if _, err := runOrder(o.optimizer, o.compare); err != nil {
@@ -548,7 +551,10 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 		if err := writePlot(o.plot, results, o); err != nil {
 			return fmt.Errorf("plot: %w", err)
 		}
-		fmt.Fprintf(stdout, "\nplot: %s\n", o.plot)
+		if err := writeBytesPlot(bytesPlotPath(o.plot), results); err != nil {
+			return fmt.Errorf("plot: %w", err)
+		}
+		fmt.Fprintf(stdout, "\nplot: %s, against bytes sent: %s\n", o.plot, bytesPlotPath(o.plot))
 	}
 	return nil
 }

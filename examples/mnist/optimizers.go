@@ -88,8 +88,24 @@ var compressedOf = map[string]string{
 }
 
 // runOrder returns the optimizers one invocation trains: name alone, or
-// with -compare the exact one and then the compressed one.
+// with -compare the exact one and then the compressed one; name may also
+// list several optimizers, comma-separated, trained in that order (not
+// with -compare).
 func runOrder(name string, compare bool) ([]string, error) {
+	if names := strings.Split(name, ","); len(names) > 1 {
+		if compare {
+			return nil, fmt.Errorf("-compare trains one -optimizer and its counterpart; name every optimizer in -optimizer instead of %q", name)
+		}
+		for i, n := range names {
+			if !slices.Contains(optimizerNames, n) {
+				return nil, fmt.Errorf("unknown -optimizer %q in %q (want a comma-separated list of %v)", n, name, optimizerNames)
+			}
+			if slices.Contains(names[:i], n) {
+				return nil, fmt.Errorf("-optimizer %q names %s twice", name, n)
+			}
+		}
+		return names, nil
+	}
 	if !slices.Contains(optimizerNames, name) {
 		return nil, fmt.Errorf("unknown -optimizer %q (want one of %v)", name, optimizerNames)
 	}
@@ -162,6 +178,26 @@ func parseReduce(s string) (optim.ReduceMode, error) {
 
 // zeroReduceNames are the values of -reduce for zero-adam.
 var zeroReduceNames = []string{"fp32", "coalesced", "int8", "int4"}
+
+// reducesOf is parseReduces for -optimizer list, one optimizer or several
+// (comma-separated): -reduce must suit each of several; the modes are
+// zero-adam's where it is one of them (as with -compare -optimizer
+// zero-adam, whose Adam averages as zero-adam's -reduce says).
+func reducesOf(list, s string) (optim.ReduceMode, zero.Reduce, error) {
+	names := strings.Split(list, ",")
+	if len(names) == 1 {
+		return parseReduces(list, s)
+	}
+	for _, n := range names {
+		if _, _, err := parseReduces(n, s); err != nil {
+			return 0, 0, err
+		}
+	}
+	if slices.Contains(names, "zero-adam") {
+		return parseReduces("zero-adam", s)
+	}
+	return parseReduces(names[0], s)
+}
 
 // parseReduces returns what -reduce s means when -optimizer is name: the
 // gradient averaging of the exact optimizers and zero-adam's

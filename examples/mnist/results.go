@@ -95,7 +95,7 @@ func saveResult(dir string, cfg trainConfig, res *result) error {
 
 func putEval(ck *optim.Checkpoint, prefix string, e evalPoint) {
 	ck.Ints[prefix+"step"], ck.Ints[prefix+"wall_ns"] = int64(e.step), int64(e.wall)
-	ck.Floats[prefix+"acc"], ck.Floats[prefix+"loss"] = e.acc, e.loss
+	ck.Floats[prefix+"acc"], ck.Floats[prefix+"loss"], ck.Floats[prefix+"bytes"] = e.acc, e.loss, e.bytes
 }
 
 // loadResult reads the result of cfg.optimizer from dir: nil and no error
@@ -130,7 +130,7 @@ func loadResult(dir string, cfg trainConfig, world int) (*result, error) {
 		carried: carriedOf(r.int("carried")),
 	}
 	evals := r.int("evals")
-	for i := range min(max(evals, 0), int64(len(ck.Floats))) { // each has two scalars
+	for i := range min(max(evals, 0), int64(len(ck.Floats))) { // each has two scalars at least
 		res.evals = append(res.evals, r.eval(fmt.Sprintf("eval/%d/", i)))
 	}
 	loss, err := ck.TensorData(resultLoss, res.steps)
@@ -169,9 +169,15 @@ func (r *resultReader) float(name string) float64 {
 	return v
 }
 
+// eval reads an evaluation; its bytes are -1 (unknown) in a file made
+// before they were kept.
 func (r *resultReader) eval(prefix string) evalPoint {
-	return evalPoint{step: int(r.int(prefix + "step")), wall: time.Duration(r.int(prefix + "wall_ns")),
-		acc: r.float(prefix + "acc"), loss: r.float(prefix + "loss")}
+	e := evalPoint{step: int(r.int(prefix + "step")), wall: time.Duration(r.int(prefix + "wall_ns")),
+		acc: r.float(prefix + "acc"), loss: r.float(prefix + "loss"), bytes: -1}
+	if b, err := r.ck.Float(prefix + "bytes"); err == nil {
+		e.bytes = b
+	}
+	return e
 }
 
 // carriedCode is how a result file keeps carried, a carry's String or ""

@@ -53,6 +53,10 @@ type evalPoint struct {
 	wall time.Duration // training time until then (evaluations excluded)
 	acc  float64       // test accuracy in [0, 1]
 	loss float64       // mean test loss
+	// bytes is what a rank sent in the optimizer's Step until then, the
+	// mean over the ranks of optim.Stats.BytesSent, across resumes; -1
+	// when unknown (from a checkpoint or result made before it was kept).
+	bytes float64
 }
 
 // result is what one training run reports; every rank gets the same.
@@ -162,6 +166,16 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 	// evaluated on the parameters every rank agrees on, its global ones.
 	global, apart := opt.(interface{ Global() []float32 })
 	var local []float32 // the rank's own parameters while the global ones are evaluated
+	// sentBefore is what this rank had sent in Step when the checkpoint
+	// this run resumed from was made (-1: unknown): the optimizer's Stats
+	// count from the resume. sent is what it has sent until now.
+	var sentBefore int64
+	sent := func() int64 {
+		if sentBefore < 0 {
+			return -1
+		}
+		return sentBefore + opt.Stats().BytesSent
+	}
 	evaluate := func(step int) error {
 		t0 := time.Now()
 		if apart {
@@ -172,16 +186,22 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 		if apart {
 			setParams(model.params(), local)
 		}
-		buf := []float32{float32(correct), float32(loss)}
+		// The bytes of every rank, and how many ranks do not know theirs.
+		buf := []float32{float32(correct), float32(loss), float32(max(sent(), 0)), float32(min(sent(), 0))}
 		if err := c.AllReduce(ctx, buf, comm.Sum); err != nil {
 			return err
 		}
 		n := float64(test.len())
+		bytes := float64(buf[2]) / float64(w)
+		if buf[3] < 0 {
+			bytes = -1
+		}
 		res.evals = append(res.evals, evalPoint{
-			step: step,
-			wall: elapsed(),
-			acc:  float64(buf[0]) / n,
-			loss: float64(buf[1]) / n,
+			step:  step,
+			wall:  elapsed(),
+			acc:   float64(buf[0]) / n,
+			loss:  float64(buf[1]) / n,
+			bytes: bytes,
 		})
 		evalTime += time.Since(t0)
 		return nil
@@ -199,6 +219,7 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 		res.resumedFrom, res.resumedWorld, res.carried = back.step, back.fromWorld, back.carried.String()
 		copy(lossHist, back.lossHist)
 		res.evals = back.evals
+		sentBefore = back.sent
 		before = back.elapsed
 		ckpt.gen = back.gen
 		line, err := resumeLR(opt, back, cfg.hyper.lr, cfg.lrSet)
@@ -290,7 +311,7 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 			if err := opt.Step(ctx); errors.Is(err, errStopRequested) {
 				// Every rank refused step+1 alike: stop after step.
 				if savedAt != step {
-					if err := ckpt.save(ctx, c, opt, step, total, lossHist, res.evals, elapsed()); err != nil {
+					if err := ckpt.save(ctx, c, opt, step, total, lossHist, res.evals, elapsed(), sent()); err != nil {
 						return nil, err
 					}
 				}
@@ -313,7 +334,7 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 				}
 			}
 			if ckpt.due(step, total) {
-				if err := ckpt.save(ctx, c, opt, step, total, lossHist, res.evals, elapsed()); err != nil {
+				if err := ckpt.save(ctx, c, opt, step, total, lossHist, res.evals, elapsed(), sent()); err != nil {
 					return nil, err
 				}
 				savedAt = step

@@ -186,6 +186,24 @@ func TestRunOrder(t *testing.T) {
 		require.NoError(t, err)
 		assert.Equal(t, c.want, got)
 	}
+	got, err := runOrder("zero-adam,adam,diloco", false)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"zero-adam", "adam", "diloco"}, got, "a list, in its order")
+	for list, want := range map[string]string{
+		"adam,sgd":         `unknown -optimizer "sgd" in "adam,sgd"`,
+		"adam,lamb,adam":   "names adam twice",
+		"adam,onebit-adam": "-compare trains one -optimizer",
+	} {
+		_, err := runOrder(list, list == "adam,onebit-adam")
+		assert.ErrorContains(t, err, want, list)
+	}
+	_, _, err = reducesOf("adam,onebit-adam-sharded", "fp16")
+	assert.ErrorContains(t, err, "onebit-adam-sharded averages in fp32 only", "-reduce must suit every optimizer of a list")
+	m, z, err := reducesOf("adam,zero-adam", "fp32")
+	require.NoError(t, err)
+	wm, wz, _ := parseReduces("zero-adam", "fp32")
+	assert.Equal(t, wm, m)
+	assert.Equal(t, wz, z)
 }
 
 func TestLoadRejectsNonMNIST(t *testing.T) {

@@ -218,7 +218,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.valWindows, "val-windows", 64, "validation sequences of the curve's evaluations, evenly spaced over the validation text")
 	fs.IntVar(&o.finalWindows, "final-windows", 0, "validation sequences of the final evaluation, evenly spaced among those that tile the validation text (0, or more than there are: all of them, each byte of the text a target once)")
 	fs.StringVar(&o.jsonPath, "json", "", "write the results as JSON to this file")
-	fs.StringVar(&o.plotPath, "plot", "", "draw validation loss against tokens, one curve per run, into this SVG file")
+	fs.StringVar(&o.plotPath, "plot", "", "draw validation loss against tokens, one curve per run, into this SVG file, and against the bytes sent per rank into the same name with -bytes before .svg")
 	fs.StringVar(&o.mdPath, "markdown", "", "write the results table as Markdown to this file")
 	fs.BoolVar(&o.quiet, "quiet", false, "print only the final table")
 	fs.BoolVar(&o.progress, "progress", false, "show GoMLX's progress bar (commandline.AttachProgressBar) on rank 0")
@@ -434,6 +434,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	if o.plotPath != "" {
 		if err := writePlot(o.plotPath, o, results); err != nil {
+			return fmt.Errorf("-plot: %w", err)
+		}
+		if err := writeBytesPlot(bytesPlotPath(o.plotPath), o, results); err != nil {
 			return fmt.Errorf("-plot: %w", err)
 		}
 	}

@@ -8,6 +8,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"text/tabwriter"
@@ -385,6 +386,7 @@ func writeMarkdown(path string, o *options, data *corpus, results []*result) err
 		fmt.Fprintf(&b, "| %s | %.4f | ±%.2f%% |%s %.4f | %.4f | %s | %.4f | %s | %s | %d |\n",
 			r.spec.label(), r.valLoss, r.relStderr(), late, bitsPerByte(r.valLoss), r.curveLoss, vs, r.trainLoss, human(r.bytes), tt, r.skipped)
 	}
+	writeBytesTable(&b, results)
 	if d := muonDesc(o); d != "" {
 		fmt.Fprintf(&b, "\n%s.\n", strings.ToUpper(d[:1])+d[1:])
 	}
@@ -397,6 +399,45 @@ func writeMarkdown(path string, o *options, data *corpus, results []*result) err
 		}
 	}
 	return writeFile(path, []byte(b.String()))
+}
+
+// writeBytesTable writes the curve's validation loss and the bytes sent
+// per rank so far at each evaluation, a row per step and a column per run
+// (the points of the -plot against bytes); "-" where a run was not
+// evaluated at that step.
+func writeBytesTable(b *strings.Builder, results []*result) {
+	var steps []int
+	at := make([]map[int]evalPoint, len(results))
+	for i, r := range results {
+		at[i] = map[int]evalPoint{}
+		for _, e := range r.evals {
+			if _, ok := at[i][e.Step]; !ok {
+				steps = append(steps, e.Step)
+			}
+			at[i][e.Step] = e
+		}
+	}
+	slices.Sort(steps)
+	steps = slices.Compact(steps)
+	fmt.Fprintf(b, "\nValidation loss of the curve and bytes sent per rank so far (mean over the ranks) at each evaluation:\n\n| step | tokens |")
+	for _, r := range results {
+		fmt.Fprintf(b, " %s |", r.spec.label())
+	}
+	fmt.Fprintf(b, "\n|---:|---:|%s\n", strings.Repeat("---:|", len(results)))
+	for _, s := range steps {
+		var tokens int64
+		var cells strings.Builder
+		for i := range results {
+			e, ok := at[i][s]
+			if !ok {
+				cells.WriteString(" - |")
+				continue
+			}
+			tokens = e.Tokens
+			fmt.Fprintf(&cells, " %.4f, %s |", e.ValLoss, human(e.BytesSent))
+		}
+		fmt.Fprintf(b, "| %d | %d |%s\n", s, tokens, cells.String())
+	}
 }
 
 func writeFile(path string, b []byte) error {

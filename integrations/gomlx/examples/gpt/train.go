@@ -31,6 +31,10 @@ type evalPoint struct {
 	Tokens  int64   `json:"tokens"`
 	TrainS  float64 `json:"train_s"` // training time so far, validations excluded
 	ValLoss float64 `json:"val_loss"`
+	// BytesSent is what a rank sent in the optimizer's Step so far (the
+	// mean over the ranks of optim.Stats.BytesSent, the sent/rank column
+	// at this step); a resumed run counts from its resume.
+	BytesSent float64 `json:"bytes_sent_per_rank"`
 	// LateLoss is the validation loss on the positions whose next byte is
 	// one of -late-bytes (late.go), nil without them.
 	LateLoss *float64 `json:"late_val_loss,omitempty"`
@@ -202,32 +206,37 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 		return nil, err
 	}
 	totalWindows := min(o.valWindows, len(data.val)-o.model.context)
-	sums := make([]float32, 1)
+	sums := make([]float32, 2)
 	// validate evaluates this rank's variables; evaluate, below, the
-	// model every rank agrees on.
-	validate := func() (float64, error) {
-		sums[0] = 0
+	// model every rank agrees on. The same collective averages sent, the
+	// bytes this rank sent so far, over the ranks.
+	validate := func(sent float32) (loss, meanSent float64, err error) {
+		sums[0], sums[1] = 0, sent
 		if vn > 0 {
 			out, err := eval.Exec(tensors.FromFlatDataAndDimensions(vx, vn, o.model.context),
 				tensors.FromFlatDataAndDimensions(vy, vn, o.model.context, 1))
 			if err != nil {
-				return 0, fmt.Errorf("validation: %w", err)
+				return 0, 0, fmt.Errorf("validation: %w", err)
 			}
 			sums[0] = tensors.ToScalar[float32](out[0])
 		}
 		if err := c.AllReduce(ctx, sums, comm.Sum); err != nil {
-			return 0, err
+			return 0, 0, err
 		}
-		return float64(sums[0]) / float64(totalWindows*o.model.context), nil
+		return float64(sums[0]) / float64(totalWindows*o.model.context), float64(sums[1]) / float64(w), nil
 	}
 	// evaluate validates the model every rank agrees on: the variables
 	// themselves, but for diloco, whose ranks' variables differ between
 	// exchanges, its global parameters (lowbit: WithGlobalValues).
 	evaluate := func(step int) (e evalPoint, err error) {
 		e = evalPoint{Step: step, Tokens: int64(step) * tokensPerStep}
+		var sent float32
+		if lo := opt.Optimizer(); lo != nil { // nil before the first step
+			sent = float32(lo.Stats().BytesSent)
+		}
 		err = opt.WithGlobalValues(func() error {
 			var err error
-			if e.ValLoss, err = validate(); err != nil {
+			if e.ValLoss, e.BytesSent, err = validate(sent); err != nil {
 				return err
 			}
 			e.LateLoss, err = late.loss(ctx, c)
