@@ -445,7 +445,7 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 					mu.Unlock()
 				}
 				return err
-			})
+			}, localOpts(o.allowInprocess)...)
 			if err != nil {
 				return nil, fmt.Errorf("%s: %w", cfg.optimizer, err)
 			}
@@ -549,6 +549,16 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 			return fmt.Errorf("plot: %w", err)
 		}
 		fmt.Fprintf(stdout, "\nplot: %s\n", o.plot)
+	}
+	return nil
+}
+
+// localOpts are local.Run's options: -allow-inprocess-under-mpi lets it
+// start in-process ranks in a rank of an MPI job, which it refuses by
+// default.
+func localOpts(allowUnderMPI bool) []local.Option {
+	if allowUnderMPI {
+		return []local.Option{local.AllowUnderMPI()}
 	}
 	return nil
 }

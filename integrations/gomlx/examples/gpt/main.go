@@ -414,7 +414,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 					mu.Unlock()
 				}
 				return err
-			})
+			}, localOpts(o.allowInprocess)...)
 			if err != nil {
 				return fmt.Errorf("%s: %w", r.label(), err)
 			}
@@ -436,6 +436,16 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		if err := writePlot(o.plotPath, o, results); err != nil {
 			return fmt.Errorf("-plot: %w", err)
 		}
+	}
+	return nil
+}
+
+// localOpts are local.Run's options: -allow-inprocess-under-mpi lets it
+// start in-process ranks in a rank of an MPI job, which it refuses by
+// default.
+func localOpts(allowUnderMPI bool) []local.Option {
+	if allowUnderMPI {
+		return []local.Option{local.AllowUnderMPI()}
 	}
 	return nil
 }
