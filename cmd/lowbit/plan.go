@@ -65,7 +65,7 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	fs.SetOutput(out)
 	fs.Var(&size.CountValue[int64]{P: &j.Params, Min: 1, Max: costmodel.MaxParams}, "params", "model parameters: float32 gradient elements (`count`: 7B, 1.3B, 340M, 137k; B is billion)")
 	fs.IntVar(&j.Ranks, "ranks", 64, "data-parallel ranks W (at least 2)")
-	fs.StringVar(&j.LinkName, "link", "10gbit", "link rate, tc units: 10gbit, 250mbit, 1.25gbps (bytes/s)")
+	fs.StringVar(&j.LinkName, "link", "10gbit", "link rate: 10gbit, 250mbit, 100Mbit/s (bits/s; tc's units) or 1.25GB/s (bytes/s); not Mbps, which is bits to most people and bytes to tc")
 	sharing := fs.String("sharing", string(costmodel.PerRank), "per-rank: each rank has a link of this rate (a cluster); shared: one shaped link carries all ranks' traffic and the ranks share the calibration machine's CPUs (the calibration's loopback)")
 	list := fs.String("collective", "allreduce,onebit", "comma-separated collectives: allreduce, onebit, fp16, and the outer optimizer's rows (with --outer-h) "+
 		strings.Join(outerRowNames(), ", ")+"; fp16, outer-bf16, outer-int8 and outer-sparse are not calibrated; with --outer-h and no --collective the outer rows follow the default ones (outer-sparse where --outer-sparse-chunk fits a fragment)")
@@ -157,7 +157,8 @@ predicted by a fit that has not seen it.
 		j.Collectives = j.DefaultCollectives()
 	}
 	if j.Link, err = costmodel.ParseRate(j.LinkName); err != nil {
-		return nil, cliflag.Bad(fs, "link", "want a positive rate with a tc unit")
+		reason := strings.TrimPrefix(err.Error(), fmt.Sprintf("link rate %q: ", j.LinkName))
+		return nil, cliflag.Bad(fs, "link", "%s", reason)
 	}
 	j.LinkName = strings.ToLower(strings.TrimSpace(j.LinkName))
 	if err := j.Validate(); err != nil {

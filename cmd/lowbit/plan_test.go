@@ -177,6 +177,11 @@ func TestParsePlanFlagsErrors(t *testing.T) {
 		_, err := parsePlanFlags(args, &bytes.Buffer{})
 		assert.True(t, cliflag.IsUsage(err), "%v: %v", args, err)
 	}
+	// --link 100Mbps is 100 Mbit/s to most people and 800 to tc: refused.
+	_, err := parsePlanFlags([]string{"--link", "100Mbps"}, io.Discard)
+	require.True(t, cliflag.IsUsage(err), "%v", err)
+	assert.Equal(t, `invalid value "100Mbps" for --link: ambiguous unit: most people read Mbps as bits per second (100 Mbit/s), `+
+		`tc as bytes per second (800 Mbit/s); write 100mbit for the first or 100MB/s for the second (e.g. --link 10gbit)`, err.Error())
 	cfg, err := parsePlanFlags([]string{"--params", "340M", "--bucket", "64Mi"}, io.Discard)
 	require.NoError(t, err)
 	assert.Equal(t, int64(340e6), cfg.job.Params)
