@@ -59,7 +59,7 @@ func TestOuterRowsListed(t *testing.T) {
 	for _, r := range p.Rows {
 		names = append(names, r.Collective)
 	}
-	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse", "outer-sparse-2p"}, names)
+	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-muon", "outer-sparse", "outer-sparse-2p"}, names)
 	require.NotNil(t, p.Outer)
 	// The sparse codec's defaults: 85 of 4096 entries, 13 bits each, and
 	// a float32 scale per chunk: (4 + ceil(85*13/8)) bytes per 4096.
@@ -71,18 +71,18 @@ func TestOuterRowsListed(t *testing.T) {
 		cal[r.Collective] = r.Calibrated
 	}
 	assert.Equal(t, map[string]bool{"allreduce": true, "onebit": true, "outer-fp32": true, "outer-bf16": false,
-		"outer-int8": false, "outer-1bit": true, "outer-sparse": false, "outer-sparse-2p": false}, cal)
+		"outer-int8": false, "outer-1bit": true, "outer-muon": true, "outer-sparse": false, "outer-sparse-2p": false}, cal)
 
 	// A fragment shorter than the sparse codec's chunk, which package
 	// outer refuses: the default rows leave the sparse codec's out, and
 	// asking for it names the field.
 	j.OuterH, j.OuterFragments = 1<<9, 1<<9 // of 2048 elements
 	p, _ = planRows(t, j)
-	require.Len(t, p.Rows, 6)
+	require.Len(t, p.Rows, 7)
 	assert.Nil(t, p.Outer.Sparse)
 	j.OuterSparseChunk = 2048
 	p, _ = planRows(t, j)
-	require.Len(t, p.Rows, 8)
+	require.Len(t, p.Rows, 9)
 	assert.Equal(t, 2048, p.Outer.Sparse.Chunk)
 	j.OuterSparseChunk, j.Collectives = 0, []string{"outer-sparse"}
 	var je *JobError
@@ -261,7 +261,7 @@ func TestOuterDelayHides(t *testing.T) {
 			assert.InDelta(t, 2*hidden/8, got.HiddenS, 1e-12, what)
 			assert.InDelta(t, r0[name].CommS-2*hidden/8, got.CommS, 1e-12, what)
 			assert.InEpsilon(t, got.LatencyS+got.TransferS+got.CompressS, got.CommS, 1e-12, what)
-			assert.InEpsilon(t, got.CommS+c.compute.Seconds(), got.StepS, 1e-12, what)
+			assert.InEpsilon(t, got.CommS+got.OrthoS+c.compute.Seconds(), got.StepS, 1e-12, what)
 			assert.Equal(t, r0[name].WirePerRank, got.WirePerRank, what)
 			assert.InEpsilon(t, x, got.ExchangeS, 1e-12, what)
 			if c.compute == time.Hour {
@@ -326,5 +326,22 @@ func TestOuterJobValidate(t *testing.T) {
 	j := outerJob(0, 0, 0)
 	j.Collectives = []string{"nope"}
 	_, err = cal.Model.Plan(j)
-	assert.ErrorContains(t, err, "outer-fp32, outer-bf16, outer-int8, outer-1bit, outer-sparse", "the names Collectives takes")
+	assert.ErrorContains(t, err, "outer-fp32, outer-bf16, outer-int8, outer-1bit, outer-muon, outer-sparse", "the names Collectives takes")
+}
+
+// The outer-muon row (MuLoCo) is outer-1bit's exchange plus Muon's
+// orthogonalization of every matrix in every inner step, and brings the
+// Plan's MuonPlan with it.
+func TestOuterMuonRow(t *testing.T) {
+	j := outerJob(10, 1, 0)
+	j.StepCompute = 100 * time.Millisecond
+	p, rows := planRows(t, j)
+	require.NotNil(t, p.Muon, "outer-muon plans Muon's orthogonalization")
+	one, mu := rows["outer-1bit"], rows[OptOuterMuon]
+	assert.Greater(t, mu.OrthoS, 0.0)
+	assert.Equal(t, p.Muon.OrthoS, mu.OrthoS)
+	assert.Equal(t, one.CommS, mu.CommS)
+	assert.Equal(t, one.WirePerRank, mu.WirePerRank)
+	assert.InEpsilon(t, one.StepS+mu.OrthoS, mu.StepS, 1e-12)
+	assert.Zero(t, one.OrthoS)
 }

@@ -243,6 +243,9 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 	var mp *MuonPlan
 	for _, name := range j.Collectives {
 		if oc, ok := findOuterCodec(name); ok {
+			if oc.muon {
+				mp = muonPlan(j)
+			}
 			rows = append(rows, m.outerRow(oc, j, s, f, exactComm+compute))
 			continue
 		}

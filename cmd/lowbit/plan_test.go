@@ -325,11 +325,13 @@ func TestPlanOuterRows(t *testing.T) {
 	assert.NotContains(t, s, "outer")
 
 	s, rows = outerRows(t, args+" --outer-h 50")
-	require.Len(t, rows, 8, s)
-	for _, name := range []string{"outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse", "outer-sparse-2p"} {
+	require.Len(t, rows, 9, s)
+	for _, name := range []string{"outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-muon", "outer-sparse", "outer-sparse-2p"} {
 		require.Contains(t, rows, name, s)
 		assert.Contains(t, s, name+": outer optimizer, ")
 	}
+	assert.Contains(t, s, "outer-muon: outer optimizer, Muon inside (MuLoCo")
+	assert.Regexp(t, `\n +outer-muon +[0-9.]+ +[0-9.]+ [kMG]?B +[0-9.]+ [kMG]?B\n`, s, "outer-muon's row in the state table")
 	assert.Contains(t, s, "outer-bf16*")
 	assert.Contains(t, s, "outer-int8*: not measured")
 	assert.NotContains(t, s, "outer-fp32*")
@@ -353,7 +355,7 @@ func TestPlanOuterRows(t *testing.T) {
 	assert.Contains(t, s, "outer-sparse-2p sends them in two phases, 2(W-1) segments of ceil(chunks/W) chunks per rank")
 
 	s, rows = outerRows(t, args+" --outer-h 50 --outer-fragments 4 --outer-delay 2")
-	require.Len(t, rows, 8, s)
+	require.Len(t, rows, 9, s)
 	assert.Contains(t, s, "H 50, 4 fragments, delay 2")
 	assert.Contains(t, s, "of 31M parameters every 12.5 steps")
 	assert.Contains(t, s, "each exchange runs beside 2 steps of compute (400ms)")
@@ -440,12 +442,12 @@ func TestPlanOuterFlagErrors(t *testing.T) {
 	assert.Equal(t, 50, cfg.job.OuterH)
 	assert.Equal(t, 4, cfg.job.OuterFragments)
 	assert.Equal(t, 12, cfg.job.OuterDelay)
-	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse", "outer-sparse-2p"}, cfg.job.Collectives)
+	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-muon", "outer-sparse", "outer-sparse-2p"}, cfg.job.Collectives)
 	// A fragment shorter than the sparse codec's chunk: its row is left
 	// out of the default ones.
 	cfg, err = parsePlanFlags(strings.Fields("--params 4000 --outer-h 5"), io.Discard)
 	require.NoError(t, err)
-	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit"}, cfg.job.Collectives)
+	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-muon"}, cfg.job.Collectives)
 }
 
 // stateRows runs lowbit plan with args and returns its optimizer state
@@ -539,7 +541,7 @@ func TestPlanRTT(t *testing.T) {
 		// One exchange every 50 steps: the agreement (W-1 rounds), then
 		// the codec's collective.
 		"outer-fp32": (r + 2*r) / 50, "outer-bf16": (r + 2*r) / 50, "outer-int8": (r + 2*r) / 50,
-		"outer-1bit": (r + buckets*3*r) / 50, "outer-sparse": (r + r) / 50, "outer-sparse-2p": (r + 2*r) / 50,
+		"outer-1bit": (r + buckets*3*r) / 50, "outer-muon": (r + buckets*3*r) / 50, "outer-sparse": (r + r) / 50, "outer-sparse-2p": (r + 2*r) / 50,
 	}
 	var out bytes.Buffer
 	require.NoError(t, planMain(strings.Fields(args+" --rtt 50ms --json"), &out, io.Discard))
@@ -622,5 +624,26 @@ func TestPlanCommColumn(t *testing.T) {
 			assert.Equal(t, formatSeconds(row.StepS), f[len(f)-2], "%s: %s", args, row.Collective)
 			assert.InDelta(t, row.LatencyS+row.TransferS+row.CompressS, row.CommS, 1e-9, row.Collective)
 		}
+	}
+}
+
+// At a 40 ms round trip the default 25Mi buckets cost the 1-bit row four
+// times the comm of larger ones, in latency-bound rounds: the plan says
+// which --bucket would do better. Not where the default costs little, nor
+// where --bucket was given.
+func TestPlanBucketHint(t *testing.T) {
+	const args = "--params 1.3G --ranks 8 --link 100mbit --rtt 40ms"
+	var out bytes.Buffer
+	require.NoError(t, planMain(strings.Fields(args), &out, io.Discard))
+	assert.Contains(t, out.String(), "\nhint: latency-bound rounds are 78% of onebit's comm in the default buckets of 25Mi; "+
+		"--bucket 2Gi predicts 26.84s instead of 107.40s (larger buckets hold more memory: rerun with it for the state table)\n")
+	var with bytes.Buffer
+	require.NoError(t, planMain(strings.Fields(args+" --bucket 2Gi"), &with, io.Discard))
+	assert.Contains(t, with.String(), " 26.84s ")
+	assert.NotContains(t, with.String(), "hint:")
+	for _, a := range []string{args + " --bucket 25Mi", "--params 1.3G --ranks 64 --link 10gbit", args + " --json"} {
+		out.Reset()
+		require.NoError(t, planMain(strings.Fields(a), &out, io.Discard))
+		assert.NotContains(t, out.String(), "hint:", a)
 	}
 }
