@@ -276,8 +276,23 @@ func outerPlan(j Job, sparse bool) *OuterPlan {
 
 // defaultOuterRows are the outer rows of a plan of j whose Collectives is
 // nil: none without OuterH; every codec's, the sparse codec's only where
-// its chunk fits the smallest fragment.
+// its chunk fits the smallest fragment, and OptOuterMuon only with
+// MuonShape, as Muon's rows (its orthogonalization needs the shape and
+// --muon-flops to mean anything).
 func (j Job) defaultOuterRows() []string {
+	var names []string
+	for _, name := range j.outerStateRows() {
+		if name != OptOuterMuon || j.MuonShape != [2]int64{} {
+			names = append(names, name)
+		}
+	}
+	return names
+}
+
+// outerStateRows are the outer rows of j's state table: none without
+// OuterH; every codec's, the sparse codec's only where its chunk fits the
+// smallest fragment, and OptOuterMuon.
+func (j Job) outerStateRows() []string {
 	if j.OuterH <= 0 {
 		return nil
 	}

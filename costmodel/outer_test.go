@@ -59,7 +59,7 @@ func TestOuterRowsListed(t *testing.T) {
 	for _, r := range p.Rows {
 		names = append(names, r.Collective)
 	}
-	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-muon", "outer-sparse", "outer-sparse-2p"}, names)
+	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse", "outer-sparse-2p"}, names)
 	require.NotNil(t, p.Outer)
 	// The sparse codec's defaults: 85 of 4096 entries, 13 bits each, and
 	// a float32 scale per chunk: (4 + ceil(85*13/8)) bytes per 4096.
@@ -71,18 +71,18 @@ func TestOuterRowsListed(t *testing.T) {
 		cal[r.Collective] = r.Calibrated
 	}
 	assert.Equal(t, map[string]bool{"allreduce": true, "onebit": true, "outer-fp32": true, "outer-bf16": false,
-		"outer-int8": false, "outer-1bit": true, "outer-muon": true, "outer-sparse": false, "outer-sparse-2p": false}, cal)
+		"outer-int8": false, "outer-1bit": true, "outer-sparse": false, "outer-sparse-2p": false}, cal)
 
 	// A fragment shorter than the sparse codec's chunk, which package
 	// outer refuses: the default rows leave the sparse codec's out, and
 	// asking for it names the field.
 	j.OuterH, j.OuterFragments = 1<<9, 1<<9 // of 2048 elements
 	p, _ = planRows(t, j)
-	require.Len(t, p.Rows, 7)
+	require.Len(t, p.Rows, 6)
 	assert.Nil(t, p.Outer.Sparse)
 	j.OuterSparseChunk = 2048
 	p, _ = planRows(t, j)
-	require.Len(t, p.Rows, 9)
+	require.Len(t, p.Rows, 8)
 	assert.Equal(t, 2048, p.Outer.Sparse.Chunk)
 	j.OuterSparseChunk, j.Collectives = 0, []string{"outer-sparse"}
 	var je *JobError
@@ -188,9 +188,10 @@ func TestOuterSparseTwoPhaseRow(t *testing.T) {
 // average bytes and transfer (each fragment exchanged once every H
 // steps), and add one exchange's latency and agreement per fragment.
 func TestOuterAmortization(t *testing.T) {
-	_, h1 := planRows(t, outerJob(8, 1, 0))
-	_, h2 := planRows(t, outerJob(16, 1, 0))
-	_, f4 := planRows(t, outerJob(16, 4, 0))
+	all := func(j Job) Job { j.Collectives = outerNames(); return j }
+	_, h1 := planRows(t, all(outerJob(8, 1, 0)))
+	_, h2 := planRows(t, all(outerJob(16, 1, 0)))
+	_, f4 := planRows(t, all(outerJob(16, 4, 0)))
 	for _, name := range outerNames() {
 		a, b, c := h1[name], h2[name], f4[name]
 		assert.InEpsilon(t, a.CommS/2, b.CommS, 1e-12, name)
@@ -334,7 +335,9 @@ func TestOuterJobValidate(t *testing.T) {
 // Plan's MuonPlan with it.
 func TestOuterMuonRow(t *testing.T) {
 	j := outerJob(10, 1, 0)
-	j.StepCompute = 100 * time.Millisecond
+	_, rows := planRows(t, j)
+	assert.NotContains(t, rows, OptOuterMuon, "without --muon-shape, as Muon's rows")
+	j.MuonShape = [2]int64{512, 1024}
 	p, rows := planRows(t, j)
 	require.NotNil(t, p.Muon, "outer-muon plans Muon's orthogonalization")
 	one, mu := rows["outer-1bit"], rows[OptOuterMuon]

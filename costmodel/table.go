@@ -46,7 +46,7 @@ func (j Job) StateTable() []StateRow {
 		b += muonCompactDelta(mp.Matrices*most, mp.Other, most, tensors, j.Ranks, j.BucketBytes, true)
 		rows = append(rows, StateRow{Optimizer: OptOnebitMuonCompactBF16, Bytes: b})
 	}
-	for _, name := range j.defaultOuterRows() {
+	for _, name := range j.outerStateRows() {
 		oc, _ := findOuterCodec(name)
 		b, err := OuterStateBytes(oc.stateName(), j)
 		if err == nil || err == errTooLarge {

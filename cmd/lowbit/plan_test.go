@@ -325,12 +325,11 @@ func TestPlanOuterRows(t *testing.T) {
 	assert.NotContains(t, s, "outer")
 
 	s, rows = outerRows(t, args+" --outer-h 50")
-	require.Len(t, rows, 9, s)
-	for _, name := range []string{"outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-muon", "outer-sparse", "outer-sparse-2p"} {
+	require.Len(t, rows, 8, s)
+	for _, name := range []string{"outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse", "outer-sparse-2p"} {
 		require.Contains(t, rows, name, s)
 		assert.Contains(t, s, name+": outer optimizer, ")
 	}
-	assert.Contains(t, s, "outer-muon: outer optimizer, Muon inside (MuLoCo")
 	assert.Regexp(t, `\n +outer-muon +[0-9.]+ +[0-9.]+ [kMG]?B +[0-9.]+ [kMG]?B\n`, s, "outer-muon's row in the state table")
 	assert.Contains(t, s, "outer-bf16*")
 	assert.Contains(t, s, "outer-int8*: not measured")
@@ -355,12 +354,19 @@ func TestPlanOuterRows(t *testing.T) {
 	assert.Contains(t, s, "outer-sparse-2p sends them in two phases, 2(W-1) segments of ceil(chunks/W) chunks per rank")
 
 	s, rows = outerRows(t, args+" --outer-h 50 --outer-fragments 4 --outer-delay 2")
-	require.Len(t, rows, 9, s)
+	require.Len(t, rows, 8, s)
 	assert.Contains(t, s, "H 50, 4 fragments, delay 2")
 	assert.Contains(t, s, "of 31M parameters every 12.5 steps")
 	assert.Contains(t, s, "each exchange runs beside 2 steps of compute (400ms)")
 	assert.Contains(t, s, "32.0ms hidden per step on average", "400ms of each of 4 exchanges every 50 steps")
 	assert.Equal(t, "0.16", rows["outer-fp32"][0])
+
+	// With --muon-shape, as Muon's rows, the outer optimizer with Muon
+	// inside (MuLoCo): outer-1bit's exchange and Muon's orthogonalization.
+	s, rows = outerRows(t, args+" --outer-h 50 --muon-shape 1024x1024 --muon-flops 50e12")
+	require.Contains(t, rows, "outer-muon", s)
+	assert.Contains(t, s, "outer-muon: outer optimizer, Muon inside (MuLoCo")
+	assert.Equal(t, rows["outer-1bit"][:6], rows["outer-muon"][:6], "the same exchange")
 
 	_, rows = outerRows(t, args+" --outer-h 50 --collective allreduce,outer-int8")
 	assert.Len(t, rows, 2)
@@ -442,12 +448,12 @@ func TestPlanOuterFlagErrors(t *testing.T) {
 	assert.Equal(t, 50, cfg.job.OuterH)
 	assert.Equal(t, 4, cfg.job.OuterFragments)
 	assert.Equal(t, 12, cfg.job.OuterDelay)
-	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-muon", "outer-sparse", "outer-sparse-2p"}, cfg.job.Collectives)
+	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-sparse", "outer-sparse-2p"}, cfg.job.Collectives)
 	// A fragment shorter than the sparse codec's chunk: its row is left
 	// out of the default ones.
 	cfg, err = parsePlanFlags(strings.Fields("--params 4000 --outer-h 5"), io.Discard)
 	require.NoError(t, err)
-	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit", "outer-muon"}, cfg.job.Collectives)
+	assert.Equal(t, []string{"allreduce", "onebit", "outer-fp32", "outer-bf16", "outer-int8", "outer-1bit"}, cfg.job.Collectives)
 }
 
 // stateRows runs lowbit plan with args and returns its optimizer state
