@@ -35,6 +35,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/pprof"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -467,6 +468,12 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 			if err := removeResult(o.checkpoint.dir, name); err != nil {
 				return err
 			}
+		}
+	}
+	if slices.Contains(names, diloco) && o.batch > 0 {
+		// The outer optimizer does not know the run's length: this does.
+		if w := o.outer.StepsWarning(o.epochs * (train.len() / o.batch)); w != "" {
+			fmt.Fprintf(stderr, "mnist: warning: diloco: %s (-outer-h, -outer-fragments, -outer-delay; -epochs, -batch)\n", w)
 		}
 	}
 	var results []*result
