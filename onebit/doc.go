@@ -80,7 +80,7 @@
 // Deliberately differs from the reference, too: an element whose gradient
 // has been zero on every rank at every step does not move (with weight
 // decay, it decays exactly as exact Adam decays it), in every optimizer
-// and mode, as in exact Adam. The compressed momentum alone would move it:
+// and mode (1-bit Muon's AdamW group included), as in exact Adam. The compressed momentum alone would move it:
 // 1-bit compression gives every element of a chunk ±scale, and the error
 // feedback only cancels that noise over time (before this rule the rows
 // of bytes that never occur in the GPT example, integrations/gomlx/

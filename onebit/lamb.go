@@ -773,12 +773,27 @@ func checkRank(ck *optim.Checkpoint, rank int) error {
 }
 
 // warnErrorsReset logs the warning of every Load of a checkpoint whose
-// error buffers were reset (optim.Checkpoint.ResetErrors), after the load.
+// error buffers were reset (optim.Checkpoint.ResetErrors), after the load:
+// what restarted, what was carried and the lossless way (Regroup).
 func warnErrorsReset(log *zap.Logger, ck *optim.Checkpoint, world, rank int) {
-	log.Warn("loaded a checkpoint whose error buffers were reset: error feedback starts again from zero",
+	log.Warn(errorsResetMessage(ck.Algorithm),
 		zap.String("algorithm", ck.Algorithm), zap.Int64("step", ck.Ints[optim.IntStep]),
 		zap.Int("made_on_world", ck.World), zap.Int("made_by_rank", ck.Rank),
 		zap.Int("world", world), zap.Int("rank", rank))
+}
+
+// errorsResetMessage is warnErrorsReset's message for a checkpoint of
+// algorithm.
+func errorsResetMessage(algorithm string) string {
+	const (
+		reset   = "loaded a checkpoint whose error buffers were reset (optim.Checkpoint.ResetErrors): the error feedback starts again from zero; "
+		regroup = "onebit.Regroup of every old rank's checkpoint keeps the error feedback"
+	)
+	if algorithm == AlgorithmMuon {
+		return reset + "the parameters, the AdamW moments and the counters are carried, and the momenta are those of the rank that made it (made_by_rank) alone, " +
+			"not the ranks' mean (" + regroup + " and takes the momenta's mean)"
+	}
+	return reset + "the parameters, the moments and the counters are carried, those of the rank that made it (made_by_rank) (" + regroup + ")"
 }
 
 // checkpointInts returns the named counters of ck, in order, or the error

@@ -31,6 +31,11 @@ var lateOptimizers = map[string]func(ctx context.Context, c comm.Comm, ps []*opt
 		cfg.LR, cfg.FreezeStep = 0.01, 3
 		return onebit.NewLamb(ctx, c, ps, cfg)
 	},
+	"onebit-muon": func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		cfg := onebit.DefaultMuonConfig() // emb and dense are its AdamW group's
+		cfg.Params, cfg.AdamLR, cfg.FreezeStep = []string{"mat"}, 0.01, 3
+		return onebit.NewMuon(ctx, c, ps, cfg)
+	},
 	"zeroone-adam": func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 		cfg := onebit.DefaultZeroOneAdamConfig()
 		cfg.LR, cfg.VarFreezeStep, cfg.VarUpdateScaler, cfg.LocalStepScaler, cfg.LocalStepClipper = 0.01, 8, 1, 2, 4
@@ -42,8 +47,9 @@ var lateOptimizers = map[string]func(ctx context.Context, c comm.Comm, ps []*opt
 // issue: the embedding "emb" (8 rows of 4) gets noisy gradient in rows 0-3
 // from the start, gradient 0.1 in rows 4-5 from step late on (none before:
 // tokens first seen after the warm-up), the tiny gradient tiny in row 6 in
-// the first steps and none after, and none ever in row 7; "dense" gets
-// noisy gradient everywhere.
+// the first steps and none after, and none ever in row 7; "dense" and
+// the matrix "mat" (1-bit Muon's Muon group) get noisy gradient
+// everywhere.
 func lateGrads(ps []*optim.Param, r, s, late int, tiny float32) {
 	probeGrads(ps, r, s, func(j int, g float32) float32 {
 		switch row := j / 4; {
@@ -85,8 +91,8 @@ func lateRun(t *testing.T, build func(context.Context, comm.Comm, []*optim.Param
 	w int, ck []*optim.Checkpoint, from, to, late int, tiny float32) ([][][][]float32, []*optim.Checkpoint) {
 	t.Helper()
 	params := func(t testing.TB) []*optim.Param {
-		ps := adamParams(t, []int{8, 4}, []int{6})
-		ps[0].Name, ps[1].Name = "emb", "dense"
+		ps := adamParams(t, []int{8, 4}, []int{6}, []int{4, 5})
+		ps[0].Name, ps[1].Name, ps[2].Name = "emb", "dense", "mat"
 		return ps
 	}
 	grads := func(ps []*optim.Param, r, s int) { lateGrads(ps, r, s, late, tiny) }
@@ -96,9 +102,10 @@ func lateRun(t *testing.T, build func(context.Context, comm.Comm, []*optim.Param
 // TestLateElementsTrain is the probe of the second review: 2 ranks, lr
 // 0.01, the warm-up ends at step 3, rows 4-5 of an embedding first get
 // gradient 0.1 at step 6. Over 200 steps exact Adam moves them by about
-// 1.99; every 1-bit optimizer must move them the same way by a comparable
-// amount (within a factor 10), where before the rule 1-bit Adam and 1-bit
-// LAMB held them still for good (0) and 0/1 Adam's local steps moved them
+// 1.99; every 1-bit optimizer (1-bit Muon's AdamW group included) must
+// move them the same way by a comparable amount (within a factor 10),
+// where before the rule 1-bit Adam, 1-bit LAMB and 1-bit Muon held them
+// still for good (0) and 0/1 Adam's local steps moved them
 // by lr*m/eps (1e5). Row 6 got a gradient of 1e-12 in the warm-up (v about
 // 1e-27): it may not move far (the reference moves it by 1.6e4); row 7
 // got none ever: it may not move at all (see TestNoGradientNoStep). No
@@ -106,7 +113,7 @@ func lateRun(t *testing.T, build func(context.Context, comm.Comm, []*optim.Param
 func TestLateElementsTrain(t *testing.T) {
 	const w, steps, late = 2, 200, 6
 	moved := map[string]float64{}
-	for _, name := range []string{"adam", "onebit-adam", "onebit-lamb", "zeroone-adam"} {
+	for _, name := range []string{"adam", "onebit-adam", "onebit-lamb", "onebit-muon", "zeroone-adam"} {
 		hist, _ := lateRun(t, lateOptimizers[name], w, nil, 0, steps, late, 1e-12)
 		init := adamParams(t, []int{8, 4})[0].Data()
 		for r := range w {
@@ -137,7 +144,7 @@ func TestLateElementsTrain(t *testing.T) {
 	}
 	exact := moved["adam"]
 	require.InDelta(t, 1.99, exact, 0.05, "exact Adam's movement of the late rows")
-	for _, name := range []string{"onebit-adam", "onebit-lamb", "zeroone-adam"} {
+	for _, name := range []string{"onebit-adam", "onebit-lamb", "onebit-muon", "zeroone-adam"} {
 		assert.Greater(t, moved[name], exact/10, "%s: late rows train too slowly", name)
 		assert.Less(t, moved[name], exact*10, "%s: late rows train too fast", name)
 	}
@@ -154,9 +161,9 @@ func TestNoStepBeyondTheBound(t *testing.T) {
 	for _, tiny := range []float32{1e-12, 1e-30} {
 		for _, name := range []string{"onebit-adam", "zeroone-adam"} {
 			hist, _ := lateRun(t, lateOptimizers[name], w, nil, 0, steps, late, tiny)
-			init := adamParams(t, []int{8, 4}, []int{6})
+			init := adamParams(t, []int{8, 4}, []int{6}, []int{4, 5})
 			for r := range w {
-				prev := [][]float32{init[0].Data(), init[1].Data()}
+				prev := [][]float32{init[0].Data(), init[1].Data(), init[2].Data()}
 				biggest := 0.0
 				for s := range steps {
 					cur := hist[r][s]
@@ -193,7 +200,7 @@ func TestNoStepBeyondTheBound(t *testing.T) {
 // depends on nothing but the state a checkpoint holds.
 func TestLateResume(t *testing.T) {
 	const w, steps, stop, late = 2, 40, 23, 6
-	for _, name := range []string{"onebit-adam", "onebit-lamb", "zeroone-adam"} {
+	for _, name := range []string{"onebit-adam", "onebit-lamb", "onebit-muon", "zeroone-adam"} {
 		t.Run(name, func(t *testing.T) {
 			whole, _ := lateRun(t, lateOptimizers[name], w, nil, 0, steps, late, 1e-12)
 			_, ck := lateRun(t, lateOptimizers[name], w, nil, 0, stop, late, 1e-12)

@@ -18,13 +18,13 @@ import (
 
 // lrZeroDiffers says whether checkpoint entry name may differ between a
 // run at learning rate 0 and the same run at lr > 0: the parameters, the
-// learning rate, what depends on the parameters (LAMB's trust ratios, and
+// learning rates, what depends on the parameters (LAMB's trust ratios, and
 // with weight decay its factors), and in 0/1 Adam's phase B what the
 // synchronizations recover from the parameters' moves (the momentum, the
 // anchors, lrs and the error feedback of u).
 func lrZeroDiffers(opt, name string, phaseB bool) bool {
 	switch {
-	case strings.HasPrefix(name, "param/"), name == optim.FloatLR:
+	case strings.HasPrefix(name, "param/"), name == optim.FloatLR, name == optim.FloatAdamLR:
 		return true
 	case strings.Contains(opt, "lamb") && (strings.HasPrefix(name, onebit.FloatCoeffFreezePrefix) ||
 		strings.HasPrefix(name, onebit.FloatLastFactorPrefix)):
@@ -41,8 +41,8 @@ func lrZeroDiffers(opt, name string, phaseB bool) bool {
 // in its config: on 3 ranks, with weight decay, the parameters stay bit
 // for bit where they started at every step, and the state after the same
 // steps equals, entry by entry, that of the run at lr 0.01 wherever the
-// parameters do not enter it (all of it in 1-bit Adam, the exact
-// optimizers and 0/1 Adam's phase A; in phase B the variance).
+// parameters do not enter it (all of it in 1-bit Adam and 1-bit Muon,
+// the exact optimizers and 0/1 Adam's phase A; in phase B the variance).
 func TestLRZero(t *testing.T) {
 	const phaseA = 12 // 0/1 Adam's VarFreezeStep in ngOptimizers
 	init := ngParams(t)
@@ -103,7 +103,8 @@ func (s lrZeroUntil) String() string { return fmt.Sprintf("zero-until(%d, %v)", 
 // from step 13, the schedule 0 up to step 20) have nothing to average and
 // do not run the compressed allreduce, and the ranks' anchors agree after
 // the next one.
-// SetLR(0) is accepted too, and stops the training.
+// SetLR(0) is accepted too, and stops the training (1-bit Muon: both
+// groups' schedules and SetAdamLR too).
 func TestLRZeroSchedule(t *testing.T) {
 	const until = 20
 	init := ngParams(t)
@@ -123,10 +124,21 @@ func TestLRZeroSchedule(t *testing.T) {
 				if err := ls.SetSchedule(lrZeroUntil{until, 0.01}); err != nil {
 					return err
 				}
+				mu, _ := opt.(*onebit.Muon) // dense is its AdamW group's
+				if mu != nil {
+					if err := mu.SetAdamSchedule(lrZeroUntil{until, 0.01}); err != nil {
+						return err
+					}
+				}
 				for s := 1; s <= ngSteps; s++ {
 					if s == ngSteps-2 {
 						if err := ls.SetLR(0); err != nil {
 							return err
+						}
+						if mu != nil {
+							if err := mu.SetAdamLR(0); err != nil {
+								return err
+							}
 						}
 					}
 					ngGrads(ps, c.Rank(), s)

@@ -26,9 +26,14 @@ type MuonConfig struct {
 	// one momentum, the auxiliary AdamW's variance updated), bit for bit;
 	// from step FreezeStep+1 on the AdamW variance is frozen and both
 	// groups go through the 1-bit exchange. 0 compresses from the first
-	// step, the AdamW group then with v = 0: its steps are signs of a
-	// momentum swamped by the compression noise of the Muon group's, which
-	// trains badly; use 0 only without AdamW parameters. The Muon group
+	// step, the AdamW group then with v = 0: as in 1-bit Adam (see the
+	// package doc on elements with no gradient), it moves nothing in the
+	// first step, and from the second on takes steps of about lr (the
+	// ratio bound's: signs of its momentum) where the first gave
+	// gradient. Without WarmupAdamWOnly that momentum shares buckets
+	// with the Muon group's updates and is swamped by their compression
+	// noise, which trains badly (+299% on docs/muon.md's problem); with
+	// it, a few points behind the default warm-up there. The Muon group
 	// itself needs no warm-up: the warm-up is for the AdamW variance, as
 	// in 1-bit Adam. Default 100, 1-bit Adam's (docs/muon.md has what was
 	// measured).
@@ -151,7 +156,10 @@ func (c MuonConfig) Validate() error {
 //     max(1, rows/cols)^0.5 over the sqrt(max(rows, cols)) of the
 //     exchange); m = A/k_p and 1-bit Adam's update with the frozen
 //     variance (its ratio bounded as 1-bit Adam's, see the package doc)
-//     for an AdamW parameter.
+//     for an AdamW parameter: an element whose v is zero takes no step,
+//     and has its v marked if some rank gave it gradient, so that it
+//     trains from the next step on (the package doc's elements with no
+//     gradient: a byte first seen after the warm-up, say).
 //
 // The compression goes after the orthogonalization: Newton-Schulz lifts
 // every singular direction to about 1, so noise compressed into the
@@ -192,6 +200,8 @@ type Muon struct {
 	slot [][]float32 // per parameter: its part of flat, AdamW's m for its group
 	v    [][]float32 // per parameter: AdamW's second moment (nil for Muon's)
 	unit []float32   // per parameter: AdamW's k_p in the compression stage
+	auxV [][]float32 // the AdamW group's v, in the order of aux
+	late unseen      // the AdamW group's elements whose frozen v is zero
 	bkt  *buckets    // the fused buckets of flat (none on one rank)
 	c2   float32     // AdamW's frozen variance bias correction
 
@@ -311,7 +321,7 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg MuonCo
 	for i, p := range o.params {
 		if !muon[i] {
 			o.v[i] = make([]float32, p.Numel())
-			o.aux = append(o.aux, i)
+			o.aux, o.auxV = append(o.aux, i), append(o.auxV, o.v[i])
 			continue
 		}
 		o.mom[i] = make([]float32, p.Numel())
@@ -365,6 +375,7 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg MuonCo
 	}
 	o.f.Handle(optim.StageWarmup, o.warmup)
 	o.f.Handle(optim.StageCompression, o.compressed)
+	o.late.stale = true
 	return o, nil
 }
 
@@ -453,6 +464,7 @@ func (o *Muon) warmup(ctx context.Context, t int64, lr float32) error {
 			o.cm.setCompressing(true, o.mom, nil)
 		}
 		o.f.Enter(optim.StageCompression)
+		o.late.stale = true
 	}
 	return nil
 }
@@ -485,7 +497,10 @@ func descend(p, u []float32, decay, step float32) {
 
 // setUnits sets every AdamW parameter's k_p from its frozen variance: 1
 // over the root mean square of v*c2, summed in float64 and rounded once;
-// 1 where that is 0 or not a finite float32.
+// 1 where that is 0 or not a finite float32. An element whose v is the
+// mark of one first given gradient in the compression stage (vMark, see
+// unseen) counts as 0, as it did when the variance froze, so that a
+// resumed run scales as the run that was not interrupted.
 func (o *Muon) setUnits() {
 	for _, i := range o.aux {
 		o.unit[i] = 1
@@ -494,7 +509,9 @@ func (o *Muon) setUnits() {
 		}
 		var s float64
 		for _, x := range o.v[i] {
-			s += float64(x) * float64(o.c2)
+			if x != vMark {
+				s += float64(x) * float64(o.c2)
+			}
 		}
 		k := float32(1 / math.Sqrt(s/float64(len(o.v[i]))))
 		if k > 0 && !math.IsInf(float64(k), 0) {
@@ -505,13 +522,43 @@ func (o *Muon) setUnits() {
 
 // compressed is a compression-stage step: this rank's momenta,
 // orthogonalized for the matrices, through the 1-bit exchange, then the
-// same update on every rank.
+// same update on every rank. An element of the AdamW group whose v is
+// zero takes no step, and has its v marked at the end of the step if
+// some rank gave it gradient (see unseen), as in 1-bit Adam.
 func (o *Muon) compressed(ctx context.Context, t int64, lr float32) error {
-	cfg := o.cfg
-	alr := o.adam.At(t)
-	if o.cm != nil {
-		return o.compressedCompact(ctx, t, lr, alr, true)
+	late := o.late.ready(o.f.World(), o.auxV...)
+	if late {
+		o.late.start()
+		off := 0
+		for k, i := range o.aux {
+			o.late.pack(off, o.params[i].GradData()[:len(o.auxV[k])])
+			off += len(o.auxV[k])
+		}
+		if err := o.late.exchange(ctx, o.f.Comm()); err != nil {
+			return err
+		}
 	}
+	alr := o.adam.At(t)
+	var err error
+	if o.cm != nil {
+		err = o.compressedCompact(ctx, t, lr, alr, true)
+	} else {
+		err = o.compressedFull(ctx, t, lr, alr)
+	}
+	if err == nil && late {
+		off := 0
+		for _, v := range o.auxV {
+			o.late.mark(off, v)
+			off += len(v)
+		}
+		o.late.done()
+	}
+	return err
+}
+
+// compressedFull is compressed's step in StateFull and on one rank.
+func (o *Muon) compressedFull(ctx context.Context, t int64, lr, alr float32) error {
+	cfg := o.cfg
 	c1 := optim.BiasCorrection(cfg.AdamBeta1, t)
 	for _, i := range o.aux {
 		optim.Momentum(o.slot[i], o.params[i].GradData(), cfg.AdamBeta1)
@@ -689,7 +736,10 @@ func (o *Muon) State() (*optim.Checkpoint, error) {
 // hyperparameters; anything else, another optimizer's checkpoint
 // included, is refused with an error wrapping
 // optim.ErrIncompatibleCheckpoint, and nothing changes. Each group's
-// learning rate follows optim.Frame.CheckLoad's rule.
+// learning rate follows optim.Frame.CheckLoad's rule: a fixed learning
+// rate in ck replaces the optimizer's, with a warning in the log when
+// they differ; call SetLR (the Muon group's) or SetAdamLR (the AdamW
+// group's) after Load to resume with another.
 //
 // A checkpoint whose error buffers were reset on request
 // (optim.Checkpoint.ResetErrors) loads on any world size and rank: the
@@ -760,6 +810,7 @@ func (o *Muon) Load(ck *optim.Checkpoint) error {
 		o.cm.setCompressing(fs.Stage == optim.StageCompression || o.mixed, o.mom, we)
 	}
 	o.c2 = float32(c2)
+	o.late.stale = true
 	for i := range o.unit {
 		o.unit[i] = 1
 	}

@@ -13,6 +13,9 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
@@ -208,20 +211,27 @@ func muonStates(t *testing.T, w, first, last int, mk muonMaker, from []*optim.Ch
 
 // The warm-up is exact Muon (optim.Muon) with its AdamW, bit for bit, on
 // every rank; so is the Muon group on one rank in the compression stage.
+// On one rank WarmupAdamWOnly changes nothing: there is nothing to
+// exchange, and the warm-up is exact Muon's too.
 func TestMuonWarmupIsExactMuon(t *testing.T) {
 	const freeze = 4
 	exact := func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 		return optim.NewMuon(ctx, c, ps, muonTestConfig(freeze).MuonConfig)
 	}
-	for _, w := range []int{1, 3} {
-		t.Run(fmt.Sprint("W=", w), func(t *testing.T) {
+	for _, tc := range []struct {
+		w           int
+		warmupAdamW bool
+	}{{1, false}, {3, false}, {1, true}} {
+		t.Run(fmt.Sprintf("W=%d/WarmupAdamWOnly=%v", tc.w, tc.warmupAdamW), func(t *testing.T) {
+			w, cfg := tc.w, muonTestConfig(freeze)
+			cfg.WarmupAdamWOnly = tc.warmupAdamW
 			steps := freeze
 			if w == 1 {
 				steps = freeze + 3
 			}
 			var mu sync.Mutex
 			got := make([][][][]uint32, 2) // [optimizer][step][param] on rank 0
-			for k, mk := range []muonMaker{exact, newMuon1(muonTestConfig(freeze))} {
+			for k, mk := range []muonMaker{exact, newMuon1(cfg)} {
 				got[k] = make([][][]uint32, steps)
 				muonRunWith(t, w, 1, steps, mk, nil, func(s, r int, _ optim.Optimizer, ps []*optim.Param) error {
 					if r == 0 {
@@ -407,7 +417,11 @@ func TestMuonBadInputOnEveryRank(t *testing.T) {
 		rest string // every other rank's
 	}{
 		{"not a matrix", func(c *onebit.MuonConfig) { c.Params = []string{"wide", "bias"} },
-			`parameter "bias" of shape [7] is marked for Muon but is not a matrix`, "rank 1 was given an invalid configuration"},
+			`parameter "bias" of shape [7] is marked for Muon but is not a matrix (Muon needs rank 2 or more; a tensor of higher rank is viewed as rows x the product of the rest; the matrices: "wide", "tall", "conv")`,
+			"rank 1 was given an invalid configuration"},
+		{"unknown names", func(c *onebit.MuonConfig) { c.Params = []string{"wide", "wid", "tal"} },
+			`MuonConfig.Params names "wid", "tal", which are not parameters (the matrices: "wide", "tall", "conv"; all 5 parameters: "wide", "tall", "conv", "bias", "gain")`,
+			"rank 1 was given an invalid configuration"},
 		{"selection", func(c *onebit.MuonConfig) { c.Params = []string{"wide", "tall"} },
 			"the parameters that use Muon differ", "the parameters that use Muon differ"},
 		{"freeze step", func(c *onebit.MuonConfig) { c.FreezeStep = 3 }, "the settings differ", "the settings differ"},
@@ -476,6 +490,80 @@ func TestMuonZeroMomentum(t *testing.T) {
 		return nil
 	})
 	require.NoError(t, err)
+}
+
+// A Load into a 1-bit Muon whose learning rates differ from the
+// checkpoint's replaces each group's with the checkpoint's and logs a
+// warning for each, naming the method that keeps its own: SetLR or
+// SetAdamLR after Load, which then win.
+func TestMuonLoadLRWarnings(t *testing.T) {
+	cfg := muonTestConfig(2)
+	from, err := onebit.NewMuon(context.Background(), nil, muonParams(), cfg)
+	require.NoError(t, err)
+	ck, err := from.State()
+	require.NoError(t, err)
+	cfg.LR, cfg.AdamLR = 0.07, 0.02
+	core, logs := observer.New(zapcore.WarnLevel)
+	o, err := onebit.NewMuon(context.Background(), nil, muonParams(), cfg, optim.WithLogger(zap.New(core)))
+	require.NoError(t, err)
+	require.NoError(t, o.Load(ck))
+	assert.Equal(t, float32(0.05), o.LR())
+	assert.Equal(t, float32(0.01), o.AdamLR())
+	var msgs []string
+	for _, e := range logs.All() {
+		msgs = append(msgs, e.Message)
+	}
+	require.Len(t, msgs, 2, "%q", msgs)
+	assert.Contains(t, msgs[0], "another learning rate: the checkpoint's replaces this optimizer's (call SetLR after Load to keep yours)")
+	assert.Contains(t, msgs[1], "another AdamW group learning rate: the checkpoint's replaces this optimizer's (call SetAdamLR after Load to keep yours)")
+	require.NoError(t, o.SetLR(0.07))
+	require.NoError(t, o.SetAdamLR(0.02))
+	assert.Equal(t, float32(0.07), o.LR())
+	assert.Equal(t, float32(0.02), o.AdamLR())
+}
+
+// An AdamW parameter whose gradient was zero throughout the warm-up (its
+// whole frozen v zero: k_p is 1, not the infinite 1/sqrt(0)) steps on
+// without error or NaN in every state mode and warm-up once it is given
+// gradient, and trains: it does not move in the first step it is given
+// gradient, then does.
+func TestMuonAllZeroVarianceParameter(t *testing.T) {
+	const freeze, steps = 2, 6
+	for _, mode := range slices.Concat(muonModes, muonWarmupModes) {
+		t.Run(mode, func(t *testing.T) {
+			cfg := muonModeConfig(t, freeze, mode)
+			cfg.AdamWeightDecay = 0
+			err := local.Run(context.Background(), 2, func(ctx context.Context, c comm.Comm) error {
+				ps := muonParams()
+				bias := ps[3]
+				opt, err := onebit.NewMuon(ctx, c, ps, cfg)
+				if err != nil {
+					return err
+				}
+				defer opt.Close()
+				start := append([]float32(nil), bias.Data()...)
+				for s := 1; s <= steps; s++ {
+					muonGrad(ps, c.Rank(), s)
+					if s <= freeze+1 {
+						clear(bias.GradData())
+					}
+					if err := opt.Step(ctx); err != nil {
+						return fmt.Errorf("step %d: %w", s, err)
+					}
+					for _, p := range ps {
+						if !optim.Finite(p.Data()) {
+							return fmt.Errorf("step %d: %s is not finite", s, p.Name)
+						}
+					}
+					if moved := !slices.Equal(start, bias.Data()); moved != (s > freeze+2) {
+						return fmt.Errorf("step %d: bias moved: %v", s, moved)
+					}
+				}
+				return nil
+			})
+			require.NoError(t, err)
+		})
+	}
 }
 
 // A step in which one rank's gradient is not finite is skipped on every

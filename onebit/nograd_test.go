@@ -2,9 +2,11 @@ package onebit_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -18,8 +20,9 @@ import (
 )
 
 // The probe of elements that never get a gradient: 3 ranks, an embedding
-// "emb" of 10 rows of 6 and a parameter "dense" of 23 elements, 30 steps
-// at lr 0.01. Rows 0-2 of emb and dense get noisy gradient on every rank
+// "emb" of 10 rows of 6, a parameter "dense" of 23 elements and a matrix
+// "mat" of 4 x 5 (1-bit Muon's Muon group; emb and dense are its AdamW
+// group's), 30 steps at lr 0.01. Rows 0-2 of emb and dense get noisy gradient on every rank
 // from the start; rows 4 and 5 never get any, on any rank; rows 8 and 9
 // get noisy gradient but for their first three columns, which never get
 // any; row 6 gets gradient from step ngLate on (after every warm-up) on
@@ -52,8 +55,8 @@ func ngGrads(ps []*optim.Param, r, s int) {
 
 // ngParams are the probe's parameters at the start.
 func ngParams(t testing.TB) []*optim.Param {
-	ps := adamParams(t, []int{ngRows, ngCols}, []int{23})
-	ps[0].Name, ps[1].Name = "emb", "dense"
+	ps := adamParams(t, []int{ngRows, ngCols}, []int{23}, []int{4, 5})
+	ps[0].Name, ps[1].Name, ps[2].Name = "emb", "dense", "mat"
 	return ps
 }
 
@@ -94,6 +97,18 @@ func ngOptimizers() map[string]ngBuild {
 			return zero.NewAdam(ctx, c, ps, cfg)
 		}
 	}
+	onebitMuon := func(mode string, freeze int, warmupAdamW bool) ngBuild {
+		return func(ctx context.Context, c comm.Comm, ps []*optim.Param, lr, wd float32) (optim.Optimizer, error) {
+			cfg := onebit.DefaultMuonConfig()
+			cfg.Params, cfg.LR, cfg.AdamLR, cfg.WeightDecay, cfg.AdamWeightDecay = []string{"mat"}, lr, lr, wd, wd
+			cfg.FreezeStep, cfg.BucketBytes, cfg.WarmupAdamWOnly = freeze, 64, warmupAdamW
+			var err error
+			if cfg.StateMode, cfg.MomentumBF16, err = onebit.ParseMuonStateMode(mode); err != nil {
+				return nil, err
+			}
+			return onebit.NewMuon(ctx, c, ps, cfg)
+		}
+	}
 	bf := onebit.BF16WorkerError | onebit.BF16Variance
 	return map[string]ngBuild{
 		"adam": func(ctx context.Context, c comm.Comm, ps []*optim.Param, lr, wd float32) (optim.Optimizer, error) {
@@ -114,6 +129,13 @@ func ngOptimizers() map[string]ngBuild {
 		"onebit-adam/sharded-frz0": onebitAdam(onebit.StateSharded, 0, 0),
 		"onebit-lamb/full":         onebitLamb(onebit.StateFull),
 		"onebit-lamb/compact":      onebitLamb(onebit.StateCompact),
+		"onebit-muon/full":         onebitMuon("full", 3, false),
+		"onebit-muon/compact":      onebitMuon("compact", 3, false),
+		"onebit-muon/compact-bf16": onebitMuon("compact-bf16", 3, false),
+		"onebit-muon/full+adamw":   onebitMuon("full", 3, true),
+		"onebit-muon/bf16+adamw":   onebitMuon("compact-bf16", 3, true),
+		"onebit-muon/full-freeze0": onebitMuon("full", 0, true),
+		"onebit-muon/cpt-freeze0":  onebitMuon("compact", 0, false),
 		"zeroone-adam": func(ctx context.Context, c comm.Comm, ps []*optim.Param, lr, wd float32) (optim.Optimizer, error) {
 			cfg := onebit.DefaultZeroOneAdamConfig()
 			cfg.AdamConfig = adamCfg(lr, wd)
@@ -188,9 +210,10 @@ func historyRun(t *testing.T, w int, ck []*optim.Checkpoint, before, from, to in
 
 // TestNoGradientNoStep: in every optimizer and state mode (1-bit Adam
 // full, compact, sharded and sharded with bfloat16 state, from a warm-up
-// and from FreezeStep 0; 1-bit LAMB full and compact; 0/1 Adam's phase A,
-// local steps and synchronizations; and the exact Adam, LAMB and sharded
-// Adam, fp32 and int8), an element whose gradient is zero on every rank
+// and from FreezeStep 0; 1-bit LAMB full and compact; 1-bit Muon's AdamW
+// group in every state mode, with either warm-up and from FreezeStep 0;
+// 0/1 Adam's phase A, local steps and synchronizations; and the exact
+// Adam, LAMB and sharded Adam, fp32 and int8), an element whose gradient is zero on every rank
 // at every step stays bit for bit where it started, at every step and on
 // every rank, without weight decay; the ranks stay identical (0/1 Adam:
 // its anchors, the parameters at the last synchronization); the rows that
@@ -320,10 +343,17 @@ func TestNoGradientStepAllocatesNothing(t *testing.T) {
 				ngGrads(opts[r].Params(), r, ngLate)
 				return opts[r].Step(ctx)
 			}
-			for r := range cs {
-				opts[r], err = build(ctx, cs[r], ngParams(t), 0.01, 0)
-				require.NoError(t, err)
+			errs := make([]error, ngWorld)
+			var wg sync.WaitGroup
+			for r := range cs { // together: 1-bit Muon's construction is a collective
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					opts[r], errs[r] = build(ctx, cs[r], ngParams(t), 0.01, 0)
+				}()
 			}
+			wg.Wait()
+			require.NoError(t, errors.Join(errs...))
 			done := make(chan struct{})
 			go func() {
 				defer close(done)

@@ -50,8 +50,9 @@ import (
 // The result is a new checkpoint made, as far as Load can tell, by rank
 // of world ranks; old is not changed. Checkpoints of another algorithm
 // are refused, the error saying what moves them to another number of
-// ranks (ResetErrors for the exact optimizers, outer.Regroup for package
-// outer's, zero.Consolidate for zero.Adam's), as are checkpoints of
+// ranks (nothing for the exact optimizers, whose checkpoints load as they
+// are, outer.Regroup for package outer's, zero.Consolidate for zero.Adam's:
+// optim.RankChange), as are checkpoints of
 // different steps or stages, with their errors already reset, or an old
 // set that is not every rank's.
 func Regroup(old []*optim.Checkpoint, world, rank int) (*optim.Checkpoint, error) {
@@ -156,8 +157,8 @@ func checkRegroup(old []*optim.Checkpoint, world, rank int) error {
 		return fmt.Errorf("%w: algorithm %q has no error feedback to regroup: zero.Consolidate joins its shards into a checkpoint that loads on any group size",
 			optim.ErrIncompatibleCheckpoint, a.Algorithm)
 	default:
-		return fmt.Errorf("%w: algorithm %q has no error feedback to regroup: load ck.ResetErrors() on the new group (it drops nothing from such a checkpoint)",
-			optim.ErrIncompatibleCheckpoint, a.Algorithm)
+		return fmt.Errorf("%w: algorithm %q has no error feedback to regroup: %s",
+			optim.ErrIncompatibleCheckpoint, a.Algorithm, optim.RankChange(a.Algorithm))
 	}
 	for r, ck := range old {
 		switch {

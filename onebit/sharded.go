@@ -516,7 +516,7 @@ func (s *sharded) save(ck *optim.Checkpoint) {
 // another rank, on another group size or with other buckets.
 func (s *sharded) check(ck *optim.Checkpoint, world int) error {
 	if ck.World != world || ck.Rank != s.rank {
-		return fmt.Errorf("%w: made by rank %d of %d, this is rank %d of %d (sharded moments are per rank: resume on the group and rank that made them)",
+		return fmt.Errorf("%w: made by rank %d of %d, this is rank %d of %d (sharded moments are per rank, which ResetErrors does not change: onebit.Regroup re-cuts them for another group or rank)",
 			optim.ErrIncompatibleCheckpoint, ck.Rank, ck.World, s.rank, world)
 	}
 	size, count := ck.Ints[IntBucketBytes], ck.Ints[IntBuckets]

@@ -64,8 +64,9 @@ func (a *Adam) Stats() Stats { return a.e.Stats() }
 // apart from its Rank field.
 func (a *Adam) State() (*Checkpoint, error) { return a.e.State() }
 
-// Load restores a checkpoint made by Adam.State on the same world size and
-// parameters (any rank's); anything else is refused and changes nothing.
+// Load restores a checkpoint made by Adam.State over the same parameters,
+// any rank's, on a group of any size (see Replicated); anything else is
+// refused and changes nothing.
 func (a *Adam) Load(ck *Checkpoint) error { return a.e.Load(ck) }
 
 // SetLR fixes the learning rate of the following steps, replacing any

@@ -25,7 +25,8 @@ type Checkpoint struct {
 	// request, by ResetErrors, so that it can be loaded on a group of
 	// another size or on another rank. Load then starts the error buffers
 	// at zero and says so. Default false: a checkpoint is loaded only on
-	// the group size and rank that made it.
+	// the group size and rank that made it (an exact optimizer's on any,
+	// see Replicated).
 	ErrorsReset bool
 
 	// Ints holds counters and flags (step, var_interval, ...).
@@ -262,7 +263,9 @@ func ParamTensorName(name string) string { return "param/" + name }
 // CheckCompatible reports, with an error wrapping ErrIncompatibleCheckpoint
 // that names what differs, whether ck cannot be loaded into an optimizer of
 // the given algorithm on world ranks over params: another algorithm,
-// another world size (unless ck.ErrorsReset is set), a parameter missing
+// another world size (unless ck.ErrorsReset is set or the algorithm's
+// state is the same on every rank, see Replicated; the error then says
+// how to move the checkpoint, see RankChange), a parameter missing
 // from ck, one with another shape, or a parameter in ck that params lack.
 // A checkpoint with ErrorsReset set must hold no error buffers (see
 // IsErrorBuffer).
@@ -273,9 +276,9 @@ func (ck *Checkpoint) CheckCompatible(algorithm string, world int, params []*Par
 	if ck.Algorithm != algorithm {
 		return fmt.Errorf("%w: made by algorithm %q, this optimizer is %q", ErrIncompatibleCheckpoint, ck.Algorithm, algorithm)
 	}
-	if ck.World != world && !ck.ErrorsReset {
-		return fmt.Errorf("%w: made on %d ranks, this group has %d (Checkpoint.ResetErrors makes a copy that loads on any group size, with the error buffers reset)",
-			ErrIncompatibleCheckpoint, ck.World, world)
+	if ck.World != world && !ck.ErrorsReset && !Replicated(algorithm) {
+		return fmt.Errorf("%w: made on %d ranks, this group has %d; %s",
+			ErrIncompatibleCheckpoint, ck.World, world, RankChange(algorithm))
 	}
 	if ck.ErrorsReset {
 		for _, t := range ck.Tensors {

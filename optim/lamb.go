@@ -63,8 +63,9 @@ func (l *Lamb) Stats() Stats { return l.e.Stats() }
 // step counters.
 func (l *Lamb) State() (*Checkpoint, error) { return l.e.State() }
 
-// Load restores a checkpoint made by Lamb.State on the same world size and
-// parameters; anything else is refused and changes nothing.
+// Load restores a checkpoint made by Lamb.State over the same parameters,
+// any rank's, on a group of any size (see Replicated); anything else is
+// refused and changes nothing.
 func (l *Lamb) Load(ck *Checkpoint) error { return l.e.Load(ck) }
 
 // SetLR fixes the learning rate of the following steps, replacing any

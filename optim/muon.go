@@ -330,29 +330,79 @@ func matrixView(shape []int) (rows, cols int) {
 
 // selectMuon returns, per parameter, whether Muon updates it: the
 // parameters named in names, or with nil names every parameter of rank 2
-// or more. Its errors carry no prefix.
+// or more. Its errors carry no prefix and name the parameters at fault
+// and those Params could name (at most maxListed of each).
 func selectMuon(params []*Param, names []string) ([]bool, error) {
 	muon := make([]bool, len(params))
 	for i, p := range params {
 		muon[i] = names == nil && len(p.Shape()) >= 2
 	}
+	var unknown []string
 	for _, name := range names {
 		i := slices.IndexFunc(params, func(p *Param) bool { return p.Name == name })
 		if i < 0 {
-			return nil, fmt.Errorf("MuonConfig.Params names %q, which is not a parameter", name)
+			unknown = append(unknown, name)
+			continue
 		}
 		if sh := params[i].Shape(); len(sh) < 2 {
-			return nil, fmt.Errorf("parameter %q of shape %v is marked for Muon but is not a matrix (Muon needs rank 2 or more; a tensor of higher rank is viewed as rows x the product of the rest)", name, sh)
+			return nil, fmt.Errorf("parameter %q of shape %v is marked for Muon but is not a matrix (Muon needs rank 2 or more; a tensor of higher rank is viewed as rows x the product of the rest; the matrices: %s)",
+				name, sh, listNames(matrixNames(params)))
 		}
 		muon[i] = true
+	}
+	if len(unknown) > 0 {
+		what := "is not a parameter"
+		if len(unknown) > 1 {
+			what = "are not parameters"
+		}
+		all := make([]string, len(params))
+		for i, p := range params {
+			all[i] = p.Name
+		}
+		return nil, fmt.Errorf("MuonConfig.Params names %s, which %s (the matrices: %s; all %d parameters: %s)",
+			listNames(unknown), what, listNames(matrixNames(params)), len(params), listNames(all))
 	}
 	if !slices.Contains(muon, true) {
 		if names == nil {
 			return nil, fmt.Errorf("no parameter has rank 2 or more: Muon would update nothing (use Adam)")
 		}
-		return nil, fmt.Errorf("MuonConfig.Params selects no parameter: Muon would update nothing (use Adam)")
+		return nil, fmt.Errorf("MuonConfig.Params selects no parameter: Muon would update nothing (use Adam; the matrices it could name: %s)",
+			listNames(matrixNames(params)))
 	}
 	return muon, nil
+}
+
+// maxListed bounds the names an error lists.
+const maxListed = 10
+
+// listNames formats names for an error: the first maxListed quoted, and
+// how many more there are; "none" when there are none.
+func listNames(names []string) string {
+	if len(names) == 0 {
+		return "none"
+	}
+	var b strings.Builder
+	for i, name := range names[:min(len(names), maxListed)] {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprintf(&b, "%q", name)
+	}
+	if n := len(names) - maxListed; n > 0 {
+		fmt.Fprintf(&b, " and %d more", n)
+	}
+	return b.String()
+}
+
+// matrixNames returns the names of the parameters of rank 2 or more.
+func matrixNames(params []*Param) []string {
+	var out []string
+	for _, p := range params {
+		if len(p.Shape()) >= 2 {
+			out = append(out, p.Name)
+		}
+	}
+	return out
 }
 
 // update is the exact stage's StepFunc.
@@ -554,8 +604,9 @@ func (o *Muon) State() (*Checkpoint, error) {
 	return ck, nil
 }
 
-// Load restores a checkpoint made by Muon.State on the same world size,
-// parameters and selection of Muon parameters (any rank's); anything else,
+// Load restores a checkpoint made by Muon.State over the same parameters
+// and selection of Muon parameters, any rank's, on a group of any size
+// (see Replicated); anything else,
 // another optimizer's checkpoint included, is refused with an error
 // wrapping ErrIncompatibleCheckpoint and changes nothing. Each group's
 // learning rate follows Frame.CheckLoad's rule (the AdamW group's under

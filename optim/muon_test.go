@@ -793,3 +793,36 @@ func TestMuonReduceModes(t *testing.T) {
 		}
 	}
 }
+
+// MuonConfig.Params' errors name the parameters at fault, all of them,
+// and the matrices Params could name, at most 10 of each with a count of
+// the rest.
+func TestMuonParamsErrorsListNames(t *testing.T) {
+	var ps []*Param
+	for i := range 12 {
+		ps = append(ps, NewParam(fmt.Sprintf("m%02d", i), 2, 3))
+	}
+	ps = append(ps, NewParam("bias", 3))
+	const matrices = `the matrices: "m00", "m01", "m02", "m03", "m04", "m05", "m06", "m07", "m08", "m09" and 2 more`
+	for name, tc := range map[string]struct {
+		sel  []string
+		want []string
+	}{
+		"unknown names": {[]string{"nope", "m03", "gone"}, []string{
+			`MuonConfig.Params names "nope", "gone", which are not parameters (` + matrices +
+				`; all 13 parameters: "m00", "m01", "m02", "m03", "m04", "m05", "m06", "m07", "m08", "m09" and 3 more)`}},
+		"one unknown name": {[]string{"m1"}, []string{`MuonConfig.Params names "m1", which is not a parameter (`}},
+		"empty list":       {[]string{}, []string{"MuonConfig.Params selects no parameter", "the matrices it could name: " + matrices[len("the matrices: "):]}},
+		"vector marked":    {[]string{"m00", "bias"}, []string{`parameter "bias" of shape [3] is marked for Muon but is not a matrix`, matrices + ")"}},
+	} {
+		cfg := DefaultMuonConfig()
+		cfg.Params = tc.sel
+		_, err := NewMuon(context.Background(), nil, ps, cfg)
+		require.Error(t, err, name)
+		for _, w := range tc.want {
+			assert.Contains(t, err.Error(), w, name)
+		}
+	}
+	assert.Equal(t, "none", listNames(nil))
+	assert.Equal(t, `"a", "b"`, listNames([]string{"a", "b"}))
+}

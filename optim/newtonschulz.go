@@ -90,15 +90,24 @@ func newNSWork(m, n int) *nsWork {
 func (w *nsWork) bytes() int64 { return Float32Bytes(w.x, w.y, w.a, w.b) }
 
 // normalize divides x by its Frobenius norm plus eps (the norm summed in
-// float64, the divisor rounded once to float32). It returns false, leaving
-// x as it is, when x is zero (the update of a zero matrix is zero, even
-// with eps 0).
+// float64, the divisor rounded once to float32). A divisor beyond
+// float32's range (a finite x whose norm exceeds it) would be +Inf and
+// zero x: x is then divided in float64 by the unrounded divisor, each
+// quotient rounded once to float32. It returns false, leaving x as it is,
+// when x is zero (the update of a zero matrix is zero, even with eps 0).
 func (w *nsWork) normalize(eps float32) bool {
 	ss := SumSquares(w.x)
 	if ss == 0 {
 		return false
 	}
-	d := float32(math.Sqrt(ss) + float64(eps))
+	d64 := math.Sqrt(ss) + float64(eps)
+	d := float32(d64)
+	if math.IsInf(float64(d), 0) {
+		for i, v := range w.x {
+			w.x[i] = float32(float64(v) / d64)
+		}
+		return true
+	}
 	for i, v := range w.x {
 		w.x[i] = v / d
 	}

@@ -9,10 +9,13 @@
 // Checkpoints are per rank (SaveFile streams them to disk atomically,
 // LoadFile refuses a damaged file, Load refuses another algorithm, world
 // size, rank or shapes, and another value of any hyperparameter that
-// decides the next step: see Hyper). To move training to a group of another size, ask for it
-// explicitly with Checkpoint.ResetErrors: the copy it returns loads on any
-// group and restarts the error feedback from zero (IsErrorBuffer names the
-// buffers it drops).
+// decides the next step: see Hyper). The exact optimizers' state is the
+// same on every rank, so their checkpoints load on a group of any size
+// (Replicated). RankChange says how every other optimizer's moves to a
+// group of another size, losslessly (onebit.Regroup, zero.Consolidate,
+// outer.Regroup) or, with Checkpoint.ResetErrors, at the price of the
+// error feedback: the copy it returns loads on any group and restarts the
+// error feedback from zero (IsErrorBuffer names the buffers it drops).
 //
 // The learning rate of every optimizer can be changed between steps
 // (LRSetter: SetLR, or SetSchedule with a Schedule such as LinearWarmup,

@@ -63,8 +63,11 @@ func (ck *Checkpoint) Clone() *Checkpoint {
 // and starts its error buffers, sized for its own group, at zero. The
 // 1-bit optimizers log a warning saying so through their logger (see
 // WithLogger); ErrorsReset stays set on the checkpoint, in memory and in
-// its file, for the caller to see. The exact optimizers, which have no
-// error buffers, load it like any other checkpoint.
+// its file, for the caller to see. The exact optimizers need no reset:
+// their checkpoints load on any group size as they are (see Replicated),
+// and a reset copy of one, which drops nothing, loads the same, without a
+// warning. For the 1-bit optimizers onebit.Regroup is the lossless way to
+// another number of ranks (see RankChange for every algorithm's).
 //
 // World and Rank keep saying which group and rank made the checkpoint.
 // Every rank of the new group may load any rank's reset checkpoint: in the
@@ -95,4 +98,56 @@ func (ck *Checkpoint) ResetErrors() *Checkpoint {
 		out.Tensors = append(out.Tensors, Tensor{Name: t.Name, Shape: slices.Clone(t.Shape), Data: slices.Clone(t.Data)})
 	}
 	return out
+}
+
+// Algorithm names of the optimizers of other packages, which optim cannot
+// import: onebit.AlgorithmMuon, zero.Algorithm and outer.AlgorithmPrefix
+// (TestRankChange in each of those packages checks that RankChange knows
+// its name).
+const (
+	algorithmOnebitMuon = "onebit-muon"
+	algorithmZeroAdam   = "zero-adam"
+	algorithmOuter      = "outer-"
+)
+
+// Replicated reports whether the checkpoints of algorithm hold the same
+// state on every rank of a group, apart from their Rank field: the exact
+// optimizers' (AlgorithmAdam, AlgorithmLamb, AlgorithmMuon), which keep no
+// per-rank buffers. Such a checkpoint, any rank's, loads as it is on a
+// group of any size: nothing is lost, and CheckCompatible does not compare
+// its World with the group's.
+func Replicated(algorithm string) bool {
+	switch algorithm {
+	case AlgorithmAdam, AlgorithmLamb, AlgorithmMuon:
+		return true
+	}
+	return false
+}
+
+// RankChange says how a checkpoint of algorithm moves to a group of
+// another number of ranks, losslessly where there is a way, and what the
+// lossy alternative drops: the advice of CheckCompatible's refusal.
+// docs/gomlx.md ("Changing the number of ranks") has the same in a table.
+func RankChange(algorithm string) string {
+	switch {
+	case Replicated(algorithm):
+		return "the state is the same on every rank: any rank's checkpoint loads as it is on any group size"
+	case algorithm == AlgorithmOnebitAdam, algorithm == AlgorithmOnebitLamb, algorithm == AlgorithmZeroOneAdam:
+		return "onebit.Regroup(every old rank's checkpoint, world, rank) makes this rank's, keeping the error feedback " +
+			"(each worker error the old ranks' mean, the server errors re-cut); " +
+			"Checkpoint.ResetErrors is the lossy way: it drops the error feedback, which restarts from zero"
+	case algorithm == algorithmOnebitMuon:
+		return "onebit.Regroup(every old rank's checkpoint, world, rank) makes this rank's, keeping the error feedback " +
+			"(each worker error the old ranks' mean, the server errors re-cut) and starting every rank from the mean of the ranks' momenta; " +
+			"Checkpoint.ResetErrors is the lossy way: it drops the error feedback, which restarts from zero, " +
+			"and keeps the momenta of the one rank that made the checkpoint"
+	case algorithm == algorithmZeroAdam:
+		return "zero.Consolidate(every old rank's checkpoint) joins the shards of the moments into one checkpoint that loads on any group size, nothing lost"
+	case strings.HasPrefix(algorithm, algorithmOuter):
+		return "outer.Regroup(every old rank's checkpoint, world, rank) makes this rank's: θ_g and u (the same on every rank) " +
+			"and the sparse codec's accumulators (their mean) are carried, new rank r continues old rank r % W's " +
+			"inner optimizer and local parameters (the other old ranks' local steps since their last exchange are not carried), " +
+			"and the 1-bit codec's error feedback restarts from zero"
+	}
+	return "Checkpoint.ResetErrors makes a copy that loads on any group size, with the error buffers reset"
 }

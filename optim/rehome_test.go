@@ -3,11 +3,15 @@ package optim
 import (
 	"context"
 	"encoding/binary"
+	"fmt"
 	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
@@ -124,95 +128,129 @@ func TestCheckCompatibleErrorsReset(t *testing.T) {
 	ck, err := opt.State()
 	require.NoError(t, err)
 
-	err = ck.CheckCompatible(AlgorithmAdam, 4, ps)
+	// A checkpoint with per-rank state (a 1-bit optimizer's, here by its
+	// name alone) is refused on another group size, the error naming the
+	// lossless way first.
+	ck.Algorithm = AlgorithmOnebitAdam
+	err = ck.CheckCompatible(AlgorithmOnebitAdam, 4, ps)
 	assert.ErrorIs(t, err, ErrIncompatibleCheckpoint)
-	assert.ErrorContains(t, err, "made on 1 ranks, this group has 4")
-	assert.ErrorContains(t, err, "ResetErrors")
+	assert.ErrorContains(t, err, "made on 1 ranks, this group has 4; onebit.Regroup(")
+	assert.ErrorContains(t, err, "ResetErrors is the lossy way")
 
 	reset := ck.ResetErrors()
-	require.NoError(t, reset.CheckCompatible(AlgorithmAdam, 4, ps))
-	require.NoError(t, reset.CheckCompatible(AlgorithmAdam, 1, ps))
+	require.NoError(t, reset.CheckCompatible(AlgorithmOnebitAdam, 4, ps))
+	require.NoError(t, reset.CheckCompatible(AlgorithmOnebitAdam, 1, ps))
 	// The algorithm and the shapes still have to match.
-	assert.ErrorContains(t, reset.CheckCompatible(AlgorithmLamb, 4, ps), `algorithm "adam"`)
+	assert.ErrorContains(t, reset.CheckCompatible(AlgorithmLamb, 4, ps), `algorithm "onebit-adam"`)
 	other := testParams(t, 1, []int{3, 2}, []int{4})
-	assert.ErrorContains(t, reset.CheckCompatible(AlgorithmAdam, 4, other), "shape [2 3] in the checkpoint, [3 2] here")
-	assert.ErrorContains(t, reset.CheckCompatible(AlgorithmAdam, 4, ps[:1]), "holds 2 parameters, this optimizer 1")
+	assert.ErrorContains(t, reset.CheckCompatible(AlgorithmOnebitAdam, 4, other), "shape [2 3] in the checkpoint, [3 2] here")
+	assert.ErrorContains(t, reset.CheckCompatible(AlgorithmOnebitAdam, 4, ps[:1]), "holds 2 parameters, this optimizer 1")
 	// The flag without the buffers dropped is inconsistent.
 	bad := *reset
 	bad.Tensors = append(append([]Tensor(nil), reset.Tensors...), Tensor{Name: "worker_error/a-param", Shape: []int{8}, Data: make([]float32, 8)})
-	err = bad.CheckCompatible(AlgorithmAdam, 4, ps)
+	err = bad.CheckCompatible(AlgorithmOnebitAdam, 4, ps)
 	assert.ErrorIs(t, err, ErrIncompatibleCheckpoint)
 	assert.ErrorContains(t, err, `holds error buffer "worker_error/a-param"`)
 }
 
-// The exact optimizers have no error buffers: a checkpoint made on 4
-// ranks is refused on 2, and loads once ResetErrors was asked for;
-// training goes on with identical ranks.
-func TestExactLoadsResetCheckpointOnAnotherWorld(t *testing.T) {
-	for _, alg := range []string{AlgorithmAdam, AlgorithmLamb} {
-		t.Run(alg, func(t *testing.T) {
-			mk := func(c comm.Comm, ps []*Param) (Optimizer, error) {
-				if alg == AlgorithmAdam {
-					return NewAdam(context.Background(), c, ps, DefaultAdamConfig())
-				}
-				return NewLamb(context.Background(), c, ps, DefaultLambConfig())
-			}
-			shapes := [][]int{{5, 3}, {11}}
-			cks := make([]*Checkpoint, 4)
-			err := local.Run(context.Background(), 4, func(ctx context.Context, c comm.Comm) error {
-				ps := testParams(t, 9, shapes...)
-				opt, err := mk(c, ps)
-				if err != nil {
-					return err
-				}
-				for s := 1; s <= 3; s++ {
-					fillGrads(ps, c.Rank(), s)
-					if err := opt.Step(ctx); err != nil {
+// TestRankChangeExact is the exact optimizers' rows of docs/gomlx.md's
+// table "Changing the number of ranks": their state is the same on every
+// rank (Replicated), so any old rank's checkpoint loads as it is on a
+// group of another size, 4 ranks to 2 and 2 to 3, with every tensor and
+// counter carried bit for bit; a ResetErrors copy, which drops nothing,
+// loads the same without a warning; training goes on with identical ranks.
+func TestRankChangeExact(t *testing.T) {
+	muonCfg := DefaultMuonConfig()
+	muonCfg.Split = true
+	for _, tc := range []struct {
+		name string // the table's row
+		mk   func(ctx context.Context, c comm.Comm, ps []*Param, opts ...Option) (Optimizer, error)
+	}{
+		{"Adam/AdamW", func(ctx context.Context, c comm.Comm, ps []*Param, opts ...Option) (Optimizer, error) {
+			cfg := DefaultAdamConfig()
+			cfg.WeightDecay = 0.01
+			return NewAdam(ctx, c, ps, cfg, opts...)
+		}},
+		{"Adam, bfloat16 moments", func(ctx context.Context, c comm.Comm, ps []*Param, opts ...Option) (Optimizer, error) {
+			cfg := DefaultAdamConfig()
+			cfg.MomentsBF16 = true
+			return NewAdam(ctx, c, ps, cfg, opts...)
+		}},
+		{"LAMB", func(ctx context.Context, c comm.Comm, ps []*Param, opts ...Option) (Optimizer, error) {
+			return NewLamb(ctx, c, ps, DefaultLambConfig(), opts...)
+		}},
+		{"Muon", func(ctx context.Context, c comm.Comm, ps []*Param, opts ...Option) (Optimizer, error) {
+			return NewMuon(ctx, c, ps, muonCfg, opts...)
+		}},
+	} {
+		for _, move := range [][2]int{{4, 2}, {2, 3}} {
+			t.Run(fmt.Sprintf("%s/%dto%d", tc.name, move[0], move[1]), func(t *testing.T) {
+				shapes := [][]int{{5, 3}, {11}, {4, 6}}
+				from, to := move[0], move[1]
+				cks := make([]*Checkpoint, from)
+				err := local.Run(context.Background(), from, func(ctx context.Context, c comm.Comm) error {
+					ps := testParams(t, 9, shapes...)
+					opt, err := tc.mk(ctx, c, ps)
+					if err != nil {
 						return err
 					}
-				}
-				cks[c.Rank()], err = opt.State()
-				return err
-			})
-			require.NoError(t, err)
+					defer opt.Close()
+					for s := 1; s <= 3; s++ {
+						fillGrads(ps, c.Rank(), s)
+						if err := opt.Step(ctx); err != nil {
+							return err
+						}
+					}
+					cks[c.Rank()], err = opt.State()
+					return err
+				})
+				require.NoError(t, err)
+				require.True(t, Replicated(cks[0].Algorithm))
 
-			var mu sync.Mutex
-			final := make([][][]float32, 2)
-			err = local.Run(context.Background(), 2, func(ctx context.Context, c comm.Comm) error {
-				ps := testParams(t, 10, shapes...)
-				opt, err := mk(c, ps)
-				if err != nil {
-					return err
-				}
-				ck := cks[c.Rank()+2]
-				assert.ErrorIs(t, opt.Load(ck), ErrIncompatibleCheckpoint)
-				if err := opt.Load(ck.ResetErrors()); err != nil {
-					return err
-				}
-				got, err := opt.State()
-				if err != nil {
-					return err
-				}
-				for _, tn := range ck.Tensors {
-					assert.Equal(t, bits(tn.Data), bits(got.Tensor(tn.Name).Data), tn.Name)
-				}
-				assert.Equal(t, ck.Ints, got.Ints)
-				for s := 4; s <= 6; s++ {
-					fillGrads(ps, c.Rank(), s)
-					if err := opt.Step(ctx); err != nil {
+				var mu sync.Mutex
+				final := make([][][]float32, to)
+				err = local.Run(context.Background(), to, func(ctx context.Context, c comm.Comm) error {
+					core, logs := observer.New(zapcore.InfoLevel)
+					ps := testParams(t, 10, shapes...)
+					opt, err := tc.mk(ctx, c, ps, WithLogger(zap.New(core)))
+					if err != nil {
 						return err
 					}
+					defer opt.Close()
+					ck := cks[(c.Rank()+1)%from] // another rank's, as it is
+					for _, load := range []*Checkpoint{ck.ResetErrors(), ck} {
+						if err := opt.Load(load); err != nil {
+							return err
+						}
+						got, err := opt.State()
+						if err != nil {
+							return err
+						}
+						for _, tn := range ck.Tensors {
+							assert.Equal(t, bits(tn.Data), bits(got.Tensor(tn.Name).Data), tn.Name)
+						}
+						assert.Equal(t, ck.Ints, got.Ints)
+					}
+					assert.Empty(t, logs.FilterLevelExact(zapcore.WarnLevel).All(), "nothing was lost")
+					for s := 4; s <= 6; s++ {
+						fillGrads(ps, c.Rank(), s)
+						if err := opt.Step(ctx); err != nil {
+							return err
+						}
+					}
+					mu.Lock()
+					final[c.Rank()] = snapshot(ps)
+					mu.Unlock()
+					return nil
+				})
+				require.NoError(t, err)
+				for r := 1; r < to; r++ {
+					for i := range final[0] {
+						assert.Equal(t, bits(final[0][i]), bits(final[r][i]), "rank %d, parameter %d", r, i)
+						assert.True(t, Finite(final[0][i]))
+					}
 				}
-				mu.Lock()
-				final[c.Rank()] = snapshot(ps)
-				mu.Unlock()
-				return nil
 			})
-			require.NoError(t, err)
-			for i := range final[0] {
-				assert.Equal(t, bits(final[0][i]), bits(final[1][i]), "parameter %d", i)
-				assert.True(t, Finite(final[0][i]))
-			}
-		})
+		}
 	}
 }

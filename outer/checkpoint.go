@@ -283,7 +283,7 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 	reset := ck.ErrorsReset
 	perRank := o.states != nil || o.sp != nil
 	if perRank && !reset && ck.Rank != o.rank {
-		return fmt.Errorf("%w: made by rank %d, this is rank %d (the error buffers are per rank; load ck.ResetErrors() to restart them)", bad, ck.Rank, o.rank)
+		return fmt.Errorf("%w: made by rank %d, this is rank %d (the error buffers are per rank: load the rank's own, or outer.Regroup of every rank's; ck.ResetErrors() restarts them from zero)", bad, ck.Rank, o.rank)
 	}
 	var acc, srv []float32
 	switch {
@@ -378,12 +378,8 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 			i++
 		}
 	}
-	if reset && o.sp != nil && acc != nil {
-		o.log.Info("loaded a regrouped checkpoint: the sparse accumulator is the old ranks' mean (with their server accumulators, SparseTwoPhase)",
-			zap.String("algorithm", o.algorithm), zap.Int("made_on_world", ck.World))
-	} else if reset && perRank {
-		o.log.Warn("loaded a checkpoint whose error buffers were reset: the error feedback restarts from zero",
-			zap.String("algorithm", o.algorithm), zap.Int("made_on_world", ck.World))
+	if reset {
+		o.logReset(ck, acc != nil)
 	}
 	o.calls, o.pending, o.launchedAt = calls, int(pending), launchedAt
 	o.outerSteps, o.outerSkipped = ints[3], ints[4]
@@ -391,4 +387,24 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 	o.broken = nil
 	o.log.Info("loaded checkpoint", zap.String("algorithm", o.algorithm), zap.Int64("step", calls))
 	return nil
+}
+
+// logReset says, after the Load of a checkpoint whose error buffers were
+// reset (Regroup's on another number of ranks, or Checkpoint.ResetErrors),
+// what was carried and what restarted: a warning where some error
+// feedback restarted from zero, else an informational line. regrouped
+// says that the sparse accumulator is Regroup's mean of the old ranks'.
+func (o *Optimizer) logReset(ck *optim.Checkpoint, regrouped bool) {
+	fields := []zap.Field{zap.String("algorithm", o.algorithm), zap.Int("made_on_world", ck.World), zap.Int("made_by_rank", ck.Rank)}
+	const carried = "θ_g and u (the same on every rank) and the inner optimizer's state and local parameters of the rank that made it (made_by_rank) are carried"
+	switch {
+	case o.sp != nil && regrouped:
+		o.log.Info("loaded a regrouped checkpoint: the sparse accumulator is the old ranks' mean (with their server accumulators, SparseTwoPhase), nothing restarts from zero; "+carried, fields...)
+	case o.sp != nil:
+		o.log.Warn("loaded a checkpoint whose error buffers were reset: the sparse accumulator restarts from zero (outer.Regroup of every old rank's checkpoint carries their mean); "+carried, fields...)
+	case o.states != nil:
+		o.log.Warn("loaded a checkpoint whose error buffers were reset: the 1-bit codec's error feedback restarts from zero (its layout depends on the group size); "+carried, fields...)
+	default:
+		o.log.Info("loaded a checkpoint whose error buffers were reset (this codec keeps none, nothing restarts from zero): "+carried, fields...)
+	}
 }

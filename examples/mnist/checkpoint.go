@@ -451,10 +451,11 @@ type carry int
 
 const (
 	// carryCopy: the state is the same on every rank (the exact
-	// optimizers): new rank r loads old rank r mod W's, through
-	// ResetErrors, which lets it load on another number of ranks.
+	// optimizers): new rank r loads old rank r mod W's as it is, which
+	// loads on any number of ranks (optim.Replicated).
 	carryCopy carry = iota
-	// carryRegroup: the 1-bit optimizers, in every state mode: each new
+	// carryRegroup: the 1-bit optimizers (1-bit Muon too), in every state
+	// mode: each new
 	// rank loads onebit.Regroup of every old rank's checkpoint, the error
 	// feedback kept and sharded moments re-cut.
 	carryRegroup
@@ -469,12 +470,12 @@ const (
 // carryOf says how a checkpoint ck continues on another number of ranks,
 // from the algorithm that made it, not from the optimizer's name: every
 // mode of the 1-bit optimizers (onebit-adam-compact, -sharded,
-// -sharded-bf16, onebit-lamb-compact) records its 1-bit algorithm, so none
-// can fall to ResetErrors, which drops the error feedback (and which the
-// sharded mode's moment shards refuse).
+// -sharded-bf16, onebit-lamb-compact, onebit-muon's) records its 1-bit
+// algorithm, and goes through onebit.Regroup, which keeps the error
+// feedback (and 1-bit Muon's momenta's mean).
 func carryOf(ck *optim.Checkpoint) carry {
 	switch a := ck.Algorithm; {
-	case a == optim.AlgorithmOnebitAdam || a == optim.AlgorithmOnebitLamb || a == optim.AlgorithmZeroOneAdam:
+	case a == optim.AlgorithmOnebitAdam || a == optim.AlgorithmOnebitLamb || a == optim.AlgorithmZeroOneAdam || a == onebit.AlgorithmMuon:
 		return carryRegroup
 	case a == zero.Algorithm:
 		return carryConsolidate
@@ -502,8 +503,8 @@ func (c carry) String() string {
 // optimizers (every state mode) load onebit.Regroup of every old rank's
 // checkpoint, zero-adam the consolidation of every old rank's shard
 // (zero.Consolidate), and the exact optimizers, whose state is the same
-// on every rank, old rank (rank mod world)'s checkpoint through
-// ResetErrors; diloco is refused.
+// on every rank, old rank (rank mod world)'s checkpoint as it is; diloco
+// is refused.
 func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world, w int) (*restored, error) {
 	find := func(r int) (*candidate, error) {
 		for slot := range 2 {
@@ -533,7 +534,7 @@ func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world,
 	how := carryOf(cand.ck)
 	switch how {
 	case carryRefused:
-		return nil, fmt.Errorf("-resume: %s: made on %d ranks, this run has %d: %s resumes on the number of ranks that made it only (each rank's inner Adam moments and pending exchanges are its own)",
+		return nil, fmt.Errorf("-resume: %s: made on %d ranks, this run has %d: %s resumes on the number of ranks that made it only (each rank's inner Adam moments and pending exchanges are its own; in a program of your own outer.Regroup of every rank's checkpoint moves it: docs/gomlx.md, \"Changing the number of ranks\")",
 			cand.path, world, w, k.name)
 	case carryConsolidate:
 		cks, err := all()
@@ -552,7 +553,7 @@ func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world,
 			return nil, fmt.Errorf("-resume: %w", err)
 		}
 	default:
-		load = k.strip(cand.ck).ResetErrors()
+		load = k.strip(cand.ck)
 	}
 	res, err := k.history(cand.path, cand.ck, true)
 	if err != nil {

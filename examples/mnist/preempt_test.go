@@ -226,7 +226,7 @@ func TestResumeOtherWorldDiloco(t *testing.T) {
 
 func TestResumeOtherWorld(t *testing.T) {
 	train, test := loadTestdata(t)
-	for _, name := range []string{"onebit-adam", sharded, compact, shardedBF16, "onebit-lamb", lambCompact, "zeroone-adam", "zero-adam"} {
+	for _, name := range []string{"onebit-adam", sharded, compact, shardedBF16, "onebit-lamb", lambCompact, "zeroone-adam", "zero-adam", onebitMuon} {
 		carried := "error feedback carried over (onebit.Regroup)"
 		if name == "zero-adam" {
 			carried = "moments re-sharded (zero.Consolidate)"

@@ -295,7 +295,7 @@ func (o *Optimizer) settings(ck *optim.Checkpoint) (*settings, error) {
 		}
 		add("learning rate", "%v", lr)
 	case lrGraph:
-		add("learning rate", "computed by the graph from learning_rate %s", formatParam(o.lrParam))
+		add("learning rate", "computed by the graph from learning_rate %s", o.lrParam)
 	default:
 		if fp := in.Ints[optim.IntLRSchedule]; fp != 0 {
 			add("learning rate", "the lowbit optimizer's schedule (fingerprint %016x)", uint64(fp))

@@ -204,8 +204,9 @@ func commonStep(all [][]int64) (int64, error) {
 	}
 	more := ""
 	if someNone {
-		more = " (to resume on more ranks than made the checkpoints, give each new rank a copy of rank 0's directory " +
-			"whose newest lowbit state is made from every old rank's, onebit.Regroup for the 1-bit optimizers: docs/gomlx.md, \"Changing the number of ranks\")"
+		more = " (to resume on more ranks than made the checkpoints, give each new rank a copy of rank 0's directory, " +
+			"its newest lowbit state made from every old rank's by onebit.Regroup (the 1-bit optimizers), outer.Regroup (the outer optimizer) " +
+			"or zero.Consolidate (zero.Adam), or left as it is (the exact optimizers): docs/gomlx.md, \"Changing the number of ranks\")"
 	}
 	return -1, fmt.Errorf("lbgomlx: no checkpoint of a global step that every rank holds (%s), so the ranks cannot resume together: "+
 		"delete every rank's checkpoint directory (or move its %s* and %s* files away) to start afresh, or put back the missing ranks' checkpoints%s",

@@ -141,13 +141,16 @@ func TestResumeCommonStep(t *testing.T) {
 
 // TestCommonStepAdvice: ranks of which some hold no checkpoint (a resume on
 // more ranks than saved) are told to make the new ranks' lowbit state from
-// every old rank's (onebit.Regroup, which keeps the error feedback), not
-// to reset its error buffers, which drops the error feedback and which
-// 1-bit Adam's StateSharded refuses.
+// every old rank's by each optimizer's lossless way (onebit.Regroup, which
+// keeps the error feedback, outer.Regroup, zero.Consolidate, or the copy
+// as it is), not to reset its error buffers, which drops the error
+// feedback and which 1-bit Adam's StateSharded refuses.
 func TestCommonStepAdvice(t *testing.T) {
 	_, err := commonStep([][]int64{{5, 6}, nil})
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "(rank 0: steps 5, 6; rank 1: none)")
-	assert.Contains(t, err.Error(), "whose newest lowbit state is made from every old rank's, onebit.Regroup for the 1-bit optimizers")
+	for _, way := range []string{"onebit.Regroup (the 1-bit optimizers)", "outer.Regroup (the outer optimizer)", "zero.Consolidate (zero.Adam)", "left as it is (the exact optimizers)"} {
+		assert.Contains(t, err.Error(), way)
+	}
 	assert.NotContains(t, err.Error(), "reset")
 }

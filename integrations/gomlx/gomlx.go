@@ -57,7 +57,10 @@
 // parameter. The ranks' learning rates are compared at every step, in the
 // per-step agreement. With Muon (NewMuon) that learning rate is the Muon
 // group's; the AdamW group's is the lowbit optimizer's own
-// (MuonConfig.AdamLR), compared at the first step.
+// (MuonConfig.AdamLR), compared at the first step. After a resume the
+// checkpoint's replaces it, with a warning; to resume with another, call
+// the Muon optimizer's SetAdamLR once Restored is true, before the first
+// lowbit step (a train.Loop hook of priority below HookPriority).
 //
 // # Warnings
 //
@@ -341,7 +344,7 @@ type Optimizer struct {
 	// optim.LRSetter (nil when it is not one).
 	lrSrc   lrSource
 	lrVar   *model.Variable
-	lrParam float64
+	lrParam lrParam
 	lrs     optim.LRSetter
 
 	meanMetrics bool

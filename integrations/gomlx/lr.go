@@ -39,23 +39,44 @@ func (s lrSource) String() string {
 	}
 }
 
+// lrParam is the store's learning_rate parameter: its value, and the
+// precision it was set in (32 for a float32, 64 otherwise), by which it is
+// printed; bits 0 when the store does not set it.
+type lrParam struct {
+	value float64
+	bits  int
+}
+
+// String formats p as the value it was set as: a float32's shortest
+// decimal, not its float64 widening.
+func (p lrParam) String() string {
+	if p.bits == 0 {
+		return "not set"
+	}
+	return strconv.FormatFloat(p.value, 'g', -1, p.bits)
+}
+
 // gomlxLR finds GoMLX's learning-rate setting for the training graph g,
 // the way GoMLX's own optimizers do: the variable learning_rate of the
 // scope optimizer.Scope under scope, which GoMLX's cosine schedule
 // computes in the graph, or else the store's learning_rate parameter,
 // from which that variable is created as GoMLX's Adam creates it. It
 // returns lrLowbit (and no variable) when the store sets neither. param
-// is the parameter's value, NaN when it is not set.
-func gomlxLR(scope *model.Scope, g *graph.Graph) (src lrSource, v *model.Variable, param float64, err error) {
+// is the parameter. A parameter that is not a finite number in float32
+// (NaN, ±Inf, or beyond float32's range) is an error.
+func gomlxLR(scope *model.Scope, g *graph.Graph) (src lrSource, v *model.Variable, param lrParam, err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			err = fmt.Errorf("lbgomlx: GoMLX's learning rate (%s): %v", optimizer.ParamLearningRate, r)
 		}
 	}()
-	param = math.NaN()
 	if raw, ok := scope.GetParam(optimizer.ParamLearningRate); ok && raw != nil {
 		if param, err = paramFloat(raw); err != nil {
 			return lrLowbit, nil, param, err
+		}
+		if f := float32(param.value); math.IsNaN(param.value) || math.IsInf(float64(f), 0) {
+			return lrLowbit, nil, param, fmt.Errorf("lbgomlx: GoMLX's %s parameter of the store is %s, want finite and >= 0 (in float32); no variable changed",
+				optimizer.ParamLearningRate, param)
 		}
 	}
 	lrScope := scope.At(optimizer.Scope)
@@ -67,31 +88,31 @@ func gomlxLR(scope *model.Scope, g *graph.Graph) (src lrSource, v *model.Variabl
 		// Made by an earlier graph from the parameter, or by the program:
 		// GoMLX's optimizers would read it as it is.
 		return lrStore, v, param, nil
-	case !math.IsNaN(param):
-		return lrStore, optimizer.LearningRateVar(scope, dtypes.Float32, param), param, nil
+	case param.bits != 0:
+		return lrStore, optimizer.LearningRateVar(scope, dtypes.Float32, param.value), param, nil
 	}
 	return lrLowbit, nil, param, nil
 }
 
-// paramFloat converts a learning_rate parameter to a float64.
-func paramFloat(raw any) (float64, error) {
+// paramFloat converts a learning_rate parameter to an lrParam.
+func paramFloat(raw any) (lrParam, error) {
 	switch x := raw.(type) {
 	case float64:
-		return x, nil
+		return lrParam{x, 64}, nil
 	case float32:
-		return float64(x), nil
+		return lrParam{float64(x), 32}, nil
 	case int:
-		return float64(x), nil
+		return lrParam{float64(x), 64}, nil
 	case int64:
-		return float64(x), nil
+		return lrParam{float64(x), 64}, nil
 	case string:
 		f, err := strconv.ParseFloat(x, 64)
 		if err != nil {
-			return 0, fmt.Errorf("lbgomlx: GoMLX's %s parameter %q is not a number", optimizer.ParamLearningRate, x)
+			return lrParam{}, fmt.Errorf("lbgomlx: GoMLX's %s parameter %q is not a number", optimizer.ParamLearningRate, x)
 		}
-		return f, nil
+		return lrParam{f, 64}, nil
 	}
-	return 0, fmt.Errorf("lbgomlx: GoMLX's %s parameter is a %T, want a float64", optimizer.ParamLearningRate, raw)
+	return lrParam{}, fmt.Errorf("lbgomlx: GoMLX's %s parameter is a %T, want a float64", optimizer.ParamLearningRate, raw)
 }
 
 // storeLR reads GoMLX's learning rate of the step that just ran from v
@@ -104,18 +125,18 @@ func storeLR(v *model.Variable) (float32, error) {
 	if err != nil {
 		return 0, fmt.Errorf("lbgomlx: reading GoMLX's learning rate %s: %w", v.Path(), err)
 	}
-	var f float64
+	var f lrParam
 	switch x := val.Value().(type) {
 	case float32:
-		f = float64(x)
+		f = lrParam{float64(x), 32}
 	case float64:
-		f = x
+		f = lrParam{x, 64}
 	default:
 		return 0, fmt.Errorf("lbgomlx: GoMLX's learning rate %s is a %s scalar, want float32 or float64", v.Path(), val.Shape())
 	}
-	lr := float32(f)
-	if math.IsNaN(f) || f < 0 || math.IsInf(float64(lr), 0) {
-		return 0, fmt.Errorf("lbgomlx: GoMLX's learning rate %s is %v, want finite and >= 0", v.Path(), f)
+	lr := float32(f.value)
+	if math.IsNaN(f.value) || f.value < 0 || math.IsInf(float64(lr), 0) {
+		return 0, fmt.Errorf("lbgomlx: GoMLX's learning rate %s is %s, want finite and >= 0", v.Path(), f)
 	}
 	return lr, nil
 }
@@ -123,11 +144,11 @@ func storeLR(v *model.Variable) (float32, error) {
 // lrConflict returns the error of a lowbit optimizer that has its own
 // schedule while GoMLX's learning rate (src) is set too, or that cannot
 // take a learning rate (not an optim.LRSetter).
-func lrConflict(src lrSource, param float64, hasSchedule, isSetter bool) error {
+func lrConflict(src lrSource, param lrParam, hasSchedule, isSetter bool) error {
 	if src == lrLowbit {
 		return nil
 	}
-	what := fmt.Sprintf("the store sets GoMLX's learning rate (%s = %s)", optimizer.ParamLearningRate, formatParam(param))
+	what := fmt.Sprintf("the store sets GoMLX's learning rate (%s = %s)", optimizer.ParamLearningRate, param)
 	if src == lrGraph {
 		what = "the training graph computes GoMLX's learning rate (cosineschedule, in the model function)"
 	}
@@ -140,13 +161,6 @@ func lrConflict(src lrSource, param float64, hasSchedule, isSetter bool) error {
 			"two learning-rate settings; keep one: remove the store's %s (and the cosine schedule), or the lowbit schedule", what, optimizer.ParamLearningRate)
 	}
 	return nil
-}
-
-func formatParam(f float64) string {
-	if math.IsNaN(f) {
-		return "not set"
-	}
-	return strconv.FormatFloat(f, 'g', -1, 64)
 }
 
 // stepLR sets o.lr to the learning rate of the step in progress: GoMLX's,

@@ -251,14 +251,17 @@ func TestLearningRateConflict(t *testing.T) {
 			}
 			return o, err
 		}
-		runs := runSpecs(t, 2, 3, func(int) rankSpec {
-			return rankSpec{build: scheduled, params: map[string]any{optimizer.ParamLearningRate: 0.05}}
-		})
-		for r, run := range runs {
-			require.Error(t, run.err, "%s, rank %d", name, r)
-			assert.Contains(t, run.err.Error(), "lbgomlx: the store sets GoMLX's learning rate (learning_rate = 0.05) and the lowbit optimizer has a schedule", "%s, rank %d", name, r)
-			assert.Contains(t, run.err.Error(), "keep one", "%s, rank %d", name, r)
-			assert.Empty(t, run.losses, "%s, rank %d", name, r)
+		// A float32 parameter is named as the float32 it is.
+		for _, lr := range []any{0.05, float32(0.05)} {
+			runs := runSpecs(t, 2, 3, func(int) rankSpec {
+				return rankSpec{build: scheduled, params: map[string]any{optimizer.ParamLearningRate: lr}}
+			})
+			for r, run := range runs {
+				require.Error(t, run.err, "%s %T, rank %d", name, lr, r)
+				assert.Contains(t, run.err.Error(), "lbgomlx: the store sets GoMLX's learning rate (learning_rate = 0.05) and the lowbit optimizer has a schedule", "%s %T, rank %d", name, lr, r)
+				assert.Contains(t, run.err.Error(), "keep one", "%s %T, rank %d", name, lr, r)
+				assert.Empty(t, run.losses, "%s %T, rank %d", name, lr, r)
+			}
 		}
 	}
 
@@ -306,5 +309,54 @@ func TestLearningRateEachStep(t *testing.T) {
 		assert.Len(t, run.losses, 2, "rank %d", r)
 		assert.Equal(t, int64(2), run.opt.Optimizer().Stats().Steps, "rank %d", r)
 		assert.Equal(t, before[r], run.final, "rank %d: a variable changed", r)
+	}
+}
+
+// TestLearningRateStoreRefused: a learning_rate in the store that is not
+// a finite number in float32 (NaN, ±Inf, beyond float32's range), on
+// every rank or on one, is an error on every rank at the first step,
+// before the lowbit optimizer is built or any step runs (a NaN trained at
+// the config's LR without a word); a negative one is refused too, printed
+// as the float32 it is (-0.01, not -0.009999999776482582), as a float32
+// parameter is where the error names it.
+func TestLearningRateStoreRefused(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		lr     any
+		rank1  bool // set on rank 1 only
+		want   string
+		others string // rank 0's error when it is not want
+	}{
+		{"NaN", math.NaN(), false, "lbgomlx: GoMLX's learning_rate parameter of the store is NaN, want finite and >= 0", ""},
+		{"+Inf", math.Inf(1), false, "parameter of the store is +Inf, want finite", ""},
+		{"-Inf", float32(math.Inf(-1)), false, "parameter of the store is -Inf, want finite", ""},
+		{"1e39", 1e39, false, "parameter of the store is 1e+39, want finite and >= 0 (in float32)", ""},
+		{"NaN string", "NaN", false, "parameter of the store is NaN, want finite", ""},
+		{"NaN on rank 1", math.NaN(), true, "parameter of the store is NaN, want finite", "lbgomlx: rank 1 failed at the first training step"},
+		{"-0.01", -0.01, false, "lbgomlx: GoMLX's learning rate /optimizers/learning_rate is -0.01, want finite and >= 0", ""},
+		{"float32 -0.01", float32(-0.01), false, "lbgomlx: GoMLX's learning rate /optimizers/learning_rate is -0.01, want finite and >= 0", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			runs := runSpecs(t, 2, 3, func(r int) rankSpec {
+				s := rankSpec{build: adam}
+				if !tc.rank1 || r == 1 {
+					s.params = map[string]any{optimizer.ParamLearningRate: tc.lr}
+				}
+				return s
+			})
+			for r, run := range runs {
+				require.Error(t, run.err, "rank %d", r)
+				want := tc.want
+				if r == 0 && tc.others != "" {
+					want = tc.others
+				}
+				assert.Contains(t, run.err.Error(), want, "rank %d", r)
+				assert.NotContains(t, run.err.Error(), "0.00999", "rank %d", r)
+				assert.Empty(t, run.losses, "rank %d", r)
+				if run.opt.Optimizer() != nil {
+					assert.Zero(t, run.opt.Optimizer().Stats().Steps, "rank %d", r)
+				}
+			}
+		})
 	}
 }

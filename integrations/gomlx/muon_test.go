@@ -2,6 +2,7 @@ package gomlx
 
 import (
 	"context"
+	"fmt"
 	"path/filepath"
 	"testing"
 	"time"
@@ -206,6 +207,14 @@ func TestMuonSelectionOverride(t *testing.T) {
 	// select every matrix, the embeddings and the head among them).
 	_, err = NewMuon(muonConfig(), WithMuonSelect(func([]*optim.Param) []string { return nil }))(ctx, nil, ps)
 	assert.ErrorContains(t, err, "MuonConfig.Params selects no parameter")
+	assert.ErrorContains(t, err, `the matrices it could name: "/token_embed/embeddings", "/pos_embed/embeddings"`, "the error lists the matrices")
+
+	// Unknown names are all named, beside the matrices and the parameters.
+	cfg.Params = []string{"/layer_0/ff1/weights", "/output/dense/weights", "ff2"}
+	_, err = NewMuon(cfg)(ctx, nil, ps)
+	assert.ErrorContains(t, err, `MuonConfig.Params names "/layer_0/ff1/weights", "ff2", which are not parameters (the matrices: "/token_embed/embeddings", "/pos_embed/embeddings"`)
+	assert.ErrorContains(t, err, `"/layer_0/ff1/dense/weights"`)
+	assert.ErrorContains(t, err, fmt.Sprintf("all %d parameters: ", len(ps)))
 
 	cfg.Params = []string{"/layer_0/ff1/dense/biases"}
 	_, err = NewMuon(cfg)(ctx, nil, ps)
@@ -273,4 +282,41 @@ func TestMuonAdamLRAgreement(t *testing.T) {
 		assert.Contains(t, err.Error(), "AdamW group's learning rate: 0.01 on rank 0 and 0.02 on rank 1", "rank %d", r)
 	}
 	assert.Equal(t, files, snapshot(t, dir), "a file changed")
+}
+
+// A resume whose checkpoint's AdamW group learning rate, 0.01, replaces
+// the config's, 0.02, warns on rank 0 as the Muon group's does, saying how
+// to keep the config's (SetAdamLR after the load, before the first lowbit
+// step); a resume with the same one (the first, to step 3) does not
+// warn.
+func TestMuonResumeAdamLRWarning(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	dir := t.TempDir()
+	require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
+		return resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 2, build: muon}).err
+	}))
+	cfg := muonConfig()
+	cfg.AdamLR = 0.02
+	for _, tc := range []struct {
+		build Builder
+		warns bool
+	}{{muon, false}, {NewMuon(cfg), true}} {
+		var runs [2]*resumeRun
+		require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
+			runs[c.Rank()] = resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 1, build: tc.build})
+			return runs[c.Rank()].err
+		}))
+		require.True(t, runs[0].opt.Restored())
+		w := runs[0].opt.Warnings()
+		assert.Empty(t, runs[1].opt.Warnings(), "rank 1 repeats rank 0's warnings")
+		assert.Equal(t, float32(0.01), adamGroup(runs[0].opt.Optimizer()).AdamLR(), "Load restored the checkpoint's")
+		if !tc.warns {
+			assert.Empty(t, w)
+			continue
+		}
+		require.Len(t, w, 1, "%q", w)
+		assert.Contains(t, w[0], "resumed at global step 3 with the checkpoint's AdamW group learning rate 0.01 instead of the optimizer's 0.02 (its config's AdamLR)")
+		assert.Contains(t, w[0], "call the Muon optimizer's SetAdamLR once Restored() is true")
+	}
 }

@@ -5,12 +5,17 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/optim"
 )
 
 // fences returns the contents of the README's fenced code blocks that
@@ -134,4 +139,33 @@ func requires(gomod string) map[string]string {
 		}
 	}
 	return out
+}
+
+// TestREADMENewRefusesLR: the learning rate the README says New refuses
+// (in "New checks the optimizer's config at once: `LR = x` fails here")
+// is refused by New, with the config's error, and the learning rate 0 it
+// says is one is accepted.
+func TestREADMENewRefusesLR(t *testing.T) {
+	b, err := os.ReadFile("README.md")
+	require.NoError(t, err)
+	readme := strings.Join(strings.Fields(string(b)), " ")
+	m := regexp.MustCompile("New checks the optimizer's config at once: `LR = ([^`]*)` fails here").FindStringSubmatch(readme)
+	require.NotNil(t, m, "the README says no more which LR New refuses")
+	lr, err := strconv.ParseFloat(m[1], 32)
+	require.NoError(t, err)
+	adamAt := func(lr float32) Builder {
+		return func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+			cfg := optim.DefaultAdamConfig()
+			cfg.LR = lr
+			return optim.NewAdam(ctx, c, p, cfg)
+		}
+	}
+	_, err = New(context.Background(), nil, adamAt(float32(lr)))
+	var ce *optim.ConfigError
+	assert.ErrorAs(t, err, &ce, "the README says New refuses LR = %s", m[1])
+
+	require.True(t, strings.Contains(readme, "(`LR = 0` is a learning rate"), "the README says no more that LR = 0 is accepted")
+	opt, err := New(context.Background(), nil, adamAt(0))
+	require.NoError(t, err)
+	require.NoError(t, opt.Close())
 }

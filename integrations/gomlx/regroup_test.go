@@ -15,6 +15,8 @@ import (
 	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/optim/zero"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // modeBuilder is 1-bit Adam, or 1-bit LAMB with lamb, freezing at step f,
@@ -88,5 +90,107 @@ func TestRegroupEveryMode(t *testing.T) {
 				assert.Positive(t, nonZeroErrors(run.state), "rank %d: error buffers all zero", r)
 			}
 		})
+	}
+}
+
+// TestRankChangeRecipes: the rows of docs/gomlx.md's table "Changing the
+// number of ranks" that go through this package, each from 4 ranks to 2
+// and from 2 to 3: every new rank starts from a copy of old rank 0's
+// directory whose newest lowbit state is the table's (the copy as it is,
+// onebit.Regroup, ResetErrors, zero.Consolidate, outer.Regroup of every
+// old rank's), resumes from the old step and trains; rank 0 warns only
+// where something restarted from zero, saying what was carried.
+func TestRankChangeRecipes(t *testing.T) {
+	outerCodec := func(codec outer.Codec) Builder {
+		return func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
+			cfg := outer.DefaultConfigFor(codec)
+			cfg.H = 4
+			if codec == outer.CodecSparse {
+				cfg.SparseChunk, cfg.Density = 16, 0.25
+			}
+			in := optim.DefaultAdamConfig()
+			in.LR = 1e-2
+			return outer.NewAdam(ctx, c, p, cfg, in)
+		}
+	}
+	regroup := func(old []*optim.Checkpoint, world, r int) (*optim.Checkpoint, error) {
+		return onebit.Regroup(old, world, r)
+	}
+	for _, row := range []struct {
+		name  string // the table's row
+		build Builder
+		// state makes new rank r's lowbit state of a group of world from
+		// every old rank's (nil: the copy as it is).
+		state func(old []*optim.Checkpoint, world, r int) (*optim.Checkpoint, error)
+		warn  string // rank 0's one warning ("": none)
+		// errors is 1 where the error feedback is carried (not all zero
+		// after a step), -1 where it restarted from zero (all zero after a
+		// step that exchanges nothing), 0 where a step tells them apart.
+		errors int
+	}{
+		{"exact-adam", adam, nil, "", 0},
+		{"exact-muon", muon, nil, "", 0},
+		{"onebit-adam-regroup", onebitAdam, regroup, "", 1},
+		{"onebit-adam-reset", onebitAdam, func(old []*optim.Checkpoint, _, r int) (*optim.Checkpoint, error) {
+			return old[0].ResetErrors(), nil
+		}, "error buffers were reset (made on %d ranks, by rank 0): the error feedback starts again from zero; " +
+			"the parameters, moments and counters of the rank that made it are carried (onebit.Regroup of every old rank's state keeps the error feedback", 0},
+		{"zero-adam", zeroAdam, func(old []*optim.Checkpoint, _, _ int) (*optim.Checkpoint, error) {
+			return zero.Consolidate(old)
+		}, "", 0},
+		{"outer-sparse", outerCodec(outer.CodecSparse), outer.Regroup, "", 1},
+		{"outer-onebit", outerCodec(outer.CodecOneBit), outer.Regroup, "error buffers were reset (made on %d ranks, by rank 0): " +
+			"the 1-bit codec's error feedback starts again from zero (its layout depends on the group size); " +
+			"θ_g and u, and the inner optimizer's state and local parameters of the rank that made it, are carried", -1},
+	} {
+		for _, move := range [][2]int{{4, 2}, {2, 3}} {
+			from, to := move[0], move[1]
+			t.Run(fmt.Sprintf("%s/%dto%d", row.name, from, to), func(t *testing.T) {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+				defer cancel()
+				old, dir := t.TempDir(), t.TempDir()
+				rankDir := func(base string, r int) string { return filepath.Join(base, fmt.Sprintf("rank-%d", r)) }
+				require.NoError(t, local.Run(ctx, from, func(ctx context.Context, c comm.Comm) error {
+					return resumeRank(t, ctx, c, old, resumeConfig{hidden: 16, steps: 5, build: row.build}).err
+				}))
+				name := stateFileName(5)
+				olds := make([]*optim.Checkpoint, from)
+				for r := range olds {
+					var err error
+					olds[r], err = optim.LoadFile(filepath.Join(rankDir(old, r), name))
+					require.NoError(t, err)
+				}
+				for r := range to {
+					require.NoError(t, os.CopyFS(rankDir(dir, r), os.DirFS(rankDir(old, 0))))
+					if row.state != nil {
+						ck, err := row.state(olds, to, r)
+						require.NoError(t, err)
+						require.NoError(t, optim.SaveFile(filepath.Join(rankDir(dir, r), name), ck))
+					}
+				}
+				runs := make([]*resumeRun, to)
+				require.NoError(t, local.Run(ctx, to, func(ctx context.Context, c comm.Comm) error {
+					runs[c.Rank()] = resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 1, build: row.build})
+					return runs[c.Rank()].err
+				}))
+				for r, run := range runs {
+					assert.True(t, run.opt.Restored(), "rank %d", r)
+					assert.Equal(t, int64(5), run.start, "rank %d", r)
+					switch row.errors {
+					case 1:
+						assert.Positive(t, nonZeroErrors(run.state), "rank %d: error buffers all zero", r)
+					case -1:
+						assert.Zero(t, nonZeroErrors(run.state), "rank %d: error buffers not reset", r)
+					}
+					if r > 0 || row.warn == "" {
+						assert.Empty(t, run.opt.Warnings(), "rank %d", r)
+						continue
+					}
+					if assert.Len(t, run.opt.Warnings(), 1) {
+						assert.Contains(t, run.opt.Warnings()[0], fmt.Sprintf(row.warn, from))
+					}
+				}
+			})
+		}
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 
 	"github.com/gomlx/gomlx/core/tensors"
 	"github.com/gomlx/gomlx/ml/model"
@@ -16,7 +17,9 @@ import (
 	"github.com/gomlx/gomlx/ml/train"
 	"go.uber.org/zap"
 
+	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // restoreLocal loads into the lowbit optimizer the state of the model's
@@ -42,15 +45,22 @@ func (o *Optimizer) restoreLocal() (*optim.Checkpoint, error) {
 			return nil, err
 		}
 	}
-	lrBefore := float32(0)
+	lrBefore, adamBefore := float32(0), float32(0)
 	if o.lrs != nil {
 		lrBefore = o.lrs.LR()
+	}
+	ag := adamGroup(o.opt)
+	if ag != nil {
+		adamBefore = ag.AdamLR()
 	}
 	if err := o.opt.Load(ck); err != nil {
 		return nil, fmt.Errorf("lbgomlx: restoring the lowbit state of global step %d: %w", gs, err)
 	}
 	o.restored = true
 	o.warnLoaded(ck, gs, lrBefore)
+	if ag != nil {
+		o.warnAdamLR(ck, gs, adamBefore)
+	}
 	return ck, o.writeBack()
 }
 
@@ -69,11 +79,78 @@ func (o *Optimizer) warnLoaded(ck *optim.Checkpoint, gs int64, lrBefore float32)
 			gs, float32(lr), lrBefore),
 			zap.Int64("global_step", gs), zap.Float64("checkpoint_lr", lr), zap.Float32("replaced_lr", lrBefore))
 	}
-	if ck.ErrorsReset {
-		o.warn(fmt.Sprintf("resumed at global step %d from a checkpoint whose error buffers were reset (made on %d ranks, by rank %d): "+
-			"error feedback starts again from zero", gs, ck.World, ck.Rank),
+	if lost := resetLoss(ck); lost != "" {
+		o.warn(fmt.Sprintf("resumed at global step %d from a checkpoint whose error buffers were reset (made on %d ranks, by rank %d): %s",
+			gs, ck.World, ck.Rank, lost),
 			zap.Int64("global_step", gs), zap.Int("made_on_world", ck.World), zap.Int("made_by_rank", ck.Rank))
 	}
+}
+
+// resetLoss says what the load of ck restarted from zero and what it
+// carried, when ck's error buffers were reset and it had some to lose; ""
+// when nothing restarted: an exact optimizer's or zero.Adam's checkpoint
+// (no error feedback), outer.Regroup's of the outer optimizer with the
+// sparse codec (the old ranks' mean of the accumulators) or with a codec
+// that keeps no error feedback.
+func resetLoss(ck *optim.Checkpoint) string {
+	if !ck.ErrorsReset {
+		return ""
+	}
+	const byRank = "the rank that made it"
+	switch alg := ck.Algorithm; {
+	case alg == optim.AlgorithmOnebitAdam, alg == optim.AlgorithmOnebitLamb, alg == optim.AlgorithmZeroOneAdam:
+		return "the error feedback starts again from zero; the parameters, moments and counters of " + byRank + " are carried " +
+			"(onebit.Regroup of every old rank's state keeps the error feedback: docs/gomlx.md, \"Changing the number of ranks\")"
+	case alg == onebit.AlgorithmMuon:
+		return "the error feedback starts again from zero; the parameters, AdamW moments and counters of " + byRank + " are carried, and its momenta alone, " +
+			"not the ranks' mean (onebit.Regroup of every old rank's state keeps the error feedback and takes the momenta's mean: " +
+			"docs/gomlx.md, \"Changing the number of ranks\")"
+	case strings.HasPrefix(alg, outer.AlgorithmPrefix):
+		carried := "θ_g and u, and the inner optimizer's state and local parameters of " + byRank + ", are carried"
+		switch {
+		case ck.Tensor(outer.TensorRegroupedAccumulator) != nil:
+			return ""
+		case ck.Floats[optim.HyperPrefix+"outer_codec"] == float64(outer.CodecSparse):
+			return "the sparse accumulator starts again from zero (outer.Regroup of every old rank's state carries their mean); " + carried
+		case ck.Floats[optim.HyperPrefix+"outer_codec"] == float64(outer.CodecOneBit):
+			return "the 1-bit codec's error feedback starts again from zero (its layout depends on the group size); " + carried
+		}
+	}
+	return ""
+}
+
+// adamGroup is the auxiliary AdamW group of a Muon-family optimizer
+// (exact or 1-bit Muon), whose learning rate is its own, seen through the
+// optimizers that wrap another (Inner); nil when opt has none.
+func adamGroup(opt optim.Optimizer) interface{ AdamLR() float32 } {
+	for opt != nil {
+		if a, ok := opt.(interface{ AdamLR() float32 }); ok {
+			return a
+		}
+		in, ok := opt.(interface{ Inner() optim.Optimizer })
+		if !ok {
+			return nil
+		}
+		opt = in.Inner()
+	}
+	return nil
+}
+
+// warnAdamLR warns, on rank 0, when the load of ck replaced the AdamW
+// group's fixed learning rate, before the load, with another: the hook's
+// learning rate is the Muon group's only, so the AdamW group's stays the
+// checkpoint's unless the program sets it after the load.
+func (o *Optimizer) warnAdamLR(ck *optim.Checkpoint, gs int64, before float32) {
+	in := innermost(ck)
+	lr, ok := in.Floats[optim.FloatAdamLR]
+	if o.rank() != 0 || !ok || in.Ints[optim.IntAdamLRSchedule] != 0 || float32(lr) == before {
+		return
+	}
+	o.warn(fmt.Sprintf("resumed at global step %d with the checkpoint's AdamW group learning rate %v instead of the optimizer's %v (its config's AdamLR): "+
+		"the lowbit optimizer's Load restores it. To train on with another, call the Muon optimizer's SetAdamLR once Restored() is true, "+
+		"before the first lowbit step (a train.Loop hook of priority below HookPriority, as the GPT example's resumeLR)",
+		gs, float32(lr), before),
+		zap.Int64("global_step", gs), zap.Float64("checkpoint_adam_lr", lr), zap.Float32("replaced_adam_lr", before))
 }
 
 // legacyState decodes the state an older checkpoint held in sv, in place.

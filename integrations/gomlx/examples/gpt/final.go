@@ -130,10 +130,20 @@ func (e *finalEval) eval(ctx context.Context, c comm.Comm) (finalResult, error) 
 	}
 	n := float64(e.total)
 	r := finalResult{loss: float64(e.sums[0]) / (n * float64(e.context)), windows: e.total}
-	if e.total > 1 {
-		mean := float64(e.sums[1]) / n
-		variance := max(0, (float64(e.sums[2])-n*mean*mean)/(n-1))
-		r.stderr = math.Sqrt(variance / n)
-	}
+	r.stderr = meanStderr(e.total, float64(e.sums[1]), float64(e.sums[2]))
 	return r, nil
+}
+
+// meanStderr is the standard error of the mean of n samples, given their
+// sum and the sum of their squares: the square root of their sample
+// variance (the squared deviations summed and divided by n-1) over n. It
+// is 0 for fewer than 2 samples.
+func meanStderr(n int, sum, sumSq float64) float64 {
+	if n < 2 {
+		return 0
+	}
+	k := float64(n)
+	mean := sum / k
+	variance := max(0, (sumSq-k*mean*mean)/(k-1))
+	return math.Sqrt(variance / k)
 }

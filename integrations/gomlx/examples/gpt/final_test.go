@@ -153,6 +153,25 @@ func TestFinalEval(t *testing.T) {
 	assert.Equal(t, got[0], got[1], "every rank the same")
 }
 
+// TestMeanStderr: the standard error of the windows' mean loss is the
+// square root of their sample variance (divided by n-1, not n) over n,
+// here of 2, 4, 4, 4, 5, 5, 7, 9 by hand: mean 5, squared deviations 32,
+// variance 32/7, standard error sqrt(32/7/8) = sqrt(4/7) (dividing by n
+// would give sqrt(1/2)).
+func TestMeanStderr(t *testing.T) {
+	samples := []float64{2, 4, 4, 4, 5, 5, 7, 9}
+	var sum, sumSq float64
+	for _, x := range samples {
+		sum += x
+		sumSq += x * x
+	}
+	assert.InDelta(t, math.Sqrt(4.0/7), meanStderr(len(samples), sum, sumSq), 1e-12)
+	assert.InDelta(t, 0.5, meanStderr(2, 1+2, 1+4), 1e-12, "1 and 2: variance 1/2, standard error sqrt(1/4)")
+	assert.Zero(t, meanStderr(1, 3, 9), "one window: no spread")
+	assert.Zero(t, meanStderr(0, 0, 0))
+	assert.Zero(t, meanStderr(3, 3, 3-1e-9), "rounding below zero: 0, not NaN")
+}
+
 // TestFinalValidation: a run's val loss (text table, JSON, Markdown) is
 // the final evaluation over the whole validation text of the tiny corpus
 // (its 652 tiles), with its standard error, and the curve's last

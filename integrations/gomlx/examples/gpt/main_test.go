@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"math"
 	"os"
@@ -14,13 +15,13 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/lowbit-ml/lowbit/outer"
-
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
+	lbgomlx "github.com/lowbit-ml/lowbit/integrations/gomlx"
 	"github.com/lowbit-ml/lowbit/internal/cliflag/flagtest"
 	"github.com/lowbit-ml/lowbit/internal/outerstate"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // tiny are the flags of a model small enough for a test: 2 local ranks,
@@ -546,4 +547,59 @@ func TestDilocoWarnings(t *testing.T) {
 	_, err = parseFlags([]string{"-optimizer", "diloco", "-outer-inner", "muon", "-steps", "20", "-outer-h", "10"}, &errOut)
 	require.NoError(t, err)
 	assert.Empty(t, errOut.String())
+}
+
+// TestLateBytesMuon: with -late-bytes, 1-bit Muon's AdamW group trains
+// the embedding rows of bytes first seen after its variance froze, as
+// 1-bit Adam's does (it held them at their initial values for the whole
+// run before). Their v is exactly zero at step 14, after the freeze at
+// step 5 and before they first occur at step 15; by step 30 it is not,
+// and they moved from step 14 on by a fair share of what the rows of the
+// bytes seen from the start moved.
+func TestLateBytesMuon(t *testing.T) {
+	if testing.Short() {
+		t.Skip("trains a model")
+	}
+	dir := t.TempDir()
+	args := tiny("-optimizer", "onebit-muon", "-freeze-step", "5", "-late-bytes", "{}", "-checkpoint", dir, "-checkpoint-every", "100")
+	runJSON(t, append(args, "-steps", "14")...)
+	emb := func(step int) (p, v []float32) {
+		t.Helper()
+		files, err := filepath.Glob(filepath.Join(dir, "onebit-muon-*-rank-0", fmt.Sprintf("%s%08d%s", lbgomlx.StateFilePrefix, step, lbgomlx.StateFileSuffix)))
+		require.NoError(t, err)
+		require.Len(t, files, 1, "the state file of step %d", step)
+		ck, err := optim.LoadFile(files[0])
+		require.NoError(t, err)
+		for _, tn := range ck.Tensors {
+			if strings.HasPrefix(tn.Name, optim.ParamTensorName("")) && strings.HasSuffix(tn.Name, "token_embed/embeddings") {
+				name := strings.TrimPrefix(tn.Name, optim.ParamTensorName(""))
+				return tn.Data, ck.Tensor(optim.ExpAvgSqPrefix + name).Data
+			}
+		}
+		t.Fatalf("no token embedding in %s", files[0])
+		return nil, nil
+	}
+	p14, v14 := emb(14)
+	runJSON(t, append(args, "-steps", "30")...)
+	p30, v30 := emb(30)
+	d := len(p14) / 256
+	moved := func(b int) (m float64) {
+		for j := b * d; j < (b+1)*d; j++ {
+			m += math.Abs(float64(p30[j]-p14[j])) / float64(d)
+		}
+		return m
+	}
+	var early float64
+	for _, b := range []byte("e t=(") {
+		require.NotZero(t, v14[int(b)*d], "byte %q is seen from the start", b)
+		early += moved(int(b)) / 5
+	}
+	for _, b := range []byte("{}") {
+		for j := int(b) * d; j < (int(b)+1)*d; j++ {
+			require.Zero(t, v14[j], "byte %q: v before it first occurs", b)
+		}
+		require.NotZero(t, v30[int(b)*d], "byte %q: v after it occurred", b)
+		t.Logf("byte %q moved %.3g on average from step 14 to 30; bytes seen from the start %.3g", b, moved(int(b)), early)
+		assert.Greater(t, moved(int(b)), early/10, "byte %q: its embedding did not train", b)
+	}
 }
