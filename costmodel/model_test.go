@@ -34,15 +34,26 @@ const (
 func TestParseRate(t *testing.T) {
 	for in, want := range map[string]float64{
 		"1gbit": 125e6, "250mbit": 31.25e6, "10Gbit": 1.25e9, "100kbit": 12.5e3, "8bit": 1,
-		"1.25gbps": 1.25e9, "3mbps": 3e6, " 2tbit ": 2e12 / 8, "400bps": 400,
+		"1.25GB/s": 1.25e9, "3MB/s": 3e6, " 2tbit ": 2e12 / 8, "400B/s": 400, "10kB/s": 1e4, "10KB/s": 1e4,
+		"100Mbit/s": 12.5e6, "1gbit/s": 125e6,
 	} {
 		got, err := ParseRate(in)
 		require.NoError(t, err, in)
 		assert.InDelta(t, want, got, want*1e-12, in)
 	}
-	for _, in := range []string{"", "gbit", "10", "10G", "-1gbit", "0mbit", "1e999gbit", "NaNgbit", "x mbit"} {
+	for _, in := range []string{"", "gbit", "10", "10G", "-1gbit", "0mbit", "1e999gbit", "NaNgbit", "x mbit", "100Mb/s", "3mB/s"} {
 		_, err := ParseRate(in)
 		assert.Error(t, err, in)
+	}
+	// bps is bits to most people and bytes to tc: refused, both readings named.
+	_, err := ParseRate("100Mbps")
+	require.Error(t, err)
+	assert.Equal(t, `link rate "100Mbps": ambiguous unit: most people read Mbps as bits per second (100 Mbit/s), tc as bytes per second (800 Mbit/s); `+
+		`write 100mbit for the first or 100MB/s for the second`, err.Error())
+	for _, in := range []string{"1.25gbps", "3mbps", "400bps", "2TBPS", "5kbps"} {
+		_, err := ParseRate(in)
+		require.Error(t, err, in)
+		assert.Contains(t, err.Error(), "ambiguous unit", in)
 	}
 }
 

@@ -260,7 +260,7 @@ func TestOuterStateRowsMatchOptimizer(t *testing.T) {
 				OuterSparseChunk: 96, OuterSparseBits: 2}
 			rows := map[string]int64{}
 			for _, r := range j.StateTable() {
-				if strings.HasPrefix(r.Optimizer, "outer-") {
+				if strings.HasPrefix(r.Optimizer, "outer-") && r.Optimizer != OptOuterMuon { // TestOuterMuonStateRowMatchesOptimizer
 					require.NoError(t, r.Err, r.Optimizer)
 					rows[r.Optimizer] = r.Bytes
 				}
@@ -311,4 +311,42 @@ func outerStateBytesOf(t *testing.T, w int, cfg outer.Config, ac optim.AdamConfi
 	})
 	require.NoError(t, err)
 	return got[0]
+}
+
+// The outer-muon row of the state table (MuLoCo) is outer.NewMuon's own
+// StateBytes, to the byte: the 1-bit codec at outer.DefaultConfigFor
+// around exact Muon over whole matrices of the job's shape and one AdamW
+// tensor of the rest.
+func TestOuterMuonStateRowMatchesOptimizer(t *testing.T) {
+	const rows, cols, matrices, rest = 24, 40, 3, 123
+	for _, w := range []int{1, 2, 3} {
+		j := Job{Params: matrices*rows*cols + rest, Ranks: w, OuterH: 4, BucketBytes: 1 << 10, MuonShape: [2]int64{rows, cols}}
+		var want int64 = -1
+		for _, r := range j.StateTable() {
+			if r.Optimizer == OptOuterMuon {
+				require.NoError(t, r.Err)
+				want = r.Bytes
+			}
+		}
+		require.NotEqual(t, int64(-1), want, "no %s row", OptOuterMuon)
+		cfg := outer.DefaultConfigFor(outer.CodecOneBit)
+		cfg.H, cfg.BucketBytes = 4, 1<<10
+		got := make([]int64, w)
+		err := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
+			var ps []*optim.Param
+			for k := range matrices {
+				ps = append(ps, optim.NewParam(fmt.Sprintf("m%d", k), rows, cols))
+			}
+			ps = append(ps, optim.NewParam("bias", rest))
+			o, err := outer.NewMuon(ctx, c, ps, cfg, optim.DefaultMuonConfig())
+			if err != nil {
+				return err
+			}
+			defer o.Close()
+			got[c.Rank()] = o.StateBytes()
+			return nil
+		})
+		require.NoError(t, err)
+		assert.Equal(t, got[0], want, "%d ranks", w)
+	}
 }

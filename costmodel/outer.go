@@ -97,6 +97,9 @@ type outerCodec struct {
 	// state is the codec's name for OuterStateBytes: codec, or
 	// "sparse-2p" for the sparse codec's two-phase exchange.
 	state string
+	// muon: the inner optimizer is Muon (MuLoCo) rather than AdamW: every
+	// rank orthogonalizes every matrix of Plan's MuonPlan each inner step.
+	muon bool
 }
 
 // stateName is oc's name for OuterStateBytes.
@@ -106,6 +109,10 @@ func (oc outerCodec) stateName() string {
 	}
 	return oc.codec
 }
+
+// OptOuterMuon is the row of the outer optimizer with Muon inside
+// (MuLoCo) and the 1-bit codec, in the time and the state tables.
+const OptOuterMuon = "outer-muon"
 
 // outerCodecs are the outer optimizer's rows, in table order.
 var outerCodecs = []outerCodec{
@@ -131,6 +138,13 @@ var outerCodecs = []outerCodec{
 	{
 		name: "outer-1bit", codec: "1bit",
 		desc:     "outer optimizer, 1bit codec: onebit.AllReduce of the outer momentum, in buckets of --bucket",
+		via:      func(Job) collective { c, _ := findCollective("onebit"); return c },
+		bucketed: true,
+	},
+	{
+		name: OptOuterMuon, codec: "1bit", muon: true,
+		desc: "outer optimizer, Muon inside (MuLoCo: outer.NewFrom with a Muon builder, lbgomlx.NewOuterMuon), 1bit codec: " +
+			"outer-1bit's exchange, and every inner step orthogonalizes every matrix (--muon-shape, --muon-flops)",
 		via:      func(Job) collective { c, _ := findCollective("onebit"); return c },
 		bucketed: true,
 	},
@@ -234,7 +248,10 @@ func (m *Model) outerRow(oc outerCodec, j Job, s setup, f LinkFit, exactStep flo
 	}
 	row.WirePerRank = (wire + int64(j.OuterH)/2) / int64(j.OuterH)
 	row.CommS = row.LatencyS + row.TransferS + row.CompressS
-	row.StepS = row.CommS + j.StepCompute.Seconds()
+	if oc.muon {
+		row.OrthoS = muonPlan(j).OrthoS
+	}
+	row.StepS = row.CommS + row.OrthoS + j.StepCompute.Seconds()
 	if row.StepS > 0 {
 		row.SpeedupExact = exactStep / row.StepS
 	}
@@ -259,8 +276,23 @@ func outerPlan(j Job, sparse bool) *OuterPlan {
 
 // defaultOuterRows are the outer rows of a plan of j whose Collectives is
 // nil: none without OuterH; every codec's, the sparse codec's only where
-// its chunk fits the smallest fragment.
+// its chunk fits the smallest fragment, and OptOuterMuon only with
+// MuonShape, as Muon's rows (its orthogonalization needs the shape and
+// --muon-flops to mean anything).
 func (j Job) defaultOuterRows() []string {
+	var names []string
+	for _, name := range j.outerStateRows() {
+		if name != OptOuterMuon || j.MuonShape != [2]int64{} {
+			names = append(names, name)
+		}
+	}
+	return names
+}
+
+// outerStateRows are the outer rows of j's state table: none without
+// OuterH; every codec's, the sparse codec's only where its chunk fits the
+// smallest fragment, and OptOuterMuon.
+func (j Job) outerStateRows() []string {
 	if j.OuterH <= 0 {
 		return nil
 	}

@@ -188,9 +188,10 @@ func TestOuterSparseTwoPhaseRow(t *testing.T) {
 // average bytes and transfer (each fragment exchanged once every H
 // steps), and add one exchange's latency and agreement per fragment.
 func TestOuterAmortization(t *testing.T) {
-	_, h1 := planRows(t, outerJob(8, 1, 0))
-	_, h2 := planRows(t, outerJob(16, 1, 0))
-	_, f4 := planRows(t, outerJob(16, 4, 0))
+	all := func(j Job) Job { j.Collectives = outerNames(); return j }
+	_, h1 := planRows(t, all(outerJob(8, 1, 0)))
+	_, h2 := planRows(t, all(outerJob(16, 1, 0)))
+	_, f4 := planRows(t, all(outerJob(16, 4, 0)))
 	for _, name := range outerNames() {
 		a, b, c := h1[name], h2[name], f4[name]
 		assert.InEpsilon(t, a.CommS/2, b.CommS, 1e-12, name)
@@ -261,7 +262,7 @@ func TestOuterDelayHides(t *testing.T) {
 			assert.InDelta(t, 2*hidden/8, got.HiddenS, 1e-12, what)
 			assert.InDelta(t, r0[name].CommS-2*hidden/8, got.CommS, 1e-12, what)
 			assert.InEpsilon(t, got.LatencyS+got.TransferS+got.CompressS, got.CommS, 1e-12, what)
-			assert.InEpsilon(t, got.CommS+c.compute.Seconds(), got.StepS, 1e-12, what)
+			assert.InEpsilon(t, got.CommS+got.OrthoS+c.compute.Seconds(), got.StepS, 1e-12, what)
 			assert.Equal(t, r0[name].WirePerRank, got.WirePerRank, what)
 			assert.InEpsilon(t, x, got.ExchangeS, 1e-12, what)
 			if c.compute == time.Hour {
@@ -326,5 +327,24 @@ func TestOuterJobValidate(t *testing.T) {
 	j := outerJob(0, 0, 0)
 	j.Collectives = []string{"nope"}
 	_, err = cal.Model.Plan(j)
-	assert.ErrorContains(t, err, "outer-fp32, outer-bf16, outer-int8, outer-1bit, outer-sparse", "the names Collectives takes")
+	assert.ErrorContains(t, err, "outer-fp32, outer-bf16, outer-int8, outer-1bit, outer-muon, outer-sparse", "the names Collectives takes")
+}
+
+// The outer-muon row (MuLoCo) is outer-1bit's exchange plus Muon's
+// orthogonalization of every matrix in every inner step, and brings the
+// Plan's MuonPlan with it.
+func TestOuterMuonRow(t *testing.T) {
+	j := outerJob(10, 1, 0)
+	_, rows := planRows(t, j)
+	assert.NotContains(t, rows, OptOuterMuon, "without --muon-shape, as Muon's rows")
+	j.MuonShape = [2]int64{512, 1024}
+	p, rows := planRows(t, j)
+	require.NotNil(t, p.Muon, "outer-muon plans Muon's orthogonalization")
+	one, mu := rows["outer-1bit"], rows[OptOuterMuon]
+	assert.Greater(t, mu.OrthoS, 0.0)
+	assert.Equal(t, p.Muon.OrthoS, mu.OrthoS)
+	assert.Equal(t, one.CommS, mu.CommS)
+	assert.Equal(t, one.WirePerRank, mu.WirePerRank)
+	assert.InEpsilon(t, one.StepS+mu.OrthoS, mu.StepS, 1e-12)
+	assert.Zero(t, one.OrthoS)
 }

@@ -243,6 +243,9 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 	var mp *MuonPlan
 	for _, name := range j.Collectives {
 		if oc, ok := findOuterCodec(name); ok {
+			if oc.muon {
+				mp = muonPlan(j)
+			}
 			rows = append(rows, m.outerRow(oc, j, s, f, exactComm+compute))
 			continue
 		}
@@ -276,8 +279,9 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 }
 
 // DefaultCollectives is what a nil Job.Collectives plans: allreduce and
-// onebit, then with OuterH > 0 the outer optimizer's rows (the sparse
-// codec's only where its chunk fits the smallest fragment).
+// onebit, Muon's rows with MuonShape, then with OuterH > 0 the outer
+// optimizer's rows (the sparse codec's only where its chunk fits the
+// smallest fragment, OptOuterMuon only with MuonShape).
 func (j Job) DefaultCollectives() []string {
 	names := []string{"allreduce", "onebit"}
 	if j.MuonShape != [2]int64{} {

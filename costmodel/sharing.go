@@ -33,20 +33,32 @@ func ParseSharing(s string) (Sharing, error) {
 	return "", fmt.Errorf("unknown link sharing %q (want %s or %s)", s, Shared, PerRank)
 }
 
-// ParseRate parses a link rate with tc's units: bit, kbit, mbit, gbit,
-// tbit are bits per second, bps, kbps, mbps, gbps, tbps bytes per second
-// (decimal prefixes, case-insensitive). It returns bytes per second.
+// ParseRate parses a link rate: bit, kbit, mbit, gbit, tbit (tc's units,
+// case-insensitive, optionally followed by /s: 250mbit, 10Gbit/s) are bits
+// per second, B/s, kB/s, MB/s, GB/s, TB/s (a capital B) bytes per second,
+// with decimal prefixes. It returns bytes per second.
+//
+// It refuses tc's bps, kbps, mbps, gbps and tbps, which tc reads as bytes
+// per second and most people as bits (100Mbps would be 800 Mbit/s): the
+// error names the rate in both readings and how to write each.
 func ParseRate(s string) (float64, error) {
-	t := strings.ToLower(strings.TrimSpace(s))
+	t := strings.TrimSpace(s)
+	lower := strings.ToLower(t)
 	units := []struct {
 		suffix string
 		bytes  float64
+		exact  bool // the suffix's case matters (B for bytes)
 	}{
-		{"tbit", 1e12 / 8}, {"gbit", 1e9 / 8}, {"mbit", 1e6 / 8}, {"kbit", 1e3 / 8}, {"bit", 1.0 / 8},
-		{"tbps", 1e12}, {"gbps", 1e9}, {"mbps", 1e6}, {"kbps", 1e3}, {"bps", 1},
+		{"tbit/s", 1e12 / 8, false}, {"gbit/s", 1e9 / 8, false}, {"mbit/s", 1e6 / 8, false}, {"kbit/s", 1e3 / 8, false}, {"bit/s", 1.0 / 8, false},
+		{"tbit", 1e12 / 8, false}, {"gbit", 1e9 / 8, false}, {"mbit", 1e6 / 8, false}, {"kbit", 1e3 / 8, false}, {"bit", 1.0 / 8, false},
+		{"TB/s", 1e12, true}, {"GB/s", 1e9, true}, {"MB/s", 1e6, true}, {"kB/s", 1e3, true}, {"KB/s", 1e3, true}, {"B/s", 1, true},
 	}
 	for _, u := range units {
-		if num, ok := strings.CutSuffix(t, u.suffix); ok {
+		in := lower
+		if u.exact {
+			in = t
+		}
+		if num, ok := strings.CutSuffix(in, u.suffix); ok {
 			v, err := strconv.ParseFloat(num, 64)
 			if err != nil || !(v > 0) || math.IsInf(v, 0) {
 				break
@@ -54,5 +66,37 @@ func ParseRate(s string) (float64, error) {
 			return v * u.bytes, nil
 		}
 	}
-	return 0, fmt.Errorf("invalid link rate %q: want a positive number with a tc unit, such as 10gbit, 250mbit or 1.25gbps (bytes/s)", s)
+	for _, p := range []struct {
+		suffix string
+		mult   float64
+	}{{"tbps", 1e12}, {"gbps", 1e9}, {"mbps", 1e6}, {"kbps", 1e3}, {"bps", 1}} {
+		num, ok := strings.CutSuffix(lower, p.suffix)
+		if !ok {
+			continue
+		}
+		v, err := strconv.ParseFloat(num, 64)
+		if err != nil || !(v > 0) || math.IsInf(v, 0) {
+			break
+		}
+		unit := strings.TrimSuffix(p.suffix, "bps")
+		written := t[max(0, len(t)-len(p.suffix)):]
+		return 0, fmt.Errorf("link rate %q: ambiguous unit: most people read %s as bits per second (%s), tc as bytes per second (%s); write %s%sbit for the first or %s%sB/s for the second",
+			s, written, formatBits(v*p.mult), formatBits(8*v*p.mult), num, unit, num, strings.ToUpper(unit))
+	}
+	return 0, fmt.Errorf("link rate %q: want a positive number with a unit, such as 10gbit, 250mbit, 100Mbit/s (bits per second) or 1.25GB/s (bytes per second)", s)
+}
+
+// formatBits writes a rate of b bits per second with a decimal prefix.
+func formatBits(b float64) string {
+	switch {
+	case b >= 1e12:
+		return strconv.FormatFloat(b/1e12, 'g', 4, 64) + " Tbit/s"
+	case b >= 1e9:
+		return strconv.FormatFloat(b/1e9, 'g', 4, 64) + " Gbit/s"
+	case b >= 1e6:
+		return strconv.FormatFloat(b/1e6, 'g', 4, 64) + " Mbit/s"
+	case b >= 1e3:
+		return strconv.FormatFloat(b/1e3, 'g', 4, 64) + " kbit/s"
+	}
+	return strconv.FormatFloat(b, 'g', 4, 64) + " bit/s"
 }

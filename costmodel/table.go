@@ -5,7 +5,8 @@ type StateRow struct {
 	// Optimizer is the row's name: one of StateOptimizers, OptMuon,
 	// OptOnebitMuon, OptOnebitMuonCompactBF16 (on more than one rank), or
 	// an outer row ("outer-sparse": the outer optimizer with that codec
-	// around outer.NewAdam's AdamW, both at their defaults), or
+	// around outer.NewAdam's AdamW, both at their defaults; OptOuterMuon:
+	// the 1-bit codec around Muon, as the Muon rows see the model), or
 	// OptOuterSparseFP32.
 	Optimizer string
 	// Bytes is the state of rank 0, parameters and gradients not
@@ -23,8 +24,9 @@ type StateRow struct {
 // mode the same way (on more than one rank), and with OuterH > 0 the
 // outer optimizer around exact AdamW, one row per codec of
 // OuterStateBytes and its inner AdamW's (the sparse codec's where its chunk
-// fits the smallest fragment), and the sparse codec with float32 state
-// (OptOuterSparseFP32).
+// fits the smallest fragment), the 1-bit codec around Muon (OptOuterMuon,
+// Muon's state as the OptMuon row counts it), and the sparse codec with
+// float32 state (OptOuterSparseFP32).
 func (j Job) StateTable() []StateRow {
 	var rows []StateRow
 	for _, name := range StateOptimizers() {
@@ -44,11 +46,15 @@ func (j Job) StateTable() []StateRow {
 		b += muonCompactDelta(mp.Matrices*most, mp.Other, most, tensors, j.Ranks, j.BucketBytes, true)
 		rows = append(rows, StateRow{Optimizer: OptOnebitMuonCompactBF16, Bytes: b})
 	}
-	for _, name := range j.defaultOuterRows() {
+	for _, name := range j.outerStateRows() {
 		oc, _ := findOuterCodec(name)
 		b, err := OuterStateBytes(oc.stateName(), j)
 		if err == nil || err == errTooLarge {
-			rows = append(rows, StateRow{Optimizer: name, Bytes: b + outerInnerBytes(oc.codec, j.Params), Err: err})
+			inner := outerInnerBytes(oc.codec, j.Params)
+			if oc.muon {
+				inner = muonState(mp.Shape, mp.Matrices, mp.Other)
+			}
+			rows = append(rows, StateRow{Optimizer: name, Bytes: b + inner, Err: err})
 		}
 		if name == "outer-sparse" && err == nil {
 			rows = append(rows, StateRow{Optimizer: OptOuterSparseFP32, Bytes: b - sparseBF16Delta(j) + 8*j.Params})

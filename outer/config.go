@@ -199,6 +199,43 @@ type Config struct {
 	// in (0, 1], or 0 for Density. Other exchanges and codecs ignore it.
 	// Default 0.
 	SparseServerDensity float32
+	// SparseWithMuon accepts CodecSparse around a Muon inner optimizer
+	// (optim.Muon, directly or through optim.Transposed: NewMuon, NewFrom
+	// with a Muon builder, lbgomlx.NewOuterMuon), which the constructors
+	// refuse otherwise: Muon's orthogonalized update has entries of
+	// similar size, which the largest entries of a chunk carry little of,
+	// and on the GPT example it ended at loss 2.8583 against the 1-bit
+	// codec's 2.6017 (docs/outer.md, "The tighter target"). Set it to
+	// insist. Other codecs and inner optimizers ignore it. Default false.
+	SparseWithMuon bool
+}
+
+// FirstMerge returns the first Step call, counting from 1, after which the
+// global parameters (Optimizer.Global) can have changed: the merge of the
+// first exchange, at call H/Fragments + Delay (H + Delay with one
+// fragment). A run of fewer inner steps exchanges nothing and leaves them
+// the initial ones. c must be valid (Validate).
+func (c Config) FirstMerge() int {
+	first := c.H
+	if c.Fragments > 1 {
+		first = c.H / c.Fragments
+	}
+	return first + c.Delay
+}
+
+// StepsWarning returns a warning when a run of steps inner steps, counted
+// from the first, ends before FirstMerge (no exchange, the global model
+// the initial one), and "" otherwise. Programs that know both their
+// number of steps and the config print it before they train. c must be
+// valid (Validate).
+func (c Config) StepsWarning(steps int) string {
+	first := c.FirstMerge()
+	if steps >= first {
+		return ""
+	}
+	return fmt.Sprintf("the outer optimizer's first exchange merges at inner step %d (H %d, %d fragment(s), delay %d), after this run's %d steps: "+
+		"it exchanges nothing and its global model stays the initial one; lower H (a few exchanges a run at least) or train longer",
+		first, c.H, max(1, c.Fragments), c.Delay, steps)
 }
 
 // DefaultConfig returns H 50, one fragment, no delay, CodecFP32, outer

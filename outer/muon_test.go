@@ -8,8 +8,11 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/outer"
 )
@@ -32,8 +35,65 @@ func muonConfig() optim.MuonConfig {
 var muonInner = innerKind{
 	params: func(t testing.TB) []*optim.Param { return newShaped(t, muonShapes) },
 	build: func(ctx context.Context, c comm.Comm, ps []*optim.Param, cfg outer.Config) (*outer.Optimizer, error) {
+		cfg.SparseWithMuon = true // every codec, the sparse one included (TestSparseMuonRefused)
 		return outer.NewMuon(ctx, c, ps, cfg, muonConfig())
 	},
+}
+
+// TestSparseMuonRefused: the sparse codec around Muon, directly (NewMuon)
+// or through optim.Transposed (NewFrom), is refused on every rank, saying
+// why and how to insist, unless Config.SparseWithMuon insists; the 1-bit
+// codec with Muon and the sparse codec with AdamW are taken.
+func TestSparseMuonRefused(t *testing.T) {
+	ctx := context.Background()
+	try := func(cfg outer.Config, build func(ctx context.Context, c comm.Comm, ps []*optim.Param, cfg outer.Config) (*outer.Optimizer, error)) []error {
+		errs := make([]error, 2)
+		_ = local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
+			o, err := build(ctx, c, newShaped(t, muonShapes), cfg)
+			if err == nil {
+				err = o.Close()
+			}
+			errs[c.Rank()] = err
+			return err
+		})
+		return errs
+	}
+	transposed := func(ctx context.Context, c comm.Comm, ps []*optim.Param, cfg outer.Config) (*outer.Optimizer, error) {
+		return outer.NewFrom(ctx, c, cfg, func() (optim.Optimizer, error) {
+			var names []string
+			for _, p := range ps {
+				if len(p.Shape()) == 2 {
+					names = append(names, p.Name)
+				}
+			}
+			mc := muonConfig()
+			return optim.NewTransposed(ps, names, func(inner []*optim.Param) (optim.Optimizer, error) {
+				mc.Params = names
+				return optim.NewMuon(ctx, nil, inner, mc)
+			})
+		})
+	}
+	direct := func(ctx context.Context, c comm.Comm, ps []*optim.Param, cfg outer.Config) (*outer.Optimizer, error) {
+		return outer.NewMuon(ctx, c, ps, cfg, muonConfig())
+	}
+	sparse := config(outer.CodecSparse, 3, 1, 0)
+	for name, build := range map[string]func(ctx context.Context, c comm.Comm, ps []*optim.Param, cfg outer.Config) (*outer.Optimizer, error){
+		"NewMuon": direct, "NewFrom Transposed": transposed,
+	} {
+		for r, err := range try(sparse, build) {
+			require.Error(t, err, "%s: rank %d", name, r)
+			assert.Contains(t, err.Error(), "the sparse codec with Muon inside does not suit it", "%s: rank %d", name, r)
+			assert.Contains(t, err.Error(), "or set Config.SparseWithMuon to insist", "%s: rank %d", name, r)
+		}
+		insist := sparse
+		insist.SparseWithMuon = true
+		assert.Equal(t, []error{nil, nil}, try(insist, build), "%s: SparseWithMuon", name)
+		assert.Equal(t, []error{nil, nil}, try(config(outer.CodecOneBit, 3, 1, 0), build), "%s: 1bit", name)
+	}
+	adam := func(ctx context.Context, c comm.Comm, ps []*optim.Param, cfg outer.Config) (*outer.Optimizer, error) {
+		return outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+	}
+	assert.Equal(t, []error{nil, nil}, try(sparse, adam), "sparse with AdamW")
 }
 
 // Muon as the inner optimizer (MuLoCo's setting), on 2 and 3 ranks, with
@@ -280,4 +340,47 @@ func assertRank1Refused(t *testing.T, errs []error, own string) {
 		}
 		assert.Contains(t, err.Error(), want, "rank %d", r)
 	}
+}
+
+// FirstMerge is the first Step after which Global can have changed, as the
+// optimizer runs it (its first applied exchange), for one and several
+// fragments, with and without delay; StepsWarning warns a run shorter
+// than that, and Close logs a warning after steps without an exchange.
+func TestFirstMergeAndWarning(t *testing.T) {
+	for _, fd := range [][3]int{{5, 1, 0}, {5, 1, 2}, {8, 4, 0}, {8, 4, 1}, {7, 3, 2}} {
+		cfg := config(outer.CodecFP32, fd[0], fd[1], fd[2])
+		ps := newShaped(t, muonShapes)
+		o, err := outer.NewAdam(context.Background(), nil, ps, cfg, innerConfig())
+		require.NoError(t, err)
+		first := 0
+		for call := 1; call <= 2*fd[0] && first == 0; call++ {
+			for _, p := range ps {
+				for i := range p.GradData() {
+					p.GradData()[i] = 0.1
+				}
+			}
+			require.NoError(t, o.Step(context.Background()))
+			if o.OuterStats().Exchanges > 0 {
+				first = call
+			}
+		}
+		require.NoError(t, o.Close())
+		assert.Equal(t, first, cfg.FirstMerge(), "H %d, F %d, delay %d", fd[0], fd[1], fd[2])
+		assert.Empty(t, cfg.StepsWarning(first), "a run that reaches the first merge")
+		assert.Contains(t, cfg.StepsWarning(first-1), fmt.Sprintf("the outer optimizer's first exchange merges at inner step %d (H %d, %d fragment(s), delay %d), after this run's %d steps",
+			first, fd[0], fd[1], fd[2], first-1))
+	}
+
+	core, logs := observer.New(zap.WarnLevel)
+	cfg := config(outer.CodecFP32, 10, 1, 0)
+	ps := newShaped(t, muonShapes)
+	o, err := outer.NewAdam(context.Background(), nil, ps, cfg, innerConfig(), optim.WithLogger(zap.New(core)))
+	require.NoError(t, err)
+	for range 3 {
+		require.NoError(t, o.Step(context.Background()))
+	}
+	require.NoError(t, o.Close())
+	require.Equal(t, 1, logs.Len())
+	assert.Contains(t, logs.All()[0].Message, "closed after inner steps and no exchange: the global parameters (Global) are the initial ones")
+	assert.Equal(t, int64(3), logs.All()[0].ContextMap()["inner_steps"])
 }

@@ -1,12 +1,14 @@
 package main
 
 import (
+	"cmp"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"math"
+	"math/bits"
 	"slices"
 	"strconv"
 	"strings"
@@ -36,7 +38,9 @@ type planConfig struct {
 	measurements string // file; "" for the built-in ones
 	asJSON       bool
 	job          costmodel.Job
-	memory       int64 // --memory: bytes per rank for state, parameters and gradients; 0: not given
+	memory       int64  // --memory: bytes per rank for state, parameters and gradients; 0: not given
+	bucketGiven  bool   // --bucket was given: no bucket hint
+	hint         string // bucketHint's line, printed under the table
 }
 
 // planFlags maps the fields of costmodel.Job to the flags that set them.
@@ -65,7 +69,7 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	fs.SetOutput(out)
 	fs.Var(&size.CountValue[int64]{P: &j.Params, Min: 1, Max: costmodel.MaxParams}, "params", "model parameters: float32 gradient elements (`count`: 7B, 1.3B, 340M, 137k; B is billion)")
 	fs.IntVar(&j.Ranks, "ranks", 64, "data-parallel ranks W (at least 2)")
-	fs.StringVar(&j.LinkName, "link", "10gbit", "link rate, tc units: 10gbit, 250mbit, 1.25gbps (bytes/s)")
+	fs.StringVar(&j.LinkName, "link", "10gbit", "link rate: 10gbit, 250mbit, 100Mbit/s (bits/s; tc's units) or 1.25GB/s (bytes/s); not Mbps, which is bits to most people and bytes to tc")
 	sharing := fs.String("sharing", string(costmodel.PerRank), "per-rank: each rank has a link of this rate (a cluster); shared: one shaped link carries all ranks' traffic and the ranks share the calibration machine's CPUs (the calibration's loopback)")
 	list := fs.String("collective", "allreduce,onebit", "comma-separated collectives: allreduce, onebit, fp16, and the outer optimizer's rows (with --outer-h) "+
 		strings.Join(outerRowNames(), ", ")+"; fp16, outer-bf16, outer-int8 and outer-sparse are not calibrated; with --outer-h and no --collective the outer rows follow the default ones (outer-sparse where --outer-sparse-chunk fits a fragment)")
@@ -156,8 +160,10 @@ predicted by a fit that has not seen it.
 	if !flagGiven(fs, "collective") {
 		j.Collectives = j.DefaultCollectives()
 	}
+	cfg.bucketGiven = flagGiven(fs, "bucket")
 	if j.Link, err = costmodel.ParseRate(j.LinkName); err != nil {
-		return nil, cliflag.Bad(fs, "link", "want a positive rate with a tc unit")
+		reason := strings.TrimPrefix(err.Error(), fmt.Sprintf("link rate %q: ", j.LinkName))
+		return nil, cliflag.Bad(fs, "link", "%s", reason)
 	}
 	j.LinkName = strings.ToLower(strings.TrimSpace(j.LinkName))
 	if err := j.Validate(); err != nil {
@@ -214,7 +220,60 @@ func planMain(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	if !cfg.bucketGiven && !cfg.asJSON {
+		if cfg.hint, err = bucketHint(cal.Model, cfg.job, p); err != nil {
+			return err
+		}
+	}
 	return writePlan(stdout, p, cfg, cal.Source)
+}
+
+// bucketedRows are the rows whose collective goes in buckets of --bucket
+// and which pay its latency-bound rounds once per bucket.
+var bucketedRows = []string{"onebit", costmodel.OptOnebitMuon, "outer-1bit", costmodel.OptOuterMuon}
+
+// bucketHint is the line lowbit plan prints when the default --bucket
+// costs the first bucketed row of p (bucketedRows) more than twice the
+// comm that larger buckets would, in latency-bound rounds (a long round
+// trip, --rtt, or many ranks): it names the smallest bucket, doubling from
+// the default up to the whole gradient, within 20% of the best one's comm.
+// It is "" where the default costs less than that.
+func bucketHint(m *costmodel.Model, j costmodel.Job, p *costmodel.Plan) (string, error) {
+	var row *costmodel.Row
+	for i := range p.Rows {
+		if slices.Contains(bucketedRows, p.Rows[i].Collective) {
+			row = &p.Rows[i]
+			break
+		}
+	}
+	if row == nil || row.CommS <= 0 || j.BucketBytes >= 4*j.Params {
+		return "", nil
+	}
+	type try struct {
+		bucket int64
+		comm   float64
+	}
+	var tries []try
+	j.Collectives = []string{row.Collective}
+	for b := int64(1) << bits.Len64(uint64(j.BucketBytes)); ; b *= 2 {
+		b = min(b, 4*j.Params)
+		j.BucketBytes = b
+		q, err := m.Plan(j)
+		if err != nil {
+			return "", fmt.Errorf("plan with --bucket %s: %w", size.Format(b), err)
+		}
+		tries = append(tries, try{b, q.Rows[0].CommS})
+		if b >= 4*j.Params {
+			break
+		}
+	}
+	best := slices.MinFunc(tries, func(a, b try) int { return cmp.Compare(a.comm, b.comm) })
+	if best.comm > row.CommS/2 {
+		return "", nil
+	}
+	pick := tries[slices.IndexFunc(tries, func(t try) bool { return t.comm <= best.comm*1.2 })]
+	return fmt.Sprintf("hint: latency-bound rounds are %.0f%% of %s's comm in the default buckets of %s; --bucket %s predicts %s instead of %s (larger buckets hold more memory: rerun with it for the state table)",
+		100*row.LatencyS/row.CommS, row.Collective, size.Format(p.Assumptions.BucketBytes), size.Format(pick.bucket), formatSeconds(pick.comm), formatSeconds(row.CommS)), nil
 }
 
 func writeFit(w io.Writer, m *costmodel.Model, checks []costmodel.Check, source string, holdout, asJSON bool) error {
@@ -312,6 +371,9 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 		step += fmt.Sprintf(" + %s forward and backward (not overlapped)", cfg.job.StepCompute)
 	}
 	fmt.Fprintf(w, "%s; calls: collective calls per step (a pipelined piece counts as one).\n", step)
+	if cfg.hint != "" {
+		fmt.Fprintln(w, cfg.hint)
+	}
 	if o := p.Outer; o != nil {
 		frags := "1 fragment"
 		if o.Fragments > 1 {
@@ -411,7 +473,7 @@ func writeMemory(w io.Writer, cfg *planConfig) error {
 	}
 	_, err := fmt.Fprintln(w, "state: every buffer the optimizer owns at its peak (moments, error buffers, staging and packing buffers); params and grads: 8 bytes per parameter; activations and the framework's own memory not included. onebit-adam-compact is 1-bit Adam with StateMode StateCompact (the same steps as StateFull, bit for bit); onebit-adam-sharded is 1-bit Adam with StateMode StateSharded (docs/sharded.md), onebit-adam-sharded-bf16 the same with BF16 BF16WorkerError|BF16Variance, at its peak (the compression stage); zeroone-adam counts the model as one tensor (one bucket per parameter adds a little per tensor). muon and onebit-muon: the model as whole matrices of --muon-shape and one AdamW tensor; onebit-muon-compact-bf16 is 1-bit Muon with StateMode StateCompact and MomentumBF16 (docs/muon.md), in its compression stage.")
 	if err == nil && cfg.job.OuterH > 0 {
-		_, err = fmt.Fprintln(w, "outer-*: the outer optimizer (--outer-h, --outer-fragments, --outer-delay) around outer.NewAdam's AdamW, both at their defaults (outer.DefaultConfigFor, outer.DefaultAdamConfigFor; the AdamW's 8 bytes per parameter included), one row per codec but bf16 (not modelled); the sparse codec's state is bfloat16 by default: its accumulator (Config.AccumulatorBF16) and the AdamW's moments (AdamConfig.MomentsBF16, 4 bytes per parameter); outer-sparse-fp32: the sparse codec with float32 state (both false).")
+		_, err = fmt.Fprintln(w, "outer-*: the outer optimizer (--outer-h, --outer-fragments, --outer-delay) around outer.NewAdam's AdamW, both at their defaults (outer.DefaultConfigFor, outer.DefaultAdamConfigFor; the AdamW's 8 bytes per parameter included), one row per codec but bf16 (not modelled); the sparse codec's state is bfloat16 by default: its accumulator (Config.AccumulatorBF16) and the AdamW's moments (AdamConfig.MomentsBF16, 4 bytes per parameter); outer-sparse-fp32: the sparse codec with float32 state (both false); outer-muon: the 1bit codec around Muon (MuLoCo), Muon's state counted as the muon row's.")
 	}
 	return err
 }

@@ -177,6 +177,11 @@ func TestParsePlanFlagsErrors(t *testing.T) {
 		_, err := parsePlanFlags(args, &bytes.Buffer{})
 		assert.True(t, cliflag.IsUsage(err), "%v: %v", args, err)
 	}
+	// --link 100Mbps is 100 Mbit/s to most people and 800 to tc: refused.
+	_, err := parsePlanFlags([]string{"--link", "100Mbps"}, io.Discard)
+	require.True(t, cliflag.IsUsage(err), "%v", err)
+	assert.Equal(t, `invalid value "100Mbps" for --link: ambiguous unit: most people read Mbps as bits per second (100 Mbit/s), `+
+		`tc as bytes per second (800 Mbit/s); write 100mbit for the first or 100MB/s for the second (e.g. --link 10gbit)`, err.Error())
 	cfg, err := parsePlanFlags([]string{"--params", "340M", "--bucket", "64Mi"}, io.Discard)
 	require.NoError(t, err)
 	assert.Equal(t, int64(340e6), cfg.job.Params)
@@ -325,6 +330,7 @@ func TestPlanOuterRows(t *testing.T) {
 		require.Contains(t, rows, name, s)
 		assert.Contains(t, s, name+": outer optimizer, ")
 	}
+	assert.Regexp(t, `\n +outer-muon +[0-9.]+ +[0-9.]+ [kMG]?B +[0-9.]+ [kMG]?B\n`, s, "outer-muon's row in the state table")
 	assert.Contains(t, s, "outer-bf16*")
 	assert.Contains(t, s, "outer-int8*: not measured")
 	assert.NotContains(t, s, "outer-fp32*")
@@ -354,6 +360,13 @@ func TestPlanOuterRows(t *testing.T) {
 	assert.Contains(t, s, "each exchange runs beside 2 steps of compute (400ms)")
 	assert.Contains(t, s, "32.0ms hidden per step on average", "400ms of each of 4 exchanges every 50 steps")
 	assert.Equal(t, "0.16", rows["outer-fp32"][0])
+
+	// With --muon-shape, as Muon's rows, the outer optimizer with Muon
+	// inside (MuLoCo): outer-1bit's exchange and Muon's orthogonalization.
+	s, rows = outerRows(t, args+" --outer-h 50 --muon-shape 1024x1024 --muon-flops 50e12")
+	require.Contains(t, rows, "outer-muon", s)
+	assert.Contains(t, s, "outer-muon: outer optimizer, Muon inside (MuLoCo")
+	assert.Equal(t, rows["outer-1bit"][:6], rows["outer-muon"][:6], "the same exchange")
 
 	_, rows = outerRows(t, args+" --outer-h 50 --collective allreduce,outer-int8")
 	assert.Len(t, rows, 2)
@@ -534,7 +547,7 @@ func TestPlanRTT(t *testing.T) {
 		// One exchange every 50 steps: the agreement (W-1 rounds), then
 		// the codec's collective.
 		"outer-fp32": (r + 2*r) / 50, "outer-bf16": (r + 2*r) / 50, "outer-int8": (r + 2*r) / 50,
-		"outer-1bit": (r + buckets*3*r) / 50, "outer-sparse": (r + r) / 50, "outer-sparse-2p": (r + 2*r) / 50,
+		"outer-1bit": (r + buckets*3*r) / 50, "outer-muon": (r + buckets*3*r) / 50, "outer-sparse": (r + r) / 50, "outer-sparse-2p": (r + 2*r) / 50,
 	}
 	var out bytes.Buffer
 	require.NoError(t, planMain(strings.Fields(args+" --rtt 50ms --json"), &out, io.Discard))
@@ -617,5 +630,26 @@ func TestPlanCommColumn(t *testing.T) {
 			assert.Equal(t, formatSeconds(row.StepS), f[len(f)-2], "%s: %s", args, row.Collective)
 			assert.InDelta(t, row.LatencyS+row.TransferS+row.CompressS, row.CommS, 1e-9, row.Collective)
 		}
+	}
+}
+
+// At a 40 ms round trip the default 25Mi buckets cost the 1-bit row four
+// times the comm of larger ones, in latency-bound rounds: the plan says
+// which --bucket would do better. Not where the default costs little, nor
+// where --bucket was given.
+func TestPlanBucketHint(t *testing.T) {
+	const args = "--params 1.3G --ranks 8 --link 100mbit --rtt 40ms"
+	var out bytes.Buffer
+	require.NoError(t, planMain(strings.Fields(args), &out, io.Discard))
+	assert.Contains(t, out.String(), "\nhint: latency-bound rounds are 78% of onebit's comm in the default buckets of 25Mi; "+
+		"--bucket 2Gi predicts 26.84s instead of 107.40s (larger buckets hold more memory: rerun with it for the state table)\n")
+	var with bytes.Buffer
+	require.NoError(t, planMain(strings.Fields(args+" --bucket 2Gi"), &with, io.Discard))
+	assert.Contains(t, with.String(), " 26.84s ")
+	assert.NotContains(t, with.String(), "hint:")
+	for _, a := range []string{args + " --bucket 25Mi", "--params 1.3G --ranks 64 --link 10gbit", args + " --json"} {
+		out.Reset()
+		require.NoError(t, planMain(strings.Fields(a), &out, io.Discard))
+		assert.NotContains(t, out.String(), "hint:", a)
 	}
 }

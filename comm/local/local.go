@@ -34,7 +34,16 @@ type Option func(*options)
 
 type options struct {
 	ranksPerNode int
+	underMPI     bool // AllowUnderMPI
 }
+
+// AllowUnderMPI lets New and Run start in-process ranks even where the
+// environment says this process is one rank of an MPI job of several ranks
+// (CheckNotUnderMPI), which they refuse by default: each of the job's
+// processes then runs a group of its own. A test that compares an MPI
+// backend with in-process ranks under mpirun, or a program whose user asked
+// for independent groups, passes it.
+func AllowUnderMPI() Option { return func(o *options) { o.underMPI = true } }
 
 // WithRanksPerNode pretends that the ranks run on size/k machines of k
 // ranks each, node-major (ranks [0, k) on node 0, and so on), so that
@@ -46,6 +55,11 @@ func WithRanksPerNode(k int) Option { return func(o *options) { o.ranksPerNode =
 
 // New returns size communicators of one in-process group; comms[r] is rank
 // r and must be used by one goroutine at a time.
+//
+// Where the environment says this process is one rank of an MPI job of
+// several ranks (CheckNotUnderMPI), New returns an error unless given
+// AllowUnderMPI: there every process of the job would train a model of
+// its own.
 func New(size int, opts ...Option) ([]comm.Comm, error) {
 	if size < 1 {
 		return nil, fmt.Errorf("local: group size must be at least 1, got %d", size)
@@ -53,6 +67,11 @@ func New(size int, opts ...Option) ([]comm.Comm, error) {
 	o := options{ranksPerNode: size}
 	for _, opt := range opts {
 		opt(&o)
+	}
+	if !o.underMPI {
+		if err := CheckNotUnderMPI(); err != nil {
+			return nil, fmt.Errorf("%w; pass local.AllowUnderMPI() to start in-process ranks anyway", err)
+		}
 	}
 	if o.ranksPerNode < 1 || size%o.ranksPerNode != 0 {
 		return nil, fmt.Errorf("local: %d ranks per node does not divide the group size %d", o.ranksPerNode, size)
@@ -78,6 +97,9 @@ func New(size int, opts ...Option) ([]comm.Comm, error) {
 // disturb peers still completing theirs. In the joined error, the errors
 // that caused the abort come first (in rank order), then the errors of the
 // ranks it stranded.
+//
+// Like New, Run refuses to start where this process is one rank of an MPI
+// job of several ranks, unless given AllowUnderMPI.
 func Run(ctx context.Context, size int, fn func(ctx context.Context, c comm.Comm) error, opts ...Option) error {
 	cs, err := New(size, opts...)
 	if err != nil {
@@ -740,8 +762,9 @@ func (w *world) split() {
 // There, a program that runs its ranks in this process (New, Run) runs, in
 // each of the job's processes, a group of its own: as many independent
 // trainings as the launcher started processes, each writing the same
-// files. A program that picks its backend calls it before it chooses this
-// one, unless its user asked for in-process ranks anyway.
+// files. New and Run call it themselves (AllowUnderMPI skips it); a program
+// that picks its backend may call it first, to name its own flags in the
+// error.
 func CheckNotUnderMPI() error {
 	job, ok := comm.MPIEnvironment()
 	if !ok || job.Size == 1 {

@@ -588,7 +588,7 @@ func TestStatsMatchLocal(t *testing.T) {
 		err := traffic(ctx, c)
 		want[c.Rank()] = c.Stats()
 		return err
-	}))
+	}, local.AllowUnderMPI())) // under mpirun on purpose: the reference
 	for _, m := range modes() {
 		before := m.c.Stats()
 		require.NoError(t, traffic(ctx, m.c))
@@ -642,7 +642,7 @@ func onLocal(t *testing.T, ctx context.Context, w, r int, fn func(ctx context.Co
 			mu.Unlock()
 		}
 		return err
-	}))
+	}, local.AllowUnderMPI())) // under mpirun on purpose: the reference
 	return out
 }
 

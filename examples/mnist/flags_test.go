@@ -60,3 +60,17 @@ func TestInprocessUnderMPI(t *testing.T) {
 	require.NoError(t, run(context.Background(), append(args, "-allow-inprocess-under-mpi"), &out, io.Discard))
 	assert.Contains(t, out.String(), "adam")
 }
+
+// TestDilocoHAboveSteps: diloco with an -outer-h past the run's steps
+// would exchange nothing and leave the global model the initial one: the
+// example, which knows both, warns; it does not where an exchange merges.
+func TestDilocoHAboveSteps(t *testing.T) {
+	args := []string{"-data", "testdata", "-workers", "2", "-epochs", "1", "-batch", "100", "-evals", "1", "-quiet", "-optimizer", "diloco"}
+	var errOut bytes.Buffer
+	require.NoError(t, run(context.Background(), append(args, "-outer-h", "1000"), io.Discard, &errOut))
+	assert.Contains(t, errOut.String(), "mnist: warning: diloco: the outer optimizer's first exchange merges at inner step 1000 (H 1000, 1 fragment(s), delay 0), after this run's ")
+	assert.Contains(t, errOut.String(), "its global model stays the initial one")
+	errOut.Reset()
+	require.NoError(t, run(context.Background(), append(args, "-outer-h", "2"), io.Discard, &errOut))
+	assert.NotContains(t, errOut.String(), "first exchange merges")
+}

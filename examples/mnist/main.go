@@ -38,6 +38,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/pprof"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -448,7 +449,7 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 					mu.Unlock()
 				}
 				return err
-			})
+			}, localOpts(o.allowInprocess)...)
 			if err != nil {
 				return nil, fmt.Errorf("%s: %w", cfg.optimizer, err)
 			}
@@ -470,6 +471,12 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 			if err := removeResult(o.checkpoint.dir, name); err != nil {
 				return err
 			}
+		}
+	}
+	if slices.Contains(names, diloco) && o.batch > 0 {
+		// The outer optimizer does not know the run's length: this does.
+		if w := o.outer.StepsWarning(o.epochs * (train.len() / o.batch)); w != "" {
+			fmt.Fprintf(stderr, "mnist: warning: diloco: %s (-outer-h, -outer-fragments, -outer-delay; -epochs, -batch)\n", w)
 		}
 	}
 	var results []*result
@@ -555,6 +562,16 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 			return fmt.Errorf("plot: %w", err)
 		}
 		fmt.Fprintf(stdout, "\nplot: %s, against bytes sent: %s\n", o.plot, bytesPlotPath(o.plot))
+	}
+	return nil
+}
+
+// localOpts are local.Run's options: -allow-inprocess-under-mpi lets it
+// start in-process ranks in a rank of an MPI job, which it refuses by
+// default.
+func localOpts(allowUnderMPI bool) []local.Option {
+	if allowUnderMPI {
+		return []local.Option{local.AllowUnderMPI()}
 	}
 	return nil
 }

@@ -213,6 +213,7 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 const (
@@ -491,7 +492,29 @@ func (o *Optimizer) Close() error {
 	if o.opt == nil {
 		return nil
 	}
+	o.warnNoExchange()
 	return o.opt.Close()
+}
+
+// warnNoExchange warns, on rank 0, when the lowbit optimizer is the outer
+// optimizer (package outer) and took inner steps but never an exchange,
+// counted over the whole run, resumes included: its global model (Global,
+// and the checkpoints' global parameters) is the initial one; an H above
+// the run's steps does that, which the outer optimizer, not knowing the
+// run's length, cannot tell at its construction.
+func (o *Optimizer) warnNoExchange() {
+	x, ok := o.opt.(*outer.Optimizer)
+	if !ok || o.rank() != 0 {
+		return
+	}
+	steps, st := x.Stats().Steps, x.OuterStats()
+	if steps == 0 || st.Exchanges > 0 || st.Skipped > 0 {
+		return
+	}
+	cfg := x.Config()
+	o.warn(fmt.Sprintf("the outer optimizer took %d inner steps and no exchange: its first merges at inner step %d (H %d, %d fragment(s), delay %d), "+
+		"so its global model is the initial one; lower H or train longer", steps, cfg.FirstMerge(), cfg.H, max(1, cfg.Fragments), cfg.Delay),
+		zap.Int64("inner_steps", steps), zap.Int("first_merge_step", cfg.FirstMerge()))
 }
 
 func (o *Optimizer) size() int {

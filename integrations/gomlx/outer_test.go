@@ -41,6 +41,7 @@ func outerMuon(h int, codec outer.Codec) Builder {
 	cfg.H = h
 	if codec == outer.CodecSparse {
 		cfg.SparseChunk, cfg.Density = 16, 0.25
+		cfg.SparseWithMuon = true // refused otherwise (TestOuterMuonSparseRefused)
 	}
 	return NewOuterMuon(cfg, muonConfig())
 }

@@ -8,6 +8,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"github.com/gomlx/gomlx/core/tensors"
@@ -205,7 +206,8 @@ func (o *Optimizer) stateFile(gs int64) (*optim.Checkpoint, error) {
 	if !errors.Is(err, fs.ErrNotExist) {
 		return nil, fmt.Errorf("lbgomlx: %w", err)
 	}
-	if list, err := h.ListCheckpoints(); err != nil || len(list) == 0 {
+	list, err := h.ListCheckpoints()
+	if err != nil || len(list) == 0 {
 		return nil, nil // nothing was loaded: a fresh start
 	}
 	steps, err := stateSteps(dir)
@@ -213,14 +215,40 @@ func (o *Optimizer) stateFile(gs int64) (*optim.Checkpoint, error) {
 		return nil, fmt.Errorf("lbgomlx: %w", err)
 	}
 	if len(steps) > 0 {
-		return nil, fmt.Errorf("lbgomlx: the checkpoint's lowbit state is from global step %d, its model from step %d (save with Optimizer.Save, not Handler.Save; %s holds no %s): %w",
-			steps[len(steps)-1], gs, dir, stateFileName(gs), optim.ErrIncompatibleCheckpoint)
+		return nil, missingState(dir, gs, steps, list)
 	}
 	if gs > 0 {
 		o.warn(fmt.Sprintf("the model's checkpoint of global step %d in %s holds no lowbit state (%s): the lowbit optimizer starts afresh",
 			gs, dir, stateFileName(gs)), zap.Int64("global_step", gs), zap.String("dir", dir))
 	}
 	return nil, nil
+}
+
+// missingState is the error for a directory whose model checkpoint of
+// global step gs, the one loaded, has no state file beside it while state
+// files of other steps (ascending) are there. It says what the directory
+// shows: where a model checkpoint of another step has its state file
+// beside it, its checkpoints were saved with Optimizer.Save, which writes
+// the state file before the model, so this one was removed or lost since
+// (or this checkpoint alone was saved with checkpoint.Handler.Save);
+// where none has, they were saved with Handler.Save.
+func missingState(dir string, gs int64, steps []int64, models []string) error {
+	newest := steps[len(steps)-1]
+	paired := int64(-1)
+	for _, base := range models {
+		if s, ok := checkpointStep(base); ok && s != gs && slices.Contains(steps, s) {
+			paired = max(paired, s)
+		}
+	}
+	what := fmt.Sprintf("the checkpoint's lowbit state is from global step %d, its model from step %d: %s holds no %s", newest, gs, dir, stateFileName(gs))
+	if paired >= 0 {
+		return fmt.Errorf("lbgomlx: %s. Its checkpoint of step %d has its lowbit state beside it, as Optimizer.Save writes it (the state file first, then the model), "+
+			"so the state file of step %d was removed or lost after it was written (or that checkpoint alone was saved with checkpoint.Handler.Save). "+
+			"Restore %s, or set the model's checkpoint of step %d aside to resume from step %d: %w",
+			what, paired, gs, stateFileName(gs), gs, paired, optim.ErrIncompatibleCheckpoint)
+	}
+	return fmt.Errorf("lbgomlx: %s, and no model checkpoint there has its lowbit state beside it: they were saved with checkpoint.Handler.Save, "+
+		"which writes the model only (save with Optimizer.Save), or their state files were removed: %w", what, optim.ErrIncompatibleCheckpoint)
 }
 
 // Save saves a checkpoint of this rank with h: the lowbit optimizer's

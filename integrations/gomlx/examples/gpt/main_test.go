@@ -532,6 +532,23 @@ func TestMuonWarmupAdamW(t *testing.T) {
 	require.ErrorContains(t, err, "muon-warmup")
 }
 
+// TestDilocoWarnings: diloco whose first exchange comes after -steps (the
+// outer optimizer would exchange nothing), and the sparse codec named
+// with -outer-inner muon (which package outer refuses unless insisted
+// on, as the example does for a codec named), are warned of, once each;
+// plain diloco with muon (1bit) at a -steps past its first exchange is not.
+func TestDilocoWarnings(t *testing.T) {
+	var errOut bytes.Buffer
+	_, err := parseFlags([]string{"-optimizer", "diloco:sparse,diloco:1bit", "-outer-inner", "muon", "-steps", "20", "-outer-h", "25"}, &errOut)
+	require.NoError(t, err)
+	assert.Equal(t, 1, strings.Count(errOut.String(), "gpt: warning: diloco: the outer optimizer's first exchange merges at inner step 25 (H 25, 1 fragment(s), delay 0), after this run's 20 steps"), errOut.String())
+	assert.Equal(t, 1, strings.Count(errOut.String(), "gpt: warning: diloco: the sparse codec with -outer-inner muon ended at loss 2.8583"), errOut.String())
+	errOut.Reset()
+	_, err = parseFlags([]string{"-optimizer", "diloco", "-outer-inner", "muon", "-steps", "20", "-outer-h", "10"}, &errOut)
+	require.NoError(t, err)
+	assert.Empty(t, errOut.String())
+}
+
 // TestLateBytesMuon: with -late-bytes, 1-bit Muon's AdamW group trains
 // the embedding rows of bytes first seen after its variance froze, as
 // 1-bit Adam's does (it held them at their initial values for the whole

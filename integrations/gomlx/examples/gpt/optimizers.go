@@ -354,6 +354,7 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 	case diloco:
 		cfg := h.outerFor(r.codec)
 		if h.outerMuon {
+			cfg.SparseWithMuon = true // diloco:sparse named with muon: asked for, warned of (dilocoWarnings)
 			m := optim.DefaultMuonConfig()
 			m.LR, m.AdamLR = h.muonLR, h.lr
 			return lbgomlx.NewOuterMuon(cfg, m)(ctx, c, params)

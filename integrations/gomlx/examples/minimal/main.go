@@ -99,6 +99,9 @@ func trainRank(ctx context.Context, c comm.Comm) error {
 	// After the checkpoint, which restores the parameters it saved.
 	store.SetParam(optimizer.ParamLearningRate, 0.01)
 	trainer := train.NewTrainer(backend, store, classifier, loss.SparseCategoricalCrossEntropyLogits, opt, nil, nil)
+	if c.Rank() == 0 && trainer.GlobalStep() > 0 { // the checkpoint's step: a resume
+		fmt.Printf("resumed from global step %d (%s)\n", trainer.GlobalStep(), *dir)
+	}
 	loop := train.NewLoop(trainer)
 	opt.AttachToLoop(loop)
 	if *progress && c.Rank() == 0 {
@@ -106,8 +109,14 @@ func trainRank(ctx context.Context, c comm.Comm) error {
 	}
 	train.EveryNSteps(loop, 100, "checkpoint", 100, opt.SaveOnStepFn(ckpt))
 	metrics, err := loop.RunToGlobalStep(lbgomlx.Shard(blobs{}, c, trainer.GlobalStep), *steps)
-	if err != nil || metrics == nil { // nil: the checkpoint is at -steps already
+	if err != nil {
 		return err
+	}
+	if metrics == nil { // the checkpoint is at -steps already
+		if c.Rank() == 0 {
+			fmt.Printf("global step %d: nothing to train up to -steps %d; raise it to train on\n", trainer.GlobalStep(), *steps)
+		}
+		return nil
 	}
 	if err := opt.Save(ckpt); err != nil { // EveryNSteps saves the last step only if a multiple of 100
 		return err

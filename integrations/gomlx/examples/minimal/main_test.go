@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"testing"
@@ -15,13 +16,28 @@ import (
 )
 
 // trainTo runs the program on n in-process ranks to global step to, from
-// the checkpoints in ckpt.
-func trainTo(t *testing.T, n, to int, ckpt string) {
+// the checkpoints in ckpt, and returns what it printed.
+func trainTo(t *testing.T, n, to int, ckpt string) string {
 	t.Helper()
 	*ranks, *steps, *dir, *progress = n, to, ckpt, false
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	require.NoError(t, run(ctx))
+	r, w, err := os.Pipe()
+	require.NoError(t, err)
+	stdout := os.Stdout
+	os.Stdout = w
+	printed := make(chan string)
+	go func() {
+		b, _ := io.ReadAll(r)
+		printed <- string(b)
+	}()
+	err = run(ctx)
+	os.Stdout = stdout
+	require.NoError(t, w.Close())
+	out := <-printed
+	require.NoError(t, r.Close())
+	require.NoError(t, err)
+	return out
 }
 
 // TestMinimal runs the README's program on 2 ranks: to step 90 (past
@@ -30,12 +46,14 @@ func trainTo(t *testing.T, n, to int, ckpt string) {
 // saved at step 120 are byte-identical, rank by rank (the dataset restarts
 // at the global step). The last Save adds no second checkpoint of a step
 // EveryNSteps saved, and a run asked for a step the checkpoint is at
-// already trains nothing.
+// already trains nothing and says so. A resumed run says from which step.
 func TestMinimal(t *testing.T) {
 	once, twice := t.TempDir(), t.TempDir()
-	trainTo(t, 2, 90, once)
+	out := trainTo(t, 2, 90, once)
+	assert.Regexp(t, `^global step 90: loss [0-9.]+ over 2 ranks\n$`, out, "a fresh start")
 	require.NoError(t, os.CopyFS(twice, os.DirFS(once)))
-	trainTo(t, 2, 120, once)
+	out = trainTo(t, 2, 120, once)
+	assert.Regexp(t, `^resumed from global step 90 \(.*\)\nglobal step 120: loss [0-9.]+ over 2 ranks\n$`, out, "a resume says so")
 	trainTo(t, 2, 105, twice)
 	trainTo(t, 2, 120, twice)
 	for r := range 2 {
@@ -46,7 +64,9 @@ func TestMinimal(t *testing.T) {
 		require.NoError(t, err)
 		assert.Equal(t, want, got, "rank %d: the lowbit state at step 120", r)
 	}
-	trainTo(t, 2, 100, once)
+	// Run again at or past -steps: it says it resumed and trains nothing.
+	out = trainTo(t, 2, 100, once)
+	assert.Equal(t, "resumed from global step 120 ("+once+")\nglobal step 120: nothing to train up to -steps 100; raise it to train on\n", out)
 	trainTo(t, 2, 200, once)
 	files, err := filepath.Glob(filepath.Join(once, "rank-0", "checkpoint-*.json"))
 	require.NoError(t, err)

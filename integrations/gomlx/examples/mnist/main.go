@@ -411,7 +411,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 					mu.Unlock()
 				}
 				return err
-			})
+			}, localOpts(o.allowInprocess)...)
 			if err != nil {
 				return fmt.Errorf("%s: %w", name, err)
 			}
@@ -446,4 +446,14 @@ func kb(b float64) string {
 		return fmt.Sprintf("%.1f MB", b/1e6)
 	}
 	return fmt.Sprintf("%.1f kB", b/1e3)
+}
+
+// localOpts are local.Run's options: -allow-inprocess-under-mpi lets it
+// start in-process ranks in a rank of an MPI job, which it refuses by
+// default.
+func localOpts(allowUnderMPI bool) []local.Option {
+	if allowUnderMPI {
+		return []local.Option{local.AllowUnderMPI()}
+	}
+	return nil
 }
