@@ -255,6 +255,7 @@ type result struct {
 	skipped    int64
 	workers    int
 	trainCount int
+	resumed    int64 // the global step the run resumed from, 0 for a fresh one
 }
 
 // trainRank is one rank's training run; every rank calls it together.
@@ -293,6 +294,7 @@ func trainRank(ctx context.Context, c comm.Comm, name string, o *options, trainS
 		}
 	}
 	trainer := train.NewTrainer(backend, store, logits, loss.SparseCategoricalCrossEntropyLogits, opt, nil, nil)
+	resumed := trainer.GlobalStep() // the checkpoint's step: a resume
 	loop := train.NewLoop(trainer)
 	opt.AttachToLoop(loop) // lowbit: the host step after every TrainStep
 	if o.progress && rank == 0 {
@@ -360,7 +362,7 @@ func trainRank(ctx context.Context, c comm.Comm, name string, o *options, trainS
 		optimizer: name, workers: w, trainCount: len(trainSet.labels),
 		acc: float64(sums[0]) / float64(len(test.labels)), loss: float64(sums[1]) / fw,
 		wall: time.Duration(float64(sums[2]) / fw * float64(time.Second)), bytes: float64(sums[3]) / fw,
-		lastBytes: float64(sums[4]) / fw, stage: st.Stage, skipped: st.Skipped,
+		lastBytes: float64(sums[4]) / fw, stage: st.Stage, skipped: st.Skipped, resumed: resumed,
 	}, nil
 }
 
@@ -424,6 +426,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 
 func report(w io.Writer, o *options, results []*result) {
 	r0 := results[0]
+	for _, r := range results {
+		if r.resumed > 0 {
+			fmt.Fprintf(w, "%s: resumed from global step %d (%s)\n", r.optimizer, r.resumed, o.checkpoint)
+		}
+	}
 	fmt.Fprintf(w, "GoMLX MNIST 784-128-10 on %d %s ranks (GoMLX pure-Go backend), %d training examples, global batch %d, %d steps, lr %g, freeze step %d\n",
 		r0.workers, o.backend, r0.trainCount, o.batch, o.steps, o.lr, o.freezeStep)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)

@@ -62,8 +62,9 @@ func TestRunCheckpoint(t *testing.T) {
 	dir := t.TempDir()
 	args := []string{"-data", testdata, "-workers", "2", "-batch", "32", "-freeze-step", "5", "-lr", "2e-3",
 		"-optimizers", "onebit-adam", "-checkpoint-every", "10"}
+	var out bytes.Buffer
 	row := func(extra ...string) string {
-		var out bytes.Buffer
+		out.Reset()
 		require.NoError(t, run(context.Background(), append(args, extra...), &out, &bytes.Buffer{}))
 		m := regexp.MustCompile(`(?m)^\s*onebit-adam\s+([0-9.]+%)\s`).FindStringSubmatch(out.String())
 		require.NotNil(t, m, out.String())
@@ -71,7 +72,10 @@ func TestRunCheckpoint(t *testing.T) {
 	}
 	whole := row("-steps", "20")
 	row("-steps", "10", "-checkpoint", dir)
+	assert.NotContains(t, out.String(), "resumed")
 	assert.Equal(t, whole, row("-steps", "20", "-checkpoint", dir))
+	// The resume says so, and from which step, at the default log level.
+	assert.Contains(t, out.String(), "onebit-adam: resumed from global step 10 ("+dir+")")
 }
 
 // TestBadFlagValues gives every flag an empty, a negative, a huge and a
