@@ -391,7 +391,7 @@ func (a *Adam) Load(ck *optim.Checkpoint) error {
 		return fmt.Errorf("onebit: Adam: %w", err)
 	}
 	if a.f.World() > 1 && ck.Rank != a.f.Rank() && !ck.ErrorsReset {
-		return fmt.Errorf("onebit: Adam: %w: made by rank %d, this is rank %d (error buffers are per rank)",
+		return fmt.Errorf("onebit: Adam: %w: made by rank %d, this is rank %d (error buffers are per rank: load this rank's own checkpoint, or onebit.Regroup of every rank's, which keeps the error feedback; ck.ResetErrors() is the lossy way, the error feedback restarting from zero)",
 			optim.ErrIncompatibleCheckpoint, ck.Rank, a.f.Rank())
 	}
 	if a.sh != nil {

@@ -767,7 +767,7 @@ func hasParam(params []*optim.Param, name string) bool {
 // rank's error buffers (unless they were reset).
 func checkRank(ck *optim.Checkpoint, rank int) error {
 	if ck.Rank != rank && !ck.ErrorsReset {
-		return fmt.Errorf("%w: made by rank %d, this is rank %d (error buffers are per rank)", optim.ErrIncompatibleCheckpoint, ck.Rank, rank)
+		return fmt.Errorf("%w: made by rank %d, this is rank %d (error buffers are per rank: load this rank's own checkpoint, or onebit.Regroup of every rank's, which keeps the error feedback; ck.ResetErrors() is the lossy way, the error feedback restarting from zero)", optim.ErrIncompatibleCheckpoint, ck.Rank, rank)
 	}
 	return nil
 }

@@ -755,7 +755,7 @@ func (o *Muon) Load(ck *optim.Checkpoint) error {
 		return fmt.Errorf("onebit: Muon: %w", err)
 	}
 	if o.f.World() > 1 && ck.Rank != o.f.Rank() && !ck.ErrorsReset {
-		return fmt.Errorf("onebit: Muon: %w: made by rank %d, this is rank %d (the momenta and error buffers are per rank)",
+		return fmt.Errorf("onebit: Muon: %w: made by rank %d, this is rank %d (the momenta and error buffers are per rank: load this rank's own checkpoint, or onebit.Regroup of every rank's, which keeps the error feedback and takes the momenta's mean; ck.ResetErrors() is the lossy way, the error feedback restarting from zero and the momenta that rank's)",
 			optim.ErrIncompatibleCheckpoint, ck.Rank, o.f.Rank())
 	}
 	if err := checkMuonMode(ck, o.cfg); err != nil {

@@ -142,6 +142,28 @@ func TestRankChange(t *testing.T) {
 				require.NoError(t, err)
 			})
 		}
+		// Another rank's checkpoint of the same group size: refused,
+		// naming the rank's own and the lossless way (the sharded modes
+		// name theirs: onebit.Regroup re-cuts them).
+		t.Run(row.name+"/other-rank", func(t *testing.T) {
+			old, _ := regroupRun(t, 2, func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) { return row.mk(c, ps) }, nil, 1, 4)
+			err := local.Run(adamCtx(t), 2, func(ctx context.Context, c comm.Comm) error {
+				opt, err := row.mk(c, adamParams(t, []int{3, 7}, []int{13}, []int{1}))
+				if err != nil {
+					return err
+				}
+				defer opt.Close()
+				err = opt.Load(old[1-c.Rank()])
+				assert.ErrorIs(t, err, optim.ErrIncompatibleCheckpoint)
+				assert.ErrorContains(t, err, fmt.Sprintf("made by rank %d", 1-c.Rank()))
+				assert.ErrorContains(t, err, "onebit.Regroup")
+				if !row.resetRefused {
+					assert.ErrorContains(t, err, "this rank's own checkpoint")
+				}
+				return nil
+			})
+			require.NoError(t, err)
+		})
 	}
 }
 

@@ -75,7 +75,7 @@ func (a *Adam) load(ck *optim.Checkpoint) error {
 				optim.ErrIncompatibleCheckpoint, ck.World, world)
 		}
 		if ck.Rank != rank {
-			return fmt.Errorf("%w: made by rank %d, this is rank %d (each rank holds its own shard of the moments)",
+			return fmt.Errorf("%w: made by rank %d, this is rank %d (each rank holds its own shard of the moments: load this rank's own checkpoint, or zero.Consolidate of every rank's, which loads on any rank)",
 				optim.ErrIncompatibleCheckpoint, ck.Rank, rank)
 		}
 		mode, err := ck.Int(IntReduce)
