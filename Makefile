@@ -2,7 +2,7 @@
 GO      ?= go
 FUZZTIME ?= 10s
 
-.PHONY: gpu-check all build test test-unit test-race test-mpi test-integrations conformance bench bench-net lint fuzz demo demo-net demo-gpt demo-gpt-net demo-gpt-rates plot-bytes mnist-data ptx soak cluster-hostfile
+.PHONY: gpu-check all build test test-unit test-race test-mpi test-integrations conformance bench bench-net bench-mpi-allreduce lint fuzz demo demo-net demo-gpt demo-gpt-net demo-gpt-rates plot-bytes mnist-data ptx soak cluster-hostfile
 
 all: build
 
@@ -37,6 +37,9 @@ bench:
 
 bench-net:
 	./scripts/bench-net.sh
+
+bench-mpi-allreduce:
+	./scripts/mpi-allreduce-bench.sh
 
 ## lint: gofmt, go vet, a 32-bit build of the library (32-bit ints and the
 ## portable kernels) and staticcheck, pinned to STATICCHECK_VERSION, over

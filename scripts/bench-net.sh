@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# bench-net.sh: the exact MPI allreduce against the 1-bit compressed one on a
-# slow network, side by side in the same run (make bench-net).
+# bench-net.sh: the exact MPI allreduce and the bf16 down-cast one against
+# the 1-bit compressed one on a slow network, side by side in the same run
+# (make bench-net).
 #
 # The slow network is a network namespace whose loopback is shaped by a
 # token bucket (see the spec page bench.md, "Bandwidth-limited runs"): all
 # ranks run inside it and talk over TCP on lo, so the shaping caps their
 # total traffic. After the shaped sweep the script always runs the same
 # comparison at the largest size without shaping (Open MPI's default
-# shared-memory transport), for the unshaped ratio.
+# shared-memory transport), for the unshaped ratio. Every one of these runs
+# times the float32 allreduce, the bf16 down-cast allreduce (quant.DownCast)
+# and the 1-bit one, and reports the 1-bit call's speedup over each (the
+# ratio of p50s of the same run).
 #
 # Needs root (for the namespace and the qdisc), Open MPI (mpirun, and
 # libopenmpi-dev to build with -tags mpi), and ip and tc from iproute2.
@@ -22,7 +26,7 @@
 # down-cast allreduces against the float32 allreduce, each with its
 # relative error against the exact mean (--check).
 #
-# Then the 1-bit allreduce against the exact one at END on a fast link,
+# Then the 1-bit allreduce against the exact and bf16 ones at END on a fast link,
 # where the call is bound by memory traffic rather than the wire: the
 # loopback shaped to FAST (10gbit), and unshaped; each 1-bit row with the
 # memory bound lowbit bench prints (the bytes a rank must read and write at
@@ -30,7 +34,7 @@
 # reached, and the way the calls settled on (chunks whole or in pieces;
 # lowbit bench warms a 1-bit call up with onebit.TuningCalls calls at
 # least). Beside them, a small message unshaped (SMALL, 4Ki): the 1-bit
-# call against the exact one, REPS times (each run's speedup and their
+# call against the exact and bf16 ones, REPS times (each run's speedups and their
 # median: one run's ratio of two p50s of some tens of microseconds moves
 # with what the 2 cores were doing in it).
 #
@@ -43,9 +47,9 @@
 #
 # Settings (environment): RATE (1gbit), NP (4), BEGIN (1Mi), END (64Mi),
 # FACTOR (2), WARMUP (1), ITERS (5) for the shaped sweep (the exact 64 MiB
-# allreduce takes about 3.2 s per call at 1 Gbit), QSIZE (END), QRPN (2)
-# for the quantized and down-cast run (about a minute at 64 MiB: the whole
-# script runs in about 2.5 minutes), ITERS_UNSHAPED (10), FAST (10gbit),
+# allreduce takes about 3.2 s per call at 1 Gbit, bf16 about half that),
+# QSIZE (END), QRPN (2) for the quantized and down-cast run (about a minute
+# at 64 MiB), ITERS_UNSHAPED (10), FAST (10gbit),
 # REPS (3: the FAST, unshaped and small runs, alternately, each with its own
 # streaming bandwidth; the memory bound's share is reported per run and as
 # the median, because this machine's bandwidth changes with its
@@ -78,7 +82,7 @@ echo "bench-net: building lowbit with -tags mpi"
 (cd "$root" && "$GO" build -tags mpi -o "$NETNS_TMP/lowbit" ./cmd/lowbit)
 
 mpi=("${NETNS_MPIRUN[@]}" -np "$NP")
-bench=("$NETNS_TMP/lowbit" bench --backend mpi --ranks "$NP" --collective allreduce,onebit --csv)
+bench=("$NETNS_TMP/lowbit" bench --backend mpi --ranks "$NP" --collective allreduce,bf16,onebit --csv)
 
 netns_new ns net
 echo "bench-net: network namespace $ns, loopback shaped: tbf $(netns_tbf "$RATE")"
@@ -124,9 +128,10 @@ way='function way(pieces, started) {
 	return (pieces == 1 ? "whole" : "in " pieces " pieces") (started == "true" ? ", collectives started" : "")
 }'
 
-# summary TITLE FILE prints one line per size of lowbit bench's CSV in FILE: exact and
-# compressed p50 time, speedup, bytes each rank sent; then the speedup at the
-# last size, and the way the 1-bit calls ran there (rank 0's last call).
+# summary TITLE FILE prints one line per size of lowbit bench's CSV in FILE: the
+# exact (float32), bf16 and 1-bit p50 time, the 1-bit call's speedup over
+# each, the bytes each rank sent; then the speedups at the last size, and the
+# way the 1-bit calls ran there (rank 0's last call).
 summary() {
 	awk -F, -v title="$1" "$human$way"'
 		NR == 1 {
@@ -143,14 +148,15 @@ summary() {
 		}
 			END {
 			print title
-			printf "%6s %14s %14s %9s %14s %14s %8s\n", "size", "exact p50 ms", "1-bit p50 ms", "speedup", "exact B/rank", "1-bit B/rank", "B ratio"
+			printf "%6s %13s %13s %13s %10s %10s %13s %13s %13s %8s\n", "size", "exact p50 ms", "bf16 p50 ms", "1-bit p50 ms",
+				"vs exact", "vs bf16", "exact B/rank", "bf16 B/rank", "1-bit B/rank", "B ratio"
 			for (i = 1; i <= n; i++) {
-				b = order[i]; te = t["allreduce", b]; to = t["onebit", b]
-				printf "%6s %14.2f %14.2f %8.2fx %14d %14d %7.1fx\n", human(b), te / 1000, to / 1000, te / to,
-					w["allreduce", b], w["onebit", b], w["allreduce", b] / w["onebit", b]
-				last = te / to
+				b = order[i]; te = t["allreduce", b]; th = t["bf16", b]; to = t["onebit", b]
+				printf "%6s %13.2f %13.2f %13.2f %9.2fx %9.2fx %13d %13d %13d %7.1fx\n", human(b), te / 1000, th / 1000, to / 1000,
+					te / to, th / to, w["allreduce", b], w["bf16", b], w["onebit", b], w["allreduce", b] / w["onebit", b]
+				last = te / to; lasth = th / to
 			}
-			printf "speedup at %s: %.2fx", human(order[n]), last
+			printf "speedup at %s: %.2fx over the exact allreduce, %.2fx over bf16", human(order[n]), last, lasth
 			if (order[n] in ran) printf " (1-bit chunks %s)", ran[order[n]]
 			printf "\n"
 		}' "$2"
@@ -164,14 +170,17 @@ echo
 summary "unshaped (shared memory), $NP ranks, small messages (the first of $REPS runs):" "$NETNS_TMP/small1.csv"
 
 # speedups TITLE FILE... prints the 1-bit call's speedup over the exact one
-# in each file (lowbit bench's CSV, one size), then their median.
+# and over bf16 in each file (lowbit bench's CSV, one size), then their
+# medians.
 speedups() {
 	title=$1
 	shift
 	awk -F, -v title="$title" "$median"'
 		function run() {
 			x[++n] = t["allreduce"] / t["onebit"]
-			printf "%s, run %d: exact p50 %.1f us, 1-bit p50 %.1f us: %.2fx\n", title, n, t["allreduce"], t["onebit"], x[n]
+			y[n] = t["bf16"] / t["onebit"]
+			printf "%s, run %d: exact p50 %.1f us, bf16 p50 %.1f us, 1-bit p50 %.1f us: %.2fx over exact, %.2fx over bf16\n",
+				title, n, t["allreduce"], t["bf16"], t["onebit"], x[n], y[n]
 		}
 		FNR == 1 {
 			if (NR > 1) run()
@@ -182,7 +191,7 @@ speedups() {
 		{ t[$col["collective"]] = $col["time_p50_us"] }
 		END {
 			run()
-			printf "%s: median speedup over %d runs: %.2fx\n", title, n, median(x, n)
+			printf "%s: median speedup over %d runs: %.2fx over exact, %.2fx over bf16\n", title, n, median(x, n), median(y, n)
 		}' "$@"
 }
 speedups "unshaped $SMALL" "$NETNS_TMP"/small[0-9]*.csv

@@ -5,7 +5,9 @@
 #
 # For each shaped link rate (RATES, default "1gbit 250mbit") and each rank
 # count (RANKS, default "2 3 4") it runs "lowbit bench --backend mpi --json"
-# (exact allreduce and the 1-bit allreduce, sizes BEGIN..END x FACTOR) with
+# (exact allreduce and the 1-bit allreduce, sizes BEGIN..END x FACTOR; only
+# the COLLECTIVES, --bf16=false, so that each point follows the same cases
+# as in the recorded runs) with
 # every rank inside a network namespace whose loopback is shaped by a token
 # bucket (see the spec page bench.md, "Bandwidth-limited runs"), REPEATS
 # times, the repeat loop outermost so that load drifting on a shared machine
@@ -61,7 +63,7 @@ echo "plan-calibrate: building lowbit with -tags mpi"
 
 netns_new ns plan
 mpi=("${NETNS_MPIRUN[@]}" "${NETNS_MPI_LO[@]}")
-bench=("$NETNS_TMP/lowbit" bench --backend mpi --collective "$COLLECTIVES" --json
+bench=("$NETNS_TMP/lowbit" bench --backend mpi --collective "$COLLECTIVES" --bf16=false --json
 	--b "$BEGIN" --e "$END" --f "$FACTOR" --w "$WARMUP" --n "$ITERS")
 
 runs="$NETNS_TMP/runs.jsonl"
@@ -90,7 +92,7 @@ for rep in $(seq 1 "$COMPUTE_REPEATS"); do
 	for np in 1 $RANKS; do
 		end=$END
 		[ "$np" -eq 1 ] && end=$COMPUTE_END
-		netns_run "$NETNS_TMP/lowbit" bench --backend local --ranks "$np" --collective onebit --json \
+		netns_run "$NETNS_TMP/lowbit" bench --backend local --ranks "$np" --collective onebit --bf16=false --json \
 			--b "$BEGIN" --e "$end" --f "$FACTOR" --w "$WARMUP" --n "$ITERS" >>"$comp"
 	done
 done

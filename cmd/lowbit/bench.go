@@ -48,7 +48,7 @@ var benchCollectives = []string{"allreduce", "onebit", "alltoall", "allgather", 
 // csvHeader is the first line of --csv output (a rel_error column is
 // appended with --check).
 const csvHeader = "collective,bytes,elements_per_rank,time_p50_us,time_p95_us,time_min_us,time_max_us," +
-	"algbw_gbps,busbw_gbps,wire_bytes_per_rank,compression_ratio"
+	"algbw_gbps,busbw_gbps,effbusbw_gbps,wire_bytes_per_rank,compression_ratio"
 
 // Relative errors above which --check fails. Exact collectives must agree
 // with a float64 reference to float32 rounding (measured: at most 5e-8 on
@@ -122,6 +122,7 @@ func parseBenchFlags(args []string, out io.Writer) (*benchConfig, error) {
 	warmup := fs.Int("w", 2, "warm-up iterations per collective and size")
 	iters := fs.Int("n", 10, "timed iterations per collective and size")
 	list := fs.String("collective", "allreduce,onebit", "comma-separated collectives: "+strings.Join(benchCollectives, ","))
+	withBF16 := fs.Bool("bf16", true, "with allreduce or onebit in --collective, time the bf16 down-cast allreduce too, after allreduce (false: only what --collective names)")
 	backend := fs.String("backend", "local", "communication backend: "+backends)
 	ranks := fs.Int("ranks", 4, "ranks of the local backend (with mpi: the world size mpirun must have started)")
 	check := fs.Bool("check", false, "check each result against the exact computation and report the relative error")
@@ -142,12 +143,32 @@ onebit, the send (= receive) buffer of alltoall, the receive buffer of
 allgather and the send buffer of reducescatter (the last three are cut to
 a multiple of the rank count). allreduce and reducescatter average
 (comm.Mean), like onebit. Each rank times each iteration after a barrier;
-p50/p95/min/max are over all ranks and timed iterations. algBW = size/p50
-(GB/s, decimal); busBW = algBW*2(W-1)/W for allreduce and onebit and
-algBW*(W-1)/W for the others. Wire bytes are what each rank sent per
-iteration according to comm.Stats; the compression ratio is the float32
-exact collective's wire bytes over them. With both allreduce and onebit,
-each size ends with the speedup of onebit over allreduce (ratio of p50s).
+p50/p95/min/max are over all ranks and timed iterations. Wire bytes are
+what each rank sent per iteration according to comm.Stats (the most of any
+rank); the compression ratio is the wire bytes of the exact float32
+collective the row replaces over them (1 for the exact rows). The three
+bandwidths, in GB/s (decimal), read as nccl-tests' (docs/tools.md maps
+every column):
+
+  algBW     size/p50
+  effbusBW  algBW*F, F the nccl-tests bus factor of the exact float32
+            collective the row replaces: 2(W-1)/W for allreduce and the
+            collectives that replace it (onebit, fp16, bf16, twolevel),
+            (W-1)/W for reducescatter and those that replace it (qgz4,
+            qgz8, rsc), for alltoall and for allgather. It is the busbw
+            nccl-tests would print for that float32 collective had it
+            taken the row's p50: a compressed row reads as the exact one.
+  busBW     effbusBW/ratio: the bus bandwidth of the bytes the row sent.
+            On an exact row it is effbusBW, nccl-tests' busbw; on fp16
+            and bf16 (ratio 2 but for a small header per chunk) it is
+            nccl-tests' busbw of the same allreduce on 16-bit data.
+
+When --collective names allreduce or onebit and not bf16, every size also
+times bf16, the down-cast allreduce, right after allreduce (or before
+onebit), so that the 1-bit allreduce is compared with both the float32 and
+the bf16 one in the same run; --bf16=false leaves it out. With onebit and
+allreduce or bf16, each size ends with the speedup of onebit over each
+(the ratio of p50s).
 
 --check compares each result with a float64 reference computed from every
 rank's (deterministic) input and fails when an exact collective is off by
@@ -242,6 +263,9 @@ With --backend mpi start it under mpirun (a binary built with -tags mpi).
 		}
 		cfg.collectives = append(cfg.collectives, name)
 	}
+	if *withBF16 {
+		cfg.collectives = withBF16Baseline(cfg.collectives)
+	}
 	switch {
 	case *asJSON && *asCSV:
 		return nil, cliflag.Usagef("--json and --csv exclude each other")
@@ -261,6 +285,22 @@ With --backend mpi start it under mpirun (a binary built with -tags mpi).
 		return nil, cliflag.Bad(fs, "device", "%s", err)
 	}
 	return cfg, nil
+}
+
+// withBF16Baseline adds bf16, the down-cast allreduce, to collectives that
+// name allreduce or onebit and not bf16: right after allreduce, or where
+// allreduce is not named, right before onebit.
+func withBF16Baseline(collectives []string) []string {
+	if slices.Contains(collectives, "bf16") {
+		return collectives
+	}
+	if i := slices.Index(collectives, "allreduce"); i >= 0 {
+		return slices.Insert(collectives, i+1, "bf16")
+	}
+	if i := slices.Index(collectives, "onebit"); i >= 0 {
+		return slices.Insert(collectives, i, "bf16")
+	}
+	return collectives
 }
 
 // runBench runs the benchmark described by cfg; rank 0 writes the report to
@@ -423,7 +463,7 @@ func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchRep
 			if rep == nil {
 				continue
 			}
-			row := summarize(name, bc.elems, w, cfg.iters, gathered, samples)
+			row := summarize(name, bc.elems, w, cfg.iters, gathered, samples, bc.exactWire)
 			bc.annotate(&row)
 			if bc.state != nil && streamBW > 0 {
 				setMemBound(&row, w, streamBW)
@@ -479,7 +519,8 @@ type benchCase struct {
 	// Set by collectives that run on communicators of their own
 	// (bench_qgz.go): traffic returns the bytes sent so far inside the
 	// node and across nodes, counted instead of c's; exactWire is the wire
-	// bytes of the exact float32 collective (for the compression ratio);
+	// bytes of the exact float32 collective (for the compression ratio and
+	// busBW);
 	// tolerance the --check bound; close releases what the case holds.
 	traffic              func() (intra, inter int64)
 	exactWire            int64
@@ -505,9 +546,6 @@ func (bc *benchCase) annotate(row *benchRow) {
 		row.WireIntraPerRank, row.WireInterPerRank = &bc.wireIntra, &bc.wireInter
 		row.Layout = bc.layout
 		row.WireFP16Ring = &bc.fp16Ring
-	}
-	if bc.exactWire > 0 && row.WireBytesPerRank > 0 {
-		row.CompressionRatio = float64(bc.exactWire) / float64(row.WireBytesPerRank)
 	}
 	row.tolerance = bc.tolerance
 	if bc.extraCols != nil {

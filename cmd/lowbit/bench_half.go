@@ -19,8 +19,8 @@ import (
 //     --ranks-per-node (0: the backend's, see comm.NewLayout); its row
 //     has the bytes rank 0 sent inside its node and across nodes.
 //
-// All three are allreduces: busBW and the compression ratio are against
-// the float32 ring allreduce.
+// All three replace the float32 allreduce: effbusBW and the compression
+// ratio are against its ring (busBW is effbusBW over the ratio).
 var halfCollectives = []string{"fp16", "bf16", "twolevel"}
 
 func init() { benchCollectives = append(benchCollectives, halfCollectives...) }

@@ -28,7 +28,8 @@ type benchRow struct {
 	TimeMinUs        float64  `json:"time_min_us"`
 	TimeMaxUs        float64  `json:"time_max_us"`
 	AlgBWGBps        float64  `json:"algbw_gbps"`
-	BusBWGBps        float64  `json:"busbw_gbps"`
+	BusBWGBps        float64  `json:"busbw_gbps"`    // EffBusBWGBps over CompressionRatio: the bytes the row sent
+	EffBusBWGBps     float64  `json:"effbusbw_gbps"` // the exact float32 collective's busBW at the row's p50
 	WireBytesPerRank int64    `json:"wire_bytes_per_rank"`
 	WireIntraPerRank *int64   `json:"wire_intra_node_bytes_per_rank,omitempty"` // qgz: rank 0's bytes inside its node
 	WireInterPerRank *int64   `json:"wire_cross_node_bytes_per_rank,omitempty"` // qgz: rank 0's bytes across nodes
@@ -59,10 +60,12 @@ type benchRow struct {
 	Started *bool `json:"started,omitempty"`
 }
 
-// benchSpeedup compares onebit with allreduce at one size.
+// benchSpeedup compares onebit with allreduce and bf16 at one size; a
+// speedup is 0 (and left out of the JSON) where its baseline did not run.
 type benchSpeedup struct {
 	Bytes   int64   `json:"bytes"`
-	Speedup float64 `json:"onebit_vs_allreduce"` // allreduce p50 / onebit p50
+	Speedup float64 `json:"onebit_vs_allreduce,omitempty"` // allreduce p50 / onebit p50
+	VsBF16  float64 `json:"onebit_vs_bf16,omitempty"`      // bf16 p50 / onebit p50
 }
 
 // benchResult is what one run measured, as --json writes it.
@@ -77,7 +80,10 @@ type benchResult struct {
 
 // summarize turns the gathered payloads (per rank: iters times in ns, wire
 // bytes, two check sums) into a row; samples is scratch of w*iters.
-func summarize(name string, elems, w, iters int, gathered []byte, samples []int64) benchRow {
+// exactWire is the wire bytes per rank of the exact float32 collective the
+// row replaces, where the case knows it (0: onebit's is the ring
+// allreduce's, an exact collective's its own).
+func summarize(name string, elems, w, iters int, gathered []byte, samples []int64, exactWire int64) benchRow {
 	stride := 8 * (iters + 3)
 	var wire int64
 	for j := 0; j < w; j++ {
@@ -103,15 +109,34 @@ func summarize(name string, elems, w, iters int, gathered []byte, samples []int6
 	if row.TimeP50Us > 0 {
 		row.AlgBWGBps = float64(bytes) / (row.TimeP50Us * 1e3) // bytes/ns = GB/s
 	}
-	row.BusBWGBps = row.AlgBWGBps * busFactor(name, w)
 	exact := wire
-	if name == "onebit" {
+	switch {
+	case exactWire > 0:
+		exact = exactWire
+	case name == "onebit":
 		exact = comm.RingAllReduceBytes(bytes, w)
 	}
 	if wire > 0 {
 		row.CompressionRatio = float64(exact) / float64(wire)
 	}
+	row.EffBusBWGBps = row.AlgBWGBps * busFactor(replaces(name), w)
+	row.BusBWGBps = row.EffBusBWGBps
+	if replaces(name) != name && row.CompressionRatio > 0 {
+		row.BusBWGBps = row.EffBusBWGBps / row.CompressionRatio
+	}
 	return row
+}
+
+// replaces names the exact float32 collective that collective name
+// replaces, whose bytes effbusBW counts: name itself for an exact one.
+func replaces(name string) string {
+	switch name {
+	case "onebit", "fp16", "bf16", "twolevel":
+		return "allreduce"
+	case "qgz4", "qgz8", "rsc":
+		return "reducescatter"
+	}
+	return name
 }
 
 // percentile is the nearest-rank percentile of sorted samples.
@@ -120,9 +145,11 @@ func percentile(sorted []int64, p float64) int64 {
 	return sorted[max(0, min(i, len(sorted)-1))]
 }
 
-// busFactor converts algorithm bandwidth to bus bandwidth (nccl-tests).
+// busFactor converts the algorithm bandwidth of the exact collective name
+// on w ranks to its bus bandwidth, as nccl-tests does: 2(W-1)/W for
+// allreduce, (W-1)/W for reducescatter, allgather and alltoall.
 func busFactor(name string, w int) float64 {
-	if name == "allreduce" || name == "onebit" || isHalfBench(name) {
+	if name == "allreduce" {
 		return 2 * float64(w-1) / float64(w)
 	}
 	return float64(w-1) / float64(w)
@@ -166,9 +193,9 @@ func (r *benchReporter) begin() error {
 }
 
 func tableHeader(check bool) string {
-	h := fmt.Sprintf("%-13s %6s %11s %11s %11s %11s %11s %9s %9s %12s %7s",
+	h := fmt.Sprintf("%-13s %6s %11s %11s %11s %11s %11s %9s %9s %9s %12s %7s",
 		"collective", "size", "elems/rank", "p50(us)", "p95(us)", "min(us)", "max(us)",
-		"algBW", "busBW", "wire B/rank", "ratio")
+		"algBW", "busBW", "effbusBW", "wire B/rank", "ratio")
 	if check {
 		h += fmt.Sprintf(" %9s", "rel.err")
 	}
@@ -181,10 +208,10 @@ func formatRow(row benchRow) string {
 	if row.CompressionRatio > 0 {
 		ratio = fmt.Sprintf("%.2fx", row.CompressionRatio)
 	}
-	s := fmt.Sprintf("%-13s %6s %11s %11.1f %11.1f %11.1f %11.1f %9.3f %9.3f %12d %7s",
+	s := fmt.Sprintf("%-13s %6s %11s %11.1f %11.1f %11.1f %11.1f %9.3f %9.3f %9.3f %12d %7s",
 		row.Collective, size.Format(row.Bytes), size.FormatCount(int64(row.ElementsPerRank)),
 		row.TimeP50Us, row.TimeP95Us, row.TimeMinUs, row.TimeMaxUs,
-		row.AlgBWGBps, row.BusBWGBps, row.WireBytesPerRank, ratio)
+		row.AlgBWGBps, row.BusBWGBps, row.EffBusBWGBps, row.WireBytesPerRank, ratio)
 	if row.RelError != nil {
 		s += fmt.Sprintf(" %9.2e", *row.RelError)
 	}
@@ -204,7 +231,7 @@ func csvRecord(row benchRow) []string {
 	rec := []string{
 		row.Collective, strconv.FormatInt(row.Bytes, 10), strconv.Itoa(row.ElementsPerRank),
 		f(row.TimeP50Us), f(row.TimeP95Us), f(row.TimeMinUs), f(row.TimeMaxUs),
-		f(row.AlgBWGBps), f(row.BusBWGBps), strconv.FormatInt(row.WireBytesPerRank, 10), f(row.CompressionRatio),
+		f(row.AlgBWGBps), f(row.BusBWGBps), f(row.EffBusBWGBps), strconv.FormatInt(row.WireBytesPerRank, 10), f(row.CompressionRatio),
 	}
 	if row.RelError != nil {
 		rec = append(rec, strconv.FormatFloat(*row.RelError, 'g', 6, 64))
@@ -247,28 +274,38 @@ func (r *benchReporter) row(row benchRow) error {
 	return nil
 }
 
-// endSize closes a size: the speedup of onebit over allreduce, when both ran.
+// endSize closes a size: the speedup of onebit over allreduce and over
+// bf16, those that ran.
 func (r *benchReporter) endSize(sz int64) error {
 	rows := r.size
 	r.size = r.size[:0]
-	var exact, compressed float64
+	var exact, bf16, compressed float64
 	for _, row := range rows {
 		switch row.Collective {
 		case "allreduce":
 			exact = row.TimeP50Us
+		case "bf16":
+			bf16 = row.TimeP50Us
 		case "onebit":
 			compressed = row.TimeP50Us
 		}
 	}
-	if exact == 0 || compressed == 0 {
+	if compressed == 0 || exact == 0 && bf16 == 0 {
 		return nil
 	}
-	sp := benchSpeedup{Bytes: sz, Speedup: exact / compressed}
+	sp := benchSpeedup{Bytes: sz, Speedup: exact / compressed, VsBF16: bf16 / compressed}
 	r.res.Speedups = append(r.res.Speedups, sp)
 	if r.cfg.format != "table" {
 		return nil
 	}
-	_, err := fmt.Fprintf(r.w, "%-13s %6s speedup onebit vs allreduce: %.2fx\n", "", size.Format(sz), sp.Speedup)
+	var vs []string
+	if sp.Speedup > 0 {
+		vs = append(vs, fmt.Sprintf("speedup onebit vs allreduce: %.2fx", sp.Speedup))
+	}
+	if sp.VsBF16 > 0 {
+		vs = append(vs, fmt.Sprintf("speedup onebit vs bf16: %.2fx", sp.VsBF16))
+	}
+	_, err := fmt.Fprintf(r.w, "%-13s %6s %s\n", "", size.Format(sz), strings.Join(vs, ", "))
 	return err
 }
 

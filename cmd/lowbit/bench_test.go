@@ -40,13 +40,29 @@ func TestParseBenchFlags(t *testing.T) {
 	cfg, err := parseBenchFlags(strings.Fields("-b 1Ki --e 16Ki --f 4 --w 0 -n 3 --collective onebit,allgather --ranks 3 --check --csv"), io.Discard)
 	require.NoError(t, err)
 	assert.Equal(t, []int64{1 << 10, 4 << 10, 16 << 10}, cfg.sizes)
-	assert.Equal(t, []string{"onebit", "allgather"}, cfg.collectives)
+	assert.Equal(t, []string{"bf16", "onebit", "allgather"}, cfg.collectives, "bf16 joins onebit")
 	assert.Equal(t, 0, cfg.warmup)
 	assert.Equal(t, 3, cfg.iters)
 	assert.Equal(t, 3, cfg.ranks)
 	assert.True(t, cfg.check)
 	assert.Equal(t, "csv", cfg.format)
 	assert.Equal(t, "local", cfg.backend)
+
+	// The bf16 down-cast allreduce is a row of every sweep with allreduce
+	// or onebit, after allreduce, unless named or turned off.
+	for args, want := range map[string][]string{
+		"":                                   {"allreduce", "bf16", "onebit"},
+		"--bf16=false":                       {"allreduce", "onebit"},
+		"--collective onebit,allreduce":      {"onebit", "allreduce", "bf16"},
+		"--collective bf16,onebit,allreduce": {"bf16", "onebit", "allreduce"},
+		"--collective allreduce":             {"allreduce", "bf16"},
+		"--collective alltoall,qgz4":         {"alltoall", "qgz4"},
+		"--collective allreduce,onebit --bf16=true": {"allreduce", "bf16", "onebit"},
+	} {
+		cfg, err := parseBenchFlags(strings.Fields(args), io.Discard)
+		require.NoError(t, err, args)
+		assert.Equal(t, want, cfg.collectives, args)
+	}
 
 	cfg, err = parseBenchFlags([]string{"--backend", "mpi"}, io.Discard)
 	require.NoError(t, err)
@@ -69,15 +85,15 @@ func TestFormatting(t *testing.T) {
 	rel := 0.5
 	row := benchRow{Collective: "onebit", Bytes: 64 << 20, ElementsPerRank: 16 << 20,
 		TimeP50Us: 1500, TimeP95Us: 2000, TimeMinUs: 1000, TimeMaxUs: 2500,
-		AlgBWGBps: 44.7392426666, BusBWGBps: 67.1, WireBytesPerRank: 3145800, CompressionRatio: 31.99}
+		AlgBWGBps: 44.7392426666, BusBWGBps: 2.1, EffBusBWGBps: 67.1, WireBytesPerRank: 3145800, CompressionRatio: 31.99}
 	assert.Equal(t, []string{"onebit", "67108864", "16777216", "1500", "2000", "1000", "2500",
-		"44.7392426666", "67.1", "3145800", "31.99"}, csvRecord(row))
+		"44.7392426666", "2.1", "67.1", "3145800", "31.99"}, csvRecord(row))
 	line := formatRow(row)
-	for _, s := range []string{"onebit", "64Mi", "16777216", "1500.0", "44.739", "3145800", "31.99x"} {
+	for _, s := range []string{"onebit", "64Mi", "16777216", "1500.0", "44.739", "   2.100", "  67.100", "3145800", "31.99x"} {
 		assert.Contains(t, line, s)
 	}
 	row.RelError = &rel
-	assert.Equal(t, "0.5", csvRecord(row)[11])
+	assert.Equal(t, "0.5", csvRecord(row)[12])
 	assert.Contains(t, formatRow(row), "5.00e-01")
 	row.CompressionRatio = 0 // one rank: nothing on the wire
 	assert.Contains(t, formatRow(row), " - ")
@@ -87,7 +103,11 @@ func TestFormatting(t *testing.T) {
 	rep := &benchReporter{w: &buf, cfg: &benchConfig{format: "csv"}, res: &benchResult{}}
 	require.NoError(t, rep.begin())
 	assert.Equal(t, "collective,bytes,elements_per_rank,time_p50_us,time_p95_us,time_min_us,time_max_us,"+
-		"algbw_gbps,busbw_gbps,wire_bytes_per_rank,compression_ratio\n", buf.String())
+		"algbw_gbps,busbw_gbps,effbusbw_gbps,wire_bytes_per_rank,compression_ratio\n", buf.String())
+	buf.Reset()
+	rep.cfg.format = "table"
+	require.NoError(t, rep.begin())
+	assert.Regexp(t, `algBW +busBW +effbusBW +wire B/rank`, buf.String())
 }
 
 func TestSummarize(t *testing.T) {
@@ -105,20 +125,42 @@ func TestSummarize(t *testing.T) {
 	put(1, 1, 2000)
 	put(0, 2, 1000)
 	put(1, 2, 1200)
-	row := summarize("allgather", 1000, w, iters, gathered, make([]int64, w*iters))
+	row := summarize("allgather", 1000, w, iters, gathered, make([]int64, w*iters), 0)
 	assert.Equal(t, int64(4000), row.Bytes)
 	assert.Equal(t, 2.0, row.TimeP50Us)
 	assert.Equal(t, 4.0, row.TimeP95Us)
 	assert.Equal(t, 1.0, row.TimeMinUs)
 	assert.Equal(t, 4.0, row.TimeMaxUs)
-	assert.InDelta(t, 2.0, row.AlgBWGBps, 1e-12) // 4000 B / 2 µs
-	assert.InDelta(t, 1.0, row.BusBWGBps, 1e-12) // (W-1)/W
+	assert.InDelta(t, 2.0, row.AlgBWGBps, 1e-12)    // 4000 B / 2 µs
+	assert.InDelta(t, 1.0, row.BusBWGBps, 1e-12)    // (W-1)/W
+	assert.InDelta(t, 1.0, row.EffBusBWGBps, 1e-12) // an exact row's busBW
 	assert.Equal(t, int64(1200), row.WireBytesPerRank)
 	assert.Equal(t, 1.0, row.CompressionRatio)
 
-	row = summarize("onebit", 1000, w, iters, gathered, make([]int64, w*iters))
-	assert.InDelta(t, 2.0, row.BusBWGBps, 1e-12) // 2(W-1)/W
+	// onebit replaces the float32 ring allreduce, which sends 2(W-1)/W of
+	// 4000 B: effbusBW is its busBW at onebit's p50, busBW that of the
+	// 1200 B onebit sent (1200 B / 2 µs), and their ratio the compression.
+	row = summarize("onebit", 1000, w, iters, gathered, make([]int64, w*iters), 0)
 	assert.InDelta(t, 4000.0/1200, row.CompressionRatio, 1e-12)
+	assert.InDelta(t, 2.0, row.EffBusBWGBps, 1e-12) // 2 GB/s * 2(W-1)/W
+	assert.InDelta(t, 0.6, row.BusBWGBps, 1e-12)
+	assert.InDelta(t, row.EffBusBWGBps, row.BusBWGBps*row.CompressionRatio, 1e-12)
+
+	// The case's exact wire bytes decide the ratio; the collective
+	// replaced decides effbusBW's factor: the allreduce's for bf16, the
+	// reduce-scatter's for qgz4.
+	row = summarize("bf16", 1000, w, iters, gathered, make([]int64, w*iters), 2400)
+	assert.InDelta(t, 2.0, row.CompressionRatio, 1e-12)
+	assert.InDelta(t, 2.0, row.EffBusBWGBps, 1e-12)
+	assert.InDelta(t, 1.0, row.BusBWGBps, 1e-12)
+	row = summarize("qgz4", 1000, w, iters, gathered, make([]int64, w*iters), 2400)
+	assert.InDelta(t, 1.0, row.EffBusBWGBps, 1e-12) // 2 GB/s * (W-1)/W
+	assert.InDelta(t, 0.5, row.BusBWGBps, 1e-12)
+
+	// One rank: nothing on the wire, no bus.
+	row = summarize("onebit", 1000, 1, iters, gathered, make([]int64, iters), 0)
+	assert.Zero(t, row.BusBWGBps)
+	assert.Zero(t, row.EffBusBWGBps)
 }
 
 func TestBenchEndToEnd(t *testing.T) {
@@ -129,16 +171,29 @@ func TestBenchEndToEnd(t *testing.T) {
 	var out bytes.Buffer
 	res, err := runBench(context.Background(), cfg, &out)
 	require.NoError(t, err)
-	require.Len(t, res.Results, 10)
+	require.Len(t, res.Results, 12, "bf16 joins allreduce")
 	assert.Equal(t, 4, res.Ranks)
 
 	wire := map[string]int64{}
 	for _, row := range res.Results {
 		require.NotNil(t, row.RelError, row.Collective)
-		if row.Collective == "onebit" {
+		// effbusBW: the exact float32 collective's busBW at the row's
+		// p50; busBW: effbusBW over the compression ratio.
+		factor := 0.75 // (W-1)/W
+		if row.Collective == "allreduce" || row.Collective == "onebit" || row.Collective == "bf16" {
+			factor = 1.5 // 2(W-1)/W
+		}
+		assert.InEpsilon(t, row.AlgBWGBps*factor, row.EffBusBWGBps, 1e-12, row.Collective)
+		assert.InEpsilon(t, row.EffBusBWGBps, row.BusBWGBps*row.CompressionRatio, 1e-12, row.Collective)
+		switch row.Collective {
+		case "onebit":
 			assert.Less(t, *row.RelError, 1.0, "onebit at %d", row.Bytes)
 			assert.Greater(t, *row.RelError, 0.0)
-		} else {
+		case "bf16":
+			assert.Less(t, *row.RelError, bf16Tolerance, "bf16 at %d", row.Bytes)
+			assert.InDelta(t, 2, row.CompressionRatio, 0.05, "bf16 at %d", row.Bytes)
+			assert.Greater(t, row.EffBusBWGBps, 1.9*row.BusBWGBps, "bf16 at %d", row.Bytes)
+		default:
 			assert.Less(t, *row.RelError, 1e-6, "%s at %d", row.Collective, row.Bytes)
 			assert.Equal(t, 1.0, row.CompressionRatio)
 		}
@@ -158,7 +213,16 @@ func TestBenchEndToEnd(t *testing.T) {
 	text := out.String()
 	assert.Contains(t, text, "speedup onebit vs allreduce: ")
 	assert.Equal(t, 2, strings.Count(text, "speedup onebit vs allreduce: "))
-	assert.Len(t, res.Speedups, 2)
+	assert.Equal(t, 2, strings.Count(text, ", speedup onebit vs bf16: "))
+	require.Len(t, res.Speedups, 2)
+	p50 := map[[2]any]float64{}
+	for _, row := range res.Results {
+		p50[[2]any{row.Collective, row.Bytes}] = row.TimeP50Us
+	}
+	for _, sp := range res.Speedups {
+		assert.Equal(t, p50[[2]any{"allreduce", sp.Bytes}]/p50[[2]any{"onebit", sp.Bytes}], sp.Speedup)
+		assert.Equal(t, p50[[2]any{"bf16", sp.Bytes}]/p50[[2]any{"onebit", sp.Bytes}], sp.VsBF16)
+	}
 }
 
 func TestBenchOddRanksAndJSON(t *testing.T) {
@@ -171,14 +235,22 @@ func TestBenchOddRanksAndJSON(t *testing.T) {
 	require.NoError(t, err)
 	var res benchResult
 	require.NoError(t, json.Unmarshal(out.Bytes(), &res))
-	require.Len(t, res.Results, 4)
+	require.Len(t, res.Results, 5)
 	for _, row := range res.Results[:3] {
 		assert.Equal(t, 255, row.ElementsPerRank, row.Collective)
 		require.NotNil(t, row.RelError)
 		assert.Less(t, *row.RelError, 1e-6, row.Collective)
 	}
-	assert.Equal(t, 256, res.Results[3].ElementsPerRank)
-	assert.Empty(t, res.Speedups)
+	// bf16 joins onebit before it; without allreduce the speedup is over
+	// bf16 alone.
+	assert.Equal(t, "bf16", res.Results[3].Collective)
+	assert.Equal(t, "onebit", res.Results[4].Collective)
+	assert.Equal(t, 256, res.Results[4].ElementsPerRank)
+	require.Len(t, res.Speedups, 1)
+	assert.Zero(t, res.Speedups[0].Speedup)
+	assert.Equal(t, res.Results[3].TimeP50Us/res.Results[4].TimeP50Us, res.Speedups[0].VsBF16)
+	assert.NotContains(t, out.String(), "onebit_vs_allreduce")
+	assert.Contains(t, out.String(), "onebit_vs_bf16")
 }
 
 func TestTimedLoopAllocatesNothing(t *testing.T) {
@@ -253,7 +325,7 @@ func TestBenchPiecesCSV(t *testing.T) {
 		flag string
 		want []string
 	}{{"--pieces 2", []string{"2"}}, {"--pieces 1", []string{"1"}}, {"", []string{"1", "2"}}} {
-		cfg, err := parseBenchFlags(strings.Fields("--b 8Mi --e 8Mi --w 0 --n 1 --ranks 2 --csv --collective allreduce,onebit "+tc.flag), io.Discard)
+		cfg, err := parseBenchFlags(strings.Fields("--b 8Mi --e 8Mi --w 0 --n 1 --ranks 2 --csv --bf16=false --collective allreduce,onebit "+tc.flag), io.Discard)
 		require.NoError(t, err)
 		var out bytes.Buffer
 		_, err = runBench(context.Background(), cfg, &out)

@@ -129,7 +129,7 @@ func TestBenchTraceInOrder(t *testing.T) {
 	want := []string{"call", "header", "compress", "all-to-all", "worker-error",
 		"server-reduce", "all-gather", "server-compress", "decompress", "decompress"}
 	for _, w := range []int{2, 3, 4} {
-		table, f := runTraced(t, fmt.Sprintf("--b 4Ki --e 16Ki --f 4 --w 1 --n 3 --collective onebit --ranks %d", w))
+		table, f := runTraced(t, fmt.Sprintf("--b 4Ki --e 16Ki --f 4 --w 1 --n 3 --collective onebit --bf16=false --ranks %d", w))
 		assert.Contains(t, table, "memory bound")
 		for _, sz := range []string{"4Ki", "16Ki"} {
 			assert.Contains(t, table, "# onebit "+sz+" per phase")
@@ -170,7 +170,7 @@ func TestBenchTraceInOrder(t *testing.T) {
 // the tuned calls may send whole chunks), every piece goes through its
 // phases in order on every rank.
 func TestBenchTracePipelined(t *testing.T) {
-	table, f := runTraced(t, "--b 8Mi --e 8Mi --w 0 --n 2 --collective onebit --ranks 2 --pieces 2")
+	table, f := runTraced(t, "--b 8Mi --e 8Mi --w 0 --n 2 --collective onebit --bf16=false --ranks 2 --pieces 2")
 	assert.Contains(t, table, "pipelined:")
 	chain := []string{"compress", "all-to-all", "server-reduce", "all-gather", "decompress"}
 	for pid := range 2 {

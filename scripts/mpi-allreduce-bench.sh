@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# mpi-allreduce-bench.sh: does lowbit bench's busBW for the exact allreduce
+# agree with Open MPI's own measurement of the same call? (make
+# bench-mpi-allreduce)
+#
+# "lowbit bench --backend mpi --collective allreduce" is MPI_Allreduce
+# (MPI_IN_PLACE, float, MPI_SUM) on the world communicator, followed by the
+# division of comm.Mean and preceded by comm/mpi's agreement (a few
+# integers; see comm/mpi's doc). scripts/mpi-allreduce-bench.c times the
+# bare MPI_Allreduce, built with mpicc, the nccl-tests way (calls back to
+# back, the mean over ranks of the time per call) and the lowbit bench way
+# (a barrier before each call, the p50 over all ranks' calls), and the
+# latter with comm.Mean's division by W after each call. This script
+# runs both on NP ranks on this machine (Open MPI's default transport,
+# shared memory), alternately REPS times at the sizes BEGIN..END (xFACTOR),
+# and prints per size the median over the runs of each busbw (and their
+# range), and lowbit bench's median over each of the other two. On a
+# machine shared with other work the ranges say how far to trust them.
+#
+# Needs Open MPI (mpirun, mpicc, and libopenmpi-dev to build with -tags
+# mpi); not root.
+#
+# Settings (environment): NP (4), BEGIN (1Mi), END (64Mi), FACTOR (8),
+# WARMUP (2), ITERS (20, at most 50), REPS (3), GO (go).
+set -euo pipefail
+
+NP=${NP:-4}
+BEGIN=${BEGIN:-1Mi}
+END=${END:-64Mi}
+FACTOR=${FACTOR:-8}
+WARMUP=${WARMUP:-2}
+ITERS=${ITERS:-20}
+REPS=${REPS:-3}
+GO=${GO:-go}
+
+. "$(dirname "$0")/lib/netns.sh"
+netns_init mpi-allreduce-bench
+netns_require_mpi headers
+command -v mpicc >/dev/null || netns_die "cannot run: mpicc not found; install libopenmpi-dev"
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+echo "mpi-allreduce-bench: building lowbit with -tags mpi and scripts/mpi-allreduce-bench.c with mpicc"
+(cd "$root" && "$GO" build -tags mpi -o "$NETNS_TMP/lowbit" ./cmd/lowbit)
+mpicc -O2 -o "$NETNS_TMP/mpi-allreduce-bench" "$root/scripts/mpi-allreduce-bench.c"
+
+mpi=("${NETNS_MPIRUN[@]}" -np "$NP")
+echo "mpi-allreduce-bench: $NP ranks, shared memory, $BEGIN..$END x$FACTOR, $WARMUP warm-up + $ITERS timed calls, $REPS runs of each, alternately"
+for r in $(seq "$REPS"); do
+	netns_run "${mpi[@]}" "$NETNS_TMP/lowbit" bench --backend mpi --ranks "$NP" --collective allreduce --bf16=false --csv \
+		--b "$BEGIN" --e "$END" --f "$FACTOR" --w "$WARMUP" --n "$ITERS" >"$NETNS_TMP/lowbit$r.csv"
+	# The sizes in bytes, as lowbit bench read them.
+	mapfile -t sizes < <(awk -F, 'NR > 1 { print $2 }' "$NETNS_TMP/lowbit$r.csv")
+	netns_run "${mpi[@]}" "$NETNS_TMP/mpi-allreduce-bench" "$WARMUP" "$ITERS" "${sizes[@]}" >"$NETNS_TMP/mpi$r.csv"
+done
+
+# median X N returns the median of X[1..N], sorting X in place (awk).
+median='function median(x, n,   i, j, y) {
+	for (i = 2; i <= n; i++) for (j = i; j > 1 && x[j] < x[j - 1]; j--) { y = x[j]; x[j] = x[j - 1]; x[j - 1] = y }
+	return n % 2 ? x[(n + 1) / 2] : (x[n / 2] + x[n / 2 + 1]) / 2
+}'
+
+echo
+awk -F, -v np="$NP" -v reps="$REPS" "$median"'
+	FNR == 1 {
+		delete col
+		for (i = 1; i <= NF; i++) col[$i] = i
+		lowbit = ("collective" in col)
+		if (!("busbw_gbps" in col) && !("way" in col)) { print "mpi-allreduce-bench: unexpected CSV header: " $0 > "/dev/stderr"; exit 1 }
+		next
+	}
+	{
+		b = $col["bytes"]
+		if (!(b in seen)) { seen[b] = 1; order[++n] = b }
+		k = (lowbit ? "lowbit" : $col["way"]) SUBSEP b
+		bw[k, ++cnt[k]] = $col["busbw_gbps"]
+	}
+	# stat K returns the median busbw of K over the runs and their range,
+	# and keeps the median in m[K].
+	function stat(k,   x, i, lo, hi) {
+		lo = hi = bw[k, 1]
+		for (i = 1; i <= cnt[k]; i++) {
+			x[i] = bw[k, i]
+			if (x[i] < lo) lo = x[i]
+			if (x[i] > hi) hi = x[i]
+		}
+		m[k] = median(x, cnt[k])
+		return sprintf("%7.3f [%5.3f-%5.3f]", m[k], lo, hi)
+	}
+	END {
+		printf "busbw of MPI_Allreduce, float32, %d ranks, GB/s: the median of %d runs [their range]\n", np, reps
+		printf "%10s %22s %22s %22s %22s %8s %8s %8s\n", "bytes", "lowbit bench (p50)", "MPI, nccl-tests way", "MPI, barrier + p50",
+			"MPI + divide, p50", "/nccl", "/barrier", "/divide"
+		for (i = 1; i <= n; i++) {
+			b = order[i]
+			l = stat("lowbit" SUBSEP b); c = stat("nccl" SUBSEP b); r = stat("barrier" SUBSEP b); d = stat("mean" SUBSEP b)
+			printf "%10d %22s %22s %22s %22s %8.3f %8.3f %8.3f\n", b, l, c, r, d, m["lowbit" SUBSEP b] / m["nccl" SUBSEP b],
+				m["lowbit" SUBSEP b] / m["barrier" SUBSEP b], m["lowbit" SUBSEP b] / m["mean" SUBSEP b]
+		}
+		print "(the last three: lowbit bench'"'"'s busbw over each of the others)"
+	}' "$NETNS_TMP"/lowbit[0-9]*.csv "$NETNS_TMP"/mpi[0-9]*.csv
