@@ -2,7 +2,7 @@
 GO      ?= go
 FUZZTIME ?= 10s
 
-.PHONY: gpu-check all build test test-unit test-race test-mpi test-integrations conformance bench bench-net bench-mpi-allreduce lint fuzz demo demo-net demo-gpt demo-gpt-net demo-gpt-rates plot-bytes mnist-data ptx soak cluster-hostfile
+.PHONY: gpu-check all build test test-unit test-race test-mpi test-integrations conformance bench bench-net bench-mpi-allreduce lint fuzz demo demo-net demo-gpt demo-gpt-net demo-gpt-rates plan-vs-one plot-bytes mnist-data ptx soak cluster-hostfile
 
 all: build
 
@@ -136,6 +136,13 @@ soak: mnist-data
 ## one (root, Open MPI; about an hour and a half).
 demo-gpt-rates:
 	./scripts/demo-gpt-rates.sh
+
+## plan-vs-one: two machines against one, measured: the MNIST example on one
+## rank and on 2 MPI ranks over a loopback shaped to 50 Mbit/s, Adam and
+## 1-bit Adam, beside lowbit plan --vs-one (docs/plan.md; root, Open MPI;
+## about three minutes).
+plan-vs-one:
+	./scripts/vs-one.sh
 
 ## gpu-check: everything that needs an NVIDIA GPU (tests, benchmarks against
 ## the device copy, lowbit bench --device cuda, compute-sanitizer), with a

@@ -31,7 +31,9 @@
 // one per codec, each an exchange every OuterH/OuterFragments steps
 // averaged per step (outer.go, sparse.go); Muon's rows are an optimizer's
 // step, its exchange and the orthogonalization (muon.go). Job.StateTable is
-// the optimizer state per rank of every optimizer a plan lists.
+// the optimizer state per rank of every optimizer a plan lists. With
+// Job.TokensPerStep a plan also compares W machines with one, row by row
+// (Plan.VsOne, vsone.go).
 package costmodel
 
 import (

@@ -84,6 +84,11 @@ type Job struct {
 	MuonShape  [2]int64
 	MuonParams int64
 	MuonFlops  float64
+	// TokensPerStep, when positive, asks the plan how W machines compare
+	// with one (Plan.VsOne, vsone.go): the tokens (or examples) of each
+	// worker's step, whose forward and backward take StepCompute, which
+	// must then be positive. At most MaxTokensPerStep.
+	TokensPerStep int64
 	// FieldNames, when not nil, gives the names the plan's sentences
 	// (Assumptions' AlphaFrom, IneffFrom and CompressFrom) call the fields
 	// of Job by, keyed by field name: a front end's spelling of them, such
@@ -170,6 +175,9 @@ type Plan struct {
 	Outer *OuterPlan `json:"outer,omitempty"`
 	// Muon is how Muon's rows see the model (nil: no Muon row).
 	Muon *MuonPlan `json:"muon,omitempty"`
+	// VsOne is W machines against one, row by row (nil:
+	// Job.TokensPerStep 0).
+	VsOne *VsOne `json:"vs_one,omitempty"`
 }
 
 // Plan predicts the gradient exchange of one step of j: the gradient goes
@@ -274,8 +282,15 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 		}
 		rows = append(rows, r)
 	}
-	return &Plan{Params: n, Ranks: j.Ranks, LinkBps: j.Link, Sharing: string(j.Sharing), StepCompute: compute,
-		Assumptions: a, Model: m, Rows: rows, Outer: outerPlan(j, slices.ContainsFunc(j.Collectives, isSparseRow)), Muon: mp}, nil
+	plan := &Plan{Params: n, Ranks: j.Ranks, LinkBps: j.Link, Sharing: string(j.Sharing), StepCompute: compute,
+		Assumptions: a, Model: m, Rows: rows, Outer: outerPlan(j, slices.ContainsFunc(j.Collectives, isSparseRow)), Muon: mp}
+	if j.TokensPerStep > 0 {
+		var err error
+		if plan.VsOne, err = m.vsOne(j, plan); err != nil {
+			return nil, err
+		}
+	}
+	return plan, nil
 }
 
 // DefaultCollectives is what a nil Job.Collectives plans: allreduce and
@@ -335,6 +350,10 @@ func (j Job) Validate() error {
 		return fail("BucketBytes", "must be a positive multiple of 4 bytes, got %d", j.BucketBytes)
 	case j.StepCompute < 0:
 		return fail("StepCompute", "must not be negative, got %s", j.StepCompute)
+	case j.TokensPerStep < 0 || j.TokensPerStep > MaxTokensPerStep:
+		return fail("TokensPerStep", "must be in [0, %s] tokens per worker per step, got %d", size.FormatCount(MaxTokensPerStep), j.TokensPerStep)
+	case j.TokensPerStep > 0 && j.StepCompute == 0:
+		return fail("StepCompute", "must be positive with %s: one machine's forward and backward time for its tokens", j.fieldName("TokensPerStep"))
 	case j.Collectives != nil && len(j.Collectives) == 0:
 		return fail("Collectives", "no collective to plan")
 	}

@@ -128,6 +128,12 @@ func TestCountFlags(t *testing.T) {
 				return 0, err
 			}
 			return cfg.job.MuonParams, nil
+		}}, "tokens-per-step": {Min: 1, Max: costmodel.MaxTokensPerStep, Value: func(args []string) (int64, error) {
+			cfg, err := parsePlanFlags(append(args, "--vs-one", "--step-compute", "40ms"), io.Discard)
+			if err != nil {
+				return 0, err
+			}
+			return cfg.job.TokensPerStep, nil
 		}}},
 	}
 	for _, c := range commands {

@@ -41,6 +41,7 @@ type planConfig struct {
 	memory       int64  // --memory: bytes per rank for state, parameters and gradients; 0: not given
 	bucketGiven  bool   // --bucket was given: no bucket hint
 	hint         string // bucketHint's line, printed under the table
+	vsOne        bool   // --vs-one: W machines against one first
 }
 
 // planFlags maps the fields of costmodel.Job to the flags that set them.
@@ -49,7 +50,8 @@ var planFlags = map[string]string{"Params": "params", "Ranks": "ranks", "Link": 
 	"StepCompute": "step-compute", "Collectives": "collective",
 	"OuterH": "outer-h", "OuterFragments": "outer-fragments", "OuterDelay": "outer-delay",
 	"OuterDensity": "outer-density", "OuterSparseChunk": "outer-sparse-chunk", "OuterSparseBits": "outer-sparse-bits",
-	"MuonShape": "muon-shape", "MuonParams": "muon-params", "MuonFlops": "muon-flops"}
+	"MuonShape": "muon-shape", "MuonParams": "muon-params", "MuonFlops": "muon-flops",
+	"TokensPerStep": "tokens-per-step"}
 
 func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	cfg := &planConfig{}
@@ -92,6 +94,8 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	shape := fs.String("muon-shape", "", "Muon's rows (muon, muon-split, onebit-muon; given, they follow the default rows): the `RxC` shape of the Muon matrices, e.g. 2048x8192 (default: square, the width of a GPT-3-like model of --params, costmodel.DefaultMuonShape)")
 	fs.Var(&size.CountValue[int64]{P: &j.MuonParams, Min: 0, Max: costmodel.MaxParams}, "muon-params", "Muon's rows: parameters in Muon matrices, as many whole matrices of --muon-shape as it holds; the rest goes to the auxiliary AdamW (`count`; default: all of --params)")
 	fs.Float64Var(&j.MuonFlops, "muon-flops", costmodel.DefaultMuonFlops, "Muon's rows: float32 FLOP/s of the Newton-Schulz products on one rank (default: gonum on one core of the calibration machine, docs/muon.md)")
+	fs.BoolVar(&cfg.vsOne, "vs-one", false, "first answer how W machines compare with one (docs/plan.md): each row's tokens per second on one machine and on --ranks, their ratio, and the tokens per worker per step at which they break even; needs --tokens-per-step and --step-compute, and adds the fp16 row (2-byte floats on the wire: float16 or bfloat16) to the default ones")
+	fs.Var(&optionalCount{size.CountValue[int64]{P: &j.TokensPerStep, Min: 1, Max: costmodel.MaxTokensPerStep}}, "tokens-per-step", "with --vs-one: tokens (or examples) of each worker's step, whose forward and backward on one machine take --step-compute (`count`: 8192, 8k)")
 	fs.BoolVar(&cfg.asJSON, "json", false, "write JSON")
 	fs.Usage = func() {
 		fmt.Fprint(out, `usage: lowbit plan [flags]
@@ -112,6 +116,11 @@ link's round trip;
 the local work of the 1-bit allreduce is its time without a network,
 measured on the calibration machine, which differs per machine
 (--compress-rate). See docs/plan.md.
+
+With --vs-one it first answers "W machines of this step time on this link
+against one": each row's tokens per second on one machine and on --ranks,
+and the tokens per worker per step (--tokens-per-step, whose compute is
+--step-compute) at which they break even.
 
 It then prints the optimizer state each rank holds for each optimizer
 (bytes per parameter as measured by their StateBytes), and with --memory
@@ -137,6 +146,9 @@ predicted by a fit that has not seen it.
 	if cfg.holdout && !cfg.fit {
 		return nil, cliflag.Usagef("--holdout goes with lowbit plan fit")
 	}
+	if err := checkVsOne(fs, cfg); err != nil {
+		return nil, err
+	}
 	var err error
 	if j.Sharing, err = costmodel.ParseSharing(*sharing); err != nil {
 		return nil, cliflag.Bad(fs, "sharing", "want %s or %s", costmodel.Shared, costmodel.PerRank)
@@ -159,6 +171,10 @@ predicted by a fit that has not seen it.
 	}
 	if !flagGiven(fs, "collective") {
 		j.Collectives = j.DefaultCollectives()
+		if cfg.vsOne {
+			// The 2-byte allreduce, the other baseline of W against one.
+			j.Collectives = slices.Insert(j.Collectives, 1, "fp16")
+		}
 	}
 	cfg.bucketGiven = flagGiven(fs, "bucket")
 	if j.Link, err = costmodel.ParseRate(j.LinkName); err != nil {
@@ -174,6 +190,37 @@ predicted by a fit that has not seen it.
 		return nil, err
 	}
 	return cfg, nil
+}
+
+// checkVsOne refuses a --vs-one command line that cannot compare W
+// machines with one, naming the flag at fault.
+func checkVsOne(fs *flag.FlagSet, cfg *planConfig) error {
+	j := &cfg.job
+	// bad is cliflag.Bad with a good value to show: these flags' defaults
+	// (0) are not.
+	bad := func(name, example, reason string) error {
+		err := cliflag.Bad(fs, name, "%s", reason)
+		var e *cliflag.Error
+		if errors.As(err, &e) {
+			e.Example = example
+		}
+		return err
+	}
+	switch {
+	case !cfg.vsOne && flagGiven(fs, "tokens-per-step"):
+		return bad("tokens-per-step", "", "goes with --vs-one")
+	case !cfg.vsOne:
+		return nil
+	case cfg.fit:
+		return cliflag.Usagef("--vs-one goes with lowbit plan, not lowbit plan fit")
+	case j.Ranks < 2:
+		return bad("ranks", "2", "--vs-one compares W machines with one: want at least 2 (1 compares one machine with itself)")
+	case j.TokensPerStep == 0:
+		return bad("tokens-per-step", "8192", "--vs-one needs the tokens (or examples) of each worker's step, at least 1")
+	case j.StepCompute <= 0:
+		return bad("step-compute", "40ms", "--vs-one needs one machine's forward and backward time for --tokens-per-step tokens, more than 0")
+	}
+	return nil
 }
 
 // flagGiven reports whether the command line set flag name of fs.
@@ -225,7 +272,56 @@ func planMain(args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 	}
+	if p.VsOne != nil && !cfg.asJSON {
+		if err := writeVsOne(stdout, p); err != nil {
+			return err
+		}
+	}
 	return writePlan(stdout, p, cfg, cal.Source)
+}
+
+// writeVsOne prints p's W machines against one (--vs-one).
+func writeVsOne(w io.Writer, p *costmodel.Plan) error {
+	v := p.VsOne
+	fmt.Fprintf(w, "# lowbit plan --vs-one: %d machines against one: %s parameters, %s links (%s), %s tokens per worker per step, one machine's step %s\n",
+		p.Ranks, size.FormatCount(p.Params), formatRate(p.LinkBps), p.Sharing, strconv.FormatInt(v.TokensPerStep, 10), formatSeconds(v.StepCompute))
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintf(tw, "collective\t1 machine tok/s\t%d machines tok/s\tratio\tbreak-even tok/worker/step\t\n", p.Ranks)
+	for _, r := range v.Rows {
+		name := r.Collective
+		if !r.Calibrated {
+			name += "*"
+		}
+		even := "any"
+		if r.BreakEvenTokens > 0 {
+			even = formatTokens(math.Ceil(r.BreakEvenTokens))
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%.2fx\t%s\t\n", name, formatTokens(r.OneTokensPerS), formatTokens(r.TokensPerS), r.Ratio, even)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	ratio := map[string]float64{}
+	for _, r := range v.Rows {
+		ratio[r.Collective] = r.Ratio
+	}
+	line := fmt.Sprintf("pick: %s, %.2fx one machine's tokens per second (the most on %d machines)", v.Pick, ratio[v.Pick], p.Ranks)
+	if v.PickCalibrated != "" {
+		line += fmt.Sprintf("; not calibrated: the most of the calibrated rows is %s, %.2fx", v.PickCalibrated, ratio[v.PickCalibrated])
+	}
+	fmt.Fprintln(w, line+".")
+	_, err := fmt.Fprintf(w, "1 machine: --tokens-per-step / --step-compute (Muon's rows: plus orthogonalizing every matrix); %d machines: %d x --tokens-per-step / the row's step comm below (comm not overlapped with compute but for --outer-delay); break-even: the tokens per worker per step at which the two rates are equal, compute time in proportion to the tokens (fewer lose, more win). onebit is 1-bit Adam after its warm-up; the outer rows' inner steps and a lossy codec may need more steps to the same loss, which the plan does not model.\n\n",
+		p.Ranks, p.Ranks)
+	return err
+}
+
+// formatTokens writes a count of tokens (or tokens per second) rounded to
+// a whole number, in scientific notation from 1e12.
+func formatTokens(x float64) string {
+	if x >= 1e12 {
+		return strconv.FormatFloat(x, 'g', 4, 64)
+	}
+	return strconv.FormatFloat(math.Round(x), 'f', 0, 64)
 }
 
 // bucketedRows are the rows whose collective goes in buckets of --bucket

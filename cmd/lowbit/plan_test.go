@@ -653,3 +653,77 @@ func TestPlanBucketHint(t *testing.T) {
 		assert.NotContains(t, out.String(), "hint:", a)
 	}
 }
+
+// The two-machine gigabit case of docs/plan.md: 19M parameters, one
+// machine's 8,192 tokens a step in 40.8ms (the compute at which the exact
+// allreduce is 7x slower per token than one machine). The exact allreduce
+// is 7x slower, its break even about 100k tokens; the pick is at least
+// 1.3x one machine.
+func TestPlanVsOne(t *testing.T) {
+	args := "--params 19M --ranks 2 --link 1gbit --outer-h 50 --vs-one --tokens-per-step 8192 --step-compute 40.8ms"
+	s, rows := tableRows(t, args, "# lowbit plan --vs-one", "pick:")
+	assert.Contains(t, s, "2 machines against one: 19M parameters, 1 Gbit/s links (per-rank), 8192 tokens per worker per step, one machine's step 40.8ms")
+	var names []string
+	for name := range rows {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	assert.Equal(t, []string{"allreduce", "fp16", "onebit", "outer-1bit", "outer-bf16", "outer-fp32", "outer-int8", "outer-sparse", "outer-sparse-2p"}, names)
+	ratio := func(name string) float64 {
+		t.Helper()
+		f := rows[name]
+		require.Len(t, f, 4, name)
+		r, err := strconv.ParseFloat(strings.TrimSuffix(f[2], "x"), 64)
+		require.NoError(t, err)
+		return r
+	}
+	assert.InDelta(t, 1.0/7, ratio("allreduce"), 0.01)
+	assert.Equal(t, "200784", rows["allreduce"][0], "8192 tokens / 40.8ms")
+	even, err := strconv.ParseFloat(rows["allreduce"][3], 64)
+	require.NoError(t, err)
+	assert.InDelta(t, 8192*13, even, 2000, "break even at 2s-1 = 13 times the tokens")
+	assert.Less(t, ratio("fp16"), 0.5)
+	require.Contains(t, s, "pick: outer-sparse, ")
+	assert.GreaterOrEqual(t, ratio("outer-sparse"), 1.3)
+	assert.Contains(t, s, "the most of the calibrated rows is outer-1bit")
+	assert.GreaterOrEqual(t, ratio("outer-1bit"), 1.3)
+	// The plan's own table follows.
+	assert.Contains(t, s, "# lowbit plan: 19M parameters")
+
+	var out bytes.Buffer
+	require.NoError(t, planMain(append(strings.Fields(args), "--json"), &out, io.Discard))
+	var res struct {
+		VsOne costmodel.VsOne `json:"vs_one"`
+	}
+	require.NoError(t, json.Unmarshal(out.Bytes(), &res))
+	assert.Equal(t, int64(8192), res.VsOne.TokensPerStep)
+	assert.Equal(t, "outer-sparse", res.VsOne.Pick)
+	assert.Len(t, res.VsOne.Rows, 9)
+}
+
+// A --vs-one that cannot compare W machines with one is refused in one
+// line that names the flag.
+func TestPlanVsOneErrors(t *testing.T) {
+	ok := "--params 19M --link 1gbit --vs-one --tokens-per-step 8192 --step-compute 40ms"
+	for args, flagName := range map[string]string{
+		ok + " --ranks 1":               "--ranks",
+		ok + " --tokens-per-step 0":     "--tokens-per-step",
+		ok + " --tokens-per-step -5":    "--tokens-per-step",
+		ok + " --step-compute 0":        "--step-compute",
+		ok + " --step-compute 0s":       "--step-compute",
+		ok + " --link 0gbit":            "--link",
+		ok + " --link 0":                "--link",
+		"--params 19M --vs-one":         "--tokens-per-step",
+		"--vs-one --tokens-per-step 8k": "--step-compute",
+		"--tokens-per-step 8k":          "--vs-one",
+	} {
+		err := planMain(strings.Fields(args), io.Discard, io.Discard)
+		if assert.Error(t, err, args) {
+			assert.True(t, cliflag.IsUsage(err), "%s: %v", args, err)
+			assert.Contains(t, err.Error(), flagName, args)
+			assert.NotContains(t, err.Error(), "\n", args)
+		}
+	}
+	_, err := parsePlanFlags([]string{"fit", "--vs-one"}, io.Discard)
+	assert.True(t, cliflag.IsUsage(err), "%v", err)
+}

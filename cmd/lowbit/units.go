@@ -24,6 +24,18 @@ func (v *optionalSize) String() string {
 	return v.Value.String()
 }
 
+// optionalCount is a count flag without a default (--tokens-per-step):
+// unset (0) it prints nothing, so that neither -h nor an error offers 0 as
+// a value.
+type optionalCount struct{ size.CountValue[int64] }
+
+func (v *optionalCount) String() string {
+	if v.P == nil || *v.P == 0 {
+		return ""
+	}
+	return v.CountValue.String()
+}
+
 // seconds is a flag of a time kept in seconds (a float64 field of
 // costmodel.Job) that takes a duration, as flag.Duration does (10us,
 // 300ms), or a bare number of seconds (10e-6), as --alpha took before it
