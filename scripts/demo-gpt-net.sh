@@ -7,7 +7,8 @@
 # the same seed, each to the same number of steps; it prints each one's
 # time to the TARGET validation loss, Adam's share of its step spent in
 # communication, and the speedups (1-bit Adam against Adam, 1-bit Muon
-# against Muon and beside 1-bit Adam). Every optimizer runs at the
+# against Muon and beside 1-bit Adam, and each against the 16-bit exact
+# baseline: Adam and Muon with the bf16 down-cast allreduce). Every optimizer runs at the
 # example's default learning rates (-lr 2e-3 for Adam and Muon's AdamW
 # group, -muon-lr for Muon's matrices).
 #
@@ -21,25 +22,25 @@
 # Needs root (the namespace and the qdisc), Open MPI (mpirun and the headers
 # of libopenmpi-dev: the example is built with -tags mpi), ip and tc.
 #
-# Settings (environment): OPTIMIZERS (the six above:
-# adam,onebit-adam,onebit-adam-sharded,zeroone-adam,muon,onebit-muon; adam
-# is required), RATE (40mbit), NP (4), TARGET (validation loss in
+# Settings (environment): OPTIMIZERS (the eight above:
+# adam,adam:bf16,onebit-adam,onebit-adam-sharded,zeroone-adam,muon,muon:bf16,onebit-muon;
+# adam is required), RATE (40mbit), NP (4), TARGET (validation loss in
 # nats per byte, 2.75), GPT_FLAGS (flags for the example; default "-steps
 # 450 -freeze-step 60": the target is reached near step 330, and the 1-bit
 # optimizers' exact warm-up runs at Adam's speed, so a warm-up of a fifth
 # of 600 steps caps the speedup near 330/120; 1-bit Muon's warm-up is its
 # AdamW group's only, the hidden matrices 1-bit from the first step:
-# -muon-warmup all makes it exact Muon's), TIMEOUT (2400 s), GO (go).
-# It takes about 20 minutes on a 2-core machine, Adam's and Muon's runs most
+# -muon-warmup all makes it exact Muon's), TIMEOUT (3600 s), GO (go).
+# It takes about 25 minutes on a 2-core machine, Adam's and Muon's runs most
 # of it.
 set -euo pipefail
 
-OPTIMIZERS=${OPTIMIZERS:-adam,onebit-adam,onebit-adam-sharded,zeroone-adam,muon,onebit-muon}
+OPTIMIZERS=${OPTIMIZERS:-adam,adam:bf16,onebit-adam,onebit-adam-sharded,zeroone-adam,muon,muon:bf16,onebit-muon}
 RATE=${RATE:-40mbit}
 NP=${NP:-4}
 TARGET=${TARGET:-2.75}
 GPT_FLAGS=${GPT_FLAGS:--steps 450 -freeze-step 60}
-TIMEOUT=${TIMEOUT:-2400}
+TIMEOUT=${TIMEOUT:-3600}
 GO=${GO:-go}
 
 . "$(dirname "$0")/lib/netns.sh"
@@ -105,6 +106,12 @@ awk -v rate="$RATE" -v np="$NP" -v target="$TARGET" '
 		ratio("onebit-adam-sharded", "adam", "1-bit Adam sharded vs Adam", 2.5)
 		ratio("onebit-adam-sharded", "onebit-adam", "1-bit Adam sharded vs 1-bit Adam (the same bytes on the wire)", 0)
 		ratio("onebit-muon", "muon", "1-bit Muon vs Muon", 2.5)
+		# The 16-bit exact baselines (Adam and Muon with the bf16
+		# down-cast allreduce), beside the float32 ones above.
+		ratio("adam bf16", "adam", "Adam bf16 vs Adam (a measurement, not a goal)", 0)
+		ratio("onebit-adam", "adam bf16", "1-bit Adam vs Adam bf16", 0)
+		ratio("zeroone-adam", "adam bf16", "0/1 Adam vs Adam bf16", 0)
+		ratio("onebit-muon", "muon bf16", "1-bit Muon vs Muon bf16", 0)
 		ratio("onebit-muon", "onebit-adam", "1-bit Muon vs 1-bit Adam (a measurement, not a goal)", 0)
 		ratio("muon", "adam", "Muon vs Adam (a measurement, not a goal)", 0)
 	}
