@@ -86,6 +86,11 @@ func ParseRate(s string) (float64, error) {
 	return 0, fmt.Errorf("link rate %q: want a positive number with a unit, such as 10gbit, 250mbit, 100Mbit/s (bits per second) or 1.25GB/s (bytes per second)", s)
 }
 
+// FormatRate writes a link rate of bytesPerSecond bytes per second as
+// bits per second with a decimal prefix, as ParseRate's errors and lowbit
+// plan's headers write it: "100 Mbit/s", "1.25 Gbit/s".
+func FormatRate(bytesPerSecond float64) string { return formatBits(8 * bytesPerSecond) }
+
 // formatBits writes a rate of b bits per second with a decimal prefix.
 func formatBits(b float64) string {
 	switch {

@@ -284,7 +284,7 @@ func planMain(args []string, stdout, stderr io.Writer) error {
 func writeVsOne(w io.Writer, p *costmodel.Plan) error {
 	v := p.VsOne
 	fmt.Fprintf(w, "# lowbit plan --vs-one: %d machines against one: %s parameters, %s links (%s), %s tokens per worker per step, one machine's step %s\n",
-		p.Ranks, size.FormatCount(p.Params), formatRate(p.LinkBps), p.Sharing, strconv.FormatInt(v.TokensPerStep, 10), formatSeconds(v.StepCompute))
+		p.Ranks, size.FormatCount(p.Params), costmodel.FormatRate(p.LinkBps), p.Sharing, strconv.FormatInt(v.TokensPerStep, 10), formatSeconds(v.StepCompute))
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintf(tw, "collective\t1 machine tok/s\t%d machines tok/s\tratio\tbreak-even tok/worker/step\t\n", p.Ranks)
 	for _, r := range v.Rows {
@@ -436,7 +436,7 @@ func writePlan(w io.Writer, p *costmodel.Plan, cfg *planConfig, source string) e
 	}
 	a := p.Assumptions
 	fmt.Fprintf(w, "# lowbit plan: %s parameters (%s float32 gradient), %d ranks, %s links (%s)\n",
-		size.FormatCount(p.Params), bytesDecimal(float64(4*p.Params)), p.Ranks, formatRate(p.LinkBps), p.Sharing)
+		size.FormatCount(p.Params), bytesDecimal(float64(4*p.Params)), p.Ranks, costmodel.FormatRate(p.LinkBps), p.Sharing)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	ortho, orthoHead := func(costmodel.Row) string { return "" }, ""
 	if p.Muon != nil {

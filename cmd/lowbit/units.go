@@ -85,20 +85,6 @@ func (d *optionalDuration) String() string {
 	return d.p.String()
 }
 
-// formatRate writes bytes per second as bits per second.
-func formatRate(bps float64) string {
-	b := bps * 8
-	switch {
-	case b >= 1e12:
-		return strconv.FormatFloat(b/1e12, 'g', 4, 64) + " Tbit/s"
-	case b >= 1e9:
-		return strconv.FormatFloat(b/1e9, 'g', 4, 64) + " Gbit/s"
-	case b >= 1e6:
-		return strconv.FormatFloat(b/1e6, 'g', 4, 64) + " Mbit/s"
-	}
-	return strconv.FormatFloat(b/1e3, 'g', 4, 64) + " kbit/s"
-}
-
 // formatSeconds writes a duration in seconds with three significant
 // digits and a readable unit.
 func formatSeconds(s float64) string {
