@@ -94,9 +94,17 @@ func writeChoice(w io.Writer, ch *costmodel.Choice, cfg *planConfig) error {
 			ch.Row, cfg.job.OuterH, max(1, cfg.job.OuterFragments), cfg.job.OuterDelay, ch.Codec)
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "row\tstep\tvs chosen\tstate as\twith params and grads\t")
+	fmt.Fprintln(tw, "row\tstep\tvs chosen\tstate as\twith params and grads\tnote")
 	for _, c := range ch.Candidates {
-		step, vs := "-", "excluded: "+c.Excluded
+		step, vs, note := "-", "-", ""
+		switch {
+		case c.Excluded != "":
+			note = "excluded: " + c.Excluded
+		case c.Row == ch.Row:
+			note = "chosen"
+		case c.Row == ch.Fastest:
+			note = "fastest"
+		}
 		if c.Excluded == "" {
 			step, vs = formatSeconds(c.StepS), fmt.Sprintf("%.2fx", c.StepS/ch.StepS)
 			if r := c.StepS / ch.StepS; r < 1.1 {
@@ -107,7 +115,7 @@ func writeChoice(w io.Writer, ch *costmodel.Choice, cfg *planConfig) error {
 		if c.State != "" {
 			mem = bytesDecimal(float64(c.Bytes))
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t\n", c.Row, step, vs, cmpOr(c.State, "-"), mem)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", c.Row, step, vs, cmpOr(c.State, "-"), mem, note)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
