@@ -101,9 +101,13 @@ var qualityRules = []qualityRule{
 			"entries of similar size (docs/outer.md, \"The tighter target: Muon inside\")",
 	},
 	{
-		applies: func(oc outerCodec, j Job, _ ChooseOptions) bool { return oc.name == "outer-sparse-2p" && j.Ranks <= 4 },
-		why: "at W <= 4 the two-phase exchange ends 5.2% above the all-gather's loss at about half its bytes, and the " +
-			"all-gather sends less than the 1-bit codec there (docs/outer.md, \"The two-phase exchange\")",
+		// Any sparse exchange but the all-gather (outer-sparse), present
+		// or added later, at 4 ranks or fewer.
+		applies: func(oc outerCodec, j Job, _ ChooseOptions) bool {
+			return oc.codec == "sparse" && oc.name != "outer-sparse" && j.Ranks <= 4
+		},
+		why: "at W <= 4 the all-gather is the sparse exchange measured best: the two-phase one ends 5.2% above its loss at about half " +
+			"its bytes, and the all-gather sends less than the 1-bit codec there (docs/outer.md, \"The two-phase exchange\")",
 	},
 }
 

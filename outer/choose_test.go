@@ -70,7 +70,8 @@ func TestConfigForRowErrors(t *testing.T) {
 
 // A program picks the optimizer and codec for its job with package
 // costmodel, then builds the outer optimizer's Config from the choice:
-// 8 ranks on 100 Mbit/s links each, local steps accepted (H 25).
+// Muon on 8 ranks with 100 Mbit/s links each, local steps accepted (H 25):
+// the 1-bit codec with Muon inside (build it with outer.NewMuon).
 func ExampleConfigForRow() {
 	cal, err := costmodel.Builtin()
 	if err != nil {
@@ -78,8 +79,8 @@ func ExampleConfigForRow() {
 	}
 	link, _ := costmodel.ParseRate("100mbit")
 	job := costmodel.Job{Params: 124e6, Ranks: 8, Link: link, BucketBytes: 25 << 20,
-		StepCompute: 500 * time.Millisecond, OuterH: 25}
-	choice, err := cal.Model.Choose(job, costmodel.ChooseOptions{})
+		StepCompute: 500 * time.Millisecond, OuterH: 25, MuonFlops: 400e12}
+	choice, err := cal.Model.Choose(job, costmodel.ChooseOptions{Muon: true})
 	if err != nil {
 		panic(err)
 	}
@@ -91,6 +92,6 @@ func ExampleConfigForRow() {
 	if err != nil {
 		panic(err)
 	}
-	fmt.Println(choice.Row, cfg.Codec, cfg.SparseExchange, cfg.H, muonInside)
-	// Output: outer-sparse-2p sparse twophase 25 false
+	fmt.Println(choice.Row, cfg.Codec, cfg.H, cfg.LR, muonInside)
+	// Output: outer-muon 1bit 25 1 true
 }
