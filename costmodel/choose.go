@@ -177,16 +177,16 @@ func (m *Model) Choose(j Job, o ChooseOptions) (*Choice, error) {
 		for i := range outerCodecs {
 			oc := outerCodecs[i]
 			r := chooseRow{name: oc.name, outer: &oc}
+			why := ruleFor(oc, j, o)
 			switch {
 			case oc.muon != o.Muon && !(o.Muon && oc.codec == "sparse"):
 				// The other family's row (the sparse codec with Muon
-				// inside is excluded below, saying why).
+				// inside is excluded by its rule, saying why).
 				continue
-			case oc.codec == "sparse" && !j.sparseFits():
-				excluded = append(excluded, Candidate{Row: oc.name, Excluded: "its chunk (--outer-sparse-chunk) is longer than a fragment"})
-				continue
+			case why == "" && oc.codec == "sparse" && !j.sparseFits():
+				why = "its chunk (Job.OuterSparseChunk) is longer than the smallest fragment"
 			}
-			if why := ruleFor(oc, j, o); why != "" {
+			if why != "" {
 				excluded = append(excluded, Candidate{Row: oc.name, Excluded: why})
 				continue
 			}
@@ -357,10 +357,12 @@ func summarize(cands []Candidate, memory int64) string {
 	return strings.Join(parts, "; ")
 }
 
-// formatStep writes seconds with three significant digits ("0.412 s",
-// "12.4 ms").
+// formatStep writes seconds with three significant digits ("1.27 s",
+// "412 ms"), whole seconds from 1000 s.
 func formatStep(s float64) string {
 	switch {
+	case s >= 1000:
+		return fmt.Sprintf("%.0f s", s)
 	case s >= 1 || s == 0:
 		return fmt.Sprintf("%.3g s", s)
 	case s >= 1e-3:

@@ -210,6 +210,17 @@ func TestChooseReason(t *testing.T) {
 	assert.Contains(t, ch.Reason, `outer-sparse-2p (at W <= 4 the all-gather is the sparse exchange measured best`)
 	assert.Contains(t, ch.Reason, `docs/outer.md, "The two-phase exchange"`)
 
+	// A chunk longer than a fragment: the sparse rows are excluded, saying
+	// so; with Muon inside its rule is the reason.
+	small := gridJob(t, 8, "10mbit")
+	small.Params = 1000
+	ch, err = cal.Model.Choose(small, ChooseOptions{})
+	require.NoError(t, err)
+	assert.Regexp(t, `outer-sparse, outer-sparse-2p(, outer-sparse-[\w-]+)* \(its chunk \(Job.OuterSparseChunk\) is longer than the smallest fragment\)`, ch.Reason)
+	ch, err = cal.Model.Choose(small, ChooseOptions{Muon: true})
+	require.NoError(t, err)
+	assert.Regexp(t, `outer-sparse, outer-sparse-2p(, outer-sparse-[\w-]+)* \(Muon inside`, ch.Reason)
+
 	// A tight budget: what fits, or an error naming Memory.
 	ch, err = cal.Model.Choose(gridJob(t, 8, "1gbit"), ChooseOptions{Memory: 20 << 30})
 	require.NoError(t, err)

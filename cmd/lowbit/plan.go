@@ -54,7 +54,7 @@ var planFlags = map[string]string{"Params": "params", "Ranks": "ranks", "Link": 
 	"OuterH": "outer-h", "OuterFragments": "outer-fragments", "OuterDelay": "outer-delay",
 	"OuterDensity": "outer-density", "OuterSparseChunk": "outer-sparse-chunk", "OuterSparseBits": "outer-sparse-bits",
 	"MuonShape": "muon-shape", "MuonParams": "muon-params", "MuonFlops": "muon-flops",
-	"TokensPerStep": "tokens-per-step"}
+	"TokensPerStep": "tokens-per-step", "Memory": "memory", "Utilization": "utilization"}
 
 func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	cfg := &planConfig{}
@@ -286,13 +286,13 @@ func planMain(args []string, stdout, stderr io.Writer) error {
 	var choice *costmodel.Choice
 	if cfg.choose {
 		if choice, err = cal.Model.Choose(cfg.job, costmodel.ChooseOptions{Muon: cfg.muon, Memory: cfg.memory}); err != nil {
-			return fmt.Errorf("--choose: %w", err)
+			return fmt.Errorf("--choose: %w", flagError(err))
 		}
 	}
 	var util *costmodel.UtilizationTable
 	if len(cfg.utilization) > 0 {
 		if util, err = cal.Model.UtilizationRates(cfg.job, cfg.utilization); err != nil {
-			return fmt.Errorf("--utilization: %w", err)
+			return fmt.Errorf("--utilization: %w", flagError(err))
 		}
 	}
 	if cfg.asJSON && (choice != nil || util != nil) {

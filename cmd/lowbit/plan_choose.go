@@ -127,6 +127,18 @@ func writeChoice(w io.Writer, ch *costmodel.Choice, cfg *planConfig) error {
 	return err
 }
 
+// flagError names the flag of a *costmodel.JobError's field in place of
+// the field ("--memory: ..."); other errors as they are.
+func flagError(err error) error {
+	var je *costmodel.JobError
+	if errors.As(err, &je) {
+		if name, ok := planFlags[je.Field]; ok {
+			return fmt.Errorf("--%s: %s", name, je.Reason)
+		}
+	}
+	return err
+}
+
 // cmpOr is s, or or when s is empty.
 func cmpOr(s, or string) string {
 	if s == "" {

@@ -43,7 +43,7 @@ func TestPlanChoose(t *testing.T) {
 	// Nothing fits the budget: an error that says so.
 	err := planMain(strings.Fields("--params 1.3B --memory 1Gi --choose"), io.Discard, io.Discard)
 	require.Error(t, err)
-	assert.Contains(t, err.Error(), "--choose: Memory: no optimizer fits 1Gi")
+	assert.Contains(t, err.Error(), "--choose: --memory: no optimizer fits 1Gi")
 }
 
 // --utilization prints a rate per row and target; at the printed rate the
