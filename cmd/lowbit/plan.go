@@ -38,10 +38,13 @@ type planConfig struct {
 	measurements string // file; "" for the built-in ones
 	asJSON       bool
 	job          costmodel.Job
-	memory       int64  // --memory: bytes per rank for state, parameters and gradients; 0: not given
-	bucketGiven  bool   // --bucket was given: no bucket hint
-	hint         string // bucketHint's line, printed under the table
-	vsOne        bool   // --vs-one: W machines against one first
+	memory       int64     // --memory: bytes per rank for state, parameters and gradients; 0: not given
+	bucketGiven  bool      // --bucket was given: no bucket hint
+	hint         string    // bucketHint's line, printed under the table
+	vsOne        bool      // --vs-one: W machines against one first
+	choose       bool      // --choose: the choice for the job first
+	muon         bool      // --muon: with --choose, the update rule is Muon
+	utilization  []float64 // --utilization: the link rate for each target first
 }
 
 // planFlags maps the fields of costmodel.Job to the flags that set them.
@@ -51,7 +54,7 @@ var planFlags = map[string]string{"Params": "params", "Ranks": "ranks", "Link": 
 	"OuterH": "outer-h", "OuterFragments": "outer-fragments", "OuterDelay": "outer-delay",
 	"OuterDensity": "outer-density", "OuterSparseChunk": "outer-sparse-chunk", "OuterSparseBits": "outer-sparse-bits",
 	"MuonShape": "muon-shape", "MuonParams": "muon-params", "MuonFlops": "muon-flops",
-	"TokensPerStep": "tokens-per-step"}
+	"TokensPerStep": "tokens-per-step", "Memory": "memory", "Utilization": "utilization"}
 
 func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	cfg := &planConfig{}
@@ -96,6 +99,7 @@ func parsePlanFlags(args []string, out io.Writer) (*planConfig, error) {
 	fs.Float64Var(&j.MuonFlops, "muon-flops", costmodel.DefaultMuonFlops, "Muon's rows: float32 FLOP/s of the Newton-Schulz products on one rank (default: gonum on one core of the calibration machine, docs/muon.md)")
 	fs.BoolVar(&cfg.vsOne, "vs-one", false, "first answer how W machines compare with one (docs/plan.md): each row's tokens per second on one machine and on --ranks, their ratio, and the tokens per worker per step at which they break even; needs --tokens-per-step and --step-compute, and adds the fp16 row (2-byte floats on the wire: float16 or bfloat16) to the default ones")
 	fs.Var(&optionalCount{size.CountValue[int64]{P: &j.TokensPerStep, Min: 1, Max: costmodel.MaxTokensPerStep}}, "tokens-per-step", "with --vs-one: tokens (or examples) of each worker's step, whose forward and backward on one machine take --step-compute (`count`: 8192, 8k)")
+	registerChooseFlags(fs, cfg)
 	fs.BoolVar(&cfg.asJSON, "json", false, "write JSON")
 	fs.Usage = func() {
 		fmt.Fprint(out, `usage: lowbit plan [flags]
@@ -116,6 +120,10 @@ link's round trip;
 the local work of the 1-bit allreduce is its time without a network,
 measured on the calibration machine, which differs per machine
 (--compress-rate). See docs/plan.md.
+
+With --choose it first picks the optimizer and codec for the job and says
+why in one line; with --utilization 0.95 it first prints, for each row, the
+link rate at which compute is busy that share of the step.
 
 With --vs-one it first answers "W machines of this step time on this link
 against one": each row's tokens per second on one machine and on --ranks,
@@ -147,6 +155,9 @@ predicted by a fit that has not seen it.
 		return nil, cliflag.Usagef("--holdout goes with lowbit plan fit")
 	}
 	if err := checkVsOne(fs, cfg); err != nil {
+		return nil, err
+	}
+	if err := checkChoose(fs, cfg); err != nil {
 		return nil, err
 	}
 	var err error
@@ -269,6 +280,37 @@ func planMain(args []string, stdout, stderr io.Writer) error {
 	}
 	if !cfg.bucketGiven && !cfg.asJSON {
 		if cfg.hint, err = bucketHint(cal.Model, cfg.job, p); err != nil {
+			return err
+		}
+	}
+	var choice *costmodel.Choice
+	if cfg.choose {
+		if choice, err = cal.Model.Choose(cfg.job, costmodel.ChooseOptions{Muon: cfg.muon, Memory: cfg.memory}); err != nil {
+			return fmt.Errorf("--choose: %w", flagError(err))
+		}
+	}
+	var util *costmodel.UtilizationTable
+	if len(cfg.utilization) > 0 {
+		if util, err = cal.Model.UtilizationRates(cfg.job, cfg.utilization); err != nil {
+			return fmt.Errorf("--utilization: %w", flagError(err))
+		}
+	}
+	if cfg.asJSON && (choice != nil || util != nil) {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(struct {
+			Choice      *costmodel.Choice           `json:"choice,omitempty"`
+			Utilization *costmodel.UtilizationTable `json:"utilization,omitempty"`
+			Plan        *costmodel.Plan             `json:"plan"`
+		}{choice, util, p})
+	}
+	if choice != nil && !cfg.asJSON {
+		if err := writeChoice(stdout, choice, cfg); err != nil {
+			return err
+		}
+	}
+	if util != nil && !cfg.asJSON {
+		if err := writeUtilization(stdout, util, cfg); err != nil {
 			return err
 		}
 	}
