@@ -40,6 +40,28 @@ import (
 // naming each rank's steps and moves nothing. An error on one rank (its
 // directory cannot be listed, a file cannot be moved, GoMLX cannot load
 // the checkpoint) is returned on every rank.
+//
+// Checkpoint also resumes on another number of ranks than made the
+// checkpoints, by itself, where every rank's directory is one prefix
+// followed by its rank (".../run-rank-3" on rank 3) on a file system every
+// rank sees, so that rank 0 finds the other ranks' directories, old and
+// new. The newest global step of which every rank of the group that made
+// it holds a whole GoMLX checkpoint and its lowbit state file (the state
+// files say the group's size and each its rank) wins when it is newer
+// than the newest step this group's ranks all hold, or when that step's
+// state files are not this group's. Then every rank makes its lowbit
+// state from the old ranks' by the optimizer's way, checks what it
+// carries, and loads it at the first training graph (see RankChange for
+// the ways: onebit.Regroup, zero.Consolidate, outer.Regroup or the copy);
+// a rank whose directory holds no checkpoint of the step gets a copy of
+// old rank 0's GoMLX checkpoint (the variables are the same on every
+// rank); newer checkpoints are set aside. Rank 0 warns once, naming the
+// way and what the check found, and names the files that made newer steps
+// incomplete. Nothing of the old group's files is changed: until the
+// first Save of a later step a rerun does the same again, so a crash in
+// between loses nothing. Files of another group or another run make no
+// group (their state files disagree on the group's size, the rank or the
+// algorithm); with no group, the error names them.
 func (o *Optimizer) Checkpoint(cfg *checkpoint.Config, dir string) (*checkpoint.Handler, error) {
 	var localErr error
 	var held []heldCheckpoint
@@ -68,7 +90,20 @@ func (o *Optimizer) Checkpoint(cfg *checkpoint.Config, dir string) (*checkpoint.
 		}
 	}
 	common, err := commonStep(all)
+	// A newer checkpoint of a group of another size, or one where the
+	// state files of the newest step every rank holds are not this
+	// group's: resume on this number of ranks from the old group's.
+	plan, fits, perr := o.agreeRankPlan(dir, common)
+	if perr != nil {
+		return nil, perr
+	}
+	if plan != nil && plan.Step >= 0 && plan.World != o.size() && (err != nil || plan.Step > common || !fits) {
+		return o.changeRanks(cfg, dir, held, plan)
+	}
 	if err != nil {
+		if plan != nil && len(plan.Problems) > 0 {
+			err = fmt.Errorf("%w; and no global step is held by every rank of the group that made it (%s)", err, strings.Join(plan.Problems, "; "))
+		}
 		return nil, err
 	}
 	var moved []string
@@ -204,7 +239,9 @@ func commonStep(all [][]int64) (int64, error) {
 	}
 	more := ""
 	if someNone {
-		more = " (to resume on more ranks than made the checkpoints, give each new rank a copy of rank 0's directory, " +
+		more = " (Checkpoint resumes on another number of ranks by itself where every rank's directory is one prefix followed by its rank, " +
+			"as run-rank-3, on a file system every rank sees, and every rank of the old group holds its checkpoint of one step; " +
+			"otherwise, to resume on more ranks than made the checkpoints, give each new rank a copy of rank 0's directory, " +
 			"its newest lowbit state made from every old rank's by onebit.Regroup (the 1-bit optimizers), outer.Regroup (the outer optimizer) " +
 			"or zero.Consolidate (zero.Adam), or left as it is (the exact optimizers): docs/gomlx.md, \"Changing the number of ranks\")"
 	}

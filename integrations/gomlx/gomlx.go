@@ -361,6 +361,11 @@ type Optimizer struct {
 	// count of steps (optim.Stats.Steps) of the last Save: a Save with
 	// nothing trained since writes nothing.
 	saved map[*checkpoint.Handler][2]int64
+	// carry is the lowbit state Checkpoint made from a checkpoint of
+	// another number of ranks, until the first training graph loads it;
+	// change says what it did (RankChange).
+	carry  *carried
+	change *RankChange
 }
 
 var _ optimizer.Interface = (*Optimizer)(nil)

@@ -30,7 +30,20 @@ import (
 func (o *Optimizer) restoreLocal() (*optim.Checkpoint, error) {
 	gs := o.globalStep()
 	var ck *optim.Checkpoint
-	if sv := o.store.GetVariable(StateVariable); sv != nil {
+	if c := o.carry; c != nil {
+		// Made by Checkpoint from a group of another size.
+		o.carry = nil
+		if gs != c.step {
+			return nil, fmt.Errorf("lbgomlx: the model is at global step %d, the lowbit state Checkpoint made for another number of ranks at step %d: %w",
+				gs, c.step, optim.ErrIncompatibleCheckpoint)
+		}
+		if sv := o.store.GetVariable(StateVariable); sv != nil {
+			if err := o.store.DeleteVariable(StateVariable); err != nil {
+				return nil, fmt.Errorf("lbgomlx: removing %s: %w", StateVariable, err)
+			}
+		}
+		ck = c.ck
+	} else if sv := o.store.GetVariable(StateVariable); sv != nil {
 		var err error
 		ck, err = o.legacyState(sv, gs)
 		if derr := o.store.DeleteVariable(StateVariable); err == nil && derr != nil {
@@ -312,7 +325,15 @@ func (o *Optimizer) saveUnbuilt(h *checkpoint.Handler) error {
 		src, _ := o.store.Loader().(*checkpoint.Handler)
 		srcDir, step = src.Dir(), globalStepOf(o.store)
 	}
-	if srcDir != "" && srcDir != h.Dir() && step >= 0 {
+	switch {
+	case o.carry != nil && srcDir == h.Dir():
+		// The state of another number of ranks is in memory; the
+		// directory keeps the old group's, which a rerun regroups again.
+	case o.carry != nil:
+		if err := optim.SaveFile(filepath.Join(h.Dir(), stateFileName(o.carry.step)), o.carry.ck); err != nil {
+			return fmt.Errorf("lbgomlx: Save: %w", err)
+		}
+	case srcDir != "" && srcDir != h.Dir() && step >= 0:
 		name := stateFileName(step)
 		if err := copyFile(filepath.Join(srcDir, name), filepath.Join(h.Dir(), name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return fmt.Errorf("lbgomlx: Save: copying the loaded lowbit state: %w", err)

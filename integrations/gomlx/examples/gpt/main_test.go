@@ -95,6 +95,34 @@ func TestResume(t *testing.T) {
 	}
 }
 
+// TestResumeOtherRanks: a run checkpointed on 4 ranks resumes on 3 in the
+// same -checkpoint directory with nothing else to do: each optimizer's
+// lowbit state is carried by its way (lbgomlx.Optimizer.Checkpoint), the
+// run says which and what the check of the carried state found, and it
+// ends close to the run that stayed on 4 ranks (bit-identity is not
+// expected across a change of size).
+func TestResumeOtherRanks(t *testing.T) {
+	for _, c := range []struct{ name, label, path, checked string }{
+		{"onebit-adam", "onebit-adam", "error feedback carried over (onebit.Regroup)", "worker errors"},
+		{"onebit-muon", "onebit-muon", "error feedback carried over (onebit.Regroup)", "momenta"},
+		{"diloco", "diloco sparse", "outer state regrouped (outer.Regroup)", "sparse accumulators"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dir := t.TempDir()
+			args := tiny("-optimizer", c.name, "-freeze-step", "5", "-outer-h", "5", "-batch", "12", "-checkpoint-every", "5")
+			runJSON(t, append(args, "-workers", "4", "-steps", "10", "-checkpoint", dir)...)
+			resumed, out := runJSON(t, append(args, "-workers", "3", "-steps", "15", "-checkpoint", dir)...)
+			whole, _ := runJSON(t, append(args, "-workers", "4", "-steps", "15")...)
+			label := c.label
+			assert.Equal(t, 10, resumed[0].ResumedAt)
+			assert.Contains(t, out, label+": resumed on 3 ranks from the checkpoint of step 10 made on 4 ranks: "+c.path)
+			assert.Contains(t, out, label+": carried state checked: ")
+			assert.Contains(t, out, c.checked)
+			assert.InEpsilon(t, whole[0].ValLoss, resumed[0].ValLoss, 0.05)
+		})
+	}
+}
+
 // TestParseRuns: the runs -optimizer, -reduce and -compare name, the
 // sharded 1-bit Adam among them (fp32 averaging only), and diloco, whose
 // REDUCE is its codec (fp32 when none, whatever -reduce says; -compare

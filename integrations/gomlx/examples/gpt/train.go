@@ -155,8 +155,16 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 		// Each rank its own directory: the lowbit state is per rank.
 		dir := filepath.Join(o.checkpoint, fmt.Sprintf("%s-rank-%d", r.dirName(), rank))
 		// A collective: every rank resumes from the newest step all hold.
+		// On another number of ranks than made the checkpoint it carries
+		// the lowbit state over by the optimizer's way (RankChange).
 		if ckpt, err = opt.Checkpoint(checkpoint.Build(store).Keep(2), dir); err != nil {
 			return nil, fmt.Errorf("-checkpoint: %w", err)
+		}
+		if ch, ok := opt.RankChange(); ok && rank == 0 && o.out != nil {
+			fmt.Fprintf(o.out, "%s: resumed on %d ranks from the checkpoint of step %d made on %d ranks: %s\n", r.label(), ch.ToRanks, ch.Step, ch.FromRanks, ch.Path)
+			if ch.Checked != "" {
+				fmt.Fprintf(o.out, "%s: %s\n", r.label(), ch.Checked)
+			}
 		}
 	}
 	// The model's size is a parameter of the store, saved with every
