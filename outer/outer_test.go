@@ -398,6 +398,14 @@ func TestNewBadInputOnEveryRank(t *testing.T) {
 			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
 			return err
 		}, "rank 1 has SparseExchange twophase, rank 0 has allgather"},
+		{"the shared exchange on one rank", func(ctx context.Context, c comm.Comm, bad bool) error {
+			cfg := twoPhase(config(outer.CodecSparse, 4, 1, 0))
+			if bad {
+				cfg.SparseExchange = outer.SparseShared
+			}
+			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
+			return err
+		}, "rank 1 has SparseExchange shared, rank 0 has twophase"},
 		{"another accumulator precision", func(ctx context.Context, c comm.Comm, bad bool) error {
 			cfg := config(outer.CodecSparse, 4, 1, 0)
 			cfg.AccumulatorBF16 = bad

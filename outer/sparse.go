@@ -55,6 +55,14 @@ type sparseCodec struct {
 	// (SparseServerDensity): s itself, or a codec of another density
 	// sharing s's scratch; nil with SparseAllGather.
 	server *sparseCodec
+	// shared is set with SparseShared, whose buffers are idx (the W
+	// owners' offsets, all-gathered), offs (a chunk's offsets, decoded)
+	// and vals (a chunk's values at them); srv is then its server
+	// accumulator, as with SparseTwoPhase.
+	shared bool
+	idx    []byte
+	offs   []int32
+	vals   []float32
 	// mag is a chunk's scratch: its pseudo-gradients, then their
 	// magnitudes for the selection; after the all-gather, its average.
 	mag []float32
@@ -70,6 +78,10 @@ func newSparseCodec(cfg Config, n, largest, w int) *sparseCodec {
 		s.acc16, s.ef = make([]uint16, n), make([]float32, cfg.SparseChunk)
 	} else {
 		s.acc = make([]float32, n)
+	}
+	if cfg.SparseExchange == SparseShared {
+		s.newShared(largest, w)
+		return s
 	}
 	if cfg.SparseExchange == SparseTwoPhase {
 		s.server = s

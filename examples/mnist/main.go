@@ -160,6 +160,17 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.outer.Fragments, "outer-fragments", o.outer.Fragments, "diloco: fragments of the parameters, exchanged at staggered steps (Streaming DiLoCo)")
 	fs.IntVar(&o.outer.Delay, "outer-delay", o.outer.Delay, "diloco: inner steps an exchange runs in the background before its result is merged (0: exchanged within the step)")
 	outerstate.Register(fs, &o.outerState)
+	fs.IntVar(&o.outer.SparseBits, "outer-sparse-bits", o.outer.SparseBits, "diloco with -outer-codec sparse: bits per value sent, 1 or 2")
+	fs.Func("outer-sparse-exchange", "diloco with -outer-codec sparse: how the messages travel: allgather (every rank's to every rank, (W-1) messages sent per rank), "+
+		"twophase (to the owners of runs of chunks, which re-select the average) or shared (offsets chosen by the owners, then values only, averaged exactly; "+
+		"neither grows with W) (default allgather)", func(s string) error {
+		x, err := outer.ParseSparseExchange(s)
+		if err != nil {
+			return err
+		}
+		o.outer.SparseExchange = x
+		return nil
+	})
 	fs.StringVar(&o.outerCodec, "outer-codec", outer.CodecSparse.String(), "diloco: how the pseudo-gradients travel: fp32, bf16, int8, 1bit, sparse (each with its measured outer learning rate and momentum, outer.DefaultConfigFor)")
 	if err := cliflag.Parse(fs, args); err != nil {
 		return nil, err
@@ -221,7 +232,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	if err := o.outer.Validate(); err != nil {
 		var ce *optim.ConfigError
 		if errors.As(err, &ce) {
-			if name, ok := map[string]string{"H": "outer-h", "Fragments": "outer-fragments", "Delay": "outer-delay"}[ce.Field]; ok {
+			if name, ok := map[string]string{"H": "outer-h", "Fragments": "outer-fragments", "Delay": "outer-delay", "SparseBits": "outer-sparse-bits"}[ce.Field]; ok {
 				return bad(name, "want %s", ce.Want)
 			}
 		}
