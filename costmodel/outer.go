@@ -171,10 +171,19 @@ var outerCodecs = []outerCodec{
 		name: "outer-sparse-shared", codec: "sparse", state: "sparse-2p",
 		desc: "outer optimizer, sparse codec, shared-index exchange (outer.SparseShared): all-gather of the owners' offsets, all-to-all of the values at them " +
 			"to the owners, all-gather of their int8 averages: about (W-1)/W of density*(offset bits + value bits + 8) bits per element per rank",
-		via:   func(j Job) collective { return sparseOf(j).sharedCollective() },
+		via:   func(j Job) collective { return sparseOf(j).sharedCollective(false) },
 		optIn: true,
 		uncalibrated: "not measured: two all-gathers and an all-to-all of its exact bytes at the fitted alpha and beta, W-1 rounds each; " +
 			"the top-k selection, encodings and sums left out",
+	},
+	{
+		name: "outer-sparse-voted", codec: "sparse", state: "sparse-2p",
+		desc: "outer optimizer, sparse codec, voted shared-index exchange (outer.SparseVoted): all-to-all of every rank's top-k offsets to the owners, " +
+			"which pick the most named, then as outer-sparse-shared: about (W-1)/W of density*(2 offset bits + value bits + 8) bits per element per rank",
+		via:   func(j Job) collective { return sparseOf(j).sharedCollective(true) },
+		optIn: true,
+		uncalibrated: "not measured: two all-to-alls and two all-gathers of its exact bytes at the fitted alpha and beta, W-1 rounds each; " +
+			"the top-k selections, tallies, encodings and sums left out",
 	},
 }
 
@@ -358,7 +367,7 @@ func (j Job) validateOuter(fail func(field, format string, args ...any) error) e
 
 // isSparseRow says whether name is one of the sparse codec's rows.
 func isSparseRow(name string) bool {
-	return name == "outer-sparse" || name == "outer-sparse-2p" || name == "outer-sparse-shared"
+	return name == "outer-sparse" || name == "outer-sparse-2p" || name == "outer-sparse-shared" || name == "outer-sparse-voted"
 }
 
 // outerNames are the names of the outer optimizer's rows.

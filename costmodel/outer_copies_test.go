@@ -112,19 +112,21 @@ func TestOuterSparseBytesMatchOptimizer(t *testing.T) {
 		chunk, bits int
 	}
 	all := []settings{{1.0 / 48, 96, 1}, {1.0 / 48, 64, 2}, {0.1, 50, 2}, {0.3, 33, 1}, {1, 7, 1}}
-	names := map[outer.SparseExchange]string{outer.SparseAllGather: "outer-sparse", outer.SparseTwoPhase: "outer-sparse-2p", outer.SparseShared: "outer-sparse-shared"}
+	names := map[outer.SparseExchange]string{outer.SparseAllGather: "outer-sparse", outer.SparseTwoPhase: "outer-sparse-2p", outer.SparseShared: "outer-sparse-shared", outer.SparseVoted: "outer-sparse-voted"}
 	for w := 5; w <= 16; w++ {
 		for _, sp := range all[:2] {
-			sizes, h := []int{4097, 3}, 2
-			j := Job{Params: 4100, Ranks: w, Link: 1e9, LinkName: "10gbit", BucketBytes: 1 << 10, OuterH: h, OuterFragments: 1,
-				Collectives: []string{"outer-sparse-shared"}, OuterDensity: float64(sp.density), OuterSparseChunk: sp.chunk, OuterSparseBits: sp.bits}
-			_, rows := planRows(t, j)
-			got := outerBytesPerPeriod(t, w, sizes, h, func(cfg *outer.Config) {
-				*cfg = outer.DefaultConfigFor(outer.CodecSparse)
-				cfg.H, cfg.SparseExchange = h, outer.SparseShared
-				cfg.Density, cfg.SparseChunk, cfg.SparseBits = sp.density, sp.chunk, sp.bits
-			})
-			assert.InDelta(t, rows["outer-sparse-shared"].WirePerRank*int64(h), got, float64(h)/2, "%+v, %d ranks", sp, w)
+			for _, x := range []outer.SparseExchange{outer.SparseShared, outer.SparseVoted} {
+				sizes, h := []int{4097, 3}, 2
+				j := Job{Params: 4100, Ranks: w, Link: 1e9, LinkName: "10gbit", BucketBytes: 1 << 10, OuterH: h, OuterFragments: 1,
+					Collectives: []string{names[x]}, OuterDensity: float64(sp.density), OuterSparseChunk: sp.chunk, OuterSparseBits: sp.bits}
+				_, rows := planRows(t, j)
+				got := outerBytesPerPeriod(t, w, sizes, h, func(cfg *outer.Config) {
+					*cfg = outer.DefaultConfigFor(outer.CodecSparse)
+					cfg.H, cfg.SparseExchange = h, x
+					cfg.Density, cfg.SparseChunk, cfg.SparseBits = sp.density, sp.chunk, sp.bits
+				})
+				assert.InDelta(t, rows[names[x]].WirePerRank*int64(h), got, float64(h)/2, "%s %+v, %d ranks", x, sp, w)
+			}
 		}
 	}
 	for _, sp := range all {
@@ -137,10 +139,10 @@ func TestOuterSparseBytesMatchOptimizer(t *testing.T) {
 					}
 					h := 2 * frags
 					j := Job{Params: int64(n), Ranks: w, Link: 1e9, LinkName: "10gbit", BucketBytes: 1 << 10,
-						OuterH: h, OuterFragments: frags, Collectives: []string{"outer-sparse", "outer-sparse-2p", "outer-sparse-shared"},
+						OuterH: h, OuterFragments: frags, Collectives: []string{"outer-sparse", "outer-sparse-2p", "outer-sparse-shared", "outer-sparse-voted"},
 						OuterDensity: float64(sp.density), OuterSparseChunk: sp.chunk, OuterSparseBits: sp.bits}
 					_, rows := planRows(t, j)
-					for _, x := range []outer.SparseExchange{outer.SparseAllGather, outer.SparseTwoPhase, outer.SparseShared} {
+					for _, x := range []outer.SparseExchange{outer.SparseAllGather, outer.SparseTwoPhase, outer.SparseShared, outer.SparseVoted} {
 						got := outerBytesPerPeriod(t, w, sizes, h, func(cfg *outer.Config) {
 							*cfg = outer.DefaultConfigFor(outer.CodecSparse)
 							cfg.H, cfg.Fragments, cfg.SparseExchange = h, frags, x

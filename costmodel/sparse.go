@@ -179,18 +179,33 @@ func (s sparseCodec) sharedSegs(m int64, w int) (idx, val, avg int64) {
 // sent per rank: about (W-1)/W of Density*(offset bits + value bits + 8)
 // bits per element, not growing with W while W is much less than the
 // chunks. The selection, encodings and sums are not modelled.
-func (s sparseCodec) sharedCollective() collective {
+//
+// With votes (outer.SparseVoted) an all-to-all of every rank's own top-k
+// offsets to the owners comes first: one more offsets' segment.
+func (s sparseCodec) sharedCollective(votes bool) collective {
+	nv := int64(0)
+	name, desc := "sparse-shared", "all-gather of the owners' offsets, all-to-all of the values at them to the owners, all-gather of the owners' int8 averages"
+	if votes {
+		nv = 1
+		name, desc = "sparse-voted", "all-to-all of every rank's top-k offsets to the owners, then "+desc
+	}
 	return collective{
-		name:      "sparse-shared",
-		desc:      "all-gather of the owners' offsets, all-to-all of the values at them to the owners, all-gather of the owners' int8 averages",
-		wireBytes: func(n int64, w int) int64 { i, v, a := s.sharedSegs(n, w); return int64(max(w-1, 0)) * (i + v + a) },
+		name: name, desc: desc,
+		wireBytes: func(n int64, w int) int64 {
+			i, v, a := s.sharedSegs(n, w)
+			return int64(max(w-1, 0)) * ((1+nv)*i + v + a)
+		},
 		steps: func(n int64, w int, _ float64) []step {
 			if w <= 1 || n <= 0 {
 				return nil
 			}
 			i, v, a := s.sharedSegs(n, w)
 			r := int64(w - 1)
-			return []step{{rounds: float64(w - 1), bytes: r * i}, {rounds: float64(w - 1), bytes: r * v}, {rounds: float64(w - 1), bytes: r * a}}
+			st := []step{{rounds: float64(w - 1), bytes: r * i}, {rounds: float64(w - 1), bytes: r * v}, {rounds: float64(w - 1), bytes: r * a}}
+			if votes {
+				st = append([]step{{rounds: float64(w - 1), bytes: r * i}}, st...)
+			}
+			return st
 		},
 	}
 }

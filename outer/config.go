@@ -101,10 +101,17 @@ const (
 	// element received per rank, not growing with W (docs/outer.md, "The
 	// shared-index exchange").
 	SparseShared
+	// SparseVoted is SparseShared with the offsets chosen by the ranks'
+	// votes (an ARC-Top-k-style sketch): every rank sends each owner the
+	// offsets of its own top k entries of the owner's chunks (an
+	// all-to-all), and the owner picks the k offsets most ranks named,
+	// ties to its own larger magnitude; then as SparseShared. About
+	// Density*offset bits per element more.
+	SparseVoted
 	numSparseExchanges
 )
 
-var sparseExchangeNames = [numSparseExchanges]string{"allgather", "twophase", "shared"}
+var sparseExchangeNames = [numSparseExchanges]string{"allgather", "twophase", "shared", "voted"}
 
 // String returns the exchange's name as ParseSparseExchange reads it.
 func (x SparseExchange) String() string {
@@ -118,7 +125,7 @@ func (x SparseExchange) String() string {
 func (x SparseExchange) Valid() bool { return x >= 0 && x < numSparseExchanges }
 
 // ParseSparseExchange returns the exchange called s: "allgather",
-// "twophase" or "shared" (case-insensitive).
+// "twophase", "shared" or "voted" (case-insensitive).
 func ParseSparseExchange(s string) (SparseExchange, error) {
 	for i, n := range sparseExchangeNames {
 		if strings.EqualFold(s, n) {

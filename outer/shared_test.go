@@ -27,11 +27,12 @@ func shared(cfg outer.Config) outer.Config {
 // (some ranks owning no chunk of a fragment).
 func TestSharedIdenticalOnEveryRank(t *testing.T) {
 	const calls = 13
+	voted := func(cfg outer.Config) outer.Config { cfg.SparseExchange = outer.SparseVoted; return cfg }
 	for _, w := range []int{2, 3, 4} {
-		for _, cfg := range []outer.Config{shared(config(outer.CodecSparse, 4, 1, 0)), shared(config(outer.CodecSparse, 4, 2, 2))} {
+		for _, cfg := range []outer.Config{shared(config(outer.CodecSparse, 4, 1, 0)), shared(config(outer.CodecSparse, 4, 2, 2)), voted(config(outer.CodecSparse, 4, 2, 2))} {
 			for _, vbits := range []int{1, 2} {
 				cfg.SparseBits = vbits
-				t.Run(fmt.Sprintf("W%d/F%d/D%d/bits%d", w, cfg.Fragments, cfg.Delay, vbits), func(t *testing.T) {
+				t.Run(fmt.Sprintf("W%d/F%d/D%d/bits%d/%s", w, cfg.Fragments, cfg.Delay, vbits, cfg.SparseExchange), func(t *testing.T) {
 					globals := newPerRank[[][]float32](w)
 					runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
 						ps := newParams(t, sizes)

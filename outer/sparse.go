@@ -60,9 +60,13 @@ type sparseCodec struct {
 	// and vals (a chunk's values at them); srv is then its server
 	// accumulator, as with SparseTwoPhase.
 	shared bool
-	idx    []byte
-	offs   []int32
-	vals   []float32
+	// vote is set with SparseVoted: the owners pick the offsets the
+	// ranks named most (score, a chunk's tally).
+	vote  bool
+	score []float32
+	idx   []byte
+	offs  []int32
+	vals  []float32
 	// mag is a chunk's scratch: its pseudo-gradients, then their
 	// magnitudes for the selection; after the all-gather, its average.
 	mag []float32
@@ -79,7 +83,8 @@ func newSparseCodec(cfg Config, n, largest, w int) *sparseCodec {
 	} else {
 		s.acc = make([]float32, n)
 	}
-	if cfg.SparseExchange == SparseShared {
+	if cfg.SparseExchange == SparseShared || cfg.SparseExchange == SparseVoted {
+		s.vote = cfg.SparseExchange == SparseVoted
 		s.newShared(largest, w)
 		return s
 	}

@@ -50,8 +50,11 @@ func (s *sparseCodec) sharedSegs(m, w int) (idx, val, avg int) {
 func (s *sparseCodec) newShared(largest, w int) {
 	s.shared = true
 	idx, val, avg := s.sharedSegs(largest, w)
-	s.send = make([]byte, max(idx, w*val, avg))
-	s.recv = make([]byte, w*max(val, avg))
+	s.send = make([]byte, max(w*idx, w*val, avg))
+	s.recv = make([]byte, w*max(idx, val, avg))
+	if s.vote {
+		s.score = make([]float32, s.chunk)
+	}
 	s.idx = make([]byte, w*idx)
 	s.offs = make([]int32, s.k(s.chunk))
 	s.vals = make([]float32, s.k(s.chunk))
@@ -305,14 +308,23 @@ func (s *sparseCodec) allReduceShared(ctx context.Context, c comm.Comm, f, first
 	w, me := c.Size(), c.Rank()
 	segI, segV, segA := s.sharedSegs(m, w)
 	mlo, mhi := sparseRun(m, s.chunk, w, me)
-	out, at := s.send[:segI], 0
-	for a := mlo; a < mhi; a += s.chunk {
-		x := s.chunkAcc(first, a, min(a+s.chunk, mhi))
-		s.takeDelta(a, x, delta)
-		at += s.encodeOffsets(out[at:], x)
-		s.store(first, a, x)
+	var out []byte
+	if s.vote {
+		var err error
+		if out, err = s.vote0(ctx, c, first, m, delta); err != nil {
+			return err
+		}
+	} else {
+		at := 0
+		out = s.send[:segI]
+		for a := mlo; a < mhi; a += s.chunk {
+			x := s.chunkAcc(first, a, min(a+s.chunk, mhi))
+			s.takeDelta(a, x, delta)
+			at += s.encodeOffsets(out[at:], x)
+			s.store(first, a, x)
+		}
+		clear(out[at:])
 	}
-	clear(out[at:])
 	idx := s.idx[:w*segI]
 	if err := c.AllGatherBytes(ctx, out, idx); err != nil {
 		return fmt.Errorf("sparse offsets all-gather: %w", err)
@@ -328,7 +340,7 @@ func (s *sparseCodec) allReduceShared(ctx context.Context, c comm.Comm, f, first
 		for a := lo; a < hi; a += s.chunk {
 			b := min(a+s.chunk, hi)
 			x := s.chunkAcc(first, a, b)
-			if j != me {
+			if j != me && !s.vote {
 				s.takeDelta(a, x, delta)
 			}
 			offs, _ := s.readOffsets(idx[iat:iat+s.sharedIdxLen(b-a)], b-a) // checked above
@@ -425,4 +437,71 @@ func (s *sparseCodec) applyShared(idx []byte, segI int, recv []byte, segA, m int
 			iat += s.sharedIdxLen(l)
 		}
 	}
+}
+
+// vote0 is SparseVoted's step 0: every rank takes delta into its
+// accumulator for every chunk and sends each owner the offsets of its top
+// k entries of each of the owner's chunks (an all-to-all); the owner
+// tallies them per chunk and writes the k offsets most ranks named (ties
+// to its own larger magnitude, then the lower offset) into the segment it
+// returns, for the all-gather.
+func (s *sparseCodec) vote0(ctx context.Context, c comm.Comm, first, m int, delta func(lo int, x []float32)) ([]byte, error) {
+	w, me := c.Size(), c.Rank()
+	segI, _, _ := s.sharedSegs(m, w)
+	send := s.send[:w*segI]
+	for j := range w {
+		lo, hi := sparseRun(m, s.chunk, w, j)
+		sj, at := send[j*segI:(j+1)*segI], 0
+		for a := lo; a < hi; a += s.chunk {
+			x := s.chunkAcc(first, a, min(a+s.chunk, hi))
+			s.takeDelta(a, x, delta)
+			at += s.encodeOffsets(sj[at:], x)
+			s.store(first, a, x)
+		}
+		clear(sj[at:])
+	}
+	recv := s.recv[:w*segI]
+	if err := c.AllToAllBytes(ctx, send, recv); err != nil {
+		return nil, fmt.Errorf("sparse votes all-to-all: %w", err)
+	}
+	mlo, mhi := sparseRun(m, s.chunk, w, me)
+	for r := range w {
+		sr, at := recv[r*segI:(r+1)*segI], 0
+		for a := mlo; a < mhi; a += s.chunk {
+			l := min(a+s.chunk, mhi) - a
+			if _, err := s.readOffsets(sr[at:at+s.sharedIdxLen(l)], l); err != nil {
+				return nil, fmt.Errorf("votes: segment of rank %d, chunk at element %d: %w", r, a, err)
+			}
+			at += s.sharedIdxLen(l)
+		}
+		if err := checkPadding(sr, at); err != nil {
+			return nil, fmt.Errorf("votes: segment of rank %d: %w", r, err)
+		}
+	}
+	out, at := s.send[:segI], 0 // the votes' send is free now
+	for a := mlo; a < mhi; a += s.chunk {
+		l := min(a+s.chunk, mhi) - a
+		score := s.score[:l]
+		clear(score)
+		for r := range w {
+			offs, _ := s.readOffsets(recv[r*segI+at:r*segI+at+s.sharedIdxLen(l)], l) // checked above
+			for _, o := range offs {
+				score[o]++
+			}
+		}
+		x := s.chunkAcc(first, a, a+l)
+		var amax float32
+		for _, v := range x {
+			amax = max(amax, abs32(v))
+		}
+		if amax > 0 {
+			// Below half a vote: ties among equal tallies only.
+			for i, v := range x {
+				score[i] += abs32(v) / (2 * amax)
+			}
+		}
+		at += s.encodeOffsets(out[at:], score)
+	}
+	clear(out[at:])
+	return out, nil
 }

@@ -20,9 +20,15 @@ import (
 // of m elements in chunks of 7, 0.3 of each sent in vbits bits, decay
 // 0.9.
 func testShared(m, w, rank, vbits int) *sparseCodec {
+	return testSharedX(m, w, rank, vbits, SparseShared)
+}
+
+// testSharedX is testShared with exchange x (SparseShared or
+// SparseVoted).
+func testSharedX(m, w, rank, vbits int, x SparseExchange) *sparseCodec {
 	cfg := DefaultConfig()
 	cfg.Codec, cfg.SparseChunk, cfg.Density, cfg.SparseBits, cfg.Decay = CodecSparse, 7, 0.3, vbits, 0.9
-	cfg.SparseExchange = SparseShared
+	cfg.SparseExchange = x
 	s := newSparseCodec(cfg, m, m, w)
 	s.setServer([]int{0, m}, w, rank)
 	return s
@@ -41,82 +47,84 @@ func TestSharedTelescopes(t *testing.T) {
 	const w, exchanges = 3, 6
 	for _, m := range []int{40, 10} {
 		for _, vbits := range []int{1, 2} {
-			t.Run(fmt.Sprintf("%d/bits%d", m, vbits), func(t *testing.T) {
-				var mu sync.Mutex
-				sents := make([][][]float32, w) // [rank][exchange] what it sent
-				outs := make([][][]float32, w)  // [rank][exchange] the average applied
-				srvs := make([][]float32, w)
-				require.NoError(t, local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
-					s := testShared(m, w, c.Rank(), vbits)
-					rng := rand.New(rand.NewPCG(uint64(c.Rank()), 7))
-					var sent, got [][]float32
-					for range exchanges {
-						d := make([]float32, m)
-						for i := range d {
-							d[i] = float32(rng.NormFloat64())
+			for _, xc := range []SparseExchange{SparseShared, SparseVoted} {
+				t.Run(fmt.Sprintf("%d/bits%d/%s", m, vbits, xc), func(t *testing.T) {
+					var mu sync.Mutex
+					sents := make([][][]float32, w) // [rank][exchange] what it sent
+					outs := make([][][]float32, w)  // [rank][exchange] the average applied
+					srvs := make([][]float32, w)
+					require.NoError(t, local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
+						s := testSharedX(m, w, c.Rank(), vbits, xc)
+						rng := rand.New(rand.NewPCG(uint64(c.Rank()), 7))
+						var sent, got [][]float32
+						for range exchanges {
+							d := make([]float32, m)
+							for i := range d {
+								d[i] = float32(rng.NormFloat64())
+							}
+							before := slices.Clone(s.acc)
+							out := make([]float32, m)
+							err := s.allReduceShared(ctx, c, 0, 0, m,
+								func(lo int, x []float32) { copy(x, d[lo:]) },
+								func(lo int, avg []float32) { copy(out[lo:], avg) })
+							if err != nil {
+								return err
+							}
+							x := make([]float32, m)
+							for i := range x {
+								x[i] = (s.decay*before[i] + d[i]) - s.acc[i]
+							}
+							sent, got = append(sent, x), append(got, out)
 						}
-						before := slices.Clone(s.acc)
-						out := make([]float32, m)
-						err := s.allReduceShared(ctx, c, 0, 0, m,
-							func(lo int, x []float32) { copy(x, d[lo:]) },
-							func(lo int, avg []float32) { copy(out[lo:], avg) })
-						if err != nil {
-							return err
-						}
-						x := make([]float32, m)
-						for i := range x {
-							x[i] = (s.decay*before[i] + d[i]) - s.acc[i]
-						}
-						sent, got = append(sent, x), append(got, out)
+						mu.Lock()
+						defer mu.Unlock()
+						sents[c.Rank()], outs[c.Rank()], srvs[c.Rank()] = sent, got, slices.Clone(s.srv)
+						return nil
+					}))
+					for r := 1; r < w; r++ {
+						require.Equal(t, outs[0], outs[r], "rank %d's averages", r)
 					}
-					mu.Lock()
-					defer mu.Unlock()
-					sents[c.Rank()], outs[c.Rank()], srvs[c.Rank()] = sent, got, slices.Clone(s.srv)
-					return nil
-				}))
-				for r := 1; r < w; r++ {
-					require.Equal(t, outs[0], outs[r], "rank %d's averages", r)
-				}
-				lhs, rhs := make([]float64, m), make([]float64, m)
-				for x := range exchanges {
-					// Every rank sent at the same entries, k per chunk.
-					for a := 0; a < m; a += 7 {
-						l := min(a+7, m) - a
-						k := max(1, int(math.Round(0.3*float64(l))))
-						for r := range w {
+					lhs, rhs := make([]float64, m), make([]float64, m)
+					for x := range exchanges {
+						// Every rank sent at the same entries, k per chunk.
+						for a := 0; a < m; a += 7 {
+							l := min(a+7, m) - a
+							k := max(1, int(math.Round(0.3*float64(l))))
+							for r := range w {
+								nz := 0
+								for i := a; i < a+l; i++ {
+									if sents[r][x][i] != 0 {
+										nz++
+									}
+								}
+								assert.LessOrEqual(t, nz, k, "exchange %d, rank %d, chunk at %d", x, r, a)
+							}
 							nz := 0
 							for i := a; i < a+l; i++ {
-								if sents[r][x][i] != 0 {
+								if outs[0][x][i] != 0 {
 									nz++
 								}
 							}
-							assert.LessOrEqual(t, nz, k, "exchange %d, rank %d, chunk at %d", x, r, a)
+							assert.LessOrEqual(t, nz, k, "exchange %d: applied entries of the chunk at %d", x, a)
 						}
-						nz := 0
-						for i := a; i < a+l; i++ {
-							if outs[0][x][i] != 0 {
-								nz++
+						for i := range m {
+							lhs[i] += float64(outs[0][x][i])
+							for r := range w {
+								rhs[i] += float64(sents[r][x][i]) / w
 							}
 						}
-						assert.LessOrEqual(t, nz, k, "exchange %d: applied entries of the chunk at %d", x, a)
 					}
-					for i := range m {
-						lhs[i] += float64(outs[0][x][i])
-						for r := range w {
-							rhs[i] += float64(sents[r][x][i]) / w
+					for r := range w {
+						lo, _ := sparseRun(m, 7, w, r)
+						for j, v := range srvs[r] {
+							lhs[lo+j] += float64(v)
 						}
 					}
-				}
-				for r := range w {
-					lo, _ := sparseRun(m, 7, w, r)
-					for j, v := range srvs[r] {
-						lhs[lo+j] += float64(v)
+					for i := range m {
+						require.InDelta(t, rhs[i], lhs[i], 1e-5*(1+math.Abs(rhs[i])), "element %d", i)
 					}
-				}
-				for i := range m {
-					require.InDelta(t, rhs[i], lhs[i], 1e-5*(1+math.Abs(rhs[i])), "element %d", i)
-				}
-			})
+				})
+			}
 		}
 	}
 }

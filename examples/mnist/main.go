@@ -101,6 +101,7 @@ type options struct {
 	reduce     string
 	outer      outer.Config    // diloco's -outer-* flags, codec parsed
 	outerState outerstate.Mode // -outer-state (-outer-bf16)
+	outerLR    float64         // -outer-lr: -1 for the codec's default
 	outerCodec string          // -outer-codec
 
 	// allowInprocess is -allow-inprocess-under-mpi: -backend local even
@@ -160,6 +161,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.outer.Fragments, "outer-fragments", o.outer.Fragments, "diloco: fragments of the parameters, exchanged at staggered steps (Streaming DiLoCo)")
 	fs.IntVar(&o.outer.Delay, "outer-delay", o.outer.Delay, "diloco: inner steps an exchange runs in the background before its result is merged (0: exchanged within the step)")
 	outerstate.Register(fs, &o.outerState)
+	fs.Float64Var(&o.outerLR, "outer-lr", -1, "diloco: the outer learning rate (-1: the codec's default, outer.DefaultConfigFor)")
 	fs.IntVar(&o.outer.SparseBits, "outer-sparse-bits", o.outer.SparseBits, "diloco with -outer-codec sparse: bits per value sent, 1 or 2")
 	fs.Func("outer-sparse-exchange", "diloco with -outer-codec sparse: how the messages travel: allgather (every rank's to every rank, (W-1) messages sent per rank), "+
 		"twophase (to the owners of runs of chunks, which re-select the average) or shared (offsets chosen by the owners, then values only, averaged exactly; "+
@@ -229,6 +231,12 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	}
 	def := outer.DefaultConfigFor(codec)
 	o.outer.Codec, o.outer.LR, o.outer.Momentum = codec, def.LR, def.Momentum
+	if o.outerLR != -1 {
+		if !(o.outerLR >= 0 && o.outerLR <= 100) {
+			return bad("outer-lr", "want -1 (the codec's default) or a learning rate in [0, 100]")
+		}
+		o.outer.LR = float32(o.outerLR)
+	}
 	if err := o.outer.Validate(); err != nil {
 		var ce *optim.ConfigError
 		if errors.As(err, &ce) {
