@@ -257,3 +257,51 @@ func FuzzSharedDecode(f *testing.F) {
 		checkDecoded(t, dst, 2*s.k(7)+s.k(3))
 	})
 }
+
+// echoComm is rank 0 of w whose collectives receive what it sends from
+// every rank: enough to run an exchange alone.
+type echoComm struct {
+	comm.Comm
+	w int
+}
+
+func (e echoComm) Size() int { return e.w }
+func (e echoComm) Rank() int { return 0 }
+func (e echoComm) AllGatherBytes(_ context.Context, send, recv []byte) error {
+	for r := range e.w {
+		copy(recv[r*len(send):], send)
+	}
+	return nil
+}
+func (e echoComm) AllToAllBytes(_ context.Context, send, recv []byte) error {
+	seg := len(send) / e.w
+	for r := range e.w {
+		copy(recv[r*seg:(r+1)*seg], send[:seg])
+	}
+	return nil
+}
+
+// An exchange allocates nothing, with either choice of offsets.
+func TestSharedNoAllocs(t *testing.T) {
+	const w, m = 3, 3 * 4096
+	for _, x := range []SparseExchange{SparseShared, SparseVoted} {
+		cfg := DefaultConfig()
+		cfg.Codec, cfg.SparseExchange = CodecSparse, x
+		s := newSparseCodec(cfg, m, m, w)
+		s.setServer([]int{0, m}, w, 0)
+		var c comm.Comm = echoComm{w: w}
+		ctx := context.Background()
+		delta := func(lo int, d []float32) {
+			for i := range d {
+				d[i] = float32(math.Sin(float64(lo + i)))
+			}
+		}
+		apply := func(int, []float32) {}
+		allocs := testing.AllocsPerRun(5, func() {
+			if err := s.allReduceShared(ctx, c, 0, 0, m, delta, apply); err != nil {
+				panic(err)
+			}
+		})
+		assert.Zero(t, allocs, "%s", x)
+	}
+}
