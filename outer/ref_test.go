@@ -37,7 +37,8 @@ type refConfig struct {
 	density, decay float64
 	twoPhase       bool    // outer.SparseTwoPhase
 	density2       float64 // its second phase's density
-	shared         bool    // outer.SparseShared
+	shared         bool    // outer.SparseShared or SparseVoted
+	voted          bool    // outer.SparseVoted
 }
 
 type refSim struct {
@@ -230,6 +231,28 @@ func (s *refSim) sparseShared(lo int, deltas [][]float64) []float64 {
 		b := min(a+c.chunk, m)
 		owner := a / span
 		idx := refTopK(s.acc[owner][lo+a:lo+b], c.density)
+		if c.voted {
+			// The offsets most ranks' own top k name, ties to the
+			// owner's larger magnitude (under half a vote), then the
+			// lower offset.
+			score := make([]float64, b-a)
+			for r := range c.W {
+				for _, i := range refTopK(s.acc[r][lo+a:lo+b], c.density) {
+					score[i]++
+				}
+			}
+			e := s.acc[owner][lo+a : lo+b]
+			amax := 0.0
+			for _, v := range e {
+				amax = max(amax, math.Abs(v))
+			}
+			for i, v := range e {
+				if amax > 0 {
+					score[i] += math.Abs(v) / (2 * amax)
+				}
+			}
+			idx = refTopK(score, c.density)
+		}
 		avg := make([]float64, len(idx))
 		for r := range c.W {
 			e := s.acc[r][lo+a : lo+b]
@@ -479,7 +502,7 @@ func TestReference(t *testing.T) {
 			xs := []outer.Config{{}}
 			if k.codec == outer.CodecSparse {
 				xs = append(xs, outer.Config{SparseExchange: outer.SparseTwoPhase}, outer.Config{SparseExchange: outer.SparseTwoPhase, SparseServerDensity: 0.6},
-					outer.Config{SparseExchange: outer.SparseShared})
+					outer.Config{SparseExchange: outer.SparseShared}, outer.Config{SparseExchange: outer.SparseVoted})
 			}
 			for _, x := range xs {
 				t.Run(fmt.Sprintf("W%d/%s/H%d/F%d/D%d/scale%d/%s/%g", w, k.codec, k.h, k.f, k.d, k.scale, x.SparseExchange, x.SparseServerDensity), func(t *testing.T) {
@@ -511,7 +534,8 @@ func checkReference(t *testing.T, w int, codec outer.Codec, h, frags, delay int,
 	rc := refConfig{W: w, H: h, F: frags, D: delay, oneBit: codec == outer.CodecOneBit, meanAbs: scale == onebit.ScaleMeanAbs, lr: float64(cfg.LR), mu: float64(cfg.Momentum),
 		nesterov: cfg.Nesterov, alr: float64(acfg.LR), b1: float64(acfg.Beta1), b2: float64(acfg.Beta2), eps: float64(acfg.Eps), wd: float64(acfg.WeightDecay), n: n,
 		sparse: codec == outer.CodecSparse, chunk: cfg.SparseChunk, vbits: cfg.SparseBits, density: float64(cfg.Density), decay: float64(cfg.Decay),
-		twoPhase: cfg.SparseExchange == outer.SparseTwoPhase, density2: float64(cfg.Density), shared: cfg.SparseExchange == outer.SparseShared}
+		twoPhase: cfg.SparseExchange == outer.SparseTwoPhase, density2: float64(cfg.Density), shared: cfg.SparseExchange == outer.SparseShared || cfg.SparseExchange == outer.SparseVoted,
+		voted: cfg.SparseExchange == outer.SparseVoted}
 	if cfg.SparseServerDensity != 0 {
 		rc.density2 = float64(cfg.SparseServerDensity)
 	}
