@@ -219,6 +219,51 @@ func TestSharedRefusesMalformed(t *testing.T) {
 	}
 }
 
+// SparseVoted refuses malformed votes (offsets out of order, padding) on
+// the owner that receives them, before anything is applied or the server
+// accumulator changes.
+func TestVotedRefusesMalformed(t *testing.T) {
+	const w, m = 3, 10
+	for _, k := range []struct {
+		name  string
+		spoil func(recv []byte)
+		want  string
+	}{
+		{"descending", func(recv []byte) { recv[0] = 0b001_010 }, "votes: segment of rank 0, chunk at element 0"},
+		{"padding", func(recv []byte) { recv[0] |= 0x80 }, "padding bits"},
+	} {
+		t.Run(k.name, func(t *testing.T) {
+			errs := make([]error, w)
+			applied, kept := make([]bool, w), make([]bool, w)
+			require.Error(t, local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
+				s := testSharedX(m, w, c.Rank(), 1, SparseVoted)
+				srv := slices.Clone(s.srv)
+				sp := &sharedSpoiling{Comm: c, call: 0, spoil: func(recv []byte) {
+					if c.Rank() == 0 { // the owner of the 7-element chunk
+						k.spoil(recv)
+					}
+				}}
+				err := s.allReduceShared(ctx, sp, 0, 0, m,
+					func(lo int, x []float32) {
+						for i := range x {
+							x[i] = float32(lo+i+1) * float32(1+c.Rank())
+						}
+					},
+					func(int, []float32) { applied[c.Rank()] = true })
+				errs[c.Rank()], kept[c.Rank()] = err, slices.Equal(srv, s.srv)
+				return err
+			}))
+			require.ErrorIs(t, errs[0], errSparseMessage)
+			assert.ErrorContains(t, errs[0], k.want)
+			for r := range w {
+				assert.Error(t, errs[r], "rank %d", r)
+				assert.False(t, applied[r], "rank %d applied an average", r)
+				assert.True(t, kept[r], "rank %d: the server accumulator changed", r)
+			}
+		})
+	}
+}
+
 // Any bytes as the owners' offsets and averages of a fragment are refused
 // or decode to at most k finite entries per chunk, never a panic.
 func FuzzSharedDecode(f *testing.F) {
