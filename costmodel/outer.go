@@ -100,6 +100,9 @@ type outerCodec struct {
 	// muon: the inner optimizer is Muon (MuLoCo) rather than AdamW: every
 	// rank orthogonalizes every matrix of Plan's MuonPlan each inner step.
 	muon bool
+	// optIn: the row is in a plan only where Job.Collectives names it,
+	// not among the default rows and the state table's.
+	optIn bool
 }
 
 // stateName is oc's name for OuterStateBytes.
@@ -163,6 +166,24 @@ var outerCodecs = []outerCodec{
 		via: func(j Job) collective { return sparseOf(j).twoPhaseCollective() },
 		uncalibrated: "not measured: an all-to-all and an all-gather of its exact bytes at the fitted alpha and beta, W-1 rounds each; " +
 			"the top-k selections, encodings and decodings left out",
+	},
+	{
+		name: "outer-sparse-shared", codec: "sparse", state: "sparse-2p",
+		desc: "outer optimizer, sparse codec, shared-index exchange (outer.SparseShared): all-gather of the owners' offsets, all-to-all of the values at them " +
+			"to the owners, all-gather of their int8 averages: about (W-1)/W of density*(offset bits + value bits + 8) bits per element per rank",
+		via:   func(j Job) collective { return sparseOf(j).sharedCollective(false) },
+		optIn: true,
+		uncalibrated: "not measured: two all-gathers and an all-to-all of its exact bytes at the fitted alpha and beta, W-1 rounds each; " +
+			"the top-k selection, encodings and sums left out",
+	},
+	{
+		name: "outer-sparse-voted", codec: "sparse", state: "sparse-2p",
+		desc: "outer optimizer, sparse codec, voted shared-index exchange (outer.SparseVoted): all-to-all of every rank's top-k offsets to the owners, " +
+			"which pick the most named, then as outer-sparse-shared: about (W-1)/W of density*(2 offset bits + value bits + 8) bits per element per rank",
+		via:   func(j Job) collective { return sparseOf(j).sharedCollective(true) },
+		optIn: true,
+		uncalibrated: "not measured: two all-to-alls and two all-gathers of its exact bytes at the fitted alpha and beta, W-1 rounds each; " +
+			"the top-k selections, tallies, encodings and sums left out",
 	},
 }
 
@@ -290,14 +311,18 @@ func (j Job) defaultOuterRows() []string {
 }
 
 // outerStateRows are the outer rows of j's state table: none without
-// OuterH; every codec's, the sparse codec's only where its chunk fits the
-// smallest fragment, and OptOuterMuon.
+// OuterH; every codec's but the opt-in rows (outer-sparse-shared), the
+// sparse codec's only where its chunk fits the smallest fragment, and
+// OptOuterMuon.
 func (j Job) outerStateRows() []string {
 	if j.OuterH <= 0 {
 		return nil
 	}
 	var names []string
 	for _, name := range outerNames() {
+		if oc, _ := findOuterCodec(name); oc.optIn {
+			continue
+		}
 		if !isSparseRow(name) || j.sparseFits() {
 			names = append(names, name)
 		}
@@ -341,7 +366,9 @@ func (j Job) validateOuter(fail func(field, format string, args ...any) error) e
 }
 
 // isSparseRow says whether name is one of the sparse codec's rows.
-func isSparseRow(name string) bool { return name == "outer-sparse" || name == "outer-sparse-2p" }
+func isSparseRow(name string) bool {
+	return name == "outer-sparse" || name == "outer-sparse-2p" || name == "outer-sparse-shared" || name == "outer-sparse-voted"
+}
 
 // outerNames are the names of the outer optimizer's rows.
 func outerNames() []string {

@@ -103,11 +103,33 @@ func denseOuterNames() []string {
 // chunks of a power of two and not (the offset bits), fragments whose last
 // chunk is shorter, on 2, 3 and 4 ranks: the formula and the encoder cannot
 // drift apart.
+//
+// The shared-index exchange (outer-sparse-shared) likewise, and on 5 to
+// 16 ranks too (many of them owning no chunk).
 func TestOuterSparseBytesMatchOptimizer(t *testing.T) {
-	for _, sp := range []struct {
+	type settings struct {
 		density     float32
 		chunk, bits int
-	}{{1.0 / 48, 96, 1}, {1.0 / 48, 64, 2}, {0.1, 50, 2}, {0.3, 33, 1}, {1, 7, 1}} {
+	}
+	all := []settings{{1.0 / 48, 96, 1}, {1.0 / 48, 64, 2}, {0.1, 50, 2}, {0.3, 33, 1}, {1, 7, 1}}
+	names := map[outer.SparseExchange]string{outer.SparseAllGather: "outer-sparse", outer.SparseTwoPhase: "outer-sparse-2p", outer.SparseShared: "outer-sparse-shared", outer.SparseVoted: "outer-sparse-voted"}
+	for w := 5; w <= 16; w++ {
+		for _, sp := range all[:2] {
+			for _, x := range []outer.SparseExchange{outer.SparseShared, outer.SparseVoted} {
+				sizes, h := []int{4097, 3}, 2
+				j := Job{Params: 4100, Ranks: w, Link: 1e9, LinkName: "10gbit", BucketBytes: 1 << 10, OuterH: h, OuterFragments: 1,
+					Collectives: []string{names[x]}, OuterDensity: float64(sp.density), OuterSparseChunk: sp.chunk, OuterSparseBits: sp.bits}
+				_, rows := planRows(t, j)
+				got := outerBytesPerPeriod(t, w, sizes, h, func(cfg *outer.Config) {
+					*cfg = outer.DefaultConfigFor(outer.CodecSparse)
+					cfg.H, cfg.SparseExchange = h, x
+					cfg.Density, cfg.SparseChunk, cfg.SparseBits = sp.density, sp.chunk, sp.bits
+				})
+				assert.InDelta(t, rows[names[x]].WirePerRank*int64(h), got, float64(h)/2, "%s %+v, %d ranks", x, sp, w)
+			}
+		}
+	}
+	for _, sp := range all {
 		for _, w := range []int{2, 3, 4} {
 			for _, sizes := range [][]int{{1000}, {4097, 3}} {
 				for _, frags := range []int{1, 3} {
@@ -117,16 +139,16 @@ func TestOuterSparseBytesMatchOptimizer(t *testing.T) {
 					}
 					h := 2 * frags
 					j := Job{Params: int64(n), Ranks: w, Link: 1e9, LinkName: "10gbit", BucketBytes: 1 << 10,
-						OuterH: h, OuterFragments: frags, Collectives: []string{"outer-sparse", "outer-sparse-2p"},
+						OuterH: h, OuterFragments: frags, Collectives: []string{"outer-sparse", "outer-sparse-2p", "outer-sparse-shared", "outer-sparse-voted"},
 						OuterDensity: float64(sp.density), OuterSparseChunk: sp.chunk, OuterSparseBits: sp.bits}
 					_, rows := planRows(t, j)
-					for _, x := range []outer.SparseExchange{outer.SparseAllGather, outer.SparseTwoPhase} {
+					for _, x := range []outer.SparseExchange{outer.SparseAllGather, outer.SparseTwoPhase, outer.SparseShared, outer.SparseVoted} {
 						got := outerBytesPerPeriod(t, w, sizes, h, func(cfg *outer.Config) {
 							*cfg = outer.DefaultConfigFor(outer.CodecSparse)
 							cfg.H, cfg.Fragments, cfg.SparseExchange = h, frags, x
 							cfg.Density, cfg.SparseChunk, cfg.SparseBits = sp.density, sp.chunk, sp.bits
 						})
-						name := map[outer.SparseExchange]string{outer.SparseAllGather: "outer-sparse", outer.SparseTwoPhase: "outer-sparse-2p"}[x]
+						name := names[x]
 						want := rows[name].WirePerRank * int64(h)
 						assert.InDelta(t, want, got, float64(h)/2, "%s %+v, %d ranks, %v elements, %d fragments", name, sp, w, sizes, frags)
 					}

@@ -150,6 +150,66 @@ func (s sparseCodec) twoPhaseCollective() collective {
 	}
 }
 
+// sharedSeg is the bytes of the largest owner's (rank 0's) run of chunks
+// of a fragment of m elements over w ranks, per(l) bytes a chunk of l
+// elements.
+func (s sparseCodec) sharedSeg(m int64, w int, per func(l int64) int64) int64 {
+	if m <= 0 || w < 1 {
+		return 0
+	}
+	run := min(s.span(m, w), m)
+	return run/s.chunk*per(s.chunk) + per(run%s.chunk)*min(1, run%s.chunk)
+}
+
+// sharedSegs are the three segments of the shared-index exchange
+// (outer.SparseShared) of a fragment of m elements over w ranks: the
+// owners' offsets (k offsets of offsetBits a chunk, padded to a byte),
+// the values sent to the owners (vbits scales and k values of vbits a
+// chunk) and the owners' averages (a scale and k int8 codes a chunk).
+func (s sparseCodec) sharedSegs(m int64, w int) (idx, val, avg int64) {
+	return s.sharedSeg(m, w, func(l int64) int64 { return (s.k(l)*s.offsetBits() + 7) / 8 }),
+		s.sharedSeg(m, w, func(l int64) int64 { return 4*s.vbits + (s.k(l)*s.vbits+7)/8 }),
+		s.sharedSeg(m, w, func(l int64) int64 { return 4 + s.k(l) })
+}
+
+// sharedCollective is the shared-index exchange of a fragment
+// (outer.SparseShared): an all-gather of the owners' offsets, an
+// all-to-all of the values at them to the owners, an all-gather of the
+// owners' int8 averages, each W-1 latency-bound rounds and W-1 segments
+// sent per rank: about (W-1)/W of Density*(offset bits + value bits + 8)
+// bits per element, not growing with W while W is much less than the
+// chunks. The selection, encodings and sums are not modelled.
+//
+// With votes (outer.SparseVoted) an all-to-all of every rank's own top-k
+// offsets to the owners comes first: one more offsets' segment.
+func (s sparseCodec) sharedCollective(votes bool) collective {
+	nv := int64(0)
+	name, desc := "sparse-shared", "all-gather of the owners' offsets, all-to-all of the values at them to the owners, all-gather of the owners' int8 averages"
+	if votes {
+		nv = 1
+		name, desc = "sparse-voted", "all-to-all of every rank's top-k offsets to the owners, then "+desc
+	}
+	return collective{
+		name: name, desc: desc,
+		wireBytes: func(n int64, w int) int64 {
+			i, v, a := s.sharedSegs(n, w)
+			return int64(max(w-1, 0)) * ((1+nv)*i + v + a)
+		},
+		steps: func(n int64, w int, _ float64) []step {
+			if w <= 1 || n <= 0 {
+				return nil
+			}
+			i, v, a := s.sharedSegs(n, w)
+			r := int64(w - 1)
+			st := []step{{rounds: float64(w - 1), bytes: r * i}, {rounds: float64(w - 1), bytes: r * v}, {rounds: float64(w - 1), bytes: r * a}}
+			if votes {
+				st = append([]step{{rounds: float64(w - 1), bytes: r * i}}, st...)
+			}
+			return st
+		},
+	}
+}
+
 // plan is the SparsePlan of s for fragments of at most largest elements.
 func (s sparseCodec) plan(largest int64) *SparsePlan {
 	return &SparsePlan{Density: float64(s.density), Chunk: int(s.chunk), Bits: int(s.vbits), Entries: int(s.k(s.chunk)),

@@ -132,7 +132,7 @@ func (o *Optimizer) State() (*optim.Checkpoint, error) {
 	}
 	if o.sp != nil {
 		ck.Tensors = append(ck.Tensors, optim.Tensor{Name: AccumulatorName, Shape: []int{o.n}, Data: o.sp.accumulator()})
-		if o.sp.twoPhase() {
+		if o.sp.keepsServer() {
 			ck.AddTensor(ServerAccumulatorName, []int{len(o.sp.srv)}, o.sp.srv)
 		}
 	}
@@ -291,7 +291,7 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 		if acc, err = ck.TensorData(AccumulatorName, o.n); err != nil {
 			return err
 		}
-		if o.sp.twoPhase() {
+		if o.sp.keepsServer() {
 			if srv, err = ck.TensorData(ServerAccumulatorName, len(o.sp.srv)); err != nil {
 				return err
 			}
@@ -359,7 +359,7 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 	}
 	if o.sp != nil {
 		o.sp.setAccumulator(acc)
-		if o.sp.twoPhase() {
+		if o.sp.keepsServer() {
 			copy(o.sp.srv, srv)
 			if srv == nil {
 				clear(o.sp.srv)

@@ -87,10 +87,31 @@ const (
 	// 2(W-1)/W messages of the fragment sent per rank while W is much
 	// less than its chunks (docs/outer.md, "The two-phase exchange").
 	SparseTwoPhase
+	// SparseShared agrees on the entries first and then sends values
+	// only: the chunks are owned in runs as with SparseTwoPhase; each
+	// owner picks the top k offsets of its chunks from its own
+	// accumulator and an all-gather gives every rank every owner's offsets;
+	// an all-to-all sends each owner every rank's values at its offsets
+	// (SparseBits bits each and per-chunk scales, no offsets; each rank
+	// keeps what it did not send), the owner averages them (exactly: no
+	// re-selection) and adds its server accumulator, and an all-gather of
+	// the owners' averages in int8 (one scale per chunk; the server
+	// accumulator keeps the rounding) gives every rank the same average.
+	// About (W-1)/W of Density*(offset bits + SparseBits + 8) bits per
+	// element received per rank, not growing with W (docs/outer.md, "The
+	// shared-index exchange").
+	SparseShared
+	// SparseVoted is SparseShared with the offsets chosen by the ranks'
+	// votes (an ARC-Top-k-style sketch): every rank sends each owner the
+	// offsets of its own top k entries of the owner's chunks (an
+	// all-to-all), and the owner picks the k offsets most ranks named,
+	// ties to its own larger magnitude; then as SparseShared. About
+	// Density*offset bits per element more.
+	SparseVoted
 	numSparseExchanges
 )
 
-var sparseExchangeNames = [numSparseExchanges]string{"allgather", "twophase"}
+var sparseExchangeNames = [numSparseExchanges]string{"allgather", "twophase", "shared", "voted"}
 
 // String returns the exchange's name as ParseSparseExchange reads it.
 func (x SparseExchange) String() string {
@@ -103,8 +124,8 @@ func (x SparseExchange) String() string {
 // Valid reports whether x is one of the defined exchanges.
 func (x SparseExchange) Valid() bool { return x >= 0 && x < numSparseExchanges }
 
-// ParseSparseExchange returns the exchange called s: "allgather" or
-// "twophase" (case-insensitive).
+// ParseSparseExchange returns the exchange called s: "allgather",
+// "twophase", "shared" or "voted" (case-insensitive).
 func ParseSparseExchange(s string) (SparseExchange, error) {
 	for i, n := range sparseExchangeNames {
 		if strings.EqualFold(s, n) {
@@ -188,11 +209,12 @@ type Config struct {
 	// Set it false for float32 state, and to load the checkpoints of one.
 	AccumulatorBF16 bool
 	// SparseExchange is how CodecSparse's messages travel:
-	// SparseAllGather (every rank's to every rank) or SparseTwoPhase (to
+	// SparseAllGather (every rank's to every rank), SparseTwoPhase (to
 	// the owner of each run of chunks, which re-encodes their average
 	// with a server accumulator, then the owners' to every rank; W
-	// independent bytes). Other codecs ignore it. Default
-	// SparseAllGather.
+	// independent bytes) or SparseShared (offsets chosen by the owners,
+	// then values only, averaged exactly; W independent bytes). Other
+	// codecs ignore it. Default SparseAllGather.
 	SparseExchange SparseExchange
 	// SparseServerDensity is SparseTwoPhase's share of each chunk's
 	// entries that the owners send of the average in the second phase,
@@ -365,8 +387,10 @@ func (c Config) hypers() []optim.Hyper {
 		}
 		if c.SparseExchange != SparseAllGather {
 			// Recorded only when not the default, likewise.
-			h = append(h, optim.Hyper{Name: "outer_sparse_exchange", Value: float64(c.SparseExchange)},
-				optim.Hyper{Name: "outer_sparse_server_density", Value: float64(c.serverDensity())})
+			h = append(h, optim.Hyper{Name: "outer_sparse_exchange", Value: float64(c.SparseExchange)})
+		}
+		if c.SparseExchange == SparseTwoPhase {
+			h = append(h, optim.Hyper{Name: "outer_sparse_server_density", Value: float64(c.serverDensity())})
 		}
 	}
 	return h

@@ -179,9 +179,12 @@ func (o *Optimizer) exchange(ctx context.Context, f int) error {
 			o.outerStep(gOut[a:b], part(uOut, a, b), g[a:b], part(u, a, b), avg)
 		}
 		var err error
-		if o.sp.twoPhase() {
+		switch {
+		case o.sp.shared:
+			err = o.sp.allReduceShared(ctx, o.xc, f, lo, hi-lo, delta, apply)
+		case o.sp.twoPhase():
 			err = o.sp.allReduceTwoPhase(ctx, o.xc, f, lo, hi-lo, delta, apply)
-		} else {
+		default:
 			err = o.sp.allReduce(ctx, o.xc, lo, hi-lo, delta, apply)
 		}
 		if err != nil {

@@ -31,7 +31,7 @@ func (o *Optimizer) StateBytes() int64 {
 		n += int64(cap(q.send)+cap(q.recv)+cap(q.gsend)+cap(q.grecv)) + optim.Float32Bytes(q.chunk, q.acc, q.scales)
 	}
 	if s := o.sp; s != nil {
-		n += optim.Float32Bytes(s.acc, s.mag, s.ef, s.srv) + 2*int64(cap(s.acc16)) + int64(cap(s.send)+cap(s.recv))
+		n += optim.Float32Bytes(s.acc, s.mag, s.ef, s.srv) + 2*int64(cap(s.acc16)) + int64(cap(s.send)+cap(s.recv)+cap(s.idx)) + 4*int64(cap(s.offs)) + optim.Float32Bytes(s.vals)
 	}
 	return n + onebit.StatesBytes(slices.Concat(o.states...)...)
 }

@@ -360,7 +360,7 @@ func (o *Optimizer) build() error {
 				return fmt.Errorf("outer: sparse chunks of %d elements, but a fragment has %d: want SparseChunk at most the smallest fragment", cfg.SparseChunk, smallest)
 			}
 			o.sp = newSparseCodec(cfg, o.n, largest, o.world)
-			if cfg.SparseExchange == SparseTwoPhase {
+			if cfg.SparseExchange != SparseAllGather {
 				o.sp.setServer(o.bounds, o.world, o.rank)
 			}
 		}

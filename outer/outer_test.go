@@ -315,7 +315,7 @@ func TestConfigValidate(t *testing.T) {
 		{"SparseBits", func(c *outer.Config) { c.Codec, c.SparseBits = outer.CodecSparse, 3 }},
 		{"Decay", func(c *outer.Config) { c.Codec, c.Decay = outer.CodecSparse, -0.1 }},
 		{"Decay", func(c *outer.Config) { c.Codec, c.Decay = outer.CodecSparse, 1.01 }},
-		{"SparseExchange", func(c *outer.Config) { c.Codec, c.SparseExchange = outer.CodecSparse, 2 }},
+		{"SparseExchange", func(c *outer.Config) { c.Codec, c.SparseExchange = outer.CodecSparse, 4 }},
 		{"SparseExchange", func(c *outer.Config) { c.Codec, c.SparseExchange = outer.CodecSparse, -1 }},
 		{"SparseServerDensity", func(c *outer.Config) { c.Codec, c.SparseServerDensity = outer.CodecSparse, 1.5 }},
 		{"SparseServerDensity", func(c *outer.Config) { c.Codec, c.SparseServerDensity = outer.CodecSparse, -0.5 }},
@@ -344,13 +344,13 @@ func TestConfigValidate(t *testing.T) {
 	}
 	_, err = outer.ParseCodec("fp8")
 	assert.ErrorContains(t, err, `outer: unknown codec "fp8"`)
-	for _, x := range []outer.SparseExchange{outer.SparseAllGather, outer.SparseTwoPhase} {
+	for _, x := range []outer.SparseExchange{outer.SparseAllGather, outer.SparseTwoPhase, outer.SparseShared, outer.SparseVoted} {
 		back, err := outer.ParseSparseExchange(strings.ToUpper(x.String()))
 		require.NoError(t, err)
 		assert.Equal(t, x, back)
 	}
 	_, err = outer.ParseSparseExchange("ring")
-	assert.ErrorContains(t, err, `outer: unknown sparse exchange "ring" (want one of allgather, twophase)`)
+	assert.ErrorContains(t, err, `outer: unknown sparse exchange "ring" (want one of allgather, twophase, shared, voted)`)
 	assert.Equal(t, "SparseExchange(5)", outer.SparseExchange(5).String())
 }
 
@@ -398,6 +398,14 @@ func TestNewBadInputOnEveryRank(t *testing.T) {
 			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
 			return err
 		}, "rank 1 has SparseExchange twophase, rank 0 has allgather"},
+		{"the shared exchange on one rank", func(ctx context.Context, c comm.Comm, bad bool) error {
+			cfg := twoPhase(config(outer.CodecSparse, 4, 1, 0))
+			if bad {
+				cfg.SparseExchange = outer.SparseShared
+			}
+			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
+			return err
+		}, "rank 1 has SparseExchange shared, rank 0 has twophase"},
 		{"another accumulator precision", func(ctx context.Context, c comm.Comm, bad bool) error {
 			cfg := config(outer.CodecSparse, 4, 1, 0)
 			cfg.AccumulatorBF16 = bad

@@ -38,6 +38,7 @@ func TestRankChange(t *testing.T) {
 		{"bf16", config(outer.CodecBF16, 2, 1, 0), "this codec keeps none, nothing restarts from zero", false},
 		{"sparse", config(outer.CodecSparse, 2, 1, 0), "the sparse accumulator is the old ranks' mean", false},
 		{"sparse two-phase", twoPhase(config(outer.CodecSparse, 2, 2, 0)), "the sparse accumulator is the old ranks' mean", false},
+		{"sparse shared", shared(config(outer.CodecSparse, 2, 2, 0)), "the sparse accumulator is the old ranks' mean", false},
 		{"1-bit", config(outer.CodecOneBit, 2, 1, 0), "the 1-bit codec's error feedback restarts from zero", true},
 	} {
 		for _, move := range [][2]int{{4, 2}, {2, 3}} {

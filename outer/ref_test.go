@@ -37,6 +37,8 @@ type refConfig struct {
 	density, decay float64
 	twoPhase       bool    // outer.SparseTwoPhase
 	density2       float64 // its second phase's density
+	shared         bool    // outer.SparseShared or SparseVoted
+	voted          bool    // outer.SparseVoted
 }
 
 type refSim struct {
@@ -174,6 +176,9 @@ func (s *refSim) compress(f int, xs [][]float64) []float64 {
 func (s *refSim) sparse(lo int, deltas [][]float64) []float64 {
 	c := s.c
 	m := len(deltas[0])
+	if c.shared {
+		return s.sparseShared(lo, deltas)
+	}
 	avg := make([]float64, m)
 	for r := range c.W {
 		e := s.acc[r][lo : lo+m]
@@ -200,6 +205,132 @@ func (s *refSim) sparse(lo int, deltas [][]float64) []float64 {
 		copy(out[a:b], s.refSelect(x[a:b], c.density2))
 	}
 	return out
+}
+
+// sparseShared is sparse with outer.SparseShared: every rank's
+// accumulator takes its delta; per chunk (owned by rank a/span, span
+// ceil(chunks/W) chunks) the owner's top k offsets (ties: the lower) are
+// where every rank sends sign times the mean magnitude there (1 bit) or
+// the means below and at or above it (2 bits), subtracting it from its
+// accumulator; the mean over the ranks plus the owner's server
+// accumulator is sent in int8 (scale max/127, codes rounded half to
+// even), and the server accumulator keeps the rounding.
+func (s *refSim) sparseShared(lo int, deltas [][]float64) []float64 {
+	c := s.c
+	m := len(deltas[0])
+	for r := range c.W {
+		e := s.acc[r][lo : lo+m]
+		for i := range e {
+			e[i] = c.decay*e[i] + deltas[r][i]
+		}
+	}
+	chunks := (m + c.chunk - 1) / c.chunk
+	span := (chunks + c.W - 1) / c.W * c.chunk
+	out := make([]float64, m)
+	for a := 0; a < m; a += c.chunk {
+		b := min(a+c.chunk, m)
+		owner := a / span
+		idx := refTopK(s.acc[owner][lo+a:lo+b], c.density)
+		if c.voted {
+			// The offsets most ranks' own top k name, ties to the
+			// owner's larger magnitude (under half a vote), then the
+			// lower offset.
+			score := make([]float64, b-a)
+			for r := range c.W {
+				for _, i := range refTopK(s.acc[r][lo+a:lo+b], c.density) {
+					score[i]++
+				}
+			}
+			e := s.acc[owner][lo+a : lo+b]
+			amax := 0.0
+			for _, v := range e {
+				amax = max(amax, math.Abs(v))
+			}
+			for i, v := range e {
+				if amax > 0 {
+					score[i] += math.Abs(v) / (2 * amax)
+				}
+			}
+			idx = refTopK(score, c.density)
+		}
+		avg := make([]float64, len(idx))
+		for r := range c.W {
+			e := s.acc[r][lo+a : lo+b]
+			for j, v := range s.refValues(e, idx) {
+				avg[j] += v / float64(c.W)
+			}
+		}
+		x := s.srv[lo+a : lo+b]
+		amax := 0.0
+		for j, i := range idx {
+			avg[j] += x[i]
+			amax = max(amax, math.Abs(avg[j]))
+		}
+		for j, i := range idx {
+			q := 0.0
+			if amax > 0 {
+				q = math.RoundToEven(avg[j] * 127 / amax)
+			}
+			out[a+i] = q * amax / 127
+			x[i] = avg[j] - out[a+i]
+		}
+	}
+	return out
+}
+
+// refTopK returns the offsets of the k entries of e of largest magnitude
+// (k the density's share of its length; ties: the lower offset),
+// ascending.
+func refTopK(e []float64, density float64) []int {
+	l := len(e)
+	k := max(1, min(l, int(math.Round(density*float64(l)))))
+	idx := make([]int, l)
+	for i := range idx {
+		idx[i] = i
+	}
+	sort.SliceStable(idx, func(x, y int) bool { return math.Abs(e[idx[x]]) > math.Abs(e[idx[y]]) })
+	idx = idx[:k]
+	sort.Ints(idx)
+	return idx
+}
+
+// refValues returns what a chunk e sends at offsets idx (refSelect's
+// encoding of those entries), subtracting it from e.
+func (s *refSim) refValues(e []float64, idx []int) []float64 {
+	mean := 0.0
+	for _, i := range idx {
+		mean += math.Abs(e[i])
+	}
+	mean /= float64(len(idx))
+	lo, hi := mean, mean
+	if s.c.vbits == 2 {
+		var sl, sh float64
+		var nl, nh int
+		for _, i := range idx {
+			if math.Abs(e[i]) >= mean {
+				sh, nh = sh+math.Abs(e[i]), nh+1
+			} else {
+				sl, nl = sl+math.Abs(e[i]), nl+1
+			}
+		}
+		hi, lo = sh/float64(nh), sh/float64(nh)
+		if nl > 0 {
+			lo = sl / float64(nl)
+		}
+	}
+	sent := make([]float64, len(idx))
+	for j, i := range idx {
+		v := lo
+		if s.c.vbits == 2 && math.Abs(e[i]) >= mean {
+			v = hi
+		}
+		if e[i] < 0 {
+			v = -v
+		}
+		e[i] -= v
+		sent[j] = v
+	}
+	return sent
 }
 
 // refSelect returns what a chunk e sends, its top k entries by magnitude
@@ -370,7 +501,8 @@ func TestReference(t *testing.T) {
 			// a second phase of its own density (3 of each chunk of 5).
 			xs := []outer.Config{{}}
 			if k.codec == outer.CodecSparse {
-				xs = append(xs, outer.Config{SparseExchange: outer.SparseTwoPhase}, outer.Config{SparseExchange: outer.SparseTwoPhase, SparseServerDensity: 0.6})
+				xs = append(xs, outer.Config{SparseExchange: outer.SparseTwoPhase}, outer.Config{SparseExchange: outer.SparseTwoPhase, SparseServerDensity: 0.6},
+					outer.Config{SparseExchange: outer.SparseShared}, outer.Config{SparseExchange: outer.SparseVoted})
 			}
 			for _, x := range xs {
 				t.Run(fmt.Sprintf("W%d/%s/H%d/F%d/D%d/scale%d/%s/%g", w, k.codec, k.h, k.f, k.d, k.scale, x.SparseExchange, x.SparseServerDensity), func(t *testing.T) {
@@ -402,7 +534,8 @@ func checkReference(t *testing.T, w int, codec outer.Codec, h, frags, delay int,
 	rc := refConfig{W: w, H: h, F: frags, D: delay, oneBit: codec == outer.CodecOneBit, meanAbs: scale == onebit.ScaleMeanAbs, lr: float64(cfg.LR), mu: float64(cfg.Momentum),
 		nesterov: cfg.Nesterov, alr: float64(acfg.LR), b1: float64(acfg.Beta1), b2: float64(acfg.Beta2), eps: float64(acfg.Eps), wd: float64(acfg.WeightDecay), n: n,
 		sparse: codec == outer.CodecSparse, chunk: cfg.SparseChunk, vbits: cfg.SparseBits, density: float64(cfg.Density), decay: float64(cfg.Decay),
-		twoPhase: cfg.SparseExchange == outer.SparseTwoPhase, density2: float64(cfg.Density)}
+		twoPhase: cfg.SparseExchange == outer.SparseTwoPhase, density2: float64(cfg.Density), shared: cfg.SparseExchange == outer.SparseShared || cfg.SparseExchange == outer.SparseVoted,
+		voted: cfg.SparseExchange == outer.SparseVoted}
 	if cfg.SparseServerDensity != 0 {
 		rc.density2 = float64(cfg.SparseServerDensity)
 	}

@@ -55,6 +55,18 @@ type sparseCodec struct {
 	// (SparseServerDensity): s itself, or a codec of another density
 	// sharing s's scratch; nil with SparseAllGather.
 	server *sparseCodec
+	// shared is set with SparseShared, whose buffers are idx (the W
+	// owners' offsets, all-gathered), offs (a chunk's offsets, decoded)
+	// and vals (a chunk's values at them); srv is then its server
+	// accumulator, as with SparseTwoPhase.
+	shared bool
+	// vote is set with SparseVoted: the owners pick the offsets the
+	// ranks named most (score, a chunk's tally).
+	vote  bool
+	score []float32
+	idx   []byte
+	offs  []int32
+	vals  []float32
 	// mag is a chunk's scratch: its pseudo-gradients, then their
 	// magnitudes for the selection; after the all-gather, its average.
 	mag []float32
@@ -70,6 +82,11 @@ func newSparseCodec(cfg Config, n, largest, w int) *sparseCodec {
 		s.acc16, s.ef = make([]uint16, n), make([]float32, cfg.SparseChunk)
 	} else {
 		s.acc = make([]float32, n)
+	}
+	if cfg.SparseExchange == SparseShared || cfg.SparseExchange == SparseVoted {
+		s.vote = cfg.SparseExchange == SparseVoted
+		s.newShared(largest, w)
+		return s
 	}
 	if cfg.SparseExchange == SparseTwoPhase {
 		s.server = s

@@ -24,6 +24,10 @@ func sparseRun(m, chunk, w, j int) (lo, hi int) {
 // server accumulator).
 func (s *sparseCodec) twoPhase() bool { return s.server != nil }
 
+// keepsServer reports whether s keeps a server accumulator
+// (SparseTwoPhase, SparseShared).
+func (s *sparseCodec) keepsServer() bool { return s.srvAt != nil }
+
 // segLen is the bytes of an owner's segment in the exchanges of a
 // fragment of m elements over w ranks: the message of the largest run
 // (rank 0's), to which the others' are padded with zeros.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -73,4 +74,23 @@ func TestDilocoHAboveSteps(t *testing.T) {
 	errOut.Reset()
 	require.NoError(t, run(context.Background(), append(args, "-outer-h", "2"), io.Discard, &errOut))
 	assert.NotContains(t, errOut.String(), "first exchange merges")
+}
+
+// TestSparseExchangeFlags: -outer-sparse-exchange takes each exchange's
+// name into the outer config and refuses others naming the flag;
+// -outer-sparse-bits takes 1 or 2.
+func TestSparseExchangeFlags(t *testing.T) {
+	for _, name := range []string{"allgather", "twophase", "shared", "Shared"} {
+		o, err := parseFlags([]string{"-optimizer", "diloco", "-outer-sparse-exchange", name, "-outer-sparse-bits", "2"}, io.Discard)
+		require.NoError(t, err, name)
+		assert.Equal(t, strings.ToLower(name), o.outer.SparseExchange.String())
+		assert.Equal(t, 2, o.outer.SparseBits)
+	}
+	_, err := parseFlags([]string{"-optimizer", "diloco", "-outer-sparse-exchange", "ring"}, io.Discard)
+	require.Error(t, err)
+	assert.ErrorContains(t, err, "outer-sparse-exchange")
+	assert.ErrorContains(t, err, "allgather, twophase, shared")
+	_, err = parseFlags([]string{"-optimizer", "diloco", "-outer-sparse-bits", "3"}, io.Discard)
+	require.Error(t, err)
+	assert.ErrorContains(t, err, "outer-sparse-bits")
 }

@@ -101,7 +101,10 @@ type options struct {
 	reduce     string
 	outer      outer.Config    // diloco's -outer-* flags, codec parsed
 	outerState outerstate.Mode // -outer-state (-outer-bf16)
-	outerCodec string          // -outer-codec
+	outerLR    float64         // -outer-lr: -1 for the codec's default
+	// -outer-density and -outer-decay, the sparse codec's.
+	outerDensity, outerDecay float64
+	outerCodec               string // -outer-codec
 
 	// allowInprocess is -allow-inprocess-under-mpi: -backend local even
 	// where the environment says this process is one rank of an MPI job.
@@ -160,6 +163,21 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.outer.Fragments, "outer-fragments", o.outer.Fragments, "diloco: fragments of the parameters, exchanged at staggered steps (Streaming DiLoCo)")
 	fs.IntVar(&o.outer.Delay, "outer-delay", o.outer.Delay, "diloco: inner steps an exchange runs in the background before its result is merged (0: exchanged within the step)")
 	outerstate.Register(fs, &o.outerState)
+	fs.Float64Var(&o.outerLR, "outer-lr", -1, "diloco: the outer learning rate (-1: the codec's default, outer.DefaultConfigFor)")
+	o.outerDensity, o.outerDecay = float64(o.outer.Density), float64(o.outer.Decay)
+	fs.Float64Var(&o.outerDensity, "outer-density", o.outerDensity, "diloco with -outer-codec sparse: share of each chunk's entries sent, in (0, 1]")
+	fs.Float64Var(&o.outerDecay, "outer-decay", o.outerDecay, "diloco with -outer-codec sparse: decay of the error accumulator, in [0, 1]")
+	fs.IntVar(&o.outer.SparseBits, "outer-sparse-bits", o.outer.SparseBits, "diloco with -outer-codec sparse: bits per value sent, 1 or 2")
+	fs.Func("outer-sparse-exchange", "diloco with -outer-codec sparse: how the messages travel: allgather (every rank's to every rank, (W-1) messages sent per rank), "+
+		"twophase (to the owners of runs of chunks, which re-select the average) or shared (offsets chosen by the owners, then values only, averaged exactly; "+
+		"neither grows with W) (default allgather)", func(s string) error {
+		x, err := outer.ParseSparseExchange(s)
+		if err != nil {
+			return err
+		}
+		o.outer.SparseExchange = x
+		return nil
+	})
 	fs.StringVar(&o.outerCodec, "outer-codec", outer.CodecSparse.String(), "diloco: how the pseudo-gradients travel: fp32, bf16, int8, 1bit, sparse (each with its measured outer learning rate and momentum, outer.DefaultConfigFor)")
 	if err := cliflag.Parse(fs, args); err != nil {
 		return nil, err
@@ -218,10 +236,18 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	}
 	def := outer.DefaultConfigFor(codec)
 	o.outer.Codec, o.outer.LR, o.outer.Momentum = codec, def.LR, def.Momentum
+	o.outer.Density, o.outer.Decay = float32(o.outerDensity), float32(o.outerDecay)
+	if o.outerLR != -1 {
+		if !(o.outerLR >= 0 && o.outerLR <= 100) {
+			return bad("outer-lr", "want -1 (the codec's default) or a learning rate in [0, 100]")
+		}
+		o.outer.LR = float32(o.outerLR)
+	}
 	if err := o.outer.Validate(); err != nil {
 		var ce *optim.ConfigError
 		if errors.As(err, &ce) {
-			if name, ok := map[string]string{"H": "outer-h", "Fragments": "outer-fragments", "Delay": "outer-delay"}[ce.Field]; ok {
+			if name, ok := map[string]string{"H": "outer-h", "Fragments": "outer-fragments", "Delay": "outer-delay", "SparseBits": "outer-sparse-bits",
+				"Density": "outer-density", "Decay": "outer-decay", "SparseChunk": "outer-density"}[ce.Field]; ok {
 				return bad(name, "want %s", ce.Want)
 			}
 		}

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // printHeader says what is about to be trained.
@@ -27,6 +29,9 @@ func printHeader(w io.Writer, o *options, names []string, workers, examples int)
 	if slices.Contains(names, diloco) {
 		c := o.outer
 		fmt.Fprintf(w, ", diloco: H %d, %d fragments, delay %d, %s pseudo-gradients, outer Nesterov lr %g momentum %g", c.H, c.Fragments, c.Delay, c.Codec, c.LR, c.Momentum)
+		if c.Codec == outer.CodecSparse && (c.SparseExchange != outer.SparseAllGather || c.SparseBits != 1) {
+			fmt.Fprintf(w, " (exchange %s, %d-bit values)", c.SparseExchange, c.SparseBits)
+		}
 	}
 	fmt.Fprintln(w)
 }
