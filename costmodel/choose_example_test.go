@@ -26,5 +26,5 @@ func ExampleModel_Choose() {
 	fmt.Println(choice.Reason)
 	// Output:
 	// outer-muon 1bit
-	// outer-muon: 2.13 s/step, 12.11x the next (onebit-muon 25.8 s), fits 40Gi (26.4 GB); excluded: outer-sparse, outer-sparse-2p (Muon inside: the sparse codec misses the tighter target the 1-bit codec reaches, orthogonalized updates having entries of similar size (docs/outer.md, "The tighter target: Muon inside"))
+	// outer-muon: 2.13 s/step, 12.11x the next (onebit-muon 25.8 s), fits 40Gi (26.4 GB); excluded: outer-sparse, outer-sparse-2p, outer-sparse-shared, outer-sparse-voted (Muon inside: the sparse codec misses the tighter target the 1-bit codec reaches, orthogonalized updates having entries of similar size (docs/outer.md, "The tighter target: Muon inside"))
 }
