@@ -73,6 +73,8 @@ func checkCarried(how carry, old, news []*optim.Checkpoint) (carriedReport, erro
 		n := min(len(a), len(b))
 		if real := realLen(old[0], oldName); real >= 0 {
 			n = min(n, real)
+		} else {
+			n = min(n, unpadded(len(a), len(old), len(b), len(news)))
 		}
 		var diff, scale float64
 		at := 0
@@ -207,6 +209,15 @@ func realLen(ck *optim.Checkpoint, name string) int {
 		return params
 	}
 	return -1
+}
+
+// unpadded is a lower bound of the real length of a buffer that holds la
+// elements padded for wa ranks (onebit.PaddedLen) and lb padded for wb:
+// the elements before it are a parameter's on both sides, whatever the
+// real length (a bucket's, which the check does not know); the last
+// fewer than W·lcm(W, 8) real elements may be left out.
+func unpadded(la, wa, lb, wb int) int {
+	return max(1, la-onebit.PaddedLen(1, wa)+1, lb-onebit.PaddedLen(1, wb)+1)
 }
 
 // combine is the buffer called name over the ranks of cks: the

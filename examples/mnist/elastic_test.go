@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/outer"
 )
@@ -212,5 +213,63 @@ func TestResumeIncompleteSet(t *testing.T) {
 			assert.Equal(t, 3, res[0].resumedWorld)
 			assert.Contains(t, warn.String(), "carried: ")
 		})
+	}
+}
+
+// TestCheckCarried: the carried-state check passes what onebit.Regroup
+// and outer.Regroup make of saved states and fails a state that did not
+// carry them: a worker error off by one element, a sparse accumulator
+// dropped (ResetErrors instead of outer.Regroup).
+func TestCheckCarried(t *testing.T) {
+	train, test := loadTestdata(t)
+	save := func(cfg trainConfig, name string) []*optim.Checkpoint {
+		cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 5}
+		_, errs := trainRanks(t, 3, train, test, cfg, stopOn(0, 15))
+		require.NoError(t, errs[0])
+		return savedStates(t, cfg.checkpoint.dir, name, 3, 15)
+	}
+	old := save(smallConfig("onebit-adam"), "onebit-adam")
+	news := make([]*optim.Checkpoint, 2)
+	for r := range news {
+		var err error
+		news[r], err = onebit.Regroup(old, 2, r)
+		require.NoError(t, err)
+	}
+	rep, err := checkCarried(carryRegroup, old, news)
+	require.NoError(t, err)
+	assert.Positive(t, rep.checked)
+	assert.Less(t, rep.maxRel, 1e-6)
+	var we *optim.Tensor
+	for i := range news[1].Tensors {
+		if strings.HasPrefix(news[1].Tensors[i].Name, optim.WorkerErrorName) {
+			we = &news[1].Tensors[i]
+			break
+		}
+	}
+	require.NotNil(t, we)
+	we.Data[5] += 1
+	_, err = checkCarried(carryRegroup, old, news)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "the state was not carried")
+
+	cfg := dilocoConfig(outer.CodecSparse, false)
+	old = save(cfg, diloco)
+	for r := range news {
+		var err error
+		news[r], err = outer.Regroup(old, 2, r)
+		require.NoError(t, err)
+	}
+	_, err = checkCarried(carryOuter, old, news)
+	require.NoError(t, err)
+	for r := range news {
+		news[r] = old[r].ResetErrors()
+	}
+	_, err = checkCarried(carryOuter, old, news)
+	require.Error(t, err, "the sparse accumulator dropped")
+	assert.Contains(t, err.Error(), outer.TensorRegroupedAccumulator)
+
+	// unpadded: a lower bound of the real length.
+	for _, n := range []int{1, 10, 266, 203530} {
+		assert.LessOrEqual(t, unpadded(onebit.PaddedLen(n, 4), 4, onebit.PaddedLen(n, 3), 3), n)
 	}
 }

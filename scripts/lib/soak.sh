@@ -82,9 +82,9 @@ finish() {
 	rc=$?
 }
 
-hash_of() { sed -n 's/^[a-z-]* final parameters: fnv64 \([0-9a-f]\{16\}\)$/\1/p' "$1"; }
+hash_of() { sed -n 's/^[a-z0-9-]* final parameters: fnv64 \([0-9a-f]\{16\}\)$/\1/p' "$1"; }
 acc_of() { awk -v o="$2" '$1 == o && $2 ~ /%$/ { sub("%", "", $2); print $2; exit }' "$1"; }
-resumed_of() { sed -n 's/^mnist: -resume: [a-z-]* continues from step \([0-9]*\) of .*/\1/p' "$1" | head -n 1; }
+resumed_of() { sed -n 's/^mnist: -resume: [a-z0-9-]* continues from step \([0-9]*\) of .*/\1/p' "$1" | head -n 1; }
 
 # interrupt KIND: interrupts the running job; sets t_int (when, in ms
 # since the epoch) and dt (ms to its exit).
