@@ -65,6 +65,9 @@
 #   WORLDS      the numbers of ranks to draw from (default "2 3 4 5 6"); the
 #               first job runs on NP0 (4)
 #   ACC_TOL     final test accuracy within this many points (0.5)
+#   FAULT_EVERY_S  interrupt every this many seconds of wall time instead
+#               of GAP steps after the resume (the goodput goal's setting:
+#               FAULT_EVERY_S=60 with EPOCHS long enough for several)
 #   DATA, EPOCHS (1), EVERY (25), BIN: as scripts/soak.sh
 #   SOAK_SHORT=1  the short form (make test, scripts/test-mpi.sh): no
 #               namespace, no root, the small testdata set, onebit-adam and
@@ -230,7 +233,7 @@ wait_line() {
 
 # reference OPT NP: the uninterrupted run of OPT on NP ranks, once per
 # optimizer and size: sets ref_hash, ref_acc, ref_good (its goodput, %).
-declare -A refh refa refg
+declare -A refh refa refg refs
 reference() {
 	local opt=$1 np=$2 log t0 t1 fa
 	if [ -z "${refh[$np]:-}" ]; then
@@ -243,6 +246,7 @@ reference() {
 		refh[$np]=$(hash_of "$log")
 		refa[$np]=$(acc_of "$log" "$fopt")
 		fa=$(first_at "$log")
+		refs[$np]=$(awk -v a="${fa#* }" -v t1="$t1" -v n="$total" 'BEGIN { printf "%.4f", a == "" ? 0 : (t1 - a) / 1e9 / n }')
 		refg[$np]=$(awk -v a="${fa#* }" -v t0="$t0" -v t1="$t1" 'BEGIN { printf "%.1f", a == "" ? 0 : 100 * (t1 - a) / (t1 - t0) }')
 		if [ "$rc" -ne 0 ] || [ -z "${refh[$np]}" ]; then
 			echo "soak-elastic: FAILED: the uninterrupted $opt run on $np ranks exited $rc:" >&2
@@ -252,7 +256,7 @@ reference() {
 		rm -rf "$NETNS_TMP/ref-$opt-$np"
 		echo "soak-elastic: $opt uninterrupted on $np ranks: fnv64 ${refh[$np]}, test acc ${refa[$np]}%, goodput ${refg[$np]}%"
 	fi
-	ref_hash=${refh[$np]} ref_acc=${refa[$np]} ref_good=${refg[$np]}
+	ref_hash=${refh[$np]} ref_acc=${refa[$np]} ref_good=${refg[$np]} ref_step=${refs[$np]}
 }
 
 # check_resumed LOG WANT NP PREV: checks the job of LOG, started with
@@ -261,7 +265,7 @@ reference() {
 # sets from (the step it continued from).
 check_resumed() {
 	local log=$1 want=$2 np=$3 line path rel
-	wait_line "$log" '^mnist: -resume: [a-z-]* continues from step |^mnist: first step '
+	wait_line "$log" '^mnist: -resume: [a-z0-9-]* continues from step |^mnist: first step '
 	from=$(resumed_of "$log")
 	if [ -z "$from" ]; then
 		return
@@ -358,6 +362,15 @@ trajectory() {
 			target=$((from + 1 + R))
 			# A run from step 0: after its first checkpoint is on every rank.
 			[ ${#resumeflag[@]} -gt 0 ] || target=$((every + 1 + R))
+			if [ -n "${FAULT_EVERY_S:-}" ]; then
+				# A fault every FAULT_EVERY_S seconds of wall time (from
+				# the last one, or from the trajectory's start), not
+				# before the first checkpoint is on every rank.
+				[ ${#resumeflag[@]} -gt 0 ] || target=$((every + 1))
+				[ ${#resumeflag[@]} -gt 0 ] && target=0
+				local t_next=$(((${t_int:-0} > traj_t0 / 1000000 ? t_int : traj_t0 / 1000000) + FAULT_EVERY_S * 1000))
+				while kill -0 "$jobpid" 2>/dev/null && { [ "$(now_ms)" -lt "$t_next" ] || [ "$(step_now)" -lt "$target" ]; }; do sleep 0.05; done
+			fi
 			while kill -0 "$jobpid" 2>/dev/null && [ "$(step_now)" -lt "$target" ]; do sleep 0.01; done
 			if kill -0 "$jobpid" 2>/dev/null; then
 				if [ "$SHORT" = 1 ]; then
@@ -472,6 +485,7 @@ for i in "${!opts[@]}"; do
 	refh=()
 	refa=()
 	refg=()
+	refs=()
 	faults=()
 	restart_ms=()
 	redone=0 restarts=0 resumes=0 refused=0 checks=0 resets=0 maxrel=0 changes=0 interrupts=0 rounds=0
@@ -521,9 +535,13 @@ for i in "${!opts[@]}"; do
 	pathl=$(printf '%s\n' "${!paths[@]}" | sed 's/.*(\(.*\))$/\1/' | sort -u | tr '\n' ' ')
 	read -r fmed fmax <<<"$(median_max "${faults[@]}")"
 	read -r rmed _ <<<"$(median_max "${restart_ms[@]}")"
-	rows+=("$(printf '%-25s %3d %4d %4d %5d %4d %4d %3d %4d %7s %6d %4d %4d %8s %8s %8s %12s %12s %6s %9s  %s  %s' \
+	# The goodput a fault every 60 s would leave, from what was measured:
+	# the uninterrupted run's, less per fault the median seconds to the
+	# first new step and the mean steps redone at its time per step.
+	proj=$(awk -v g="$ref_good" -v f="${fmed%s}" -v r="$redone" -v n="$interrupts" -v s="$ref_step" 'BEGIN { c = f + (n > 0 ? r / n : 0) * s; p = g * (1 - c / 60); printf "%.1f", (p < 0 ? 0 : p) }')
+	rows+=("$(printf '%-25s %3d %4d %4d %5d %4d %4d %3d %4d %11s %6d %4d %4d %8s %8s %8s %12s %12s %6s %6s %9s  %s  %s' \
 		"$opt" "$rounds" "$interrupts" "$changes" "${count[kill]}" "${count[term]}" "${count[term-mpirun]}" "${count[flip]}" "${count[truncate]}" \
-		"$(echo ${vis} | tr " " ",")" "$redone" "$restarts" "$refused" "$fmed" "$fmax" "$rmed" "$goods" "$refgoods" "$checks" "$maxrel" "$accs $accok" "${pathl% }$([ "$resets" = 0 ] || echo " ($resets with the 1-bit codec's error feedback restarted)")")")
+		"$(echo ${vis} | tr " " ",")" "$redone" "$restarts" "$refused" "$fmed" "$fmax" "$rmed" "$goods" "$refgoods" "$proj" "$checks" "$maxrel" "$accs $accok" "${pathl% }$([ "$resets" = 0 ] || echo " ($resets with the 1-bit codec's error feedback restarted)")")")
 done
 
 # Nothing left behind: no rank process, no namespace.
@@ -541,11 +559,12 @@ fi
 
 echo
 echo "soak-elastic: seed $SEED; impairment: $impaired; $(($(date +%s) - t_start)) s"
-printf '%-25s %3s %4s %4s %5s %4s %4s %3s %4s %7s %6s %4s %4s %8s %8s %8s %12s %12s %6s %9s  %s  %s\n' optimizer rnd int size kill term tmpi flp trnc worlds redone rst0 refd "fault" "max" restart "goodput%" "uninterr%" checks "max rel" "acc/uninterrupted@ranks ok" "paths"
+printf '%-25s %3s %4s %4s %5s %4s %4s %3s %4s %11s %6s %4s %4s %8s %8s %8s %12s %12s %6s %6s %9s  %s  %s\n' optimizer rnd int size kill term tmpi flp trnc worlds redone rst0 refd "fault" "max" restart "goodput%" "uninterr%" "@60s%" checks "max rel" "acc/uninterrupted@ranks ok" "paths"
 for r in "${rows[@]}"; do echo "$r"; done
 echo "columns: rnd trajectories; int interruptions; size of them changing the number of ranks; tmpi term-mpirun; flp/trnc damaged newest files;"
 echo "  rst0 restarts from step 0; refd resumes refused (exchange in flight) and resumed on the old size; fault: median seconds from the interruption"
 echo "  to the first new step (max beside; restart: launch to first step); goodput per trajectory vs the uninterrupted run's on the last size;"
+echo "  @60s: the goodput a fault every 60 s would leave (the uninterrupted run's, less the median fault and the mean steps redone per fault);"
 echo "  checks: carried-state checks passed (max rel diff of the carried buffers against the old ranks')"
 echo "hangs: $hangs; rank processes left: ${left:-none}; namespaces left: $nsleft"
 if [ -n "$left" ] || [ "$nsleft" != 0 ]; then
