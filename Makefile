@@ -2,7 +2,7 @@
 GO      ?= go
 FUZZTIME ?= 10s
 
-.PHONY: gpu-check all build test test-unit test-race test-mpi test-integrations conformance bench bench-net bench-mpi-allreduce lint fuzz demo demo-net demo-gpt demo-gpt-net demo-gpt-rates plan-vs-one plot-bytes mnist-data ptx soak cluster-hostfile
+.PHONY: gpu-check all build test test-unit test-race test-mpi test-integrations conformance bench bench-net bench-mpi-allreduce lint fuzz demo demo-net demo-gpt demo-gpt-net demo-gpt-rates plan-vs-one plot-bytes mnist-data ptx soak soak-elastic cluster-hostfile
 
 all: build
 
@@ -127,6 +127,21 @@ mnist-data:
 ## Needs root and Open MPI. (make test runs its short form, test-mpi.)
 soak: mnist-data
 	./scripts/soak.sh
+
+## soak-elastic: the elastic soak (scripts/soak-elastic.sh): MNIST under
+## mpirun in the impaired namespace, killed, preempted and its checkpoints
+## damaged at random steps from SEED, each time resumed on a number of
+## ranks drawn from SEED (2 to 6), for every optimizer and mode with a
+## checkpoint (1-bit Adam's modes, 1-bit LAMB, 0/1 Adam, zero-adam, 1-bit
+## Muon's modes, the outer optimizer with the 1-bit and sparse codecs,
+## AdamW and Muon inside); each resume must continue from the newest step
+## every old rank held, name its path and pass the example's carried-state
+## check; a table of faults, sizes, steps redone, seconds per fault,
+## goodput and final accuracy against uninterrupted runs. SOAK_S (600),
+## SEED, OPTIMIZERS, INTERRUPTS (22). Needs root and Open MPI. (make test
+## runs its short form, test-mpi.)
+soak-elastic: mnist-data
+	./scripts/soak-elastic.sh
 
 ## demo-gpt-rates: time to target of the GPT example on 4 MPI ranks over
 ## loopbacks shaped to 1 Mbit/s (the outer optimizer's rows only), 10 Mbit/s,

@@ -142,6 +142,24 @@ if [ -x "$mnist" ]; then
 	fi
 fi
 
+# The short elastic soak (scripts/soak-elastic.sh; make soak-elastic is
+# the long one): 1-bit Adam and the outer optimizer (1-bit codec) under
+# mpirun, preempted with a flipped byte, killed and preempted again, each
+# time resumed on another number of ranks (2 -> 3 -> 2 -> 4): every resume
+# must continue from the newest step every old rank held, name its path
+# and pass the example's check of the carried state.
+if [ -x "$mnist" ]; then
+	run "$tmp/soak-elastic.log" timeout -k 10 180 env SOAK_SHORT=1 SEED=7 BIN="$mnist" GO="$GO" ./scripts/soak-elastic.sh
+	if [ "$rc" -eq 0 ]; then
+		echo "MPI tests: short elastic soak (2 -> 3 -> 2 -> 4 ranks, onebit-adam, diloco-1bit) ok (${ms} ms)"
+		passed=$((passed + 1))
+	else
+		echo "MPI tests: short elastic soak FAILED (exit $rc after ${ms} ms):"
+		tail -n 30 "$tmp/soak-elastic.log"
+		fail=$((fail + 1))
+	fi
+fi
+
 # SIGTERM to mpirun while MNIST trains (the termAtEnv hook: rank 0 sends it
 # to its parent, mpirun, after step 6; Open MPI passes it on to every rank
 # stop_s later and SIGKILLs them stop_s after that): every rank stops at

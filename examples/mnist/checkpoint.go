@@ -9,6 +9,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -60,7 +61,12 @@ const (
 	// each resume on another number of ranks. Ranks resume together only
 	// from files of the same step and generation, so that files of two
 	// trajectories that reached the same step never mix.
-	ckptGen           = ckptPrefix + "generation"
+	ckptGen = ckptPrefix + "generation"
+	// ckptRun is the run's identity: a random number rank 0 draws when a
+	// run starts from step 0, kept by every resume (on any number of
+	// ranks). A resume refuses a directory that holds files of two runs
+	// instead of mixing them; 0 in files made before it was kept.
+	ckptRun           = ckptPrefix + "run"
 	ckptEvalWidth     = 5
 	ckptEvalWidthWall = 4 // files made before the bytes column
 	ckptEvalWidthOld  = 3 // files made before the wall column
@@ -79,6 +85,16 @@ type checkpointer struct {
 	rank     int
 	settings []setting
 	gen      int64 // this run's generation (ckptGen)
+	run      int64 // this run's identity (ckptRun)
+	// inFlight is, on rank 0 after a resume's search for another number
+	// of ranks' files (otherWorld), the newest complete set it passed over
+	// because the outer optimizer had an exchange in flight at that step,
+	// which outer.Regroup cannot take on another number of ranks: its step
+	// and number of ranks, step -1 for none.
+	inFlight struct{ step, world int64 }
+	// runs maps, on rank 0 after otherWorld, every run identity (ckptRun)
+	// of the usable files it saw to their paths.
+	runs map[int64][]string
 }
 
 // setting is one flag that decides the training trajectory, as a checkpoint
@@ -112,6 +128,11 @@ func settings(cfg trainConfig, world int) []setting {
 			setting{"-outer-fragments", int64(o.Fragments), fmt.Sprint(o.Fragments)},
 			setting{"-outer-delay", int64(o.Delay), fmt.Sprint(o.Delay)},
 			setting{"-outer-codec", int64(o.Codec), o.Codec.String()})
+		inner := setting{"-outer-inner", 0, "adam"}
+		if h.outerMuon {
+			inner = setting{"-outer-inner", 1, "muon"}
+		}
+		s = append(s, inner)
 	}
 	return s
 }
@@ -130,6 +151,9 @@ func newCheckpointer(cfg trainConfig, rank, world int) *checkpointer {
 func (k *checkpointer) mismatch(ck *optim.Checkpoint) string {
 	for _, s := range k.settings {
 		v, err := ck.Int(ckptSetting + s.flag)
+		if err != nil && s.flag == "-outer-inner" {
+			v, err = 0, nil // made before -outer-inner: adam
+		}
 		if err != nil {
 			return fmt.Sprintf("records no %s", s.flag)
 		}
@@ -168,6 +192,7 @@ func (k *checkpointer) save(ctx context.Context, c comm.Comm, opt optim.Optimize
 	ck.Ints[ckptStep] = int64(step)
 	ck.Ints[ckptTotal] = int64(total)
 	ck.Ints[ckptGen] = k.gen
+	ck.Ints[ckptRun] = k.run
 	ck.Ints[ckptElapsed] = int64(elapsed)
 	ck.Ints[ckptSent] = sent
 	for _, s := range k.settings {
@@ -218,6 +243,7 @@ type restored struct {
 	evals    []evalPoint
 	elapsed  time.Duration // training wall time before step (evaluations excluded)
 	gen      int64         // the run's generation (see ckptGen)
+	run      int64         // the run's identity (see ckptRun), 0 for unknown
 	sent     int64         // what this rank sent in Step before step (-1: unknown)
 	// fromWorld is the number of ranks that made the checkpoint: another
 	// than this run's when it resumed on another number of ranks (see
@@ -228,8 +254,9 @@ type restored struct {
 	lr    float32
 	hasLR bool
 	// carried is how a resume on another number of ranks carried the
-	// state over.
+	// state over; check, what checkCarried found of it (rank 0's).
 	carried carry
+	check   *carriedReport
 }
 
 // candidate is one usable checkpoint file of a rank.
@@ -239,6 +266,11 @@ type candidate struct {
 	step  int64
 	gen   int64
 	world int64 // the -workers it was made with
+	run   int64 // the run's identity (ckptRun), 0 for unknown
+	// inFlight: an outer optimizer's checkpoint taken with an exchange in
+	// flight (outer.IntPending), which resumes on the number of ranks that
+	// made it only.
+	inFlight bool
 }
 
 // key orders candidates: by step, then generation. -1 for none.
@@ -271,6 +303,10 @@ func (k *checkpointer) load(path string, total int) (*candidate, string) {
 	}
 	c.world, _ = ck.Int(ckptSetting + "-workers") // mismatch checked it is there
 	c.gen, _ = ck.Int(ckptGen)                    // 0 in files made before generations
+	c.run, _ = ck.Int(ckptRun)                    // 0 in files made before run identities
+	if strings.HasPrefix(ck.Algorithm, outer.AlgorithmPrefix) {
+		c.inFlight = ck.Ints[outer.IntPending] >= 0
+	}
 	if c.step < 0 || c.step > int64(total) || c.gen < 0 || c.gen >= 1<<16 || c.world < 1 {
 		return nil, fmt.Sprintf("%s: step %d, generation %d or world %d out of range", path, c.step, c.gen, c.world)
 	}
@@ -302,11 +338,15 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 	w := c.Size()
 	k.removeTemps(warn)
 	var own [2]*candidate
+	var ownRuns [2]int64 // the runs of this rank's files, of any number of ranks
 	var problems []string
 	for slot := range 2 {
 		cand, p := k.load(k.pathOf(k.rank, slot), total)
 		if p != "" {
 			problems = append(problems, p)
+		}
+		if cand != nil {
+			ownRuns[slot] = cand.run
 		}
 		if cand != nil && cand.world == int64(w) {
 			own[slot] = cand
@@ -315,14 +355,17 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 	for _, p := range problems {
 		fmt.Fprintf(warn, "mnist: warning: rank %d: -resume: unusable checkpoint: %s\n", k.rank, p)
 	}
-	// Every rank learns every rank's two keys, number of problems and
-	// number of files of the optimizer (of any number of ranks).
-	const fields = 4
+	// Every rank learns every rank's two keys, number of problems, number
+	// of files of the optimizer (of any number of ranks) and the runs its
+	// two files belong to.
+	const fields = 6
 	mine := make([]byte, 8*fields)
 	binary.LittleEndian.PutUint64(mine[0:], uint64(own[0].key()))
 	binary.LittleEndian.PutUint64(mine[8:], uint64(own[1].key()))
 	binary.LittleEndian.PutUint64(mine[16:], uint64(len(problems)))
 	binary.LittleEndian.PutUint64(mine[24:], uint64(k.files()))
+	binary.LittleEndian.PutUint64(mine[32:], uint64(ownRuns[0]))
+	binary.LittleEndian.PutUint64(mine[40:], uint64(ownRuns[1]))
 	all := make([]byte, len(mine)*w)
 	if err := c.AllGatherBytes(ctx, mine, all); err != nil {
 		return nil, err
@@ -344,17 +387,34 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 			same = max(same, key)
 		}
 	}
-	// Rank 0 looks for a complete set made on another number of ranks.
-	other := make([]byte, 16)
+	// Rank 0 looks for a complete set made on another number of ranks,
+	// and for files of other runs among every file it sees.
+	other := make([]byte, 40)
 	if k.rank == 0 {
 		key, world := k.otherWorld(total, w)
 		binary.LittleEndian.PutUint64(other[0:], uint64(key))
 		binary.LittleEndian.PutUint64(other[8:], uint64(world))
+		binary.LittleEndian.PutUint64(other[16:], uint64(len(k.runs)))
+		binary.LittleEndian.PutUint64(other[24:], uint64(k.inFlight.step))
+		binary.LittleEndian.PutUint64(other[32:], uint64(k.inFlight.world))
 	}
 	if err := c.BroadcastBytes(ctx, other, 0); err != nil {
 		return nil, err
 	}
 	otherKey, otherWorld := int64(binary.LittleEndian.Uint64(other[0:])), int(binary.LittleEndian.Uint64(other[8:]))
+	// Files of two runs in one directory: refused, never mixed.
+	runs := map[int64]bool{}
+	for r := range w {
+		for f := 4; f < 6; f++ {
+			if id := field(r, f); id != 0 {
+				runs[id] = true
+			}
+		}
+	}
+	if len(runs) > 1 || binary.LittleEndian.Uint64(other[16:]) > 1 {
+		return nil, k.twoRuns()
+	}
+	k.inFlight.step, k.inFlight.world = int64(binary.LittleEndian.Uint64(other[24:])), int64(binary.LittleEndian.Uint64(other[32:]))
 	if nfiles == 0 && k.cfg.freshIfNone {
 		if k.rank == 0 {
 			fmt.Fprintf(warn, "mnist: -resume: %s had not saved a checkpoint: it starts from step 0\n", k.name)
@@ -367,6 +427,10 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 			msg += ": " + strings.Join(problems, "; ")
 		} else if nproblems > 0 {
 			msg += fmt.Sprintf(" (%d unusable files on other ranks, named in their warnings)", nproblems)
+		}
+		if k.inFlight.step >= 0 {
+			msg += fmt.Sprintf(": the files of step %d made on %d ranks (%s) have an exchange in flight, which outer.Regroup cannot take on another number of ranks; resume on %d ranks",
+				k.inFlight.step, k.inFlight.world, filepath.Join(k.cfg.dir, k.name+".rank*.*.ckpt"), k.inFlight.world)
 		}
 		return nil, errors.New(msg)
 	}
@@ -409,12 +473,19 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 		fmt.Fprintf(warn, "mnist: warning: -resume: %s falls back to step %d, the newest step every rank holds (newest file: step %d): %s\n",
 			k.name, res.step, max(newest>>16, int64(res.step)), why)
 	}
+	if k.rank == 0 && res.fromWorld != w && k.inFlight.step > int64(res.step) {
+		fmt.Fprintf(warn, "mnist: warning: -resume: %s falls back to step %d: the newer step %d (made on %d ranks) has an exchange in flight, which outer.Regroup cannot take on another number of ranks\n",
+			k.name, res.step, k.inFlight.step, k.inFlight.world)
+	}
 	if k.rank == 0 {
 		fmt.Fprintf(warn, "mnist: -resume: %s continues from step %d of %d\n", k.name, res.step, total)
 	}
 	if res.fromWorld != w && k.rank == 0 {
 		fmt.Fprintf(warn, "mnist: -resume: %s checkpoint of step %d was made on %d ranks, this run has %d: continuing, %s\n",
 			k.name, res.step, res.fromWorld, w, res.carried)
+		if res.check != nil {
+			fmt.Fprintf(warn, "mnist: -resume: %s carried: %s\n", k.name, res.check)
+		}
 	}
 	return res, nil
 }
@@ -430,12 +501,18 @@ func (k *checkpointer) otherWorld(total, w int) (key int64, world int) {
 		world int64
 	}
 	ranks := map[set]map[int64]bool{}
+	inFlight := map[set]bool{}
+	k.runs = map[int64][]string{}
+	k.inFlight.step = -1
 	for _, p := range paths {
 		var r, slot int64
 		if _, err := fmt.Sscanf(strings.TrimPrefix(filepath.Base(p), k.name+".rank"), "%d.%d.ckpt", &r, &slot); err != nil {
 			continue
 		}
 		cand, _ := k.load(p, total)
+		if cand != nil && cand.run != 0 {
+			k.runs[cand.run] = append(k.runs[cand.run], p)
+		}
 		if cand == nil || cand.world == int64(w) || r >= cand.world {
 			continue
 		}
@@ -444,13 +521,46 @@ func (k *checkpointer) otherWorld(total, w int) (key int64, world int) {
 			ranks[s] = map[int64]bool{}
 		}
 		ranks[s][r] = true
+		inFlight[s] = inFlight[s] || cand.inFlight
 	}
 	for s, rs := range ranks {
-		if int64(len(rs)) == s.world && s.key > key {
+		if int64(len(rs)) != s.world {
+			continue
+		}
+		if inFlight[s] {
+			// outer.Regroup refuses it: an older set may do.
+			if s.key>>16 > k.inFlight.step {
+				k.inFlight.step, k.inFlight.world = s.key>>16, s.world
+			}
+			continue
+		}
+		if s.key > key {
 			key, world = s.key, int(s.world)
 		}
 	}
 	return key, world
+}
+
+// twoRuns is the refusal of a directory holding the files of two runs
+// (ckptRun): rank 0 names them, by run; the other ranks refer to it.
+func (k *checkpointer) twoRuns() error {
+	if k.rank != 0 || len(k.runs) < 2 {
+		return fmt.Errorf("-resume: %s holds checkpoints of %s from two different runs (rank 0 names the files): resuming would mix them; remove one run's files or give another -checkpoint",
+			k.cfg.dir, k.name)
+	}
+	ids := make([]int64, 0, len(k.runs))
+	for id := range k.runs {
+		ids = append(ids, id)
+	}
+	slices.Sort(ids)
+	var parts []string
+	for _, id := range ids {
+		ps := slices.Clone(k.runs[id])
+		slices.Sort(ps)
+		parts = append(parts, fmt.Sprintf("run %016x: %s", uint64(id), strings.Join(ps, ", ")))
+	}
+	return fmt.Errorf("-resume: %s holds checkpoints of %s from %d different runs (%s): resuming would mix them; remove one run's files or give another -checkpoint",
+		k.cfg.dir, k.name, len(ids), strings.Join(parts, "; "))
 }
 
 // carry is how a checkpoint made on another number of ranks continues on
@@ -470,9 +580,14 @@ const (
 	// carryConsolidate: zero-adam loads zero.Consolidate of every old
 	// rank's shard of the moments.
 	carryConsolidate
-	// carryRefused: the outer optimizer (diloco) resumes on the number of
-	// ranks that made it only.
-	carryRefused
+	// carryOuter: the outer optimizer (diloco, every codec, AdamW or Muon
+	// inside): each new rank loads outer.Regroup of every old rank's
+	// checkpoint: θ_g and u (the same on every rank), the sparse codec's
+	// accumulators' mean, the inner state and local parameters of old
+	// rank r mod W; the 1-bit codec's error feedback restarts from zero.
+	// A checkpoint with an exchange in flight does not regroup: the
+	// resume falls back to an older step (otherWorld).
+	carryOuter
 )
 
 // carryOf says how a checkpoint ck continues on another number of ranks,
@@ -488,7 +603,7 @@ func carryOf(ck *optim.Checkpoint) carry {
 	case a == zero.Algorithm:
 		return carryConsolidate
 	case strings.HasPrefix(a, outer.AlgorithmPrefix):
-		return carryRefused
+		return carryOuter
 	}
 	return carryCopy
 }
@@ -500,8 +615,8 @@ func (c carry) String() string {
 		return "error feedback carried over (onebit.Regroup)"
 	case carryConsolidate:
 		return "moments re-sharded (zero.Consolidate)"
-	case carryRefused:
-		return "refused"
+	case carryOuter:
+		return "global parameters and outer momentum carried over, inner state of old rank r mod W (outer.Regroup)"
 	}
 	return "the same state on every rank"
 }
@@ -512,7 +627,8 @@ func (c carry) String() string {
 // checkpoint, zero-adam the consolidation of every old rank's shard
 // (zero.Consolidate), and the exact optimizers, whose state is the same
 // on every rank, old rank (rank mod world)'s checkpoint as it is; diloco
-// is refused.
+// outer.Regroup of every old rank's checkpoint. Rank 0 checks what the
+// regrouping carried (checkCarried) and fails where it does not hold.
 func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world, w int) (*restored, error) {
 	find := func(r int) (*candidate, error) {
 		for slot := range 2 {
@@ -539,26 +655,55 @@ func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world,
 		return nil, err
 	}
 	var load *optim.Checkpoint
+	var check *carriedReport
 	how := carryOf(cand.ck)
+	// regroup is onebit.Regroup or outer.Regroup: this rank's state, and
+	// on rank 0 every new rank's, which checkCarried compares with the
+	// old ranks'.
+	regroup := func(f func([]*optim.Checkpoint, int, int) (*optim.Checkpoint, error)) error {
+		cks, err := all()
+		if err != nil {
+			return err
+		}
+		if load, err = f(cks, w, k.rank); err != nil {
+			return fmt.Errorf("-resume: %w (files: %s)", err, k.setNames(key, world, total))
+		}
+		if k.rank != 0 {
+			return nil
+		}
+		news := make([]*optim.Checkpoint, w)
+		for r := range w {
+			if news[r], err = f(cks, w, r); err != nil {
+				return fmt.Errorf("-resume: %w", err)
+			}
+		}
+		rep, err := checkCarried(how, cks, news)
+		check = &rep
+		return err
+	}
 	switch how {
-	case carryRefused:
-		return nil, fmt.Errorf("-resume: %s: made on %d ranks, this run has %d: %s resumes on the number of ranks that made it only (each rank's inner Adam moments and pending exchanges are its own; in a program of your own outer.Regroup of every rank's checkpoint moves it: docs/gomlx.md, \"Changing the number of ranks\")",
-			cand.path, world, w, k.name)
 	case carryConsolidate:
 		cks, err := all()
 		if err != nil {
 			return nil, err
 		}
 		if load, err = zero.Consolidate(cks); err != nil {
-			return nil, fmt.Errorf("-resume: %w", err)
+			return nil, fmt.Errorf("-resume: %w (files: %s)", err, k.setNames(key, world, total))
+		}
+		if k.rank == 0 {
+			rep, err := checkCarried(how, cks, []*optim.Checkpoint{load})
+			if err != nil {
+				return nil, err
+			}
+			check = &rep
 		}
 	case carryRegroup:
-		cks, err := all()
-		if err != nil {
+		if err := regroup(onebit.Regroup); err != nil {
 			return nil, err
 		}
-		if load, err = onebit.Regroup(cks, w, k.rank); err != nil {
-			return nil, fmt.Errorf("-resume: %w", err)
+	case carryOuter:
+		if err := regroup(outer.Regroup); err != nil {
+			return nil, err
 		}
 	default:
 		load = k.strip(cand.ck)
@@ -574,7 +719,27 @@ func (k *checkpointer) reworld(opt optim.Optimizer, total int, key int64, world,
 	res.gen = cand.gen + 1 // a new trajectory: its files must not mix with the old one's
 	res.fromWorld = world
 	res.carried = how
+	res.check = check
+	res.run = cand.run
 	return res, nil
+}
+
+// setNames lists the files of the set of key made on world ranks, for an
+// error that refuses them.
+func (k *checkpointer) setNames(key int64, world, total int) string {
+	var ps []string
+	for r := range world {
+		for slot := range 2 {
+			p := k.pathOf(r, slot)
+			if cand, _ := k.load(p, total); cand != nil && cand.key() == key {
+				ps = append(ps, p)
+			}
+		}
+	}
+	if len(ps) == 0 {
+		return fmt.Sprintf("%s.rank0..%d.*.ckpt of step %d in %s", k.name, world-1, key>>16, k.cfg.dir)
+	}
+	return strings.Join(ps, ", ")
 }
 
 // apply loads ck, read from path, into opt: the same number of ranks.
@@ -589,6 +754,7 @@ func (k *checkpointer) apply(opt optim.Optimizer, path string, ck *optim.Checkpo
 	}
 	res.lr, res.hasLR = checkpointLR(load)
 	res.gen, _ = ck.Int(ckptGen)
+	res.run, _ = ck.Int(ckptRun)
 	res.fromWorld = int(ck.Ints[ckptSetting+"-workers"])
 	return res, nil
 }

@@ -105,6 +105,7 @@ type options struct {
 	// -outer-density and -outer-decay, the sparse codec's.
 	outerDensity, outerDecay float64
 	outerCodec               string // -outer-codec
+	outerInner               string // -outer-inner: adam or muon
 
 	// allowInprocess is -allow-inprocess-under-mpi: -backend local even
 	// where the environment says this process is one rank of an MPI job.
@@ -119,7 +120,7 @@ type options struct {
 func (o *options) hyper() hyper {
 	reduce, scatter, _ := reducesOf(o.optimizer, o.reduce) // checked by parseFlags
 	h := hyper{lr: float32(o.lr), muonLR: float32(o.muonLR), freezeStep: o.freezeStep, reduce: reduce, scatter: scatter,
-		localStepScaler: o.localSteps, outer: o.outer, outerState: o.outerState, muonWarmupAdamW: o.muonWarmup != "all"}
+		localStepScaler: o.localSteps, outer: o.outer, outerState: o.outerState, outerMuon: o.outerInner == "muon", muonWarmupAdamW: o.muonWarmup != "all"}
 	h.muonState, h.muonBF16, _ = onebit.ParseMuonStateMode(o.muonState) // checked by parseFlags
 	return h
 }
@@ -178,6 +179,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		o.outer.SparseExchange = x
 		return nil
 	})
+	fs.StringVar(&o.outerInner, "outer-inner", "adam", "diloco: the inner optimizer: adam (AdamW with -lr) or muon (Muon with -muon-lr over the weight matrices, its AdamW with -lr over the biases: MuLoCo's setting; with the sparse codec only with -outer-sparse-with-muon)")
+	fs.BoolVar(&o.outer.SparseWithMuon, "outer-sparse-with-muon", false, "diloco: accept -outer-codec sparse around -outer-inner muon, which the library refuses by default (outer.Config.SparseWithMuon: it converged worse than the 1-bit codec on the GPT example)")
 	fs.StringVar(&o.outerCodec, "outer-codec", outer.CodecSparse.String(), "diloco: how the pseudo-gradients travel: fp32, bf16, int8, 1bit, sparse (each with its measured outer learning rate and momentum, outer.DefaultConfigFor)")
 	if err := cliflag.Parse(fs, args); err != nil {
 		return nil, err
@@ -213,6 +216,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("freeze-step", "want at least 0")
 	case !validMuonState(o.muonState):
 		return bad("muon-state", "want full, compact or compact-bf16")
+	case o.outerInner != "adam" && o.outerInner != "muon":
+		return bad("outer-inner", "want adam or muon")
 	case o.muonWarmup != "adamw" && o.muonWarmup != "all":
 		return bad("muon-warmup", "want adamw or all")
 	case o.localSteps < 1:

@@ -148,6 +148,9 @@ type hyper struct {
 	// codec's accumulator (outer.Config.AccumulatorBF16); the zero value,
 	// outerstate.Auto, is bfloat16 with the sparse codec.
 	outerState outerstate.Mode
+	// outerMuon is -outer-inner muon: diloco's inner optimizer is Muon
+	// (muon's selection, layout and learning rates), not AdamW.
+	outerMuon bool
 	// muonState and muonBF16 are -muon-state: onebit-muon's StateMode and
 	// MomentumBF16; muonWarmupAdamW is -muon-warmup adamw (the default):
 	// its WarmupAdamWOnly.
@@ -262,17 +265,26 @@ func newOptimizer(ctx context.Context, name string, c comm.Comm, params []*optim
 		oc := h.outer
 		adam.MomentsBF16 = h.outerState.MomentsBF16(oc.Codec)
 		oc.AccumulatorBF16 = h.outerState.AccumulatorBF16(oc.Codec)
-		return outer.NewAdam(ctx, c, params, oc, adam)
+		if !h.outerMuon {
+			return outer.NewAdam(ctx, c, params, oc, adam)
+		}
+		// Muon inside (MuLoCo's setting): local, on no communicator, over
+		// the transposes of the weight matrices as -optimizer muon.
+		return outer.NewFrom(ctx, c, oc, func() (optim.Optimizer, error) {
+			cfg := optim.DefaultMuonConfig()
+			cfg.LR, cfg.AdamLR = h.muonLR, h.lr
+			t, err := optim.NewTransposed(params, matricesOf(params), func(ps []*optim.Param) (optim.Optimizer, error) {
+				return optim.NewMuon(ctx, nil, ps, cfg)
+			})
+			if err != nil {
+				return nil, err // not a typed nil
+			}
+			return t, nil
+		})
 	case muon, onebitMuon:
 		cfg := optim.DefaultMuonConfig() // Params nil: every matrix, w1 and w2
 		cfg.LR, cfg.AdamLR, cfg.Reduce = h.muonLR, h.lr, h.reduce
-		var matrices []string
-		for _, p := range params {
-			if len(p.Shape()) >= 2 {
-				matrices = append(matrices, p.Name)
-			}
-		}
-		t, err := optim.NewTransposed(params, matrices, func(ps []*optim.Param) (optim.Optimizer, error) {
+		t, err := optim.NewTransposed(params, matricesOf(params), func(ps []*optim.Param) (optim.Optimizer, error) {
 			if name == onebitMuon {
 				ocfg := onebit.DefaultMuonConfig()
 				ocfg.MuonConfig, ocfg.FreezeStep = cfg, h.freezeStep
@@ -293,4 +305,16 @@ func newOptimizer(ctx context.Context, name string, c comm.Comm, params []*optim
 		return zero.NewAdam(ctx, c, params, cfg)
 	}
 	return nil, fmt.Errorf("unknown optimizer %q", name)
+}
+
+// matricesOf names the parameters of params that are matrices: what
+// Muon takes (w1 and w2).
+func matricesOf(params []*optim.Param) []string {
+	var matrices []string
+	for _, p := range params {
+		if len(p.Shape()) >= 2 {
+			matrices = append(matrices, p.Name)
+		}
+	}
+	return matrices
 }

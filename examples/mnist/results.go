@@ -183,7 +183,7 @@ func (r *resultReader) eval(prefix string) evalPoint {
 // carriedCode is how a result file keeps carried, a carry's String or ""
 // (no resume on another number of ranks): the carry plus 1, or 0.
 func carriedCode(carried string) int64 {
-	for c := carryCopy; c <= carryRefused; c++ {
+	for c := carryCopy; c <= carryOuter; c++ {
 		if c.String() == carried {
 			return int64(c) + 1
 		}
@@ -193,7 +193,7 @@ func carriedCode(carried string) int64 {
 
 // carriedOf is the carried that carriedCode kept as code.
 func carriedOf(code int64) string {
-	if code < 1 || code > int64(carryRefused)+1 {
+	if code < 1 || code > int64(carryOuter)+1 {
 		return ""
 	}
 	return carry(code - 1).String()

@@ -48,7 +48,7 @@ func TestResultRoundTrip(t *testing.T) {
 	got.loss, want.loss = nil, nil
 	assert.Equal(t, want, got)
 
-	for _, carried := range []string{"", carryCopy.String(), carryConsolidate.String(), carryRefused.String()} {
+	for _, carried := range []string{"", carryCopy.String(), carryConsolidate.String(), carryOuter.String()} {
 		assert.Equal(t, carried, carriedOf(carriedCode(carried)))
 	}
 }

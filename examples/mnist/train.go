@@ -221,7 +221,7 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 		res.evals = back.evals
 		sentBefore = back.sent
 		before = back.elapsed
-		ckpt.gen = back.gen
+		ckpt.gen, ckpt.run = back.gen, back.run
 		line, err := resumeLR(opt, back, cfg.hyper.lr, cfg.lrSet)
 		if err != nil {
 			return nil, err
@@ -269,6 +269,13 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 		}}
 		if err := fc.CarryFlags(flags); err != nil {
 			return nil, fmt.Errorf("carrying the stop request: %w", err)
+		}
+	}
+	if ckpt != nil && ckpt.run == 0 {
+		// A run from step 0 (or from files made before run identities):
+		// a new identity, the same on every rank.
+		if ckpt.run, err = drawRun(ctx, c); err != nil {
+			return nil, err
 		}
 	}
 	first := step // the boundary this run starts at: no stop is asked there
@@ -328,6 +335,13 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 			lossHist[step] = float32(loss) * scale
 			epochLoss += float64(lossHist[step])
 			step++
+			if step == first+1 && ckpt != nil && rank == 0 {
+				// When the run's first step is done, in wall-clock time:
+				// scripts/soak-elastic.sh measures the time from an
+				// interruption to the first new step (restart, load,
+				// regroup) with it.
+				fmt.Fprintf(warn, "mnist: first step %d at %d\n", step, time.Now().UnixNano())
+			}
 			if step%evalEvery == 0 || step == total {
 				if err := evaluate(step); err != nil {
 					return nil, err
@@ -397,6 +411,19 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 	res.test = res.evals[len(res.evals)-1]
 	res.finalHash = finalHash
 	return res, nil
+}
+
+// drawRun returns a run identity (ckptRun) rank 0 draws, on every rank:
+// a random non-zero number.
+func drawRun(ctx context.Context, c comm.Comm) (int64, error) {
+	b := make([]byte, 8)
+	if c.Rank() == 0 {
+		binary.LittleEndian.PutUint64(b, rand.Uint64()>>1|1)
+	}
+	if err := c.BroadcastBytes(ctx, b, 0); err != nil {
+		return 0, fmt.Errorf("agreeing on the run's identity: %w", err)
+	}
+	return int64(binary.LittleEndian.Uint64(b)), nil
 }
 
 // paramsHash returns a hash of this rank's parameters and whether every rank
