@@ -2,7 +2,6 @@ package costmodel
 
 import (
 	"fmt"
-	"math"
 	"slices"
 	"strings"
 
@@ -392,9 +391,6 @@ func bytesDecimal(n int64) string {
 		if x >= u.mul {
 			return fmt.Sprintf("%.3g %s", x/u.mul, u.unit)
 		}
-	}
-	if math.IsNaN(x) {
-		return "?"
 	}
 	return fmt.Sprintf("%d B", n)
 }
