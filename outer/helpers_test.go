@@ -6,6 +6,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/lowbit-ml/lowbit/comm"
@@ -143,4 +144,36 @@ func steppedOn(ctx context.Context, c comm.Comm, ps []*optim.Param, cfg outer.Co
 var exchangeCodecs = []outer.Config{
 	{Codec: outer.CodecFP32}, {Codec: outer.CodecBF16}, {Codec: outer.CodecInt8}, {Codec: outer.CodecOneBit},
 	{Codec: outer.CodecSparse}, {Codec: outer.CodecSparse, SparseExchange: outer.SparseTwoPhase},
+}
+
+// requireSameGlobals runs calls steps of outer.NewAdam with cfg on w
+// ranks (gradients from setGrads) and requires every rank to hold the
+// same θ_g, bit for bit, after every call, and θ_g to have moved.
+func requireSameGlobals(t *testing.T, w int, cfg outer.Config, calls int) {
+	t.Helper()
+	globals := newPerRank[[][]float32](w)
+	runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+		ps := newParams(t, sizes)
+		o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+		if err != nil {
+			return err
+		}
+		defer o.Close()
+		var gs [][]float32
+		for i := 1; i <= calls; i++ {
+			setGrads(ps, c.Rank(), i)
+			if err := o.Step(ctx); err != nil {
+				return err
+			}
+			gs = append(gs, append([]float32(nil), o.Global()...))
+		}
+		globals.set(c.Rank(), gs)
+		return nil
+	})
+	for r := 1; r < w; r++ {
+		for i := range calls {
+			require.Equal(t, bitsOf(globals.v[0][i]), bitsOf(globals.v[r][i]), "call %d: θ_g of rank %d", i+1, r)
+		}
+	}
+	assert.NotEqual(t, globals.v[0][0], globals.v[0][calls-1], "θ_g never moved")
 }

@@ -33,31 +33,7 @@ func TestSharedIdenticalOnEveryRank(t *testing.T) {
 			for _, vbits := range []int{1, 2} {
 				cfg.SparseBits = vbits
 				t.Run(fmt.Sprintf("W%d/F%d/D%d/bits%d/%s", w, cfg.Fragments, cfg.Delay, vbits, cfg.SparseExchange), func(t *testing.T) {
-					globals := newPerRank[[][]float32](w)
-					runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
-						ps := newParams(t, sizes)
-						o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
-						if err != nil {
-							return err
-						}
-						defer o.Close()
-						var gs [][]float32
-						for i := 1; i <= calls; i++ {
-							setGrads(ps, c.Rank(), i)
-							if err := o.Step(ctx); err != nil {
-								return err
-							}
-							gs = append(gs, append([]float32(nil), o.Global()...))
-						}
-						globals.set(c.Rank(), gs)
-						return nil
-					})
-					for r := 1; r < w; r++ {
-						for i := range calls {
-							require.Equal(t, bitsOf(globals.v[0][i]), bitsOf(globals.v[r][i]), "call %d: θ_g of rank %d", i+1, r)
-						}
-					}
-					assert.NotEqual(t, globals.v[0][0], globals.v[0][calls-1], "θ_g never moved")
+					requireSameGlobals(t, w, cfg, calls)
 				})
 			}
 		}

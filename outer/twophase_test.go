@@ -26,31 +26,7 @@ func TestTwoPhaseIdenticalOnEveryRank(t *testing.T) {
 	for _, w := range []int{2, 3, 4} {
 		for _, cfg := range []outer.Config{twoPhase(config(outer.CodecSparse, 4, 1, 0)), twoPhase(config(outer.CodecSparse, 4, 2, 2))} {
 			t.Run(fmt.Sprintf("W%d/F%d/D%d", w, cfg.Fragments, cfg.Delay), func(t *testing.T) {
-				globals := newPerRank[[][]float32](w)
-				runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
-					ps := newParams(t, sizes)
-					o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
-					if err != nil {
-						return err
-					}
-					defer o.Close()
-					var gs [][]float32
-					for i := 1; i <= calls; i++ {
-						setGrads(ps, c.Rank(), i)
-						if err := o.Step(ctx); err != nil {
-							return err
-						}
-						gs = append(gs, append([]float32(nil), o.Global()...))
-					}
-					globals.set(c.Rank(), gs)
-					return nil
-				})
-				for r := 1; r < w; r++ {
-					for i := range calls {
-						require.Equal(t, bitsOf(globals.v[0][i]), bitsOf(globals.v[r][i]), "call %d: θ_g of rank %d", i+1, r)
-					}
-				}
-				assert.NotEqual(t, globals.v[0][0], globals.v[0][calls-1], "θ_g never moved")
+				requireSameGlobals(t, w, cfg, calls)
 			})
 		}
 	}
