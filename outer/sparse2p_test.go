@@ -67,26 +67,9 @@ func TestTwoPhaseTelescopes(t *testing.T) {
 			require.NoError(t, local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
 				s := testTwoPhase(m, w, c.Rank())
 				s.decay = k.decay
-				rng := rand.New(rand.NewPCG(uint64(c.Rank()), 7))
-				var sent, got [][]float32
-				for range exchanges {
-					d := make([]float32, m)
-					for i := range d {
-						d[i] = float32(rng.NormFloat64())
-					}
-					before := slices.Clone(s.acc)
-					out := make([]float32, m)
-					err := s.allReduceTwoPhase(ctx, c, 0, 0, m,
-						func(lo int, x []float32) { copy(x, d[lo:]) },
-						func(lo int, avg []float32) { copy(out[lo:], avg) })
-					if err != nil {
-						return err
-					}
-					x := make([]float32, m)
-					for i := range x {
-						x[i] = (s.decay*before[i] + d[i]) - s.acc[i]
-					}
-					sent, got = append(sent, x), append(got, out)
+				sent, got, err := randomExchanges(ctx, c, s, m, exchanges, s.allReduceTwoPhase)
+				if err != nil {
+					return err
 				}
 				mu.Lock()
 				defer mu.Unlock()
@@ -250,4 +233,33 @@ func FuzzSparseSegments(f *testing.F) {
 		}
 		checkDecoded(t, dst, 2*s.k(7)+s.k(3))
 	})
+}
+
+// randomExchanges runs exchanges calls of reduce, one of s's exchanges,
+// over m elements of standard normal deltas drawn per rank, and returns
+// per exchange what this rank sent (its accumulator's decayed value plus
+// the delta, less what the accumulator kept) and the average it got.
+func randomExchanges(ctx context.Context, c comm.Comm, s *sparseCodec, m, exchanges int,
+	reduce func(ctx context.Context, c comm.Comm, f, first, m int, delta func(lo int, x []float32), apply func(lo int, avg []float32)) error) (sent, got [][]float32, err error) {
+	rng := rand.New(rand.NewPCG(uint64(c.Rank()), 7))
+	for range exchanges {
+		d := make([]float32, m)
+		for i := range d {
+			d[i] = float32(rng.NormFloat64())
+		}
+		before := slices.Clone(s.acc)
+		out := make([]float32, m)
+		err := reduce(ctx, c, 0, 0, m,
+			func(lo int, x []float32) { copy(x, d[lo:]) },
+			func(lo int, avg []float32) { copy(out[lo:], avg) })
+		if err != nil {
+			return nil, nil, err
+		}
+		x := make([]float32, m)
+		for i := range x {
+			x[i] = (s.decay*before[i] + d[i]) - s.acc[i]
+		}
+		sent, got = append(sent, x), append(got, out)
+	}
+	return sent, got, nil
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"math"
-	"math/rand/v2"
 	"slices"
 	"sync"
 	"testing"
@@ -55,26 +54,9 @@ func TestSharedTelescopes(t *testing.T) {
 					srvs := make([][]float32, w)
 					require.NoError(t, local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
 						s := testSharedX(m, w, c.Rank(), vbits, xc)
-						rng := rand.New(rand.NewPCG(uint64(c.Rank()), 7))
-						var sent, got [][]float32
-						for range exchanges {
-							d := make([]float32, m)
-							for i := range d {
-								d[i] = float32(rng.NormFloat64())
-							}
-							before := slices.Clone(s.acc)
-							out := make([]float32, m)
-							err := s.allReduceShared(ctx, c, 0, 0, m,
-								func(lo int, x []float32) { copy(x, d[lo:]) },
-								func(lo int, avg []float32) { copy(out[lo:], avg) })
-							if err != nil {
-								return err
-							}
-							x := make([]float32, m)
-							for i := range x {
-								x[i] = (s.decay*before[i] + d[i]) - s.acc[i]
-							}
-							sent, got = append(sent, x), append(got, out)
+						sent, got, err := randomExchanges(ctx, c, s, m, exchanges, s.allReduceShared)
+						if err != nil {
+							return err
 						}
 						mu.Lock()
 						defer mu.Unlock()
