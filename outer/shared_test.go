@@ -150,28 +150,5 @@ func TestSharedCheckpoint(t *testing.T) {
 // accumulators at the elements they owned, server accumulators of zero,
 // and θ_g the same everywhere as it trains on.
 func TestRegroupShared(t *testing.T) {
-	cfg := shared(config(outer.CodecSparse, 2, 2, 0))
-	old := states(t, 3, 5, cfg)
-	owned := [][]int{{0, 1, 2, 3, 10, 11, 12, 13}, {4, 5, 6, 7, 14, 15, 16, 17}, {8, 9, 18, 19}}
-	want := make([]float64, 20)
-	for _, ck := range old {
-		for i, v := range ck.Tensor(outer.AccumulatorName).Data {
-			want[i] += float64(v) / 3
-		}
-	}
-	for r, ck := range old {
-		for j, v := range ck.Tensor(outer.ServerAccumulatorName).Data {
-			want[owned[r][j]] += float64(v)
-		}
-	}
-	mean := make([]float32, 20)
-	for i, v := range want {
-		mean[i] = float32(v)
-	}
-	regroupAndTrain(t, old, cfg, 2, func(r int, ck, got *optim.Checkpoint) {
-		assert.InDeltaSlice(t, mean, ck.Tensor(outer.TensorRegroupedAccumulator).Data, 1e-6)
-		assert.InDeltaSlice(t, mean, got.Tensor(outer.AccumulatorName).Data, 1e-6, "rank %d", r)
-		srv := got.Tensor(outer.ServerAccumulatorName).Data
-		assert.Equal(t, make([]float32, len(srv)), srv, "rank %d: the server accumulator restarts from zero", r)
-	})
+	requireRegroupFolds(t, shared(config(outer.CodecSparse, 2, 2, 0)))
 }

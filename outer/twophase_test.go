@@ -145,34 +145,7 @@ func TestTwoPhaseCheckpoint(t *testing.T) {
 // accumulators of zero; it trains on with θ_g the same everywhere. A
 // server accumulator of the wrong length is refused.
 func TestRegroupTwoPhase(t *testing.T) {
-	cfg := twoPhase(config(outer.CodecSparse, 2, 2, 0))
-	old := states(t, 3, 5, cfg)
-	// The owners' elements (2 fragments of 10, chunks of 4, one chunk
-	// per rank): rank 0 owns 0-3 and 10-13, rank 1 4-7 and 14-17, rank 2
-	// 8-9 and 18-19.
-	owned := [][]int{{0, 1, 2, 3, 10, 11, 12, 13}, {4, 5, 6, 7, 14, 15, 16, 17}, {8, 9, 18, 19}}
-	want := make([]float64, 20)
-	for _, ck := range old {
-		for i, v := range ck.Tensor(outer.AccumulatorName).Data {
-			want[i] += float64(v) / 3
-		}
-	}
-	for r, ck := range old {
-		for j, v := range ck.Tensor(outer.ServerAccumulatorName).Data {
-			want[owned[r][j]] += float64(v)
-		}
-	}
-	mean := make([]float32, 20)
-	for i, v := range want {
-		mean[i] = float32(v)
-	}
-
-	regroupAndTrain(t, old, cfg, 2, func(r int, ck, got *optim.Checkpoint) {
-		assert.InDeltaSlice(t, mean, ck.Tensor(outer.TensorRegroupedAccumulator).Data, 1e-6)
-		assert.InDeltaSlice(t, mean, got.Tensor(outer.AccumulatorName).Data, 1e-6, "rank %d", r)
-		srv := got.Tensor(outer.ServerAccumulatorName).Data
-		assert.Equal(t, make([]float32, len(srv)), srv, "rank %d: the server accumulator restarts from zero", r)
-	})
+	old := requireRegroupFolds(t, twoPhase(config(outer.CodecSparse, 2, 2, 0)))
 
 	bad := []*optim.Checkpoint{old[0], old[1].Clone(), old[2]}
 	bad[1].Tensor(outer.ServerAccumulatorName).Data = bad[1].Tensor(outer.ServerAccumulatorName).Data[:7]
@@ -233,4 +206,42 @@ func TestTwoPhaseVetoKeepsAccumulators(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// requireRegroupFolds regroups a run of cfg (an exchange with owners and
+// server accumulators) from 3 ranks onto 2 and requires, on every new
+// rank, the mean of the old worker accumulators plus the old owners'
+// server accumulators, each at the elements its rank owned, server
+// accumulators of zero, and θ_g the same everywhere as it trains on. It
+// returns the old ranks' states.
+func requireRegroupFolds(t *testing.T, cfg outer.Config) []*optim.Checkpoint {
+	t.Helper()
+	old := states(t, 3, 5, cfg)
+	// The owners' elements (2 fragments of 10, chunks of 4, one chunk
+	// per rank): rank 0 owns 0-3 and 10-13, rank 1 4-7 and 14-17, rank 2
+	// 8-9 and 18-19.
+	owned := [][]int{{0, 1, 2, 3, 10, 11, 12, 13}, {4, 5, 6, 7, 14, 15, 16, 17}, {8, 9, 18, 19}}
+	want := make([]float64, 20)
+	for _, ck := range old {
+		for i, v := range ck.Tensor(outer.AccumulatorName).Data {
+			want[i] += float64(v) / 3
+		}
+	}
+	for r, ck := range old {
+		for j, v := range ck.Tensor(outer.ServerAccumulatorName).Data {
+			want[owned[r][j]] += float64(v)
+		}
+	}
+	mean := make([]float32, 20)
+	for i, v := range want {
+		mean[i] = float32(v)
+	}
+
+	regroupAndTrain(t, old, cfg, 2, func(r int, ck, got *optim.Checkpoint) {
+		assert.InDeltaSlice(t, mean, ck.Tensor(outer.TensorRegroupedAccumulator).Data, 1e-6)
+		assert.InDeltaSlice(t, mean, got.Tensor(outer.AccumulatorName).Data, 1e-6, "rank %d", r)
+		srv := got.Tensor(outer.ServerAccumulatorName).Data
+		assert.Equal(t, make([]float32, len(srv)), srv, "rank %d: the server accumulator restarts from zero", r)
+	})
+	return old
 }

@@ -55,23 +55,7 @@ func TestResumeOtherWorldDiloco(t *testing.T) {
 					const stop = 17 // odd: between exchanges
 					cfg := dilocoConfig(codec, muon)
 					cfg.epochs = 2
-					cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 5}
-					whole := trainLocal(t, ws[0], train, test, cfg)[0]
-					cfg.checkpoint.dir = t.TempDir()
-					_, errs := trainRanks(t, ws[0], train, test, cfg, stopOn(0, stop))
-					require.NoError(t, errs[0])
-					saved := savedStates(t, cfg.checkpoint.dir, diloco, ws[0], stop)
-					cfg.checkpoint.resume = true
-					var warn syncBuffer
-					cfg.warn = &warn
-					loaded := make([]*optim.Checkpoint, ws[1])
-					cfg.resumed = loadedStates(t, loaded)
-					res, errs := trainRanks(t, ws[1], train, test, cfg, nil)
-					for r := range ws[1] {
-						require.NoError(t, errs[r], "rank %d", r)
-						assert.Equal(t, stop, res[r].resumedFrom)
-						assert.Equal(t, ws[0], res[r].resumedWorld)
-					}
+					whole, saved, loaded, res, warn := resumeOnOther(t, diloco, ws, stop, train, test, cfg)
 					out := warn.String()
 					assert.Contains(t, out, fmt.Sprintf("checkpoint of step %d was made on %d ranks, this run has %d: continuing, %s", stop, ws[0], ws[1], carryOuter))
 					assert.Regexp(t, `mnist: -resume: diloco carried: [1-9][0-9]* buffers checked against the old ranks', max rel diff [0-9.e-]+`, out)

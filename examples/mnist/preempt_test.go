@@ -225,24 +225,7 @@ func TestResumeOtherWorld(t *testing.T) {
 			t.Run(name+"/"+string(rune('0'+ws[0]))+"to"+string(rune('0'+ws[1])), func(t *testing.T) {
 				cfg := smallConfig(name)
 				zeroInt4(name, &cfg)
-				cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 5}
-				whole := trainLocal(t, ws[0], train, test, cfg)[0]
-
-				cfg.checkpoint.dir = t.TempDir()
-				_, errs := trainRanks(t, ws[0], train, test, cfg, stopOn(0, stop))
-				require.NoError(t, errs[0])
-				saved := savedStates(t, cfg.checkpoint.dir, name, ws[0], stop)
-				cfg.checkpoint.resume = true
-				var warn syncBuffer
-				cfg.warn = &warn
-				loaded := make([]*optim.Checkpoint, ws[1])
-				cfg.resumed = loadedStates(t, loaded)
-				res, errs := trainRanks(t, ws[1], train, test, cfg, nil)
-				for r := range ws[1] {
-					require.NoError(t, errs[r], "rank %d", r)
-					assert.Equal(t, stop, res[r].resumedFrom)
-					assert.Equal(t, ws[0], res[r].resumedWorld)
-				}
+				whole, saved, loaded, res, warn := resumeOnOther(t, name, ws, stop, train, test, cfg)
 				assert.Contains(t, warn.String(), fmt.Sprintf("checkpoint of step %d was made on %d ranks, this run has %d: continuing, %s", stop, ws[0], ws[1], carried))
 				assert.Regexp(t, `mnist: -resume: `+name+` carried: [1-9][0-9]* buffers checked against the old ranks', max rel diff`, warn.String())
 				t.Log(regexp.MustCompile(`carried: .*`).FindString(warn.String()))
@@ -406,4 +389,32 @@ func TestResumeBetweenSyncs(t *testing.T) {
 	}
 	assert.Contains(t, warn.String(), "mnist: -resume: zeroone-adam continues between two synchronizations")
 	assert.Equal(t, want, res[0].finalHash, "bit-identical to the uninterrupted run")
+}
+
+// resumeOnOther trains cfg (with checkpoints every 5 steps) uninterrupted
+// on ws[0] ranks (whole), then again on ws[0] ranks stopped after step
+// stop, and resumes that on ws[1] ranks. It requires every rank of the
+// resume to continue from stop on ws[0]'s checkpoint, and returns the old
+// ranks' saved states, the states each new rank loaded, the resumed
+// results and the resume's warnings.
+func resumeOnOther(t *testing.T, name string, ws [2]int, stop int, train, test *dataset, cfg trainConfig) (whole *result, saved, loaded []*optim.Checkpoint, res []*result, warn *syncBuffer) {
+	t.Helper()
+	cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 5}
+	whole = trainLocal(t, ws[0], train, test, cfg)[0]
+	cfg.checkpoint.dir = t.TempDir()
+	_, errs := trainRanks(t, ws[0], train, test, cfg, stopOn(0, stop))
+	require.NoError(t, errs[0])
+	saved = savedStates(t, cfg.checkpoint.dir, name, ws[0], stop)
+	cfg.checkpoint.resume = true
+	warn = &syncBuffer{}
+	cfg.warn = warn
+	loaded = make([]*optim.Checkpoint, ws[1])
+	cfg.resumed = loadedStates(t, loaded)
+	res, errs = trainRanks(t, ws[1], train, test, cfg, nil)
+	for r := range ws[1] {
+		require.NoError(t, errs[r], "rank %d", r)
+		assert.Equal(t, stop, res[r].resumedFrom)
+		assert.Equal(t, ws[0], res[r].resumedWorld)
+	}
+	return whole, saved, loaded, res, warn
 }

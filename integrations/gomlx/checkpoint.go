@@ -110,20 +110,11 @@ func (o *Optimizer) Checkpoint(cfg *checkpoint.Config, dir string) (*checkpoint.
 	if common >= 0 {
 		moved, localErr = setAside(dir, held, common)
 	}
-	var h *checkpoint.Handler
-	if localErr == nil {
-		if h, err = cfg.Dir(dir).Done(); err != nil {
-			localErr = fmt.Errorf("lbgomlx: loading the checkpoint of global step %d from %s: %w", common, dir, err)
-		}
-	}
-	by, err := o.firstFailed(localErr != nil)
-	switch {
-	case err != nil:
-		return nil, errors.Join(localErr, err)
-	case localErr != nil:
-		return nil, localErr
-	case by >= 0:
-		return nil, fmt.Errorf("lbgomlx: Checkpoint: rank %d failed to load its checkpoint of global step %d (its error says why)", by, common)
+	h, err := o.loadAll(cfg, dir, common, localErr, func(by int) error {
+		return fmt.Errorf("lbgomlx: Checkpoint: rank %d failed to load its checkpoint of global step %d (its error says why)", by, common)
+	})
+	if err != nil {
+		return nil, err
 	}
 	o.logResume(all, common, dir, moved)
 	o.loadedDir, o.loadedStep = dir, common
@@ -414,4 +405,28 @@ func stateSteps(dir string) ([]int64, error) {
 	}
 	slices.Sort(steps)
 	return steps, nil
+}
+
+// loadAll loads the GoMLX checkpoint of global step step from dir on
+// every rank whose localErr is nil, a collective: a failure on one rank
+// is an error on every rank, this rank's own (localErr or its loading
+// error) where it failed, otherwise failed(the first rank that did).
+func (o *Optimizer) loadAll(cfg *checkpoint.Config, dir string, step int64, localErr error, failed func(by int) error) (*checkpoint.Handler, error) {
+	var h *checkpoint.Handler
+	if localErr == nil {
+		var err error
+		if h, err = cfg.Dir(dir).Done(); err != nil {
+			localErr = fmt.Errorf("lbgomlx: loading the checkpoint of global step %d from %s: %w", step, dir, err)
+		}
+	}
+	by, err := o.firstFailed(localErr != nil)
+	switch {
+	case err != nil:
+		return nil, errors.Join(localErr, err)
+	case localErr != nil:
+		return nil, localErr
+	case by >= 0:
+		return nil, failed(by)
+	}
+	return h, nil
 }

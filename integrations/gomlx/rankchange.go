@@ -338,21 +338,12 @@ func (o *Optimizer) changeRanks(cfg *checkpoint.Config, dir string, held []heldC
 	if localErr == nil {
 		moved, localErr = prepareDir(dir, held, plan)
 	}
-	var h *checkpoint.Handler
-	if localErr == nil {
-		if h, err = cfg.Dir(dir).Done(); err != nil {
-			localErr = fmt.Errorf("lbgomlx: loading the checkpoint of global step %d from %s: %w", plan.Step, dir, err)
-		}
-	}
-	by, err := o.firstFailed(localErr != nil)
-	switch {
-	case err != nil:
-		return nil, errors.Join(localErr, err)
-	case localErr != nil:
-		return nil, localErr
-	case by >= 0:
-		return nil, fmt.Errorf("lbgomlx: Checkpoint: rank %d failed to resume from the checkpoint of global step %d made on %d ranks (its error says why)",
+	h, err := o.loadAll(cfg, dir, plan.Step, localErr, func(by int) error {
+		return fmt.Errorf("lbgomlx: Checkpoint: rank %d failed to resume from the checkpoint of global step %d made on %d ranks (its error says why)",
 			by, plan.Step, plan.World)
+	})
+	if err != nil {
+		return nil, err
 	}
 	o.carry = &carried{step: plan.Step, ck: ck}
 	o.change = &RankChange{Step: plan.Step, FromRanks: plan.World, ToRanks: o.size(), Path: path, Checked: checked}
