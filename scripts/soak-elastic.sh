@@ -126,23 +126,7 @@ fi
 [ -e "$DATA/train-images-idx3-ubyte.gz" ] || [ -e "$DATA/train-images-idx3-ubyte" ] ||
 	netns_die "cannot run: no MNIST files in $DATA (make mnist-data)"
 common+=(-backend mpi -data "$DATA" -epochs "$EPOCHS" -evals 1 -quiet)
-
-bin=${BIN:-}
-if [ -z "$bin" ]; then
-	bin=$NETNS_TMP/mnist
-	"$GO" build -tags mpi -o "$bin" ./examples/mnist || netns_die "building examples/mnist with -tags mpi failed"
-fi
-
-prefix=()
-mpirun=("${NETNS_MPIRUN[@]}")
-impaired="none"
-if [ "$SHORT" != 1 ]; then
-	netns_new ns soak
-	netns_impair "$ns" lo $NETEM
-	impaired=$NETNS_IMPAIRED
-	prefix=(ip netns exec "$ns")
-	mpirun+=("${NETNS_MPI_LO[@]}")
-fi
+soak_setup
 
 t_start=$(date +%s)
 fail=0

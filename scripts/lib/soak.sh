@@ -135,3 +135,25 @@ median_max() {
 	fi
 	printf '%s\n' "$@" | sort -n | awk '{ a[NR] = $1 } END { printf "%.2fs %.2fs\n", a[int((NR + 1) / 2)] / 1000, a[NR] / 1000 }'
 }
+
+# soak_setup: the job's binary (BIN, else examples/mnist built with -tags
+# mpi), and unless SHORT=1 a namespace whose loopback NETEM impairs; sets
+# bin, prefix (the command that runs mpirun in the namespace), mpirun and
+# impaired (the impairment applied, "none" in the short form).
+soak_setup() {
+	bin=${BIN:-}
+	if [ -z "$bin" ]; then
+		bin=$NETNS_TMP/mnist
+		"$GO" build -tags mpi -o "$bin" ./examples/mnist || netns_die "building examples/mnist with -tags mpi failed"
+	fi
+	prefix=()
+	mpirun=("${NETNS_MPIRUN[@]}")
+	impaired="none"
+	if [ "$SHORT" != 1 ]; then
+		netns_new ns soak
+		netns_impair "$ns" lo $NETEM
+		impaired=$NETNS_IMPAIRED
+		prefix=(ip netns exec "$ns")
+		mpirun+=("${NETNS_MPI_LO[@]}")
+	fi
+}
