@@ -18,8 +18,12 @@ test: lint test-unit test-race conformance test-mpi test-integrations
 test-unit:
 	$(GO) test -count=1 -timeout 10m ./...
 
+## test-race runs with -short: the race detector is there for the
+## concurrent code, and the long single-threaded cases (kernels on
+## millions of elements, the convergence runs, the largest pipelined
+## buffers) have run in test-unit without it.
 test-race:
-	$(GO) test -race -count=1 -timeout 10m ./comm/... ./onebit/... ./optim/... ./errorfeedback/... ./signpack/... ./quant/...
+	$(GO) test -race -short -count=1 -timeout 10m ./comm/... ./onebit/... ./optim/... ./errorfeedback/... ./signpack/... ./quant/...
 
 conformance:
 	$(GO) run ./cmd/lowbit conformance internal/conformance/testdata

@@ -412,11 +412,15 @@ func TestUnpackScaleStreamAligned(t *testing.T) {
 			aligned := off%8 == 0 && signpack.FastPath() != "generic"
 			assert.Equal(t, aligned, signpack.Streams(dst), "n=%d off=%d: non-temporal stores", n, off)
 			signpack.UnpackScaleStream(dst, p, -0.25)
+			// testify only on a difference: a million calls of it cost
+			// tens of seconds under the race detector.
 			for i, v := range dst {
-				require.Equal(t, refSigned(packedBit(p, i), -0.25), v, "n=%d off=%d: element %d", n, off, i)
+				if want := refSigned(packedBit(p, i), -0.25); v != want {
+					require.Equal(t, want, v, "n=%d off=%d: element %d", n, off, i)
+				}
 			}
 			for i, v := range backing {
-				if i < off || i >= off+n {
+				if (i < off || i >= off+n) && math.Float32bits(v) != math.Float32bits(sentinelFloat) {
 					require.Equal(t, math.Float32bits(sentinelFloat), math.Float32bits(v), "n=%d off=%d: float %d outside dst", n, off, i)
 				}
 			}

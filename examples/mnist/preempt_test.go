@@ -224,6 +224,11 @@ func TestResumeOtherWorld(t *testing.T) {
 		for _, ws := range [][2]int{{4, 3}, {3, 4}} {
 			t.Run(name+"/"+string(rune('0'+ws[0]))+"to"+string(rune('0'+ws[1])), func(t *testing.T) {
 				cfg := smallConfig(name)
+				if name == onebitMuon {
+					// Two epochs (stop 20 of 30 steps): every rank's
+					// Newton-Schulz makes its steps the slowest here.
+					cfg.epochs = 2
+				}
 				zeroInt4(name, &cfg)
 				whole, saved, loaded, res, warn := resumeOnOther(t, name, ws, stop, train, test, cfg)
 				assert.Contains(t, warn.String(), fmt.Sprintf("checkpoint of step %d was made on %d ranks, this run has %d: continuing, %s", stop, ws[0], ws[1], carried))
