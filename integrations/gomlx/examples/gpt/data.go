@@ -19,9 +19,12 @@ import (
 type corpus struct {
 	desc       string // what was read, for the header
 	train, val []byte
-	trainFiles int
-	valFiles   int
-	skipped    int // binary files left out
+	// trainStarts are the offsets in train where each training file
+	// begins (the files in their seeded order, each followed by '\n').
+	trainStarts []int
+	trainFiles  int
+	valFiles    int
+	skipped     int // binary files left out
 	// late are the training windows free of -late-bytes (late.go), nil
 	// without it.
 	late *lateWindows
@@ -134,6 +137,7 @@ func loadCorpus(dir string, goSource bool, valFrac float64, seed uint64, maxByte
 			c.val = append(append(c.val, t...), '\n')
 			c.valFiles++
 		} else {
+			c.trainStarts = append(c.trainStarts, len(c.train))
 			c.train = append(append(c.train, t...), '\n')
 			c.trainFiles++
 		}
@@ -157,16 +161,54 @@ func (c *corpus) check(batch, context int) error {
 	return nil
 }
 
+// rankText returns the training text of rank of workers under -rank-data
+// files: the rank's block of the training files in their seeded order,
+// files [rank·n/workers, (rank+1)·n/workers) of n, and how many files it
+// holds.
+func (c *corpus) rankText(rank, workers int) (text []byte, files int) {
+	n := len(c.trainStarts)
+	lo, hi := rank*n/workers, (rank+1)*n/workers
+	end := len(c.train)
+	if hi < n {
+		end = c.trainStarts[hi]
+	}
+	if lo >= hi {
+		return nil, 0
+	}
+	return c.train[c.trainStarts[lo]:end], hi - lo
+}
+
+// checkRanks reports a -rank-data files split that cannot be made: fewer
+// training files than ranks, or a rank whose files cannot fill one window
+// of context+1 bytes.
+func (c *corpus) checkRanks(workers, context int) error {
+	if c.trainFiles < workers {
+		return fmt.Errorf("%w: -rank-data files gives each of the %d ranks its own training files, and there are %d",
+			errSmallCorpus, workers, c.trainFiles)
+	}
+	for r := range workers {
+		if t, files := c.rankText(r, workers); len(t) < context+1 {
+			return fmt.Errorf("%w: under -rank-data files rank %d's %d training files hold %d bytes, fewer than one sequence of %d",
+				errSmallCorpus, r, files, len(t), context+1)
+		}
+	}
+	return nil
+}
+
 // batcher cuts training batches out of the training bytes: the global
 // batch of a step is batch windows at offsets drawn from a generator
 // seeded by the seed and the step, the same on every rank; a rank takes
-// its own shard, windows [lo, hi).
+// its own shard, windows [lo, hi). With own set (-rank-data files) text
+// is the rank's own training files and the rank draws its hi-lo windows
+// from them with a generator of its own.
 type batcher struct {
 	text    []byte
 	context int
 	batch   int
 	lo, hi  int
 	seed    uint64
+	own     bool
+	rank    int
 	x, y    []int32 // the shard, reused
 	offsets []int
 	late    *lateWindows // windows drawn before late.from, nil for any
@@ -187,12 +229,18 @@ func newBatcher(text []byte, context, batch, rank, workers int, seed uint64) *ba
 // late bytes only.
 func (b *batcher) next(step int) (x, y []int32) {
 	rng := rand.New(rand.NewPCG(b.seed, uint64(step)+1))
+	offsets := b.offsets
+	if b.own {
+		// A stream per rank and step; rank 0's is not the shared one.
+		rng = rand.New(rand.NewPCG(b.seed^0x72616e6b64617461, uint64(step)<<16|uint64(b.rank)))
+		offsets = b.offsets[b.lo:b.hi]
+	}
 	span := len(b.text) - b.context
-	for i := range b.offsets {
+	for i := range offsets {
 		if b.late != nil && step < b.late.from {
-			b.offsets[i] = b.late.draw(rng)
+			offsets[i] = b.late.draw(rng)
 		} else {
-			b.offsets[i] = rng.IntN(span)
+			offsets[i] = rng.IntN(span)
 		}
 	}
 	for i, off := range b.offsets[b.lo:b.hi] {

@@ -110,7 +110,15 @@ func newLateWindows(text []byte, context int, set *[256]bool, from int) *lateWin
 
 // batcher is newBatcher over the training text, the windows before
 // -late-from drawn from those free of the late bytes.
-func (c *corpus) batcher(context, batch, rank, workers int, seed uint64) *batcher {
+// With own (-rank-data files) the rank draws from its own training files
+// (corpus.rankText); -late-bytes is refused with it.
+func (c *corpus) batcher(context, batch, rank, workers int, seed uint64, own bool) *batcher {
+	if own {
+		text, _ := c.rankText(rank, workers)
+		b := newBatcher(text, context, batch, rank, workers, seed)
+		b.own, b.rank = true, rank
+		return b
+	}
 	b := newBatcher(c.train, context, batch, rank, workers, seed)
 	b.late = c.late
 	return b

@@ -110,9 +110,9 @@ func TestLateBatches(t *testing.T) {
 		}
 		return false
 	}
-	global := data.batcher(ctx, batch, 0, 1, o.seed)
+	global := data.batcher(ctx, batch, 0, 1, o.seed, false)
 	plain := newBatcher(data.train, ctx, batch, 0, 1, o.seed)
-	shards := []*batcher{data.batcher(ctx, batch, 0, 2, o.seed), data.batcher(ctx, batch, 1, 2, o.seed)}
+	shards := []*batcher{data.batcher(ctx, batch, 0, 2, o.seed, false), data.batcher(ctx, batch, 1, 2, o.seed, false)}
 	lateAfter := 0
 	for step := 1; step <= 40; step++ {
 		gx, gy := global.next(step)
@@ -139,7 +139,7 @@ func TestLateBatches(t *testing.T) {
 	assert.Greater(t, lateAfter, 0, "late bytes occur from -late-from on")
 
 	// The batches the training loop reads hold the same windows.
-	d := &batches{b: data.batcher(ctx, batch, 0, 1, o.seed), context: ctx, start: 1}
+	d := &batches{b: data.batcher(ctx, batch, 0, 1, o.seed, false), context: ctx, start: 1}
 	step := 1
 	for b, err := range d.Iter() {
 		require.NoError(t, err)

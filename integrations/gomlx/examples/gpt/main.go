@@ -55,16 +55,19 @@ import (
 )
 
 type options struct {
-	corpus     string
-	goSource   bool // the default corpus: non-test .go files only
-	maxBytes   int64
-	valFrac    float64
-	optimizer  string
-	reduce     string
-	compare    bool
-	runs       []runSpec
-	steps      int
-	workers    int
+	corpus    string
+	goSource  bool // the default corpus: non-test .go files only
+	maxBytes  int64
+	valFrac   float64
+	optimizer string
+	reduce    string
+	compare   bool
+	runs      []runSpec
+	steps     int
+	workers   int
+	// rankData is -rank-data: "shared" or "files" (each rank its own
+	// training files, corpus.rankText).
+	rankData   string
 	backend    string
 	batch      int
 	model      modelConfig
@@ -181,6 +184,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.backend, "backend", "local", "local (goroutine ranks) or mpi (one rank of an mpirun job; build with -tags mpi)")
 	fs.BoolVar(&o.allowInprocess, "allow-inprocess-under-mpi", false, "run -backend local's in-process ranks even where the environment says this process is one rank of an MPI job (mpirun without -backend mpi): each of the job's processes then trains on its own")
 	fs.Var(&size.CountValue[int]{P: &o.batch, Min: 1, Max: 1 << 20}, "batch", "global batch: `count` of sequences, split over the ranks (16, 1k, 1Ki)")
+	fs.StringVar(&o.rankData, "rank-data", "shared", "what each rank trains on: shared (its share of every global batch, drawn from all the training files) or files (the training files dealt out in blocks, each rank drawing its share of the batch from its own files only: ranks whose data differ)")
 	fs.IntVar(&o.model.dModel, "d-model", 64, "embedding width")
 	fs.IntVar(&o.model.layers, "layers", 2, "transformer blocks")
 	fs.IntVar(&o.model.heads, "heads", 4, "attention heads")
@@ -257,6 +261,10 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("target", "want a validation loss in nats per byte, 0 for none")
 	case o.stopAtTarget && o.target == 0:
 		return bad("stop-at-target", "needs a -target")
+	case o.rankData != "shared" && o.rankData != "files":
+		return bad("rank-data", "want shared or files")
+	case o.rankData == "files" && o.late.chars != "":
+		return bad("rank-data", "files cannot be combined with -late-bytes, which withholds windows of the shared training text")
 	case !validMuonState(o.muonState):
 		return bad("muon-state", "want full, compact or compact-bf16")
 	case o.muonWarmup != "all" && o.muonWarmup != "adamw":
@@ -420,6 +428,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		if c.Rank() != 0 {
 			stdout = io.Discard
 		}
+		if o.ownData() {
+			if err := data.checkRanks(c.Size(), o.model.context); err != nil {
+				return err
+			}
+		}
 		printHeader(stdout, o, data, c.Size())
 		for _, r := range o.runs {
 			res, err := trainRank(ctx, c, r, o, data, progressPrinter(stdout, o.quiet))
@@ -432,6 +445,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			return nil
 		}
 	} else {
+		if o.ownData() {
+			if err := data.checkRanks(o.workers, o.model.context); err != nil {
+				return err
+			}
+		}
 		printHeader(stdout, o, data, o.workers)
 		for _, r := range o.runs {
 			var mu sync.Mutex
@@ -482,3 +500,7 @@ func localOpts(allowUnderMPI bool) []local.Option {
 	}
 	return nil
 }
+
+// ownData is whether each rank trains on its own training files
+// (-rank-data files).
+func (o *options) ownData() bool { return o.rankData == "files" }

@@ -40,6 +40,9 @@ func printHeader(w io.Writer, o *options, data *corpus, workers int) {
 	fmt.Fprintf(w, "runs: %s; %d steps of %d sequences (%d tokens), lr %g, freeze step %d, seed %d\n",
 		strings.Join(labels, ", "), o.steps, o.batch, o.batch*o.model.context, o.lr, h.freezeStep, o.seed)
 	fmt.Fprintln(w, validationDesc(o, data))
+	if o.ownData() {
+		fmt.Fprintf(w, "rank data: each rank draws its share of the batch from its own block of the training files (-rank-data files)\n")
+	}
 	if d := lateDesc(o, data); d != "" {
 		fmt.Fprintln(w, d)
 	}
@@ -314,6 +317,8 @@ type jsonModel struct {
 	FFN     int `json:"ffn"`
 	Context int `json:"context"`
 	Batch   int `json:"batch"`
+	// RankData is -rank-data: shared, or files (each rank its own files).
+	RankData string `json:"rank_data"`
 }
 
 func writeJSON(path string, o *options, results []*result) error {
@@ -326,7 +331,7 @@ func writeJSON(path string, o *options, results []*result) error {
 			Steps: r.steps, ResumedAt: r.resumedAt, Tokens: r.tokens, WallS: r.wall.Seconds(), CommS: r.commTime.Seconds(),
 			Target: o.target, BytesSentPerRank: r.bytes, LastStepBytes: r.lastBytes, Skipped: r.skipped,
 			Workers: r.workers, Backend: o.backend, Curve: r.evals,
-			Model: jsonModel{o.model.dModel, o.model.layers, o.model.heads, o.model.ffn, o.model.context, o.batch},
+			Model: jsonModel{o.model.dModel, o.model.layers, o.model.heads, o.model.ffn, o.model.context, o.batch, o.rankData},
 		}
 		if r.reached() {
 			t, s := r.targetTime.Seconds(), r.targetStep
@@ -366,6 +371,9 @@ func writeMarkdown(path string, o *options, data *corpus, results []*result) err
 		lateCol, lateSep = " late-byte loss |", "---:|"
 	}
 	fmt.Fprintf(&b, "%s.\n\n", strings.ToUpper(validationDesc(o, data)[:1])+validationDesc(o, data)[1:])
+	if o.ownData() {
+		fmt.Fprintf(&b, "Each rank drew its share of every batch from its own block of the training files (-rank-data files).\n\n")
+	}
 	fmt.Fprintf(&b, "| optimizer | val loss | s.e. |%s bits/byte | curve val | vs exact | train loss | sent/rank | time to target | skipped |\n", lateCol)
 	fmt.Fprintf(&b, "|---|---:|---:|%s---:|---:|---:|---:|---:|---:|---:|\n", lateSep)
 	for _, r := range results {

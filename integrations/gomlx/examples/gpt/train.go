@@ -304,7 +304,7 @@ func trainRank(ctx context.Context, c comm.Comm, r runSpec, o *options, data *co
 		if err := ctx.Err(); err != nil {
 			return nil, err
 		}
-		if _, err := loop.RunToGlobalStep(&batches{b: data.batcher(o.model.context, o.batch, rank, w, o.seed),
+		if _, err := loop.RunToGlobalStep(&batches{b: data.batcher(o.model.context, o.batch, rank, w, o.seed, o.ownData()),
 			context: o.model.context, start: done + 1}, o.steps); err != nil && !(o.stopAtTarget && res.reached()) {
 			return nil, err
 		}
