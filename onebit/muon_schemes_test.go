@@ -1,6 +1,7 @@
 package onebit_test
 
 import (
+	"cmp"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -579,6 +580,7 @@ const (
 	mEFUpd = iota // C(lr*update + e) broadcast, error feedback at the owner
 	mEF21P        // the owner keeps the model X, broadcasts C(X - W) (EF21-P)
 	mExact        // the update uncompressed (a bound: 32 bits)
+	mPred         // EF21-P around the prediction decay*W - lr*(the last direction applied)
 )
 
 // simVar is one configured scheme.
@@ -601,6 +603,10 @@ type simVar struct {
 	// (in turn), at 1 bit otherwise; sEvery > 0: the owners' phase sends a
 	// chunk every sEvery steps (in turn), nothing otherwise.
 	w2Every, sEvery int
+	wHi             int // the bits of w2Every's chunks (0: 2)
+	// dgain: mPred's direction D moves by dgain times what was sent over
+	// lr (1 diverges: D takes up the model's error over lr).
+	dgain float32
 	// final: the owners' phase of the last step is exact (mEF21P: every
 	// rank's model is then the owner's X), once a run.
 	final bool
@@ -672,6 +678,22 @@ var simVars = []simVar{
 	{name: "own-rms-efupd-nest-rot-w2-s1/3", kind: vOwner, wbits: 2, sbits: 1, sEvery: 3, model: mEFUpd, nest: true, rot: true},
 	{name: "own-rms-gradef-nest-rot-w2-s1/3", kind: vOwner, wbits: 2, sbits: 1, sEvery: 3, model: mEF21P, gradEF: true, nest: true, rot: true},
 	{name: "own-rms-gradef-nest-rot-w2", kind: vOwner, wbits: 2, sbits: 1, model: mEF21P, gradEF: true, nest: true, rot: true},
+	// Three levels on every second workers' chunk (1.3 bits), and the
+	// gradients' variant of -w1.33.
+	{name: "own-rms-ef21p-nest-rot-wt1/2", kind: vOwner, wbits: 1, w2Every: 2, wHi: simTernary, sbits: 1, model: mEF21P, nest: true, rot: true},
+	{name: "own-rms-gradef-nest-rot-w1.33", kind: vOwner, wbits: 1, w2Every: 3, sbits: 1, model: mEF21P, gradEF: true, nest: true, rot: true},
+	{name: "own-rms-efupd-nest-rot-w1.33", kind: vOwner, wbits: 1, w2Every: 3, sbits: 1, model: mEFUpd, nest: true, rot: true},
+	// EF21-P around a prediction from the last applied direction.
+	{name: "own-rms-pred1-nest-rot", kind: vOwner, wbits: 1, sbits: 1, model: mPred, dgain: 1, nest: true, rot: true},
+	{name: "own-rms-pred0.5-nest-rot", kind: vOwner, wbits: 1, sbits: 1, model: mPred, dgain: 0.5, nest: true, rot: true},
+	{name: "own-rms-pred0.2-nest-rot", kind: vOwner, wbits: 1, sbits: 1, model: mPred, dgain: 0.2, nest: true, rot: true},
+	{name: "own-rms-pred0.1-nest-rot", kind: vOwner, wbits: 1, sbits: 1, model: mPred, dgain: 0.1, nest: true, rot: true},
+	{name: "own-rms-pred0.2-nest-rot-w4", kind: vOwner, wbits: 4, sbits: 1, model: mPred, dgain: 0.2, nest: true, rot: true},
+	{name: "own-rms-pred0.2-nest-rot-w1.33", kind: vOwner, wbits: 1, w2Every: 3, sbits: 1, model: mPred, dgain: 0.2, nest: true, rot: true},
+	{name: "own-rms-pred0.2-nest-rot-w2", kind: vOwner, wbits: 2, sbits: 1, model: mPred, dgain: 0.2, nest: true, rot: true},
+	{name: "own-rms-pred0.2-nest-rot-w2-s1/3", kind: vOwner, wbits: 2, sbits: 1, sEvery: 3, model: mPred, dgain: 0.2, nest: true, rot: true},
+	{name: "own-rms-pred0.2-nest-rot-w2-s1/2", kind: vOwner, wbits: 2, sbits: 1, sEvery: 2, model: mPred, dgain: 0.2, nest: true, rot: true},
+	{name: "own-rms-pred0.2-nest-rot-w3-s1/3", kind: vOwner, wbits: 3, sbits: 1, sEvery: 3, model: mPred, dgain: 0.2, nest: true, rot: true},
 	// The last step's model exact (once a run).
 	{name: "own-rms-ef21p-nest-rot-fin", kind: vOwner, wbits: 1, sbits: 1, model: mEF21P, nest: true, rot: true, final: true},
 	{name: "own-rms-ef21p-nest-rot-w1.33-fin", kind: vOwner, wbits: 1, w2Every: 3, sbits: 1, model: mEF21P, nest: true, rot: true, final: true},
@@ -723,7 +745,7 @@ func simBits(sc simScheme, w int, shapes [][2]int) float64 {
 	}
 	wb, sb := simWireBits(v.wbits), simWireBits(v.sbits)
 	if v.w2Every > 0 {
-		wb = (2 + float64(v.w2Every-1)) / float64(v.w2Every)
+		wb = (simWireBits(cmp.Or(v.wHi, 2)) + float64(v.w2Every-1)) / float64(v.w2Every)
 	}
 	if v.sEvery > 0 {
 		sb /= float64(v.sEvery)
@@ -956,7 +978,7 @@ func (s *simState) varStep(ps [][]*optim.Param, pi, k, rows, cols int, lr, scale
 			simQSched(c, d, w, func(j int) int {
 				if v.w2Every > 0 {
 					if (s.t+j)%v.w2Every == 0 {
-						return 2
+						return cmp.Or(v.wHi, 2)
 					}
 					return 1
 				}
@@ -1099,6 +1121,36 @@ func (s *simState) varStep(ps [][]*optim.Param, pi, k, rows, cols int, lr, scale
 			p := ps[r][pi].Data()
 			for i := range p {
 				p[i] += sent[i]
+			}
+		}
+		return
+	case mPred:
+		// EF21-P around a prediction: every rank predicts the model as
+		// decay*W - lr*D, D the direction it last applied; the owner sends
+		// C(X - prediction), every rank sets W = prediction + it and D =
+		// D - it/(lr*scale).
+		if s.t == 1 {
+			copy(s.x[k], p0)
+		}
+		lrs := lr * scale
+		pred := make([]float32, n)
+		for i := range d {
+			s.x[k][i] = s.x[k][i]*decay - lrs*upd[i]
+			pred[i] = p0[i]*decay - lrs*s.eo[k][i]
+			d[i] = s.x[k][i] - pred[i]
+		}
+		if sync || v.final && s.t == s.last {
+			copy(sent, d)
+		} else {
+			simQSched(sent, d, w, s.ownerBits(), v.l1, s.rot(2, k, 0))
+		}
+		for i := range sent {
+			s.eo[k][i] -= v.dgain * sent[i] / lrs
+		}
+		for r := range w {
+			p := ps[r][pi].Data()
+			for i := range p {
+				p[i] = pred[i] + sent[i]
 			}
 		}
 		return
