@@ -607,6 +607,10 @@ type simVar struct {
 	// dgain: mPred's direction D moves by dgain times what was sent over
 	// lr (1 diverges: D takes up the model's error over lr).
 	dgain float32
+	// smooth > 0: the owner orthogonalizes an average of its input,
+	// u = smooth*u_prev + (1-smooth)*u (mExact or mEF21P only: it keeps the
+	// average where mEFUpd keeps its error)
+	smooth float32
 	// final: the owners' phase of the last step is exact (mEF21P: every
 	// rank's model is then the owner's X), once a run.
 	final bool
@@ -694,6 +698,13 @@ var simVars = []simVar{
 	{name: "own-rms-pred0.2-nest-rot-w2-s1/3", kind: vOwner, wbits: 2, sbits: 1, sEvery: 3, model: mPred, dgain: 0.2, nest: true, rot: true},
 	{name: "own-rms-pred0.2-nest-rot-w2-s1/2", kind: vOwner, wbits: 2, sbits: 1, sEvery: 2, model: mPred, dgain: 0.2, nest: true, rot: true},
 	{name: "own-rms-pred0.2-nest-rot-w3-s1/3", kind: vOwner, wbits: 3, sbits: 1, sEvery: 3, model: mPred, dgain: 0.2, nest: true, rot: true},
+	// An extra average of the owners' input, and exact Muon with the same.
+	{name: "own-allexact-nest-smooth0.5", kind: vOwner, wbits: 32, sbits: 32, model: mExact, nest: true, smooth: 0.5},
+	{name: "own-rms-ef21p-nest-rot-w1.33-smooth0.5", kind: vOwner, wbits: 1, w2Every: 3, sbits: 1, model: mEF21P, nest: true, rot: true, smooth: 0.5},
+	// A tracking gain above 1 (the rms scale's signs carry 0.8 of x along x).
+	{name: "own-rms-ef21p-nest-rot-w1.33-g1.25", kind: vOwner, wbits: 1, w2Every: 3, sbits: 1, gain: 1.25, model: mEF21P, nest: true, rot: true},
+	{name: "own-rms-ef21p-nest-rot-g1.25", kind: vOwner, wbits: 1, sbits: 1, gain: 1.25, model: mEF21P, nest: true, rot: true},
+	{name: "own-rms-ef21p-nest-rot-g1.5", kind: vOwner, wbits: 1, sbits: 1, gain: 1.5, model: mEF21P, nest: true, rot: true},
 	// The last step's model exact (once a run).
 	{name: "own-rms-ef21p-nest-rot-fin", kind: vOwner, wbits: 1, sbits: 1, model: mEF21P, nest: true, rot: true, final: true},
 	{name: "own-rms-ef21p-nest-rot-w1.33-fin", kind: vOwner, wbits: 1, w2Every: 3, sbits: 1, model: mEF21P, nest: true, rot: true, final: true},
@@ -1082,6 +1093,14 @@ func (s *simState) varStep(ps [][]*optim.Param, pi, k, rows, cols int, lr, scale
 			den += float64(e) * float64(e)
 		}
 		s.relErr = append(s.relErr, math.Sqrt(num/den))
+	}
+	if v.smooth > 0 {
+		// an extra average of the owner's input (a different optimizer:
+		// compare with own-allexact-nest-smooth*)
+		for i := range u {
+			s.eo[k][i] = v.smooth*s.eo[k][i] + (1-v.smooth)*u[i]
+			u[i] = s.eo[k][i]
+		}
 	}
 	s.orth[k].Orthogonalize(upd, u, nil, rows, cols, nc, 1)
 	p0 := ps[0][pi].Data()
