@@ -344,10 +344,15 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		}
 	}
 	o.runs = runs
-	for _, w := range o.dilocoWarnings() {
-		fmt.Fprintln(stderr, "gpt: warning: diloco:", w)
-	}
 	return o, nil
+}
+
+// warn prints dilocoWarnings to w, one line each. run calls it once per
+// job: in the process of the in-process ranks, or on rank 0 of an MPI job.
+func (o *options) warn(w io.Writer) {
+	for _, s := range o.dilocoWarnings() {
+		fmt.Fprintln(w, "gpt: warning: diloco:", s)
+	}
 }
 
 // dilocoWarnings are what the flags ask of diloco that its measurements
@@ -427,6 +432,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		defer c.Close()
 		if c.Rank() != 0 {
 			stdout = io.Discard
+		} else {
+			o.warn(stderr)
 		}
 		if o.ownData() {
 			if err := data.checkRanks(c.Size(), o.model.context); err != nil {
@@ -445,6 +452,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			return nil
 		}
 	} else {
+		o.warn(stderr)
 		if o.ownData() {
 			if err := data.checkRanks(o.workers, o.model.context); err != nil {
 				return err
