@@ -762,9 +762,10 @@ func (k *checkpointer) apply(opt optim.Optimizer, path string, ck *optim.Checkpo
 // checkpointLR returns the fixed learning rate ck records that -lr
 // replaces, if any: the optimizer's own; for Muon its AdamW group's; for
 // the outer optimizer (diloco), whose learning rate (SetLR, LR) is its
-// inner optimizer's, the one it records under outer.InnerPrefix.
+// inner optimizer's, the one it records under outer.InnerPrefix (with
+// -outer-inner muon the inner Muon's AdamW group's).
 func checkpointLR(ck *optim.Checkpoint) (float32, bool) {
-	for _, name := range []string{optim.FloatAdamLR, optim.FloatLR, outer.InnerPrefix + optim.FloatLR} {
+	for _, name := range []string{optim.FloatAdamLR, optim.FloatLR, outer.InnerPrefix + optim.FloatAdamLR, outer.InnerPrefix + optim.FloatLR} {
 		if lr, ok := ck.Floats[name]; ok {
 			return float32(lr), true
 		}
@@ -814,8 +815,12 @@ type twoGroups interface {
 }
 
 // muonOf returns the Muon that -optimizer muon wraps in opt
-// (optim.Transposed), nil for another optimizer.
+// (optim.Transposed), or that diloco with -outer-inner muon steps inside
+// (outer.Optimizer's Inner), nil for another optimizer.
 func muonOf(opt optim.Optimizer) twoGroups {
+	if o, ok := opt.(*outer.Optimizer); ok {
+		opt = o.Inner()
+	}
 	if t, ok := opt.(*optim.Transposed); ok {
 		opt = t.Inner()
 	}

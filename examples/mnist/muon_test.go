@@ -86,36 +86,42 @@ func TestOnebitMuonLearns(t *testing.T) {
 // group's) is given, whose value then wins; rank 0 says which in one line.
 func TestMuonResumeLR(t *testing.T) {
 	train, test := loadTestdata(t)
-	cfg := muonConfig()
-	cfg.epochs, cfg.batch = 1, 100
-	cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 2}
-	want := trainLocal(t, 2, train, test, cfg)[0].finalHash
+	dilocoMuon := muonConfig()
+	dilocoMuon.optimizer, dilocoMuon.hyper.outerMuon = "diloco", true
+	for _, base := range []trainConfig{muonConfig(), dilocoMuon} {
+		t.Run(base.optimizer, func(t *testing.T) {
+			cfg := base
+			cfg.epochs, cfg.batch = 1, 100
+			cfg.checkpoint = checkpointConfig{dir: t.TempDir(), every: 2}
+			want := trainLocal(t, 2, train, test, cfg)[0].finalHash
 
-	stopped := t.TempDir()
-	cfg.checkpoint.dir = stopped
-	res, errs := trainRanks(t, 2, train, test, cfg, stopOn(1, 2))
-	require.NoError(t, errs[0])
-	require.Equal(t, 2, res[0].preempted)
-	for _, c := range []struct {
-		name             string
-		lr, muonLR       float32
-		lrSet, muonLRSet bool
-		line             string
-		same             bool // ends bit-identical to the uninterrupted run
-	}{
-		{"checkpoint", 1e-3, 0.05, false, false, "lr 0.002 from the checkpoint, muon lr 0.02 from the checkpoint", true},
-		{"-muon-lr", 1e-3, 0.01, false, true, "lr 0.002 from the checkpoint, muon lr 0.01 from -muon-lr (the checkpoint had 0.02)", false},
-		{"-lr", 1e-3, 0.02, true, false, "lr 0.001 from -lr (the checkpoint had 0.002), muon lr 0.02 from the checkpoint", false},
-	} {
-		t.Run(c.name, func(t *testing.T) {
-			rc := cfg
-			rc.hyper.lr, rc.lrSet = c.lr, c.lrSet
-			rc.hyper.muonLR, rc.muonLRSet = c.muonLR, c.muonLRSet
-			got := checkResumeLR(t, train, test, rc, stopped, 2, "muon: "+c.line)
-			if c.same {
-				assert.Equal(t, want, got, "the checkpoint's learning rates: bit-identical to the uninterrupted run")
-			} else {
-				assert.NotEqual(t, want, got, "the flag changed a learning rate")
+			stopped := t.TempDir()
+			cfg.checkpoint.dir = stopped
+			res, errs := trainRanks(t, 2, train, test, cfg, stopOn(1, 2))
+			require.NoError(t, errs[0])
+			require.Equal(t, 2, res[0].preempted)
+			for _, c := range []struct {
+				name             string
+				lr, muonLR       float32
+				lrSet, muonLRSet bool
+				line             string
+				same             bool // ends bit-identical to the uninterrupted run
+			}{
+				{"checkpoint", 1e-3, 0.05, false, false, "lr 0.002 from the checkpoint, muon lr 0.02 from the checkpoint", true},
+				{"-muon-lr", 1e-3, 0.01, false, true, "lr 0.002 from the checkpoint, muon lr 0.01 from -muon-lr (the checkpoint had 0.02)", false},
+				{"-lr", 1e-3, 0.02, true, false, "lr 0.001 from -lr (the checkpoint had 0.002), muon lr 0.02 from the checkpoint", false},
+			} {
+				t.Run(c.name, func(t *testing.T) {
+					rc := cfg
+					rc.hyper.lr, rc.lrSet = c.lr, c.lrSet
+					rc.hyper.muonLR, rc.muonLRSet = c.muonLR, c.muonLRSet
+					got := checkResumeLR(t, train, test, rc, stopped, 2, cfg.optimizer+": "+c.line)
+					if c.same {
+						assert.Equal(t, want, got, "the checkpoint's learning rates: bit-identical to the uninterrupted run")
+					} else {
+						assert.NotEqual(t, want, got, "the flag changed a learning rate")
+					}
+				})
 			}
 		})
 	}
