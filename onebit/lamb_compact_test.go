@@ -207,7 +207,12 @@ func TestLambCompactResumeAndConvert(t *testing.T) {
 	const w, freeze, total = 3, 3, 9
 	full, compact := lcConfig(freeze, onebit.StateFull), lcConfig(freeze, onebit.StateCompact)
 	want, _ := lcRun(t, w, full, lcShapes, t.TempDir(), 1, total, false, false, false)
-	for _, k := range []int{1, freeze - 1, freeze, freeze + 1, freeze + 3} {
+	ks, resetKs := []int{1, freeze - 1, freeze, freeze + 1, freeze + 3}, []int{1, freeze, freeze + 1, freeze + 2}
+	if testing.Short() {
+		// -short (make test-race): one stop in each stage.
+		ks, resetKs = []int{1, freeze, freeze + 1}, []int{1, freeze + 1}
+	}
+	for _, k := range ks {
 		for _, tc := range []struct {
 			name       string
 			save, load onebit.LambConfig
@@ -227,7 +232,7 @@ func TestLambCompactResumeAndConvert(t *testing.T) {
 	// Errors reset: StateCompact continues as StateFull does, on the same
 	// group size and on others (whose chunks cannot pack the momentum:
 	// StateCompact holds it as float32 until the next compression step).
-	for _, k := range []int{1, freeze, freeze + 1, freeze + 2} {
+	for _, k := range resetKs {
 		for _, w2 := range []int{w, 2, 4} {
 			t.Run(fmt.Sprintf("errors reset/k=%d/W=%d", k, w2), func(t *testing.T) {
 				dir := t.TempDir()
