@@ -123,6 +123,7 @@ else
 	INTERRUPTS=${INTERRUPTS:-22}
 	GAP=${GAP:-40}
 fi
+soak_check_optimizers soak-elastic $mnist_optimizers onebit-muon-compact onebit-muon-compact-bf16 diloco-1bit diloco-sparse diloco-muon-1bit diloco-muon-sparse
 [ -e "$DATA/train-images-idx3-ubyte.gz" ] || [ -e "$DATA/train-images-idx3-ubyte" ] ||
 	netns_die "cannot run: no MNIST files in $DATA (make mnist-data)"
 common+=(-backend mpi -data "$DATA" -epochs "$EPOCHS" -evals 1 -quiet)

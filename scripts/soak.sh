@@ -106,6 +106,7 @@ else
 	common=(-freeze-step 100)
 	JOB_TIMEOUT=300
 fi
+soak_check_optimizers soak $mnist_optimizers
 [ -e "$DATA/train-images-idx3-ubyte.gz" ] || [ -e "$DATA/train-images-idx3-ubyte" ] ||
 	netns_die "cannot run: no MNIST files in $DATA (make mnist-data)"
 common+=(-backend mpi -data "$DATA" -epochs "$EPOCHS" -checkpoint-every "$EVERY" -evals 1 -quiet)

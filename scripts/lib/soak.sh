@@ -140,6 +140,33 @@ median_max() {
 # mpi), and unless SHORT=1 a namespace whose loopback NETEM impairs; sets
 # bin, prefix (the command that runs mpirun in the namespace), mpirun and
 # impaired (the impairment applied, "none" in the short form).
+# soak_check_optimizers NAME KNOWN...: exits 2 with one line unless every
+# word of $OPTIMIZERS is one of KNOWN (the soak's variants and the MNIST
+# example's -optimizer names), before anything is built or started: a name
+# the soak does not know, or a comma-separated list, would otherwise fail
+# every job of every trajectory until SOAK_S runs out.
+soak_check_optimizers() {
+	local name=$1 o
+	shift
+	local known=" $* "
+	for o in $OPTIMIZERS; do
+		case $known in
+		*" $o "*) ;;
+		*)
+			echo "$name: OPTIMIZERS: unknown \"$o\" (want space-separated names of: $*)" >&2
+			exit 2
+			;;
+		esac
+	done
+	if [ -z "${OPTIMIZERS// /}" ]; then
+		echo "$name: OPTIMIZERS is empty (want space-separated names of: $*)" >&2
+		exit 2
+	fi
+}
+
+# mnist_optimizers are the MNIST example's -optimizer names.
+mnist_optimizers="adam lamb onebit-adam onebit-adam-compact onebit-adam-sharded onebit-adam-sharded-bf16 onebit-lamb onebit-lamb-compact zeroone-adam zero-adam diloco muon onebit-muon"
+
 soak_setup() {
 	bin=${BIN:-}
 	if [ -z "$bin" ]; then
