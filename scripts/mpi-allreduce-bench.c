@@ -14,8 +14,11 @@
  *            own; the time reported is the p50 (nearest rank) over every
  *            rank's ITERS calls;
  *   mean:    as barrier, each call followed by the division by W that
- *            lowbit bench's allreduce (comm.Mean) makes after it, inside
- *            the time.
+ *            lowbit bench's allreduce with --op mean (comm.Mean) makes
+ *            after it, inside the time, as comm/mpi makes it: by a power
+ *            of two W a multiplication by 1/W (the same numbers), else a
+ *            division, in a loop the compiler vectorizes (build with
+ *            -O3, as scripts/mpi-allreduce-bench.sh does).
  *
  * algbw = size/time and busbw = algbw*2(W-1)/W, GB/s (decimal), as
  * nccl-tests computes them. Each way runs WARMUP untimed calls first. The
@@ -42,6 +45,20 @@ static void fill(float *buf, long n)
 {
 	for (long i = 0; i < n; i++)
 		buf[i] = (float)((i % 1024) - 512) / 1024.0f;
+}
+
+/* divide divides buf[0..n) by w as comm/mpi's lb_divide does. */
+static void divide(float *buf, long n, int w)
+{
+	float d = (float)w;
+	if ((w & (w - 1)) == 0) {
+		float r = 1.0f / d; /* exact: w is a power of two */
+		for (long j = 0; j < n; j++)
+			buf[j] *= r;
+		return;
+	}
+	for (long j = 0; j < n; j++)
+		buf[j] /= d;
 }
 
 static void report(const char *way, long bytes, double sec, int w)
@@ -117,8 +134,7 @@ int main(int argc, char **argv)
 				double s = MPI_Wtime();
 				MPI_Allreduce(MPI_IN_PLACE, buf, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
 				if (mean)
-					for (long j = 0; j < n; j++)
-						buf[j] /= (float)w;
+					divide(buf, n, w);
 				times[i] = MPI_Wtime() - s;
 			}
 			MPI_Gather(times, iters, MPI_DOUBLE, all, iters, MPI_DOUBLE, 0, MPI_COMM_WORLD);
