@@ -12,7 +12,10 @@
 # back to back, the mean over ranks of the time per call) and the lowbit
 # bench way (a barrier before each call, the p50 over all ranks' calls),
 # and the latter with comm.Mean's division by W after each call, divided
-# as comm/mpi divides. This script runs the three programs on NP ranks on
+# as comm/mpi divides, on a page-aligned buffer as lowbit bench's Go slice
+# is, and the lowbit bench way once more on a buffer where malloc would put
+# it (16 bytes past a page boundary), which shows what the alignment alone
+# changes. This script runs the three programs on NP ranks on
 # this machine (Open MPI's default transport, shared memory), alternately
 # REPS times at the sizes BEGIN..END (xFACTOR), and prints per size the
 # median over the runs of each busbw (and their range), and lowbit bench's
@@ -101,22 +104,25 @@ awk -F, -v np="$NP" -v reps="$REPS" "$median"'
 	}
 	END {
 		printf "busbw of MPI_Allreduce, float32, %d ranks, GB/s: the median of %d runs [their range]\n", np, reps
-		printf "%10s %22s %22s %22s %22s %22s %9s %9s %9s\n", "bytes", "lowbit --op sum", "MPI, barrier + p50", "MPI, nccl-tests way",
-			"lowbit --op mean", "MPI + divide, p50", "sum/bar", "sum/nccl", "mean/div"
+		printf "%9s %21s %21s %21s %21s %21s %21s %8s %8s %8s %8s\n", "bytes", "lowbit --op sum", "MPI, barrier + p50",
+			"MPI, nccl-tests way", "lowbit --op mean", "MPI + divide, p50", "MPI, malloc, barrier",
+			"sum/bar", "sum/nccl", "mean/div", "mal/bar"
 		for (i = 1; i <= n; i++) {
 			b = order[i]
 			s = stat("lowbit-sum" SUBSEP b); r = stat("barrier" SUBSEP b); c = stat("nccl" SUBSEP b)
-			l = stat("lowbit-mean" SUBSEP b); d = stat("mean" SUBSEP b)
-			printf "%10d %22s %22s %22s %22s %22s %9.3f %9.3f %9.3f\n", b, s, r, c, l, d,
+			l = stat("lowbit-mean" SUBSEP b); d = stat("mean" SUBSEP b); u = stat("barrier16" SUBSEP b)
+			printf "%9d %21s %21s %21s %21s %21s %21s %8.3f %8.3f %8.3f %8.3f\n", b, s, r, c, l, d, u,
 				m["lowbit-sum" SUBSEP b] / m["barrier" SUBSEP b], m["lowbit-sum" SUBSEP b] / m["nccl" SUBSEP b],
-				m["lowbit-mean" SUBSEP b] / m["mean" SUBSEP b]
+				m["lowbit-mean" SUBSEP b] / m["mean" SUBSEP b], m["barrier16" SUBSEP b] / m["barrier" SUBSEP b]
 		}
-		print "(the last three: lowbit bench'"'"'s median busbw over the C program'"'"'s for the same operation:"
-		print " --op sum over the bare call timed its way and the nccl-tests way, --op mean over the call with the division)"
+		print "(sum/bar, sum/nccl, mean/div: lowbit bench'"'"'s median busbw over the C program'"'"'s for the same operation on a"
+		print " page-aligned buffer, as lowbit bench'"'"'s: --op sum over the bare call timed its way and the nccl-tests way,"
+		print " --op mean over the call with the division; mal/bar: the bare call on malloc'"'"'s buffer over a page-aligned one)"
 		print "every run, in run order:"
 		for (i = 1; i <= n; i++) {
 			b = order[i]
-			printf "%10d  lowbit sum %s | barrier %s | nccl %s | lowbit mean %s | divide %s\n", b,
-				all["lowbit-sum" SUBSEP b], all["barrier" SUBSEP b], all["nccl" SUBSEP b], all["lowbit-mean" SUBSEP b], all["mean" SUBSEP b]
+			printf "%9d  lowbit sum %s | barrier %s | nccl %s | lowbit mean %s | divide %s | malloc %s\n", b,
+				all["lowbit-sum" SUBSEP b], all["barrier" SUBSEP b], all["nccl" SUBSEP b], all["lowbit-mean" SUBSEP b],
+				all["mean" SUBSEP b], all["barrier16" SUBSEP b]
 		}
 	}' "${files[@]}"
