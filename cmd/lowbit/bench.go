@@ -160,8 +160,9 @@ a multiple of the rank count). allreduce and reducescatter average
 (comm.Mean), like onebit; --op sum makes them sum (comm.Sum, nccl-tests'
 default reduction: on the mpi backend the bare MPI_Allreduce, without
 the division by W), and then takes only the exact collectives (allreduce,
-reducescatter, alltoall, allgather) and adds no bf16 row. Each rank times each iteration after a barrier;
-p50/p95/min/max are over all ranks and timed iterations. Wire bytes are
+reducescatter, alltoall, allgather) and adds no bf16 row. Each rank times
+each iteration after a barrier; p50/p95/min/max are over all ranks and
+timed iterations. Wire bytes are
 what each rank sent per iteration according to comm.Stats (the most of any
 rank); the compression ratio is the wire bytes of the exact float32
 collective the row replaces over them (1 for the exact rows). The three
