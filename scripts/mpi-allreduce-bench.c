@@ -5,17 +5,31 @@
  *
  * For each size (bytes of float32 data per rank, arguments 3 and on) it
  * times MPI_Allreduce(MPI_IN_PLACE, buf, n, MPI_FLOAT, MPI_SUM,
- * MPI_COMM_WORLD) two ways:
+ * MPI_COMM_WORLD) four ways:
  *
- *   nccl:    the nccl-tests way: after a barrier, ITERS calls back to back
- *            on one clock; a rank's time is the total over ITERS, and the
- *            time reported the mean of the ranks' (nccl-tests' -a 1);
- *   barrier: the lowbit bench way: each call after a barrier, timed on its
- *            own; the time reported is the p50 (nearest rank) over every
- *            rank's ITERS calls;
- *   mean:    as barrier, each call followed by the division by W that
- *            lowbit bench's allreduce (comm.Mean) makes after it, inside
- *            the time.
+ *   nccl:      the nccl-tests way: after a barrier, ITERS calls back to
+ *              back on one clock; a rank's time is the total over ITERS,
+ *              and the time reported the mean of the ranks' (nccl-tests'
+ *              -a 1);
+ *   barrier:   the lowbit bench way: each call after a barrier, timed on
+ *              its own; the time reported is the p50 (nearest rank) over
+ *              every rank's ITERS calls;
+ *   mean:      as barrier, each call followed by the division by W that
+ *              lowbit bench's allreduce with --op mean (comm.Mean) makes
+ *              after it, inside the time, as comm/mpi makes it: by a power
+ *              of two W a multiplication by 1/W (the same numbers), else a
+ *              division, in a loop the compiler vectorizes (build with
+ *              -O3, as scripts/mpi-allreduce-bench.sh does);
+ *   barrier16: as barrier, on a buffer 16 bytes past a page boundary.
+ *
+ * The buffer of the first three ways starts on a page boundary, as a Go
+ * slice of more than 32 KiB does (lowbit bench's buffer, and a Go
+ * program's gradients) and as the OSU micro-benchmarks allocate theirs;
+ * barrier16's starts where glibc's malloc puts a block this large (mmap'd,
+ * 16 bytes past a page boundary). On this project's machine (AMD EPYC,
+ * Open MPI 4.1's shared memory with CMA) the same call on 64 MiB took up
+ * to 1.4x as long on the page-aligned buffer, the kernel's copies between
+ * the ranks' buffers taking most of the difference (docs/measured.md).
  *
  * algbw = size/time and busbw = algbw*2(W-1)/W, GB/s (decimal), as
  * nccl-tests computes them. Each way runs WARMUP untimed calls first. The
@@ -24,7 +38,8 @@
  * by W per call; ITERS is capped so that they stay finite).
  *
  * usage: mpirun -np W mpi-allreduce-bench WARMUP ITERS SIZE...
- * Output, from rank 0, one CSV line per size and way:
+ * Output, from rank 0, one CSV line per size and way (nccl, barrier, mean,
+ * barrier16):
  *   way,bytes,count,time_us,algbw_gbps,busbw_gbps
  */
 #include <mpi.h>
@@ -42,6 +57,20 @@ static void fill(float *buf, long n)
 {
 	for (long i = 0; i < n; i++)
 		buf[i] = (float)((i % 1024) - 512) / 1024.0f;
+}
+
+/* divide divides buf[0..n) by w as comm/mpi's lb_divide does. */
+static void divide(float *buf, long n, int w)
+{
+	float d = (float)w;
+	if ((w & (w - 1)) == 0) {
+		float r = 1.0f / d; /* exact: w is a power of two */
+		for (long j = 0; j < n; j++)
+			buf[j] *= r;
+		return;
+	}
+	for (long j = 0; j < n; j++)
+		buf[j] /= d;
 }
 
 static void report(const char *way, long bytes, double sec, int w)
@@ -83,9 +112,10 @@ int main(int argc, char **argv)
 				fprintf(stderr, "mpi-allreduce-bench: bad size %s\n", argv[a]);
 			MPI_Abort(MPI_COMM_WORLD, 2);
 		}
-		float *buf = malloc(sizeof(float) * n);
-		if (buf == NULL)
+		void *mem = NULL;
+		if (posix_memalign(&mem, 4096, sizeof(float) * n + 4096) != 0)
 			MPI_Abort(MPI_COMM_WORLD, 1);
+		float *buf = mem;
 
 		/* nccl-tests: back to back, total over iters, mean over ranks. */
 		fill(buf, n);
@@ -103,9 +133,13 @@ int main(int argc, char **argv)
 
 		/*
 		 * lowbit bench: a barrier before each call, p50 of all calls;
-		 * then the same with the division of comm.Mean.
+		 * then the same with the division of comm.Mean; then the first
+		 * on a buffer 16 bytes past a page boundary.
 		 */
-		for (int mean = 0; mean <= 1; mean++) {
+		for (int way = 0; way <= 2; way++) {
+			int mean = way == 1;
+			if (way == 2)
+				buf = (float *)((char *)mem + 16);
 			for (int i = 0; i < warmup; i++) {
 				fill(buf, n);
 				MPI_Barrier(MPI_COMM_WORLD);
@@ -117,8 +151,7 @@ int main(int argc, char **argv)
 				double s = MPI_Wtime();
 				MPI_Allreduce(MPI_IN_PLACE, buf, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
 				if (mean)
-					for (long j = 0; j < n; j++)
-						buf[j] /= (float)w;
+					divide(buf, n, w);
 				times[i] = MPI_Wtime() - s;
 			}
 			MPI_Gather(times, iters, MPI_DOUBLE, all, iters, MPI_DOUBLE, 0, MPI_COMM_WORLD);
@@ -126,10 +159,10 @@ int main(int argc, char **argv)
 				int k = iters * w;
 				qsort(all, k, sizeof(double), cmp_double);
 				int i = (k + 1) / 2 - 1; /* nearest rank: ceil(0.5*k) - 1 */
-				report(mean ? "mean" : "barrier", n * 4, all[i], w);
+				report(way == 0 ? "barrier" : way == 1 ? "mean" : "barrier16", n * 4, all[i], w);
 			}
 		}
-		free(buf);
+		free(mem);
 	}
 	free(times);
 	free(all);

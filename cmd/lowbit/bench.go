@@ -87,7 +87,21 @@ type benchConfig struct {
 	trace       string // write a Chrome trace of the onebit calls here (bench_trace.go); "" for none
 	pieces      int    // onebit on host buffers: State.SetPieces (0: the calls choose)
 	blocking    bool   // onebit on host buffers: State.SetOverlap(false)
+	sum         bool   // --op sum: allreduce and reducescatter sum (else they average)
 }
+
+// op is the reduction of allreduce and reducescatter: comm.Sum with --op
+// sum, else comm.Mean.
+func (cfg *benchConfig) op() comm.Op {
+	if cfg.sum {
+		return comm.Sum
+	}
+	return comm.Mean
+}
+
+// The collectives --op sum applies to: the exact ones (alltoall and
+// allgather reduce nothing). The others average by construction.
+var sumCollectives = []string{"allreduce", "reducescatter", "alltoall", "allgather"}
 
 // sizeSweep returns begin, begin*factor, ... up to end.
 func sizeSweep(begin, end, factor int64) ([]int64, error) {
@@ -133,6 +147,7 @@ func parseBenchFlags(args []string, out io.Writer) (*benchConfig, error) {
 	trace := fs.String("trace", "", "write a per-phase timeline of every timed onebit call on every rank to `file` (Chrome trace-event JSON) and print a per-phase summary")
 	pieces := fs.Int("pieces", 0, "onebit on host buffers: cut every chunk into at most this many pieces (1: whole; 0: the calls choose by their times)")
 	overlap := fs.Bool("overlap", true, "onebit on host buffers, on a backend that starts collectives (mpi): compute while they travel where the calls choose to (false: run them blocking, for same-run comparisons)")
+	opName := fs.String("op", "mean", "reduction of allreduce and reducescatter: mean (comm.Mean, nccl-tests' -o avg) or sum (comm.Sum, nccl-tests' default)")
 	rpn := fs.Int("ranks-per-node", 0, "qgz4, qgz8, twolevel: ranks per node of the node-major layout (0: the ranks that share a machine; local backend: all)")
 	fs.Usage = func() {
 		fmt.Fprint(out, `usage: lowbit bench [flags]
@@ -142,8 +157,12 @@ the bytes of float32 data each rank holds: the buffer of allreduce and
 onebit, the send (= receive) buffer of alltoall, the receive buffer of
 allgather and the send buffer of reducescatter (the last three are cut to
 a multiple of the rank count). allreduce and reducescatter average
-(comm.Mean), like onebit. Each rank times each iteration after a barrier;
-p50/p95/min/max are over all ranks and timed iterations. Wire bytes are
+(comm.Mean), like onebit; --op sum makes them sum (comm.Sum, nccl-tests'
+default reduction: on the mpi backend the bare MPI_Allreduce, without
+the division by W), and then takes only the exact collectives (allreduce,
+reducescatter, alltoall, allgather) and adds no bf16 row. Each rank times
+each iteration after a barrier; p50/p95/min/max are over all ranks and
+timed iterations. Wire bytes are
 what each rank sent per iteration according to comm.Stats (the most of any
 rank); the compression ratio is the wire bytes of the exact float32
 collective the row replaces over them (1 for the exact rows). The three
@@ -239,6 +258,8 @@ With --backend mpi start it under mpirun (a binary built with -tags mpi).
 		return nil, cliflag.Bad(fs, "pieces", "want 0 (the calls choose) to 64 (at most 4 are used)")
 	case *rpn < 0 || *rpn > maxLocalRanks:
 		return nil, cliflag.Bad(fs, "ranks-per-node", "want 0 (the ranks that share a machine) to %d", maxLocalRanks)
+	case *opName != "mean" && *opName != "sum":
+		return nil, cliflag.Bad(fs, "op", "unknown reduction %q (want mean or sum)", *opName)
 	case *backend != "local" && *backend != "mpi":
 		return nil, cliflag.Bad(fs, "backend", "unknown backend (want %s)", backends)
 	case begin%4 != 0:
@@ -255,7 +276,7 @@ With --backend mpi start it under mpirun (a binary built with -tags mpi).
 		return nil, cliflag.Usagef("%s", err)
 	}
 	cfg := &benchConfig{sizes: sizes, warmup: *warmup, iters: *iters, backend: *backend,
-		ranks: *ranks, check: *check, format: "table", cpuProfile: *cpuProfile, rpn: *rpn, device: *device, trace: *trace, pieces: *pieces, blocking: !*overlap}
+		ranks: *ranks, check: *check, format: "table", cpuProfile: *cpuProfile, rpn: *rpn, device: *device, trace: *trace, pieces: *pieces, blocking: !*overlap, sum: *opName == "sum"}
 	for name := range strings.SplitSeq(*list, ",") {
 		name = strings.TrimSpace(name)
 		if !slices.Contains(benchCollectives, name) {
@@ -263,7 +284,13 @@ With --backend mpi start it under mpirun (a binary built with -tags mpi).
 		}
 		cfg.collectives = append(cfg.collectives, name)
 	}
-	if *withBF16 {
+	if cfg.sum {
+		for _, name := range cfg.collectives {
+			if !slices.Contains(sumCollectives, name) {
+				return nil, cliflag.Bad(fs, "op", "sum: %s always averages; --op sum takes %s", name, strings.Join(sumCollectives, ", "))
+			}
+		}
+	} else if *withBF16 {
 		cfg.collectives = withBF16Baseline(cfg.collectives)
 	}
 	switch {
@@ -307,7 +334,7 @@ func withBF16Baseline(collectives []string) []string {
 // stdout and its rows are returned. With --check a result off by more than
 // the tolerance makes it fail after the whole sweep has run.
 func runBench(ctx context.Context, cfg *benchConfig, stdout io.Writer) (*benchResult, error) {
-	res := &benchResult{Backend: cfg.backend, Warmup: cfg.warmup, Iterations: cfg.iters}
+	res := &benchResult{Backend: cfg.backend, Op: opName(cfg.op()), Warmup: cfg.warmup, Iterations: cfg.iters}
 	var failed []string
 	err := runRanks(ctx, cfg.backend, cfg.ranks, func(ctx context.Context, c comm.Comm) (err error) {
 		if cfg.cpuProfile != "" && (c.Rank() == 0 || cfg.backend != "local") {
@@ -382,7 +409,7 @@ func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchRep
 			} else if name == "onebit" && cfg.device != "" {
 				bc, err = newDeviceBenchCase(cfg.device, c, int(sz/4))
 			} else {
-				bc, err = newBenchCase(name, c, int(sz/4))
+				bc, err = newBenchCase(name, c, int(sz/4), cfg.op())
 			}
 			if err != nil {
 				return fmt.Errorf("%s at %s: %w", name, size.Format(sz), err)
@@ -513,7 +540,7 @@ type benchCase struct {
 	// inspects the last timed call's).
 	checkRun func(ctx context.Context) error
 	// result is the buffer check inspects, where a case sets it (onebit
-	// on the host), so that tests can corrupt it.
+	// on the host, allreduce), so that tests can corrupt it.
 	result []float32
 
 	// Set by collectives that run on communicators of their own
@@ -554,8 +581,9 @@ func (bc *benchCase) annotate(row *benchRow) {
 }
 
 // newBenchCase allocates and fills the buffers of collective name for
-// elems float32 per rank on c.
-func newBenchCase(name string, c comm.Comm, elems int) (*benchCase, error) {
+// elems float32 per rank on c; allreduce and reducescatter reduce with op
+// (comm.Mean or comm.Sum), onebit averages.
+func newBenchCase(name string, c comm.Comm, elems int, op comm.Op) (*benchCase, error) {
 	w, rank := c.Size(), c.Rank()
 	switch name {
 	case "allreduce", "onebit":
@@ -570,7 +598,11 @@ func newBenchCase(name string, c comm.Comm, elems int) (*benchCase, error) {
 			},
 		}
 		if name == "allreduce" {
-			bc.run = func(ctx context.Context) error { return c.AllReduce(ctx, buf, comm.Mean) }
+			bc.run = func(ctx context.Context) error { return c.AllReduce(ctx, buf, op) }
+			bc.check = func() (float64, float64) {
+				return sqDist(buf, func(i int) float64 { return reducedInput(w, i, op) })
+			}
+			bc.result = buf
 			return bc, nil
 		}
 		st, err := onebit.NewState(elems, w)
@@ -634,9 +666,9 @@ func newBenchCase(name string, c comm.Comm, elems int) (*benchCase, error) {
 		fillInput(send, rank, 0)
 		return &benchCase{
 			elems: elems,
-			run:   func(ctx context.Context) error { return c.ReduceScatter(ctx, send, recv, comm.Mean) },
+			run:   func(ctx context.Context) error { return c.ReduceScatter(ctx, send, recv, op) },
 			check: func() (float64, float64) {
-				return sqDist(recv, func(i int) float64 { return meanInput(w, rank*k+i) })
+				return sqDist(recv, func(i int) float64 { return reducedInput(w, rank*k+i, op) })
 			},
 		}, nil
 	}
@@ -724,12 +756,27 @@ func fillInput(dst []float32, rank, off int) {
 }
 
 // meanInput is the exact (float64) mean over w ranks of element i.
-func meanInput(w, i int) float64 {
+func meanInput(w, i int) float64 { return reducedInput(w, i, comm.Mean) }
+
+// reducedInput is the exact (float64) reduction with op (comm.Mean or
+// comm.Sum) over w ranks of element i.
+func reducedInput(w, i int, op comm.Op) float64 {
 	var s float64
 	for r := 0; r < w; r++ {
 		s += float64(inputValue(r, i))
 	}
-	return s / float64(w)
+	if op == comm.Mean {
+		s /= float64(w)
+	}
+	return s
+}
+
+// opName is op as --op and the report name it.
+func opName(op comm.Op) string {
+	if op == comm.Sum {
+		return "sum"
+	}
+	return "mean"
 }
 
 // addTo adds x to sum element by element.

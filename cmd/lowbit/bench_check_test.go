@@ -50,7 +50,7 @@ func TestBenchCheckCatchesCorruptResults(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			err := local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
-				bc, err := newBenchCase("onebit", c, elems)
+				bc, err := newBenchCase("onebit", c, elems, comm.Mean)
 				if err != nil {
 					return err
 				}

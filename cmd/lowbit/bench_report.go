@@ -72,6 +72,7 @@ type benchSpeedup struct {
 type benchResult struct {
 	Backend    string         `json:"backend"`
 	Ranks      int            `json:"ranks"`
+	Op         string         `json:"op"` // allreduce's and reducescatter's reduction (--op): mean or sum
 	Warmup     int            `json:"warmup"`
 	Iterations int            `json:"iterations"`
 	Results    []benchRow     `json:"results"`
@@ -184,9 +185,9 @@ func (r *benchReporter) begin() error {
 		r.csv.Flush()
 		return r.csv.Error()
 	case "table":
-		_, err := fmt.Fprintf(r.w, "# lowbit bench: backend %s, %d ranks, %d warm-up and %d timed iterations; "+
+		_, err := fmt.Fprintf(r.w, "# lowbit bench: backend %s, %d ranks, op %s, %d warm-up and %d timed iterations; "+
 			"times over all ranks and timed iterations\n%s\n",
-			r.cfg.backend, r.res.Ranks, r.cfg.warmup, r.cfg.iters, tableHeader(r.cfg.check))
+			r.cfg.backend, r.res.Ranks, opName(r.cfg.op()), r.cfg.warmup, r.cfg.iters, tableHeader(r.cfg.check))
 		return err
 	}
 	return nil

@@ -81,6 +81,78 @@ func TestParseBenchFlags(t *testing.T) {
 	assert.ErrorIs(t, err, flag.ErrHelp)
 }
 
+// --op sum makes allreduce and reducescatter sum, as nccl-tests does by
+// default; it takes only the exact collectives and adds no bf16 row.
+func TestParseBenchOp(t *testing.T) {
+	cfg, err := parseBenchFlags(nil, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, comm.Mean, cfg.op(), "the default averages")
+	cfg, err = parseBenchFlags(strings.Fields("--op sum --collective allreduce,reducescatter,alltoall,allgather"), io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, comm.Sum, cfg.op())
+	assert.Equal(t, []string{"allreduce", "reducescatter", "alltoall", "allgather"}, cfg.collectives, "no bf16 row")
+
+	for args, want := range map[string]string{
+		"--op max --collective allreduce":           `unknown reduction "max"`,
+		"--op sum":                                  "sum: onebit always averages",
+		"--op sum --collective allreduce,bf16":      "sum: bf16 always averages",
+		"--op sum --collective qgz4":                "sum: qgz4 always averages",
+		"--op sum --collective onebit --bf16=false": "sum: onebit always averages",
+	} {
+		_, err := parseBenchFlags(strings.Fields(args), io.Discard)
+		require.Error(t, err, args)
+		assert.Contains(t, err.Error(), want, args)
+		assert.Contains(t, err.Error(), "-op", args)
+	}
+}
+
+// With --op sum the exact collectives' results are sums: --check, which
+// compares them with the float64 sum, passes (it fails on means, 1/W of
+// it), and the report names the reduction.
+func TestBenchOpSum(t *testing.T) {
+	for _, op := range []string{"sum", "mean"} {
+		cfg, err := parseBenchFlags(strings.Fields(
+			"--b 4Ki --e 4Ki --w 0 --n 2 --ranks 4 --check --json --collective allreduce,reducescatter --bf16=false --op "+op), io.Discard)
+		require.NoError(t, err)
+		var out bytes.Buffer
+		_, err = runBench(context.Background(), cfg, &out)
+		require.NoError(t, err, op)
+		var res benchResult
+		require.NoError(t, json.Unmarshal(out.Bytes(), &res))
+		assert.Equal(t, op, res.Op)
+		require.Len(t, res.Results, 2)
+		for _, row := range res.Results {
+			require.NotNil(t, row.RelError, row.Collective)
+			assert.Less(t, *row.RelError, 1e-6, "%s %s", op, row.Collective)
+		}
+	}
+
+	// The check tells a sum from a mean: a mean checked as a sum is 3/4 off
+	// on 4 ranks.
+	cs, err := local.New(4)
+	require.NoError(t, err)
+	errs := make(chan error, 4)
+	rel := make([]float64, 4)
+	for r, c := range cs {
+		go func() {
+			bc, err := newBenchCase("allreduce", c, 1024, comm.Sum)
+			if err == nil {
+				bc.prepare()
+				err = c.AllReduce(context.Background(), bc.result, comm.Mean)
+				e, ref := bc.check()
+				rel[r] = e / ref
+			}
+			errs <- err
+		}()
+	}
+	for range cs {
+		require.NoError(t, <-errs)
+	}
+	for _, x := range rel {
+		assert.InDelta(t, 0.75*0.75, x, 1e-6)
+	}
+}
+
 func TestFormatting(t *testing.T) {
 	rel := 0.5
 	row := benchRow{Collective: "onebit", Bytes: 64 << 20, ElementsPerRank: 16 << 20,
@@ -261,7 +333,7 @@ func TestTimedLoopAllocatesNothing(t *testing.T) {
 	for _, name := range []string{"allreduce", "onebit", "alltoall"} {
 		cases := make([]*benchCase, 2)
 		for r := range cases {
-			cases[r], err = newBenchCase(name, cs[r], 1024)
+			cases[r], err = newBenchCase(name, cs[r], 1024, comm.Mean)
 			require.NoError(t, err)
 		}
 		times := [2][]int64{make([]int64, 3), make([]int64, 3)}

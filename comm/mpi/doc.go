@@ -145,7 +145,8 @@
 //
 // By default AllReduce is MPI_Allreduce and ReduceScatter is
 // MPI_Reduce_scatter_block (Mean is MPI_SUM followed by a division by the
-// group size), so their summation order is Open MPI's choice: results are
+// group size, made in C right after the MPI call, four floats at a time,
+// rounding as Go's float32 division does), so their summation order is Open MPI's choice: results are
 // identical on every rank, but on three or more ranks may differ in the last
 // bits from comm/local's. WithOrderedReduce builds both on MPI_Alltoallv /
 // MPI_Alltoall and MPI_Allgatherv instead and sums in ascending rank order,

@@ -336,18 +336,25 @@ func (c *mpiComm) AllReduce(ctx context.Context, buf []float32, op comm.Op) erro
 	return nil
 }
 
-// nativeAllReduce is MPI_Allreduce, in pieces of at most maxCount.
+// nativeAllReduce is MPI_Allreduce, in pieces of at most maxCount; for
+// Mean each piece is then divided by the rank count in the same cgo call.
 func (c *mpiComm) nativeAllReduce(buf []float32, op comm.Op) error {
 	for lo := 0; lo < len(buf); lo += maxCount {
 		p := buf[lo:min(lo+maxCount, len(buf))]
-		if err := cAllReduce(c.h, ptr(p), len(p), tFloat, mpiOp(op)); err != nil {
+		if err := cAllReduce(c.h, ptr(p), len(p), tFloat, mpiOp(op), divisor(op, c.size)); err != nil {
 			return err
 		}
 	}
-	if op == comm.Mean {
-		divide(buf, c.size)
-	}
 	return nil
+}
+
+// divisor is what the C layer divides a reduction's result by: the rank
+// count for Mean, else 1 (no division).
+func divisor(op comm.Op, size int) int {
+	if op == comm.Mean {
+		return size
+	}
+	return 1
 }
 
 // orderedAllReduce cuts buf into chunks as comm/local does, sends chunk j
@@ -406,9 +413,7 @@ func (c *mpiComm) ReduceScatter(ctx context.Context, send, recv []float32, op co
 			reduceOrdered(recv, scratch, c.size, op)
 		}
 	default:
-		if err = cReduceScatterBlock(c.h, send, recv, mpiOp(op)); err == nil && op == comm.Mean {
-			divide(recv, c.size)
-		}
+		err = cReduceScatterBlock(c.h, send, recv, mpiOp(op), divisor(op, c.size))
 	}
 	if err := c.end(comm.CReduceScatter, armed, err); err != nil {
 		return err

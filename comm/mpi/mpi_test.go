@@ -13,6 +13,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -141,6 +142,44 @@ func TestReduceScatter(t *testing.T) {
 					require.Equal(t, expected(w, r*k+i, op), v, "%s %v k=%d element %d", m.name, op, k, i)
 				}
 			}
+		}
+	}
+}
+
+// Mean is Sum followed by the division by W, bit for bit as Go (and
+// comm/local) divides: the C layer's vectorized division, fused into the
+// reduction's call, must round every element, tails of 1 to 3 elements
+// past its vectors included, as a scalar float32 division does. Inputs
+// with fractions, and some tiny ones, whose quotients round.
+func TestMeanDividesLikeGo(t *testing.T) {
+	ctx := testCtx(t)
+	w, r := world.Size(), world.Rank()
+	rng := rand.New(rand.NewPCG(7, uint64(r)))
+	input := func(n int) []float32 {
+		x := make([]float32, n)
+		for i := range x {
+			x[i] = float32(rng.NormFloat64())
+			if i%7 == 3 {
+				x[i] *= 1e-38 // sums near the subnormal range
+			}
+		}
+		return x
+	}
+	for _, n := range []int{1, 3, 4, 5, 8, 9, 1001, 4099} {
+		x := input(n)
+		sum, mean := slices.Clone(x), slices.Clone(x)
+		require.NoError(t, world.AllReduce(ctx, sum, comm.Sum))
+		require.NoError(t, world.AllReduce(ctx, mean, comm.Mean))
+		for i := range sum {
+			require.Equal(t, math.Float32bits(sum[i]/float32(w)), math.Float32bits(mean[i]), "allreduce n=%d element %d", n, i)
+		}
+
+		send := input(w * n)
+		rsum, rmean := make([]float32, n), make([]float32, n)
+		require.NoError(t, world.ReduceScatter(ctx, send, rsum, comm.Sum))
+		require.NoError(t, world.ReduceScatter(ctx, send, rmean, comm.Mean))
+		for i := range rsum {
+			require.Equal(t, math.Float32bits(rsum[i]/float32(w)), math.Float32bits(rmean[i]), "reducescatter n=%d element %d", n, i)
 		}
 	}
 }
