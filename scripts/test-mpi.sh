@@ -31,6 +31,8 @@ export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy
 # hundred steps and the early-exit scenarios well within 30 s.
 stop_s=${OMPI_MCA_odls_base_sigkill_timeout:-3}
 mpirun=(mpirun --allow-run-as-root --oversubscribe --bind-to none --mca odls_base_sigkill_timeout "$stop_s")
+# The failure scenarios below abort; they need no time to save.
+mpirun_abort=(mpirun --allow-run-as-root --oversubscribe --bind-to none --mca odls_base_sigkill_timeout 1)
 
 start=$(date +%s%N)
 if ! "$GO" test -c -tags mpi -o "$bin" ./comm/mpi; then
@@ -96,31 +98,15 @@ else
 	fail=$((fail + 1))
 fi
 
-# Checkpointed MNIST training under mpirun (examples/mnist): a run killed
-# right after its step-12 checkpoint and then resumed must end with the
-# same parameters, bit for bit, as an uninterrupted run.
+# Checkpointed MNIST training under mpirun (examples/mnist), built once for
+# the soaks and the SIGTERM test below. (A run killed after a checkpoint
+# and resumed, ending bit-identical to an uninterrupted run, is the short
+# soak's first fault.)
 mnist=$tmp/mnist
-if "$GO" build -tags mpi -o "$mnist" ./examples/mnist; then
-	margs=(-backend mpi -data examples/mnist/testdata -optimizer onebit-adam -epochs 2 -batch 50
-		-freeze-step 4 -lr 2e-3 -evals 2 -checkpoint-every 4 -quiet)
-	hashes() { grep -E '^[a-z-]+ final parameters: fnv64 [0-9a-f]{16}$' "$1"; }
-	run "$tmp/mnist-whole.log" timeout -k 10 120 "${mpirun[@]}" -np 2 "$mnist" "${margs[@]}" -checkpoint "$tmp/ck-whole"
-	rc_whole=$rc
-	run "$tmp/mnist-kill.log" timeout -k 10 120 "${mpirun[@]}" -np 2 "$mnist" "${margs[@]}" -checkpoint "$tmp/ck" -kill-at 12
-	rc_kill=$rc
-	run "$tmp/mnist-resume.log" timeout -k 10 120 "${mpirun[@]}" -np 2 "$mnist" "${margs[@]}" -checkpoint "$tmp/ck" -resume
-	if [ "$rc_whole" -eq 0 ] && [ "$rc_kill" -ne 0 ] && [ "$rc_kill" -ne 124 ] && [ "$rc" -eq 0 ] &&
-		! hashes "$tmp/mnist-kill.log" >/dev/null && [ -n "$(hashes "$tmp/mnist-whole.log")" ] &&
-		grep -q '^onebit-adam resumed from step 12 of 20$' "$tmp/mnist-resume.log" &&
-		[ "$(hashes "$tmp/mnist-whole.log")" = "$(hashes "$tmp/mnist-resume.log")" ]; then
-		echo "MPI tests: mnist kill and -resume, np=2 ok: $(hashes "$tmp/mnist-resume.log")"
-		passed=$((passed + 1))
-	else
-		echo "MPI tests: mnist kill and -resume, np=2 FAILED (exits: whole $rc_whole, killed $rc_kill, resumed $rc):"
-		tail -n 20 "$tmp/mnist-whole.log" "$tmp/mnist-kill.log" "$tmp/mnist-resume.log"
-		fail=$((fail + 1))
-	fi
-else
+margs=(-backend mpi -data examples/mnist/testdata -optimizer onebit-adam -epochs 2 -batch 50
+	-freeze-step 4 -lr 2e-3 -evals 2 -checkpoint-every 4 -quiet)
+hashes() { grep -E '^[a-z-]+ final parameters: fnv64 [0-9a-f]{16}$' "$1"; }
+if ! "$GO" build -tags mpi -o "$mnist" ./examples/mnist; then
 	echo "MPI tests: building examples/mnist with -tags mpi failed"
 	fail=$((fail + 1))
 fi
@@ -210,7 +196,8 @@ for s in exit close stall skip started; do
 	*) want="$watchdog: .*; $missing\$" ;;
 	esac
 	log=$tmp/scenario-$s.log
-	run "$log" timeout -k 10 60 env LOWBIT_MPI_SCENARIO=$s "${mpirun[@]}" -np 3 "$bin"
+	# Nothing here saves a checkpoint: Open MPI's own 1 s stop time.
+	run "$log" timeout -k 10 60 env LOWBIT_MPI_SCENARIO=$s "${mpirun_abort[@]}" -np 3 "$bin"
 	if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ] && [ "$ms" -lt "$limit" ] && grep -Eq "$want" "$log"; then
 		echo "MPI tests: early-$s check ok (job ended with exit $rc after ${ms} ms): $(grep -Eo 'lowbit/mpi: rank [0-9]+: .*' "$log" | head -n 1)"
 		passed=$((passed + 1))
