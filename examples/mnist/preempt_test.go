@@ -220,14 +220,15 @@ func TestResumeOtherWorld(t *testing.T) {
 		// compact modes too: a compact checkpoint regrouped onto another
 		// number of ranks loads in StateCompact with the example's default
 		// buckets, which span several chunks (issue 49, finding 3).
-		const stop = 20
 		for _, ws := range [][2]int{{4, 3}, {3, 4}} {
 			t.Run(name+"/"+string(rune('0'+ws[0]))+"to"+string(rune('0'+ws[1])), func(t *testing.T) {
+				stop := 20
 				cfg := smallConfig(name)
 				if name == onebitMuon {
-					// Two epochs (stop 20 of 30 steps): every rank's
-					// Newton-Schulz makes its steps the slowest here.
-					cfg.epochs = 2
+					// One epoch (15 steps), the freeze at 4, the stop at 9:
+					// every rank's Newton-Schulz makes its steps the
+					// slowest here.
+					stop, cfg.epochs, cfg.hyper.freezeStep = 9, 1, 4
 				}
 				zeroInt4(name, &cfg)
 				whole, saved, loaded, res, warn := resumeOnOther(t, name, ws, stop, train, test, cfg)
