@@ -199,7 +199,7 @@ for s in exit close stall skip started; do
 	# Nothing here saves a checkpoint: Open MPI's own 1 s stop time.
 	run "$log" timeout -k 10 60 env LOWBIT_MPI_SCENARIO=$s "${mpirun_abort[@]}" -np 3 "$bin"
 	if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ] && [ "$ms" -lt "$limit" ] && grep -Eq "$want" "$log"; then
-		echo "MPI tests: early-$s check ok (job ended with exit $rc after ${ms} ms): $(grep -Eo 'lowbit/mpi: rank [0-9]+: .*' "$log" | head -n 1)"
+		echo "MPI tests: early-$s check ok (job ended with exit $rc after ${ms} ms): $(grep -Eo "$want.*" "$log" | head -n 1)"
 		passed=$((passed + 1))
 	else
 		echo "MPI tests: early-$s check FAILED (exit $rc after ${ms} ms; want a non-zero exit within $((limit / 1000)) s and /$want/):"
