@@ -170,8 +170,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.Float64Var(&o.outerDecay, "outer-decay", o.outerDecay, "diloco with -outer-codec sparse: decay of the error accumulator, in [0, 1]")
 	fs.IntVar(&o.outer.SparseBits, "outer-sparse-bits", o.outer.SparseBits, "diloco with -outer-codec sparse: bits per value sent, 1 or 2")
 	fs.Func("outer-sparse-exchange", "diloco with -outer-codec sparse: how the messages travel: allgather (every rank's to every rank, (W-1) messages sent per rank), "+
-		"twophase (to the owners of runs of chunks, which re-select the average) or shared (offsets chosen by the owners, then values only, averaged exactly; "+
-		"neither grows with W) (default allgather)", func(s string) error {
+		"twophase (to the owners of runs of chunks, which re-select the average), shared (offsets chosen by the owners, then values only, averaged exactly) "+
+		"or voted (as shared, the offsets those the most ranks named); none but allgather grows with W (default allgather)", func(s string) error {
 		x, err := outer.ParseSparseExchange(s)
 		if err != nil {
 			return err

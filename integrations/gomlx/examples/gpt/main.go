@@ -210,7 +210,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.outerSBits, "outer-sparse-bits", def.SparseBits, "diloco:sparse: bits per value sent, 1 or 2")
 	fs.Float64Var(&o.outerDecay, "outer-decay", float64(def.Decay), "diloco:sparse: decay of the error accumulator, in [0, 1]")
 	fs.Float64Var(&o.outerServerDensity, "outer-server-density", 0, "diloco:sparse with -outer-sparse-exchange twophase: share of each chunk's entries of the average the owners send in the second phase, in (0, 1] (0: -outer-density)")
-	fs.Func("outer-sparse-exchange", "diloco:sparse: how the messages travel: allgather (every rank's to every rank, (W-1) messages sent per rank), twophase (to the owners of runs of chunks, which re-encode the average with a server accumulator, then to every rank: about 2(W-1)/W messages) or shared (offsets chosen by the owners, then values only, averaged exactly, sent back in int8: about (W-1)/W of density*(offset bits + value bits + 8) bits per element) (default allgather)", func(s string) error {
+	fs.Func("outer-sparse-exchange", "diloco:sparse: how the messages travel: allgather (every rank's to every rank, (W-1) messages sent per rank), twophase (to the owners of runs of chunks, which re-encode the average with a server accumulator, then to every rank: about 2(W-1)/W messages), shared (offsets chosen by the owners, then values only, averaged exactly, sent back in int8: about (W-1)/W of density*(offset bits + value bits + 8) bits per element) or voted (as shared, the offsets those the most ranks named: one more all-to-all of offsets) (default allgather)", func(s string) error {
 		x, err := outer.ParseSparseExchange(s)
 		o.outerSparseX = x
 		return err
