@@ -81,22 +81,13 @@ type benchConfig struct {
 	ranks       int  // local: rank count; mpi: required world size, <= 0 for any
 	check       bool // compare results with a reference and report the relative error
 	format      string
-	cpuProfile  string // write a CPU profile here (mpi: one per rank, suffixed .rankN)
-	rpn         int    // qgz4, qgz8: ranks per node of the layout (0: the backend's nodes)
-	device      string // onebit on device-resident buffers (bench_device.go); "" for host buffers
-	trace       string // write a Chrome trace of the onebit calls here (bench_trace.go); "" for none
-	pieces      int    // onebit on host buffers: State.SetPieces (0: the calls choose)
-	blocking    bool   // onebit on host buffers: State.SetOverlap(false)
-	sum         bool   // --op sum: allreduce and reducescatter sum (else they average)
-}
-
-// op is the reduction of allreduce and reducescatter: comm.Sum with --op
-// sum, else comm.Mean.
-func (cfg *benchConfig) op() comm.Op {
-	if cfg.sum {
-		return comm.Sum
-	}
-	return comm.Mean
+	cpuProfile  string  // write a CPU profile here (mpi: one per rank, suffixed .rankN)
+	rpn         int     // qgz4, qgz8: ranks per node of the layout (0: the backend's nodes)
+	device      string  // onebit on device-resident buffers (bench_device.go); "" for host buffers
+	trace       string  // write a Chrome trace of the onebit calls here (bench_trace.go); "" for none
+	pieces      int     // onebit on host buffers: State.SetPieces (0: the calls choose)
+	blocking    bool    // onebit on host buffers: State.SetOverlap(false)
+	op          comm.Op // --op: the reduction of allreduce and reducescatter, comm.Mean (the default) or comm.Sum
 }
 
 // The collectives --op sum applies to: the exact ones (alltoall and
@@ -276,7 +267,10 @@ With --backend mpi start it under mpirun (a binary built with -tags mpi).
 		return nil, cliflag.Usagef("%s", err)
 	}
 	cfg := &benchConfig{sizes: sizes, warmup: *warmup, iters: *iters, backend: *backend,
-		ranks: *ranks, check: *check, format: "table", cpuProfile: *cpuProfile, rpn: *rpn, device: *device, trace: *trace, pieces: *pieces, blocking: !*overlap, sum: *opName == "sum"}
+		ranks: *ranks, check: *check, format: "table", cpuProfile: *cpuProfile, rpn: *rpn, device: *device, trace: *trace, pieces: *pieces, blocking: !*overlap, op: comm.Mean}
+	if *opName == "sum" {
+		cfg.op = comm.Sum
+	}
 	for name := range strings.SplitSeq(*list, ",") {
 		name = strings.TrimSpace(name)
 		if !slices.Contains(benchCollectives, name) {
@@ -284,7 +278,7 @@ With --backend mpi start it under mpirun (a binary built with -tags mpi).
 		}
 		cfg.collectives = append(cfg.collectives, name)
 	}
-	if cfg.sum {
+	if cfg.op == comm.Sum {
 		for _, name := range cfg.collectives {
 			if !slices.Contains(sumCollectives, name) {
 				return nil, cliflag.Bad(fs, "op", "sum: %s always averages; --op sum takes %s", name, strings.Join(sumCollectives, ", "))
@@ -334,7 +328,7 @@ func withBF16Baseline(collectives []string) []string {
 // stdout and its rows are returned. With --check a result off by more than
 // the tolerance makes it fail after the whole sweep has run.
 func runBench(ctx context.Context, cfg *benchConfig, stdout io.Writer) (*benchResult, error) {
-	res := &benchResult{Backend: cfg.backend, Op: opName(cfg.op()), Warmup: cfg.warmup, Iterations: cfg.iters}
+	res := &benchResult{Backend: cfg.backend, Op: cfg.op.String(), Warmup: cfg.warmup, Iterations: cfg.iters}
 	var failed []string
 	err := runRanks(ctx, cfg.backend, cfg.ranks, func(ctx context.Context, c comm.Comm) (err error) {
 		if cfg.cpuProfile != "" && (c.Rank() == 0 || cfg.backend != "local") {
@@ -409,7 +403,7 @@ func benchRank(ctx context.Context, c comm.Comm, cfg *benchConfig, rep *benchRep
 			} else if name == "onebit" && cfg.device != "" {
 				bc, err = newDeviceBenchCase(cfg.device, c, int(sz/4))
 			} else {
-				bc, err = newBenchCase(name, c, int(sz/4), cfg.op())
+				bc, err = newBenchCase(name, c, int(sz/4), cfg.op)
 			}
 			if err != nil {
 				return fmt.Errorf("%s at %s: %w", name, size.Format(sz), err)
@@ -769,14 +763,6 @@ func reducedInput(w, i int, op comm.Op) float64 {
 		s /= float64(w)
 	}
 	return s
-}
-
-// opName is op as --op and the report name it.
-func opName(op comm.Op) string {
-	if op == comm.Sum {
-		return "sum"
-	}
-	return "mean"
 }
 
 // addTo adds x to sum element by element.

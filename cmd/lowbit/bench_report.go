@@ -187,7 +187,7 @@ func (r *benchReporter) begin() error {
 	case "table":
 		_, err := fmt.Fprintf(r.w, "# lowbit bench: backend %s, %d ranks, op %s, %d warm-up and %d timed iterations; "+
 			"times over all ranks and timed iterations\n%s\n",
-			r.cfg.backend, r.res.Ranks, opName(r.cfg.op()), r.cfg.warmup, r.cfg.iters, tableHeader(r.cfg.check))
+			r.cfg.backend, r.res.Ranks, r.cfg.op, r.cfg.warmup, r.cfg.iters, tableHeader(r.cfg.check))
 		return err
 	}
 	return nil

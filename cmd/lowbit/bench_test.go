@@ -86,10 +86,10 @@ func TestParseBenchFlags(t *testing.T) {
 func TestParseBenchOp(t *testing.T) {
 	cfg, err := parseBenchFlags(nil, io.Discard)
 	require.NoError(t, err)
-	assert.Equal(t, comm.Mean, cfg.op(), "the default averages")
+	assert.Equal(t, comm.Mean, cfg.op, "the default averages")
 	cfg, err = parseBenchFlags(strings.Fields("--op sum --collective allreduce,reducescatter,alltoall,allgather"), io.Discard)
 	require.NoError(t, err)
-	assert.Equal(t, comm.Sum, cfg.op())
+	assert.Equal(t, comm.Sum, cfg.op)
 	assert.Equal(t, []string{"allreduce", "reducescatter", "alltoall", "allgather"}, cfg.collectives, "no bf16 row")
 
 	for args, want := range map[string]string{
