@@ -3,6 +3,7 @@ package optim
 import (
 	"context"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -218,9 +219,17 @@ func TestUnmarshalBinaryAllocations(t *testing.T) {
 	b, err := ck.MarshalBinary()
 	require.NoError(t, err)
 	state := stateBytes(ck)
+	// TotalAlloc counts the whole process: a goroutine left by an earlier
+	// test, or the race detector's runtime, can allocate during one
+	// measurement. The least of three is UnmarshalBinary's own, and a
+	// 64 KiB margin still rules out any copy of the 1 MiB state.
 	var back Checkpoint
-	alloc := allocatedDuring(func() { err = back.UnmarshalBinary(b) })
-	require.NoError(t, err)
+	alloc := uint64(math.MaxUint64)
+	for range 3 {
+		back = Checkpoint{}
+		alloc = min(alloc, allocatedDuring(func() { err = back.UnmarshalBinary(b) }))
+		require.NoError(t, err)
+	}
 	require.Equal(t, ck, &back)
-	require.LessOrEqual(t, alloc, state+4<<10, "UnmarshalBinary allocated %d bytes for a %d-byte state", alloc, state)
+	require.LessOrEqual(t, alloc, state+64<<10, "UnmarshalBinary allocated %d bytes for a %d-byte state", alloc, state)
 }
