@@ -241,30 +241,10 @@ func (s *sparseCodec) encode(dst []byte, x []float32) int {
 			ties--
 		}
 	}
-	var sum float64
-	s.selected(x, thr, ties, func(_ int, v float32) { sum += float64(abs32(v)) })
-	lo := float32(sum / float64(k))
-	hi, cut := lo, float32(math.Inf(1))
+	sent := mag[:0] // the magnitudes of the entries sent, over mag's
+	s.selected(x, thr, ties, func(_ int, v float32) { sent = append(sent, abs32(v)) })
+	lo, hi, cut := s.magnitudes(sent)
 	if s.vbits == 2 {
-		// Two magnitudes: the means of the entries sent below and at or
-		// above their mean magnitude.
-		cut = lo
-		var sl, sh float64
-		var nl, nh int
-		s.selected(x, thr, ties, func(_ int, v float32) {
-			if a := abs32(v); a >= cut {
-				sh += float64(a)
-				nh++
-			} else {
-				sl += float64(a)
-				nl++
-			}
-		})
-		hi = float32(sh / float64(nh)) // nh >= 1: the largest is at least the mean
-		lo = hi
-		if nl > 0 {
-			lo = float32(sl / float64(nl))
-		}
 		binary.LittleEndian.PutUint32(dst[4:], math.Float32bits(hi))
 	}
 	binary.LittleEndian.PutUint32(dst, math.Float32bits(lo))
@@ -284,6 +264,39 @@ func (s *sparseCodec) encode(dst []byte, x []float32) int {
 	})
 	bw.flush()
 	return s.chunkLen(l)
+}
+
+// magnitudes returns what a message sends for its entries of magnitudes
+// mags, in the order they are sent: at 1 bit their mean as lo and hi, cut
+// +Inf; at 2 bits cut is that mean, lo and hi the means of the entries
+// below and at or above it (hi when none is below). An entry of magnitude
+// at least cut is sent as hi, the others as lo.
+func (s *sparseCodec) magnitudes(mags []float32) (lo, hi, cut float32) {
+	var sum float64
+	for _, a := range mags {
+		sum += float64(a)
+	}
+	lo = float32(sum / float64(len(mags)))
+	hi, cut = lo, float32(math.Inf(1))
+	if s.vbits != 2 {
+		return lo, hi, cut
+	}
+	cut = lo
+	var sl, sh float64
+	var nl, nh int
+	for _, a := range mags {
+		if a >= cut {
+			sh, nh = sh+float64(a), nh+1
+		} else {
+			sl, nl = sl+float64(a), nl+1
+		}
+	}
+	hi = float32(sh / float64(nh)) // nh >= 1: the largest is at least the mean
+	lo = hi
+	if nl > 0 {
+		lo = float32(sl / float64(nl))
+	}
+	return lo, hi, cut
 }
 
 // selected calls fn with the offset and value of each entry of x that a

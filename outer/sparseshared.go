@@ -140,29 +140,12 @@ func (s *sparseCodec) readOffsets(msg []byte, l int) ([]int32, error) {
 // or above it), without offsets, and subtracts what they stand for from
 // x. It returns the bytes written.
 func (s *sparseCodec) encodeValues(dst []byte, x []float32, offs []int32) int {
-	k := len(offs)
-	var sum float64
-	for _, i := range offs {
-		sum += float64(abs32(x[i]))
+	mags := s.mag[:len(offs)] // free here: x is the accumulator or s.ef
+	for j, i := range offs {
+		mags[j] = abs32(x[i])
 	}
-	lo := float32(sum / float64(k))
-	hi, cut := lo, float32(math.Inf(1))
+	lo, hi, cut := s.magnitudes(mags)
 	if s.vbits == 2 {
-		cut = lo
-		var sl, sh float64
-		var nl, nh int
-		for _, i := range offs {
-			if a := abs32(x[i]); a >= cut {
-				sh, nh = sh+float64(a), nh+1
-			} else {
-				sl, nl = sl+float64(a), nl+1
-			}
-		}
-		hi = float32(sh / float64(nh)) // nh >= 1: the largest is at least the mean
-		lo = hi
-		if nl > 0 {
-			lo = float32(sl / float64(nl))
-		}
 		binary.LittleEndian.PutUint32(dst[4:], math.Float32bits(hi))
 	}
 	binary.LittleEndian.PutUint32(dst, math.Float32bits(lo))
