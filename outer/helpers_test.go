@@ -2,6 +2,7 @@ package outer_test
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"sync"
 	"testing"
@@ -176,4 +177,48 @@ func requireSameGlobals(t *testing.T, w int, cfg outer.Config, calls int) {
 		}
 	}
 	assert.NotEqual(t, globals.v[0][0], globals.v[0][calls-1], "θ_g never moved")
+}
+
+// defaultSparse is config(outer.CodecSparse, h, 1, 0) with exchange x and
+// the default chunks and density (for parameters of 1 << 14 elements and
+// more).
+func defaultSparse(h int, x outer.SparseExchange) outer.Config {
+	cfg := config(outer.CodecSparse, h, 1, 0)
+	d := outer.DefaultConfig()
+	cfg.SparseChunk, cfg.Density, cfg.SparseExchange = d.SparseChunk, d.Density, x
+	return cfg
+}
+
+// exchangeBytes runs cfg.H calls of outer.NewAdam with cfg on w ranks
+// over two parameters of 1 << 14 elements and returns the bytes a rank
+// sent at the last call. It requires, at every call, the communicator's
+// count to be LastStepBytes, and every rank to send as much as rank 0.
+func exchangeBytes(t *testing.T, w int, cfg outer.Config) int64 {
+	t.Helper()
+	got := newPerRank[int64](w)
+	runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+		ps := newParams(t, []int{1 << 14, 1 << 14})
+		o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+		if err != nil {
+			return err
+		}
+		defer o.Close()
+		for i := 1; i <= cfg.H; i++ {
+			setGrads(ps, c.Rank(), i)
+			before := c.Stats().Total()
+			if err := o.Step(ctx); err != nil {
+				return err
+			}
+			b := c.Stats().Total().BytesSent - before.BytesSent
+			if b != o.Stats().LastStepBytes {
+				return fmt.Errorf("call %d: the communicator counted %d bytes, LastStepBytes %d", i, b, o.Stats().LastStepBytes)
+			}
+			got.set(c.Rank(), b)
+		}
+		return nil
+	})
+	for r := 1; r < w; r++ {
+		require.Equal(t, got.v[0], got.v[r], "rank %d sends as much as rank 0", r)
+	}
+	return got.v[0]
 }

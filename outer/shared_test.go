@@ -4,14 +4,12 @@ package outer_test
 // results on every rank, its bytes, its checkpoints, Regroup.
 
 import (
-	"context"
 	"fmt"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/outer"
 )
@@ -53,37 +51,7 @@ func TestSharedIdenticalOnEveryRank(t *testing.T) {
 // (costmodel.TestOuterSparseBytesMatchOptimizer).
 func TestSharedBytes(t *testing.T) {
 	const h = 3
-	sent := func(w int, x outer.SparseExchange) int64 {
-		got := newPerRank[int64](w)
-		runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
-			ps := newParams(t, []int{1 << 14, 1 << 14})
-			cfg := config(outer.CodecSparse, h, 1, 0)
-			d := outer.DefaultConfig()
-			cfg.SparseChunk, cfg.Density, cfg.SparseExchange = d.SparseChunk, d.Density, x
-			o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
-			if err != nil {
-				return err
-			}
-			defer o.Close()
-			for i := 1; i <= h; i++ {
-				setGrads(ps, c.Rank(), i)
-				before := c.Stats().Total()
-				if err := o.Step(ctx); err != nil {
-					return err
-				}
-				b := c.Stats().Total().BytesSent - before.BytesSent
-				if b != o.Stats().LastStepBytes {
-					return fmt.Errorf("call %d: the communicator counted %d bytes, LastStepBytes %d", i, b, o.Stats().LastStepBytes)
-				}
-				got.set(c.Rank(), b)
-			}
-			return nil
-		})
-		for r := 1; r < w; r++ {
-			require.Equal(t, got.v[0], got.v[r], "rank %d sends as much as rank 0", r)
-		}
-		return got.v[0]
-	}
+	sent := func(w int, x outer.SparseExchange) int64 { return exchangeBytes(t, w, defaultSparse(h, x)) }
 	for w := 2; w <= 16; w++ {
 		per := int64((8 + w - 1) / w) // chunks per owner
 		sh := sent(w, outer.SparseShared)

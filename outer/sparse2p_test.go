@@ -19,9 +19,16 @@ import (
 // testTwoPhase is a two-phase codec of rank rank of w over one fragment
 // of m elements in chunks of 7, 0.3 of each sent in 2 bits, decay 0.9.
 func testTwoPhase(m, w, rank int) *sparseCodec {
+	return testOwners(m, w, rank, 2, SparseTwoPhase)
+}
+
+// testOwners is a codec of exchange x (one with owners and server
+// accumulators) of rank rank of w over one fragment of m elements in
+// chunks of 7, 0.3 of each sent in vbits bits, decay 0.9.
+func testOwners(m, w, rank, vbits int, x SparseExchange) *sparseCodec {
 	cfg := DefaultConfig()
-	cfg.Codec, cfg.SparseChunk, cfg.Density, cfg.SparseBits, cfg.Decay = CodecSparse, 7, 0.3, 2, 0.9
-	cfg.SparseExchange = SparseTwoPhase
+	cfg.Codec, cfg.SparseChunk, cfg.Density, cfg.SparseBits, cfg.Decay = CodecSparse, 7, 0.3, vbits, 0.9
+	cfg.SparseExchange = x
 	s := newSparseCodec(cfg, m, m, w)
 	s.setServer([]int{0, m}, w, rank)
 	return s
@@ -60,44 +67,13 @@ func TestTwoPhaseTelescopes(t *testing.T) {
 	}{{40, 0.9}, {10, 0.9}, {40, 1}} {
 		m := k.m
 		t.Run(fmt.Sprintf("%d/decay%g", m, k.decay), func(t *testing.T) {
-			var mu sync.Mutex
-			avgs := make([][][]float32, w) // [rank][exchange] what it sent, e before - e after
-			outs := make([][][]float32, w) // [rank][exchange] the average applied
-			srvs := make([][]float32, w)
-			require.NoError(t, local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
-				s := testTwoPhase(m, w, c.Rank())
+			mk := func(rank int) *sparseCodec {
+				s := testTwoPhase(m, w, rank)
 				s.decay = k.decay
-				sent, got, err := randomExchanges(ctx, c, s, m, exchanges, s.allReduceTwoPhase)
-				if err != nil {
-					return err
-				}
-				mu.Lock()
-				defer mu.Unlock()
-				avgs[c.Rank()], outs[c.Rank()], srvs[c.Rank()] = sent, got, slices.Clone(s.srv)
-				return nil
-			}))
-			for r := 1; r < w; r++ {
-				require.Equal(t, outs[0], outs[r], "rank %d's averages", r)
+				return s
 			}
-			lhs, rhs := make([]float64, m), make([]float64, m)
-			for x := range exchanges {
-				weight := math.Pow(float64(k.decay), float64(exchanges-1-x))
-				for i := range m {
-					lhs[i] += weight * float64(outs[0][x][i])
-					for r := range w {
-						rhs[i] += weight * float64(avgs[r][x][i]) / w
-					}
-				}
-			}
-			for r := range w {
-				lo, _ := sparseRun(m, 7, w, r)
-				for j, v := range srvs[r] {
-					lhs[lo+j] += float64(v)
-				}
-			}
-			for i := range m {
-				require.InDelta(t, rhs[i], lhs[i], 1e-5*(1+math.Abs(rhs[i])), "element %d", i)
-			}
+			avgs, outs, srvs := ownerExchanges(t, w, m, exchanges, mk, (*sparseCodec).allReduceTwoPhase)
+			requireTelescopes(t, w, m, float64(k.decay), avgs, outs, srvs)
 			nonzero := 0
 			for _, v := range srvs[0] {
 				if v != 0 {
@@ -155,23 +131,8 @@ func TestTwoPhaseRefusesMalformed(t *testing.T) {
 		{"offsets", true, func(recv []byte) { recv[8], recv[9] = 0xff, 0xff }, []int{0, 1, 2}, "phase 1: segment of rank 0"},
 	} {
 		t.Run(fmt.Sprintf("%s/alltoall%v", k.name, k.allToAll), func(t *testing.T) {
-			errs := make([]error, w)
-			applied := make([]bool, w)
-			kept := make([]bool, w)
-			runErr := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
-				s := testTwoPhase(m, w, c.Rank())
-				srv := slices.Clone(s.srv)
-				err := s.allReduceTwoPhase(ctx, &spoiling{Comm: c, allToAll: k.allToAll, spoil: k.spoil}, 0, 0, m,
-					func(lo int, x []float32) {
-						for i := range x {
-							x[i] = float32(lo+i+1) * float32(1+c.Rank())
-						}
-					},
-					func(int, []float32) { applied[c.Rank()] = true })
-				errs[c.Rank()], kept[c.Rank()] = err, slices.Equal(srv, s.srv)
-				return err
-			})
-			require.Error(t, runErr)
+			errs, applied, kept := spoiledExchange(t, w, m, func(rank int) *sparseCodec { return testTwoPhase(m, w, rank) }, (*sparseCodec).allReduceTwoPhase,
+				func(c comm.Comm) comm.Comm { return &spoiling{Comm: c, allToAll: k.allToAll, spoil: k.spoil} })
 			for r := range w {
 				assert.Error(t, errs[r], "rank %d", r)
 				assert.False(t, applied[r], "rank %d applied an average", r)
@@ -240,7 +201,7 @@ func FuzzSparseSegments(f *testing.F) {
 // per exchange what this rank sent (its accumulator's decayed value plus
 // the delta, less what the accumulator kept) and the average it got.
 func randomExchanges(ctx context.Context, c comm.Comm, s *sparseCodec, m, exchanges int,
-	reduce func(ctx context.Context, c comm.Comm, f, first, m int, delta func(lo int, x []float32), apply func(lo int, avg []float32)) error) (sent, got [][]float32, err error) {
+	reduce ownerReduce) (sent, got [][]float32, err error) {
 	rng := rand.New(rand.NewPCG(uint64(c.Rank()), 7))
 	for range exchanges {
 		d := make([]float32, m)
@@ -249,7 +210,7 @@ func randomExchanges(ctx context.Context, c comm.Comm, s *sparseCodec, m, exchan
 		}
 		before := slices.Clone(s.acc)
 		out := make([]float32, m)
-		err := reduce(ctx, c, 0, 0, m,
+		err := reduce(s, ctx, c, 0, 0, m,
 			func(lo int, x []float32) { copy(x, d[lo:]) },
 			func(lo int, avg []float32) { copy(out[lo:], avg) })
 		if err != nil {
@@ -262,4 +223,86 @@ func randomExchanges(ctx context.Context, c comm.Comm, s *sparseCodec, m, exchan
 		sent, got = append(sent, x), append(got, out)
 	}
 	return sent, got, nil
+}
+
+// ownerReduce is one of the exchanges with owners, as a method
+// expression: (*sparseCodec).allReduceTwoPhase or allReduceShared.
+type ownerReduce = func(s *sparseCodec, ctx context.Context, c comm.Comm, f, first, m int, delta func(lo int, x []float32), apply func(lo int, avg []float32)) error
+
+// ownerExchanges runs randomExchanges of reduce on w ranks, rank r with
+// the codec mk(r), and returns per rank what it sent and the average it
+// got per exchange ([rank][exchange]) and its server accumulator at the
+// end. It requires every rank to get the same averages, bit for bit.
+func ownerExchanges(t *testing.T, w, m, exchanges int, mk func(rank int) *sparseCodec, reduce ownerReduce) (sents, outs [][][]float32, srvs [][]float32) {
+	t.Helper()
+	var mu sync.Mutex
+	sents, outs, srvs = make([][][]float32, w), make([][][]float32, w), make([][]float32, w)
+	require.NoError(t, local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
+		s := mk(c.Rank())
+		sent, got, err := randomExchanges(ctx, c, s, m, exchanges, reduce)
+		if err != nil {
+			return err
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		sents[c.Rank()], outs[c.Rank()], srvs[c.Rank()] = sent, got, slices.Clone(s.srv)
+		return nil
+	}))
+	for r := 1; r < w; r++ {
+		require.Equal(t, outs[0], outs[r], "rank %d's averages", r)
+	}
+	return sents, outs, srvs
+}
+
+// requireTelescopes requires what was applied (outs[0], per exchange)
+// plus the owners' server accumulators at the end (srvs, each at its
+// rank's run of chunks of 7) to be the sum of the ranks' mean of what
+// they sent, each exchange's weighted by decay^(exchanges after it).
+func requireTelescopes(t *testing.T, w, m int, decay float64, sents, outs [][][]float32, srvs [][]float32) {
+	t.Helper()
+	exchanges := len(outs[0])
+	lhs, rhs := make([]float64, m), make([]float64, m)
+	for x := range exchanges {
+		weight := math.Pow(decay, float64(exchanges-1-x))
+		for i := range m {
+			lhs[i] += weight * float64(outs[0][x][i])
+			for r := range w {
+				rhs[i] += weight * float64(sents[r][x][i]) / float64(w)
+			}
+		}
+	}
+	for r := range w {
+		lo, _ := sparseRun(m, 7, w, r)
+		for j, v := range srvs[r] {
+			lhs[lo+j] += float64(v)
+		}
+	}
+	for i := range m {
+		require.InDelta(t, rhs[i], lhs[i], 1e-5*(1+math.Abs(rhs[i])), "element %d", i)
+	}
+}
+
+// spoiledExchange runs one exchange of reduce over m elements on w
+// ranks, rank r with the codec mk(r) and the communicator wrap(c), every
+// rank's delta at element i (i+1)(1+r). It requires the run to fail and
+// returns per rank its error, whether it applied an average and whether
+// its server accumulator kept its value.
+func spoiledExchange(t *testing.T, w, m int, mk func(rank int) *sparseCodec, reduce ownerReduce, wrap func(c comm.Comm) comm.Comm) (errs []error, applied, kept []bool) {
+	t.Helper()
+	errs, applied, kept = make([]error, w), make([]bool, w), make([]bool, w)
+	runErr := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
+		s := mk(c.Rank())
+		srv := slices.Clone(s.srv)
+		err := reduce(s, ctx, wrap(c), 0, 0, m,
+			func(lo int, x []float32) {
+				for i := range x {
+					x[i] = float32(lo+i+1) * float32(1+c.Rank())
+				}
+			},
+			func(int, []float32) { applied[c.Rank()] = true })
+		errs[c.Rank()], kept[c.Rank()] = err, slices.Equal(srv, s.srv)
+		return err
+	})
+	require.Error(t, runErr)
+	return errs, applied, kept
 }

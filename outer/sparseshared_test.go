@@ -4,33 +4,19 @@ import (
 	"context"
 	"fmt"
 	"math"
-	"slices"
-	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/lowbit-ml/lowbit/comm"
-	"github.com/lowbit-ml/lowbit/comm/local"
 )
 
 // testShared is a shared-index codec of rank rank of w over one fragment
 // of m elements in chunks of 7, 0.3 of each sent in vbits bits, decay
 // 0.9.
 func testShared(m, w, rank, vbits int) *sparseCodec {
-	return testSharedX(m, w, rank, vbits, SparseShared)
-}
-
-// testSharedX is testShared with exchange x (SparseShared or
-// SparseVoted).
-func testSharedX(m, w, rank, vbits int, x SparseExchange) *sparseCodec {
-	cfg := DefaultConfig()
-	cfg.Codec, cfg.SparseChunk, cfg.Density, cfg.SparseBits, cfg.Decay = CodecSparse, 7, 0.3, vbits, 0.9
-	cfg.SparseExchange = x
-	s := newSparseCodec(cfg, m, m, w)
-	s.setServer([]int{0, m}, w, rank)
-	return s
+	return testOwners(m, w, rank, vbits, SparseShared)
 }
 
 // Error feedback telescopes on both sides: what every rank sent is what
@@ -48,27 +34,10 @@ func TestSharedTelescopes(t *testing.T) {
 		for _, vbits := range []int{1, 2} {
 			for _, xc := range []SparseExchange{SparseShared, SparseVoted} {
 				t.Run(fmt.Sprintf("%d/bits%d/%s", m, vbits, xc), func(t *testing.T) {
-					var mu sync.Mutex
-					sents := make([][][]float32, w) // [rank][exchange] what it sent
-					outs := make([][][]float32, w)  // [rank][exchange] the average applied
-					srvs := make([][]float32, w)
-					require.NoError(t, local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
-						s := testSharedX(m, w, c.Rank(), vbits, xc)
-						sent, got, err := randomExchanges(ctx, c, s, m, exchanges, s.allReduceShared)
-						if err != nil {
-							return err
-						}
-						mu.Lock()
-						defer mu.Unlock()
-						sents[c.Rank()], outs[c.Rank()], srvs[c.Rank()] = sent, got, slices.Clone(s.srv)
-						return nil
-					}))
-					for r := 1; r < w; r++ {
-						require.Equal(t, outs[0], outs[r], "rank %d's averages", r)
-					}
-					lhs, rhs := make([]float64, m), make([]float64, m)
+					mk := func(rank int) *sparseCodec { return testOwners(m, w, rank, vbits, xc) }
+					sents, outs, srvs := ownerExchanges(t, w, m, exchanges, mk, (*sparseCodec).allReduceShared)
+					// Every rank sent at the same entries, k per chunk.
 					for x := range exchanges {
-						// Every rank sent at the same entries, k per chunk.
 						for a := 0; a < m; a += 7 {
 							l := min(a+7, m) - a
 							k := max(1, int(math.Round(0.3*float64(l))))
@@ -89,22 +58,8 @@ func TestSharedTelescopes(t *testing.T) {
 							}
 							assert.LessOrEqual(t, nz, k, "exchange %d: applied entries of the chunk at %d", x, a)
 						}
-						for i := range m {
-							lhs[i] += float64(outs[0][x][i])
-							for r := range w {
-								rhs[i] += float64(sents[r][x][i]) / w
-							}
-						}
 					}
-					for r := range w {
-						lo, _ := sparseRun(m, 7, w, r)
-						for j, v := range srvs[r] {
-							lhs[lo+j] += float64(v)
-						}
-					}
-					for i := range m {
-						require.InDelta(t, rhs[i], lhs[i], 1e-5*(1+math.Abs(rhs[i])), "element %d", i)
-					}
+					requireTelescopes(t, w, m, 1, sents, outs, srvs)
 				})
 			}
 		}
@@ -171,23 +126,8 @@ func TestSharedRefusesMalformed(t *testing.T) {
 		{"averages/padding", 2, func(recv []byte) { recv[segA+5] = 1 }, []int{0, 1, 2}, "phase 2: segment of rank 1"},
 	} {
 		t.Run(k.name, func(t *testing.T) {
-			errs := make([]error, w)
-			applied := make([]bool, w)
-			kept := make([]bool, w)
-			runErr := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
-				s := testShared(m, w, c.Rank(), 2)
-				srv := slices.Clone(s.srv)
-				err := s.allReduceShared(ctx, &sharedSpoiling{Comm: c, call: k.call, spoil: k.spoil}, 0, 0, m,
-					func(lo int, x []float32) {
-						for i := range x {
-							x[i] = float32(lo+i+1) * float32(1+c.Rank())
-						}
-					},
-					func(int, []float32) { applied[c.Rank()] = true })
-				errs[c.Rank()], kept[c.Rank()] = err, slices.Equal(srv, s.srv)
-				return err
-			})
-			require.Error(t, runErr)
+			errs, applied, kept := spoiledExchange(t, w, m, func(rank int) *sparseCodec { return testShared(m, w, rank, 2) }, (*sparseCodec).allReduceShared,
+				func(c comm.Comm) comm.Comm { return &sharedSpoiling{Comm: c, call: k.call, spoil: k.spoil} })
 			for _, r := range k.detect {
 				require.Error(t, errs[r], "rank %d", r)
 				assert.False(t, applied[r], "rank %d applied an average", r)
@@ -215,26 +155,14 @@ func TestVotedRefusesMalformed(t *testing.T) {
 		{"padding", func(recv []byte) { recv[0] |= 0x80 }, "padding bits"},
 	} {
 		t.Run(k.name, func(t *testing.T) {
-			errs := make([]error, w)
-			applied, kept := make([]bool, w), make([]bool, w)
-			require.Error(t, local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
-				s := testSharedX(m, w, c.Rank(), 1, SparseVoted)
-				srv := slices.Clone(s.srv)
-				sp := &sharedSpoiling{Comm: c, call: 0, spoil: func(recv []byte) {
+			mk := func(rank int) *sparseCodec { return testOwners(m, w, rank, 1, SparseVoted) }
+			errs, applied, kept := spoiledExchange(t, w, m, mk, (*sparseCodec).allReduceShared, func(c comm.Comm) comm.Comm {
+				return &sharedSpoiling{Comm: c, call: 0, spoil: func(recv []byte) {
 					if c.Rank() == 0 { // the owner of the 7-element chunk
 						k.spoil(recv)
 					}
 				}}
-				err := s.allReduceShared(ctx, sp, 0, 0, m,
-					func(lo int, x []float32) {
-						for i := range x {
-							x[i] = float32(lo+i+1) * float32(1+c.Rank())
-						}
-					},
-					func(int, []float32) { applied[c.Rank()] = true })
-				errs[c.Rank()], kept[c.Rank()] = err, slices.Equal(srv, s.srv)
-				return err
-			}))
+			})
 			require.ErrorIs(t, errs[0], errSparseMessage)
 			assert.ErrorContains(t, errs[0], k.want)
 			for r := range w {

@@ -44,35 +44,9 @@ func TestTwoPhaseIdenticalOnEveryRank(t *testing.T) {
 func TestTwoPhaseBytes(t *testing.T) {
 	const h, msg = 3, 8 * 143
 	sent := func(w int, x outer.SparseExchange, serverDensity float32) int64 {
-		got := newPerRank[int64](w)
-		runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
-			ps := newParams(t, []int{1 << 14, 1 << 14})
-			cfg := config(outer.CodecSparse, h, 1, 0)
-			d := outer.DefaultConfig()
-			cfg.SparseChunk, cfg.Density, cfg.SparseExchange, cfg.SparseServerDensity = d.SparseChunk, d.Density, x, serverDensity
-			o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
-			if err != nil {
-				return err
-			}
-			defer o.Close()
-			for i := 1; i <= h; i++ {
-				setGrads(ps, c.Rank(), i)
-				before := c.Stats().Total()
-				if err := o.Step(ctx); err != nil {
-					return err
-				}
-				b := c.Stats().Total().BytesSent - before.BytesSent
-				if b != o.Stats().LastStepBytes {
-					return fmt.Errorf("call %d: the communicator counted %d bytes, LastStepBytes %d", i, b, o.Stats().LastStepBytes)
-				}
-				got.set(c.Rank(), b)
-			}
-			return nil
-		})
-		for r := 1; r < w; r++ {
-			require.Equal(t, got.v[0], got.v[r], "rank %d sends as much as rank 0", r)
-		}
-		return got.v[0]
+		cfg := defaultSparse(h, x)
+		cfg.SparseServerDensity = serverDensity
+		return exchangeBytes(t, w, cfg)
 	}
 	for _, w := range []int{2, 3, 4, 5, 8} {
 		per := (8 + w - 1) / w // chunks per owner
