@@ -282,6 +282,15 @@ func (s *refSim) sparseShared(lo int, deltas [][]float64) []float64 {
 // (k the density's share of its length; ties: the lower offset),
 // ascending.
 func refTopK(e []float64, density float64) []int {
+	idx := refLargest(e, density)
+	sort.Ints(idx)
+	return idx
+}
+
+// refLargest returns the offsets of the k entries of e of largest
+// magnitude (k the density's share of its length), largest first (ties:
+// the lower offset first).
+func refLargest(e []float64, density float64) []int {
 	l := len(e)
 	k := max(1, min(l, int(math.Round(density*float64(l)))))
 	idx := make([]int, l)
@@ -289,13 +298,12 @@ func refTopK(e []float64, density float64) []int {
 		idx[i] = i
 	}
 	sort.SliceStable(idx, func(x, y int) bool { return math.Abs(e[idx[x]]) > math.Abs(e[idx[y]]) })
-	idx = idx[:k]
-	sort.Ints(idx)
-	return idx
+	return idx[:k]
 }
 
-// refValues returns what a chunk e sends at offsets idx (refSelect's
-// encoding of those entries), subtracting it from e.
+// refValues returns what a chunk e sends at offsets idx (summed in that
+// order): sign times the mean magnitude sent (1 bit) or the mean of those
+// below or at and above it (2 bits), subtracting it from e.
 func (s *refSim) refValues(e []float64, idx []int) []float64 {
 	mean := 0.0
 	for _, i := range idx {
@@ -334,52 +342,13 @@ func (s *refSim) refValues(e []float64, idx []int) []float64 {
 }
 
 // refSelect returns what a chunk e sends, its top k entries by magnitude
-// (k the density's share of its length)
-// (ties: the lower offset) as sign times the mean magnitude sent (1 bit)
-// or the mean of those below or at and above it (2 bits), zero elsewhere,
-// and subtracts it from e.
+// (k the density's share of its length; ties: the lower offset) encoded
+// as refValues's, zero elsewhere, and subtracts it from e.
 func (s *refSim) refSelect(e []float64, density float64) []float64 {
-	c := s.c
-	l := len(e)
-	k := max(1, min(l, int(math.Round(density*float64(l)))))
-	idx := make([]int, l)
-	for i := range idx {
-		idx[i] = i
-	}
-	sort.SliceStable(idx, func(x, y int) bool { return math.Abs(e[idx[x]]) > math.Abs(e[idx[y]]) })
-	idx = idx[:k]
-	mean := 0.0
-	for _, i := range idx {
-		mean += math.Abs(e[i])
-	}
-	mean /= float64(k)
-	lo, hi := mean, mean
-	if c.vbits == 2 {
-		var sl, sh float64
-		var nl, nh int
-		for _, i := range idx {
-			if math.Abs(e[i]) >= mean {
-				sh, nh = sh+math.Abs(e[i]), nh+1
-			} else {
-				sl, nl = sl+math.Abs(e[i]), nl+1
-			}
-		}
-		hi, lo = sh/float64(nh), sh/float64(nh)
-		if nl > 0 {
-			lo = sl / float64(nl)
-		}
-	}
-	sent := make([]float64, l)
-	for _, i := range idx {
-		v := lo
-		if c.vbits == 2 && math.Abs(e[i]) >= mean {
-			v = hi
-		}
-		if e[i] < 0 {
-			v = -v
-		}
-		e[i] -= v
-		sent[i] = v
+	idx := refLargest(e, density)
+	sent := make([]float64, len(e))
+	for j, v := range s.refValues(e, idx) {
+		sent[idx[j]] = v
 	}
 	return sent
 }
