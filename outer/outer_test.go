@@ -363,86 +363,31 @@ func TestNewBadInputOnEveryRank(t *testing.T) {
 		mk   func(ctx context.Context, c comm.Comm, bad bool) error
 		want string
 	}{
-		{"invalid config", func(ctx context.Context, c comm.Comm, bad bool) error {
-			cfg := outer.DefaultConfig()
-			if bad {
-				cfg.H = 0
-			}
-			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
-			return err
-		}, "outer: Config.H = 0"},
-		{"more fragments than elements", func(ctx context.Context, c comm.Comm, bad bool) error {
-			cfg := config(outer.CodecFP32, 30, 25, 0)
-			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
-			return err
-		}, "25 fragments of 20 parameter elements"},
+		{"invalid config", newChanged(t, outer.DefaultConfig(), func(cfg *outer.Config) { cfg.H = 0 }), "outer: Config.H = 0"},
+		{"more fragments than elements", newChanged(t, config(outer.CodecFP32, 30, 25, 0), nil), "25 fragments of 20 parameter elements"},
 		{"sparse chunks longer than a fragment", func(ctx context.Context, c comm.Comm, bad bool) error {
 			cfg := config(outer.CodecSparse, 4, 3, 0)
 			cfg.SparseChunk = 7 // the fragments have 6 and 7 elements
 			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
 			return err
 		}, "sparse chunks of 7 elements, but a fragment has 6"},
-		{"another sparse density", func(ctx context.Context, c comm.Comm, bad bool) error {
-			cfg := config(outer.CodecSparse, 4, 1, 0)
-			if bad {
-				cfg.Density = 0.75
-			}
-			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
-			return err
-		}, "rank 1 has Density 0.75, rank 0 has 0.5"},
-		{"another sparse exchange", func(ctx context.Context, c comm.Comm, bad bool) error {
-			cfg := config(outer.CodecSparse, 4, 1, 0)
-			if bad {
-				cfg.SparseExchange = outer.SparseTwoPhase
-			}
-			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
-			return err
-		}, "rank 1 has SparseExchange twophase, rank 0 has allgather"},
-		{"the shared exchange on one rank", func(ctx context.Context, c comm.Comm, bad bool) error {
-			cfg := twoPhase(config(outer.CodecSparse, 4, 1, 0))
-			if bad {
-				cfg.SparseExchange = outer.SparseShared
-			}
-			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
-			return err
-		}, "rank 1 has SparseExchange shared, rank 0 has twophase"},
-		{"another accumulator precision", func(ctx context.Context, c comm.Comm, bad bool) error {
-			cfg := config(outer.CodecSparse, 4, 1, 0)
-			cfg.AccumulatorBF16 = bad
-			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
-			return err
-		}, "rank 1 has AccumulatorBF16 true, rank 0 has false"},
-		{"another second-phase density", func(ctx context.Context, c comm.Comm, bad bool) error {
-			cfg := twoPhase(config(outer.CodecSparse, 4, 1, 0))
-			if bad {
-				cfg.SparseServerDensity = 0.75
-			}
-			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
-			return err
-		}, "rank 1 has SparseServerDensity 0.75, rank 0 has 0.5"},
-		{"another H", func(ctx context.Context, c comm.Comm, bad bool) error {
-			cfg := outer.DefaultConfig()
-			if bad {
-				cfg.H = 7
-			}
-			_, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
-			return err
-		}, "has H 7, rank 0 has 50"},
-		{"another codec", func(ctx context.Context, c comm.Comm, bad bool) error {
-			return newWith(t, ctx, c, bad, func(cfg *outer.Config) { cfg.Codec = outer.CodecInt8 })
-		}, "rank 1 has Codec int8, rank 0 has fp32"},
-		{"another Nesterov", func(ctx context.Context, c comm.Comm, bad bool) error {
-			return newWith(t, ctx, c, bad, func(cfg *outer.Config) { cfg.Nesterov = false })
-		}, "rank 1 has Nesterov false, rank 0 has true"},
-		{"another LR", func(ctx context.Context, c comm.Comm, bad bool) error {
-			return newWith(t, ctx, c, bad, func(cfg *outer.Config) { cfg.LR = 0.3 })
-		}, "rank 1 has LR 0.3, rank 0 has 0.7"},
-		{"another Momentum", func(ctx context.Context, c comm.Comm, bad bool) error {
-			return newWith(t, ctx, c, bad, func(cfg *outer.Config) { cfg.Momentum = 0.5 })
-		}, "rank 1 has Momentum 0.5, rank 0 has 0.9"},
-		{"another Scale", func(ctx context.Context, c comm.Comm, bad bool) error {
-			return newWith(t, ctx, c, bad, func(cfg *outer.Config) { cfg.Scale = onebit.ScaleMeanAbs })
-		}, "rank 1 has Scale onebit.ScaleMeanAbs, rank 0 has onebit.ScaleRMS"},
+		{"another sparse density", newChanged(t, config(outer.CodecSparse, 4, 1, 0), func(cfg *outer.Config) { cfg.Density = 0.75 }),
+			"rank 1 has Density 0.75, rank 0 has 0.5"},
+		{"another sparse exchange", newChanged(t, config(outer.CodecSparse, 4, 1, 0), func(cfg *outer.Config) { cfg.SparseExchange = outer.SparseTwoPhase }),
+			"rank 1 has SparseExchange twophase, rank 0 has allgather"},
+		{"the shared exchange on one rank", newChanged(t, twoPhase(config(outer.CodecSparse, 4, 1, 0)), func(cfg *outer.Config) { cfg.SparseExchange = outer.SparseShared }),
+			"rank 1 has SparseExchange shared, rank 0 has twophase"},
+		{"another accumulator precision", newChanged(t, config(outer.CodecSparse, 4, 1, 0), func(cfg *outer.Config) { cfg.AccumulatorBF16 = true }),
+			"rank 1 has AccumulatorBF16 true, rank 0 has false"},
+		{"another second-phase density", newChanged(t, twoPhase(config(outer.CodecSparse, 4, 1, 0)), func(cfg *outer.Config) { cfg.SparseServerDensity = 0.75 }),
+			"rank 1 has SparseServerDensity 0.75, rank 0 has 0.5"},
+		{"another H", newChanged(t, outer.DefaultConfig(), func(cfg *outer.Config) { cfg.H = 7 }), "has H 7, rank 0 has 50"},
+		{"another codec", newChanged(t, outer.DefaultConfig(), func(cfg *outer.Config) { cfg.Codec = outer.CodecInt8 }), "rank 1 has Codec int8, rank 0 has fp32"},
+		{"another Nesterov", newChanged(t, outer.DefaultConfig(), func(cfg *outer.Config) { cfg.Nesterov = false }), "rank 1 has Nesterov false, rank 0 has true"},
+		{"another LR", newChanged(t, outer.DefaultConfig(), func(cfg *outer.Config) { cfg.LR = 0.3 }), "rank 1 has LR 0.3, rank 0 has 0.7"},
+		{"another Momentum", newChanged(t, outer.DefaultConfig(), func(cfg *outer.Config) { cfg.Momentum = 0.5 }), "rank 1 has Momentum 0.5, rank 0 has 0.9"},
+		{"another Scale", newChanged(t, outer.DefaultConfig(), func(cfg *outer.Config) { cfg.Scale = onebit.ScaleMeanAbs }),
+			"rank 1 has Scale onebit.ScaleMeanAbs, rank 0 has onebit.ScaleRMS"},
 		{"inner optimizer that communicates", func(ctx context.Context, c comm.Comm, bad bool) error {
 			ps := newParams(t, sizes)
 			var ic comm.Comm
@@ -477,18 +422,21 @@ func TestNewBadInputOnEveryRank(t *testing.T) {
 	}
 }
 
-// newWith makes an outer optimizer of the default config, changed by
-// change on the bad rank, and closes it.
-func newWith(t testing.TB, ctx context.Context, c comm.Comm, bad bool, change func(*outer.Config)) error {
-	cfg := outer.DefaultConfig()
-	if bad {
-		change(&cfg)
+// newChanged returns a constructor for TestNewBadInputOnEveryRank: it
+// makes an outer optimizer of cfg, changed by change (if not nil) on the
+// bad rank, closes it, and returns NewAdam's error.
+func newChanged(t testing.TB, cfg outer.Config, change func(*outer.Config)) func(ctx context.Context, c comm.Comm, bad bool) error {
+	return func(ctx context.Context, c comm.Comm, bad bool) error {
+		cfg := cfg
+		if bad && change != nil {
+			change(&cfg)
+		}
+		o, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
+		if err == nil {
+			o.Close()
+		}
+		return err
 	}
-	o, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
-	if err == nil {
-		o.Close()
-	}
-	return err
 }
 
 // An inner optimizer that communicates at a step (one that checkpoints as
