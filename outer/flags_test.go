@@ -36,11 +36,8 @@ func TestBytesCountedWithDelay(t *testing.T) {
 				if err != nil {
 					return err
 				}
-				for i := 1; i <= calls; i++ {
-					setGrads(ps, c.Rank(), i)
-					if err := o.Step(ctx); err != nil {
-						return err
-					}
+				if err := stepCalls(ctx, o, ps, c.Rank(), calls); err != nil {
+					return err
 				}
 				if err := o.Close(); err != nil { // waits for the exchange in flight
 					return err
@@ -144,6 +141,43 @@ func runStopped(t *testing.T, k innerKind, cfg outer.Config, w, calls, stopAt in
 }
 
 var errVeto = errors.New("stop requested")
+
+// vetoFlag is one flag carried at an outer optimizer's exchanges that
+// vetoes an exchange, with errVeto, where any rank set it.
+type vetoFlag struct {
+	sf    *optim.StepFlags
+	asked int // the Veto's calls
+}
+
+// newVetoing is outer.NewAdam of cfg over ps on c carrying a vetoFlag at
+// its exchanges; the caller closes it.
+func newVetoing(ctx context.Context, c comm.Comm, ps []*optim.Param, cfg outer.Config) (*outer.Optimizer, *vetoFlag, error) {
+	o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+	if err != nil {
+		return nil, nil, err
+	}
+	v := &vetoFlag{}
+	v.sf = &optim.StepFlags{Local: []float32{0}, Veto: func(agreed []float32) error {
+		v.asked++
+		if agreed[0] != 0 {
+			return errVeto
+		}
+		return nil
+	}}
+	if err := o.CarryFlagsAtExchanges(v.sf); err != nil {
+		o.Close()
+		return nil, nil, err
+	}
+	return o, v, nil
+}
+
+// set sets this rank's flag for the next Step: veto or not.
+func (v *vetoFlag) set(veto bool) {
+	v.sf.Local[0] = 0
+	if veto {
+		v.sf.Local[0] = 1
+	}
+}
 
 // The learning rate is the inner optimizer's: SetLR, SetSchedule and LR
 // reach it, and a checkpoint keeps it.
@@ -263,26 +297,14 @@ func TestCarryFlagsAtExchangesVeto(t *testing.T) {
 	cfg := config(outer.CodecFP32, h, 1, 0)
 	runRanksWithin(t, w, 10*time.Second, func(ctx context.Context, c comm.Comm) error {
 		ps := newParams(t, sizes)
-		o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+		o, veto, err := newVetoing(ctx, c, ps, cfg)
 		if err != nil {
 			return err
 		}
 		defer o.Close()
-		asked := 0
-		sf := &optim.StepFlags{Local: []float32{0}, Veto: func(agreed []float32) error {
-			asked++
-			if agreed[0] != 0 {
-				return errVeto
-			}
-			return nil
-		}}
-		require.NoError(t, o.CarryFlagsAtExchanges(sf))
 		for i := 1; i <= calls; i++ {
 			setGrads(ps, c.Rank(), i)
-			sf.Local[0] = 0
-			if c.Rank() == 2 && (i == 2 || i == 4) { // a non-exchange call, then an exchange's
-				sf.Local[0] = 1
-			}
+			veto.set(c.Rank() == 2 && (i == 2 || i == 4)) // a non-exchange call, then an exchange's
 			g, u := slices.Clone(o.Global()), slices.Clone(o.Momentum())
 			err := o.Step(ctx)
 			if i != 4 {
@@ -300,7 +322,7 @@ func TestCarryFlagsAtExchangesVeto(t *testing.T) {
 			assert.Equal(t, int64(4), o.Stats().Steps, "rank %d: the vetoed call counts", c.Rank())
 			assert.Zero(t, o.OuterStats().Exchanges, "rank %d", c.Rank())
 		}
-		assert.Equal(t, 2, asked, "rank %d: the Veto is asked at the exchanges' calls only", c.Rank())
+		assert.Equal(t, 2, veto.asked, "rank %d: the Veto is asked at the exchanges' calls only", c.Rank())
 		assert.Equal(t, int64(1), o.OuterStats().Exchanges, "rank %d: the exchange at call 8", c.Rank())
 		return nil
 	})

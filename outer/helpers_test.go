@@ -126,18 +126,27 @@ func steppedOn(ctx context.Context, c comm.Comm, ps []*optim.Param, cfg outer.Co
 	if err != nil {
 		return nil, err
 	}
-	for i := 1; i <= calls; i++ {
-		setGrads(ps, c.Rank(), i)
-		if err := o.Step(ctx); err != nil {
-			o.Close()
-			return nil, err
-		}
+	if err := stepCalls(ctx, o, ps, c.Rank(), calls); err != nil {
+		o.Close()
+		return nil, err
 	}
 	if _, err := o.State(); err != nil { // waits for the exchange in flight
 		o.Close()
 		return nil, err
 	}
 	return o, nil
+}
+
+// stepCalls runs calls 1 to calls of o, each a Step with grad(rank,
+// call, ·) in ps.
+func stepCalls(ctx context.Context, o *outer.Optimizer, ps []*optim.Param, rank, calls int) error {
+	for i := 1; i <= calls; i++ {
+		setGrads(ps, rank, i)
+		if err := o.Step(ctx); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // exchangeCodecs are the codecs with, for the sparse one, each of its

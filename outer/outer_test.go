@@ -606,12 +606,7 @@ func TestLoadRefusesOtherSettings(t *testing.T) {
 		k.change(&cfg)
 		ck, err := stepped(t, cfg, 3).State()
 		require.NoError(t, err)
-		err = o.Load(ck)
-		require.ErrorIs(t, err, optim.ErrIncompatibleCheckpoint)
-		assert.ErrorContains(t, err, k.want)
-		after, err := o.State()
-		require.NoError(t, err)
-		require.Equal(t, before, after, "Load changed the optimizer")
+		requireLoadRefused(t, o, ck, k.want)
 	}
 	// A damaged inner part is refused by the inner optimizer: nothing
 	// changes either.
@@ -648,6 +643,21 @@ func stepped(t *testing.T, cfg outer.Config, calls int) *outer.Optimizer {
 	return o
 }
 
+// requireLoadRefused requires o to refuse ck with
+// optim.ErrIncompatibleCheckpoint and an error containing want, and to
+// be unchanged.
+func requireLoadRefused(t *testing.T, o *outer.Optimizer, ck *optim.Checkpoint, want string, msgAndArgs ...any) {
+	t.Helper()
+	before, err := o.State()
+	require.NoError(t, err)
+	err = o.Load(ck)
+	require.ErrorIs(t, err, optim.ErrIncompatibleCheckpoint, msgAndArgs...)
+	assert.ErrorContains(t, err, want, msgAndArgs...)
+	after, err := o.State()
+	require.NoError(t, err)
+	require.Equal(t, before, after, "Load changed the optimizer")
+}
+
 // A checkpoint whose pending exchange is past its merge (the merge was due
 // at or before the call the checkpoint was made after) is refused, saying
 // so, and changes nothing.
@@ -681,26 +691,9 @@ func TestErrorBuffersAndResetErrors(t *testing.T) {
 }
 
 func checkErrorBuffers(t *testing.T, cfg outer.Config, want []string) {
-	cks := newPerRank[*optim.Checkpoint](3)
-	runRanks(t, 3, func(ctx context.Context, c comm.Comm) error {
-		ps := newParams(t, sizes)
-		o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
-		if err != nil {
-			return err
-		}
-		defer o.Close()
-		for i := 1; i <= 4; i++ {
-			setGrads(ps, c.Rank(), i)
-			if err := o.Step(ctx); err != nil {
-				return err
-			}
-		}
-		ck, err := o.State()
-		cks.set(c.Rank(), ck)
-		return err
-	})
+	cks := states(t, 3, 4, cfg)
 	var names []string
-	for _, ts := range cks.v[1].Tensors {
+	for _, ts := range cks[1].Tensors {
 		if optim.IsErrorBuffer(ts.Name) {
 			names = append(names, ts.Name)
 		}
@@ -712,11 +705,11 @@ func checkErrorBuffers(t *testing.T, cfg outer.Config, want []string) {
 			return err
 		}
 		defer o.Close()
-		err = o.Load(cks.v[(c.Rank()+1)%3])
+		err = o.Load(cks[(c.Rank()+1)%3])
 		if !assert.ErrorContains(t, err, "this is rank") {
 			return errors.New("loaded another rank's error buffers")
 		}
-		return o.Load(cks.v[c.Rank()])
+		return o.Load(cks[c.Rank()])
 	})
 	runRanks(t, 2, func(ctx context.Context, c comm.Comm) error {
 		o, err := outer.NewAdam(ctx, c, newParams(t, sizes), cfg, innerConfig())
@@ -724,13 +717,13 @@ func checkErrorBuffers(t *testing.T, cfg outer.Config, want []string) {
 			return err
 		}
 		defer o.Close()
-		if err := o.Load(cks.v[c.Rank()]); err == nil {
+		if err := o.Load(cks[c.Rank()]); err == nil {
 			return errors.New("loaded a checkpoint of 3 ranks on 2")
 		}
-		if err := o.Load(cks.v[c.Rank()].ResetErrors()); err != nil {
+		if err := o.Load(cks[c.Rank()].ResetErrors()); err != nil {
 			return err
 		}
-		if !assert.Equal(t, cks.v[0].Tensor(outer.TensorGlobal).Data, o.Global()) {
+		if !assert.Equal(t, cks[0].Tensor(outer.TensorGlobal).Data, o.Global()) {
 			return errors.New("θ_g not restored")
 		}
 		return o.Step(ctx)
@@ -748,11 +741,9 @@ func TestCloseIdempotentNoLeak(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		for i := 1; i <= 3; i++ { // launches fragment 1 at call 2: in flight
-			setGrads(ps, c.Rank(), i)
-			if err := o.Step(ctx); err != nil {
-				return err
-			}
+		// Fragment 1 launches at call 2: in flight after call 3.
+		if err := stepCalls(ctx, o, ps, c.Rank(), 3); err != nil {
+			return err
 		}
 		if err := o.Close(); err != nil {
 			return err

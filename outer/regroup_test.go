@@ -24,11 +24,8 @@ func states(t *testing.T, w, calls int, cfg outer.Config) []*optim.Checkpoint {
 			return err
 		}
 		defer o.Close()
-		for i := 1; i <= calls; i++ {
-			setGrads(ps, c.Rank(), i)
-			if err := o.Step(ctx); err != nil {
-				return err
-			}
+		if err := stepCalls(ctx, o, ps, c.Rank(), calls); err != nil {
+			return err
 		}
 		ck, err := o.State()
 		cks.set(c.Rank(), ck)
