@@ -71,16 +71,9 @@ func TestSharedBytes(t *testing.T) {
 // error buffer); a checkpoint of another exchange is refused both ways,
 // naming both, and the optimizer is unchanged.
 func TestSharedCheckpoint(t *testing.T) {
-	cks := states(t, 3, 5, shared(config(outer.CodecSparse, 2, 2, 0)))
-	// 2 fragments of 10 elements, 3 chunks of 4, 4 and 2 each: one chunk
-	// per owner, rank 2's the short one.
-	for r, want := range []int{8, 8, 4} {
-		srv := cks[r].Tensor(outer.ServerAccumulatorName)
-		require.NotNil(t, srv, "rank %d", r)
-		assert.Len(t, srv.Data, want, "rank %d", r)
-		assert.Nil(t, cks[r].ResetErrors().Tensor(outer.ServerAccumulatorName))
-		assert.Equal(t, float64(outer.SparseShared), cks[r].Floats[optim.HyperPrefix+"outer_sparse_exchange"])
-		_, ok := cks[r].Floats[optim.HyperPrefix+"outer_sparse_server_density"]
+	for _, ck := range requireServerAccumulators(t, shared(config(outer.CodecSparse, 2, 2, 0))) {
+		assert.Equal(t, float64(outer.SparseShared), ck.Floats[optim.HyperPrefix+"outer_sparse_exchange"])
+		_, ok := ck.Floats[optim.HyperPrefix+"outer_sparse_server_density"]
 		assert.False(t, ok, "the second phase's density is the two-phase exchange's")
 	}
 	for _, k := range []struct {

@@ -68,17 +68,11 @@ func TestTwoPhaseBytes(t *testing.T) {
 // optim (ResetErrors drops it), this rank's runs only; a checkpoint of
 // the other exchange is refused both ways, naming both.
 func TestTwoPhaseCheckpoint(t *testing.T) {
-	cks := states(t, 3, 5, twoPhase(config(outer.CodecSparse, 2, 2, 0)))
-	// 2 fragments of 10 elements, 3 chunks of 4, 4 and 2 each: one chunk
-	// per owner, rank 2's the short one.
-	for r, want := range []int{8, 8, 4} {
-		srv := cks[r].Tensor(outer.ServerAccumulatorName)
-		require.NotNil(t, srv, "rank %d", r)
-		assert.Len(t, srv.Data, want, "rank %d", r)
-		assert.True(t, optim.IsErrorBuffer(outer.ServerAccumulatorName))
-		assert.Nil(t, cks[r].ResetErrors().Tensor(outer.ServerAccumulatorName))
+	cks := requireServerAccumulators(t, twoPhase(config(outer.CodecSparse, 2, 2, 0)))
+	assert.True(t, optim.IsErrorBuffer(outer.ServerAccumulatorName))
+	for r, ck := range cks {
 		nonzero := 0
-		for _, v := range srv.Data {
+		for _, v := range ck.Tensor(outer.ServerAccumulatorName).Data {
 			if v != 0 {
 				nonzero++
 			}
@@ -162,6 +156,24 @@ func TestTwoPhaseVetoKeepsAccumulators(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// requireServerAccumulators runs cfg (an exchange with owners and server
+// accumulators, 2 fragments of 10 elements in chunks of 4) on 3 ranks for
+// 5 calls and requires every rank's checkpoint to hold its server
+// accumulator, an error buffer (ResetErrors drops it), as long as the
+// rank's run: one chunk per owner, rank 2's the short one. It returns the
+// checkpoints.
+func requireServerAccumulators(t *testing.T, cfg outer.Config) []*optim.Checkpoint {
+	t.Helper()
+	cks := states(t, 3, 5, cfg)
+	for r, want := range []int{8, 8, 4} {
+		srv := cks[r].Tensor(outer.ServerAccumulatorName)
+		require.NotNil(t, srv, "rank %d", r)
+		assert.Len(t, srv.Data, want, "rank %d", r)
+		assert.Nil(t, cks[r].ResetErrors().Tensor(outer.ServerAccumulatorName))
+	}
+	return cks
 }
 
 // requireRegroupFolds regroups a run of cfg (an exchange with owners and
