@@ -674,6 +674,35 @@ type resumeRun struct {
 	err   error
 }
 
+// resumeAll runs resumeRank with rc on w ranks in dir, requires every
+// rank to succeed, and returns their runs.
+func resumeAll(t *testing.T, ctx context.Context, w int, dir string, rc resumeConfig) []*resumeRun {
+	t.Helper()
+	runs := make([]*resumeRun, w)
+	require.NoError(t, local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
+		runs[c.Rank()] = resumeRank(t, ctx, c, dir, rc)
+		return runs[c.Rank()].err
+	}))
+	return runs
+}
+
+// requireResumeRefused runs resumeRank with rc on w ranks in dir and
+// requires every rank to fail with an error that contains each of wants.
+func requireResumeRefused(t *testing.T, ctx context.Context, w int, dir string, rc resumeConfig, wants ...string) {
+	t.Helper()
+	errs := make([]error, w)
+	_ = local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
+		errs[c.Rank()] = resumeRank(t, ctx, c, dir, rc).err
+		return errs[c.Rank()]
+	})
+	for r, err := range errs {
+		require.Error(t, err, "rank %d", r)
+		for _, want := range wants {
+			assert.Contains(t, err.Error(), want, "rank %d", r)
+		}
+	}
+}
+
 // resumeRank is one rank of a checkpointed run: rc.steps steps with
 // rc.build, saved every step to dir/rank-R with Optimizer.SaveOnStepFn
 // (Keep(2)), starting from what dir holds.

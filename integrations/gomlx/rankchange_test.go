@@ -13,7 +13,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/lowbit-ml/lowbit/comm"
-	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/outer"
@@ -78,17 +77,11 @@ func TestRankChangeAutomatic(t *testing.T) {
 				defer cancel()
 				dir := t.TempDir()
 				step := int64(5)
-				require.NoError(t, local.Run(ctx, sizes[0], func(ctx context.Context, c comm.Comm) error {
-					return resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 5, build: row.build}).err
-				}))
+				resumeAll(t, ctx, sizes[0], dir, resumeConfig{hidden: 16, steps: 5, build: row.build})
 				for i, w := range sizes[1:] {
 					from := sizes[i]
 					old := snapshotStates(t, dir, from, step)
-					runs := make([]*resumeRun, w)
-					require.NoError(t, local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
-						runs[c.Rank()] = resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 1, build: row.build})
-						return runs[c.Rank()].err
-					}))
+					runs := resumeAll(t, ctx, w, dir, resumeConfig{hidden: 16, steps: 1, build: row.build})
 					for r, run := range runs {
 						assert.True(t, run.opt.Restored(), "rank %d", r)
 						assert.Equal(t, step, run.start, "rank %d", r)
@@ -147,16 +140,10 @@ func TestRankChangeIncomplete(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	dir := t.TempDir()
-	require.NoError(t, local.Run(ctx, 4, func(ctx context.Context, c comm.Comm) error {
-		return resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 5, build: onebitAdam}).err
-	}))
+	resumeAll(t, ctx, 4, dir, resumeConfig{hidden: 16, steps: 5, build: onebitAdam})
 	lost := filepath.Join(dir, "rank-2", stateFileName(5))
 	require.NoError(t, os.Remove(lost))
-	runs := make([]*resumeRun, 3)
-	require.NoError(t, local.Run(ctx, 3, func(ctx context.Context, c comm.Comm) error {
-		runs[c.Rank()] = resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 1, build: onebitAdam})
-		return runs[c.Rank()].err
-	}))
+	runs := resumeAll(t, ctx, 3, dir, resumeConfig{hidden: 16, steps: 1, build: onebitAdam})
 	for r, run := range runs {
 		assert.Equal(t, int64(4), run.start, "rank %d", r)
 	}
@@ -169,18 +156,13 @@ func TestRankChangeIncomplete(t *testing.T) {
 	// A damaged state file of the newest step on one old rank only: the
 	// step before.
 	dir = t.TempDir()
-	require.NoError(t, local.Run(ctx, 4, func(ctx context.Context, c comm.Comm) error {
-		return resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 5, build: onebitAdam}).err
-	}))
+	resumeAll(t, ctx, 4, dir, resumeConfig{hidden: 16, steps: 5, build: onebitAdam})
 	damaged := filepath.Join(dir, "rank-1", stateFileName(5))
 	b, err := os.ReadFile(damaged)
 	require.NoError(t, err)
 	b[len(b)-3] ^= 0xff
 	require.NoError(t, os.WriteFile(damaged, b, 0o600))
-	require.NoError(t, local.Run(ctx, 3, func(ctx context.Context, c comm.Comm) error {
-		runs[c.Rank()] = resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 1, build: onebitAdam})
-		return runs[c.Rank()].err
-	}))
+	runs = resumeAll(t, ctx, 3, dir, resumeConfig{hidden: 16, steps: 1, build: onebitAdam})
 	for r, run := range runs {
 		assert.Equal(t, int64(4), run.start, "rank %d", r)
 	}
@@ -191,21 +173,11 @@ func TestRankChangeIncomplete(t *testing.T) {
 
 	// No step every old rank holds: rank 3's checkpoints are all gone.
 	dir = t.TempDir()
-	require.NoError(t, local.Run(ctx, 4, func(ctx context.Context, c comm.Comm) error {
-		return resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 5, build: onebitAdam}).err
-	}))
+	resumeAll(t, ctx, 4, dir, resumeConfig{hidden: 16, steps: 5, build: onebitAdam})
 	require.NoError(t, os.RemoveAll(filepath.Join(dir, "rank-3")))
 	files := snapshot(t, dir)
-	errs := make([]error, 5)
-	_ = local.Run(ctx, 5, func(ctx context.Context, c comm.Comm) error {
-		errs[c.Rank()] = resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 1, build: onebitAdam}).err
-		return errs[c.Rank()]
-	})
-	for r, err := range errs {
-		require.Error(t, err, "rank %d", r)
-		assert.Contains(t, err.Error(), "no checkpoint of a global step that every rank holds", "rank %d", r)
-		assert.Contains(t, err.Error(), filepath.Join(dir, "rank-3")+" holds no whole GoMLX checkpoint of it", "rank %d", r)
-	}
+	requireResumeRefused(t, ctx, 5, dir, resumeConfig{hidden: 16, steps: 1, build: onebitAdam},
+		"no checkpoint of a global step that every rank holds", filepath.Join(dir, "rank-3")+" holds no whole GoMLX checkpoint of it")
 	assert.Equal(t, files, snapshot(t, dir), "the checkpoints changed")
 }
 
@@ -220,22 +192,12 @@ func TestRankChangeTwoRuns(t *testing.T) {
 		dir   string
 		build Builder
 	}{{dir, onebitAdam}, {other, withLambFreeze(3)}} {
-		require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-			return resumeRank(t, ctx, c, d.dir, resumeConfig{hidden: 16, steps: 5, build: d.build}).err
-		}))
+		resumeAll(t, ctx, 2, d.dir, resumeConfig{hidden: 16, steps: 5, build: d.build})
 	}
 	for _, s := range []int64{4, 5} {
 		require.NoError(t, os.Rename(filepath.Join(other, "rank-1", stateFileName(s)), filepath.Join(dir, "rank-1", stateFileName(s))))
 	}
-	errs := make([]error, 3)
-	_ = local.Run(ctx, 3, func(ctx context.Context, c comm.Comm) error {
-		errs[c.Rank()] = resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 1, build: onebitAdam}).err
-		return errs[c.Rank()]
-	})
-	for r, err := range errs {
-		require.Error(t, err, "rank %d", r)
-		assert.Contains(t, err.Error(), "not one group's", "rank %d", r)
-	}
+	requireResumeRefused(t, ctx, 3, dir, resumeConfig{hidden: 16, steps: 1, build: onebitAdam}, "not one group's")
 }
 
 // TestPeekState: peekState reads what optim.SaveFile wrote (the format's
@@ -325,9 +287,7 @@ func TestRankChangeSameRunOnly(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	dir := t.TempDir()
-	require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		return resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 5, build: onebitAdam}).err
-	}))
+	resumeAll(t, ctx, 2, dir, resumeConfig{hidden: 16, steps: 5, build: onebitAdam})
 	for _, s := range []int64{4, 5} {
 		path := filepath.Join(dir, "rank-1", stateFileName(s))
 		ck, err := optim.LoadFile(path)
@@ -336,14 +296,6 @@ func TestRankChangeSameRunOnly(t *testing.T) {
 		ck.Tensors[0].Data[0] += 1 // another run's parameters
 		require.NoError(t, optim.SaveFile(path, ck))
 	}
-	errs := make([]error, 3)
-	_ = local.Run(ctx, 3, func(ctx context.Context, c comm.Comm) error {
-		errs[c.Rank()] = resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 1, build: onebitAdam}).err
-		return errs[c.Rank()]
-	})
-	for r, err := range errs {
-		require.Error(t, err, "rank %d", r)
-		assert.Contains(t, err.Error(), "states of two runs?", "rank %d", r)
-		assert.Contains(t, err.Error(), filepath.Join(dir, "rank-1", stateFileName(5)), "rank %d", r)
-	}
+	requireResumeRefused(t, ctx, 3, dir, resumeConfig{hidden: 16, steps: 1, build: onebitAdam},
+		"states of two runs?", filepath.Join(dir, "rank-1", stateFileName(5)))
 }
