@@ -86,8 +86,7 @@ func TestBytesPerCodec(t *testing.T) {
 			ps := newParams(t, []int{1 << 14, 1 << 14})
 			cfg := config(codec, h, 1, 0)
 			if codec == outer.CodecSparse {
-				d := outer.DefaultConfig()
-				cfg.SparseChunk, cfg.Density = d.SparseChunk, d.Density
+				cfg = defaultSparse(h, outer.SparseAllGather)
 			}
 			o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
 			if err != nil {
@@ -908,8 +907,7 @@ func TestStateBytes(t *testing.T) {
 		runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
 			cfg := config(codec, 4, 1, 0)
 			if codec == outer.CodecSparse {
-				d := outer.DefaultConfig()
-				cfg.SparseChunk, cfg.Density = d.SparseChunk, d.Density
+				cfg = defaultSparse(4, outer.SparseAllGather)
 			}
 			o, err := outer.NewAdam(ctx, c, newParams(t, []int{n / 2, n / 2}), cfg, innerConfig())
 			if err != nil {
