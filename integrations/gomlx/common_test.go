@@ -14,9 +14,6 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
-
-	"github.com/lowbit-ml/lowbit/comm"
-	"github.com/lowbit-ml/lowbit/comm/local"
 )
 
 // removeNewest removes the newest checkpoint of dir, GoMLX's files and the
@@ -54,32 +51,16 @@ func TestResumeCommonStep(t *testing.T) {
 	dir := t.TempDir()
 	rankDir := func(r int) string { return filepath.Join(dir, fmt.Sprintf("rank-%d", r)) }
 	rc := resumeConfig{hidden: 16, steps: 6, build: withFreeze(3)}
-	var straight [2]*resumeRun
-	require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		straight[c.Rank()] = resumeRank(t, ctx, c, dir, rc)
-		return straight[c.Rank()].err
-	}))
+	straight := resumeAll(t, ctx, 2, dir, rc)
 	require.Equal(t, straight[0].final, straight[1].final)
 	require.Equal(t, int64(6), removeNewest(t, rankDir(1)))
-
-	// each runs one step on 2 ranks from dir with rc and returns the runs.
-	each := func(rc resumeConfig) [2]*resumeRun {
-		var runs [2]*resumeRun
-		_ = local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-			runs[c.Rank()] = resumeRank(t, ctx, c, dir, rc)
-			return runs[c.Rank()].err
-		})
-		return runs
-	}
 	rc.steps = 1
 
 	t.Run("plain Done", func(t *testing.T) {
 		files := snapshot(t, dir)
 		rc := rc
 		rc.plain = true
-		for r, run := range each(rc) {
-			require.Error(t, run.err, "rank %d", r)
-			assert.Contains(t, run.err.Error(), "different global steps (rank 0 at 6, rank 1 at 5)", "rank %d", r)
+		for r, run := range requireResumeRefused(t, ctx, 2, dir, rc, "different global steps (rank 0 at 6, rank 1 at 5)") {
 			assert.Nil(t, run.opt.Optimizer(), "rank %d", r)
 		}
 		assert.Equal(t, files, snapshot(t, dir), "a file changed")
@@ -89,9 +70,7 @@ func TestResumeCommonStep(t *testing.T) {
 		core, logs := observer.New(zapcore.InfoLevel)
 		rc := rc
 		rc.log = zap.New(core)
-		runs := each(rc)
-		for r, run := range runs {
-			require.NoError(t, run.err, "rank %d", r)
+		for r, run := range resumeAll(t, ctx, 2, dir, rc) {
 			assert.Equal(t, int64(5), run.start, "rank %d: resumed from", r)
 			assert.True(t, run.opt.Restored(), "rank %d", r)
 			assert.Equal(t, straight[r].final, run.final, "rank %d: step 6 differs from the uninterrupted run's", r)
@@ -118,11 +97,7 @@ func TestResumeCommonStep(t *testing.T) {
 		check := func(want string) {
 			t.Helper()
 			files := snapshot(t, dir)
-			for r, run := range each(rc) {
-				require.Error(t, run.err, "rank %d", r)
-				assert.Contains(t, run.err.Error(), want, "rank %d", r)
-				assert.Contains(t, run.err.Error(), "delete every rank's checkpoint directory", "rank %d", r)
-			}
+			requireResumeRefused(t, ctx, 2, dir, rc, want, "delete every rank's checkpoint directory")
 			assert.Equal(t, files, snapshot(t, dir), "a file changed")
 		}
 		check("(rank 0: steps 5, 6; rank 1: none)")

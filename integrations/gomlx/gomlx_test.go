@@ -686,19 +686,32 @@ func resumeAll(t *testing.T, ctx context.Context, w int, dir string, rc resumeCo
 	return runs
 }
 
-// requireResumeRefused runs resumeRank with rc on w ranks in dir and
-// requires every rank to fail with an error that contains each of wants.
-func requireResumeRefused(t *testing.T, ctx context.Context, w int, dir string, rc resumeConfig, wants ...string) {
+// requireResumeRefused runs resumeRank with rc on w ranks in dir,
+// requires every rank to fail with an error that contains each of wants,
+// and returns their runs.
+func requireResumeRefused(t *testing.T, ctx context.Context, w int, dir string, rc resumeConfig, wants ...string) []*resumeRun {
 	t.Helper()
-	errs := make([]error, w)
+	runs := make([]*resumeRun, w)
 	_ = local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
-		errs[c.Rank()] = resumeRank(t, ctx, c, dir, rc).err
-		return errs[c.Rank()]
+		runs[c.Rank()] = resumeRank(t, ctx, c, dir, rc)
+		return runs[c.Rank()].err
 	})
-	for r, err := range errs {
-		require.Error(t, err, "rank %d", r)
+	for r, run := range runs {
+		require.Error(t, run.err, "rank %d", r)
 		for _, want := range wants {
-			assert.Contains(t, err.Error(), want, "rank %d", r)
+			assert.Contains(t, run.err.Error(), want, "rank %d", r)
+		}
+	}
+	return runs
+}
+
+// assertOptimizerDropped fails t for each of runs that kept its lowbit
+// optimizer.
+func assertOptimizerDropped(t *testing.T, runs []*resumeRun) {
+	t.Helper()
+	for r, run := range runs {
+		if run.opt.Optimizer() != nil {
+			t.Errorf("rank %d: the optimizer was kept", r)
 		}
 	}
 }
@@ -948,25 +961,11 @@ func TestResumeRefused(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	dir := t.TempDir()
-	require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		return resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 4, build: onebitAdam}).err
-	}))
+	resumeAll(t, ctx, 2, dir, resumeConfig{hidden: 16, steps: 4, build: onebitAdam})
 	files := snapshot(t, dir)
 	try := func(w, hidden int, build Builder, want string) {
 		t.Helper()
-		errs := make([]error, w)
-		_ = local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
-			run := resumeRank(t, ctx, c, dir, resumeConfig{hidden: hidden, steps: 2, build: build})
-			errs[c.Rank()] = run.err
-			if run.opt.Optimizer() != nil {
-				t.Errorf("rank %d: the optimizer was kept", c.Rank())
-			}
-			return run.err
-		})
-		for r, err := range errs {
-			require.Error(t, err, "rank %d", r)
-			assert.Contains(t, err.Error(), want, "rank %d", r)
-		}
+		assertOptimizerDropped(t, requireResumeRefused(t, ctx, w, dir, resumeConfig{hidden: hidden, steps: 2, build: build}, want))
 		assert.Equal(t, files, snapshot(t, dir), "the checkpoint changed")
 	}
 	try(2, 16, adam, "incompatible checkpoint")
@@ -980,9 +979,7 @@ func TestResumeRefused(t *testing.T) {
 	// A checkpoint of 1-bit Adam with sharded moments resumes only in
 	// that state mode (on any number of ranks: TestRankChangeAutomatic).
 	dir = t.TempDir()
-	require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		return resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 4, build: withShardedFreeze(2)}).err
-	}))
+	resumeAll(t, ctx, 2, dir, resumeConfig{hidden: 16, steps: 4, build: withShardedFreeze(2)})
 	files = snapshot(t, dir)
 	try(1, 16, withFreeze(2), "StateMode")
 	try(2, 16, withFreeze(2), "StateMode")
@@ -1000,15 +997,7 @@ func TestResumeRefused(t *testing.T) {
 		_, err = m.loop.RunSteps(&shard{rank: r, world: 2}, 3)
 		return err
 	}))
-	errs := make([]error, 2)
-	_ = local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		errs[c.Rank()] = resumeRank(t, ctx, c, dir2, resumeConfig{hidden: 16, steps: 2, build: adam}).err
-		return errs[c.Rank()]
-	})
-	for r, err := range errs {
-		require.Error(t, err, "rank %d", r)
-		assert.Contains(t, err.Error(), "global step 2, its model from step 3", "rank %d", r)
-	}
+	requireResumeRefused(t, ctx, 2, dir2, resumeConfig{hidden: 16, steps: 2, build: adam}, "global step 2, its model from step 3")
 }
 
 // snapshot returns the contents of every file under dir.

@@ -11,8 +11,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/lowbit-ml/lowbit/comm"
-	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/optim"
 )
 
@@ -262,9 +260,7 @@ func TestMuonAdamLRAgreement(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	dir := t.TempDir()
-	require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		return resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 2, build: muon}).err
-	}))
+	resumeAll(t, ctx, 2, dir, resumeConfig{hidden: 16, steps: 2, build: muon})
 	state1 := filepath.Join(dir, "rank-1", stateFileName(2))
 	ck, err := optim.LoadFile(state1)
 	require.NoError(t, err)
@@ -272,15 +268,8 @@ func TestMuonAdamLRAgreement(t *testing.T) {
 	ck.Floats[optim.FloatAdamLR] = float64(float32(0.02))
 	require.NoError(t, optim.SaveFile(state1, ck))
 	files := snapshot(t, dir)
-	var errs [2]error
-	_ = local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		errs[c.Rank()] = resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 1, build: muon}).err
-		return errs[c.Rank()]
-	})
-	for r, err := range errs {
-		require.Error(t, err, "rank %d", r)
-		assert.Contains(t, err.Error(), "AdamW group's learning rate: 0.01 on rank 0 and 0.02 on rank 1", "rank %d", r)
-	}
+	requireResumeRefused(t, ctx, 2, dir, resumeConfig{hidden: 16, steps: 1, build: muon},
+		"AdamW group's learning rate: 0.01 on rank 0 and 0.02 on rank 1")
 	assert.Equal(t, files, snapshot(t, dir), "a file changed")
 }
 
@@ -293,20 +282,14 @@ func TestMuonResumeAdamLRWarning(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	dir := t.TempDir()
-	require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		return resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 2, build: muon}).err
-	}))
+	resumeAll(t, ctx, 2, dir, resumeConfig{hidden: 16, steps: 2, build: muon})
 	cfg := muonConfig()
 	cfg.AdamLR = 0.02
 	for _, tc := range []struct {
 		build Builder
 		warns bool
 	}{{muon, false}, {NewMuon(cfg), true}} {
-		var runs [2]*resumeRun
-		require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-			runs[c.Rank()] = resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 1, build: tc.build})
-			return runs[c.Rank()].err
-		}))
+		runs := resumeAll(t, ctx, 2, dir, resumeConfig{hidden: 16, steps: 1, build: tc.build})
 		require.True(t, runs[0].opt.Restored())
 		w := runs[0].opt.Warnings()
 		assert.Empty(t, runs[1].opt.Warnings(), "rank 1 repeats rank 0's warnings")

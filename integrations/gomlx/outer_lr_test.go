@@ -8,8 +8,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/lowbit-ml/lowbit/comm"
-	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/optim"
 )
 
@@ -22,14 +20,8 @@ func TestOuterResumeLRWarning(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	dir := t.TempDir()
-	require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		return resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 4, build: builderLR("outer", 0.01)}).err
-	}))
-	var runs [2]*resumeRun
-	require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		runs[c.Rank()] = resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 1, build: builderLR("outer", 0.02)})
-		return runs[c.Rank()].err
-	}))
+	resumeAll(t, ctx, 2, dir, resumeConfig{hidden: 16, steps: 4, build: builderLR("outer", 0.01)})
+	runs := resumeAll(t, ctx, 2, dir, resumeConfig{hidden: 16, steps: 1, build: builderLR("outer", 0.02)})
 	require.True(t, runs[0].opt.Restored())
 	w := runs[0].opt.Warnings()
 	require.Len(t, w, 1, "%q", w)

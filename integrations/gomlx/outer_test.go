@@ -221,9 +221,7 @@ func TestOuterGlobalAgreement(t *testing.T) {
 	defer cancel()
 	dir := t.TempDir()
 	rc := resumeConfig{hidden: 16, steps: 6, build: outerAdam(4, 1, 0, outer.CodecFP32)}
-	require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		return resumeRank(t, ctx, c, dir, rc).err
-	}))
+	resumeAll(t, ctx, 2, dir, rc)
 	path := fmt.Sprintf("%s/rank-1/%s", dir, stateFileName(6))
 	ck, err := optim.LoadFile(path)
 	require.NoError(t, err)
@@ -233,14 +231,7 @@ func TestOuterGlobalAgreement(t *testing.T) {
 	require.NoError(t, optim.SaveFile(path, ck))
 
 	rc.steps = 1
-	var runs [2]*resumeRun
-	_ = local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		runs[c.Rank()] = resumeRank(t, ctx, c, dir, rc)
-		return runs[c.Rank()].err
-	})
-	for r, run := range runs {
-		require.Error(t, run.err, "rank %d", r)
-		assert.Contains(t, run.err.Error(), "global parameters", "rank %d", r)
+	for r, run := range requireResumeRefused(t, ctx, 2, dir, rc, "global parameters") {
 		assert.Regexp(t, `"/[^"]+" differs between rank 0 .* and rank 1 .*restored its own checkpoint`, run.err.Error(), "rank %d", r)
 	}
 }

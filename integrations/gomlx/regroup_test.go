@@ -12,7 +12,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/lowbit-ml/lowbit/comm"
-	"github.com/lowbit-ml/lowbit/comm/local"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/optim/zero"
@@ -60,9 +59,7 @@ func TestRegroupEveryMode(t *testing.T) {
 			defer cancel()
 			old, dir := t.TempDir(), t.TempDir()
 			rankDir := func(base string, r int) string { return filepath.Join(base, fmt.Sprintf("rank-%d", r)) }
-			require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-				return resumeRank(t, ctx, c, old, resumeConfig{hidden: 16, steps: 4, build: tc.build}).err
-			}))
+			resumeAll(t, ctx, 2, old, resumeConfig{hidden: 16, steps: 4, build: tc.build})
 			name := stateFileName(4)
 			olds := make([]*optim.Checkpoint, 2)
 			for r := range olds {
@@ -76,12 +73,7 @@ func TestRegroupEveryMode(t *testing.T) {
 				require.NoError(t, err)
 				require.NoError(t, optim.SaveFile(filepath.Join(rankDir(dir, r), name), ck))
 			}
-			var runs [3]*resumeRun
-			require.NoError(t, local.Run(ctx, 3, func(ctx context.Context, c comm.Comm) error {
-				runs[c.Rank()] = resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 1, build: tc.build})
-				return runs[c.Rank()].err
-			}))
-			for r, run := range runs {
+			for r, run := range resumeAll(t, ctx, 3, dir, resumeConfig{hidden: 16, steps: 1, build: tc.build}) {
 				assert.True(t, run.opt.Restored(), "rank %d", r)
 				assert.Equal(t, int64(4), run.start, "rank %d", r)
 				for _, w := range run.opt.Warnings() {
@@ -150,9 +142,7 @@ func TestRankChangeRecipes(t *testing.T) {
 				defer cancel()
 				old, dir := t.TempDir(), t.TempDir()
 				rankDir := func(base string, r int) string { return filepath.Join(base, fmt.Sprintf("rank-%d", r)) }
-				require.NoError(t, local.Run(ctx, from, func(ctx context.Context, c comm.Comm) error {
-					return resumeRank(t, ctx, c, old, resumeConfig{hidden: 16, steps: 5, build: row.build}).err
-				}))
+				resumeAll(t, ctx, from, old, resumeConfig{hidden: 16, steps: 5, build: row.build})
 				name := stateFileName(5)
 				olds := make([]*optim.Checkpoint, from)
 				for r := range olds {
@@ -168,12 +158,7 @@ func TestRankChangeRecipes(t *testing.T) {
 						require.NoError(t, optim.SaveFile(filepath.Join(rankDir(dir, r), name), ck))
 					}
 				}
-				runs := make([]*resumeRun, to)
-				require.NoError(t, local.Run(ctx, to, func(ctx context.Context, c comm.Comm) error {
-					runs[c.Rank()] = resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 1, build: row.build})
-					return runs[c.Rank()].err
-				}))
-				for r, run := range runs {
+				for r, run := range resumeAll(t, ctx, to, dir, resumeConfig{hidden: 16, steps: 1, build: row.build}) {
 					assert.True(t, run.opt.Restored(), "rank %d", r)
 					assert.Equal(t, int64(5), run.start, "rank %d", r)
 					switch row.errors {

@@ -10,9 +10,6 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-
-	"github.com/lowbit-ml/lowbit/comm"
-	"github.com/lowbit-ml/lowbit/comm/local"
 )
 
 // TestLostStateFileNamed: a program that saves with Optimizer.Save, whose
@@ -24,23 +21,16 @@ func TestLostStateFileNamed(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	dir := t.TempDir()
-	require.NoError(t, local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		return resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 4, build: adam}).err
-	}))
+	resumeAll(t, ctx, 2, dir, resumeConfig{hidden: 16, steps: 4, build: adam})
 	for r := range 2 {
 		require.NoError(t, os.Remove(filepath.Join(dir, fmt.Sprintf("rank-%d", r), stateFileName(4))))
 	}
-	errs := make([]error, 2)
-	_ = local.Run(ctx, 2, func(ctx context.Context, c comm.Comm) error {
-		errs[c.Rank()] = resumeRank(t, ctx, c, dir, resumeConfig{hidden: 16, steps: 2, build: adam}).err
-		return errs[c.Rank()]
-	})
-	for r, err := range errs {
-		require.Error(t, err, "rank %d", r)
+	runs := requireResumeRefused(t, ctx, 2, dir, resumeConfig{hidden: 16, steps: 2, build: adam},
+		"so the state file of step 4 was removed or lost after it was written",
+		"or set the model's checkpoint of step 4 aside to resume from step 3")
+	for r, run := range runs {
 		rankDir := filepath.Join(dir, fmt.Sprintf("rank-%d", r))
-		assert.Contains(t, err.Error(), "the checkpoint's lowbit state is from global step 3, its model from step 4: "+rankDir+" holds no lowbit-state-step-00000004", "rank %d", r)
-		assert.Contains(t, err.Error(), "so the state file of step 4 was removed or lost after it was written", "rank %d", r)
-		assert.Contains(t, err.Error(), "or set the model's checkpoint of step 4 aside to resume from step 3", "rank %d", r)
-		assert.NotContains(t, err.Error(), "not Handler.Save", "rank %d", r)
+		assert.Contains(t, run.err.Error(), "the checkpoint's lowbit state is from global step 3, its model from step 4: "+rankDir+" holds no lowbit-state-step-00000004", "rank %d", r)
+		assert.NotContains(t, run.err.Error(), "not Handler.Save", "rank %d", r)
 	}
 }
