@@ -26,12 +26,12 @@ var onebitMuon = MuonBuilder(func(ctx context.Context, c comm.Comm, params []*op
 	return onebit.NewMuon(ctx, c, params, cfg)
 })
 
-// outerBuilder is the outer optimizer with codec, an exchange every 5
+// outerBuilder is the outer optimizer with codec, an exchange every h
 // inner steps, AdamW inside.
-func outerBuilder(codec outer.Codec) Builder {
+func outerBuilder(h int, codec outer.Codec) Builder {
 	return func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
 		cfg := outer.DefaultConfigFor(codec)
-		cfg.H = 5
+		cfg.H = h
 		if codec == outer.CodecSparse {
 			cfg.SparseChunk, cfg.Density = 16, 0.25
 		}
@@ -68,8 +68,8 @@ func TestRankChangeAutomatic(t *testing.T) {
 		{"zeroone-adam", zeroOneAdamLocal, PathRegroup, true, "worker errors"},
 		{"onebit-muon", onebitMuon, PathRegroup, true, "momenta"},
 		{"zero-adam", zeroAdam, PathConsolidate, false, "the sum of"},
-		{"outer-sparse", outerBuilder(outer.CodecSparse), PathOuter, true, "sparse accumulators"},
-		{"outer-onebit", outerBuilder(outer.CodecOneBit), PathOuter, false, ""},
+		{"outer-sparse", outerBuilder(5, outer.CodecSparse), PathOuter, true, "sparse accumulators"},
+		{"outer-onebit", outerBuilder(5, outer.CodecOneBit), PathOuter, false, ""},
 	} {
 		for _, sizes := range [][]int{{4, 2, 3}, {2, 3}} {
 			t.Run(fmt.Sprintf("%s/%v", row.name, sizes), func(t *testing.T) {

@@ -33,6 +33,30 @@ func modeBuilder(lamb bool, f int, mode onebit.StateMode, bf onebit.BF16State) B
 	}
 }
 
+// newGroupDirs makes in dir the checkpoint directories of a group of to
+// ranks from those of the from ranks in old, at global step step: each new
+// rank's is a copy of old rank 0's, whose lowbit state of step, where
+// state is not nil, state makes from every old rank's.
+func newGroupDirs(t *testing.T, old, dir string, from, to int, step int64, state func(old []*optim.Checkpoint, world, r int) (*optim.Checkpoint, error)) {
+	t.Helper()
+	rankDir := func(base string, r int) string { return filepath.Join(base, fmt.Sprintf("rank-%d", r)) }
+	name := stateFileName(step)
+	olds := make([]*optim.Checkpoint, from)
+	for r := range olds {
+		var err error
+		olds[r], err = optim.LoadFile(filepath.Join(rankDir(old, r), name))
+		require.NoError(t, err)
+	}
+	for r := range to {
+		require.NoError(t, os.CopyFS(rankDir(dir, r), os.DirFS(rankDir(old, 0))))
+		if state != nil {
+			ck, err := state(olds, to, r)
+			require.NoError(t, err)
+			require.NoError(t, optim.SaveFile(filepath.Join(rankDir(dir, r), name), ck))
+		}
+	}
+}
+
 // TestRegroupEveryMode: docs/gomlx.md's recipe for changing the number of
 // ranks (every new rank starts from a copy of old rank 0's directory
 // whose newest lowbit state is onebit.Regroup of every old rank's) resumes
@@ -58,21 +82,8 @@ func TestRegroupEveryMode(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			old, dir := t.TempDir(), t.TempDir()
-			rankDir := func(base string, r int) string { return filepath.Join(base, fmt.Sprintf("rank-%d", r)) }
 			resumeAll(t, ctx, 2, old, resumeConfig{hidden: 16, steps: 4, build: tc.build})
-			name := stateFileName(4)
-			olds := make([]*optim.Checkpoint, 2)
-			for r := range olds {
-				var err error
-				olds[r], err = optim.LoadFile(filepath.Join(rankDir(old, r), name))
-				require.NoError(t, err)
-			}
-			for r := range 3 {
-				require.NoError(t, os.CopyFS(rankDir(dir, r), os.DirFS(rankDir(old, 0))))
-				ck, err := onebit.Regroup(olds, 3, r)
-				require.NoError(t, err)
-				require.NoError(t, optim.SaveFile(filepath.Join(rankDir(dir, r), name), ck))
-			}
+			newGroupDirs(t, old, dir, 2, 3, 4, onebit.Regroup)
 			for r, run := range resumeAll(t, ctx, 3, dir, resumeConfig{hidden: 16, steps: 1, build: tc.build}) {
 				assert.True(t, run.opt.Restored(), "rank %d", r)
 				assert.Equal(t, int64(4), run.start, "rank %d", r)
@@ -93,21 +104,6 @@ func TestRegroupEveryMode(t *testing.T) {
 // old rank's), resumes from the old step and trains; rank 0 warns only
 // where something restarted from zero, saying what was carried.
 func TestRankChangeRecipes(t *testing.T) {
-	outerCodec := func(codec outer.Codec) Builder {
-		return func(ctx context.Context, c comm.Comm, p []*optim.Param) (optim.Optimizer, error) {
-			cfg := outer.DefaultConfigFor(codec)
-			cfg.H = 4
-			if codec == outer.CodecSparse {
-				cfg.SparseChunk, cfg.Density = 16, 0.25
-			}
-			in := optim.DefaultAdamConfig()
-			in.LR = 1e-2
-			return outer.NewAdam(ctx, c, p, cfg, in)
-		}
-	}
-	regroup := func(old []*optim.Checkpoint, world, r int) (*optim.Checkpoint, error) {
-		return onebit.Regroup(old, world, r)
-	}
 	for _, row := range []struct {
 		name  string // the table's row
 		build Builder
@@ -122,7 +118,7 @@ func TestRankChangeRecipes(t *testing.T) {
 	}{
 		{"exact-adam", adam, nil, "", 0},
 		{"exact-muon", muon, nil, "", 0},
-		{"onebit-adam-regroup", onebitAdam, regroup, "", 1},
+		{"onebit-adam-regroup", onebitAdam, onebit.Regroup, "", 1},
 		{"onebit-adam-reset", onebitAdam, func(old []*optim.Checkpoint, _, r int) (*optim.Checkpoint, error) {
 			return old[0].ResetErrors(), nil
 		}, "error buffers were reset (made on %d ranks, by rank 0): the error feedback starts again from zero; " +
@@ -130,8 +126,8 @@ func TestRankChangeRecipes(t *testing.T) {
 		{"zero-adam", zeroAdam, func(old []*optim.Checkpoint, _, _ int) (*optim.Checkpoint, error) {
 			return zero.Consolidate(old)
 		}, "", 0},
-		{"outer-sparse", outerCodec(outer.CodecSparse), outer.Regroup, "", 1},
-		{"outer-onebit", outerCodec(outer.CodecOneBit), outer.Regroup, "error buffers were reset (made on %d ranks, by rank 0): " +
+		{"outer-sparse", outerBuilder(4, outer.CodecSparse), outer.Regroup, "", 1},
+		{"outer-onebit", outerBuilder(4, outer.CodecOneBit), outer.Regroup, "error buffers were reset (made on %d ranks, by rank 0): " +
 			"the 1-bit codec's error feedback starts again from zero (its layout depends on the group size); " +
 			"θ_g and u, and the inner optimizer's state and local parameters of the rank that made it, are carried", -1},
 	} {
@@ -141,23 +137,8 @@ func TestRankChangeRecipes(t *testing.T) {
 				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 				defer cancel()
 				old, dir := t.TempDir(), t.TempDir()
-				rankDir := func(base string, r int) string { return filepath.Join(base, fmt.Sprintf("rank-%d", r)) }
 				resumeAll(t, ctx, from, old, resumeConfig{hidden: 16, steps: 5, build: row.build})
-				name := stateFileName(5)
-				olds := make([]*optim.Checkpoint, from)
-				for r := range olds {
-					var err error
-					olds[r], err = optim.LoadFile(filepath.Join(rankDir(old, r), name))
-					require.NoError(t, err)
-				}
-				for r := range to {
-					require.NoError(t, os.CopyFS(rankDir(dir, r), os.DirFS(rankDir(old, 0))))
-					if row.state != nil {
-						ck, err := row.state(olds, to, r)
-						require.NoError(t, err)
-						require.NoError(t, optim.SaveFile(filepath.Join(rankDir(dir, r), name), ck))
-					}
-				}
+				newGroupDirs(t, old, dir, from, to, 5, row.state)
 				for r, run := range resumeAll(t, ctx, to, dir, resumeConfig{hidden: 16, steps: 1, build: row.build}) {
 					assert.True(t, run.opt.Restored(), "rank %d", r)
 					assert.Equal(t, int64(5), run.start, "rank %d", r)
