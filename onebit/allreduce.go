@@ -371,7 +371,11 @@ func (st *State) allReduce(ctx context.Context, c comm.Comm, buf []float32) (err
 // shows (4 MPI ranks sharing memory, 4 KiB calls: 26-35 us started
 // against 20-25 us blocking; 1 MiB calls at 10 Gbit: the same within
 // their spread).
-const (
+//
+// Both are variables so that the race detector's run of the started tests
+// can start smaller tensors and progress them as often (SetStartSizes in
+// export_test.go); progressBlock is a multiple of sumBlock.
+var (
 	progressBlock = 256 << 10
 	startMin      = 1 << 20
 )

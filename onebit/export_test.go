@@ -67,3 +67,13 @@ func TuneRun(calls int, time func(u, way int) uint64) []int {
 
 // MuonBucketStates is the State of every bucket of o.
 func MuonBucketStates(o *Muon) []*State { return o.bkt.states }
+
+// SetStartSizes makes tensors from start elements (padded) start their
+// collectives and progresses them every block elements (a multiple of
+// 16Ki), for the test's duration: the race detector's run of the started
+// tests uses smaller tensors than startMin's 1M.
+func SetStartSizes(t interface{ Cleanup(func()) }, start, block int) {
+	oldStart, oldBlock := startMin, progressBlock
+	startMin, progressBlock = start, block
+	t.Cleanup(func() { startMin, progressBlock = oldStart, oldBlock })
+}

@@ -135,20 +135,21 @@ func startedRun(t *testing.T, w, n, pieces, calls int, started bool, blocking ..
 // padded or not, in whole chunks and in pieces (against whole chunks run
 // blocking). Tensors of less than 1M elements run them blocking anyway.
 func TestStartedBitIdentical(t *testing.T) {
+	big := startBig(t)
 	ws, ks := []int{1, 2, 3, 4}, []int{2, 4}
 	if raceOn {
 		ws, ks = []int{1, 3}, []int{3}
 	}
 	for _, w := range ws {
-		sizes := []int{5 * w, 1000*w + 3, 1<<20 + 3, 3<<20 + 1}
+		sizes := []int{5 * w, 1000*w + 3, big + 3, 3*big + 1}
 		if raceOn {
-			sizes = []int{5 * w, 1<<20 + 3}
+			sizes = []int{5 * w, big + 3}
 		}
 		for _, n := range sizes {
 			want, none := startedRun(t, w, n, 1, 3, false)
 			got, starts := startedRun(t, w, n, 1, 3, true)
 			assert.Zero(t, none)
-			if n < 1<<20 {
+			if n < big {
 				assert.Zero(t, starts, "w=%d n=%d: too small to start", w, n)
 			} else {
 				assert.Equal(t, int64(3*2*w), starts, "w=%d n=%d: every call starts both collectives", w, n)
@@ -156,7 +157,7 @@ func TestStartedBitIdentical(t *testing.T) {
 			for i := range want {
 				require.Equal(t, want[i], got[i], "w=%d n=%d buffer %d", w, n, i)
 			}
-			if w == 1 || n < 1<<20 {
+			if w == 1 || n < big {
 				continue
 			}
 			for _, k := range ks {
@@ -174,7 +175,8 @@ func TestStartedBitIdentical(t *testing.T) {
 // collectives blocking (MPI's non-blocking collectives do not match
 // blocking ones): no rank starts one, and the bits are the same.
 func TestStartedNeedsEveryRank(t *testing.T) {
-	const w, n = 3, 1 << 20
+	const w = 3
+	n := startBig(t)
 	want, _ := startedRun(t, w, n, 1, 2, false)
 	for _, k := range []int{1, 3} {
 		got, starts := startedRun(t, w, n, k, 2, true, 1)
@@ -191,14 +193,15 @@ func TestStartedNeedsEveryRank(t *testing.T) {
 // A pipelined call and a call too small to start exchange it blocking.
 func TestStartedHeader(t *testing.T) {
 	const w, calls = 3, 2
+	big := startBig(t)
 	for _, tc := range []struct {
 		n, pieces int
 		blocking  []int
 		want      int64
 	}{
-		{1 << 20, 1, nil, w * calls},
-		{1 << 20, 1, []int{1}, (w - 1) * calls},
-		{1 << 20, 3, nil, 0},
+		{big, 1, nil, w * calls},
+		{big, 1, []int{1}, (w - 1) * calls},
+		{big, 3, nil, 0},
 		{1000, 1, nil, 0},
 	} {
 		var starts, headers atomic.Int64
@@ -228,7 +231,8 @@ func TestStartedHeader(t *testing.T) {
 // on ranks that run them blocking, in each of its state modes (the sharded
 // mode's worker error kept in bfloat16 forms x a block at a time).
 func TestStartedAdamModes(t *testing.T) {
-	const w, n, steps = 4, 1<<20 + 5, 3
+	const w, steps = 4, 3
+	n := startBig(t) + 5
 	modes := []struct {
 		mode onebit.StateMode
 		bf   onebit.BF16State
@@ -291,7 +295,8 @@ func TestStartedAdamModes(t *testing.T) {
 // opening, pieces, whole chunks started and whole chunks blocking, the
 // same on every rank, and gives the bits of whole chunks run blocking.
 func TestTuneStartedWays(t *testing.T) {
-	const w, n, calls = 3, 1<<20 + 3, 18
+	const w, calls = 3, 18
+	n := startBig(t) + 3
 	want, _ := startedRun(t, w, n, 1, calls, false)
 	out := make([][]float32, 3*w)
 	pieces, started := make([][]int, w), make([][]bool, w)
@@ -329,4 +334,17 @@ func TestTuneStartedWays(t *testing.T) {
 	for i := range want {
 		require.Equal(t, want[i], out[i], "buffer %d", i)
 	}
+}
+
+// startBig is the length from which the started tests' tensors start their
+// collectives: startMin's 1M, or 64Ki under the race detector, progressed
+// every 16Ki elements instead of 256Ki (SetStartSizes): the collectives'
+// goroutines and the polls between passes are what it checks, and 1M
+// elements a rank took most of its run.
+func startBig(t *testing.T) int {
+	if !raceOn {
+		return 1 << 20
+	}
+	onebit.SetStartSizes(t, 1<<16, 16<<10)
+	return 1 << 16
 }

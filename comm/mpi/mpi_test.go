@@ -8,6 +8,7 @@ package mpi_test
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
@@ -654,12 +655,17 @@ func TestOnebitConformance(t *testing.T) {
 	}
 }
 
-// randomInputs returns w random vectors of n values, the same on every rank
-// for the same seed.
+// randomInputs returns w random vectors of n values, rank j's the same on
+// every rank for the same seed. Only world rank 0, which runs the
+// in-process reference (onLocal), makes all of them; rank r makes its own,
+// in[r], and leaves the others nil.
 func randomInputs(seed uint64, w, n int) [][]float32 {
-	rng := rand.New(rand.NewPCG(seed, 42))
 	in := make([][]float32, w)
 	for j := range in {
+		if world.Rank() != 0 && j != world.Rank() {
+			continue
+		}
+		rng := rand.New(rand.NewPCG(seed, 42+uint64(j)))
 		in[j] = make([]float32, n)
 		for i := range in[j] {
 			in[j][i] = float32(rng.NormFloat64() * math.Exp(rng.NormFloat64()))
@@ -669,20 +675,47 @@ func randomInputs(seed uint64, w, n int) [][]float32 {
 }
 
 // onLocal runs fn on every rank of an in-process group of w ranks and
-// returns rank r's result.
+// returns rank r's result. Only world rank 0 runs the group: it broadcasts
+// each rank's result, so that a job of w processes on a few cores runs one
+// in-process group instead of w copies of it. A failure of the group fails
+// the test on every rank.
 func onLocal(t *testing.T, ctx context.Context, w, r int, fn func(ctx context.Context, c comm.Comm) ([]float32, error)) []float32 {
-	var mu sync.Mutex
-	var out []float32
-	require.NoError(t, local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
-		got, err := fn(ctx, c)
-		if c.Rank() == r {
+	t.Helper()
+	outs := make([][]float32, w)
+	var runErr error
+	if r == 0 {
+		var mu sync.Mutex
+		runErr = local.Run(ctx, w, func(ctx context.Context, c comm.Comm) error {
+			got, err := fn(ctx, c)
 			mu.Lock()
-			out = got
+			outs[c.Rank()] = got
 			mu.Unlock()
+			return err
+		}, local.AllowUnderMPI()) // under mpirun on purpose: the reference
+	}
+	// The header: whether the group failed, then each rank's length.
+	hdr := make([]byte, 8*(w+1))
+	if r == 0 {
+		if runErr != nil {
+			hdr[0] = 1
 		}
-		return err
-	}, local.AllowUnderMPI())) // under mpirun on purpose: the reference
-	return out
+		for j, o := range outs {
+			binary.LittleEndian.PutUint64(hdr[8*(j+1):], uint64(len(o)))
+		}
+	}
+	require.NoError(t, world.BroadcastBytes(ctx, hdr, 0))
+	require.NoError(t, runErr)
+	require.Zero(t, hdr[0], "the in-process reference failed on world rank 0")
+	for j := range w {
+		n := int(binary.LittleEndian.Uint64(hdr[8*(j+1):]))
+		if r != 0 {
+			outs[j] = make([]float32, n)
+		}
+		if n > 0 {
+			require.NoError(t, world.Broadcast(ctx, outs[j], 0))
+		}
+	}
+	return outs[r]
 }
 
 // requireBits checks got against want bit for bit.
@@ -783,6 +816,9 @@ func TestOnebitMatchesLocal(t *testing.T) {
 		// the MPI rank keeps its own.
 		states := make([]*onebit.State, w)
 		for j := range states {
+			if r != 0 {
+				break // only world rank 0 runs the in-process group (onLocal)
+			}
 			var err error
 			states[j], err = onebit.NewState(n, w)
 			require.NoError(t, err)
@@ -796,16 +832,20 @@ func TestOnebitMatchesLocal(t *testing.T) {
 				break // one pipelined step; the local tests carry error feedback over steps
 			}
 			in := randomInputs(uint64(1000*n+step), w, n)
+			// The output, then the state's worker and server errors.
 			want := onLocal(t, ctx, w, r, func(ctx context.Context, c comm.Comm) ([]float32, error) {
 				buf := append([]float32(nil), in[c.Rank()]...)
-				return buf, onebit.AllReduce(ctx, c, buf, states[c.Rank()])
+				err := onebit.AllReduce(ctx, c, buf, states[c.Rank()])
+				return append(append(buf, states[c.Rank()].WorkerError...), states[c.Rank()].ServerError...), err
 			})
 			got := append([]float32(nil), in[r]...)
 			require.NoError(t, onebit.AllReduce(ctx, world, got, st))
 			msg := fmt.Sprintf("onebit n=%d pieces=%d overlap=%v step %d", n, tc.pieces, tc.overlap, step)
-			requireBits(t, want, got, msg+" output")
-			requireBits(t, states[r].WorkerError, st.WorkerError, msg+" worker error")
-			requireBits(t, states[r].ServerError, st.ServerError, msg+" server error")
+			nw := len(st.WorkerError)
+			require.Len(t, want, n+nw+len(st.ServerError), msg)
+			requireBits(t, want[:n], got, msg+" output")
+			requireBits(t, want[n:n+nw], st.WorkerError, msg+" worker error")
+			requireBits(t, want[n+nw:], st.ServerError, msg+" server error")
 		}
 	}
 }

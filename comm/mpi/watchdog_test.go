@@ -3,7 +3,9 @@ package mpi
 import (
 	"context"
 	"errors"
+	"os"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -14,6 +16,17 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 )
+
+// unitOnly skips a test of the watchdog's own logic (fake peers, no MPI
+// call) in an Open MPI job of more than one rank (OMPI_COMM_WORLD_SIZE):
+// it runs in the plain build and on one rank, not again at every world
+// size of scripts/test-mpi.sh.
+func unitOnly(t *testing.T) {
+	t.Helper()
+	if n, _ := strconv.Atoi(os.Getenv("OMPI_COMM_WORLD_SIZE")); n > 1 {
+		t.Skip("the watchdog's own logic: tested without MPI and on one rank")
+	}
+}
 
 func TestCollectiveTimeoutOption(t *testing.T) {
 	assert.Equal(t, 30*time.Minute, DefaultCollectiveTimeout)
@@ -80,6 +93,7 @@ func (r abortRecorder) none(t *testing.T) {
 }
 
 func TestWatchdog(t *testing.T) {
+	unitOnly(t)
 	fired := make(abortRecorder, 1)
 	w := newWatchdog([]int{0, 1, 2, 3, 4, 5}, 5, 0, nil, fired.abort)
 	defer w.stop()
@@ -107,6 +121,7 @@ func TestWatchdog(t *testing.T) {
 }
 
 func TestWatchdogTimeout(t *testing.T) {
+	unitOnly(t)
 	fired := make(abortRecorder, 1)
 	// Rank 1 of a communicator of world ranks 4, 2, 7, 9: 2 answers the
 	// roll call, 4 waits in another call, 9 does not answer.
@@ -141,6 +156,7 @@ func TestWatchdogTimeout(t *testing.T) {
 }
 
 func TestWatchdogTimeoutPhases(t *testing.T) {
+	unitOnly(t)
 	for _, c := range []struct {
 		phase int32
 		peers roller
@@ -165,6 +181,7 @@ func TestWatchdogTimeoutPhases(t *testing.T) {
 // The shorter of the context's deadline and the collective timeout ends
 // the wait.
 func TestWatchdogShorterWins(t *testing.T) {
+	unitOnly(t)
 	fired := make(abortRecorder, 1)
 	w := newWatchdog([]int{0, 1}, 0, time.Hour, &fakePeers{}, fired.abort)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
@@ -185,6 +202,7 @@ func TestWatchdogShorterWins(t *testing.T) {
 
 // A call that returns during the roll call is not aborted.
 func TestWatchdogReturnsDuringRollCall(t *testing.T) {
+	unitOnly(t)
 	fired := make(abortRecorder, 1)
 	p := &fakePeers{}
 	w := newWatchdog([]int{0, 1}, 0, 10*time.Millisecond, p, fired.abort)
@@ -204,6 +222,7 @@ func TestWatchdogReturnsDuringRollCall(t *testing.T) {
 // without a collective's context added, either return unaborted or are
 // aborted once, and the watchdog never blocks a call.
 func TestWatchdogRace(t *testing.T) {
+	unitOnly(t)
 	var aborts atomic.Int64
 	w := newWatchdog([]int{0, 1}, 0, 2*time.Millisecond, &fakePeers{}, func(string) { aborts.Add(1) })
 	defer w.stop()
@@ -242,6 +261,7 @@ func TestWatchdogRace(t *testing.T) {
 // (also): its context ending aborts the job as the first one's does,
 // whatever guarded the first, and only while the group is in flight.
 func TestWatchdogAlso(t *testing.T) {
+	unitOnly(t)
 	for _, c := range []struct {
 		name    string
 		timeout time.Duration
@@ -298,6 +318,7 @@ func TestWatchdogAlso(t *testing.T) {
 // A call guarded byTimeout that a collective's context joins keeps its
 // start: the timeout ends the group as it would have.
 func TestWatchdogAlsoKeepsTimeout(t *testing.T) {
+	unitOnly(t)
 	fired := make(abortRecorder, 1)
 	w := newWatchdog([]int{0, 1}, 0, 200*time.Millisecond, &fakePeers{}, fired.abort)
 	defer w.stop()

@@ -222,8 +222,11 @@ func TestResumeOtherWorld(t *testing.T) {
 		// buckets, which span several chunks (issue 49, finding 3).
 		for _, ws := range [][2]int{{4, 3}, {3, 4}} {
 			t.Run(name+"/"+string(rune('0'+ws[0]))+"to"+string(rune('0'+ws[1])), func(t *testing.T) {
+				// Two epochs (30 steps): the stop at 20, 10 steps on
+				// the new ranks.
 				stop := 20
 				cfg := smallConfig(name)
+				cfg.epochs = 2
 				if name == onebitMuon {
 					// One epoch (15 steps), the freeze at 4, the stop at 9:
 					// every rank's Newton-Schulz makes its steps the

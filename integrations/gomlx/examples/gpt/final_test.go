@@ -188,7 +188,7 @@ func TestFinalValidation(t *testing.T) {
 	assert.Positive(t, r.ValStderr)
 	assert.Less(t, r.ValStderr, 0.005*r.ValLoss)
 	assert.InDelta(t, r.ValLoss/math.Ln2, r.ValBitsPerByte, 1e-12)
-	assert.Contains(t, out, "the curve on 64 windows, the final val loss on all 652 windows that tile the validation text")
+	assert.Contains(t, out, "the curve on 16 windows, the final val loss on all 652 windows that tile the validation text")
 	assert.Regexp(t, `optimizer\s+val loss\s+s\.e\.\s+bits/byte\s+curve val`, out)
 	assert.Regexp(t, `adam\s+\d\.\d{4}\s+±0\.\d\d%\s+\d\.\d{4}\s+\d\.\d{4}`, out)
 	b, err := os.ReadFile(md)

@@ -25,11 +25,12 @@ import (
 )
 
 // tiny are the flags of a model small enough for a test: 2 local ranks,
-// the first MiB of the default corpus, a final evaluation of 128 windows
-// (-final-windows 0 for the whole validation text, 652 windows).
+// the first MiB of the default corpus, the curve's evaluations on 16
+// windows, a final evaluation of 128 (-final-windows 0 for the whole
+// validation text, 652 windows).
 func tiny(extra ...string) []string {
 	return append([]string{"-workers", "2", "-d-model", "32", "-heads", "2", "-ffn", "64", "-context", "32",
-		"-batch", "8", "-max-bytes", "1Mi", "-final-windows", "128", "-quiet"}, extra...)
+		"-batch", "8", "-max-bytes", "1Mi", "-final-windows", "128", "-val-windows", "16", "-quiet"}, extra...)
 }
 
 // runJSON runs the example with args and returns its -json runs.
