@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/internal/optnames"
 	"github.com/lowbit-ml/lowbit/internal/outerstate"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
@@ -18,74 +19,32 @@ import (
 // them.
 var optimizerNames = []string{"adam", "lamb", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "onebit-lamb", lambCompact, "zeroone-adam", "zero-adam", diloco, muon, onebitMuon}
 
-// lambCompact is 1-bit LAMB in StateCompact: onebit-lamb's steps bit for
-// bit in less memory.
-const lambCompact = "onebit-lamb-compact"
-
-// diloco is the outer optimizer (package outer, docs/outer.md): inner Adam
-// steps on each rank's own gradients, and every -outer-h steps the
-// pseudo-gradients averaged with -outer-codec and applied by an outer
-// Nesterov SGD. The ranks' parameters differ between exchanges; the model
-// evaluated is the one every rank agrees on, the global parameters.
-const diloco = "diloco"
-
-// muon is exact Muon (optim.NewMuon) with the default selection: the two
-// weight matrices, w1 and w2, by Muon with -muon-lr, the biases by its
-// auxiliary AdamW with -lr. The model stores its weights as [inputs,
-// outputs] (x*W), so Muon gets their transposes (optim.NewTransposed), the
-// layout its recipe's scale max(1, rows/cols)^0.5 assumes. onebitMuon is
-// its compressed counterpart for -compare.
-const muon = "muon"
-
-// onebitMuon is 1-bit Muon (onebit.NewMuon): muon's selection, layout and
-// learning rates; after its exact warm-up (-freeze-step) each rank
-// orthogonalizes its own momentum and the updates go through the
-// error-compensated 1-bit allreduce (docs/muon.md).
-const onebitMuon = "onebit-muon"
-
-// sharded is 1-bit Adam with its moments sharded over the ranks
-// (onebit.StateSharded, docs/sharded.md): the wire bytes of onebit-adam,
-// less optimizer state. Its warm-up averages in fp32 only; its
-// checkpoints resume on another number of ranks through onebit.Regroup,
-// which re-cuts the moment shards.
-const sharded = "onebit-adam-sharded"
-
-// compact and shardedBF16 are 1-bit Adam's other state modes: compact
-// (onebit.StateCompact) takes onebit-adam's steps bit for bit in less
-// memory; shardedBF16 is sharded with its worker error and frozen variance
-// in bfloat16 (onebit.BF16WorkerError|onebit.BF16Variance).
+// The names the examples share (package optnames), under this example's
+// short names. muon puts the two weight matrices, w1 and w2, under Muon
+// with -muon-lr and the biases under its auxiliary AdamW with -lr; the
+// model stores its weights as [inputs, outputs] (x*W), so Muon gets their
+// transposes (optim.NewTransposed), the layout its recipe's scale
+// max(1, rows/cols)^0.5 assumes. diloco evaluates the model every rank
+// agrees on, the global parameters (the ranks' own differ between
+// exchanges). sharded's checkpoints resume on another number of ranks
+// through onebit.Regroup, which re-cuts the moment shards.
 const (
-	compact     = "onebit-adam-compact"
-	shardedBF16 = "onebit-adam-sharded-bf16"
+	lambCompact = optnames.LambCompact
+	diloco      = optnames.Diloco
+	muon        = optnames.Muon
+	onebitMuon  = optnames.OnebitMuon
+	sharded     = optnames.Sharded
+	compact     = optnames.Compact
+	shardedBF16 = optnames.ShardedBF16
 )
 
-// stateOf is the state mode and bfloat16 buffers of the 1-bit Adam
-// called name (onebit-adam or onebit-adam-MODE).
-func stateOf(name string) (onebit.StateMode, onebit.BF16State) {
-	mode, bf, _ := onebit.ParseStateMode(strings.TrimPrefix(strings.TrimPrefix(name, "onebit-adam"), "-"))
-	return mode, bf
-}
-
-// baseline is the exact optimizer a compressed one is compared with.
-var baseline = map[string]string{
-	"onebit-adam":  "adam",
-	sharded:        "adam",
-	compact:        "adam",
-	shardedBF16:    "adam",
-	"onebit-lamb":  "lamb",
-	lambCompact:    "lamb",
-	"zeroone-adam": "adam",
-	"zero-adam":    "adam",
-	diloco:         "adam",
-	onebitMuon:     muon,
-}
-
-// compressedOf is the compressed optimizer an exact one is compared with.
-var compressedOf = map[string]string{
-	"adam": "onebit-adam",
-	"lamb": "onebit-lamb",
-	muon:   onebitMuon,
-}
+// baseline, compressedOf and stateOf are package optnames' pairings and
+// its reading of a 1-bit Adam name's state mode.
+var (
+	baseline     = optnames.Baseline
+	compressedOf = optnames.CompressedOf
+	stateOf      = optnames.StateOf
+)
 
 // runOrder returns the optimizers one invocation trains: name alone, or
 // with -compare the exact one and then the compressed one; name may also

@@ -8,6 +8,7 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	lbgomlx "github.com/lowbit-ml/lowbit/integrations/gomlx"
+	"github.com/lowbit-ml/lowbit/internal/optnames"
 	"github.com/lowbit-ml/lowbit/internal/outerstate"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
@@ -19,75 +20,33 @@ import (
 // lists them.
 var optimizerNames = []string{"adam", "onebit-adam", "onebit-adam-compact", "onebit-adam-sharded", "onebit-adam-sharded-bf16", "zeroone-adam", "lamb", "onebit-lamb", lambCompact, "zero-adam", diloco, muon, onebitMuon}
 
-// lambCompact is 1-bit LAMB in StateCompact: onebit-lamb's steps bit for
-// bit in less memory.
-const lambCompact = "onebit-lamb-compact"
-
-// diloco is the DiLoCo-style outer optimizer (package outer,
-// docs/outer.md): every rank takes inner Adam steps of its own, without
-// communicating, and every -outer-h steps the ranks average their
-// pseudo-gradients and take one outer Nesterov step. Its :REDUCE slot
-// names the codec of the exchanges: fp32 (the default), bf16, int8 or
-// 1bit; -reduce does not apply to it.
-const diloco = "diloco"
-
-// muon is exact Muon (optim.NewMuon through lbgomlx.NewMuon): the hidden
-// matrices (lbgomlx.HiddenMatrices: attention and feed-forward) by Muon
-// with -muon-lr, the embeddings, the output head, biases and norms by its
-// auxiliary AdamW with -lr; onebitMuon is its compressed counterpart for
-// -compare.
-const muon = "muon"
-
-// onebitMuon is 1-bit Muon (onebit.NewMuon through lbgomlx.MuonBuilder):
-// the same selection and learning rates as muon; after its exact warm-up
-// (-freeze-step) each rank orthogonalizes its own momentum and the updates,
-// with the AdamW group's momenta as 1-bit Adam's, go through the
-// error-compensated 1-bit allreduce (docs/muon.md).
-const onebitMuon = "onebit-muon"
-
-// sharded is 1-bit Adam with its moments sharded over the ranks
-// (onebit.StateSharded, docs/sharded.md): the wire bytes of onebit-adam,
-// less optimizer state. A name of its own, as :REDUCE names the gradient
-// averaging: its warm-up averages in fp32 only.
-const sharded = "onebit-adam-sharded"
-
-// compact and shardedBF16 are 1-bit Adam's other state modes: compact
-// (onebit.StateCompact) takes onebit-adam's steps bit for bit in less
-// memory; shardedBF16 is sharded with its worker error and frozen variance
-// in bfloat16 (onebit.BF16WorkerError|onebit.BF16Variance).
+// The names the examples share (package optnames), under this example's
+// short names. muon puts the hidden matrices (lbgomlx.HiddenMatrices:
+// attention and feed-forward) under Muon with -muon-lr, and the
+// embeddings, the output head, biases and norms under its auxiliary AdamW
+// with -lr (optim.NewMuon through lbgomlx.NewMuon; onebitMuon through
+// lbgomlx.MuonBuilder, the AdamW group's momenta as 1-bit Adam's). diloco's
+// :REDUCE slot names the codec of its exchanges (fp32, bf16, int8, 1bit
+// or sparse, the default); -reduce does not apply to it. sharded has a name
+// of its own, as :REDUCE names the gradient averaging: its warm-up
+// averages in fp32 only.
 const (
-	compact     = "onebit-adam-compact"
-	shardedBF16 = "onebit-adam-sharded-bf16"
+	lambCompact = optnames.LambCompact
+	diloco      = optnames.Diloco
+	muon        = optnames.Muon
+	onebitMuon  = optnames.OnebitMuon
+	sharded     = optnames.Sharded
+	compact     = optnames.Compact
+	shardedBF16 = optnames.ShardedBF16
 )
 
-// stateOf is the state mode and bfloat16 buffers of the 1-bit Adam
-// called name (onebit-adam or onebit-adam-MODE).
-func stateOf(name string) (onebit.StateMode, onebit.BF16State) {
-	mode, bf, _ := onebit.ParseStateMode(strings.TrimPrefix(strings.TrimPrefix(name, "onebit-adam"), "-"))
-	return mode, bf
-}
-
-// baseline is the exact optimizer a compressed one is compared with.
-var baseline = map[string]string{
-	"onebit-adam":  "adam",
-	sharded:        "adam",
-	compact:        "adam",
-	shardedBF16:    "adam",
-	"zeroone-adam": "adam",
-	"onebit-lamb":  "lamb",
-	lambCompact:    "lamb",
-	"zero-adam":    "adam",
-	diloco:         "adam",
-	onebitMuon:     muon,
-}
-
-// compressedOf is the compressed optimizer -compare pairs an exact one
-// with.
-var compressedOf = map[string]string{
-	"adam": "onebit-adam",
-	"lamb": "onebit-lamb",
-	muon:   onebitMuon,
-}
+// baseline, compressedOf and stateOf are package optnames' pairings and
+// its reading of a 1-bit Adam name's state mode.
+var (
+	baseline     = optnames.Baseline
+	compressedOf = optnames.CompressedOf
+	stateOf      = optnames.StateOf
+)
 
 // runSpec is one training run: an optimizer and its gradient reduction.
 type runSpec struct {
