@@ -211,7 +211,7 @@ func TestResumeTimeToTarget(t *testing.T) {
 // stale file of the first 4-rank run.
 func TestResumeOtherWorld(t *testing.T) {
 	train, test := loadTestdata(t)
-	for _, name := range []string{"onebit-adam", sharded, compact, shardedBF16, "onebit-lamb", lambCompact, "zeroone-adam", "zero-adam", onebitMuon} {
+	for i, name := range []string{"onebit-adam", sharded, compact, shardedBF16, "onebit-lamb", lambCompact, "zeroone-adam", "zero-adam", onebitMuon} {
 		carried := "error feedback carried over (onebit.Regroup)"
 		if name == "zero-adam" {
 			carried = "moments re-sharded (zero.Consolidate)"
@@ -220,7 +220,14 @@ func TestResumeOtherWorld(t *testing.T) {
 		// compact modes too: a compact checkpoint regrouped onto another
 		// number of ranks loads in StateCompact with the example's default
 		// buckets, which span several chunks (issue 49, finding 3).
-		for _, ws := range [][2]int{{4, 3}, {3, 4}} {
+		// Down (4 -> 3) and up (3 -> 4) in turn: onebit.Regroup's own
+		// tests take every mode both ways; 1-bit Adam both ways here, and
+		// 4 -> 3 -> 4 below.
+		worlds := [][2]int{{4, 3}, {3, 4}}
+		if i > 0 {
+			worlds = worlds[i%2 : i%2+1]
+		}
+		for _, ws := range worlds {
 			t.Run(name+"/"+string(rune('0'+ws[0]))+"to"+string(rune('0'+ws[1])), func(t *testing.T) {
 				// Two epochs (30 steps): the stop at 20, 10 steps on
 				// the new ranks.
