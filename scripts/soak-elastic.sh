@@ -47,7 +47,8 @@
 # Settings (environment):
 #   SOAK_S      duration in seconds (default 600), shared out over the
 #               optimizers; a trajectory under way finishes (without more
-#               interruptions)
+#               interruptions); an optimizer whose share is spent before
+#               its first interruption still gets one
 #   SEED        the fault and size schedule (default: the time; printed)
 #   NETEM       the impairment (default "loss 1% delay 5ms 2ms reorder 10%")
 #   OPTIMIZERS  default: every optimizer and mode with a checkpoint:
@@ -351,7 +352,11 @@ trajectory() {
 			fi
 		fi
 		kind=none
-		if [ "$interrupted" -lt "$INTERRUPTS" ] && { [ "$SHORT" = 1 ] || [ "$(date +%s)" -lt "$deadline" ]; }; then
+		# An optimizer whose share of SOAK_S is spent before its first
+		# interruption (an earlier optimizer's trajectory overran) still
+		# gets one.
+		if [ "$interrupted" -lt "$INTERRUPTS" ] && { [ "$SHORT" = 1 ] || [ "$(date +%s)" -lt "$deadline" ] ||
+			[ $((interrupts + interrupted)) -eq 0 ]; }; then
 			rnd "$GAP"
 			target=$((from + 1 + R))
 			# A run from step 0: after its first checkpoint is on every rank.
