@@ -816,12 +816,11 @@ func TestOnebitMatchesLocal(t *testing.T) {
 		// the MPI rank keeps its own.
 		states := make([]*onebit.State, w)
 		for j := range states {
-			if r != 0 {
-				break // only world rank 0 runs the in-process group (onLocal)
+			if r == 0 { // only world rank 0 runs the in-process group (onLocal)
+				var err error
+				states[j], err = onebit.NewState(n, w)
+				require.NoError(t, err)
 			}
-			var err error
-			states[j], err = onebit.NewState(n, w)
-			require.NoError(t, err)
 		}
 		st, err := onebit.NewState(n, w)
 		require.NoError(t, err)

@@ -38,14 +38,6 @@ const (
 	shardedBF16 = optnames.ShardedBF16
 )
 
-// baseline, compressedOf and stateOf are package optnames' pairings and
-// its reading of a 1-bit Adam name's state mode.
-var (
-	baseline     = optnames.Baseline
-	compressedOf = optnames.CompressedOf
-	stateOf      = optnames.StateOf
-)
-
 // runOrder returns the optimizers one invocation trains: name alone, or
 // with -compare the exact one and then the compressed one; name may also
 // list several optimizers, comma-separated, trained in that order (not
@@ -71,13 +63,13 @@ func runOrder(name string, compare bool) ([]string, error) {
 	if !compare {
 		return []string{name}, nil
 	}
-	if b, ok := baseline[name]; ok {
+	if b, ok := optnames.Baseline[name]; ok {
 		return []string{b, name}, nil
 	}
-	if compressedOf[name] == "" {
+	if optnames.CompressedOf[name] == "" {
 		return nil, fmt.Errorf("-compare: %s has no compressed counterpart", name)
 	}
-	return []string{name, compressedOf[name]}, nil
+	return []string{name, optnames.CompressedOf[name]}, nil
 }
 
 // hyper are the optimizer settings the flags choose.
@@ -170,7 +162,7 @@ func reducesOf(list, s string) (optim.ReduceMode, zero.Reduce, error) {
 func parseReduces(name, s string) (optim.ReduceMode, zero.Reduce, error) {
 	if name != "zero-adam" {
 		m, err := parseReduce(s)
-		if mode, _ := stateOf(name); err == nil && mode == onebit.StateSharded && m != optim.ReduceFP32 {
+		if mode, _ := optnames.StateOf(name); err == nil && mode == onebit.StateSharded && m != optim.ReduceFP32 {
 			return 0, 0, fmt.Errorf("-reduce %s: %s averages in fp32 only (its warm-up reduce-scatters float32 gradients)", s, name)
 		}
 		return m, 0, err
@@ -202,7 +194,7 @@ func newOptimizer(ctx context.Context, name string, c comm.Comm, params []*optim
 		cfg := onebit.DefaultAdamConfig()
 		cfg.AdamConfig = adam
 		cfg.FreezeStep = h.freezeStep
-		cfg.StateMode, cfg.BF16 = stateOf(name)
+		cfg.StateMode, cfg.BF16 = optnames.StateOf(name)
 		return onebit.NewAdam(ctx, c, params, cfg)
 	case "onebit-lamb", lambCompact:
 		cfg := onebit.DefaultLambConfig()

@@ -13,6 +13,8 @@ import (
 	"gonum.org/v1/plot/vg"
 	"gonum.org/v1/plot/vg/draw"
 	"gonum.org/v1/plot/vg/vgimg"
+
+	"github.com/lowbit-ml/lowbit/internal/optnames"
 )
 
 // curveColors are the line colours of the runs, in order.
@@ -108,7 +110,7 @@ func writePlot(path string, results []*result, o *options) error {
 		sc.Color, sc.Shape = col, draw.CircleGlyph{}
 		accPlot.Add(al, sc)
 		accPlot.Legend.Add(r.optimizer, al, sc)
-		if _, ok := baseline[r.optimizer]; ok {
+		if _, ok := optnames.Baseline[r.optimizer]; ok {
 			compressed = true
 		}
 	}

@@ -19,6 +19,7 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/internal/optnames"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/optim/zero"
@@ -329,7 +330,7 @@ func assertLoaded(t *testing.T, name string, saved, loaded []*optim.Checkpoint) 
 		assert.Equal(t, want.Ints[optim.IntStep], got.Ints[optim.IntStep])
 		return
 	}
-	_, bf := stateOf(name)
+	_, bf := optnames.StateOf(name)
 	for r, ck := range loaded {
 		src, err := onebit.Regroup(saved, len(loaded), r)
 		require.NoError(t, err)

@@ -9,6 +9,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/lowbit-ml/lowbit/internal/optnames"
 	"github.com/lowbit-ml/lowbit/outer"
 )
 
@@ -18,7 +19,7 @@ func printHeader(w io.Writer, o *options, names []string, workers, examples int)
 	fmt.Fprintf(w, "MNIST 784-256-10 MLP: %s; %d workers (%s backend), global batch %d (%d per worker), %d epochs x %d steps, lr %g",
 		strings.Join(names, " then "), workers, o.backend, o.batch, o.batch/workers, o.epochs, steps, o.lr)
 	for _, n := range names {
-		if _, ok := baseline[n]; ok && n != diloco {
+		if _, ok := optnames.Baseline[n]; ok && n != diloco {
 			fmt.Fprintf(w, ", freeze step %d", o.freezeStep)
 			break
 		}
@@ -154,7 +155,7 @@ func printTable(w io.Writer, results []*result, target float64) {
 		byName[r.optimizer] = r
 	}
 	for _, r := range results {
-		b, ok := byName[baseline[r.optimizer]]
+		b, ok := byName[optnames.Baseline[r.optimizer]]
 		if !ok || r.bytesSent == 0 {
 			continue
 		}

@@ -40,14 +40,6 @@ const (
 	shardedBF16 = optnames.ShardedBF16
 )
 
-// baseline, compressedOf and stateOf are package optnames' pairings and
-// its reading of a 1-bit Adam name's state mode.
-var (
-	baseline     = optnames.Baseline
-	compressedOf = optnames.CompressedOf
-	stateOf      = optnames.StateOf
-)
-
 // runSpec is one training run: an optimizer and its gradient reduction.
 type runSpec struct {
 	name string
@@ -123,8 +115,8 @@ func parseRuns(list, reduce string, compare bool) ([]runSpec, error) {
 		if red == "" {
 			red = reduce
 		}
-		pair := []string{name, compressedOf[name]}
-		if b, ok := baseline[name]; ok {
+		pair := []string{name, optnames.CompressedOf[name]}
+		if b, ok := optnames.Baseline[name]; ok {
 			pair = []string{b, name}
 		}
 		if !slices.Contains(optimizerNames, name) {
@@ -295,7 +287,7 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		cfg := onebit.DefaultAdamConfig()
 		cfg.AdamConfig = adam
 		cfg.FreezeStep = h.freezeStep
-		cfg.StateMode, cfg.BF16 = stateOf(r.name)
+		cfg.StateMode, cfg.BF16 = optnames.StateOf(r.name)
 		return onebit.NewAdam(ctx, c, params, cfg)
 	case "onebit-lamb", lambCompact:
 		cfg := onebit.DefaultLambConfig()

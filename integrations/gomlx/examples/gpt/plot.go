@@ -6,6 +6,8 @@ import (
 	"math"
 	"path/filepath"
 	"strings"
+
+	"github.com/lowbit-ml/lowbit/internal/optnames"
 )
 
 // curveColors are the line colours of the runs, in order.
@@ -95,7 +97,7 @@ func writePlot(path string, o *options, results []*result) error {
 			fmt.Fprintf(&b, `<polyline fill="none" %s points="%s"/>`+"\n", style, strings.Join(pts, " "))
 		}
 		legendLine(style, r.spec.label())
-		if _, ok := baseline[r.spec.name]; ok && r.spec.name != "zero-adam" {
+		if _, ok := optnames.Baseline[r.spec.name]; ok && r.spec.name != "zero-adam" {
 			compressed = true
 		}
 	}

@@ -3,7 +3,6 @@ package main
 import (
 	"encoding/json"
 	"fmt"
-	"github.com/lowbit-ml/lowbit/outer"
 	"io"
 	"math"
 	"os"
@@ -13,7 +12,9 @@ import (
 	"sync"
 	"text/tabwriter"
 
+	"github.com/lowbit-ml/lowbit/internal/optnames"
 	"github.com/lowbit-ml/lowbit/optim"
+	"github.com/lowbit-ml/lowbit/outer"
 )
 
 // bitsPerByte converts a loss in nats per byte.
@@ -226,7 +227,7 @@ func (r *result) commShare() float64 {
 // averaging in results, or nil (for an exact optimizer, or if it was not
 // run).
 func findBaseline(results []*result, r *result) *result {
-	b, ok := baseline[r.spec.name]
+	b, ok := optnames.Baseline[r.spec.name]
 	if !ok {
 		if r.spec.reduce == optim.ReduceFP32 {
 			return nil
