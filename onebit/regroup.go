@@ -150,9 +150,8 @@ func checkRegroup(old []*optim.Checkpoint, world, rank int) error {
 		a.Algorithm == AlgorithmMuon:
 	case strings.HasPrefix(a.Algorithm, outerPrefix):
 		return fmt.Errorf("%w: algorithm %q is the outer optimizer's (package outer), which Regroup does not carry: "+
-			"outer.Regroup does (a copy on the same number of ranks; on another, old[r %% %d]'s state with the sparse accumulators' mean, "+
-			"its 1-bit codec's error feedback restarting from zero, as old[r %% %d].ResetErrors() would; docs/outer.md)",
-			optim.ErrIncompatibleCheckpoint, a.Algorithm, len(old), len(old))
+			"outer.Regroup does (a copy on the same number of ranks; on another, old[r %% %d]'s state with the error feedback carried; docs/outer.md)",
+			optim.ErrIncompatibleCheckpoint, a.Algorithm, len(old))
 	case a.Algorithm == zeroAlgorithm:
 		return fmt.Errorf("%w: algorithm %q has no error feedback to regroup: zero.Consolidate joins its shards into a checkpoint that loads on any group size",
 			optim.ErrIncompatibleCheckpoint, a.Algorithm)
@@ -248,18 +247,77 @@ func (g *regrouper) errorBuffers() []errorBuffer {
 // errors are the new rank's buffers of b: zero from one rank; otherwise
 // the old ranks' mean worker error and the server errors re-cut.
 func (g *regrouper) errors(b errorBuffer) (we, se []float32, err error) {
-	if len(g.old) == 1 {
-		n := PaddedLen(b.n, g.world)
-		return make([]float32, n), make([]float32, n/g.world), nil
+	workers, servers := make([][]float32, len(g.old)), make([][]float32, len(g.old))
+	if len(g.old) > 1 {
+		c := PaddedLen(b.n, len(g.old)) / len(g.old)
+		for r := range g.old {
+			if workers[r], err = g.tensor(r, b.worker, b.n); err != nil {
+				return nil, nil, err
+			}
+			if r*c >= b.n {
+				continue // a chunk of padding only
+			}
+			if servers[r], err = g.tensor(r, b.server, min(c, b.n-r*c)); err != nil {
+				return nil, nil, err
+			}
+		}
 	}
-	if we, err = g.mean(b.worker, b.n); err != nil {
-		return nil, nil, err
+	return RegroupErrors(workers, servers, b.n, g.world, g.rank)
+}
+
+// RegroupErrors returns the error buffers that rank rank of a group of
+// world ranks takes over from an old group's, for one compressed
+// allreduce (AllReduce with a State) of n elements, as Regroup does for
+// the 1-bit optimizers' buffers: the worker error, PaddedLen(n, world)
+// elements, is the mean of the old ranks' workers[r] over the first n
+// elements (summed in float64, rounded once); the server error, this
+// rank's chunk PaddedLen(n, world)/world, is cut from the old ranks'
+// chunks servers[r] put back together, element for element, unchanged.
+// Padding starts at zero. From one rank (len(workers) 1, whose run kept
+// no error buffers) both start at zero. workers[r] needs at least n
+// elements and servers[r] at least old rank r's chunk of the n (as a
+// State's WorkerError and ServerError have); shorter ones are refused with
+// an error wrapping optim.ErrIncompatibleCheckpoint. Package outer's
+// Regroup carries its 1-bit codec's buffers with it.
+func RegroupErrors(workers, servers [][]float32, n, world, rank int) (worker, server []float32, err error) {
+	w := len(workers)
+	switch {
+	case n < 1 || world < 1 || rank < 0 || rank >= world:
+		return nil, nil, fmt.Errorf("onebit: RegroupErrors: rank %d of %d ranks, %d elements", rank, world, n)
+	case w == 0 || len(servers) != w:
+		return nil, nil, fmt.Errorf("onebit: RegroupErrors: %w: %d worker and %d server errors", optim.ErrIncompatibleCheckpoint, w, len(servers))
 	}
-	f, err := g.flat(b.server, b.n)
-	if err != nil {
-		return nil, nil, err
+	padded := PaddedLen(n, world)
+	worker = make([]float32, padded)
+	server = make([]float32, padded/world)
+	if w == 1 {
+		return worker, server, nil
 	}
-	return we, g.chunk(f), nil
+	c := PaddedLen(n, w) / w
+	for r := range w {
+		if len(workers[r]) < n {
+			return nil, nil, fmt.Errorf("onebit: RegroupErrors: %w: old rank %d's worker error has %d elements, want %d", optim.ErrIncompatibleCheckpoint, r, len(workers[r]), n)
+		}
+		if want := min(c, max(n-r*c, 0)); len(servers[r]) < want {
+			return nil, nil, fmt.Errorf("onebit: RegroupErrors: %w: old rank %d's server error has %d elements, want %d", optim.ErrIncompatibleCheckpoint, r, len(servers[r]), want)
+		}
+	}
+	sum := make([]float64, n)
+	for _, x := range workers {
+		for i, v := range x[:n] {
+			sum[i] += float64(v)
+		}
+	}
+	for i, s := range sum {
+		worker[i] = float32(s / float64(w))
+	}
+	// The new chunk [lo, hi) of the n elements, from the old chunks.
+	nc := padded / world
+	lo, hi := rank*nc, min(rank*nc+nc, n)
+	for i := lo; i < hi; i++ {
+		server[i-lo] = servers[i/c][i%c]
+	}
+	return worker, server, nil
 }
 
 // isMoment says whether the tensor called name is one of the sharded

@@ -509,9 +509,9 @@ func TestRegroupFromOneRank(t *testing.T) {
 // Regroup refuses the checkpoints of the optimizers without error
 // feedback of their own to regroup, saying what loads them on another
 // number of ranks, and that advice works: the outer optimizer (a 1-bit
-// codec's, whose error buffers Regroup does not carry) loads
-// old[r % W].ResetErrors() on rank r of a group of another size, exact
-// Adam old[r % W] as it is.
+// codec's, whose error buffers outer.Regroup carries) loads
+// outer.Regroup(old, W', r) on rank r of a group of another size W',
+// exact Adam old[r % W] as it is.
 func TestRegroupOtherAlgorithms(t *testing.T) {
 	outerAdam := func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 		cfg := outer.DefaultConfig()
@@ -526,7 +526,7 @@ func TestRegroupOtherAlgorithms(t *testing.T) {
 		mk   func(c comm.Comm, ps []*optim.Param) (optim.Optimizer, error)
 		msg  []string
 	}{
-		{"outer", outerAdam, []string{`"outer-adam" is the outer optimizer's`, "outer.Regroup", "ResetErrors()", "docs/outer.md"}},
+		{"outer", outerAdam, []string{`"outer-adam" is the outer optimizer's`, "outer.Regroup", "the error feedback carried", "docs/outer.md"}},
 		{"exact Adam", exact, []string{"no error feedback", "loads as it is on any group size"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -544,7 +544,9 @@ func TestRegroupOtherAlgorithms(t *testing.T) {
 			for r := range reset {
 				reset[r] = two[r%2]
 				if tc.name == "outer" {
-					reset[r] = reset[r].ResetErrors()
+					var err error
+					reset[r], err = outer.Regroup(two, 3, r)
+					require.NoError(t, err)
 				}
 			}
 			cks, _ := regroupRun(t, 3, tc.mk, reset, 4, 2)

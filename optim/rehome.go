@@ -145,9 +145,9 @@ func RankChange(algorithm string) string {
 		return "zero.Consolidate(every old rank's checkpoint) joins the shards of the moments into one checkpoint that loads on any group size, nothing lost"
 	case strings.HasPrefix(algorithm, algorithmOuter):
 		return "outer.Regroup(every old rank's checkpoint, world, rank) makes this rank's: θ_g and u (the same on every rank) " +
-			"and the sparse codec's accumulators (their mean) are carried, new rank r continues old rank r % W's " +
-			"inner optimizer and local parameters (the other old ranks' local steps since their last exchange are not carried), " +
-			"and the 1-bit codec's error feedback restarts from zero"
+			"and the codecs' error feedback (the 1-bit codec's worker errors and the sparse accumulators: their mean) are carried, " +
+			"new rank r continues old rank r % W's inner optimizer, local parameters and any exchange in flight " +
+			"(the other old ranks' local steps since their last exchange are not carried)"
 	}
 	return "Checkpoint.ResetErrors makes a copy that loads on any group size, with the error buffers reset"
 }

@@ -380,6 +380,9 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 	}
 	if reset {
 		o.logReset(ck, acc != nil)
+	} else if from := ck.Ints[IntRegroupedFrom]; from > 0 {
+		o.log.Info("loaded a regrouped checkpoint: the 1-bit codec's error feedback is carried (each worker error the old ranks' mean, the server errors re-cut), nothing restarts from zero; "+carriedState,
+			zap.String("algorithm", o.algorithm), zap.Int64("made_on_world", from), zap.Int64("made_by_rank", int64(o.rank)%from))
 	}
 	o.calls, o.pending, o.launchedAt = calls, int(pending), launchedAt
 	o.outerSteps, o.outerSkipped = ints[3], ints[4]
@@ -389,6 +392,10 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 	return nil
 }
 
+// carriedState is what a regrouped checkpoint carries besides the error
+// feedback, as Load logs it.
+const carriedState = "θ_g and u (the same on every rank), any exchange in flight, and the inner optimizer's state and local parameters of the rank that made it (made_by_rank) are carried"
+
 // logReset says, after the Load of a checkpoint whose error buffers were
 // reset (Regroup's on another number of ranks, or Checkpoint.ResetErrors),
 // what was carried and what restarted: a warning where some error
@@ -396,15 +403,14 @@ func (o *Optimizer) load(ck *optim.Checkpoint) error {
 // says that the sparse accumulator is Regroup's mean of the old ranks'.
 func (o *Optimizer) logReset(ck *optim.Checkpoint, regrouped bool) {
 	fields := []zap.Field{zap.String("algorithm", o.algorithm), zap.Int("made_on_world", ck.World), zap.Int("made_by_rank", ck.Rank)}
-	const carried = "θ_g and u (the same on every rank) and the inner optimizer's state and local parameters of the rank that made it (made_by_rank) are carried"
 	switch {
 	case o.sp != nil && regrouped:
-		o.log.Info("loaded a regrouped checkpoint: the sparse accumulator is the old ranks' mean (with their server accumulators, SparseTwoPhase), nothing restarts from zero; "+carried, fields...)
+		o.log.Info("loaded a regrouped checkpoint: the sparse accumulator is the old ranks' mean (with their server accumulators, SparseTwoPhase), nothing restarts from zero; "+carriedState, fields...)
 	case o.sp != nil:
-		o.log.Warn("loaded a checkpoint whose error buffers were reset: the sparse accumulator restarts from zero (outer.Regroup of every old rank's checkpoint carries their mean); "+carried, fields...)
+		o.log.Warn("loaded a checkpoint whose error buffers were reset: the sparse accumulator restarts from zero (outer.Regroup of every old rank's checkpoint carries their mean); "+carriedState, fields...)
 	case o.states != nil:
-		o.log.Warn("loaded a checkpoint whose error buffers were reset: the 1-bit codec's error feedback restarts from zero (its layout depends on the group size); "+carried, fields...)
+		o.log.Warn("loaded a checkpoint whose error buffers were reset: the 1-bit codec's error feedback restarts from zero (outer.Regroup of every old rank's checkpoint carries it); "+carriedState, fields...)
 	default:
-		o.log.Info("loaded a checkpoint whose error buffers were reset (this codec keeps none, nothing restarts from zero): "+carried, fields...)
+		o.log.Info("loaded a checkpoint whose error buffers were reset (this codec keeps none, nothing restarts from zero): "+carriedState, fields...)
 	}
 }

@@ -23,8 +23,9 @@ import (
 // the error naming outer.Regroup and what it carries; Regroup's checkpoint
 // loads, θ_g and u carried bit for bit, the local parameters old rank
 // r % W's, the sparse accumulator the old ranks' mean (a line that says
-// so, no warning), the 1-bit codec's error buffers zero (a warning that
-// says so and what was carried); a ResetErrors copy of a sparse run's
+// so, no warning), the 1-bit codec's error buffers carried (a line that
+// says so, no warning; TestRegroupOneBitCarriesTheErrorFeedback checks
+// them); a ResetErrors copy of a sparse run's
 // checkpoint warns that its accumulator restarts from zero.
 func TestRankChange(t *testing.T) {
 	for _, row := range []struct {
@@ -39,7 +40,7 @@ func TestRankChange(t *testing.T) {
 		{"sparse", config(outer.CodecSparse, 2, 1, 0), "the sparse accumulator is the old ranks' mean", false},
 		{"sparse two-phase", twoPhase(config(outer.CodecSparse, 2, 2, 0)), "the sparse accumulator is the old ranks' mean", false},
 		{"sparse shared", shared(config(outer.CodecSparse, 2, 2, 0)), "the sparse accumulator is the old ranks' mean", false},
-		{"1-bit", config(outer.CodecOneBit, 2, 1, 0), "the 1-bit codec's error feedback restarts from zero", true},
+		{"1-bit", config(outer.CodecOneBit, 2, 1, 0), "the 1-bit codec's error feedback is carried", false},
 	} {
 		for _, move := range [][2]int{{4, 2}, {2, 3}} {
 			from, to := move[0], move[1]
@@ -83,13 +84,20 @@ func TestRankChange(t *testing.T) {
 						assert.Equal(t, bitsOf(acc.Data), bitsOf(got.Tensor(outer.AccumulatorName).Data), "the accumulators' mean carried")
 					}
 					for _, tn := range got.Tensors {
-						if optim.IsErrorBuffer(tn.Name) && tn.Name != outer.AccumulatorName {
-							assert.Equal(t, make([]float32, len(tn.Data)), tn.Data, "%s restarts from zero", tn.Name)
+						switch {
+						case !optim.IsErrorBuffer(tn.Name) || tn.Name == outer.AccumulatorName:
+						case row.cfg.Codec == outer.CodecOneBit:
+							assert.Equal(t, bitsOf(ck.Tensor(tn.Name).Data), bitsOf(tn.Data), "%s loaded as regrouped", tn.Name)
+							if strings.HasPrefix(tn.Name, optim.WorkerErrorName) {
+								assert.NotEqual(t, make([]float32, len(tn.Data)), tn.Data, "%s carried, not zero", tn.Name)
+							}
+						default:
+							assert.Equal(t, make([]float32, len(tn.Data)), tn.Data, "%s starts at zero", tn.Name)
 						}
 					}
 					lines := logs.FilterMessageSnippet(row.log).All()
 					if assert.Len(t, lines, 1) {
-						assert.Contains(t, lines[0].Message, "θ_g and u (the same on every rank) and the inner optimizer's state and local parameters of the rank that made it (made_by_rank) are carried")
+						assert.Contains(t, lines[0].Message, "θ_g and u (the same on every rank), any exchange in flight, and the inner optimizer's state and local parameters of the rank that made it (made_by_rank) are carried")
 						assert.Equal(t, row.warn, lines[0].Level == zapcore.WarnLevel)
 						assert.Equal(t, int64(r%from), lines[0].ContextMap()["made_by_rank"])
 					}

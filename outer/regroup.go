@@ -5,6 +5,7 @@ import (
 	"math"
 	"strings"
 
+	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 )
 
@@ -15,33 +16,45 @@ import (
 // reset (ErrorsReset), and this one is what they keep of them.
 const TensorRegroupedAccumulator = "outer/regrouped_accumulator"
 
+// IntRegroupedFrom is, in a checkpoint Regroup made of a CodecOneBit run
+// for another number of ranks with the error feedback carried, the number
+// of ranks that made the old checkpoints; Load says so in its log.
+const IntRegroupedFrom = "outer/regrouped_from"
+
 // Regroup makes the checkpoint of rank rank of a group of world ranks
 // from old, the checkpoints of every rank of a run of the outer optimizer
 // (old[r] made by rank r, all of one step), so that the run resumes on
 // another number of ranks:
 //   - on as many ranks as made old, it is a deep copy of old[rank]: each
 //     rank's own state, bit for bit;
-//   - on another number, it is old[rank % len(old)].ResetErrors() (the
-//     inner optimizer's state and the parameters of that rank, θ_g and u,
-//     which are the same on every rank) with, for CodecSparse, the mean of
-//     every old rank's accumulator (TensorRegroupedAccumulator), which Load
-//     takes as the accumulator of every new rank, as onebit.Regroup keeps
-//     the mean of the 1-bit worker errors. With SparseTwoPhase the old
-//     owners' server accumulators are folded into that mean (each added
-//     at the elements its rank owned): the error the owners kept of the
-//     average then travels through both phases again, the new ranks'
-//     server accumulators start from zero, and nothing depends on which
-//     new rank owns what (the owners change with the group size), while
-//     the sum of everything not yet applied, the mean of the worker
-//     accumulators plus the server accumulators, is kept. The 1-bit
-//     codec's error buffers restart from zero (their layout depends on
-//     the group size).
+//   - on another number, new rank r continues old rank r % len(old): its
+//     inner optimizer's state and local parameters, θ_g and u (the same
+//     on every rank), and an exchange in flight (its result, the same on
+//     every rank, and that rank's parameters at its launch, which the
+//     merge keeps the local steps since against), with the error feedback
+//     of every old rank carried:
+//   - CodecOneBit's error buffers, bucket by bucket, as onebit.Regroup
+//     keeps the 1-bit optimizers' (onebit.RegroupErrors): each new worker
+//     error the old ranks' mean, the server errors re-cut into the new
+//     group's chunks. From one rank (no error buffers) or onto one (none
+//     kept) they start at zero, and the checkpoint is
+//     old[rank % len(old)].ResetErrors() with the parameters of that rank;
+//   - CodecSparse's accumulator: the mean of every old rank's
+//     (TensorRegroupedAccumulator), which Load takes as the accumulator of
+//     every new rank, in old[rank % len(old)].ResetErrors(). With
+//     SparseTwoPhase the old owners' server accumulators are folded into
+//     that mean (each added at the elements its rank owned): the error the
+//     owners kept of the average then travels through both phases again,
+//     the new ranks' server accumulators start from zero, and nothing
+//     depends on which new rank owns what (the owners change with the
+//     group size), while the sum of everything not yet applied, the mean
+//     of the worker accumulators plus the server accumulators, is kept.
 //
-// A checkpoint with an exchange in flight is refused on another number of
-// ranks (its pending result is per rank): take one between exchanges.
-// Other checkpoints, mismatched ranks or steps, and a rank outside [0,
-// world) are refused with an error wrapping optim.ErrIncompatibleCheckpoint.
-// old is not changed.
+// The local steps the other old ranks took since their last exchange are
+// not carried (each new rank has one old rank's). Mismatched ranks or
+// steps, checkpoints of another optimizer, buffers of another length than
+// the run's, and a rank outside [0, world) are refused with an error
+// wrapping optim.ErrIncompatibleCheckpoint. old is not changed.
 func Regroup(old []*optim.Checkpoint, world, rank int) (*optim.Checkpoint, error) {
 	if err := checkRegroup(old, world, rank); err != nil {
 		return nil, fmt.Errorf("outer: regroup: %w", err)
@@ -49,7 +62,15 @@ func Regroup(old []*optim.Checkpoint, world, rank int) (*optim.Checkpoint, error
 	if world == len(old) {
 		return old[rank].Clone(), nil
 	}
-	out := old[rank%len(old)].ResetErrors()
+	src := old[rank%len(old)]
+	if len(old) > 1 && world > 1 && src.Tensor(WorkerErrorName(0, 0)) != nil {
+		out, err := regroupOneBit(old, world, rank)
+		if err != nil {
+			return nil, fmt.Errorf("outer: regroup: %w", err)
+		}
+		return out, nil
+	}
+	out := src.ResetErrors()
 	if old[0].Tensor(AccumulatorName) != nil {
 		n := len(old[0].Tensor(AccumulatorName).Data)
 		sum := make([]float64, n)
@@ -73,6 +94,67 @@ func Regroup(old []*optim.Checkpoint, world, rank int) (*optim.Checkpoint, error
 	return out, nil
 }
 
+// regroupOneBit is Regroup's checkpoint for a run of CodecOneBit on more
+// than one rank onto another number, more than one: old[rank % len(old)]
+// made by rank of world, with every bucket's error buffers regrouped.
+func regroupOneBit(old []*optim.Checkpoint, world, rank int) (*optim.Checkpoint, error) {
+	bad := optim.ErrIncompatibleCheckpoint
+	src := old[rank%len(old)]
+	n := 0
+	for _, t := range src.Tensors {
+		if strings.HasPrefix(t.Name, optim.ParamTensorName("")) {
+			n += len(t.Data)
+		}
+	}
+	bounds := fragmentBounds(src, n)
+	bb, ok := src.Ints[IntBucketBytes]
+	if bounds == nil || !ok || bb < 1 || bb > math.MaxInt32 {
+		return nil, fmt.Errorf("%w: the fragments and 1-bit bucket size of checkpoint %d are not recorded or out of range", bad, rank%len(old))
+	}
+	per := max(int(bb)/4, 1)
+	out := src.Clone()
+	out.World, out.Rank = world, rank
+	out.Ints[IntRegroupedFrom] = int64(len(old))
+	kept := out.Tensors[:0]
+	for _, t := range out.Tensors {
+		if !optim.IsErrorBuffer(t.Name) {
+			kept = append(kept, t)
+		}
+	}
+	out.Tensors = kept
+	workers, servers := make([][]float32, len(old)), make([][]float32, len(old))
+	carried := 0
+	for f := range len(bounds) - 1 {
+		m := bounds[f+1] - bounds[f]
+		for k, lo := 0, 0; lo < m; k, lo = k+1, lo+per {
+			wn, sn := WorkerErrorName(f, k), ServerErrorName(f, k)
+			for r, ck := range old {
+				w, s := ck.Tensor(wn), ck.Tensor(sn)
+				if w == nil || s == nil {
+					return nil, fmt.Errorf("%w: checkpoint %d holds no error buffers of bucket %d of fragment %d (%s, %s)", bad, r, k, f, wn, sn)
+				}
+				workers[r], servers[r] = w.Data, s.Data
+			}
+			we, se, err := onebit.RegroupErrors(workers, servers, min(lo+per, m)-lo, world, rank)
+			if err != nil {
+				return nil, fmt.Errorf("bucket %d of fragment %d: %w", k, f, err)
+			}
+			out.AddTensor(wn, []int{len(we)}, we)
+			out.AddTensor(sn, []int{len(se)}, se)
+			carried += 2
+		}
+	}
+	for _, t := range src.Tensors {
+		if optim.IsErrorBuffer(t.Name) {
+			carried--
+		}
+	}
+	if carried != 0 {
+		return nil, fmt.Errorf("%w: checkpoint %d's error buffers are not those of its fragments and buckets of %d bytes", bad, rank%len(old), bb)
+	}
+	return out, nil
+}
+
 // foldServer adds the server accumulators of old (SparseTwoPhase), each
 // over the runs its rank owned, to mean, flat over every element.
 func foldServer(old []*optim.Checkpoint, mean []float64) {
@@ -89,19 +171,31 @@ func foldServer(old []*optim.Checkpoint, mean []float64) {
 	}
 }
 
+// fragmentBounds returns the fragments' bounds over n elements for the
+// number of fragments ck records (outer_fragments), as the optimizer
+// makes them; nil when it is missing or out of range.
+func fragmentBounds(ck *optim.Checkpoint, n int) []int {
+	fv := ck.Floats[optim.HyperPrefix+"outer_fragments"]
+	if !(fv >= 1 && fv <= float64(n)) || fv != math.Trunc(fv) {
+		return nil
+	}
+	F := int(fv)
+	bounds := make([]int, F+1)
+	for f := range F + 1 {
+		bounds[f] = int(int64(f) * int64(n) / int64(F))
+	}
+	return bounds
+}
+
 // sparseLayout returns the fragments' bounds over n elements and the
 // sparse chunk of the settings ck records (outer_fragments,
 // outer_sparse_chunk), as the optimizer makes them; nil bounds when they
 // are missing or out of range.
 func sparseLayout(ck *optim.Checkpoint, n int) (bounds []int, chunk int) {
-	fv, cv := ck.Floats[optim.HyperPrefix+"outer_fragments"], ck.Floats[optim.HyperPrefix+"outer_sparse_chunk"]
-	if !(fv >= 1 && fv <= float64(n) && cv >= 1 && cv <= 1<<24) || fv != math.Trunc(fv) || cv != math.Trunc(cv) {
+	cv := ck.Floats[optim.HyperPrefix+"outer_sparse_chunk"]
+	bounds = fragmentBounds(ck, n)
+	if bounds == nil || !(cv >= 1 && cv <= 1<<24) || cv != math.Trunc(cv) {
 		return nil, 0
-	}
-	F := int(fv)
-	bounds = make([]int, F+1)
-	for f := range F + 1 {
-		bounds[f] = int(int64(f) * int64(n) / int64(F))
 	}
 	return bounds, int(cv)
 }
@@ -163,10 +257,6 @@ func checkRegroup(old []*optim.Checkpoint, world, rank int) error {
 				return fmt.Errorf("%w: checkpoint %d's server accumulator has %d elements, rank %d of %d owns %d", bad, r, got, r, len(old), want)
 			}
 		}
-	}
-	if world != len(old) && a.Ints[IntPending] >= 0 {
-		return fmt.Errorf("%w: step %d has the exchange of fragment %d in flight, which a group of another size cannot take over: regroup a checkpoint taken between exchanges",
-			bad, a.Ints[IntCalls], a.Ints[IntPending])
 	}
 	return nil
 }

@@ -2,13 +2,18 @@ package outer_test
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 	"github.com/lowbit-ml/lowbit/outer"
 )
@@ -64,6 +69,12 @@ func TestRegroupSparse(t *testing.T) {
 // calls 6 to 9 and checks that θ_g is the same on every new rank.
 func regroupAndTrain(t *testing.T, old []*optim.Checkpoint, cfg outer.Config, world int, check func(r int, regrouped, got *optim.Checkpoint)) {
 	t.Helper()
+	regroupAndTrainWith(t, old, cfg, world, nil, check)
+}
+
+// regroupAndTrainWith is regroupAndTrain with opts for the optimizers.
+func regroupAndTrainWith(t *testing.T, old []*optim.Checkpoint, cfg outer.Config, world int, opts []optim.Option, check func(r int, regrouped, got *optim.Checkpoint)) {
+	t.Helper()
 	for r := range old {
 		same, err := outer.Regroup(old, len(old), r)
 		require.NoError(t, err)
@@ -76,7 +87,7 @@ func regroupAndTrain(t *testing.T, old []*optim.Checkpoint, cfg outer.Config, wo
 			return err
 		}
 		ps := newParams(t, sizes)
-		o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+		o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig(), opts...)
 		if err != nil {
 			return err
 		}
@@ -103,35 +114,187 @@ func regroupAndTrain(t *testing.T, old []*optim.Checkpoint, cfg outer.Config, wo
 	}
 }
 
-// The 1-bit codec's error buffers restart from zero on another number of
-// ranks; an exchange in flight, checkpoints of another optimizer or out of
-// order, and bad groups are refused.
+// The 1-bit codec's error buffers are carried onto another number of
+// ranks, bucket by bucket (fragments of several buckets): on every new
+// rank the worker error is the old ranks' mean, the server errors put
+// back together are the old ones, element for element; the checkpoint
+// loads as it is, says so in the log, and trains on with θ_g the same on
+// every rank. From one rank (no error buffers) and onto one, the buffers
+// start at zero.
+func TestRegroupOneBitCarriesTheErrorFeedback(t *testing.T) {
+	cfg := config(outer.CodecOneBit, 2, 2, 0)
+	cfg.BucketBytes = 16 // fragments of 10 elements: buckets of 4, 4 and 2
+	for _, move := range [][2]int{{3, 2}, {2, 5}, {4, 3}} {
+		from, to := move[0], move[1]
+		t.Run(fmt.Sprintf("%dto%d", from, to), func(t *testing.T) {
+			old := states(t, from, 5, cfg)
+			news := make([]*optim.Checkpoint, to)
+			for r := range to {
+				ck, err := outer.Regroup(old, to, r)
+				require.NoError(t, err)
+				assert.False(t, ck.ErrorsReset)
+				assert.Equal(t, int64(from), ck.Ints[outer.IntRegroupedFrom])
+				news[r] = ck
+			}
+			buckets := 0
+			for f, m := range []int{10, 10} {
+				for k, lo := 0, 0; lo < m; k, lo = k+1, lo+4 {
+					n := min(lo+4, m) - lo
+					wn, sn := outer.WorkerErrorName(f, k), outer.ServerErrorName(f, k)
+					want := meanOver(old, wn, n)
+					require.NotEqual(t, old[0].Tensor(wn).Data[:n], old[1].Tensor(wn).Data[:n], "%s: the ranks' worker errors differ", wn)
+					for r, ck := range news {
+						got := ck.Tensor(wn).Data
+						require.Len(t, got, onebit.PaddedLen(n, to))
+						assert.Equal(t, bitsOf(want), bitsOf(got[:n]), "rank %d: %s is the old ranks' mean", r, wn)
+						assert.Equal(t, make([]float32, len(got)-n), got[n:], "rank %d: %s's padding is zero", r, wn)
+					}
+					assert.Equal(t, bitsOf(joined(old, sn)[:n]), bitsOf(joined(news, sn)[:n]), "%s re-cut, unchanged", sn)
+					buckets++
+				}
+			}
+			assert.Equal(t, 6, buckets)
+
+			core, logs := observer.New(zapcore.InfoLevel)
+			regroupAndTrainWith(t, old, cfg, to, []optim.Option{optim.WithLogger(zap.New(core))}, func(r int, regrouped, got *optim.Checkpoint) {
+				for _, tn := range regrouped.Tensors {
+					if optim.IsErrorBuffer(tn.Name) {
+						assert.Equal(t, bitsOf(tn.Data), bitsOf(got.Tensor(tn.Name).Data), "rank %d: %s loaded as regrouped", r, tn.Name)
+					}
+				}
+			})
+			lines := logs.FilterMessageSnippet("the 1-bit codec's error feedback is carried").All()
+			assert.Len(t, lines, to, "one line per new rank")
+			for _, e := range logs.All() {
+				assert.NotEqual(t, zapcore.WarnLevel, e.Level, e.Message)
+			}
+		})
+	}
+	t.Run("from and onto one rank", func(t *testing.T) {
+		one := states(t, 1, 5, cfg)
+		ck, err := outer.Regroup(one, 3, 1)
+		require.NoError(t, err)
+		assert.True(t, ck.ErrorsReset, "one rank kept no error buffers")
+		regroupAndTrain(t, one, cfg, 3, func(r int, _, got *optim.Checkpoint) {
+			for _, tn := range got.Tensors {
+				if optim.IsErrorBuffer(tn.Name) {
+					assert.Equal(t, make([]float32, len(tn.Data)), tn.Data, "rank %d: %s starts at zero", r, tn.Name)
+				}
+			}
+		})
+		ck, err = outer.Regroup(states(t, 3, 5, cfg), 1, 0)
+		require.NoError(t, err)
+		assert.True(t, ck.ErrorsReset, "one rank keeps none")
+	})
+}
+
+// meanOver is the mean over the ranks of cks of the first n elements of
+// their tensor called name, summed in float64 and rounded once.
+func meanOver(cks []*optim.Checkpoint, name string, n int) []float32 {
+	out := make([]float32, n)
+	for i := range out {
+		s := 0.0
+		for _, ck := range cks {
+			s += float64(ck.Tensor(name).Data[i])
+		}
+		out[i] = float32(s / float64(len(cks)))
+	}
+	return out
+}
+
+// joined is the concatenation over the ranks of cks of their tensors
+// called name.
+func joined(cks []*optim.Checkpoint, name string) []float32 {
+	var out []float32
+	for _, ck := range cks {
+		out = append(out, ck.Tensor(name).Data...)
+	}
+	return out
+}
+
+// A checkpoint with an exchange in flight regroups onto another number of
+// ranks: each new rank takes old rank r % W's parameters at the launch
+// with the exchange's result, and the merge at its step gives what a run
+// on the new number of ranks gives. With the same gradients on every rank
+// (every average exact: 2 ranks to 4; not int8's or 1-bit's, whose
+// scales depend on the number of ranks), the run resumed on 4 ranks from
+// 2 ranks' files of a step with an exchange in flight ends bit for bit
+// where the run on 4 ranks throughout does, for every codec.
+func TestRegroupInFlight(t *testing.T) {
+	const calls = 12
+	for _, cfg := range []outer.Config{
+		config(outer.CodecFP32, 6, 2, 2), config(outer.CodecSparse, 6, 2, 2),
+		twoPhase(config(outer.CodecSparse, 6, 2, 2)), config(outer.CodecBF16, 6, 2, 2),
+	} {
+		t.Run(fmt.Sprintf("%s/%s", cfg.Codec, cfg.SparseExchange), func(t *testing.T) {
+			run := func(w, upTo int, from []*optim.Checkpoint) ([]*optim.Checkpoint, []float32) {
+				cks := newPerRank[*optim.Checkpoint](w)
+				globals := newPerRank[[]float32](w)
+				runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
+					ps := newParams(t, sizes)
+					o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
+					if err != nil {
+						return err
+					}
+					defer o.Close()
+					start := 1
+					if from != nil {
+						ck, err := outer.Regroup(from, w, c.Rank())
+						if err != nil {
+							return err
+						}
+						if err := o.Load(ck); err != nil {
+							return err
+						}
+						start = int(ck.Ints[outer.IntCalls]) + 1
+					}
+					for i := start; i <= upTo; i++ {
+						setGrads(ps, 0, i) // the same on every rank
+						if err := o.Step(ctx); err != nil {
+							return err
+						}
+					}
+					ck, err := o.State()
+					cks.set(c.Rank(), ck)
+					globals.set(c.Rank(), append(flat(ps), o.Global()...))
+					return err
+				})
+				return cks.v, globals.v[0]
+			}
+			old, _ := run(2, 4, nil) // fragment 0 launched at call 3, merged at 5
+			require.GreaterOrEqual(t, old[0].Ints[outer.IntPending], int64(0), "an exchange in flight")
+			_, resumed := run(4, calls, old)
+			_, whole := run(4, calls, nil)
+			assert.Equal(t, bitsOf(whole), bitsOf(resumed), "resumed on 4 ranks from 2 ranks' in-flight step = 4 ranks throughout")
+		})
+	}
+	t.Run("1bit", func(t *testing.T) {
+		cfg := config(outer.CodecOneBit, 6, 2, 2)
+		old := states(t, 3, 4, cfg)
+		require.GreaterOrEqual(t, old[0].Ints[outer.IntPending], int64(0), "an exchange in flight")
+		regroupAndTrain(t, old, cfg, 2, func(r int, _, got *optim.Checkpoint) {
+			for _, name := range []string{outer.TensorLaunch, outer.TensorPendingGlobal, outer.TensorGlobal} {
+				assert.Equal(t, bitsOf(old[r].Tensor(name).Data), bitsOf(got.Tensor(name).Data), "rank %d: old rank %d's %s", r, r, name)
+			}
+			assert.Equal(t, old[r].Ints[outer.IntPending], got.Ints[outer.IntPending])
+		})
+	})
+}
+
+// Checkpoints of another optimizer or out of order, and bad groups, are
+// refused; an exchange in flight is not.
 func TestRegroupRefuses(t *testing.T) {
 	old := states(t, 2, 3, config(outer.CodecOneBit, 2, 1, 0))
-	ck, err := outer.Regroup(old, 3, 2)
-	require.NoError(t, err)
-	assert.True(t, ck.ErrorsReset)
-	runRanks(t, 3, func(ctx context.Context, c comm.Comm) error {
-		ck, err := outer.Regroup(old, 3, c.Rank())
-		if err != nil {
-			return err
-		}
-		o, err := outer.NewAdam(ctx, c, newParams(t, sizes), config(outer.CodecOneBit, 2, 1, 0), innerConfig())
-		if err != nil {
-			return err
-		}
-		defer o.Close()
-		return o.Load(ck)
-	})
-
 	inFlight := states(t, 2, 4, config(outer.CodecSparse, 4, 2, 1)) // fragment 0 launched at call 4, merged at 5
 	require.GreaterOrEqual(t, inFlight[0].Ints[outer.IntPending], int64(0), "an exchange in flight")
-	_, err = outer.Regroup(inFlight, 3, 0)
-	assert.ErrorContains(t, err, "in flight")
-	_, err = outer.Regroup(inFlight, 2, 1)
-	assert.NoError(t, err, "the same number of ranks takes it")
+	_, err := outer.Regroup(inFlight, 3, 0)
+	assert.NoError(t, err, "in flight, onto another number of ranks")
 
 	swapped := []*optim.Checkpoint{old[1], old[0]}
+	short := []*optim.Checkpoint{old[0].Clone(), old[1].Clone()}
+	short[1].Tensor(outer.WorkerErrorName(0, 0)).Data = short[1].Tensor(outer.WorkerErrorName(0, 0)).Data[:3]
+	noBucket := []*optim.Checkpoint{old[0].Clone(), old[1].Clone()}
+	delete(noBucket[0].Ints, outer.IntBucketBytes)
 	for _, k := range []struct {
 		old         []*optim.Checkpoint
 		world, rank int
@@ -143,6 +306,8 @@ func TestRegroupRefuses(t *testing.T) {
 		{old, 0, 0, "a group of 0 ranks"},
 		{[]*optim.Checkpoint{old[0], nil}, 3, 0, "checkpoint 1 is nil"},
 		{[]*optim.Checkpoint{{Algorithm: optim.AlgorithmOnebitAdam, World: 1}}, 2, 0, "onebit.Regroup"},
+		{short, 3, 0, "old rank 1's worker error has 3 elements, want 20"},
+		{noBucket, 3, 0, "bucket size of checkpoint 0 are not recorded"},
 	} {
 		_, err := outer.Regroup(k.old, k.world, k.rank)
 		require.ErrorIs(t, err, optim.ErrIncompatibleCheckpoint, k.want)

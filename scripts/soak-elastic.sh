@@ -14,14 +14,13 @@
 # checkpoint it checks that each resume
 #   - continues from the newest step every old rank holds (the script reads
 #     the files' headers: the step, generation and number of ranks of each,
-#     the files it damaged excluded, and for the outer optimizer on another
-#     number of ranks the files with an exchange in flight, which
-#     outer.Regroup cannot take: the example falls back to an older step
-#     and says so; where no step is left it refuses, naming the number of
-#     ranks that can resume it, and the script resumes there);
+#     the files it damaged excluded; the outer optimizer's with an exchange
+#     in flight too, which outer.Regroup takes onto another number of
+#     ranks);
 #   - names the path it took ("continuing, error feedback carried over
 #     (onebit.Regroup)", "moments re-sharded (zero.Consolidate)", "global
-#     parameters and outer momentum carried over ... (outer.Regroup)");
+#     parameters, outer momentum and error feedback carried over ...
+#     (outer.Regroup)");
 #   - checked what it carried ("carried: N buffers checked against the old
 #     ranks', max rel diff X": the error feedback's, momenta's and
 #     accumulators' means, and the re-cut buffers, equal to float32
@@ -179,13 +178,12 @@ everyof() {
 	esac
 }
 
-# held_any DIR OPT NP: the step -resume on NP ranks must continue from:
-# the newest step of which every rank of some number of ranks W holds a
-# whole file made on W ranks (same step and generation), the files the
-# soak damaged excluded, and, for the outer optimizer on W != NP, the sets
-# with an exchange in flight; empty when there is none.
+# held_any DIR OPT: the step -resume must continue from: the newest step
+# of which every rank of some number of ranks W holds a whole file made on
+# W ranks (same step and generation), the files the soak damaged
+# excluded; empty when there is none.
 held_any() {
-	local dir=$1 opt=$2 np=$3 w r f keys common kept k best="" s
+	local dir=$1 opt=$2 w r f keys common kept k best="" s
 	for w in 1 2 3 4 5 6 7 8; do
 		[ -e "$dir/$opt.rank$((w - 1)).0.ckpt" ] || [ -e "$dir/$opt.rank$((w - 1)).1.ckpt" ] || continue
 		common=""
@@ -194,9 +192,6 @@ held_any() {
 			for f in "$dir/$opt.rank$r.0.ckpt" "$dir/$opt.rank$r.1.ckpt"; do
 				[ -f "$f" ] && ! is_damaged "$f" || continue
 				[ "$(ckpt_int "$f" mnist/flag-workers)" = "$w" ] || continue
-				if [ "$opt" = diloco ] && [ "$w" != "$np" ] && [ "$(ckpt_int "$f" outer/pending)" -ge 0 ]; then
-					continue
-				fi
 				keys+=" $(ckpt_int "$f" mnist/step):$(ckpt_int "$f" mnist/generation)"
 			done
 			if [ "$r" = 0 ]; then
@@ -283,7 +278,7 @@ check_resumed() {
 			checks=$((checks + 1))
 			rel=$(echo "$line" | sed -n 's/.*max rel diff \([0-9.e+-]*\).*/\1/p')
 			maxrel=$(awk -v a="$maxrel" -v b="$rel" 'BEGIN { print (b + 0 > a + 0) ? b : a }')
-			if echo "$line" | grep -q "restarted from zero"; then
+			if echo "$line" | grep -q "error buffers dropped"; then
 				resets=$((resets + 1))
 			fi
 		fi
@@ -311,7 +306,7 @@ trajectory() {
 	while :; do
 		log=$NETNS_TMP/$opt.$round.$k.log
 		want=""
-		[ ${#resumeflag[@]} -eq 0 ] || want=$(held_any "$dir" "$fopt" "$cur_np")
+		[ ${#resumeflag[@]} -eq 0 ] || want=$(held_any "$dir" "$fopt")
 		t_launch=$(date +%s%N)
 		start "$cur_np" "$dir" "$log" "${oargs[@]}" "${resumeflag[@]}"
 		from=0
@@ -319,17 +314,6 @@ trajectory() {
 			check_resumed "$log" "$want" "$cur_np"
 			if [ -z "$from" ]; then
 				finish
-				np=$(sed -n 's/.*have an exchange in flight, which outer.Regroup cannot take on another number of ranks; resume on \([0-9]*\) ranks.*/\1/p' "$log" | head -n 1)
-				if [ "$rc" -ne 0 ] && [ -n "$np" ] && [ -z "$want" ]; then
-					# Refused, as it must: the only sets have an exchange
-					# in flight. The scheduler resumes on their size.
-					echo "soak-elastic:   $opt: -resume on $cur_np ranks refused (every step held has an exchange in flight): resuming on $np ranks"
-					refused=$((refused + 1))
-					cur_np=$np
-					visited[$cur_np]=1
-					k=$((k + 1))
-					continue
-				fi
 				echo "soak-elastic: FAILED: $opt: -resume on $cur_np ranks did not continue (exit $rc; the newest step every old rank held: ${want:-none}):" >&2
 				grep '^mnist' "$log" | tail -n 6 >&2
 				tail -n 4 "$log" >&2
@@ -487,7 +471,7 @@ for i in "${!opts[@]}"; do
 	refs=()
 	faults=()
 	restart_ms=()
-	redone=0 restarts=0 resumes=0 refused=0 checks=0 resets=0 maxrel=0 changes=0 interrupts=0 rounds=0
+	redone=0 restarts=0 resumes=0 checks=0 resets=0 maxrel=0 changes=0 interrupts=0 rounds=0
 	accs="" goods="" refgoods="" hashok="" accok=yes
 	kinds_fixed="term kill term "
 	corrupt_next=flip
@@ -538,9 +522,9 @@ for i in "${!opts[@]}"; do
 	# the uninterrupted run's, less per fault the median seconds to the
 	# first new step and the mean steps redone at its time per step.
 	proj=$(awk -v g="$ref_good" -v f="${fmed%s}" -v r="$redone" -v n="$interrupts" -v s="$ref_step" 'BEGIN { c = f + (n > 0 ? r / n : 0) * s; p = g * (1 - c / 60); printf "%.1f", (p < 0 ? 0 : p) }')
-	rows+=("$(printf '%-25s %3d %4d %4d %5d %4d %4d %3d %4d %11s %6d %4d %4d %8s %8s %8s %12s %12s %6s %6s %9s  %s  %s' \
+	rows+=("$(printf '%-25s %3d %4d %4d %5d %4d %4d %3d %4d %11s %6d %4d %8s %8s %8s %12s %12s %6s %6s %9s  %s  %s' \
 		"$opt" "$rounds" "$interrupts" "$changes" "${count[kill]}" "${count[term]}" "${count[term-mpirun]}" "${count[flip]}" "${count[truncate]}" \
-		"$(echo ${vis} | tr " " ",")" "$redone" "$restarts" "$refused" "$fmed" "$fmax" "$rmed" "$goods" "$refgoods" "$proj" "$checks" "$maxrel" "$accs $accok" "${pathl% }$([ "$resets" = 0 ] || echo " ($resets with the 1-bit codec's error feedback restarted)")")")
+		"$(echo ${vis} | tr " " ",")" "$redone" "$restarts" "$fmed" "$fmax" "$rmed" "$goods" "$refgoods" "$proj" "$checks" "$maxrel" "$accs $accok" "${pathl% }$([ "$resets" = 0 ] || echo " ($resets with the 1-bit codec's error feedback dropped on one rank)")")")
 done
 
 # Nothing left behind: no rank process, no namespace.
@@ -558,10 +542,10 @@ fi
 
 echo
 echo "soak-elastic: seed $SEED; impairment: $impaired; $(($(date +%s) - t_start)) s"
-printf '%-25s %3s %4s %4s %5s %4s %4s %3s %4s %11s %6s %4s %4s %8s %8s %8s %12s %12s %6s %6s %9s  %s  %s\n' optimizer rnd int size kill term tmpi flp trnc worlds redone rst0 refd "fault" "max" restart "goodput%" "uninterr%" "@60s%" checks "max rel" "acc/uninterrupted@ranks ok" "paths"
+printf '%-25s %3s %4s %4s %5s %4s %4s %3s %4s %11s %6s %4s %8s %8s %8s %12s %12s %6s %6s %9s  %s  %s\n' optimizer rnd int size kill term tmpi flp trnc worlds redone rst0 "fault" "max" restart "goodput%" "uninterr%" "@60s%" checks "max rel" "acc/uninterrupted@ranks ok" "paths"
 for r in "${rows[@]}"; do echo "$r"; done
 echo "columns: rnd trajectories; int interruptions; size of them changing the number of ranks; tmpi term-mpirun; flp/trnc damaged newest files;"
-echo "  rst0 restarts from step 0; refd resumes refused (exchange in flight) and resumed on the old size; fault: median seconds from the interruption"
+echo "  rst0 restarts from step 0; fault: median seconds from the interruption"
 echo "  to the first new step (max beside; restart: launch to first step); goodput per trajectory vs the uninterrupted run's on the last size;"
 echo "  @60s: the goodput a fault every 60 s would leave (the uninterrupted run's, less the median fault and the mean steps redone per fault);"
 echo "  checks: carried-state checks passed (max rel diff of the carried buffers against the old ranks')"

@@ -86,12 +86,6 @@ type checkpointer struct {
 	settings []setting
 	gen      int64 // this run's generation (ckptGen)
 	run      int64 // this run's identity (ckptRun)
-	// inFlight is, on rank 0 after a resume's search for another number
-	// of ranks' files (otherWorld), the newest complete set it passed over
-	// because the outer optimizer had an exchange in flight at that step,
-	// which outer.Regroup cannot take on another number of ranks: its step
-	// and number of ranks, step -1 for none.
-	inFlight struct{ step, world int64 }
 	// runs maps, on rank 0 after otherWorld, every run identity (ckptRun)
 	// of the usable files it saw to their paths.
 	runs map[int64][]string
@@ -267,10 +261,6 @@ type candidate struct {
 	gen   int64
 	world int64 // the -workers it was made with
 	run   int64 // the run's identity (ckptRun), 0 for unknown
-	// inFlight: an outer optimizer's checkpoint taken with an exchange in
-	// flight (outer.IntPending), which resumes on the number of ranks that
-	// made it only.
-	inFlight bool
 }
 
 // key orders candidates: by step, then generation. -1 for none.
@@ -304,9 +294,6 @@ func (k *checkpointer) load(path string, total int) (*candidate, string) {
 	c.world, _ = ck.Int(ckptSetting + "-workers") // mismatch checked it is there
 	c.gen, _ = ck.Int(ckptGen)                    // 0 in files made before generations
 	c.run, _ = ck.Int(ckptRun)                    // 0 in files made before run identities
-	if strings.HasPrefix(ck.Algorithm, outer.AlgorithmPrefix) {
-		c.inFlight = ck.Ints[outer.IntPending] >= 0
-	}
 	if c.step < 0 || c.step > int64(total) || c.gen < 0 || c.gen >= 1<<16 || c.world < 1 {
 		return nil, fmt.Sprintf("%s: step %d, generation %d or world %d out of range", path, c.step, c.gen, c.world)
 	}
@@ -389,14 +376,12 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 	}
 	// Rank 0 looks for a complete set made on another number of ranks,
 	// and for files of other runs among every file it sees.
-	other := make([]byte, 40)
+	other := make([]byte, 24)
 	if k.rank == 0 {
 		key, world := k.otherWorld(total, w)
 		binary.LittleEndian.PutUint64(other[0:], uint64(key))
 		binary.LittleEndian.PutUint64(other[8:], uint64(world))
 		binary.LittleEndian.PutUint64(other[16:], uint64(len(k.runs)))
-		binary.LittleEndian.PutUint64(other[24:], uint64(k.inFlight.step))
-		binary.LittleEndian.PutUint64(other[32:], uint64(k.inFlight.world))
 	}
 	if err := c.BroadcastBytes(ctx, other, 0); err != nil {
 		return nil, err
@@ -414,7 +399,6 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 	if len(runs) > 1 || binary.LittleEndian.Uint64(other[16:]) > 1 {
 		return nil, k.twoRuns()
 	}
-	k.inFlight.step, k.inFlight.world = int64(binary.LittleEndian.Uint64(other[24:])), int64(binary.LittleEndian.Uint64(other[32:]))
 	if nfiles == 0 && k.cfg.freshIfNone {
 		if k.rank == 0 {
 			fmt.Fprintf(warn, "mnist: -resume: %s had not saved a checkpoint: it starts from step 0\n", k.name)
@@ -427,10 +411,6 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 			msg += ": " + strings.Join(problems, "; ")
 		} else if nproblems > 0 {
 			msg += fmt.Sprintf(" (%d unusable files on other ranks, named in their warnings)", nproblems)
-		}
-		if k.inFlight.step >= 0 {
-			msg += fmt.Sprintf(": the files of step %d made on %d ranks (%s) have an exchange in flight, which outer.Regroup cannot take on another number of ranks; resume on %d ranks",
-				k.inFlight.step, k.inFlight.world, filepath.Join(k.cfg.dir, k.name+".rank*.*.ckpt"), k.inFlight.world)
 		}
 		return nil, errors.New(msg)
 	}
@@ -473,10 +453,6 @@ func (k *checkpointer) restore(ctx context.Context, c comm.Comm, opt optim.Optim
 		fmt.Fprintf(warn, "mnist: warning: -resume: %s falls back to step %d, the newest step every rank holds (newest file: step %d): %s\n",
 			k.name, res.step, max(newest>>16, int64(res.step)), why)
 	}
-	if k.rank == 0 && res.fromWorld != w && k.inFlight.step > int64(res.step) {
-		fmt.Fprintf(warn, "mnist: warning: -resume: %s falls back to step %d: the newer step %d (made on %d ranks) has an exchange in flight, which outer.Regroup cannot take on another number of ranks\n",
-			k.name, res.step, k.inFlight.step, k.inFlight.world)
-	}
 	if k.rank == 0 {
 		fmt.Fprintf(warn, "mnist: -resume: %s continues from step %d of %d\n", k.name, res.step, total)
 	}
@@ -501,9 +477,7 @@ func (k *checkpointer) otherWorld(total, w int) (key int64, world int) {
 		world int64
 	}
 	ranks := map[set]map[int64]bool{}
-	inFlight := map[set]bool{}
 	k.runs = map[int64][]string{}
-	k.inFlight.step = -1
 	for _, p := range paths {
 		var r, slot int64
 		if _, err := fmt.Sscanf(strings.TrimPrefix(filepath.Base(p), k.name+".rank"), "%d.%d.ckpt", &r, &slot); err != nil {
@@ -521,17 +495,9 @@ func (k *checkpointer) otherWorld(total, w int) (key int64, world int) {
 			ranks[s] = map[int64]bool{}
 		}
 		ranks[s][r] = true
-		inFlight[s] = inFlight[s] || cand.inFlight
 	}
 	for s, rs := range ranks {
 		if int64(len(rs)) != s.world {
-			continue
-		}
-		if inFlight[s] {
-			// outer.Regroup refuses it: an older set may do.
-			if s.key>>16 > k.inFlight.step {
-				k.inFlight.step, k.inFlight.world = s.key>>16, s.world
-			}
 			continue
 		}
 		if s.key > key {
@@ -582,11 +548,10 @@ const (
 	carryConsolidate
 	// carryOuter: the outer optimizer (diloco, every codec, AdamW or Muon
 	// inside): each new rank loads outer.Regroup of every old rank's
-	// checkpoint: θ_g and u (the same on every rank), the sparse codec's
-	// accumulators' mean, the inner state and local parameters of old
-	// rank r mod W; the 1-bit codec's error feedback restarts from zero.
-	// A checkpoint with an exchange in flight does not regroup: the
-	// resume falls back to an older step (otherWorld).
+	// checkpoint: θ_g and u (the same on every rank), the codecs' error
+	// feedback (the 1-bit codec's worker errors' mean and server errors
+	// re-cut, the sparse codec's accumulators' mean), the inner state,
+	// local parameters and any exchange in flight of old rank r mod W.
 	carryOuter
 )
 
@@ -616,7 +581,7 @@ func (c carry) String() string {
 	case carryConsolidate:
 		return "moments re-sharded (zero.Consolidate)"
 	case carryOuter:
-		return "global parameters and outer momentum carried over, inner state of old rank r mod W (outer.Regroup)"
+		return "global parameters, outer momentum and error feedback carried over, inner state of old rank r mod W (outer.Regroup)"
 	}
 	return "the same state on every rank"
 }

@@ -19,8 +19,8 @@ const carriedTolerance = 1e-5
 
 // carriedReport is what checkCarried found: how many buffers it compared
 // with the old ranks', the largest relative difference and its buffer,
-// and how many buffers restarted from zero instead (the outer optimizer's
-// 1-bit codec error feedback, whose layout depends on the group size).
+// and how many error buffers the regrouping dropped (the outer
+// optimizer's 1-bit codec's onto one rank, which keeps none).
 type carriedReport struct {
 	checked int
 	maxRel  float64
@@ -35,7 +35,7 @@ func (r carriedReport) String() string {
 		s += " (" + r.worst + ")"
 	}
 	if r.reset > 0 {
-		s += fmt.Sprintf("; %d error buffers restarted from zero (the outer optimizer's 1-bit codec: their layout depends on the number of ranks)", r.reset)
+		s += fmt.Sprintf("; %d error buffers dropped (the outer optimizer's 1-bit codec on one rank keeps none)", r.reset)
 	}
 	return s
 }
@@ -51,8 +51,9 @@ const (
 // consolidation every rank loads), old the states the old ranks saved.
 // Each buffer the regrouping promises to keep is compared element by
 // element over the elements both hold: the error feedback's worker errors,
-// 1-bit Muon's momenta, the outer optimizer's θ_g, u and sparse
-// accumulator by their means over the ranks; the server errors and the
+// 1-bit Muon's momenta, the outer optimizer's θ_g, u, 1-bit worker errors
+// and sparse accumulator by their means over the ranks; the server errors
+// (the outer optimizer's 1-bit codec's too) and the
 // sharded moments (zero-adam's too) by the concatenation of the ranks'
 // cuts. It fails where a buffer differs by more than carriedTolerance of
 // the old buffer's largest element, or where a buffer the old ranks saved
@@ -142,8 +143,19 @@ func checkCarried(how carry, old, news []*optim.Checkpoint) (carriedReport, erro
 			}
 		}
 		for _, t := range old[0].Tensors {
-			if optim.IsErrorBuffer(t.Name) && t.Name != outer.AccumulatorName && t.Name != outer.ServerAccumulatorName {
-				rep.reset++
+			n := t.Name
+			switch {
+			case !optim.IsErrorBuffer(n) || n == outer.AccumulatorName || n == outer.ServerAccumulatorName:
+			case news[0].Tensor(n) == nil:
+				rep.reset++ // onto one rank
+			case strings.HasPrefix(n, optim.WorkerErrorName):
+				if err := compare(n, n, byMean); err != nil {
+					return rep, err
+				}
+			default:
+				if err := compare(n, n, byConcat); err != nil {
+					return rep, err
+				}
 			}
 		}
 	}

@@ -415,12 +415,14 @@ func carryState(plan *rankPlan, world, rank int) (*optim.Checkpoint, string, str
 	case strings.HasPrefix(alg, outer.AlgorithmPrefix):
 		ck, err = outer.Regroup(old, world, rank)
 		path = PathOuter + ": θ_g and u carried, each new rank r continuing old rank r % " + strconv.Itoa(plan.World) +
-			"'s inner optimizer and local parameters"
+			"'s inner optimizer, local parameters and any exchange in flight"
 		switch codec := old[0].Floats[optim.HyperPrefix+"outer_codec"]; {
 		case old[0].Tensor(outer.AccumulatorName) != nil:
 			path += ", the sparse accumulators' mean carried"
+		case codec == float64(outer.CodecOneBit) && err == nil && !ck.ErrorsReset:
+			path += ", the 1-bit codec's error feedback carried (each worker error the old ranks' mean, the server errors re-cut)"
 		case codec == float64(outer.CodecOneBit):
-			path += ", the 1-bit codec's error feedback restarting from zero (its layout depends on the number of ranks)"
+			path += ", the 1-bit codec's error feedback starting from zero (a group of one rank keeps none)"
 		}
 	default:
 		return nil, "", "", fmt.Errorf("lbgomlx: the lowbit state of global step %d (%s, made on %d ranks) has no way to another number of ranks: %s: %w",
@@ -474,7 +476,8 @@ const carryTol = 1.0 / (1 << 23)
 // checkCarried checks that ck, made from old for a group of world ranks,
 // carries what old saved: each buffer ck holds as the old ranks' mean
 // (the worker errors and 1-bit Muon's momenta of onebit.Regroup, the
-// sparse accumulators' mean of outer.Regroup) has the mean of the old
+// 1-bit codec's worker errors and the sparse accumulators' mean of
+// outer.Regroup) has the mean of the old
 // ranks' over the elements it holds (padding aside) to float32 rounding,
 // and each of zero.Consolidate's moments the sum of the old shards'. It
 // returns what it compared, "" for nothing.

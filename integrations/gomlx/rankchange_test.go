@@ -69,7 +69,7 @@ func TestRankChangeAutomatic(t *testing.T) {
 		{"onebit-muon", onebitMuon, PathRegroup, true, "momenta"},
 		{"zero-adam", zeroAdam, PathConsolidate, false, "the sum of"},
 		{"outer-sparse", outerBuilder(5, outer.CodecSparse), PathOuter, true, "sparse accumulators"},
-		{"outer-onebit", outerBuilder(5, outer.CodecOneBit), PathOuter, false, ""},
+		{"outer-onebit", outerBuilder(5, outer.CodecOneBit), PathOuter, true, "worker errors"},
 	} {
 		for _, sizes := range [][]int{{4, 2, 3}, {2, 3}} {
 			t.Run(fmt.Sprintf("%s/%v", row.name, sizes), func(t *testing.T) {

@@ -127,8 +127,11 @@ func TestRankChangeRecipes(t *testing.T) {
 			return zero.Consolidate(old)
 		}, "", 0},
 		{"outer-sparse", outerBuilder(4, outer.CodecSparse), outer.Regroup, "", 1},
-		{"outer-onebit", outerBuilder(4, outer.CodecOneBit), outer.Regroup, "error buffers were reset (made on %d ranks, by rank 0): " +
-			"the 1-bit codec's error feedback starts again from zero (its layout depends on the group size); " +
+		{"outer-onebit", outerBuilder(4, outer.CodecOneBit), outer.Regroup, "", 1},
+		{"outer-onebit-reset", outerBuilder(4, outer.CodecOneBit), func(old []*optim.Checkpoint, _, _ int) (*optim.Checkpoint, error) {
+			return old[0].ResetErrors(), nil
+		}, "error buffers were reset (made on %d ranks, by rank 0): " +
+			"the 1-bit codec's error feedback starts again from zero (outer.Regroup of every old rank's state carries it); " +
 			"θ_g and u, and the inner optimizer's state and local parameters of the rank that made it, are carried", -1},
 	} {
 		for _, move := range [][2]int{{4, 2}, {2, 3}} {

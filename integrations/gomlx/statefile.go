@@ -126,7 +126,7 @@ func resetLoss(ck *optim.Checkpoint) string {
 		case ck.Floats[optim.HyperPrefix+"outer_codec"] == float64(outer.CodecSparse):
 			return "the sparse accumulator starts again from zero (outer.Regroup of every old rank's state carries their mean); " + carried
 		case ck.Floats[optim.HyperPrefix+"outer_codec"] == float64(outer.CodecOneBit):
-			return "the 1-bit codec's error feedback starts again from zero (its layout depends on the group size); " + carried
+			return "the 1-bit codec's error feedback starts again from zero (outer.Regroup of every old rank's state carries it); " + carried
 		}
 	}
 	return ""
