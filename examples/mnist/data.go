@@ -2,7 +2,9 @@ package main
 
 import (
 	"fmt"
+	"os"
 	"path/filepath"
+	"strings"
 
 	"github.com/lowbit-ml/lowbit/examples/mnist/idx"
 )
@@ -26,10 +28,21 @@ func (d *dataset) len() int { return len(d.labels) }
 
 func (d *dataset) image(i int) []byte { return d.images.Image(i) }
 
+// inDir is the path of the MNIST file name in dir: the plain file (name
+// without ".gz") where dir holds one, else name. A plain file reads in a
+// fraction of the time: every restart of a job reads the data again.
+func inDir(dir, name string) string {
+	plain := filepath.Join(dir, strings.TrimSuffix(name, ".gz"))
+	if st, err := os.Stat(plain); err == nil && st.Mode().IsRegular() {
+		return plain
+	}
+	return filepath.Join(dir, name)
+}
+
 // loadSplit reads one split from dir and checks that it is MNIST-shaped:
 // 28 x 28 images and labels below 10.
 func loadSplit(dir, images, labels string) (*dataset, error) {
-	set, err := idx.Load(filepath.Join(dir, images), filepath.Join(dir, labels))
+	set, err := idx.Load(inDir(dir, images), inDir(dir, labels))
 	if err != nil {
 		return nil, err
 	}

@@ -382,6 +382,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 
 // runPreemptible is run whose training p can stop (nil: never).
 func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, stderr io.Writer) error {
+	started := startup{start: time.Now()}
 	o, err := parseFlags(args, stderr)
 	if err != nil {
 		return err
@@ -407,6 +408,7 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 	if err != nil {
 		return err
 	}
+	started.data = time.Now()
 	cfg := trainConfig{
 		hyper:         o.hyper(),
 		epochs:        o.epochs,
@@ -440,6 +442,8 @@ func runPreemptible(ctx context.Context, p *preemption, args []string, stdout, s
 			return fmt.Errorf("-workers %d disagrees with the %d ranks of the MPI job", o.workers, c.Size())
 		}
 		workers = c.Size()
+		started.comm = time.Now()
+		cfg.started = started
 		if c.Rank() != 0 {
 			// Only rank 0 reports; every rank warns about its own files.
 			stdout, stderr = io.Discard, io.Discard

@@ -45,6 +45,25 @@ type trainConfig struct {
 	// warn receives the warnings of this rank (a corrupt checkpoint, a
 	// fall-back, a resume on another number of ranks); nil discards them.
 	warn io.Writer
+	// started are the times the command started, had read the data and
+	// had its communicator (zero when not measured): the line of the first
+	// step of a run with -checkpoint says how long each part took.
+	started startup
+}
+
+// startup is when the command's parts before training ended.
+type startup struct{ start, data, comm time.Time }
+
+// since says, for the line of the first step, how long each part took from
+// the command's start: the data, the communicator, the optimizer's build
+// and resume, the first step.
+func (s startup) since(resumed, now time.Time) string {
+	if s.start.IsZero() {
+		return ""
+	}
+	sec := func(a, b time.Time) float64 { return b.Sub(a).Seconds() }
+	return fmt.Sprintf(" (%.2f s from the command's start: data %.2f s, communicator %.2f s, model and -resume %.2f s, first step %.2f s)",
+		sec(s.start, now), sec(s.start, s.data), sec(s.data, s.comm), sec(s.comm, resumed), sec(resumed, now))
 }
 
 // evalPoint is one evaluation on the test set.
@@ -212,9 +231,12 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 		warn = io.Discard
 	}
 	step := 0
-	if back, err := ckpt.restore(ctx, c, opt, total, warn); err != nil {
+	back, err := ckpt.restore(ctx, c, opt, total, warn)
+	restoredAt := time.Now()
+	if err != nil {
 		return nil, err
-	} else if back != nil {
+	}
+	if back != nil {
 		step = back.step
 		res.resumedFrom, res.resumedWorld, res.carried = back.step, back.fromWorld, back.carried.String()
 		copy(lossHist, back.lossHist)
@@ -340,7 +362,8 @@ func trainRank(ctx context.Context, c comm.Comm, train, test *dataset, cfg train
 				// scripts/soak-elastic.sh measures the time from an
 				// interruption to the first new step (restart, load,
 				// regroup) with it.
-				fmt.Fprintf(warn, "mnist: first step %d at %d\n", step, time.Now().UnixNano())
+				now := time.Now()
+				fmt.Fprintf(warn, "mnist: first step %d at %d%s\n", step, now.UnixNano(), cfg.started.since(restoredAt, now))
 			}
 			if step%evalEvery == 0 || step == total {
 				if err := evaluate(step); err != nil {

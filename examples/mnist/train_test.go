@@ -206,12 +206,14 @@ func TestRunOrder(t *testing.T) {
 	assert.Equal(t, wz, z)
 }
 
+// writeIDX writes what f encodes into dir/name.
+func writeIDX(t *testing.T, dir, name string, f func(*bytes.Buffer) error) {
+	var b bytes.Buffer
+	require.NoError(t, f(&b))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, name), b.Bytes(), 0o644))
+}
+
 func TestLoadRejectsNonMNIST(t *testing.T) {
-	write := func(t *testing.T, dir, name string, f func(*bytes.Buffer) error) {
-		var b bytes.Buffer
-		require.NoError(t, f(&b))
-		require.NoError(t, os.WriteFile(filepath.Join(dir, name), b.Bytes(), 0o644))
-	}
 	for _, c := range []struct {
 		name   string
 		images *idx.Images
@@ -225,8 +227,8 @@ func TestLoadRejectsNonMNIST(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			dir := t.TempDir()
 			for _, prefix := range []string{"train", "t10k"} {
-				write(t, dir, prefix+"-images-idx3-ubyte.gz", func(b *bytes.Buffer) error { return idx.WriteImages(b, c.images, true) })
-				write(t, dir, prefix+"-labels-idx1-ubyte.gz", func(b *bytes.Buffer) error { return idx.WriteLabels(b, c.labels, false) })
+				writeIDX(t, dir, prefix+"-images-idx3-ubyte.gz", func(b *bytes.Buffer) error { return idx.WriteImages(b, c.images, true) })
+				writeIDX(t, dir, prefix+"-labels-idx1-ubyte.gz", func(b *bytes.Buffer) error { return idx.WriteLabels(b, c.labels, false) })
 			}
 			_, _, err := loadMNIST(dir)
 			require.Error(t, err)
@@ -234,4 +236,29 @@ func TestLoadRejectsNonMNIST(t *testing.T) {
 			assert.Contains(t, err.Error(), "training set")
 		})
 	}
+}
+
+// The plain files (the MNIST names without .gz) are read where a directory
+// holds them beside the gzipped ones: the same examples, and a damaged
+// plain file is an error naming it, not a silent fall-back to the .gz.
+func TestLoadPrefersPlainFiles(t *testing.T) {
+	train, test, err := loadMNIST("testdata")
+	require.NoError(t, err)
+	dir := t.TempDir()
+	for _, f := range []string{trainImagesFile, trainLabelsFile, testImagesFile, testLabelsFile} {
+		b, err := os.ReadFile(filepath.Join("testdata", f))
+		require.NoError(t, err)
+		require.NoError(t, os.WriteFile(filepath.Join(dir, f), b, 0o644))
+	}
+	writeIDX(t, dir, strings.TrimSuffix(trainImagesFile, ".gz"), func(b *bytes.Buffer) error { return idx.WriteImages(b, train.images, false) })
+	writeIDX(t, dir, strings.TrimSuffix(trainLabelsFile, ".gz"), func(b *bytes.Buffer) error { return idx.WriteLabels(b, train.labels, false) })
+	plainTrain, plainTest, err := loadMNIST(dir)
+	require.NoError(t, err)
+	assert.Equal(t, train, plainTrain)
+	assert.Equal(t, test, plainTest)
+
+	require.NoError(t, os.Truncate(filepath.Join(dir, strings.TrimSuffix(trainImagesFile, ".gz")), 100))
+	_, _, err = loadMNIST(dir)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), filepath.Join(dir, strings.TrimSuffix(trainImagesFile, ".gz")))
 }
