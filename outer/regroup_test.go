@@ -21,7 +21,17 @@ import (
 // states runs cfg on w ranks for calls calls and returns every rank's
 // checkpoint.
 func states(t *testing.T, w, calls int, cfg outer.Config) []*optim.Checkpoint {
+	cks, _ := runFrom(t, w, cfg, nil, calls, false)
+	return cks
+}
+
+// runFrom runs cfg on w ranks up to call upTo, from call 1 or, with from,
+// from outer.Regroup of from onto w ranks, with grad(rank, call, ·) or,
+// with same, grad(0, call, ·) on every rank. It returns every rank's
+// checkpoint at the end and rank 0's parameters followed by θ_g.
+func runFrom(t *testing.T, w int, cfg outer.Config, from []*optim.Checkpoint, upTo int, same bool) ([]*optim.Checkpoint, []float32) {
 	cks := newPerRank[*optim.Checkpoint](w)
+	outs := newPerRank[[]float32](w)
 	runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
 		ps := newParams(t, sizes)
 		o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
@@ -29,14 +39,33 @@ func states(t *testing.T, w, calls int, cfg outer.Config) []*optim.Checkpoint {
 			return err
 		}
 		defer o.Close()
-		if err := stepCalls(ctx, o, ps, c.Rank(), calls); err != nil {
-			return err
+		start := 1
+		if from != nil {
+			ck, err := outer.Regroup(from, w, c.Rank())
+			if err != nil {
+				return err
+			}
+			if err := o.Load(ck); err != nil {
+				return err
+			}
+			start = int(ck.Ints[outer.IntCalls]) + 1
+		}
+		gr := c.Rank()
+		if same {
+			gr = 0
+		}
+		for i := start; i <= upTo; i++ {
+			setGrads(ps, gr, i)
+			if err := o.Step(ctx); err != nil {
+				return err
+			}
 		}
 		ck, err := o.State()
 		cks.set(c.Rank(), ck)
+		outs.set(c.Rank(), append(flat(ps), o.Global()...))
 		return err
 	})
-	return cks.v
+	return cks.v, outs.v[0]
 }
 
 // A sparse run regrouped onto another number of ranks resumes with the
@@ -228,38 +257,7 @@ func TestRegroupInFlight(t *testing.T) {
 	} {
 		t.Run(fmt.Sprintf("%s/%s", cfg.Codec, cfg.SparseExchange), func(t *testing.T) {
 			run := func(w, upTo int, from []*optim.Checkpoint) ([]*optim.Checkpoint, []float32) {
-				cks := newPerRank[*optim.Checkpoint](w)
-				globals := newPerRank[[]float32](w)
-				runRanks(t, w, func(ctx context.Context, c comm.Comm) error {
-					ps := newParams(t, sizes)
-					o, err := outer.NewAdam(ctx, c, ps, cfg, innerConfig())
-					if err != nil {
-						return err
-					}
-					defer o.Close()
-					start := 1
-					if from != nil {
-						ck, err := outer.Regroup(from, w, c.Rank())
-						if err != nil {
-							return err
-						}
-						if err := o.Load(ck); err != nil {
-							return err
-						}
-						start = int(ck.Ints[outer.IntCalls]) + 1
-					}
-					for i := start; i <= upTo; i++ {
-						setGrads(ps, 0, i) // the same on every rank
-						if err := o.Step(ctx); err != nil {
-							return err
-						}
-					}
-					ck, err := o.State()
-					cks.set(c.Rank(), ck)
-					globals.set(c.Rank(), append(flat(ps), o.Global()...))
-					return err
-				})
-				return cks.v, globals.v[0]
+				return runFrom(t, w, cfg, from, upTo, true) // the same gradients on every rank
 			}
 			old, _ := run(2, 4, nil) // fragment 0 launched at call 3, merged at 5
 			require.GreaterOrEqual(t, old[0].Ints[outer.IntPending], int64(0), "an exchange in flight")
