@@ -288,10 +288,9 @@ func RegroupErrors(workers, servers [][]float32, n, world, rank int) (worker, se
 		return nil, nil, fmt.Errorf("onebit: RegroupErrors: %w: %d worker and %d server errors", optim.ErrIncompatibleCheckpoint, w, len(servers))
 	}
 	padded := PaddedLen(n, world)
-	worker = make([]float32, padded)
 	server = make([]float32, padded/world)
 	if w == 1 {
-		return worker, server, nil
+		return make([]float32, padded), server, nil
 	}
 	c := PaddedLen(n, w) / w
 	for r := range w {
@@ -302,15 +301,7 @@ func RegroupErrors(workers, servers [][]float32, n, world, rank int) (worker, se
 			return nil, nil, fmt.Errorf("onebit: RegroupErrors: %w: old rank %d's server error has %d elements, want %d", optim.ErrIncompatibleCheckpoint, r, len(servers[r]), want)
 		}
 	}
-	sum := make([]float64, n)
-	for _, x := range workers {
-		for i, v := range x[:n] {
-			sum[i] += float64(v)
-		}
-	}
-	for i, s := range sum {
-		worker[i] = float32(s / float64(w))
-	}
+	worker = meanOf(workers, n, padded)
 	// The new chunk [lo, hi) of the n elements, from the old chunks.
 	nc := padded / world
 	lo, hi := rank*nc, min(rank*nc+nc, n)
@@ -343,21 +334,32 @@ func (g *regrouper) tensor(r int, name string, n int) ([]float32, error) {
 // mean is the new worker error buffer called name of a tensor of n
 // elements: the old ranks' mean, padded for the new group.
 func (g *regrouper) mean(name string, n int) ([]float32, error) {
-	out := make([]float32, PaddedLen(n, g.world))
-	sum := make([]float64, n)
+	xs := make([][]float32, len(g.old))
 	for r := range g.old {
 		x, err := g.tensor(r, name, n)
 		if err != nil {
 			return nil, err
 		}
-		for i := range sum {
-			sum[i] += float64(x[i])
+		xs[r] = x
+	}
+	return meanOf(xs, n, PaddedLen(n, g.world)), nil
+}
+
+// meanOf is the element-wise mean of the first n elements of xs (each
+// at least n long), summed in float64 and rounded once, in a buffer of
+// padded elements whose padding is zero.
+func meanOf(xs [][]float32, n, padded int) []float32 {
+	sum := make([]float64, n)
+	for _, x := range xs {
+		for i, v := range x[:n] {
+			sum[i] += float64(v)
 		}
 	}
+	out := make([]float32, padded)
 	for i, s := range sum {
-		out[i] = float32(s / float64(len(g.old)))
+		out[i] = float32(s / float64(len(xs)))
 	}
-	return out, nil
+	return out
 }
 
 // flat is the buffer called name of a tensor of n elements whose old

@@ -141,8 +141,9 @@ soak_check_optimizers soak-elastic $mnist_optimizers onebit-muon-compact onebit-
 soak_setup
 # Every restart reads the data again: the gzipped files are decompressed
 # once here (the example reads the plain files where a directory holds
-# them), which takes 0.7 to 1.9 s off each restart on 2 to 6 ranks of this
-# machine (docs/measured.md, "The elastic soak"). PLAIN_DATA=0 keeps the
+# them): reading the data took 0.46-1.87 s of a restart gzipped, 0.18-0.64
+# s plain, on 2 to 6 ranks of this machine (two runs, docs/measured.md,
+# "The elastic soak"). PLAIN_DATA=0 keeps the
 # .gz files.
 if [ "${PLAIN_DATA:-1}" = 1 ] && [ -e "$DATA/train-images-idx3-ubyte.gz" ] && [ ! -e "$DATA/train-images-idx3-ubyte" ]; then
 	mkdir -p "$NETNS_TMP/data"
