@@ -72,6 +72,9 @@
 #               are decompressed into the run's directory (PLAIN_DATA=0:
 #               not), as a job that restarts often keeps its data
 #   PLAIN_DATA  1 (default) or 0, above
+#   ROUNDS      at most this many trajectories per optimizer (default: as
+#               many as its share of SOAK_S starts); ROUNDS=1 with
+#               FAULT_EVERY_S measures one long trajectory per optimizer
 #   OMPI_MCA_odls_base_sigkill_timeout  Open MPI's stop time (default
 #               here 1 s, Open MPI's own; scripts/lib/netns.sh's is 3 s):
 #               mpirun waits it after a rank's death or its own SIGTERM
@@ -535,6 +538,7 @@ for i in "${!opts[@]}"; do
 		echo "soak-elastic: $opt round $round: done on $last_np ranks, test acc ${got_acc:-none}% (uninterrupted ${ref_acc:-none}%), goodput $g% (uninterrupted $ref_good%)"
 		round=$((round + 1))
 		[ "$SHORT" != 1 ] || break
+		[ -z "${ROUNDS:-}" ] || [ "$round" -lt "$ROUNDS" ] || break
 		[ "$(date +%s)" -lt "$deadline" ] || break
 	done
 	if [ "$resumes" -eq 0 ]; then
