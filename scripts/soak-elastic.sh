@@ -73,8 +73,9 @@
 #               not), as a job that restarts often keeps its data
 #   PLAIN_DATA  1 (default) or 0, above
 #   ROUNDS      at most this many trajectories per optimizer (default: as
-#               many as its share of SOAK_S starts); ROUNDS=1 with
-#               FAULT_EVERY_S measures one long trajectory per optimizer
+#               many as its share of SOAK_S starts; the short form: 1);
+#               ROUNDS=1 with FAULT_EVERY_S measures one long trajectory
+#               per optimizer
 #   OMPI_MCA_odls_base_sigkill_timeout  Open MPI's stop time (default
 #               here 1 s, Open MPI's own; scripts/lib/netns.sh's is 3 s):
 #               mpirun waits it after a rank's death or its own SIGTERM
@@ -122,6 +123,7 @@ if [ "$SHORT" = 1 ]; then
 	NP0=${NP0:-2}
 	fixed_worlds="3 2 4 "
 	INTERRUPTS=3
+	ROUNDS=1
 	GAP=${GAP:-30}
 else
 	netns_require_root "it creates a network namespace and impairs its loopback"
@@ -146,8 +148,7 @@ soak_setup
 # once here (the example reads the plain files where a directory holds
 # them): reading the data took 0.46-1.87 s of a restart gzipped, 0.18-0.64
 # s plain, on 2 to 6 ranks of this machine (two runs, docs/measured.md,
-# "The elastic soak"). PLAIN_DATA=0 keeps the
-# .gz files.
+# "The elastic soak"). PLAIN_DATA=0 keeps the .gz files.
 if [ "${PLAIN_DATA:-1}" = 1 ] && [ -e "$DATA/train-images-idx3-ubyte.gz" ] && [ ! -e "$DATA/train-images-idx3-ubyte" ]; then
 	mkdir -p "$NETNS_TMP/data"
 	for f in "$DATA"/*-idx[13]-ubyte.gz; do
@@ -537,7 +538,6 @@ for i in "${!opts[@]}"; do
 		fi
 		echo "soak-elastic: $opt round $round: done on $last_np ranks, test acc ${got_acc:-none}% (uninterrupted ${ref_acc:-none}%), goodput $g% (uninterrupted $ref_good%)"
 		round=$((round + 1))
-		[ "$SHORT" != 1 ] || break
 		[ -z "${ROUNDS:-}" ] || [ "$round" -lt "$ROUNDS" ] || break
 		[ "$(date +%s)" -lt "$deadline" ] || break
 	done
