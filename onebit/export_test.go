@@ -77,3 +77,7 @@ func SetStartSizes(t interface{ Cleanup(func()) }, start, block int) {
 	startMin, progressBlock = start, block
 	t.Cleanup(func() { startMin, progressBlock = oldStart, oldBlock })
 }
+
+// Hadamard is the owners' exchange's orthonormal Walsh-Hadamard transform
+// (muon_schemes_test.go's harness rotates with it too).
+var Hadamard = hadamard

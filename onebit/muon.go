@@ -75,6 +75,12 @@ type MuonConfig struct {
 	// example it ended no worse than the exact warm-up of both groups and
 	// sent 2.4 times fewer bytes (docs/muon.md).
 	WarmupAdamWOnly bool
+	// Exchange is how the Muon group is averaged over the ranks:
+	// ExchangePolar (the zero value, DefaultMuonConfig's: each rank's
+	// polar factor through the 1-bit allreduce) or ExchangeOwners (the
+	// owner of each matrix orthogonalizes an estimate of the ranks' mean
+	// momentum; StateFull only). docs/muon.md compares them.
+	Exchange MuonExchange
 }
 
 // ParseMuonStateMode parses the name of a state mode of 1-bit Muon as a
@@ -105,8 +111,9 @@ func DefaultMuonConfig() MuonConfig {
 // of optim.MuonConfig.Validate, a negative FreezeStep, Split (which 1-bit
 // Muon does not take: each rank orthogonalizes its own momentum), a
 // BucketBytes outside the convention of optim.DefaultBucketBytes, a
-// StateMode other than StateFull and StateCompact, or MomentumBF16 without
-// StateCompact. NewMuon returns exactly this error (joined, on more than
+// StateMode other than StateFull and StateCompact, an unknown Exchange,
+// ExchangeOwners with another StateMode than StateFull, or MomentumBF16
+// without StateCompact. NewMuon returns exactly this error (joined, on more than
 // one rank, with the agreement's).
 func (c MuonConfig) Validate() error {
 	const cfg = "onebit.MuonConfig"
@@ -121,6 +128,12 @@ func (c MuonConfig) Validate() error {
 	}
 	if c.StateMode != StateFull && c.StateMode != StateCompact {
 		return &optim.ConfigError{Config: cfg, Field: "StateMode", Value: c.StateMode, Want: "StateFull or StateCompact"}
+	}
+	if c.Exchange != ExchangePolar && c.Exchange != ExchangeOwners {
+		return &optim.ConfigError{Config: cfg, Field: "Exchange", Value: c.Exchange, Want: "ExchangePolar or ExchangeOwners"}
+	}
+	if c.Exchange == ExchangeOwners && c.StateMode != StateFull {
+		return &optim.ConfigError{Config: cfg, Field: "StateMode", Value: c.StateMode, Want: "StateFull with ExchangeOwners"}
 	}
 	if c.MomentumBF16 && c.StateMode != StateCompact {
 		return &optim.ConfigError{Config: cfg, Field: "MomentumBF16", Value: c.MomentumBF16, Want: "false unless StateMode is StateCompact"}
@@ -213,6 +226,8 @@ type Muon struct {
 	cm      *muonCompact
 	scratch []float32
 	step    []float32
+	// ow is ExchangeOwners' state on more than one rank (nil otherwise).
+	ow *muonOwners
 	// mixed is WarmupAdamWOnly on more than one rank: the Muon group's
 	// matrices are compressed in the warm-up too, through the first
 	// bkt.split buckets, and avg averages the AdamW group's gradients only.
@@ -256,7 +271,7 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg MuonCo
 	}
 	if c != nil && c.Size() > 1 {
 		extra := []uint64{uint64(cfg.FreezeStep), uint64(int64(cfg.BucketBytes)), uint64(cfg.StateMode), uint64(optim.HyperBool(cfg.MomentumBF16)),
-			uint64(optim.HyperBool(cfg.WarmupAdamWOnly))}
+			uint64(optim.HyperBool(cfg.WarmupAdamWOnly)), uint64(cfg.Exchange)}
 		if err := optim.AgreeMuon(ctx, c, "onebit: Muon", params, muon, cfg.MuonConfig, extra, bad != nil); err != nil {
 			return nil, errors.Join(bad, err)
 		}
@@ -274,6 +289,7 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg MuonCo
 	multi := c != nil && c.Size() > 1
 	compact := cfg.StateMode == StateCompact && multi
 	o.mixed = cfg.WarmupAdamWOnly && multi
+	owners := cfg.Exchange == ExchangeOwners && multi
 	// The exchange's layout: the parameters in order or, with
 	// WarmupAdamWOnly, the Muon group's first; cut is where the AdamW
 	// group's begin (0 without WarmupAdamWOnly). A run on one rank
@@ -299,7 +315,7 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg MuonCo
 		p := params[i]
 		ordered[k], sizes[k] = p, p.Numel()
 		o.unit[i] = 1
-		if compact && muon[i] {
+		if (compact || owners) && muon[i] {
 			sizes[k], most = 0, max(most, p.Numel())
 		}
 	}
@@ -309,8 +325,11 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg MuonCo
 	for k, i := range order {
 		o.slot[i] = parts[k]
 	}
-	if compact {
-		o.scratch, o.step = make([]float32, most), make([]float32, len(params))
+	if compact || owners {
+		o.scratch = make([]float32, most)
+		if compact {
+			o.step = make([]float32, len(params))
+		}
 		for i, p := range params {
 			if muon[i] {
 				o.slot[i] = o.scratch[:p.Numel():p.Numel()]
@@ -358,12 +377,27 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg MuonCo
 	if cfg.WarmupAdamWOnly {
 		hypers = append(hypers, optim.Hyper{Name: "warmup_adamw_only", Value: 1})
 	}
+	if cfg.Exchange == ExchangeOwners {
+		hypers = append(hypers, optim.Hyper{Name: HyperOwners, Value: 1})
+	}
 	o.f = optim.NewFrame(optim.FrameConfig{
 		Name: "onebit: Muon", Algorithm: AlgorithmMuon, Comm: c, Params: o.params, Sizes: o.slot,
 		LR: cfg.LR, Stage: start, Logger: optim.ApplyOptions(opts).Logger, Averager: avg,
 		Hypers: hypers, Check: o.check,
 	})
-	if o.bkt, err = newCutBuckets(ordered, o.f.World(), cfg.BucketBytes, false, cut); err != nil {
+	bucketed := ordered
+	if owners {
+		// The buckets hold the AdamW group only: the Muon group travels
+		// to and from its owners.
+		bucketed, cut = nil, 0
+		for _, p := range ordered {
+			if !muon[slices.Index(o.params, p)] {
+				bucketed = append(bucketed, p)
+			}
+		}
+		o.ow = newMuonOwners(o.mats, o.params, o.f.World(), o.f.Rank())
+	}
+	if o.bkt, err = newCutBuckets(bucketed, o.f.World(), cfg.BucketBytes, false, cut); err != nil {
 		avg.Close()
 		return nil, fmt.Errorf("onebit: Muon: %w", err)
 	}
@@ -458,6 +492,9 @@ func (o *Muon) warmup(ctx context.Context, t int64, lr float32) error {
 		optim.AdamStep(p.Data(), o.slot[i], o.v[i], p.GradData(), cfg.AdamBeta1, cfg.AdamBeta2, alr, cfg.AdamWeightDecay, c1, c2, cfg.AdamEps)
 	}
 	if t >= o.freeze {
+		if o.ow != nil && !o.mixed {
+			o.ow.sync(o.mats, o.mom)
+		}
 		o.c2 = c2
 		o.setUnits()
 		if o.cm != nil && !o.mixed {
@@ -540,9 +577,12 @@ func (o *Muon) compressed(ctx context.Context, t int64, lr float32) error {
 	}
 	alr := o.adam.At(t)
 	var err error
-	if o.cm != nil {
+	switch {
+	case o.cm != nil:
 		err = o.compressedCompact(ctx, t, lr, alr, true)
-	} else {
+	case o.ow != nil:
+		err = o.compressedOwners(ctx, t, lr, alr)
+	default:
 		err = o.compressedFull(ctx, t, lr, alr)
 	}
 	if err == nil && late {
@@ -584,12 +624,40 @@ func (o *Muon) compressedFull(ctx context.Context, t int64, lr, alr float32) err
 	return nil
 }
 
+// compressedOwners is compressed's step with ExchangeOwners on more than
+// one rank: the Muon group through its owners, the AdamW group through the
+// buckets.
+func (o *Muon) compressedOwners(ctx context.Context, t int64, lr, alr float32) error {
+	cfg := o.cfg
+	c1 := optim.BiasCorrection(cfg.AdamBeta1, t)
+	for _, i := range o.aux {
+		optim.Momentum(o.slot[i], o.params[i].GradData(), cfg.AdamBeta1)
+	}
+	if err := o.stepOwners(ctx, t, lr); err != nil {
+		return err
+	}
+	for _, i := range o.aux {
+		scaleBy(o.slot[i], o.unit[i])
+	}
+	if err := o.bkt.allReduce(ctx, o.f.Comm(), o.flat); err != nil {
+		return fmt.Errorf("the exchange: %w", err)
+	}
+	for _, i := range o.aux {
+		unscaleBy(o.slot[i], o.unit[i])
+		optim.AdamUpdateBounded(o.params[i].Data(), o.slot[i], o.v[i], alr, cfg.AdamWeightDecay, c1, o.c2, cfg.AdamEps, o.bound)
+	}
+	return nil
+}
+
 // warmupMatrices is the Muon group's step in the warm-up of
 // WarmupAdamWOnly on more than one rank: the compression stage's, through
 // the Muon group's buckets (the first bkt.split).
 func (o *Muon) warmupMatrices(ctx context.Context, t int64, lr float32) error {
 	if o.cm != nil {
 		return o.compressedCompact(ctx, t, lr, 0, false)
+	}
+	if o.ow != nil {
+		return o.stepOwners(ctx, t, lr)
 	}
 	o.orthogonalizeOwn()
 	if err := o.bkt.allReduceFirst(ctx, o.f.Comm(), o.flat, o.bkt.split); err != nil {
@@ -727,6 +795,16 @@ func (o *Muon) State() (*optim.Checkpoint, error) {
 		ck.AddTensor(optim.ExpAvgPrefix+p.Name, shape, o.slot[i])
 		ck.AddTensor(optim.ExpAvgSqPrefix+p.Name, shape, o.v[i])
 	}
+	if o.ow != nil {
+		for k, mt := range o.mats {
+			p := o.params[mt.i]
+			ck.AddTensor(TrackPrefix+p.Name, p.Shape(), o.ow.trk[k])
+			if o.ow.mean[k] != nil {
+				ck.AddTensor(OwnerMeanPrefix+p.Name, p.Shape(), o.ow.mean[k])
+				ck.AddTensor(OwnerErrorPrefix+p.Name, p.Shape(), o.ow.fb[k])
+			}
+		}
+	}
 	o.bkt.save(ck, we, nil)
 	return ck, nil
 }
@@ -760,6 +838,10 @@ func (o *Muon) Load(ck *optim.Checkpoint) error {
 	}
 	if err := checkMuonMode(ck, o.cfg); err != nil {
 		return fmt.Errorf("onebit: Muon: %w", err)
+	}
+	if o.cfg.Exchange == ExchangeOwners && !isOwners(ck) {
+		return fmt.Errorf("onebit: Muon: %w: made with the polar exchange, this optimizer has the owners' (MuonConfig.Exchange): their states differ; resume with ExchangePolar",
+			optim.ErrIncompatibleCheckpoint)
 	}
 	if err := o.bkt.check(ck); err != nil {
 		return fmt.Errorf("onebit: Muon: %w", err)
@@ -796,6 +878,16 @@ func (o *Muon) Load(ck *optim.Checkpoint) error {
 		}
 		rs.Tensor(optim.ExpAvgPrefix+p.Name, o.slot[i])
 		rs.Tensor(optim.ExpAvgSqPrefix+p.Name, o.v[i])
+	}
+	if o.ow != nil {
+		for k, mt := range o.mats {
+			name := o.params[mt.i].Name
+			rs.Tensor(TrackPrefix+name, o.ow.trk[k])
+			if o.ow.mean[k] != nil {
+				rs.Tensor(OwnerMeanPrefix+name, o.ow.mean[k])
+				rs.Tensor(OwnerErrorPrefix+name, o.ow.fb[k])
+			}
+		}
 	}
 	o.restoreErrors(ck, rs, we)
 	if err := rs.Apply(); err != nil {
@@ -845,7 +937,7 @@ func (o *Muon) StateBytes() int64 {
 	for _, w := range o.orth {
 		n += w.StateBytes()
 	}
-	return n + o.bkt.stateBytes() + o.avg.StateBytes() + o.cm.stateBytes()
+	return n + o.bkt.stateBytes() + o.avg.StateBytes() + o.cm.stateBytes() + o.ow.stateBytes()
 }
 
 // restoreErrors stages the buckets' error buffers of ck for rs: as

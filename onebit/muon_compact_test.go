@@ -20,19 +20,23 @@ import (
 )
 
 // muonModes are 1-bit Muon's state modes as the command lines name them.
-var muonModes = []string{"full", "compact", "compact-bf16"}
+var muonModes = []string{"full", "compact", "compact-bf16", "owners"}
 
 // muonWarmupModes are muonModes with WarmupAdamWOnly, named with the
 // suffix muonModeConfig takes.
-var muonWarmupModes = []string{"full+warmup-adamw", "compact+warmup-adamw", "compact-bf16+warmup-adamw"}
+var muonWarmupModes = []string{"full+warmup-adamw", "compact+warmup-adamw", "compact-bf16+warmup-adamw", "owners+warmup-adamw"}
 
-// muonModeConfig is muonTestConfig(freeze) in the state mode named mode,
-// with WarmupAdamWOnly where mode ends in "+warmup-adamw".
+// muonModeConfig is muonTestConfig(freeze) in the state mode named mode
+// ("owners": StateFull with ExchangeOwners), with WarmupAdamWOnly where
+// mode ends in "+warmup-adamw".
 func muonModeConfig(t testing.TB, freeze int, mode string) onebit.MuonConfig {
 	t.Helper()
 	cfg := muonTestConfig(freeze)
 	var err error
 	mode, cfg.WarmupAdamWOnly = strings.CutSuffix(mode, "+warmup-adamw")
+	if mode == "owners" {
+		mode, cfg.Exchange = "full", onebit.ExchangeOwners
+	}
 	cfg.StateMode, cfg.MomentumBF16, err = onebit.ParseMuonStateMode(mode)
 	require.NoError(t, err)
 	return cfg
@@ -161,6 +165,13 @@ func TestMuonCompactStateBytes(t *testing.T) {
 		return opts[0].StateBytes(), float64(grown) / float64(sum)
 	}
 	for _, mode := range muonModes {
+		if mode == "owners" {
+			// Its bytes per element depend on which rank owns what: the
+			// heap's growth only.
+			_, heap := measure(mode, 2)
+			assert.InDelta(t, 1, heap, 0.01, "owners: the heap grows by what StateBytes counts")
+			continue
+		}
 		t.Run(mode, func(t *testing.T) {
 			two, heap := measure(mode, 2)
 			three, _ := measure(mode, 3)

@@ -40,6 +40,7 @@ type refMuon1 struct {
 	c2      float64   // AdamW's frozen variance bias correction
 	k       []float64 // per parameter: AdamW's k_p
 	t       int
+	own     *refOwners // ExchangeOwners' state (nil for ExchangePolar)
 }
 
 func newRefMuon1(w int, cfg onebit.MuonConfig, ps []*optim.Param, bucketElems int) *refMuon1 {
@@ -66,13 +67,28 @@ func newRefMuon1(w int, cfg onebit.MuonConfig, ps []*optim.Param, bucketElems in
 	// WarmupAdamWOnly: the Muon group's parameters first, the buckets
 	// also cut where the AdamW group's begin.
 	cut := 0
+	if cfg.Exchange == onebit.ExchangeOwners {
+		// The Muon group travels through its owners, the buckets hold
+		// the AdamW group's parameters only.
+		r.own = newRefOwners(r, ps)
+		n = 0
+		for i, q := range ps {
+			if !r.isMuon[i] {
+				r.order = append(r.order, i)
+				n += q.Numel()
+			}
+		}
+	}
 	for i, q := range ps {
+		if r.own != nil {
+			break
+		}
 		if !cfg.WarmupAdamWOnly || r.isMuon[i] {
 			r.order = append(r.order, i)
 			cut += q.Numel()
 		}
 	}
-	if cfg.WarmupAdamWOnly {
+	if cfg.WarmupAdamWOnly && r.own == nil {
 		for i := range ps {
 			if !r.isMuon[i] {
 				r.order = append(r.order, i)
@@ -129,7 +145,10 @@ func (r *refMuon1) step(g [][][]float64) {
 	alr, awd, eps := float64(c.AdamLR), float64(c.AdamWeightDecay), float64(c.AdamEps)
 	c1 := 1 / (1 - math.Pow(b1, float64(r.t)))
 	if r.t <= c.FreezeStep { // warm-up: exact AdamW (and exact Muon) on the mean gradient
-		if c.WarmupAdamWOnly {
+		switch {
+		case c.WarmupAdamWOnly && r.own != nil:
+			r.own.step(r, g)
+		case c.WarmupAdamWOnly:
 			r.exchange(g, r.split, false)
 		}
 		mean := make([][]float64, len(r.shapes))
@@ -168,6 +187,9 @@ func (r *refMuon1) step(g [][][]float64) {
 			}
 		}
 		if r.t == c.FreezeStep {
+			if r.own != nil && !c.WarmupAdamWOnly {
+				r.own.sync(r)
+			}
 			r.c2 = c2
 			for i := range r.shapes {
 				if v := r.v[0][i]; !r.isMuon[i] && len(v) > 0 {
@@ -180,6 +202,9 @@ func (r *refMuon1) step(g [][][]float64) {
 			}
 		}
 		return
+	}
+	if r.own != nil {
+		r.own.step(r, g)
 	}
 	r.exchange(g, len(r.efs), true)
 	for rk := range r.w {
@@ -303,11 +328,16 @@ func TestMuonMatchesFloat64Reference(t *testing.T) {
 		w, bucket int  // elements per bucket
 		pieces    int  // of each bucket's collective (0: as AllReduce chooses)
 		adamW     bool // WarmupAdamWOnly
-	}{{2, total, 0, false}, {3, 50, 0, false}, {4, total, 0, false}, {4, 37, 0, false}, {4, total, 2, false},
-		{2, total, 0, true}, {3, 50, 0, true}, {4, 37, 0, true}} {
-		t.Run(fmt.Sprintf("W=%d/bucket=%d/pieces=%d/warmupAdamWOnly=%v", tc.w, tc.bucket, tc.pieces, tc.adamW), func(t *testing.T) {
+		owners    bool // ExchangeOwners
+	}{{2, total, 0, false, false}, {3, 50, 0, false, false}, {4, total, 0, false, false}, {4, 37, 0, false, false}, {4, total, 2, false, false},
+		{2, total, 0, true, false}, {3, 50, 0, true, false}, {4, 37, 0, true, false},
+		{2, total, 0, false, true}, {3, 5, 0, false, true}, {4, total, 0, false, true}, {2, total, 0, true, true}, {3, 5, 0, true, true}, {4, total, 0, true, true}} {
+		t.Run(fmt.Sprintf("W=%d/bucket=%d/pieces=%d/warmupAdamWOnly=%v/owners=%v", tc.w, tc.bucket, tc.pieces, tc.adamW, tc.owners), func(t *testing.T) {
 			cfg := muonTestConfig(freeze)
 			cfg.WarmupAdamWOnly = tc.adamW
+			if tc.owners {
+				cfg.Exchange = onebit.ExchangeOwners
+			}
 			if tc.bucket != total {
 				cfg.BucketBytes = 4 * tc.bucket
 			}

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 )
 
@@ -885,28 +886,7 @@ func simQSched(dst, x []float32, w int, bitsOf func(j int) int, l1 bool, rot uin
 
 // simHadamard applies the orthonormal Walsh-Hadamard transform (its own
 // inverse) to x's pieces, the largest power of two first.
-func simHadamard(x []float32) {
-	for len(x) > 0 {
-		n := 1
-		for n*2 <= len(x) {
-			n *= 2
-		}
-		p := x[:n]
-		for h := 1; h < n; h *= 2 {
-			for i := 0; i < n; i += 2 * h {
-				for j := i; j < i+h; j++ {
-					a, b := p[j], p[j+h]
-					p[j], p[j+h] = a+b, a-b
-				}
-			}
-		}
-		f := float32(1 / math.Sqrt(float64(n)))
-		for i := range p {
-			p[i] *= f
-		}
-		x = x[n:]
-	}
-}
+func simHadamard(x []float32) { onebit.Hadamard(x) }
 
 // simRound rounds x to bits on the wire: 32 as is, 16 to bfloat16 (nearest
 // even), else a symmetric uniform grid at the absolute maximum of each

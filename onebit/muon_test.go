@@ -334,13 +334,21 @@ func TestMuonLoadRefuses(t *testing.T) {
 		ck   func(r int) *optim.Checkpoint
 		msg  string
 	}
-	// Every state mode refuses every other's checkpoint.
+	// Every state mode refuses every other's checkpoint, and each exchange
+	// the other's.
 	var modes []refusal
 	for _, made := range muonModes {
 		cks := muonStates(t, 2, 1, 3, newMuon1(muonModeConfig(t, 2, made)), nil)
 		for _, have := range muonModes {
 			if have != made {
-				modes = append(modes, refusal{have + " loading " + made, muonModeConfig(t, 2, have), func(r int) *optim.Checkpoint { return cks[r] }, "made with StateMode"})
+				msg := "made with StateMode"
+				switch {
+				case made == "owners":
+					msg = "made with hyperparameter muon_exchange_owners 1"
+				case have == "owners" && made == "full":
+					msg = "made with the polar exchange"
+				}
+				modes = append(modes, refusal{have + " loading " + made, muonModeConfig(t, 2, have), func(r int) *optim.Checkpoint { return cks[r] }, msg})
 			}
 		}
 	}

@@ -78,6 +78,8 @@ func Regroup(old []*optim.Checkpoint, world, rank int) (*optim.Checkpoint, error
 			}
 		case g.sharded && g.isMoment(t.Name):
 			// Re-cut below, after the parameters.
+		case strings.HasPrefix(t.Name, TrackPrefix), strings.HasPrefix(t.Name, OwnerMeanPrefix), strings.HasPrefix(t.Name, OwnerErrorPrefix):
+			// ExchangeOwners' state: made below.
 		case src.Algorithm == AlgorithmMuon && strings.HasPrefix(t.Name, optim.MomentumBufferPrefix):
 			m, err := g.mean(t.Name, len(t.Data))
 			if err != nil {
@@ -96,6 +98,11 @@ func Regroup(old []*optim.Checkpoint, world, rank int) (*optim.Checkpoint, error
 			}
 			out.AddTensor(b.worker, []int{len(we)}, we)
 			out.AddTensor(b.server, []int{len(se)}, se)
+		}
+	}
+	if world > 1 && src.Algorithm == AlgorithmMuon && isOwners(src) {
+		if err := g.owners(out); err != nil {
+			return nil, fmt.Errorf("onebit: Regroup: %w", err)
 		}
 	}
 	if g.sharded {
@@ -197,24 +204,28 @@ type regrouper struct {
 func newRegrouper(old []*optim.Checkpoint, world, rank int) *regrouper {
 	g := &regrouper{old: old, world: world, rank: rank, algorithm: old[0].Algorithm, sharded: modeOf(old[0]) == StateSharded}
 	prefix := optim.ParamTensorName("")
+	bucketed := []int{} // the elements of the parameters in the buckets
 	for _, t := range old[0].Tensors {
 		if name, ok := strings.CutPrefix(t.Name, prefix); ok {
 			g.names = append(g.names, name)
 			g.sizes = append(g.sizes, len(t.Data))
 			g.shapes = append(g.shapes, t.Shape)
 			g.n += len(t.Data)
+			if !isOwners(old[0]) || old[0].Tensor(optim.MomentumBufferPrefix+name) == nil {
+				bucketed = append(bucketed, len(t.Data)) // ExchangeOwners' buckets: the AdamW group's
+			}
 		}
 	}
 	bytes, ok := old[0].Ints[IntBucketBytes]
 	switch {
 	case !ok || bytes == optim.PerParameter:
 		g.perParam = true
-		g.buckets = g.sizes
+		g.buckets = bucketed
 	default:
 		if bytes == 0 { // 0/1 Adam on one rank recorded none before Regroup took one rank
 			bytes = optim.DefaultBucketBytes
 		}
-		bounds := bucketBounds(g.n, max(int(bytes)/4, 1), int(old[0].Ints[IntBucketCut]))
+		bounds := bucketBounds(sum(bucketed), max(int(bytes)/4, 1), int(old[0].Ints[IntBucketCut]))
 		for k := range len(bounds) - 1 {
 			g.buckets = append(g.buckets, bounds[k+1]-bounds[k])
 		}
@@ -433,6 +444,52 @@ func (g *regrouper) moments(out *optim.Checkpoint) error {
 			out.AddTensor(bucketShardName(pre.shard, k), []int{len(sh)}, sh)
 			all = all[n:]
 		}
+	}
+	return nil
+}
+
+// owners makes ExchangeOwners' state of the new rank (1-bit Muon on more
+// than one rank): every rank's tracking estimate of each Muon matrix is
+// the old ranks' mean (their momenta's, from one old rank, where there
+// were none), the owner's mean estimate is that same mean (the mean of
+// the new ranks' estimates, as the exchange keeps it), and the owner's
+// error feedback moves from the old owner unchanged (zero from one rank).
+// The owners are dealt out again as NewMuon deals them.
+func (g *regrouper) owners(out *optim.Checkpoint) error {
+	var names []string
+	var sizes []int
+	var shapes [][]int
+	for k, name := range g.names {
+		if g.old[0].Tensor(optim.MomentumBufferPrefix+name) != nil {
+			names, sizes, shapes = append(names, name), append(sizes, g.sizes[k]), append(shapes, g.shapes[k])
+		}
+	}
+	owner := ownersOf(sizes, g.world)
+	for k, name := range names {
+		from := TrackPrefix + name
+		if len(g.old) == 1 {
+			from = optim.MomentumBufferPrefix + name
+		}
+		h, err := g.mean(from, sizes[k])
+		if err != nil {
+			return err
+		}
+		h = h[:sizes[k]]
+		out.AddTensor(TrackPrefix+name, shapes[k], h)
+		if owner[k] != g.rank {
+			continue
+		}
+		out.AddTensor(OwnerMeanPrefix+name, shapes[k], h)
+		e := make([]float32, sizes[k])
+		for r := range g.old {
+			if t := g.old[r].Tensor(OwnerErrorPrefix + name); t != nil {
+				if len(t.Data) != sizes[k] {
+					return fmt.Errorf("%w: checkpoint %d's %q has %d elements, want %d", optim.ErrIncompatibleCheckpoint, r, t.Name, len(t.Data), sizes[k])
+				}
+				copy(e, t.Data)
+			}
+		}
+		out.AddTensor(OwnerErrorPrefix+name, shapes[k], e)
 	}
 	return nil
 }

@@ -76,6 +76,7 @@ type options struct {
 	muonSplit  bool    // -muon-split: exact Muon's orthogonalization split across the ranks
 	muonState  string  // -muon-state: onebit-muon's state mode (onebit.ParseMuonStateMode)
 	muonWarmup string  // -muon-warmup: onebit-muon's warm-up, "all" or "adamw" (onebit.MuonConfig.WarmupAdamWOnly)
+	muonExch   string  // -muon-exchange: onebit-muon's exchange (onebit.ParseMuonExchange)
 	freezeStep int
 	// outerH, outerFragments and outerDelay are diloco's H, Fragments
 	// and Delay (outer.Config).
@@ -145,6 +146,7 @@ func (o *options) hyper() hyper {
 	h.outerMuon = o.outerInner == "muon"
 	h.muonState, h.muonBF16, _ = onebit.ParseMuonStateMode(o.muonState)
 	h.muonWarmupAdamW = o.muonWarmup == "adamw"
+	h.muonExchange, _ = onebit.ParseMuonExchange(o.muonExch)
 	h.outer = h.outerFor(outer.CodecFP32)
 	return h
 }
@@ -195,6 +197,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.muonSplit, "muon-split", false, "muon (exact): each rank orthogonalizes its share of the hidden matrices and one all-gather per step shares the updates (optim.MuonConfig.Split): the same parameters, 1/W of the Newton-Schulz compute, about +50% of the hidden matrices' bytes; onebit-muon ignores it")
 	fs.StringVar(&o.muonWarmup, "muon-warmup", "adamw", "onebit-muon: what the exact warm-up (-freeze-step) is for: adamw (the AdamW group only, the hidden matrices through the 1-bit exchange from the first step: onebit.MuonConfig.WarmupAdamWOnly, the library's default) or all (both groups exact)")
 	fs.StringVar(&o.muonState, "muon-state", "full", "onebit-muon: how its state is kept (onebit.MuonConfig.StateMode): full (13 bytes per element of a Muon matrix on 4 ranks), compact (no slot, worker errors in bfloat16: 7) or compact-bf16 (the momentum in bfloat16 too: 5)")
+	fs.StringVar(&o.muonExch, "muon-exchange", "polar", "onebit-muon: how the hidden matrices are averaged (onebit.MuonConfig.Exchange): polar (each rank's momentum orthogonalized, the polar factors averaged through the 1-bit allreduce) or owners (each matrix's owner orthogonalizes an estimate of the ranks' mean momentum, 1-bit both ways; -muon-state full only)")
 	fs.IntVar(&o.freezeStep, "freeze-step", -1, "exact warm-up steps of the 1-bit optimizers (-1: a fifth of -steps)")
 	fs.IntVar(&o.outerH, "outer-h", defaultOuterH, "diloco: inner steps per outer step (each fragment's); fixed for the whole run, not derived from -steps")
 	fs.IntVar(&o.outerFragments, "outer-fragments", 1, "diloco: fragments of the parameters, exchanged staggered (Streaming DiLoCo), 1 to -outer-h")
@@ -269,6 +272,10 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("muon-state", "want full, compact or compact-bf16")
 	case o.muonWarmup != "all" && o.muonWarmup != "adamw":
 		return bad("muon-warmup", "want all or adamw")
+	case o.muonExch != "polar" && o.muonExch != "owners":
+		return bad("muon-exchange", "want polar or owners")
+	case o.muonExch == "owners" && o.muonState != "full":
+		return bad("muon-exchange", "owners takes -muon-state full only")
 	case o.outerInner != "adam" && o.outerInner != "muon":
 		return bad("outer-inner", "want adam or muon")
 	case o.freezeStep < -1 || o.freezeStep > maxSteps:

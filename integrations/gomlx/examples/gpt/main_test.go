@@ -78,10 +78,10 @@ func TestConvergence(t *testing.T) {
 // (1-bit Adam, and with its moments sharded over the 2 ranks: both stop in
 // their compression stage; diloco with the 1-bit codec, stopped between
 // two exchanges, when the ranks' parameters differ; exact Muon; 1-bit Muon
-// in its compression stage, also with its smallest state and with the
-// exact warm-up of both groups).
+// in its compression stage, also with its smallest state, with the
+// exact warm-up of both groups and with the owners' exchange).
 func TestResume(t *testing.T) {
-	for _, run := range []string{"onebit-adam", "onebit-adam-sharded", "diloco:1bit", "muon", "onebit-muon", "onebit-muon -muon-state compact-bf16", "onebit-muon -muon-warmup all"} {
+	for _, run := range []string{"onebit-adam", "onebit-adam-sharded", "diloco:1bit", "muon", "onebit-muon", "onebit-muon -muon-state compact-bf16", "onebit-muon -muon-warmup all", "onebit-muon -muon-exchange owners"} {
 		t.Run(run, func(t *testing.T) {
 			name, extra := strings.Fields(run)[0], strings.Fields(run)[1:]
 			dir := t.TempDir()
@@ -559,6 +559,24 @@ func TestMuonWarmupAdamW(t *testing.T) {
 	assert.Contains(t, out, "onebit-muon's exact warm-up for both groups (-muon-warmup all)")
 	err := run(context.Background(), append(args, "-muon-warmup", "muon"), io.Discard, io.Discard)
 	require.ErrorContains(t, err, "muon-warmup")
+}
+
+// TestMuonExchange: -muon-exchange owners reaches 1-bit Muon
+// (onebit.MuonConfig.Exchange): a run past the warm-up ends elsewhere than
+// the polar exchange's and the header says which; another value, or
+// owners with a compact state, is refused naming the flag.
+func TestMuonExchange(t *testing.T) {
+	args := tiny("-optimizer", "onebit-muon", "-steps", "6", "-freeze-step", "2", "-eval-every", "3")
+	polar, _ := runJSON(t, args...)
+	owners, out := runJSON(t, append(args, "-muon-exchange", "owners", "-quiet=false")...)
+	require.Len(t, polar, 1)
+	require.Len(t, owners, 1)
+	assert.NotEqual(t, polar[0].ValLoss, owners[0].ValLoss)
+	assert.Contains(t, out, "(-muon-exchange owners)")
+	for _, bad := range [][]string{{"-muon-exchange", "mean"}, {"-muon-exchange", "owners", "-muon-state", "compact"}} {
+		err := run(context.Background(), append(args, bad...), io.Discard, io.Discard)
+		require.ErrorContains(t, err, "muon-exchange")
+	}
 }
 
 // TestDilocoWarnings: diloco whose first exchange comes after -steps (the

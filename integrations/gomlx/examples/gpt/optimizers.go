@@ -244,6 +244,8 @@ type hyper struct {
 	// muonWarmupAdamW is -muon-warmup adamw (the default): onebit-muon's
 	// WarmupAdamWOnly.
 	muonWarmupAdamW bool
+	// muonExchange is -muon-exchange: onebit-muon's Exchange.
+	muonExchange onebit.MuonExchange
 }
 
 // outerFor returns diloco's settings with codec c: the flags, and where
@@ -326,6 +328,7 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		cfg.FreezeStep = h.freezeStep
 		cfg.StateMode, cfg.MomentumBF16 = h.muonState, h.muonBF16
 		cfg.WarmupAdamWOnly = h.muonWarmupAdamW
+		cfg.Exchange = h.muonExchange
 		return lbgomlx.MuonBuilder(func(ctx context.Context, c comm.Comm, params []*optim.Param, sel []string) (optim.Optimizer, error) {
 			cfg := cfg
 			cfg.Params = sel
