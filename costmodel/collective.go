@@ -89,7 +89,8 @@ type Collective struct {
 // (not calibrated), then the outer optimizer's rows, one per codec:
 // "outer-fp32", "outer-bf16" (not calibrated), "outer-int8" (not
 // calibrated), "outer-1bit" and "outer-sparse" (not calibrated), then
-// Muon's rows, "muon" and "onebit-muon" (muon.go).
+// Muon's rows, "muon", "muon-split", "onebit-muon" and (opt-in)
+// "onebit-muon-owners" (muon.go).
 func Collectives() []Collective {
 	out := make([]Collective, 0, len(collectives)+len(outerCodecs)+2)
 	for _, c := range collectives {
@@ -101,7 +102,9 @@ func Collectives() []Collective {
 	return append(out,
 		Collective{Name: OptMuon, Muon: true, Desc: "Muon (optim.NewMuon): exact float32 allreduce of the gradients, then every rank orthogonalizes every Muon matrix (Newton-Schulz)"},
 		Collective{Name: OptMuonSplit, Muon: true, Desc: "Muon with MuonConfig.Split: exact float32 allreduce of the gradients, each rank orthogonalizes its share of the Muon matrices, then an all-gather of the updates"},
-		Collective{Name: OptOnebitMuon, Muon: true, Desc: "1-bit Muon (onebit.NewMuon) after its warm-up (FreezeStep steps of exact Muon): every rank orthogonalizes its own momentum, then the 1-bit allreduce of the results and the AdamW group's momentum"})
+		Collective{Name: OptOnebitMuon, Muon: true, Desc: "1-bit Muon (onebit.NewMuon) after its warm-up (FreezeStep steps of exact Muon): every rank orthogonalizes its own momentum, then the 1-bit allreduce of the results and the AdamW group's momentum"},
+		Collective{Name: OptOnebitMuonOwners, Muon: true, Uncalibrated: ownersCollective(&MuonPlan{}).uncalibrated,
+			Desc: "1-bit Muon with ExchangeOwners (opt-in): each rank sends the owner of each Muon matrix its momentum's change at 1 bit, the owner orthogonalizes the mean's estimate and sends the update at 1 bit; segments padded to the most loaded owner's; the AdamW group through the 1-bit allreduce"})
 }
 
 func findCollective(name string) (collective, bool) {

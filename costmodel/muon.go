@@ -28,6 +28,10 @@ const (
 	OptMuon       = "muon"        // optim.Muon, exact float32 averaging
 	OptMuonSplit  = "muon-split"  // optim.Muon with MuonConfig.Split
 	OptOnebitMuon = "onebit-muon" // onebit.Muon after its warm-up
+	// OptOnebitMuonOwners is onebit.Muon with MuonConfig.Exchange
+	// ExchangeOwners after its warm-up: opt-in (Job.Collectives names
+	// it), not among the default rows.
+	OptOnebitMuonOwners = "onebit-muon-owners"
 )
 
 // muonNSSteps is optim.DefaultMuonConfig's NSSteps, copied so that the
@@ -121,7 +125,48 @@ func muonPlan(j Job) *MuonPlan {
 
 // isMuonRow reports whether name is one of Muon's rows.
 func isMuonRow(name string) bool {
-	return name == OptMuon || name == OptMuonSplit || name == OptOnebitMuon
+	return name == OptMuon || name == OptMuonSplit || name == OptOnebitMuon || name == OptOnebitMuonOwners
+}
+
+// ownerChunk is onebit's chunk of ExchangeOwners' messages, copied so that
+// the cost model does not import the optimizers; TestOwnersBytesMatchOptimizer
+// checks the bytes against the optimizer's.
+const ownerChunk = 1024
+
+// ownerMessageBytes is the bytes of ExchangeOwners' message of a matrix of
+// n elements: a float32 scale per chunk, then the packed signs.
+func ownerMessageBytes(n int64) int64 {
+	return 4*((n+ownerChunk-1)/ownerChunk) + (n+7)/8
+}
+
+// ownersCollective is ExchangeOwners' exchange of the Muon group of mp in a
+// step: an all-to-all to the matrices' owners and an all-gather from them,
+// each of W segments of the most loaded owner's messages (the plan's
+// matrices are of one shape, so ceil(matrices/W) of them; the other
+// owners' segments padded to it), W-1 latency-bound rounds each, (W-1)
+// segments sent per rank each. It borrows the exact allreduce's fit; the
+// rotations and the packing are not timed.
+func ownersCollective(mp *MuonPlan) collective {
+	seg := func(w int) int64 { return splitShare(mp.Matrices, w) * ownerMessageBytes(mp.Shape[0]*mp.Shape[1]) }
+	return collective{
+		name: "owners",
+		desc: "ExchangeOwners' all-to-all to the Muon matrices' owners and all-gather from them, 1 bit an element",
+		wireBytes: func(_ int64, w int) int64 {
+			if w <= 1 {
+				return 0
+			}
+			return 2 * int64(w-1) * seg(w)
+		},
+		steps: func(_ int64, w int, _ float64) []step {
+			if w <= 1 {
+				return nil
+			}
+			b := int64(w-1) * seg(w)
+			return []step{{rounds: float64(w - 1), bytes: b}, {rounds: float64(w - 1), bytes: b}}
+		},
+		fitAs:        "allreduce",
+		uncalibrated: "the owners' exchange borrows the exact allreduce's fit; its rotations and packing are not timed",
+	}
 }
 
 // allGatherCollective is the all-gather of MuonConfig.Split: each of W
@@ -161,8 +206,11 @@ func splitShare(matrices int64, w int) int64 {
 func muonRow(name string, p prediction, mp *MuonPlan, compute, exactStep float64) Row {
 	r := Row{Collective: name, Calibrated: true, Calls: p.Calls, WirePerRank: p.Wire,
 		LatencyS: p.Latency, TransferS: p.Transfer, CompressS: p.Compute, CommS: p.total(), OrthoS: mp.OrthoS}
-	if name == OptMuonSplit {
+	switch name {
+	case OptMuonSplit:
 		r.OrthoS = mp.SplitOrthoS
+	case OptOnebitMuonOwners:
+		r.OrthoS, r.Calibrated = mp.SplitOrthoS, false // each owner orthogonalizes its own matrices
 	}
 	r.StepS = r.CommS + r.OrthoS + compute
 	if r.StepS > 0 {

@@ -350,3 +350,63 @@ func TestOuterMuonStateRowMatchesOptimizer(t *testing.T) {
 		assert.Equal(t, got[0], want, "%d ranks", w)
 	}
 }
+
+// The onebit-muon-owners row (opt-in): the AdamW group's buckets through
+// the 1-bit allreduce, the Muon group's two collectives of segments padded
+// to the most loaded owner's, each owner's share of the orthogonalization;
+// its Muon bytes are the optimizer's, to the byte, on 2 to 6 ranks (5
+// matrices of two chunks each, one of them short: owners of two, of one
+// and of none).
+func TestOnebitMuonOwnersRow(t *testing.T) {
+	j := Job{Params: 1 << 26, Ranks: 4, Link: 1e9 / 8, LinkName: "1gbit", BucketBytes: 25 << 20, StepCompute: 100 * time.Millisecond,
+		MuonShape: [2]int64{1024, 4096}, MuonParams: 60 << 20, MuonFlops: 1e12,
+		Collectives: []string{"onebit", OptOnebitMuonOwners}}
+	p, rows := planRows(t, j)
+	r := rows[OptOnebitMuonOwners]
+	// 15 matrices of 4Mi elements on 4 ranks: segments of 4 matrices, 3
+	// sent per rank in each of the two collectives; the AdamW group's 4Mi
+	// elements in one bucket.
+	msg := int64(4*4096 + (4<<20)/8)
+	adamw := onebitWireBytes(4<<20, 4)
+	assert.Equal(t, adamw+2*3*4*msg, r.WirePerRank)
+	assert.InEpsilon(t, p.Muon.SplitOrthoS, r.OrthoS, 1e-12)
+	assert.False(t, r.Calibrated)
+	assert.InEpsilon(t, p.Muon.OrthoS*4/15, r.OrthoS, 1e-12, "4 of the 15 matrices on the most loaded owner")
+
+	for w := 2; w <= 6; w++ {
+		const rows, cols, k = 24, 80, 5 // 1920 elements: two chunks, one short
+		jw := Job{Params: k * rows * cols, Ranks: w, Link: 1e9, LinkName: "10gbit", BucketBytes: 1 << 20,
+			MuonShape: [2]int64{rows, cols}, Collectives: []string{OptOnebitMuonOwners}}
+		_, got := planRows(t, jw)
+		sent := make([]int64, w)
+		err := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {
+			var ps []*optim.Param
+			for i := range k {
+				ps = append(ps, optim.NewParam(fmt.Sprint("m", i), rows, cols))
+			}
+			cfg := onebit.DefaultMuonConfig()
+			cfg.Exchange, cfg.FreezeStep = onebit.ExchangeOwners, 0
+			o, err := onebit.NewMuon(ctx, c, ps, cfg)
+			if err != nil {
+				return err
+			}
+			defer o.Close()
+			for s := range 2 {
+				for _, p := range ps {
+					for i := range p.GradData() {
+						p.GradData()[i] = float32((i+s+c.Rank())%5) - 2
+					}
+				}
+				if err := o.Step(ctx); err != nil {
+					return err
+				}
+			}
+			sent[c.Rank()] = o.Stats().LastStepBytes
+			return nil
+		})
+		require.NoError(t, err)
+		// The optimizer's step also runs the frame's agreement, one float
+		// allreduced, which no row of the plan counts.
+		assert.Equal(t, got[OptOnebitMuonOwners].WirePerRank, sent[0]-comm.RingAllReduceBytes(4, w), "%d ranks", w)
+	}
+}

@@ -235,16 +235,20 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 	if m.CompressBps > 0 {
 		a.CompressFrom = j.fieldName("CompressBps")
 	}
-	predictStep := func(c collective) prediction {
+	// predictN is a step's calls of c on n elements in buckets.
+	predictN := func(c collective, n int64) prediction {
 		var p prediction
-		if full > 0 {
-			p.add(m.predict(c, per, s, f), full)
-		}
-		if rest > 0 {
-			p.add(m.predict(c, rest, s, f), 1)
+		if full, rest := n/per, n%per; full > 0 || rest > 0 {
+			if full > 0 {
+				p.add(m.predict(c, per, s, f), full)
+			}
+			if rest > 0 {
+				p.add(m.predict(c, rest, s, f), 1)
+			}
 		}
 		return p
 	}
+	predictStep := func(c collective) prediction { return predictN(c, n) }
 	compute := j.StepCompute.Seconds()
 	exactComm := predictStep(collectives[0]).total()
 	var rows []Row
@@ -264,6 +268,13 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 				via, _ = findCollective("onebit")
 			}
 			p := predictStep(via)
+			if name == OptOnebitMuonOwners {
+				// The AdamW group's buckets through the 1-bit allreduce,
+				// the Muon group through its owners.
+				one, _ := findCollective("onebit")
+				p = predictN(one, mp.Other)
+				p.add(m.predict(ownersCollective(mp), mp.Matrices*mp.Shape[0]*mp.Shape[1], s, f), 1)
+			}
 			if name == OptMuonSplit && j.Ranks > 1 {
 				// The all-gather of the orthogonalized updates: each
 				// rank's share padded to the largest.
