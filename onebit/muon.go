@@ -81,6 +81,14 @@ type MuonConfig struct {
 	// owner of each matrix orthogonalizes an estimate of the ranks' mean
 	// momentum; StateFull only). docs/muon.md compares them.
 	Exchange MuonExchange
+	// OwnerBits is the bits an element of ExchangeOwners' first phase,
+	// each rank's message to the owners: 1 (and 0, the zero value) one bit,
+	// the signs and a scale per chunk; 2 two bits, Lloyd-Max's four levels
+	// at the chunk's root mean square (the owners' phase stays at one
+	// bit). Two bits put the owners' estimate of the mean momentum nearer
+	// it, at 1.5x the bytes: docs/muon.md has what each measured. Only
+	// with ExchangeOwners.
+	OwnerBits int
 }
 
 // ParseMuonStateMode parses the name of a state mode of 1-bit Muon as a
@@ -112,8 +120,9 @@ func DefaultMuonConfig() MuonConfig {
 // Muon does not take: each rank orthogonalizes its own momentum), a
 // BucketBytes outside the convention of optim.DefaultBucketBytes, a
 // StateMode other than StateFull and StateCompact, an unknown Exchange,
-// ExchangeOwners with another StateMode than StateFull, or MomentumBF16
-// without StateCompact. NewMuon returns exactly this error (joined, on more than
+// ExchangeOwners with another StateMode than StateFull, an OwnerBits other
+// than 0, 1 or (with ExchangeOwners) 2, or MomentumBF16 without
+// StateCompact. NewMuon returns exactly this error (joined, on more than
 // one rank, with the agreement's).
 func (c MuonConfig) Validate() error {
 	const cfg = "onebit.MuonConfig"
@@ -131,6 +140,9 @@ func (c MuonConfig) Validate() error {
 	}
 	if c.Exchange != ExchangePolar && c.Exchange != ExchangeOwners {
 		return &optim.ConfigError{Config: cfg, Field: "Exchange", Value: c.Exchange, Want: "ExchangePolar or ExchangeOwners"}
+	}
+	if c.OwnerBits < 0 || c.OwnerBits > 2 || c.OwnerBits == 2 && c.Exchange != ExchangeOwners {
+		return &optim.ConfigError{Config: cfg, Field: "OwnerBits", Value: c.OwnerBits, Want: "0 or 1, or 2 with ExchangeOwners"}
 	}
 	if c.Exchange == ExchangeOwners && c.StateMode != StateFull {
 		return &optim.ConfigError{Config: cfg, Field: "StateMode", Value: c.StateMode, Want: "StateFull with ExchangeOwners"}
@@ -271,7 +283,7 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg MuonCo
 	}
 	if c != nil && c.Size() > 1 {
 		extra := []uint64{uint64(cfg.FreezeStep), uint64(int64(cfg.BucketBytes)), uint64(cfg.StateMode), uint64(optim.HyperBool(cfg.MomentumBF16)),
-			uint64(optim.HyperBool(cfg.WarmupAdamWOnly)), uint64(cfg.Exchange)}
+			uint64(optim.HyperBool(cfg.WarmupAdamWOnly)), uint64(cfg.Exchange), uint64(max(cfg.OwnerBits, 1))}
 		if err := optim.AgreeMuon(ctx, c, "onebit: Muon", params, muon, cfg.MuonConfig, extra, bad != nil); err != nil {
 			return nil, errors.Join(bad, err)
 		}
@@ -378,7 +390,7 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg MuonCo
 		hypers = append(hypers, optim.Hyper{Name: "warmup_adamw_only", Value: 1})
 	}
 	if cfg.Exchange == ExchangeOwners {
-		hypers = append(hypers, optim.Hyper{Name: HyperOwners, Value: 1})
+		hypers = append(hypers, optim.Hyper{Name: HyperOwners, Value: 1}, optim.Hyper{Name: HyperOwnerBits, Value: float64(max(cfg.OwnerBits, 1))})
 	}
 	o.f = optim.NewFrame(optim.FrameConfig{
 		Name: "onebit: Muon", Algorithm: AlgorithmMuon, Comm: c, Params: o.params, Sizes: o.slot,
@@ -395,7 +407,7 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg MuonCo
 				bucketed = append(bucketed, p)
 			}
 		}
-		o.ow = newMuonOwners(o.mats, o.params, o.f.World(), o.f.Rank())
+		o.ow = newMuonOwners(o.mats, o.params, o.f.World(), o.f.Rank(), max(cfg.OwnerBits, 1))
 	}
 	if o.bkt, err = newCutBuckets(bucketed, o.f.World(), cfg.BucketBytes, false, cut); err != nil {
 		avg.Close()

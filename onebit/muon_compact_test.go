@@ -20,22 +20,25 @@ import (
 )
 
 // muonModes are 1-bit Muon's state modes as the command lines name them.
-var muonModes = []string{"full", "compact", "compact-bf16", "owners"}
+var muonModes = []string{"full", "compact", "compact-bf16", "owners", "owners2"}
 
 // muonWarmupModes are muonModes with WarmupAdamWOnly, named with the
 // suffix muonModeConfig takes.
 var muonWarmupModes = []string{"full+warmup-adamw", "compact+warmup-adamw", "compact-bf16+warmup-adamw", "owners+warmup-adamw"}
 
 // muonModeConfig is muonTestConfig(freeze) in the state mode named mode
-// ("owners": StateFull with ExchangeOwners), with WarmupAdamWOnly where
-// mode ends in "+warmup-adamw".
+// ("owners": StateFull with ExchangeOwners, "owners2" the same with
+// OwnerBits 2), with WarmupAdamWOnly where mode ends in "+warmup-adamw".
 func muonModeConfig(t testing.TB, freeze int, mode string) onebit.MuonConfig {
 	t.Helper()
 	cfg := muonTestConfig(freeze)
 	var err error
 	mode, cfg.WarmupAdamWOnly = strings.CutSuffix(mode, "+warmup-adamw")
-	if mode == "owners" {
+	switch mode {
+	case "owners":
 		mode, cfg.Exchange = "full", onebit.ExchangeOwners
+	case "owners2":
+		mode, cfg.Exchange, cfg.OwnerBits = "full", onebit.ExchangeOwners, 2
 	}
 	cfg.StateMode, cfg.MomentumBF16, err = onebit.ParseMuonStateMode(mode)
 	require.NoError(t, err)
@@ -165,7 +168,7 @@ func TestMuonCompactStateBytes(t *testing.T) {
 		return opts[0].StateBytes(), float64(grown) / float64(sum)
 	}
 	for _, mode := range muonModes {
-		if mode == "owners" {
+		if strings.HasPrefix(mode, "owners") {
 			// Its bytes per element depend on which rank owns what: the
 			// heap's growth only.
 			_, heap := measure(mode, 2)

@@ -230,7 +230,7 @@ func TestMuonCompactConverges(t *testing.T) {
 	const w, steps = 4, 300
 	task := newMLPTask()
 	loss := map[string]float64{}
-	for _, mode := range muonModes[:3] { // the state modes; the owners' exchange: TestMuonOwnersConverges
+	for _, mode := range muonModes[:3] { // the state modes; the owners' exchanges: TestMuonOwnersConverges
 		cfg := onebit.DefaultMuonConfig()
 		var err error
 		cfg.StateMode, cfg.MomentumBF16, err = onebit.ParseMuonStateMode(mode)
@@ -270,22 +270,25 @@ func TestMuonOwnersConverges(t *testing.T) {
 		}
 		return o, mlpSchedules(o, steps)
 	})
-	loss := map[onebit.MuonExchange]float64{}
-	for _, ex := range []onebit.MuonExchange{onebit.ExchangePolar, onebit.ExchangeOwners} {
+	gap := map[string]float64{}
+	for _, name := range []string{"polar", "owners", "owners2"} {
 		cfg := onebit.DefaultMuonConfig()
-		cfg.Exchange = ex
-		loss[ex] = mlpTrain(t, task, w, steps, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+		if name != "polar" {
+			mode := muonModeConfig(t, 0, name)
+			cfg.Exchange, cfg.OwnerBits = mode.Exchange, mode.OwnerBits
+		}
+		gap[name] = mlpTrain(t, task, w, steps, func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 			o, err := onebit.NewMuon(ctx, c, ps, cfg)
 			if err != nil {
 				return nil, err
 			}
 			return o, mlpSchedules(o, steps)
-		})
+		})/exact - 1
 	}
-	polar, owners := loss[onebit.ExchangePolar]/exact-1, loss[onebit.ExchangeOwners]/exact-1
-	t.Logf("held-out loss after %d steps on %d ranks: exact Muon %.4f, polar %.4f (%+.1f%%), owners %.4f (%+.1f%%)", steps, w, exact,
-		loss[onebit.ExchangePolar], 100*polar, loss[onebit.ExchangeOwners], 100*owners)
-	require.Less(t, owners, polar/1.5, "the owners' gap to exact Muon is well under the polar exchange's")
+	t.Logf("held-out loss after %d steps on %d ranks against exact Muon's %.4f: polar %+.1f%%, owners %+.1f%%, owners at two bits %+.1f%%",
+		steps, w, exact, 100*gap["polar"], 100*gap["owners"], 100*gap["owners2"])
+	require.Less(t, gap["owners"], gap["polar"]/1.5, "the owners' gap to exact Muon is well under the polar exchange's")
+	require.Less(t, gap["owners2"], gap["owners"]/2, "two bits to the owners halve it again")
 }
 
 // The fixed-point problem of docs/muon.md: rank r's gradient of a 16 x 32
@@ -349,11 +352,13 @@ func TestMuonFixedPoint(t *testing.T) {
 		}
 		return o, sched(o)
 	})
-	dist := map[onebit.MuonExchange]float64{}
-	for _, ex := range []onebit.MuonExchange{onebit.ExchangePolar, onebit.ExchangeOwners} {
-		dist[ex] = run(func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
+	dist := map[int]float64{}
+	for bits := range 3 { // 0: ExchangePolar; 1, 2: ExchangeOwners at that OwnerBits
+		dist[bits] = run(func(ctx context.Context, c comm.Comm, ps []*optim.Param) (optim.Optimizer, error) {
 			cfg := onebit.DefaultMuonConfig()
-			cfg.Exchange = ex
+			if bits > 0 {
+				cfg.Exchange, cfg.OwnerBits = onebit.ExchangeOwners, bits
+			}
 			o, err := onebit.NewMuon(ctx, c, ps, cfg)
 			if err != nil {
 				return nil, err
@@ -361,8 +366,9 @@ func TestMuonFixedPoint(t *testing.T) {
 			return o, sched(o)
 		})
 	}
-	t.Logf("distance from the mean of the targets after %d steps on %d ranks: exact Muon %.4g, polar %.4g (%.0fx), owners %.4g (%.1fx)",
-		steps, w, exact, dist[onebit.ExchangePolar], dist[onebit.ExchangePolar]/exact, dist[onebit.ExchangeOwners], dist[onebit.ExchangeOwners]/exact)
-	assert.LessOrEqual(t, dist[onebit.ExchangeOwners], 10*exact, "the owners' exchange: within 10x exact Muon's distance")
-	assert.Greater(t, dist[onebit.ExchangePolar], 10*exact, "the polar exchange is biased: the test tells the two apart")
+	t.Logf("distance from the mean of the targets after %d steps on %d ranks: exact Muon %.4g, polar %.4g (%.0fx), owners %.4g (%.1fx), owners at two bits %.4g (%.1fx)",
+		steps, w, exact, dist[0], dist[0]/exact, dist[1], dist[1]/exact, dist[2], dist[2]/exact)
+	assert.LessOrEqual(t, dist[1], 10*exact, "the owners' exchange: within 10x exact Muon's distance")
+	assert.LessOrEqual(t, dist[2], 10*exact, "the same at two bits")
+	assert.Greater(t, dist[0], 10*exact, "the polar exchange is biased: the test tells the two apart")
 }

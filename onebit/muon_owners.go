@@ -62,12 +62,14 @@ func ParseMuonExchange(s string) (MuonExchange, error) {
 }
 
 // Checkpoint names of ExchangeOwners. HyperOwners is the hyperparameter
-// that records it (absent for ExchangePolar). On more than one rank every
+// that records it (absent for ExchangePolar), HyperOwnerBits its
+// OwnerBits (1 or 2). On more than one rank every
 // rank saves its tracking estimate of every Muon matrix under TrackPrefix;
 // the owner of a matrix saves the mean estimate under OwnerMeanPrefix and
 // its error feedback under OwnerErrorPrefix.
 const (
 	HyperOwners      = "muon_exchange_owners"
+	HyperOwnerBits   = "muon_owner_bits"
 	TrackPrefix      = "muon_track/"
 	OwnerMeanPrefix  = "muon_owner_mean/"
 	OwnerErrorPrefix = "muon_owner_error/"
@@ -86,10 +88,14 @@ type muonOwners struct {
 	trk         [][]float32 // per matrix: this rank's estimate h of its momentum
 	mean        [][]float32 // per matrix: the owner's mean estimate (nil unless owned)
 	fb          [][]float32 // per matrix: the owner's error feedback of the update (nil unless owned)
-	seg         int         // bytes of a segment: the largest owner's messages
+	seg         int         // bytes of a segment of the all-gather: the largest owner's messages
+	bits        int         // the workers' phase's bits an element (MuonConfig.OwnerBits)
+	off1, size1 []int       // per matrix: its message's offset and bytes in the all-to-all's segment
+	seg1        int         // bytes of a segment of the all-to-all
 	send, recv  []byte      // the all-to-all's (W segments each way)
 	out, all    []byte      // the all-gather's: this rank's segment, every rank's
 	a, b, c     []float32   // work: as long as the largest matrix
+	mag         []float32   // work: a chunk's magnitude bits (two-bit messages)
 }
 
 // ownersOf deals matrices of the given element counts out to world ranks:
@@ -117,35 +123,50 @@ func ownersOf(sizes []int, world int) []int {
 	return owner
 }
 
-// ownerMessageBytes is the bytes of a message of n elements: a float32
-// scale per chunk, then the packed signs.
-func ownerMessageBytes(n int) int {
-	return 4*((n+ownerChunk-1)/ownerChunk) + signpack.PackedLen(n)
+// ownerMessageBytes is the bytes of a message of n elements at bits (1 or
+// 2) bits an element: a float32 scale per chunk, then the packed signs,
+// then, at 2 bits, the packed magnitude bits.
+func ownerMessageBytes(n, bits int) int {
+	return 4*((n+ownerChunk-1)/ownerChunk) + bits*signpack.PackedLen(n)
 }
 
-func newMuonOwners(mats []muonMatrix, params []*optim.Param, world, rank int) *muonOwners {
+// Lloyd-Max's quantizer of a unit normal into four levels (the two-bit
+// workers' phase, MuonConfig.OwnerBits 2): |y| below lmCut times the
+// chunk's root mean square is sent as lmLow times it, at or above as
+// lmHigh times it, with y's sign. After the rotation a chunk's values are
+// close to normal.
+const (
+	lmCut  = 0.9816
+	lmLow  = 0.4528
+	lmHigh = 1.510
+)
+
+func newMuonOwners(mats []muonMatrix, params []*optim.Param, world, rank, bits int) *muonOwners {
 	sizes := make([]int, len(mats))
 	most := 0
 	for k, mt := range mats {
 		sizes[k] = params[mt.i].Numel()
 		most = max(most, sizes[k])
 	}
-	w := &muonOwners{world: world, rank: rank, owner: ownersOf(sizes, world), n: sizes,
-		off: make([]int, len(mats)), size: make([]int, len(mats)),
+	w := &muonOwners{world: world, rank: rank, owner: ownersOf(sizes, world), n: sizes, bits: bits,
+		off: make([]int, len(mats)), size: make([]int, len(mats)), off1: make([]int, len(mats)), size1: make([]int, len(mats)),
+		mag: make([]float32, ownerChunk),
 		trk: make([][]float32, len(mats)), mean: make([][]float32, len(mats)), fb: make([][]float32, len(mats)),
 		a: make([]float32, most), b: make([]float32, most), c: make([]float32, most)}
-	used := make([]int, world)
+	used, used1 := make([]int, world), make([]int, world)
 	for k, n := range sizes {
 		j := w.owner[k]
-		w.off[k], w.size[k] = used[j], ownerMessageBytes(n)
+		w.off[k], w.size[k] = used[j], ownerMessageBytes(n, 1)
 		used[j] += w.size[k]
+		w.off1[k], w.size1[k] = used1[j], ownerMessageBytes(n, bits)
+		used1[j] += w.size1[k]
 		w.trk[k] = make([]float32, n)
 		if j == rank {
 			w.mean[k], w.fb[k] = make([]float32, n), make([]float32, n)
 		}
 	}
-	w.seg = slices.Max(used)
-	w.send, w.recv = make([]byte, world*w.seg), make([]byte, world*w.seg)
+	w.seg, w.seg1 = slices.Max(used), slices.Max(used1)
+	w.send, w.recv = make([]byte, world*w.seg1), make([]byte, world*w.seg1)
 	w.out, w.all = make([]byte, w.seg), make([]byte, world*w.seg)
 	return w
 }
@@ -203,14 +224,18 @@ func hadamard(x []float32) {
 	}
 }
 
-// encodeOwner writes x's message into dst (ownerMessageBytes(len(x))
+// encodeOwner writes x's message into dst (ownerMessageBytes(len(x), 1)
 // bytes): per chunk, its root mean square (summed in float64, rounded
 // once) and the signs of the chunk rotated (random signs from the seed,
-// then the Walsh-Hadamard transform). x is overwritten with the rotated
-// chunks.
-func encodeOwner(dst []byte, x []float32, seed uint64) {
+// then the Walsh-Hadamard transform). With mag (a chunk long) the message
+// has two bits an element (ownerMessageBytes(len(x), 2) bytes): after the
+// signs, each element's magnitude bit, set where the rotated value's
+// absolute value is at least lmCut times the scale. x is overwritten with
+// the rotated chunks.
+func encodeOwner(dst []byte, x []float32, seed uint64, mag []float32) {
 	nch := (len(x) + ownerChunk - 1) / ownerChunk
 	signs := dst[4*nch:]
+	mags := signs[signpack.PackedLen(len(x)):]
 	for j := range nch {
 		ch := x[j*ownerChunk : min((j+1)*ownerChunk, len(x))]
 		var s float64
@@ -223,18 +248,38 @@ func encodeOwner(dst []byte, x []float32, seed uint64) {
 		flipSigns(ch, cs)
 		hadamard(ch)
 		signpack.Pack(signs[j*ownerChunk/8:], ch)
+		if mag != nil {
+			cut, m := lmCut*sc, mag[:len(ch)]
+			for i, v := range ch {
+				m[i] = float32(math.Abs(float64(v))) - cut
+			}
+			signpack.Pack(mags[j*ownerChunk/8:], m)
+		}
 	}
 }
 
 // decodeOwner writes the values of src's message into dst: per chunk the
-// scale times the signs, rotated back.
-func decodeOwner(dst []float32, src []byte, seed uint64) {
+// scale times the signs (with mag, a chunk long, a two-bit message's:
+// lmLow or lmHigh times the scale by the magnitude bit), rotated back.
+func decodeOwner(dst []float32, src []byte, seed uint64, mag []float32) {
 	nch := (len(dst) + ownerChunk - 1) / ownerChunk
 	signs := src[4*nch:]
+	mags := signs[signpack.PackedLen(len(dst)):]
 	for j := range nch {
 		ch := dst[j*ownerChunk : min((j+1)*ownerChunk, len(dst))]
 		sc := math.Float32frombits(binary.LittleEndian.Uint32(src[4*j:]))
 		signpack.UnpackScale(ch, signs[j*ownerChunk/8:], sc)
+		if mag != nil {
+			m := mag[:len(ch)]
+			signpack.Unpack(m, mags[j*ownerChunk/8:])
+			for i := range ch {
+				if m[i] > 0 {
+					ch[i] *= lmHigh
+				} else {
+					ch[i] *= lmLow
+				}
+			}
+		}
 		hadamard(ch)
 		cs, _ := splitmix(seed + uint64(j))
 		flipSigns(ch, cs)
@@ -246,9 +291,10 @@ func decodeOwner(dst []float32, src []byte, seed uint64) {
 // it divides, which must stay finite.
 const maxOwnerScale = math.MaxFloat32 / (2 * ownerChunk)
 
-// checkOwnerScales refuses a message whose scales are negative, not a
-// number or above maxOwnerScale, and nonzero padding bits after its signs.
-func checkOwnerScales(src []byte, n int) error {
+// checkOwnerScales refuses a message of bits bits an element whose scales
+// are negative, not a number or above maxOwnerScale, and nonzero padding
+// bits after its signs (and after its magnitude bits).
+func checkOwnerScales(src []byte, n, bits int) error {
 	nch := (n + ownerChunk - 1) / ownerChunk
 	for j := range nch {
 		sc := math.Float32frombits(binary.LittleEndian.Uint32(src[4*j:]))
@@ -257,25 +303,28 @@ func checkOwnerScales(src []byte, n int) error {
 		}
 	}
 	if r := n % 8; r != 0 {
-		if last := src[4*nch+signpack.PackedLen(n)-1]; last&(1<<(8-r)-1) != 0 {
-			return fmt.Errorf("padding bits set after %d signs", n)
+		for b := 1; b <= bits; b++ {
+			if last := src[4*nch+b*signpack.PackedLen(n)-1]; last&(1<<(8-r)-1) != 0 {
+				return fmt.Errorf("padding bits set after %d signs", n)
+			}
 		}
 	}
 	return nil
 }
 
-// checkSegment refuses a segment of rank j whose messages are malformed or
-// whose padding is not zero.
-func (w *muonOwners) checkSegment(seg []byte, owner int, sizes []int) error {
+// checkSegment refuses a segment of the matrices of owner whose messages
+// (at bits bits an element, laid out at off) are malformed or whose
+// padding is not zero.
+func (w *muonOwners) checkSegment(seg []byte, owner, bits int, off, size []int) error {
 	end := 0
-	for k, n := range sizes {
+	for k, n := range w.n {
 		if w.owner[k] != owner {
 			continue
 		}
-		if err := checkOwnerScales(seg[w.off[k]:], n); err != nil {
+		if err := checkOwnerScales(seg[off[k]:], n, bits); err != nil {
 			return err
 		}
-		end = max(end, w.off[k]+w.size[k])
+		end = max(end, off[k]+size[k])
 	}
 	for _, b := range seg[end:] {
 		if b != 0 {
@@ -295,6 +344,10 @@ func (o *Muon) stepOwners(ctx context.Context, t int64, lr float32) error {
 	if w.seg == 0 {
 		return nil // no Muon matrix with an element
 	}
+	var mag []float32 // the workers' phase's magnitude bits, at two bits
+	if w.bits == 2 {
+		mag = w.mag
+	}
 	// The workers' phase: C(m - h) to the owner, h += what was sent.
 	clear(w.send)
 	for k, mt := range o.mats {
@@ -304,10 +357,10 @@ func (o *Muon) stepOwners(ctx context.Context, t int64, lr float32) error {
 		for i := range d {
 			d[i] = m[i] - h[i]
 		}
-		msg := w.send[w.owner[k]*w.seg+w.off[k]:][:w.size[k]]
+		msg := w.send[w.owner[k]*w.seg1+w.off1[k]:][:w.size1[k]]
 		seed := rotation(t, 1, k, w.rank)
-		encodeOwner(msg, d, seed)
-		decodeOwner(d, msg, seed)
+		encodeOwner(msg, d, seed, mag)
+		decodeOwner(d, msg, seed, mag)
 		for i := range h {
 			h[i] += d[i]
 		}
@@ -321,7 +374,7 @@ func (o *Muon) stepOwners(ctx context.Context, t int64, lr float32) error {
 	// on every rank.
 	clear(w.out)
 	for j := range w.world {
-		if err := w.checkSegment(w.recv[j*w.seg:(j+1)*w.seg], w.rank, sizes); err != nil {
+		if err := w.checkSegment(w.recv[j*w.seg1:(j+1)*w.seg1], w.rank, w.bits, w.off1, w.size1); err != nil {
 			for b := range w.out[:min(4, len(w.out))] {
 				w.out[b] = 0xff
 			}
@@ -344,7 +397,7 @@ func (o *Muon) stepOwners(ctx context.Context, t int64, lr float32) error {
 		inc, c, u := w.a[:n], w.b[:n], w.c[:n]
 		clear(inc)
 		for j := range w.world {
-			decodeOwner(c, w.recv[j*w.seg+w.off[k]:][:w.size[k]], rotation(t, 1, k, j))
+			decodeOwner(c, w.recv[j*w.seg1+w.off1[k]:][:w.size1[k]], rotation(t, 1, k, j), mag)
 			for i := range inc {
 				inc[i] += c[i]
 			}
@@ -369,8 +422,8 @@ func (o *Muon) stepOwners(ctx context.Context, t int64, lr float32) error {
 		}
 		msg := w.out[w.off[k]:][:w.size[k]]
 		seed := rotation(t, 2, k, 0)
-		encodeOwner(msg, c, seed)
-		decodeOwner(c, msg, seed)
+		encodeOwner(msg, c, seed, nil)
+		decodeOwner(c, msg, seed, nil)
 		for i := range e {
 			e[i] = u[i] - c[i]
 		}
@@ -379,7 +432,7 @@ func (o *Muon) stepOwners(ctx context.Context, t int64, lr float32) error {
 		return fmt.Errorf("the owners' all-gather: %w", err)
 	}
 	for j := range w.world {
-		if err := w.checkSegment(w.all[j*w.seg:(j+1)*w.seg], j, sizes); err != nil {
+		if err := w.checkSegment(w.all[j*w.seg:(j+1)*w.seg], j, 1, w.off, w.size); err != nil {
 			return fmt.Errorf("the owners' all-gather: rank %d sent a malformed message: %w", j, err)
 		}
 	}
@@ -387,7 +440,7 @@ func (o *Muon) stepOwners(ctx context.Context, t int64, lr float32) error {
 	for k, mt := range o.mats {
 		n := sizes[k]
 		c := w.a[:n]
-		decodeOwner(c, w.all[w.owner[k]*w.seg+w.off[k]:][:w.size[k]], rotation(t, 2, k, 0))
+		decodeOwner(c, w.all[w.owner[k]*w.seg+w.off[k]:][:w.size[k]], rotation(t, 2, k, 0), nil)
 		p := o.params[mt.i].Data()
 		for i := range c {
 			p[i] = float32(p[i]*decay) - c[i]
@@ -416,6 +469,6 @@ func (w *muonOwners) stateBytes() int64 {
 	if w == nil {
 		return 0
 	}
-	n := optim.Float32Bytes(w.trk...) + optim.Float32Bytes(w.mean...) + optim.Float32Bytes(w.fb...) + optim.Float32Bytes(w.a, w.b, w.c)
+	n := optim.Float32Bytes(w.trk...) + optim.Float32Bytes(w.mean...) + optim.Float32Bytes(w.fb...) + optim.Float32Bytes(w.a, w.b, w.c, w.mag)
 	return n + int64(len(w.send)+len(w.recv)+len(w.out)+len(w.all))
 }

@@ -6,41 +6,59 @@ import (
 )
 
 // FuzzOwnersDecode feeds any bytes to the owners' exchange as a rank's
-// segment of three matrices (60, 1030 and 7 elements on 2 ranks): it is
-// refused or decodes into finite values, and never panics.
+// segment of three matrices (60, 1030 and 7 elements on 2 ranks), at one
+// bit an element or at two: it is refused or decodes into values that are
+// not NaN, and never panics.
 func FuzzOwnersDecode(f *testing.F) {
 	sizes := []int{60, 1030, 7}
-	w := &muonOwners{world: 2, owner: ownersOf(sizes, 2), off: make([]int, 3), size: make([]int, 3), n: sizes}
-	used := make([]int, 2)
-	for k, n := range sizes {
-		w.off[k], w.size[k] = used[w.owner[k]], ownerMessageBytes(n)
-		used[w.owner[k]] += w.size[k]
-	}
-	w.seg = max(used[0], used[1])
-	good := make([]byte, w.seg)
+	owner := ownersOf(sizes, 2)
 	x := make([]float32, 1030)
 	for i := range x {
 		x[i] = float32(math.Sin(float64(i)))
 	}
-	for k, n := range sizes {
-		if w.owner[k] == 0 {
-			encodeOwner(good[w.off[k]:][:w.size[k]], x[:n], 7)
+	mag := make([]float32, ownerChunk)
+	layout := func(bits int) (off, size []int, seg int) {
+		off, size = make([]int, 3), make([]int, 3)
+		used := make([]int, 2)
+		for k, n := range sizes {
+			off[k], size[k] = used[owner[k]], ownerMessageBytes(n, bits)
+			used[owner[k]] += size[k]
 		}
+		return off, size, max(used[0], used[1])
 	}
-	f.Add(good)
-	f.Add(make([]byte, w.seg))
+	for _, bits := range []int{1, 2} {
+		off, size, seg := layout(bits)
+		good := make([]byte, seg)
+		var m []float32
+		if bits == 2 {
+			m = mag
+		}
+		for k, n := range sizes {
+			if owner[k] == 0 {
+				encodeOwner(good[off[k]:][:size[k]], append([]float32(nil), x[:n]...), 7, m)
+			}
+		}
+		f.Add(good, bits == 2)
+		f.Add(make([]byte, seg), bits == 2)
+	}
 	out := make([]float32, 1030)
-	f.Fuzz(func(t *testing.T, b []byte) {
-		seg := make([]byte, w.seg)
+	f.Fuzz(func(t *testing.T, b []byte, two bool) {
+		bits, m := 1, []float32(nil)
+		if two {
+			bits, m = 2, mag
+		}
+		off, size, n := layout(bits)
+		w := &muonOwners{owner: owner, n: sizes}
+		seg := make([]byte, n)
 		copy(seg, b)
-		if err := w.checkSegment(seg, 0, sizes); err != nil {
+		if err := w.checkSegment(seg, 0, bits, off, size); err != nil {
 			return
 		}
 		for k, n := range sizes {
-			if w.owner[k] != 0 {
+			if owner[k] != 0 {
 				continue
 			}
-			decodeOwner(out[:n], seg[w.off[k]:][:w.size[k]], 7)
+			decodeOwner(out[:n], seg[off[k]:][:size[k]], 7, m)
 			for _, v := range out[:n] {
 				if math.IsNaN(float64(v)) {
 					t.Fatalf("matrix %d decoded into NaN from an accepted segment", k)

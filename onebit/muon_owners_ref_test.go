@@ -123,8 +123,10 @@ func popcount(v int) int {
 }
 
 // refCompress is what a message of x carries, decoded: per chunk its root
-// mean square times the signs of the rotated chunk, rotated back.
-func refCompress(x []float64, seed uint64) []float64 {
+// mean square s times the signs of the rotated chunk, rotated back; at two
+// bits Lloyd-Max's levels for a unit normal instead, 0.4528*s where the
+// rotated value's absolute value is under 0.9816*s, 1.510*s elsewhere.
+func refCompress(x []float64, seed uint64, bits int) []float64 {
 	out := make([]float64, len(x))
 	for j := 0; j*refOwnerChunk < len(x); j++ {
 		ch := slices.Clone(x[j*refOwnerChunk : min((j+1)*refOwnerChunk, len(x))])
@@ -136,9 +138,16 @@ func refCompress(x []float64, seed uint64) []float64 {
 		refFlip(ch, seed, j)
 		refHadamard(ch)
 		for i, v := range ch {
-			ch[i] = sc
+			level := sc
+			if bits == 2 {
+				level = float64(float32(0.4528)) * sc
+				if math.Abs(v) >= float64(float32(0.9816))*sc {
+					level = float64(float32(1.510)) * sc
+				}
+			}
+			ch[i] = level
 			if v < 0 {
-				ch[i] = -sc
+				ch[i] = -level
 			}
 		}
 		refHadamard(ch)
@@ -166,7 +175,7 @@ func (o *refOwners) step(r *refMuon1, g [][][]float64) {
 				m[e] = mu*m[e] + (1-mu)*g[rk][i][e]
 				d[e] = m[e] - h[e]
 			}
-			sent := refCompress(d, refRotationSeed(r.t, 1, k, rk))
+			sent := refCompress(d, refRotationSeed(r.t, 1, k, rk), max(c.OwnerBits, 1))
 			for e := range h {
 				h[e] += sent[e]
 				inc[e] += sent[e] / float64(r.w)
@@ -187,7 +196,7 @@ func (o *refOwners) step(r *refMuon1, g [][][]float64) {
 		for e := range d {
 			d[e] = lr*scale*x[e] + o.fb[i][e]
 		}
-		sent := refCompress(d, refRotationSeed(r.t, 2, k, 0))
+		sent := refCompress(d, refRotationSeed(r.t, 2, k, 0), 1)
 		for e := range d {
 			o.fb[i][e] = d[e] - sent[e]
 		}

@@ -61,16 +61,20 @@ func TestMuonOwnersRefusesMalformed(t *testing.T) {
 		call  int
 		spoil func(recv []byte)
 		every bool
+		bits  int
 	}{
-		{"a NaN scale to its owner", 1, nan, true},
-		{"a negative scale to its owner", 1, func(recv []byte) { binary.LittleEndian.PutUint32(recv[12:], math.Float32bits(-1)) }, true},
-		{"a padding bit to its owner", 1, func(recv []byte) { recv[12+11] |= 1 }, true},
-		{"an infinite scale to every rank", 2, func(recv []byte) { binary.LittleEndian.PutUint32(recv[24:], math.Float32bits(float32(math.Inf(1)))) }, false},
-		{"a padding bit to every rank", 2, func(recv []byte) { recv[11] |= 2 }, false},
+		{"a NaN scale to its owner", 1, nan, true, 0},
+		{"a negative scale to its owner", 1, func(recv []byte) { binary.LittleEndian.PutUint32(recv[12:], math.Float32bits(-1)) }, true, 0},
+		{"a padding bit to its owner", 1, func(recv []byte) { recv[12+11] |= 1 }, true, 0},
+		{"an infinite scale to every rank", 2, func(recv []byte) { binary.LittleEndian.PutUint32(recv[24:], math.Float32bits(float32(math.Inf(1)))) }, false, 0},
+		{"a padding bit to every rank", 2, func(recv []byte) { recv[11] |= 2 }, false, 0},
+		// Two bits: 4 bytes of scale, 8 of signs and 8 of magnitude bits.
+		{"a padding magnitude bit to its owner", 1, func(recv []byte) { recv[20+19] |= 1 }, true, 2},
+		{"a NaN scale to its owner, two bits", 1, func(recv []byte) { binary.LittleEndian.PutUint32(recv[20:], math.Float32bits(float32(math.NaN()))) }, true, 2},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := muonTestConfig(freeze)
-			cfg.Exchange = onebit.ExchangeOwners
+			cfg.Exchange, cfg.OwnerBits = onebit.ExchangeOwners, tc.bits
 			cs, err := local.New(w)
 			require.NoError(t, err)
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -168,5 +172,25 @@ func TestMuonOwnersRegroup(t *testing.T) {
 		for r := 1; r < w; r++ {
 			require.Equal(t, params[0], params[r])
 		}
+	}
+}
+
+// OwnerBits is 0 or 1, or 2 with ExchangeOwners: anything else is a
+// ConfigError naming the field.
+func TestMuonOwnerBitsConfig(t *testing.T) {
+	cfg := onebit.DefaultMuonConfig()
+	var ce *optim.ConfigError
+	for _, bad := range []struct {
+		ex   onebit.MuonExchange
+		bits int
+	}{{onebit.ExchangePolar, 2}, {onebit.ExchangeOwners, 3}, {onebit.ExchangeOwners, -1}} {
+		cfg.Exchange, cfg.OwnerBits = bad.ex, bad.bits
+		if assert.ErrorAs(t, cfg.Validate(), &ce, "%v, %d bits", bad.ex, bad.bits) {
+			assert.Equal(t, "OwnerBits", ce.Field)
+		}
+	}
+	for _, bits := range []int{0, 1, 2} {
+		cfg.Exchange, cfg.OwnerBits = onebit.ExchangeOwners, bits
+		assert.NoError(t, cfg.Validate(), "%d bits", bits)
 	}
 }

@@ -328,15 +328,16 @@ func TestMuonMatchesFloat64Reference(t *testing.T) {
 		w, bucket int  // elements per bucket
 		pieces    int  // of each bucket's collective (0: as AllReduce chooses)
 		adamW     bool // WarmupAdamWOnly
-		owners    bool // ExchangeOwners
-	}{{2, total, 0, false, false}, {3, 50, 0, false, false}, {4, total, 0, false, false}, {4, 37, 0, false, false}, {4, total, 2, false, false},
-		{2, total, 0, true, false}, {3, 50, 0, true, false}, {4, 37, 0, true, false},
-		{2, total, 0, false, true}, {3, 5, 0, false, true}, {4, total, 0, false, true}, {2, total, 0, true, true}, {3, 5, 0, true, true}, {4, total, 0, true, true}} {
-		t.Run(fmt.Sprintf("W=%d/bucket=%d/pieces=%d/warmupAdamWOnly=%v/owners=%v", tc.w, tc.bucket, tc.pieces, tc.adamW, tc.owners), func(t *testing.T) {
+		owners    int  // ExchangeOwners with OwnerBits owners (0: ExchangePolar)
+	}{{2, total, 0, false, 0}, {3, 50, 0, false, 0}, {4, total, 0, false, 0}, {4, 37, 0, false, 0}, {4, total, 2, false, 0},
+		{2, total, 0, true, 0}, {3, 50, 0, true, 0}, {4, 37, 0, true, 0},
+		{2, total, 0, false, 1}, {3, 5, 0, false, 1}, {4, total, 0, false, 1}, {2, total, 0, true, 1}, {3, 5, 0, true, 1}, {4, total, 0, true, 1},
+		{2, total, 0, false, 2}, {3, 5, 0, true, 2}, {4, total, 0, true, 2}} {
+		t.Run(fmt.Sprintf("W=%d/bucket=%d/pieces=%d/warmupAdamWOnly=%v/owners=%d", tc.w, tc.bucket, tc.pieces, tc.adamW, tc.owners), func(t *testing.T) {
 			cfg := muonTestConfig(freeze)
 			cfg.WarmupAdamWOnly = tc.adamW
-			if tc.owners {
-				cfg.Exchange = onebit.ExchangeOwners
+			if tc.owners > 0 {
+				cfg.Exchange, cfg.OwnerBits = onebit.ExchangeOwners, tc.owners
 			}
 			if tc.bucket != total {
 				cfg.BucketBytes = 4 * tc.bucket

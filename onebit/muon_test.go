@@ -342,10 +342,13 @@ func TestMuonLoadRefuses(t *testing.T) {
 		for _, have := range muonModes {
 			if have != made {
 				msg := "made with StateMode"
+				owners := func(m string) bool { return strings.HasPrefix(m, "owners") }
 				switch {
-				case made == "owners":
+				case owners(made) && owners(have):
+					msg = "made with muon_owner_bits"
+				case owners(made):
 					msg = "made with hyperparameter muon_exchange_owners 1"
-				case have == "owners" && made == "full":
+				case owners(have) && made == "full":
 					msg = "made with the polar exchange"
 				}
 				modes = append(modes, refusal{have + " loading " + made, muonModeConfig(t, 2, have), func(r int) *optim.Checkpoint { return cks[r] }, msg})

@@ -77,6 +77,7 @@ type options struct {
 	muonState  string  // -muon-state: onebit-muon's state mode (onebit.ParseMuonStateMode)
 	muonWarmup string  // -muon-warmup: onebit-muon's warm-up, "all" or "adamw" (onebit.MuonConfig.WarmupAdamWOnly)
 	muonExch   string  // -muon-exchange: onebit-muon's exchange (onebit.ParseMuonExchange)
+	ownerBits  int     // -muon-owner-bits: onebit.MuonConfig.OwnerBits
 	freezeStep int
 	// outerH, outerFragments and outerDelay are diloco's H, Fragments
 	// and Delay (outer.Config).
@@ -147,6 +148,7 @@ func (o *options) hyper() hyper {
 	h.muonState, h.muonBF16, _ = onebit.ParseMuonStateMode(o.muonState)
 	h.muonWarmupAdamW = o.muonWarmup == "adamw"
 	h.muonExchange, _ = onebit.ParseMuonExchange(o.muonExch)
+	h.ownerBits = o.ownerBits
 	h.outer = h.outerFor(outer.CodecFP32)
 	return h
 }
@@ -198,6 +200,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.muonWarmup, "muon-warmup", "adamw", "onebit-muon: what the exact warm-up (-freeze-step) is for: adamw (the AdamW group only, the hidden matrices through the 1-bit exchange from the first step: onebit.MuonConfig.WarmupAdamWOnly, the library's default) or all (both groups exact)")
 	fs.StringVar(&o.muonState, "muon-state", "full", "onebit-muon: how its state is kept (onebit.MuonConfig.StateMode): full (13 bytes per element of a Muon matrix on 4 ranks), compact (no slot, worker errors in bfloat16: 7) or compact-bf16 (the momentum in bfloat16 too: 5)")
 	fs.StringVar(&o.muonExch, "muon-exchange", "polar", "onebit-muon: how the hidden matrices are averaged (onebit.MuonConfig.Exchange): polar (each rank's momentum orthogonalized, the polar factors averaged through the 1-bit allreduce) or owners (each matrix's owner orthogonalizes an estimate of the ranks' mean momentum, 1-bit both ways; -muon-state full only)")
+	fs.IntVar(&o.ownerBits, "muon-owner-bits", 1, "onebit-muon -muon-exchange owners: bits an element of each rank's message to the owners (onebit.MuonConfig.OwnerBits): 1, or 2 (Lloyd-Max's four levels: the owners' estimate nearer the mean momentum, 1.5x the bytes)")
 	fs.IntVar(&o.freezeStep, "freeze-step", -1, "exact warm-up steps of the 1-bit optimizers (-1: a fifth of -steps)")
 	fs.IntVar(&o.outerH, "outer-h", defaultOuterH, "diloco: inner steps per outer step (each fragment's); fixed for the whole run, not derived from -steps")
 	fs.IntVar(&o.outerFragments, "outer-fragments", 1, "diloco: fragments of the parameters, exchanged staggered (Streaming DiLoCo), 1 to -outer-h")
@@ -276,6 +279,10 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return bad("muon-exchange", "want polar or owners")
 	case o.muonExch == "owners" && o.muonState != "full":
 		return bad("muon-exchange", "owners takes -muon-state full only")
+	case o.ownerBits != 1 && o.ownerBits != 2:
+		return bad("muon-owner-bits", "want 1 or 2")
+	case o.ownerBits == 2 && o.muonExch != "owners":
+		return bad("muon-owner-bits", "2 needs -muon-exchange owners")
 	case o.outerInner != "adam" && o.outerInner != "muon":
 		return bad("outer-inner", "want adam or muon")
 	case o.freezeStep < -1 || o.freezeStep > maxSteps:

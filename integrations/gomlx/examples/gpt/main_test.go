@@ -562,9 +562,11 @@ func TestMuonWarmupAdamW(t *testing.T) {
 }
 
 // TestMuonExchange: -muon-exchange owners reaches 1-bit Muon
-// (onebit.MuonConfig.Exchange): a run past the warm-up ends elsewhere than
-// the polar exchange's and the header says which; another value, or
-// owners with a compact state, is refused naming the flag.
+// (onebit.MuonConfig.Exchange), and -muon-owner-bits 2 its OwnerBits: a
+// run past the warm-up ends elsewhere than the polar exchange's, two bits
+// elsewhere again and with more bytes, and the header says which; another
+// value, owners with a compact state, or two bits without owners, is
+// refused naming the flag.
 func TestMuonExchange(t *testing.T) {
 	args := tiny("-optimizer", "onebit-muon", "-steps", "6", "-freeze-step", "2", "-eval-every", "3")
 	polar, _ := runJSON(t, args...)
@@ -572,10 +574,19 @@ func TestMuonExchange(t *testing.T) {
 	require.Len(t, polar, 1)
 	require.Len(t, owners, 1)
 	assert.NotEqual(t, polar[0].ValLoss, owners[0].ValLoss)
-	assert.Contains(t, out, "(-muon-exchange owners)")
+	assert.Contains(t, out, "(-muon-exchange owners -muon-owner-bits 1)")
+	two, out := runJSON(t, append(args, "-muon-exchange", "owners", "-muon-owner-bits", "2", "-quiet=false")...)
+	require.Len(t, two, 1)
+	assert.NotEqual(t, owners[0].ValLoss, two[0].ValLoss)
+	assert.Greater(t, two[0].BytesSentPerRank, owners[0].BytesSentPerRank, "two bits to the owners")
+	assert.Contains(t, out, "(-muon-exchange owners -muon-owner-bits 2)")
 	for _, bad := range [][]string{{"-muon-exchange", "mean"}, {"-muon-exchange", "owners", "-muon-state", "compact"}} {
 		err := run(context.Background(), append(args, bad...), io.Discard, io.Discard)
 		require.ErrorContains(t, err, "muon-exchange")
+	}
+	for _, bad := range [][]string{{"-muon-owner-bits", "3"}, {"-muon-owner-bits", "2"}} {
+		err := run(context.Background(), append(args, bad...), io.Discard, io.Discard)
+		require.ErrorContains(t, err, "muon-owner-bits")
 	}
 }
 

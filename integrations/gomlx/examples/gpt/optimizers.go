@@ -246,6 +246,8 @@ type hyper struct {
 	muonWarmupAdamW bool
 	// muonExchange is -muon-exchange: onebit-muon's Exchange.
 	muonExchange onebit.MuonExchange
+	// ownerBits is -muon-owner-bits: onebit-muon's OwnerBits.
+	ownerBits int
 }
 
 // outerFor returns diloco's settings with codec c: the flags, and where
@@ -328,7 +330,7 @@ func newOptimizer(ctx context.Context, r runSpec, h hyper, c comm.Comm, params [
 		cfg.FreezeStep = h.freezeStep
 		cfg.StateMode, cfg.MomentumBF16 = h.muonState, h.muonBF16
 		cfg.WarmupAdamWOnly = h.muonWarmupAdamW
-		cfg.Exchange = h.muonExchange
+		cfg.Exchange, cfg.OwnerBits = h.muonExchange, h.ownerBits
 		return lbgomlx.MuonBuilder(func(ctx context.Context, c comm.Comm, params []*optim.Param, sel []string) (optim.Optimizer, error) {
 			cfg := cfg
 			cfg.Params = sel

@@ -68,7 +68,7 @@ func muonDesc(o *options) string {
 				split += "; onebit-muon's exact warm-up for both groups (-muon-warmup all)"
 			}
 			if o.muonExch == "owners" {
-				split += "; onebit-muon's owners' exchange: each matrix's owner orthogonalizes an estimate of the ranks' mean momentum (-muon-exchange owners)"
+				split += fmt.Sprintf("; onebit-muon's owners' exchange: each matrix's owner orthogonalizes an estimate of the ranks' mean momentum, sent to it at %d bit(s) an element (-muon-exchange owners -muon-owner-bits %d)", o.ownerBits, o.ownerBits)
 			}
 			return fmt.Sprintf("muon: the hidden matrices (attention, feed-forward) by Muon, lr %g (-muon-lr); the embeddings, the output head, biases and norms by AdamW, lr %g (-lr)%s",
 				o.muonLR, o.lr, split)
