@@ -291,6 +291,20 @@ func TestMuonOwnersConverges(t *testing.T) {
 	require.Less(t, gap["owners2"], gap["owners"]/2, "two bits to the owners halve it again")
 }
 
+// fixedPointTargets are the fixed-point problem's targets of w ranks, n
+// elements each (docs/muon.md), and their mean, the fit.
+func fixedPointTargets(w, n int) (targets [][]float32, fit []float32) {
+	rng := rand.New(rand.NewPCG(7, 8))
+	targets, fit = make([][]float32, w), make([]float32, n)
+	for r := range w {
+		targets[r] = mlpInit(rng, n, 1)
+		for i, v := range targets[r] {
+			fit[i] += v / float32(w)
+		}
+	}
+	return targets, fit
+}
+
 // The fixed-point problem of docs/muon.md: rank r's gradient of a 16 x 32
 // matrix is w - target_r, so exact Muon on the averaged gradient heads
 // for the mean of the targets; 200 steps on 4 ranks, Muon's rate on a
@@ -298,18 +312,10 @@ func TestMuonOwnersConverges(t *testing.T) {
 // factor of an estimate of the mean momentum, ends within 10x exact
 // Muon's distance from the mean (issue 61's bound); ExchangePolar, the
 // mean of the ranks' polar factors, converges elsewhere (measured: exact
-// Muon 0.0087, owners 0.045, polar 4.4; docs/muon.md).
+// Muon 0.0087, owners 0.049, at two bits 0.038, polar 4.3; docs/muon.md).
 func TestMuonFixedPoint(t *testing.T) {
 	const w, rows, cols, steps = 4, 16, 32, 200
-	rng := rand.New(rand.NewPCG(7, 8))
-	targets := make([][]float32, w)
-	fit := make([]float32, rows*cols)
-	for r := range w {
-		targets[r] = mlpInit(rng, rows*cols, 1)
-		for i, v := range targets[r] {
-			fit[i] += v / w
-		}
-	}
+	targets, fit := fixedPointTargets(w, rows*cols)
 	run := func(mk func(context.Context, comm.Comm, []*optim.Param) (optim.Optimizer, error)) float64 {
 		var d float64
 		err := local.Run(context.Background(), w, func(ctx context.Context, c comm.Comm) error {

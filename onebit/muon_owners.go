@@ -26,15 +26,17 @@ const (
 	// ExchangeOwners: every Muon matrix has an owner rank, which
 	// orthogonalizes an estimate of the ranks' mean momentum (EF21-Muon's
 	// order: compress, then one orthogonalization). Each rank sends the
-	// owner the 1-bit compression of its momentum less the estimate of it
-	// the owner already holds (EF21's tracking), the owner orthogonalizes
+	// owner the 1-bit (MuonConfig.OwnerBits 2: two-bit) compression of its
+	// momentum less the estimate of it the owner already holds (EF21's
+	// tracking), the owner orthogonalizes
 	// the mean of its estimates (with Nesterov's term from their
 	// increment) and sends every rank the 1-bit compression of the update
 	// plus its own error feedback. Each compression first rotates its
 	// chunk by random signs and a Walsh-Hadamard transform every rank can
 	// repeat. Its fixed point is exact Muon's; its bytes are the 1-bit
-	// exchange's, the segments padded to the largest owner's matrices.
-	// StateFull only.
+	// exchange's (with two bits, 1.5x), the segments padded to the most
+	// loaded owner's matrices. Each owner orthogonalizes only its own
+	// matrices. StateFull only.
 	ExchangeOwners
 )
 

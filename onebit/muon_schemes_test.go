@@ -511,15 +511,7 @@ func TestMuonSchemesFixedPoint(t *testing.T) {
 		t.Skip("a measurement harness: set LOWBIT_MUON_FIXED=1 to run it")
 	}
 	const w, rows, cols, steps = 4, 16, 32, 200
-	rng := rand.New(rand.NewPCG(7, 8))
-	targets := make([][]float32, w)
-	fit := make([]float32, rows*cols)
-	for r := range w {
-		targets[r] = mlpInit(rng, rows*cols, 1)
-		for i, v := range targets[r] {
-			fit[i] += v / w
-		}
-	}
+	targets, fit := fixedPointTargets(w, rows*cols)
 	list := []simScheme{sExact, sPolarAvg, sTracked, sTrackedL1, sTrackedBlockL1NoNest, sTrackedBlock}
 	if os.Getenv("LOWBIT_MUON_ONLY") != "" {
 		list = nil
