@@ -402,9 +402,9 @@ func NewMuon(ctx context.Context, c comm.Comm, params []*optim.Param, cfg MuonCo
 		// The buckets hold the AdamW group only: the Muon group travels
 		// to and from its owners.
 		bucketed, cut = nil, 0
-		for _, p := range ordered {
-			if !muon[slices.Index(o.params, p)] {
-				bucketed = append(bucketed, p)
+		for k, i := range order {
+			if !muon[i] {
+				bucketed = append(bucketed, ordered[k])
 			}
 		}
 		o.ow = newMuonOwners(o.mats, o.params, o.f.World(), o.f.Rank(), max(cfg.OwnerBits, 1))
