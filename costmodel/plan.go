@@ -238,13 +238,12 @@ func (m *Model) Plan(j Job) (*Plan, error) {
 	// predictN is a step's calls of c on n elements in buckets.
 	predictN := func(c collective, n int64) prediction {
 		var p prediction
-		if full, rest := n/per, n%per; full > 0 || rest > 0 {
-			if full > 0 {
-				p.add(m.predict(c, per, s, f), full)
-			}
-			if rest > 0 {
-				p.add(m.predict(c, rest, s, f), 1)
-			}
+		full, rest := n/per, n%per
+		if full > 0 {
+			p.add(m.predict(c, per, s, f), full)
+		}
+		if rest > 0 {
+			p.add(m.predict(c, rest, s, f), 1)
 		}
 		return p
 	}

@@ -592,8 +592,6 @@ func (o *Muon) compressed(ctx context.Context, t int64, lr float32) error {
 	switch {
 	case o.cm != nil:
 		err = o.compressedCompact(ctx, t, lr, alr, true)
-	case o.ow != nil:
-		err = o.compressedOwners(ctx, t, lr, alr)
 	default:
 		err = o.compressedFull(ctx, t, lr, alr)
 	}
@@ -608,7 +606,8 @@ func (o *Muon) compressed(ctx context.Context, t int64, lr float32) error {
 	return err
 }
 
-// compressedFull is compressed's step in StateFull and on one rank.
+// compressedFull is compressed's step in StateFull (either exchange) and
+// on one rank.
 func (o *Muon) compressedFull(ctx context.Context, t int64, lr, alr float32) error {
 	cfg := o.cfg
 	c1 := optim.BiasCorrection(cfg.AdamBeta1, t)
@@ -618,44 +617,27 @@ func (o *Muon) compressedFull(ctx context.Context, t int64, lr, alr float32) err
 	if o.f.World() == 1 {
 		o.muonExact(lr)
 	} else {
-		o.orthogonalizeOwn()
+		// The Muon group through its owners (ExchangeOwners) or, its
+		// updates in the buckets, through the 1-bit allreduce.
+		if o.ow == nil {
+			o.orthogonalizeOwn()
+		} else if err := o.stepOwners(ctx, t, lr); err != nil {
+			return err
+		}
 		for _, i := range o.aux {
 			scaleBy(o.slot[i], o.unit[i])
 		}
 		if err := o.bkt.allReduce(ctx, o.f.Comm(), o.flat); err != nil {
 			return fmt.Errorf("the exchange: %w", err)
 		}
-		o.descendExchanged(lr)
+		if o.ow == nil {
+			o.descendExchanged(lr)
+		}
 		for _, i := range o.aux {
 			unscaleBy(o.slot[i], o.unit[i])
 		}
 	}
 	for _, i := range o.aux {
-		optim.AdamUpdateBounded(o.params[i].Data(), o.slot[i], o.v[i], alr, cfg.AdamWeightDecay, c1, o.c2, cfg.AdamEps, o.bound)
-	}
-	return nil
-}
-
-// compressedOwners is compressed's step with ExchangeOwners on more than
-// one rank: the Muon group through its owners, the AdamW group through the
-// buckets.
-func (o *Muon) compressedOwners(ctx context.Context, t int64, lr, alr float32) error {
-	cfg := o.cfg
-	c1 := optim.BiasCorrection(cfg.AdamBeta1, t)
-	for _, i := range o.aux {
-		optim.Momentum(o.slot[i], o.params[i].GradData(), cfg.AdamBeta1)
-	}
-	if err := o.stepOwners(ctx, t, lr); err != nil {
-		return err
-	}
-	for _, i := range o.aux {
-		scaleBy(o.slot[i], o.unit[i])
-	}
-	if err := o.bkt.allReduce(ctx, o.f.Comm(), o.flat); err != nil {
-		return fmt.Errorf("the exchange: %w", err)
-	}
-	for _, i := range o.aux {
-		unscaleBy(o.slot[i], o.unit[i])
 		optim.AdamUpdateBounded(o.params[i].Data(), o.slot[i], o.v[i], alr, cfg.AdamWeightDecay, c1, o.c2, cfg.AdamEps, o.bound)
 	}
 	return nil
@@ -807,16 +789,7 @@ func (o *Muon) State() (*optim.Checkpoint, error) {
 		ck.AddTensor(optim.ExpAvgPrefix+p.Name, shape, o.slot[i])
 		ck.AddTensor(optim.ExpAvgSqPrefix+p.Name, shape, o.v[i])
 	}
-	if o.ow != nil {
-		for k, mt := range o.mats {
-			p := o.params[mt.i]
-			ck.AddTensor(TrackPrefix+p.Name, p.Shape(), o.ow.trk[k])
-			if o.ow.mean[k] != nil {
-				ck.AddTensor(OwnerMeanPrefix+p.Name, p.Shape(), o.ow.mean[k])
-				ck.AddTensor(OwnerErrorPrefix+p.Name, p.Shape(), o.ow.fb[k])
-			}
-		}
-	}
+	o.ow.each(o.mats, o.params, func(name string, shape []int, buf []float32) { ck.AddTensor(name, shape, buf) })
 	o.bkt.save(ck, we, nil)
 	return ck, nil
 }
@@ -891,16 +864,7 @@ func (o *Muon) Load(ck *optim.Checkpoint) error {
 		rs.Tensor(optim.ExpAvgPrefix+p.Name, o.slot[i])
 		rs.Tensor(optim.ExpAvgSqPrefix+p.Name, o.v[i])
 	}
-	if o.ow != nil {
-		for k, mt := range o.mats {
-			name := o.params[mt.i].Name
-			rs.Tensor(TrackPrefix+name, o.ow.trk[k])
-			if o.ow.mean[k] != nil {
-				rs.Tensor(OwnerMeanPrefix+name, o.ow.mean[k])
-				rs.Tensor(OwnerErrorPrefix+name, o.ow.fb[k])
-			}
-		}
-	}
+	o.ow.each(o.mats, o.params, func(name string, _ []int, buf []float32) { rs.Tensor(name, buf) })
 	o.restoreErrors(ck, rs, we)
 	if err := rs.Apply(); err != nil {
 		return fmt.Errorf("onebit: Muon: %w", err)

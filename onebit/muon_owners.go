@@ -86,18 +86,41 @@ type muonOwners struct {
 	world, rank int
 	owner       []int       // per matrix (o.mats order): its owner
 	n           []int       // per matrix: its elements
-	off, size   []int       // per matrix: its message's offset in its owner's segment, and bytes
 	trk         [][]float32 // per matrix: this rank's estimate h of its momentum
 	mean        [][]float32 // per matrix: the owner's mean estimate (nil unless owned)
 	fb          [][]float32 // per matrix: the owner's error feedback of the update (nil unless owned)
-	seg         int         // bytes of a segment of the all-gather: the largest owner's messages
-	bits        int         // the workers' phase's bits an element (MuonConfig.OwnerBits)
-	off1, size1 []int       // per matrix: its message's offset and bytes in the all-to-all's segment
-	seg1        int         // bytes of a segment of the all-to-all
+	to, from    ownerLayout // the messages to the owners (the all-to-all's) and from them (the all-gather's)
 	send, recv  []byte      // the all-to-all's (W segments each way)
 	out, all    []byte      // the all-gather's: this rank's segment, every rank's
 	a, b, c     []float32   // work: as long as the largest matrix
 	mag         []float32   // work: a chunk's magnitude bits (two-bit messages)
+}
+
+// ownerLayout is where each matrix's message lies in its owner's segment
+// of one of ExchangeOwners' collectives.
+type ownerLayout struct {
+	bits      int   // bits an element of the messages
+	off, size []int // per matrix: its message's offset in its owner's segment, and bytes
+	seg       int   // bytes of a segment: the most loaded owner's messages
+}
+
+// newOwnerLayout lays out the messages of matrices of sizes elements at
+// bits bits an element, each in its owner's segment, in matrix order.
+func newOwnerLayout(sizes, owner []int, world, bits int) ownerLayout {
+	l := ownerLayout{bits: bits, off: make([]int, len(sizes)), size: make([]int, len(sizes))}
+	used := make([]int, world)
+	for k, n := range sizes {
+		l.off[k], l.size[k] = used[owner[k]], ownerMessageBytes(n, bits)
+		used[owner[k]] += l.size[k]
+	}
+	l.seg = slices.Max(used)
+	return l
+}
+
+// message is matrix k's message in segs, the collective's W segments, in
+// the segment of the matrix's owner.
+func (l ownerLayout) message(segs []byte, owner []int, k int) []byte {
+	return segs[owner[k]*l.seg+l.off[k]:][:l.size[k]]
 }
 
 // ownersOf deals matrices of the given element counts out to world ranks:
@@ -150,26 +173,20 @@ func newMuonOwners(mats []muonMatrix, params []*optim.Param, world, rank, bits i
 		sizes[k] = params[mt.i].Numel()
 		most = max(most, sizes[k])
 	}
-	w := &muonOwners{world: world, rank: rank, owner: ownersOf(sizes, world), n: sizes, bits: bits,
-		off: make([]int, len(mats)), size: make([]int, len(mats)), off1: make([]int, len(mats)), size1: make([]int, len(mats)),
+	owner := ownersOf(sizes, world)
+	w := &muonOwners{world: world, rank: rank, owner: owner, n: sizes,
+		to: newOwnerLayout(sizes, owner, world, bits), from: newOwnerLayout(sizes, owner, world, 1),
 		mag: make([]float32, ownerChunk),
 		trk: make([][]float32, len(mats)), mean: make([][]float32, len(mats)), fb: make([][]float32, len(mats)),
 		a: make([]float32, most), b: make([]float32, most), c: make([]float32, most)}
-	used, used1 := make([]int, world), make([]int, world)
 	for k, n := range sizes {
-		j := w.owner[k]
-		w.off[k], w.size[k] = used[j], ownerMessageBytes(n, 1)
-		used[j] += w.size[k]
-		w.off1[k], w.size1[k] = used1[j], ownerMessageBytes(n, bits)
-		used1[j] += w.size1[k]
 		w.trk[k] = make([]float32, n)
-		if j == rank {
+		if owner[k] == rank {
 			w.mean[k], w.fb[k] = make([]float32, n), make([]float32, n)
 		}
 	}
-	w.seg, w.seg1 = slices.Max(used), slices.Max(used1)
-	w.send, w.recv = make([]byte, world*w.seg1), make([]byte, world*w.seg1)
-	w.out, w.all = make([]byte, w.seg), make([]byte, world*w.seg)
+	w.send, w.recv = make([]byte, world*w.to.seg), make([]byte, world*w.to.seg)
+	w.out, w.all = make([]byte, w.from.seg), make([]byte, world*w.from.seg)
 	return w
 }
 
@@ -314,19 +331,18 @@ func checkOwnerScales(src []byte, n, bits int) error {
 	return nil
 }
 
-// checkSegment refuses a segment of the matrices of owner whose messages
-// (at bits bits an element, laid out at off) are malformed or whose
-// padding is not zero.
-func (w *muonOwners) checkSegment(seg []byte, owner, bits int, off, size []int) error {
+// check refuses a segment of the matrices (of sizes elements) of owner
+// whose messages are malformed or whose padding is not zero.
+func (l ownerLayout) check(seg []byte, owner int, owners, sizes []int) error {
 	end := 0
-	for k, n := range w.n {
-		if w.owner[k] != owner {
+	for k, n := range sizes {
+		if owners[k] != owner {
 			continue
 		}
-		if err := checkOwnerScales(seg[off[k]:], n, bits); err != nil {
+		if err := checkOwnerScales(seg[l.off[k]:], n, l.bits); err != nil {
 			return err
 		}
-		end = max(end, off[k]+size[k])
+		end = max(end, l.off[k]+l.size[k])
 	}
 	for _, b := range seg[end:] {
 		if b != 0 {
@@ -343,11 +359,11 @@ func (w *muonOwners) checkSegment(seg []byte, owner, bits int, off, size []int) 
 func (o *Muon) stepOwners(ctx context.Context, t int64, lr float32) error {
 	w, cfg := o.ow, o.cfg
 	sizes := w.n
-	if w.seg == 0 {
+	if w.from.seg == 0 {
 		return nil // no Muon matrix with an element
 	}
 	var mag []float32 // the workers' phase's magnitude bits, at two bits
-	if w.bits == 2 {
+	if w.to.bits == 2 {
 		mag = w.mag
 	}
 	// The workers' phase: C(m - h) to the owner, h += what was sent.
@@ -359,7 +375,7 @@ func (o *Muon) stepOwners(ctx context.Context, t int64, lr float32) error {
 		for i := range d {
 			d[i] = m[i] - h[i]
 		}
-		msg := w.send[w.owner[k]*w.seg1+w.off1[k]:][:w.size1[k]]
+		msg := w.to.message(w.send, w.owner, k)
 		seed := rotation(t, 1, k, w.rank)
 		encodeOwner(msg, d, seed, mag)
 		decodeOwner(d, msg, seed, mag)
@@ -376,7 +392,7 @@ func (o *Muon) stepOwners(ctx context.Context, t int64, lr float32) error {
 	// on every rank.
 	clear(w.out)
 	for j := range w.world {
-		if err := w.checkSegment(w.recv[j*w.seg1:(j+1)*w.seg1], w.rank, w.bits, w.off1, w.size1); err != nil {
+		if err := w.to.check(w.recv[j*w.to.seg:(j+1)*w.to.seg], w.rank, w.owner, sizes); err != nil {
 			for b := range w.out[:min(4, len(w.out))] {
 				w.out[b] = 0xff
 			}
@@ -399,7 +415,7 @@ func (o *Muon) stepOwners(ctx context.Context, t int64, lr float32) error {
 		inc, c, u := w.a[:n], w.b[:n], w.c[:n]
 		clear(inc)
 		for j := range w.world {
-			decodeOwner(c, w.recv[j*w.seg1+w.off1[k]:][:w.size1[k]], rotation(t, 1, k, j), mag)
+			decodeOwner(c, w.recv[j*w.to.seg+w.to.off[k]:][:w.to.size[k]], rotation(t, 1, k, j), mag)
 			for i := range inc {
 				inc[i] += c[i]
 			}
@@ -422,7 +438,7 @@ func (o *Muon) stepOwners(ctx context.Context, t int64, lr float32) error {
 			c[i] = float32(step*c[i]) + e[i]
 			u[i] = c[i]
 		}
-		msg := w.out[w.off[k]:][:w.size[k]]
+		msg := w.out[w.from.off[k]:][:w.from.size[k]]
 		seed := rotation(t, 2, k, 0)
 		encodeOwner(msg, c, seed, nil)
 		decodeOwner(c, msg, seed, nil)
@@ -434,7 +450,7 @@ func (o *Muon) stepOwners(ctx context.Context, t int64, lr float32) error {
 		return fmt.Errorf("the owners' all-gather: %w", err)
 	}
 	for j := range w.world {
-		if err := w.checkSegment(w.all[j*w.seg:(j+1)*w.seg], j, 1, w.off, w.size); err != nil {
+		if err := w.from.check(w.all[j*w.from.seg:(j+1)*w.from.seg], j, w.owner, sizes); err != nil {
 			return fmt.Errorf("the owners' all-gather: rank %d sent a malformed message: %w", j, err)
 		}
 	}
@@ -442,7 +458,7 @@ func (o *Muon) stepOwners(ctx context.Context, t int64, lr float32) error {
 	for k, mt := range o.mats {
 		n := sizes[k]
 		c := w.a[:n]
-		decodeOwner(c, w.all[w.owner[k]*w.seg+w.off[k]:][:w.size[k]], rotation(t, 2, k, 0), nil)
+		decodeOwner(c, w.from.message(w.all, w.owner, k), rotation(t, 2, k, 0), nil)
 		p := o.params[mt.i].Data()
 		for i := range c {
 			p[i] = float32(p[i]*decay) - c[i]
@@ -462,6 +478,23 @@ func (w *muonOwners) sync(mats []muonMatrix, mom [][]float32) {
 		if w.mean[k] != nil {
 			copy(w.mean[k], mom[mt.i])
 			clear(w.fb[k])
+		}
+	}
+}
+
+// each calls fn with the checkpoint name, shape and buffer of every state
+// tensor of w (none for nil): every matrix's tracking estimate, and the
+// owned matrices' mean estimate and error feedback.
+func (w *muonOwners) each(mats []muonMatrix, params []*optim.Param, fn func(name string, shape []int, buf []float32)) {
+	if w == nil {
+		return
+	}
+	for k, mt := range mats {
+		p := params[mt.i]
+		fn(TrackPrefix+p.Name, p.Shape(), w.trk[k])
+		if w.mean[k] != nil {
+			fn(OwnerMeanPrefix+p.Name, p.Shape(), w.mean[k])
+			fn(OwnerErrorPrefix+p.Name, p.Shape(), w.fb[k])
 		}
 	}
 }

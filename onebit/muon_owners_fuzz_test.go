@@ -17,48 +17,37 @@ func FuzzOwnersDecode(f *testing.F) {
 		x[i] = float32(math.Sin(float64(i)))
 	}
 	mag := make([]float32, ownerChunk)
-	layout := func(bits int) (off, size []int, seg int) {
-		off, size = make([]int, 3), make([]int, 3)
-		used := make([]int, 2)
-		for k, n := range sizes {
-			off[k], size[k] = used[owner[k]], ownerMessageBytes(n, bits)
-			used[owner[k]] += size[k]
-		}
-		return off, size, max(used[0], used[1])
-	}
-	for _, bits := range []int{1, 2} {
-		off, size, seg := layout(bits)
-		good := make([]byte, seg)
+	layouts := map[bool]ownerLayout{false: newOwnerLayout(sizes, owner, 2, 1), true: newOwnerLayout(sizes, owner, 2, 2)}
+	for two, l := range layouts {
+		good := make([]byte, l.seg)
 		var m []float32
-		if bits == 2 {
+		if two {
 			m = mag
 		}
 		for k, n := range sizes {
 			if owner[k] == 0 {
-				encodeOwner(good[off[k]:][:size[k]], append([]float32(nil), x[:n]...), 7, m)
+				encodeOwner(l.message(good, owner, k), append([]float32(nil), x[:n]...), 7, m)
 			}
 		}
-		f.Add(good, bits == 2)
-		f.Add(make([]byte, seg), bits == 2)
+		f.Add(good, two)
+		f.Add(make([]byte, l.seg), two)
 	}
 	out := make([]float32, 1030)
 	f.Fuzz(func(t *testing.T, b []byte, two bool) {
-		bits, m := 1, []float32(nil)
+		l, m := layouts[two], []float32(nil)
 		if two {
-			bits, m = 2, mag
+			m = mag
 		}
-		off, size, n := layout(bits)
-		w := &muonOwners{owner: owner, n: sizes}
-		seg := make([]byte, n)
+		seg := make([]byte, l.seg)
 		copy(seg, b)
-		if err := w.checkSegment(seg, 0, bits, off, size); err != nil {
+		if err := l.check(seg, 0, owner, sizes); err != nil {
 			return
 		}
 		for k, n := range sizes {
 			if owner[k] != 0 {
 				continue
 			}
-			decodeOwner(out[:n], seg[off[k]:][:size[k]], 7, m)
+			decodeOwner(out[:n], l.message(seg, owner, k), 7, m)
 			for _, v := range out[:n] {
 				if math.IsNaN(float64(v)) {
 					t.Fatalf("matrix %d decoded into NaN from an accepted segment", k)

@@ -13,40 +13,14 @@ import (
 
 	"github.com/lowbit-ml/lowbit/comm"
 	"github.com/lowbit-ml/lowbit/comm/local"
+	"github.com/lowbit-ml/lowbit/internal/commtest"
 	"github.com/lowbit-ml/lowbit/onebit"
 	"github.com/lowbit-ml/lowbit/optim"
 )
 
-// ownersSpoiling spoils what one rank receives in its call-th byte
-// collective (counted over AllToAllBytes and AllGatherBytes together: in
-// the first compression step the AdamW group's exchange of the elements
-// first given gradient is call 0, the owners' all-to-all 1, their
-// all-gather 2).
-type ownersSpoiling struct {
-	comm.Comm
-	call, n int
-	spoil   func(recv []byte)
-}
-
-func (s *ownersSpoiling) AllToAllBytes(ctx context.Context, send, recv []byte) error {
-	err := s.Comm.AllToAllBytes(ctx, send, recv)
-	if err == nil && s.call == s.n {
-		s.spoil(recv)
-	}
-	s.n++
-	return err
-}
-
-func (s *ownersSpoiling) AllGatherBytes(ctx context.Context, send, recv []byte) error {
-	err := s.Comm.AllGatherBytes(ctx, send, recv)
-	if err == nil && s.call == s.n {
-		s.spoil(recv)
-	}
-	s.n++
-	return err
-}
-
-// Malformed bytes are refused: a scale that is not finite or negative, a
+// Malformed bytes are refused (commtest.Spoiling's call 0 is NewMuon's
+// agreement, 1 the owners' all-to-all of the first compression step, 2
+// their all-gather): a scale that is not finite or negative, a
 // padding bit set. A message spoiled on its way to its owner fails the
 // step on every rank (the owner's segment of the all-gather is then one
 // that every rank refuses); one spoiled in the all-gather fails it on
@@ -85,9 +59,8 @@ func TestMuonOwnersRefusesMalformed(t *testing.T) {
 				wg.Go(func() {
 					defer cs[r].Close() // as a process exits: peers waiting for it are aborted
 					var c comm.Comm = cs[r]
-					sp := &ownersSpoiling{Comm: cs[r], call: -1, spoil: tc.spoil}
 					if r == 0 {
-						c = sp
+						c = &commtest.Spoiling{Comm: cs[r], Call: tc.call, Spoil: tc.spoil}
 					}
 					ps := muonParams()
 					o, err := onebit.NewMuon(ctx, c, ps, cfg)
@@ -96,7 +69,6 @@ func TestMuonOwnersRefusesMalformed(t *testing.T) {
 						return
 					}
 					defer o.Close()
-					sp.call = tc.call // counted from here: NewMuon's agreement is a byte collective too
 					for s := 1; s <= 2; s++ {
 						muonGrad(ps, r, s)
 						if errs[r] = o.Step(ctx); errs[r] != nil {

@@ -196,22 +196,26 @@ type regrouper struct {
 	names       []string // the parameters, in order
 	sizes       []int    // their element counts
 	shapes      [][]int
-	n           int   // every parameter's elements
-	buckets     []int // every bucket's elements (flat order): every parameter's when perParam
-	perParam    bool  // error buffers per parameter (optim.PerParameter, or made before buckets)
+	muon        []bool // per parameter: 1-bit Muon's Muon group (it has a momentum buffer)
+	n           int    // every parameter's elements
+	buckets     []int  // every bucket's elements (flat order): every parameter's when perParam
+	perParam    bool   // error buffers per parameter (optim.PerParameter, or made before buckets)
 }
 
 func newRegrouper(old []*optim.Checkpoint, world, rank int) *regrouper {
 	g := &regrouper{old: old, world: world, rank: rank, algorithm: old[0].Algorithm, sharded: modeOf(old[0]) == StateSharded}
 	prefix := optim.ParamTensorName("")
+	owners := isOwners(old[0])
 	bucketed := []int{} // the elements of the parameters in the buckets
 	for _, t := range old[0].Tensors {
 		if name, ok := strings.CutPrefix(t.Name, prefix); ok {
+			muon := old[0].Tensor(optim.MomentumBufferPrefix+name) != nil
 			g.names = append(g.names, name)
 			g.sizes = append(g.sizes, len(t.Data))
 			g.shapes = append(g.shapes, t.Shape)
+			g.muon = append(g.muon, muon)
 			g.n += len(t.Data)
-			if !isOwners(old[0]) || old[0].Tensor(optim.MomentumBufferPrefix+name) == nil {
+			if !owners || !muon {
 				bucketed = append(bucketed, len(t.Data)) // ExchangeOwners' buckets: the AdamW group's
 			}
 		}
@@ -460,7 +464,7 @@ func (g *regrouper) owners(out *optim.Checkpoint) error {
 	var sizes []int
 	var shapes [][]int
 	for k, name := range g.names {
-		if g.old[0].Tensor(optim.MomentumBufferPrefix+name) != nil {
+		if g.muon[k] {
 			names, sizes, shapes = append(names, name), append(sizes, g.sizes[k]), append(shapes, g.shapes[k])
 		}
 	}

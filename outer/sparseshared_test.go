@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/lowbit-ml/lowbit/comm"
+	"github.com/lowbit-ml/lowbit/internal/commtest"
 )
 
 // testShared is a shared-index codec of rank rank of w over one fragment
@@ -66,38 +67,12 @@ func TestSharedTelescopes(t *testing.T) {
 	}
 }
 
-// sharedSpoiling corrupts what one of the shared exchange's collectives
-// receives: call 0 the offsets' all-gather, 1 the all-to-all, 2 the
-// averages' all-gather.
-type sharedSpoiling struct {
-	comm.Comm
-	call, n int
-	spoil   func(recv []byte)
-}
-
-func (s *sharedSpoiling) AllToAllBytes(ctx context.Context, send, recv []byte) error {
-	err := s.Comm.AllToAllBytes(ctx, send, recv)
-	if err == nil && s.call == s.n {
-		s.spoil(recv)
-	}
-	s.n++
-	return err
-}
-
-func (s *sharedSpoiling) AllGatherBytes(ctx context.Context, send, recv []byte) error {
-	err := s.Comm.AllGatherBytes(ctx, send, recv)
-	if err == nil && s.call == s.n {
-		s.spoil(recv)
-	}
-	s.n++
-	return err
-}
-
-// Malformed bytes are refused in every collective, before anything is
-// applied, on every rank that receives them (before the server
-// accumulator changes, up to the all-to-all): offsets that do not ascend,
-// non-zero padding bits or bytes, a scale that is not finite or negative,
-// an int8 code of -128.
+// Malformed bytes are refused in every collective (commtest.Spoiling's
+// call 0 is the offsets' all-gather, 1 the all-to-all, 2 the averages'
+// all-gather), before anything is applied, on every rank that receives
+// them (before the server accumulator changes, up to the all-to-all):
+// offsets that do not ascend, non-zero padding bits or bytes, a scale
+// that is not finite or negative, an int8 code of -128.
 func TestSharedRefusesMalformed(t *testing.T) {
 	// 10 elements in 2 chunks of 7 and 3 on 3 ranks: rank 0 owns the
 	// first (2 offsets of 3 bits: 1 byte), rank 1 the short one (1
@@ -127,7 +102,7 @@ func TestSharedRefusesMalformed(t *testing.T) {
 	} {
 		t.Run(k.name, func(t *testing.T) {
 			errs, applied, kept := spoiledExchange(t, w, m, func(rank int) *sparseCodec { return testShared(m, w, rank, 2) }, (*sparseCodec).allReduceShared,
-				func(c comm.Comm) comm.Comm { return &sharedSpoiling{Comm: c, call: k.call, spoil: k.spoil} })
+				func(c comm.Comm) comm.Comm { return &commtest.Spoiling{Comm: c, Call: k.call, Spoil: k.spoil} })
 			for _, r := range k.detect {
 				require.Error(t, errs[r], "rank %d", r)
 				assert.False(t, applied[r], "rank %d applied an average", r)
@@ -157,7 +132,7 @@ func TestVotedRefusesMalformed(t *testing.T) {
 		t.Run(k.name, func(t *testing.T) {
 			mk := func(rank int) *sparseCodec { return testOwners(m, w, rank, 1, SparseVoted) }
 			errs, applied, kept := spoiledExchange(t, w, m, mk, (*sparseCodec).allReduceShared, func(c comm.Comm) comm.Comm {
-				return &sharedSpoiling{Comm: c, call: 0, spoil: func(recv []byte) {
+				return &commtest.Spoiling{Comm: c, Call: 0, Spoil: func(recv []byte) {
 					if c.Rank() == 0 { // the owner of the 7-element chunk
 						k.spoil(recv)
 					}

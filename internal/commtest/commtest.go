@@ -1,7 +1,8 @@
-// Package commtest holds a communicator wrapper for the tests and
+// Package commtest holds communicator wrappers for the tests and
 // benchmarks of the examples and integrations: Counting counts the
 // collectives it forwards and, with a delay, sleeps before each one, as a
-// round trip on a slow link would cost.
+// round trip on a slow link would cost; Spoiling damages what one rank
+// receives in one byte collective.
 package commtest
 
 import (
@@ -113,3 +114,34 @@ type Transparent struct{ *Counting }
 
 // Unwrap implements comm.Wrapper.
 func (t Transparent) Unwrap() comm.Comm { return t.Comm }
+
+// Spoiling forwards every collective to Comm and spoils what this rank
+// receives in its Call-th byte collective (AllToAllBytes and
+// AllGatherBytes counted together, from 0 at the wrapper's first): after
+// that call succeeded, Spoil changes recv in place, as bytes damaged on
+// the way would arrive. A Spoiling is one rank's and not safe for
+// concurrent use.
+type Spoiling struct {
+	comm.Comm
+	Call  int
+	Spoil func(recv []byte)
+	n     int
+}
+
+// AllToAllBytes forwards the call and spoils recv if it is the Call-th.
+func (s *Spoiling) AllToAllBytes(ctx context.Context, send, recv []byte) error {
+	return s.spoiled(s.Comm.AllToAllBytes(ctx, send, recv), recv)
+}
+
+// AllGatherBytes forwards the call and spoils recv if it is the Call-th.
+func (s *Spoiling) AllGatherBytes(ctx context.Context, send, recv []byte) error {
+	return s.spoiled(s.Comm.AllGatherBytes(ctx, send, recv), recv)
+}
+
+func (s *Spoiling) spoiled(err error, recv []byte) error {
+	if err == nil && s.Call == s.n {
+		s.Spoil(recv)
+	}
+	s.n++
+	return err
+}
